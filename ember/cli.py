@@ -1,0 +1,127 @@
+"""`ember generate` and `ember chat`: the engine from a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+
+from ember.config import EngineArgs
+from ember.engine.engine import LLMEngine, PromptType
+from ember.sampling.params import SamplingParams
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, default_max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=default_max_tokens)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+
+
+def _sampling_params(engine: LLMEngine, ns: argparse.Namespace) -> SamplingParams:
+    defaults = engine.default_sampling_params()
+    overrides = {k: getattr(ns, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                 if getattr(ns, k) is not None}
+    fields = {k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    # --seed seeds the engine and each request, so a command line reproduces its output.
+    return SamplingParams(**{**fields, **overrides}, max_tokens=ns.max_tokens, seed=ns.seed)
+
+
+def stream(engine: LLMEngine, prompt: PromptType, params: SamplingParams) -> Iterator[str]:
+    """Text deltas of one request as the engine produces them."""
+    rid = engine.add_request(None, prompt, params)
+    try:
+        while True:
+            for out in engine.step():
+                if out.request_id == rid:
+                    yield out.outputs[0].delta_text
+                    if out.finished:
+                        return
+    finally:
+        engine.abort_request(rid)
+
+
+def _print_stream(chunks: Iterator[str]) -> str:
+    text = []
+    for chunk in chunks:
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+        text.append(chunk)
+    sys.stdout.write("\n")
+    return "".join(text)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    engine = LLMEngine(EngineArgs.from_cli_args(ns))
+    _print_stream(stream(engine, ns.prompt, _sampling_params(engine, ns)))
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    engine = LLMEngine(EngineArgs.from_cli_args(ns))
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise SystemExit("error: chat needs a tokenizer")
+    params = _sampling_params(engine, ns)
+    history: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
+
+    def answer(user_text: str) -> None:
+        history.append({"role": "user", "content": user_text})
+        text = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        reply = _print_stream(stream(engine, prompt, params))
+        history.append({"role": "assistant", "content": reply})
+
+    if ns.message is not None:
+        answer(ns.message)
+        return 0
+    print("Ember chat. Type 'exit' or press Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("exit", "quit"):
+            return 0
+        if line.strip():
+            try:
+                answer(line)
+            except ValueError as e:  # e.g. the conversation outgrew the context window
+                history.pop()
+                print(f"error: {e}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Ember LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    EngineArgs.add_cli_args(gen)
+    _add_sampling_args(gen, 256)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    chat.add_argument("--message", default=None, help="answer this one message and exit")
+    chat.add_argument("--system", default=None, help="system prompt")
+    EngineArgs.add_cli_args(chat)
+    _add_sampling_args(chat, 512)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ValueError as e:  # bad flags, bad model files: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

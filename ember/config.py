@@ -1,0 +1,206 @@
+"""Engine configuration: the user-facing `EngineArgs` and the resolved configs the engine runs on.
+
+`EngineArgs` holds exactly what a user can set (flag names follow vLLM's so users can switch
+without rereading docs); `EngineArgs.create_config()` resolves defaults that depend on the model
+and the machine into the frozen configs below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters, in Hugging Face `config.json` terms."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else ""
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        head_dim = cfg.get("head_dim") or hidden // heads
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        # transformers >= 5 moved rope settings under `rope_parameters`.
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict):
+            rope_theta = rope_theta or params.get("rope_theta")
+            if rope_scaling is None and params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can configure; names match vLLM's `EngineArgs` / CLI flags."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: float | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    chat_template: str | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _check_int("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_num_batched_tokens is not None:
+            _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device is 'cuda' but no CUDA GPU is available to PyTorch")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+        """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        if checkpoint_dtype in ("float16", "bfloat16"):
+            return _DTYPES[checkpoint_dtype]
+        return torch.bfloat16
+
+    def cache_config(self) -> CacheConfig:
+        kv_bytes = None if self.kv_cache_memory is None else int(self.kv_cache_memory * (1 << 30))
+        return CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_bytes,
+        )
+
+    def scheduler_config(self, model_config: ModelConfig, device: torch.device) -> SchedulerConfig:
+        max_len = self.max_model_len or model_config.max_position_embeddings
+        budget = self.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_len)
+
+    # ---- command line -------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", dest="model_flag", default=None,
+                       help=f"HF model directory, .gguf file, or '{DEFAULT_MODEL}' (default)")
+        g.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the model's)")
+        g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                       help="'dummy' makes random weights from config.json alone")
+        g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+        g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--block-size", type=int, default=16)
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument("--chat-template", default=None, help="a Jinja2 chat template file or string")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        kwargs = {k: v for k, v in vars(ns).items() if k in names}
+        model = getattr(ns, "model_flag", None) or getattr(ns, "model", None)
+        return cls(model=model, **kwargs)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,140 @@
+"""The paged KV cache's block pool: allocation, reference counts and prefix caching.
+
+Every full block gets a hash chained with its parent's, so a hash identifies the whole prefix up
+to and including that block. Blocks whose requests have finished keep their hash and sit in the
+free queue as LRU candidates: a later request with the same prefix takes them back instead of
+recomputing, until an allocation evicts them. Token ids are compared on every hit, so a hash
+collision can never serve the wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ember.engine.request import Request
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Front = next to hand out. Uncached blocks go to the front, cached ones to the back (LRU).
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}
+        self.num_hashed_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(request.all_token_ids[start:start + self.block_size])
+
+    def _ensure_hashes(self, request: Request, num_full_blocks: int) -> None:
+        hashes = request.block_hashes
+        while len(hashes) < num_full_blocks:
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, self._block_tokens(request, len(hashes))))
+
+    def match_prefix(self, request: Request) -> list[int]:
+        """Cached blocks holding a prefix of the request's tokens; at least one token is left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._ensure_hashes(request, max_blocks)
+        hits = []
+        for i in range(max_blocks):
+            block_id = self.cached_blocks.get(request.block_hashes[i])
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(request, i):
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, request: Request, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
+        """Give the request enough blocks for `num_new_tokens` more tokens, or change nothing and return False.
+
+        `prefix_blocks` (from `match_prefix`, maybe empty) is passed exactly when a request that holds
+        no blocks is scheduled, which is also when a prefix-cache query is counted.
+        """
+        is_query = prefix_blocks is not None
+        prefix_blocks = prefix_blocks or []
+        num_computed = request.num_computed_tokens + len(prefix_blocks) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = needed - len(request.block_ids) - len(prefix_blocks)
+        num_revived = sum(1 for b in prefix_blocks if self.blocks[b].ref_cnt == 0)
+        if num_new_blocks + num_revived > self.num_free_blocks:
+            return False
+        for block_id in prefix_blocks:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_queue[block_id]
+            block.ref_cnt += 1
+        request.block_ids.extend(prefix_blocks)
+        for _ in range(num_new_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = block.token_ids = None
+            block.ref_cnt = 1
+            request.block_ids.append(block_id)
+        if is_query and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(prefix_blocks) * self.block_size
+        if is_query and self.enable_prefix_caching:
+            self.num_hashed_blocks[request.request_id] = len(prefix_blocks)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register blocks that the last step filled, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        start = self.num_hashed_blocks.get(request.request_id, 0)
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= start:
+            return
+        self._ensure_hashes(request, num_full)
+        for i in range(start, num_full):
+            block = self.blocks[request.block_ids[i]]
+            h = request.block_hashes[i]
+            if block.block_hash is None and h not in self.cached_blocks:
+                block.block_hash = h
+                block.token_ids = self._block_tokens(request, i)
+                self.cached_blocks[h] = block.block_id
+        self.num_hashed_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; tail blocks first so a shared prefix outlives its suffixes."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+        request.block_ids = []
+        self.num_hashed_blocks.pop(request.request_id, None)

@@ -1,0 +1,223 @@
+"""`LLMEngine`: add requests, step, abort. The one engine behind both the offline and async front ends.
+
+One `step()` is: schedule -> model runner (forward + sample) -> append tokens, detokenize, check
+stops -> free finished requests' blocks -> `RequestOutput`s for every request that changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Union
+
+import torch
+
+from ember.chat_template import load_chat_template
+from ember.config import EngineArgs
+from ember.engine.block_manager import BlockManager
+from ember.engine.output import (CompletionOutput, IncrementalDetokenizer, RequestOutput, check_stop_token,
+                                 make_logprobs)
+from ember.engine.request import Request, RequestStatus
+from ember.engine.scheduler import Scheduler
+from ember.model.loader import load_model_files
+from ember.runner.model_runner import ModelRunner
+from ember.sampling.params import SamplingParams
+
+logger = logging.getLogger("ember")
+
+PromptType = Union[str, list[int], dict[str, Any]]
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """A Request with its detokenizer; `n > 1` gives several per parent."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+
+
+@dataclass(eq=False)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.status.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        start = time.monotonic()
+        files = load_model_files(args)
+        self.args = args
+        self.tokenizer = files.tokenizer
+        if args.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = load_chat_template(args.chat_template)
+        self.model_config = files.model_config
+        self.generation_config = files.generation_config
+        device = args.torch_device
+        self.cache_config = args.cache_config()
+        self.scheduler_config = args.scheduler_config(files.model_config, device)
+        self.runner = ModelRunner(files, args, self.cache_config, self.scheduler_config)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, self.cache_config.block_size,
+                                          self.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.eos_token_ids = files.tokenizer.eos_token_ids if files.tokenizer else []
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.kv_capacity_tokens = num_blocks * self.cache_config.block_size
+        self._parents: dict[str, _Parent] = {}
+        self._ids = itertools.count()
+        logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.2f GiB), max concurrency %.1fx at %d tokens; "
+                    "loaded in %.1fs", files.source, device, str(self.runner.dtype).replace("torch.", ""),
+                    num_blocks, self.cache_config.block_size, num_blocks * self.runner.bytes_per_block / 2**30,
+                    self.kv_capacity_tokens / self.max_model_len, self.max_model_len, time.monotonic() - start)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults, as vLLM does."""
+        return SamplingParams(**{k: self.generation_config[k] for k in _GENERATION_DEFAULTS
+                                 if self.generation_config.get(k) is not None})
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                             "'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model was loaded without a tokenizer; pass prompt_token_ids")
+            return prompt, self._check_token_ids(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {t!r}")
+        return list(ids)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request; raises ValueError (and queues nothing) when it can never run."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or self.default_sampling_params()
+        text, ids = self.tokenize_prompt(prompt)
+        n_prompt = len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len or max_tokens < 1:
+            raise ValueError(f"max_tokens: this model's maximum context length is {self.max_model_len} tokens, "
+                             f"but {n_prompt + max(max_tokens, 1)} were requested ({n_prompt} in the prompt, "
+                             f"{max(max_tokens, 1)} to generate)")
+        if n_prompt + max_tokens > self.kv_capacity_tokens:
+            raise ValueError(f"max_tokens: the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                             f"KV cache capacity of {self.kv_capacity_tokens} tokens; raise --kv-cache-memory or "
+                             f"--gpu-memory-utilization")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            child = params if params.n == 1 else replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            generator = None
+            if child.seed is not None:
+                generator = torch.Generator(device=self.runner.device).manual_seed(child.seed)
+            req = Request(request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                          prompt_token_ids=ids, sampling_params=child, max_tokens=max_tokens,
+                          eos_token_ids=self.eos_token_ids, generator=generator, parent_id=request_id,
+                          index=i, arrival_time=arrival)
+            seqs.append(_Sequence(req, IncrementalDetokenizer(self.tokenizer, ids, child)))
+        self._parents[request_id] = _Parent(request_id, text, ids, seqs)
+        for s in seqs:
+            self.scheduler.add(s.request)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests now and free their KV blocks; returns their final outputs."""
+        outputs = []
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for s in parent.seqs:
+                self.scheduler.finish(s.request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._make_output(parent))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.execute(batch, self.eos_token_ids)
+        self.scheduler.after_step(batch)
+        now = time.monotonic()
+        changed: dict[str, _Parent] = {}
+        for req, token, logprobs in zip(result.requests, result.token_ids, result.logprobs):
+            parent = self._parents[req.parent_id]
+            seq = parent.seqs[req.index]
+            req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if logprobs is not None:
+                pairs, rank = logprobs
+                req.logprobs.append(make_logprobs(self.tokenizer, pairs, rank))
+                req.cumulative_logprob += pairs[0][1]
+            status = check_stop_token(req, token, self.max_model_len)
+            if status is not RequestStatus.FINISHED_STOPPED:
+                stop = seq.detok.update(token)
+                if stop is not None:
+                    req.stop_reason, status = stop, RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                seq.detok.flush()
+                self.scheduler.finish(req, status)
+            changed[parent.request_id] = parent
+        outputs = []
+        for parent in changed.values():
+            outputs.append(self._make_output(parent))
+            if parent.finished:
+                del self._parents[parent.request_id]
+        return outputs
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for s in parent.seqs:
+            req = s.request
+            finished = req.status.finished
+            delta_text = s.detok.take_delta(finished)
+            outs.append(CompletionOutput(
+                index=req.index,
+                text=s.detok.text if finished else s.detok.text[: s.detok.emitted],
+                token_ids=list(req.output_token_ids),
+                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                logprobs=req.logprobs,
+                finish_reason=req.status.value if finished else None,
+                stop_reason=req.stop_reason,
+                delta_text=delta_text,
+            ))
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=parent.finished,
+                             num_cached_tokens=max(parent.seqs[0].request.num_cached_tokens, 0))

@@ -1,0 +1,93 @@
+"""The offline API, vLLM-compatible: `LLM(model).generate(prompts, sampling_params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ember.config import EngineArgs
+from ember.engine.engine import LLMEngine, PromptType
+from ember.engine.output import RequestOutput
+from ember.sampling.params import SamplingParams
+from ember.tokenizer import Tokenizer
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Batch generation in the calling thread; engine arguments as keyword arguments (see `EngineArgs`)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer, and this model was loaded without one")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(None, prompt, p))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        n_in = n_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        n_in += len(out.prompt_token_ids)
+                        n_out += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"input: {n_in / elapsed:.1f} tok/s, output: {n_out / elapsed:.1f} tok/s")
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]

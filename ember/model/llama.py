@@ -1,0 +1,150 @@
+"""The decoder shared by Llama (2, 3, Mistral, SmolLM), Qwen2 (QKV bias) and Qwen3 (QK norm).
+
+Parameters keep Hugging Face's names except that q/k/v and gate/up are fused into one matmul
+each; `load_weights` slices checkpoint tensors into the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.model.attention import AttentionMetadata, paged_attention, store_kv
+from ember.model.errors import ModelLoadError
+from ember.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+
+# checkpoint name suffix -> (fused parameter suffix, shard index)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        if fused.endswith("qkv_proj"):
+            attn = self.model.layers[0].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        size = self.config.intermediate_size
+        return [size, size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copy checkpoint tensors into parameters; every parameter must be filled exactly once."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            target, offset, size = name, 0, None
+            for ckpt, (fused, shard) in _FUSED.items():
+                if f".{ckpt}." in name:
+                    target = name.replace(ckpt, fused)
+                    sizes = self._shard_sizes(fused)
+                    offset, size = sum(sizes[:shard]), sizes[shard]
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(source, f"unexpected tensor {name!r} for {self.config.architecture}")
+            dest = param.data if size is None else param.data.narrow(0, offset, size)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                             f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + 1
+        for name in params:
+            fused = name.rsplit(".", 1)[0].endswith(("qkv_proj", "gate_up_proj"))
+            expected = len(self._shard_sizes(name.rsplit(".", 1)[0])) if fused else 1
+            if filled.get(name, 0) != expected:
+                raise ModelLoadError(source, f"checkpoint is missing weights for {name!r}")
+
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights for benchmarking an architecture without its checkpoint."""
+        gen = None
+        for name, param in self.named_parameters():
+            if gen is None:
+                gen = torch.Generator(device=param.device).manual_seed(seed)
+            if name.endswith("norm.weight"):
+                param.data.fill_(1.0)
+            else:
+                param.data.normal_(0.0, 0.02, generator=gen)

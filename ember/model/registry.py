@@ -1,0 +1,21 @@
+"""Architecture names (config.json `architectures`) that Ember can run, and the class for each."""
+
+from __future__ import annotations
+
+from ember.config import ModelConfig
+from ember.model.errors import ModelLoadError
+from ember.model.llama import CausalLM
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def model_class(cfg: ModelConfig, source: str) -> type[CausalLM]:
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(source, f"unknown architecture {cfg.architecture!r}; "
+                                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return CausalLM

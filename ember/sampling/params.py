@@ -1,0 +1,176 @@
+"""Per-request sampling parameters, named and defaulted as in vLLM so clients can switch freely."""
+
+import copy
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+
+# Below this a temperature is treated as zero: dividing logits by it would overflow.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Larger top-logprob counts cost a full-vocab top-k per step for little practical use.
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _int(name: str, value: object) -> int:
+    # bool is an int subclass, but True as a count is almost always a caller bug.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request and when to stop.
+
+    Values are validated and normalised on construction (ints/floats coerced,
+    stop strings and ids turned into lists, top_k=-1 turned into 0), so the
+    engine and sampler can trust every field without re-checking.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+
+        self.top_p = _float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+
+        self.min_p = _float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only strings, got {s!r}")
+            if not s:
+                raise ValueError("stop must not contain empty strings")
+        return list(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        out = [_int("stop_token_ids", i) for i in ids]
+        for i in out:
+            if i < 0:
+                raise ValueError(f"stop_token_ids must be non-negative, got {i}")
+        return out
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        # A seed is irrelevant to greedy decoding, so greedy wins over RANDOM_SEED.
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    def clone(self) -> "SamplingParams":
+        """Deep copy, so the engine can fill in defaults (e.g. max_tokens) without
+        mutating an object the caller may reuse across requests."""
+        return copy.deepcopy(self)

@@ -1,0 +1,304 @@
+"""Batched token sampling: penalties, temperature, min-p/top-k/top-p, greedy and seeded draws.
+
+Everything runs on the logits' device as whole-batch tensor ops; the only Python
+loop is over seeded rows, because each one owns its generator.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ember.sampling.params import SamplingParams
+
+
+@dataclass
+class Penalties:
+    """What the penalty step needs; absent from a batch in which every row uses the defaults."""
+
+    presence: torch.Tensor  # [N] float32
+    frequency: torch.Tensor  # [N] float32
+    repetition: torch.Tensor  # [N] float32
+    output_token_ids: torch.Tensor  # [N, max_output_len] int64, padded with vocab_size
+    # [N, max_prompt_len] int64, padded with vocab_size; None when no row has a
+    # repetition penalty, since only that penalty looks at the prompt.
+    prompt_token_ids: torch.Tensor | None
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row tensors for one step, built once per step by the model runner.
+
+    Optional tensors are None when no row needs that stage, so the sampler can
+    skip it (notably the full-vocab sort behind top-k/top-p).
+    """
+
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor  # [N] bool
+    # [N] float32; greedy rows hold 1.0. None when every random row uses 1.0.
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None  # [N] int64; disabled rows hold vocab_size
+    top_p: torch.Tensor | None  # [N] float32; disabled rows hold 1.0
+    min_p: torch.Tensor | None  # [N] float32; disabled rows hold 0.0
+    generators: dict[int, torch.Generator]  # random rows that draw with their own generator
+    penalties: Penalties | None
+    # (row indices, token ids) to set to -inf because the row has not reached min_tokens.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    max_num_logprobs: int | None  # None when no row asked for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: list[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> "SamplingBatch":
+        """Lists are indexed by batch row.
+
+        A random row is seeded iff its generator is given; the runner creates it
+        from params.seed on the logits' device and keeps it across steps so a
+        request's draws continue one stream. Generators of greedy rows are ignored.
+        """
+        num_rows = len(params)
+        for name, values in (
+            ("prompt_token_ids", prompt_token_ids),
+            ("output_token_ids", output_token_ids),
+            ("generators", generators),
+        ):
+            if len(values) != num_rows:
+                raise ValueError(f"{name} has {len(values)} rows, expected {num_rows}")
+
+        greedy = [p.is_greedy for p in params]
+        random_params = [p for p, g in zip(params, greedy) if not g]
+
+        def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        temperature = None
+        if any(p.temperature != 1.0 for p in random_params):
+            temperature = per_row(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32
+            )
+
+        top_k = None
+        if any(0 < p.top_k < vocab_size for p in random_params):
+            top_k = per_row(
+                [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size)
+                 for p, g in zip(params, greedy)],
+                torch.int64,
+            )
+
+        top_p = None
+        if any(p.top_p < 1.0 for p in random_params):
+            top_p = per_row([1.0 if g else p.top_p for p, g in zip(params, greedy)], torch.float32)
+
+        min_p = None
+        if any(p.min_p > 0.0 for p in random_params):
+            min_p = per_row([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
+
+        penalties = None
+        if any(
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+            for p in params
+        ):
+            needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
+            penalties = Penalties(
+                presence=per_row([p.presence_penalty for p in params], torch.float32),
+                frequency=per_row([p.frequency_penalty for p in params], torch.float32),
+                repetition=per_row([p.repetition_penalty for p in params], torch.float32),
+                output_token_ids=_pad_token_ids(output_token_ids, vocab_size, device),
+                prompt_token_ids=(
+                    _pad_token_ids(prompt_token_ids, vocab_size, device) if needs_prompt else None
+                ),
+            )
+
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for row, (p, out) in enumerate(zip(params, output_token_ids)):
+            if len(out) >= p.min_tokens:
+                continue
+            # As in vLLM, ignore_eos lets EOS be generated freely, so it is only
+            # held back for requests that would otherwise stop on it.
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            banned_in_vocab = sorted(t for t in banned if t < vocab_size)
+            mask_rows.extend([row] * len(banned_in_vocab))
+            mask_ids.extend(banned_in_vocab)
+        min_tokens_mask = None
+        if mask_rows:
+            min_tokens_mask = (per_row(mask_rows, torch.int64), per_row(mask_ids, torch.int64))
+
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+
+        return cls(
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            greedy_mask=per_row(greedy, torch.bool),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators={
+                row: gen
+                for row, (gen, g) in enumerate(zip(generators, greedy))
+                if gen is not None and not g
+            },
+            penalties=penalties,
+            min_tokens_mask=min_tokens_mask,
+            max_num_logprobs=max(requested) if requested else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    # [N, 1 + max_num_logprobs] int64: sampled token first, then the top-k ids by logprob.
+    logprob_token_ids: torch.Tensor | None
+    logprobs: torch.Tensor | None  # [N, 1 + max_num_logprobs] float32, matching logprob_token_ids
+    sampled_ranks: torch.Tensor | None = None  # [N] int64: 1 + number of tokens more likely than the sampled one
+    # Both None when no row asked for logprobs. Rows asking fewer than the max use the first 1+k columns.
+
+
+def _pad_token_ids(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Pad with vocab_size, an id one past the vocabulary, so padding lands in a
+    scratch column of the count tensor instead of needing a mask."""
+    width = max((len(r) for r in rows), default=0)
+    padded = np.full((len(rows), width), vocab_size, dtype=np.int64)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    return torch.from_numpy(padded).to(device)
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, L] padded ids -> [N, V] occurrence counts."""
+    counts = torch.zeros(
+        token_ids.shape[0], vocab_size + 1, dtype=torch.int32, device=token_ids.device
+    )
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.min_tokens_mask is not None:
+        rows, ids = batch.min_tokens_mask
+        logits[rows, ids] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty (prompt or output tokens), then frequency and presence (output only)."""
+    pen = batch.penalties
+    if pen is None:
+        return logits
+    vocab_size = logits.shape[1]
+    output_counts = _token_counts(pen.output_token_ids, vocab_size)
+    output_seen = output_counts > 0
+
+    if pen.prompt_token_ids is not None:
+        seen = output_seen | (_token_counts(pen.prompt_token_ids, vocab_size) > 0)
+        rep = pen.repetition.unsqueeze(1)
+        # Dividing positive and multiplying negative logits both make the token less likely.
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+
+    logits = logits - pen.frequency.unsqueeze(1) * output_counts
+    return logits - pen.presence.unsqueeze(1) * output_seen
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """One ascending sort serves both filters.
+
+    Tokens tied with the k-th largest logit are all kept, as in vLLM.
+    """
+    sorted_logits, order = logits.sort(dim=-1)
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        kth_index = (vocab_size - top_k).clamp(min=0).unsqueeze(1)
+        kth_value = sorted_logits.gather(1, kth_index)
+        sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
+    if top_p is not None:
+        # A token is dropped when everything at or below it sums to at most 1 - top_p,
+        # i.e. the tokens above it already reach top_p.
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(p / q) with q ~ Exp(1) picks token i with probability p_i, with no
+    cumulative sum or search, and lets each seeded row draw its own noise."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, gen in generators.items():
+        noise[row].exponential_(generator=gen)
+    # Exp(1) may round to 0; a tiny floor keeps 0/0 from turning into NaN.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.temperature is not None:
+        logits = logits / batch.temperature.unsqueeze(1)
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return exponential_race(probs, batch.generators)
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = sampled.unsqueeze(1)
+    values = raw_logprobs.gather(1, ids)
+    ranks = (raw_logprobs > values).sum(dim=-1) + 1
+    if num_top > 0:
+        top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)
+        ids = torch.cat([ids, top_ids], dim=1)
+        values = torch.cat([values, top_values], dim=1)
+    return ids, values, ranks
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [N, V] float32; may be modified in place."""
+        # vLLM reports logprobs of the model's own distribution, before any sampling transform.
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            if batch.max_num_logprobs is not None
+            else None
+        )
+        logits = apply_min_tokens(logits, batch)
+        logits = apply_penalties(logits, batch)
+
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        elif batch.all_random:
+            sampled = _sample_random(logits, batch)
+        else:
+            # Random sampling runs on every row and greedy rows are swapped in after,
+            # which costs less than splitting the batch.
+            sampled = torch.where(
+                batch.greedy_mask, logits.argmax(dim=-1), _sample_random(logits, batch)
+            )
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None)
+        ids, values, ranks = _gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
+        return SamplerOutput(sampled, ids, values, ranks)

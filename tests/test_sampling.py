@@ -1,0 +1,336 @@
+import math
+
+import pytest
+import torch
+
+from ember.sampling.params import SamplingParams, SamplingType
+from ember.sampling.sampler import Sampler, SamplingBatch, apply_min_tokens, apply_penalties
+
+CPU = torch.device("cpu")
+EOS = 2
+
+
+def make_batch(
+    params: list[SamplingParams],
+    vocab_size: int,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+    generators: list[torch.Generator | None] | None = None,
+) -> SamplingBatch:
+    n = len(params)
+    if generators is None:
+        generators = [_gen(p.seed) if p.seed is not None else None for p in params]
+    return SamplingBatch.build(
+        params,
+        prompts if prompts is not None else [[] for _ in range(n)],
+        outputs if outputs is not None else [[] for _ in range(n)],
+        generators,
+        [EOS],
+        vocab_size,
+        CPU,
+    )
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator(device=CPU)
+    g.manual_seed(seed)
+    return g
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], **kwargs) -> torch.Tensor:
+    batch = make_batch(params, logits.shape[1], **kwargs)
+    return Sampler()(logits.clone(), batch).sampled_token_ids
+
+
+def random_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=_gen(seed)) * 2
+
+
+# --- SamplingParams -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, kwargs",
+    [
+        ("n", {"n": 0}),
+        ("n", {"n": True}),
+        ("n", {"n": 1.5}),
+        ("temperature", {"temperature": -1}),
+        ("temperature", {"temperature": math.inf}),
+        ("temperature", {"temperature": math.nan}),
+        ("temperature", {"temperature": "1"}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.01}),
+        ("top_k", {"top_k": -2}),
+        ("top_k", {"top_k": 2.0}),
+        ("min_p", {"min_p": -0.1}),
+        ("min_p", {"min_p": 1.5}),
+        ("presence_penalty", {"presence_penalty": 2.5}),
+        ("frequency_penalty", {"frequency_penalty": -2.1}),
+        ("repetition_penalty", {"repetition_penalty": 0.0}),
+        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": "16"}),
+        ("min_tokens", {"min_tokens": -1}),
+        ("min_tokens", {"min_tokens": 17, "max_tokens": 16}),
+        ("seed", {"seed": 1.0}),
+        ("seed", {"seed": False}),
+        ("stop", {"stop": [""]}),
+        ("stop", {"stop": ["ok", 3]}),
+        ("stop", {"stop": 3}),
+        ("stop_token_ids", {"stop_token_ids": [-1]}),
+        ("stop_token_ids", {"stop_token_ids": [True]}),
+        ("stop_token_ids", {"stop_token_ids": 5}),
+        ("logprobs", {"logprobs": 21}),
+        ("logprobs", {"logprobs": -1}),
+        ("ignore_eos", {"ignore_eos": 1}),
+        ("skip_special_tokens", {"skip_special_tokens": None}),
+    ],
+)
+def test_invalid_params_name_the_field(field: str, kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_params_normalisation() -> None:
+    p = SamplingParams(stop="###", top_k=-1, temperature=0, max_tokens=None, min_tokens=5)
+    assert p.stop == ["###"]
+    assert p.top_k == 0
+    assert isinstance(p.temperature, float)
+    assert SamplingParams().stop == [] and SamplingParams().stop_token_ids == []
+    assert SamplingParams(stop_token_ids=(7, 8)).stop_token_ids == [7, 8]
+
+
+def test_sampling_type_and_clone() -> None:
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(temperature=0.0, seed=1).sampling_type is SamplingType.GREEDY
+    assert SamplingParams(seed=1).sampling_type is SamplingType.RANDOM_SEED
+    assert SamplingParams().sampling_type is SamplingType.RANDOM
+    p = SamplingParams(stop=["a"], stop_token_ids=[1])
+    q = p.clone()
+    q.stop.append("b")
+    q.stop_token_ids.append(2)
+    assert p == SamplingParams(stop=["a"], stop_token_ids=[1])
+
+
+# --- greedy and seeding ---------------------------------------------------------
+
+
+def test_greedy_is_argmax() -> None:
+    logits = random_logits(8, 50)
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 8)
+    assert torch.equal(out, logits.argmax(dim=-1))
+
+
+def test_mixed_batch_keeps_greedy_rows_exact() -> None:
+    logits = random_logits(8, 50)
+    params = [
+        SamplingParams(temperature=0.0, top_k=3) if i % 2 == 0
+        else SamplingParams(temperature=1.5, top_k=10, top_p=0.9, min_p=0.01, seed=i)
+        for i in range(8)
+    ]
+    for _ in range(5):
+        out = sample(logits, params)
+        assert torch.equal(out[::2], logits[::2].argmax(dim=-1))
+
+
+def test_same_seed_same_tokens_across_calls() -> None:
+    logits = torch.zeros(16, 1000)  # flat: the token is decided by the noise alone
+    params = [SamplingParams(seed=100 + i) for i in range(16)]
+    first = sample(logits, params)
+    assert torch.equal(sample(logits, params), first)
+    assert len(set(first.tolist())) > 8  # seeds actually matter
+    # A generator kept across steps yields the same stream every time.
+    streams = []
+    for _ in range(2):
+        gens = [_gen(p.seed) for p in params]
+        streams.append(torch.stack([sample(logits, params, generators=gens) for _ in range(4)]))
+    assert torch.equal(streams[0], streams[1])
+    assert not torch.equal(streams[0][0], streams[0][1])
+
+
+def test_seeded_row_independent_of_batch_mates() -> None:
+    vocab = 200
+    target = random_logits(1, vocab, seed=1)[0] * 0.3
+    target_params = SamplingParams(seed=1234, temperature=0.9, top_p=0.95)
+    alone = sample(target.unsqueeze(0), [target_params])[0]
+
+    for size, position in [(2, 0), (5, 3), (9, 8)]:
+        for mates_seeded in (False, True):
+            with torch.random.fork_rng():
+                torch.manual_seed(size * 10 + position)
+                logits = random_logits(size, vocab, seed=size)
+                logits[position] = target
+                params = [
+                    SamplingParams(seed=i if mates_seeded else None, top_k=5 + i, temperature=0.5)
+                    if i % 3 else SamplingParams(temperature=0.0)
+                    for i in range(size)
+                ]
+                params[position] = target_params
+                assert sample(logits, params)[position] == alone
+
+
+# --- filtering and distributions ------------------------------------------------
+
+# Probabilities in descending order; shuffled into token ids so position != rank.
+PROBS = torch.tensor([0.30, 0.22, 0.16, 0.12, 0.08, 0.05, 0.04, 0.02, 0.007, 0.003], dtype=torch.float64)
+TOKEN_ORDER = torch.tensor([7, 2, 9, 0, 4, 1, 8, 3, 6, 5])
+DRAWS = 5000
+
+
+def _reference_logits() -> torch.Tensor:
+    logits = torch.empty(10, dtype=torch.float64)
+    logits[TOKEN_ORDER] = PROBS.log()
+    return logits
+
+
+def _empirical(params: SamplingParams) -> torch.Tensor:
+    logits = _reference_logits().float().expand(DRAWS, -1).clone()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        out = sample(logits, [params] * DRAWS)
+    return torch.bincount(out, minlength=10).double() / DRAWS
+
+
+def _expected(allowed: list[int], temperature: float) -> torch.Tensor:
+    logits = _reference_logits() / temperature
+    mask = torch.full((10,), -math.inf, dtype=torch.float64)
+    mask[allowed] = 0.0
+    return torch.softmax(logits + mask, dim=-1)
+
+
+@pytest.mark.parametrize(
+    "params, allowed_ranks",
+    [
+        (SamplingParams(temperature=1.0), list(range(10))),
+        (SamplingParams(temperature=0.7), list(range(10))),
+        (SamplingParams(top_k=3), [0, 1, 2]),
+        (SamplingParams(top_k=4, temperature=1.3), [0, 1, 2, 3]),
+        # cumulative 0.30, 0.52, 0.68 >= 0.6 -> three tokens
+        (SamplingParams(top_p=0.6), [0, 1, 2]),
+        # with T=2 probs flatten; computed below against the tempered distribution
+        (SamplingParams(top_p=0.5, temperature=2.0), None),
+        # threshold 0.3 * 0.30 = 0.09 keeps 0.30, 0.22, 0.16, 0.12
+        (SamplingParams(min_p=0.3), [0, 1, 2, 3]),
+        (SamplingParams(min_p=0.3, top_k=2), [0, 1]),
+    ],
+)
+def test_filtered_sampling_distribution(params: SamplingParams, allowed_ranks: list[int] | None) -> None:
+    if allowed_ranks is None:
+        tempered = torch.softmax(PROBS.log() / params.temperature, dim=0)
+        above = torch.cumsum(tempered, 0) - tempered
+        allowed_ranks = [r for r in range(10) if above[r] < params.top_p]
+        assert 1 < len(allowed_ranks) < 10
+    allowed = TOKEN_ORDER[allowed_ranks].tolist()
+    freq = _empirical(params)
+    disallowed = [t for t in range(10) if t not in allowed]
+    assert freq[disallowed].sum() == 0
+    expected = _expected(allowed, params.temperature)
+    assert (freq - expected).abs().max() < 0.03
+
+
+def test_filters_skipped_when_unused() -> None:
+    batch = make_batch([SamplingParams(), SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2)], 10)
+    assert batch.top_k is None and batch.top_p is None and batch.min_p is None
+    assert batch.temperature is None and batch.penalties is None and batch.max_num_logprobs is None
+
+
+# --- penalties and min_tokens ---------------------------------------------------
+
+
+def _reference_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> torch.Tensor:
+    ref = logits.double().clone()
+    for row, p in enumerate(params):
+        for token in set(prompts[row]) | set(outputs[row]):
+            x = ref[row, token]
+            ref[row, token] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for token in set(outputs[row]):
+            count = outputs[row].count(token)
+            ref[row, token] -= p.frequency_penalty * count + p.presence_penalty
+    return ref
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_penalties_match_reference(seed: int) -> None:
+    gen = _gen(seed)
+    rows, vocab = 5, 12
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(0, 8, (rows,), generator=gen)]
+    outputs = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(0, 10, (rows,), generator=gen)]
+    outputs[0] = []  # a row with no output yet
+    params = [
+        SamplingParams(
+            repetition_penalty=float(torch.empty(1).uniform_(0.5, 2.0, generator=gen)),
+            frequency_penalty=float(torch.empty(1).uniform_(-2, 2, generator=gen)),
+            presence_penalty=float(torch.empty(1).uniform_(-2, 2, generator=gen)),
+        )
+        for _ in range(rows)
+    ]
+    params[1] = SamplingParams()  # default row in a penalised batch is untouched
+    batch = make_batch(params, vocab, prompts=prompts, outputs=outputs)
+    got = apply_penalties(logits.clone(), batch)
+    expected = _reference_penalties(logits, params, prompts, outputs)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got[1], logits[1])
+
+
+def test_frequency_penalty_only_ignores_prompt() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, 0.0]])
+    params = [SamplingParams(temperature=0.0, frequency_penalty=0.5)]
+    assert sample(logits, params, prompts=[[0, 0, 0]], outputs=[[]]).item() == 0
+    assert sample(logits, params, prompts=[[]], outputs=[[0]]).item() == 1
+    assert make_batch(params, 4).penalties.prompt_token_ids is None
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    vocab = 8
+    logits = torch.zeros(3, vocab)
+    logits[:, EOS] = 5.0
+    logits[:, 6] = 4.0
+    logits[:, 3] = 3.0
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6]),
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6], ignore_eos=True),
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6]),
+    ]
+    outputs = [[1, 1], [1, 1], [1, 1, 1]]
+    masked = apply_min_tokens(logits.clone(), make_batch(params, vocab, outputs=outputs))
+    assert masked[0, EOS] == -math.inf and masked[0, 6] == -math.inf
+    assert masked[1, EOS] == 5.0 and masked[1, 6] == -math.inf
+    assert torch.equal(masked[2], logits[2])
+    assert sample(logits, params, outputs=outputs).tolist() == [3, EOS, EOS]
+
+
+# --- logprobs -------------------------------------------------------------------
+
+
+def test_logprobs_are_raw_and_sorted() -> None:
+    vocab = 30
+    logits = random_logits(5, vocab, seed=3)
+    params = [
+        SamplingParams(logprobs=None),
+        SamplingParams(logprobs=0, temperature=0.0, repetition_penalty=1.8),
+        SamplingParams(logprobs=3, temperature=0.5, seed=7),
+        SamplingParams(logprobs=5, top_k=2, frequency_penalty=1.0),
+        SamplingParams(logprobs=5, temperature=0.0),
+    ]
+    outputs = [[], [int(logits[1].argmax())], [], [0, 0, 1], []]
+    batch = make_batch(params, vocab, outputs=outputs)
+    out = Sampler()(logits.clone(), batch)
+    assert out.logprob_token_ids.shape == (5, 6) and out.logprobs.shape == (5, 6)
+    assert out.logprob_token_ids.dtype == torch.int64 and out.logprobs.dtype == torch.float32
+    assert torch.equal(out.logprob_token_ids[:, 0], out.sampled_token_ids)
+    # The repetition penalty moved row 1 off its raw argmax; logprobs still describe raw logits.
+    assert out.sampled_token_ids[1] != logits[1].argmax()
+    reference = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(out.logprobs, reference.gather(1, out.logprob_token_ids))
+    top = out.logprobs[:, 1:]
+    assert torch.all(top[:, :-1] >= top[:, 1:])
+    assert torch.equal(out.logprob_token_ids[:, 1], logits.argmax(dim=-1))
+
+
+def test_no_logprobs_requested() -> None:
+    out = Sampler()(random_logits(2, 10), make_batch([SamplingParams()] * 2, 10))
+    assert out.logprobs is None and out.logprob_token_ids is None
+    assert out.sampled_token_ids.shape == (2,) and out.sampled_token_ids.dtype == torch.int64
