@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# EMBER_TEST_DEVICE=cuda runs the reference-equality tests on a GPU (float32 on both sides).
+DEVICE = os.environ.get("EMBER_TEST_DEVICE", "cpu")
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -99,4 +103,4 @@ def _quiet_tokenizers(monkeypatch):
 def default_llm():
     from ember import LLM
 
-    return LLM(kv_cache_memory=0.25, max_model_len=2048)
+    return LLM(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32")

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from conftest import DEVICE
 from ember import LLM, SamplingParams
 
 NUM_PROMPTS = 32
@@ -27,12 +28,12 @@ def greedy() -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def alone(llama_dir, prompts, greedy) -> list[list[int]]:
-    llm = LLM(str(llama_dir), kv_cache_memory=0.05, max_num_seqs=1)
+    llm = LLM(str(llama_dir), kv_cache_memory=0.05, max_num_seqs=1, device=DEVICE, dtype="float32")
     return [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
 def _run(llama_dir, prompts, greedy, **engine_args) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(llama_dir), **engine_args)
+    llm = LLM(str(llama_dir), device=DEVICE, dtype="float32", **engine_args)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import ARCHS, default_gguf_path
+from conftest import ARCHS, DEVICE, default_gguf_path
 from ember import LLM, SamplingParams
 
 PROMPTS = [
@@ -23,11 +23,12 @@ TOP = 5
 
 def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
     model.generation_config.eos_token_id = None  # the equivalent of ignore_eos
-    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+    ids = torch.tensor([prompt_ids], device=DEVICE)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),
                          max_new_tokens=num_tokens, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).cpu()
     return tokens, logprobs
 
 
@@ -54,8 +55,8 @@ def test_tiny_checkpoints_match_transformers(checkpoints, arch):
     from transformers import AutoModelForCausalLM
 
     path = str(checkpoints[arch])
-    llm = LLM(path, kv_cache_memory=0.05, max_num_batched_tokens=64)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, kv_cache_memory=0.05, max_num_batched_tokens=64, device=DEVICE, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE)
     assert_matches_hf(llm, hf, PROMPTS)
 
 
@@ -63,9 +64,9 @@ def test_default_gguf_matches_transformers():
     from transformers import AutoModelForCausalLM
 
     path = default_gguf_path()
-    llm = LLM(kv_cache_memory=0.25)
+    llm = LLM(kv_cache_memory=0.25, device=DEVICE, dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32)
+                                              dtype=torch.float32).to(DEVICE)
     tok = llm.get_tokenizer()
     chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in
              ("What is the capital of France?", "Write a haiku about the sea.", "用中文介绍一下你自己。")]

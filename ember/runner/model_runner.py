@@ -78,16 +78,19 @@ class ModelRunner:
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def determine_num_blocks(self) -> int:
-        """On GPU: what `gpu_memory_utilization` leaves after a forward at the largest batch. On CPU: a fixed size."""
+        """`--kv-cache-memory` when given; else on GPU what `--gpu-memory-utilization` leaves after a forward
+        at the largest batch, and on CPU a fixed 4 GiB."""
         cap = self.scheduler_config.max_num_seqs * -(-self.scheduler_config.max_model_len // self.block_size)
-        if self.device.type == "cuda":
+        if self.cache_config.kv_cache_memory_bytes is not None:
+            budget = self.cache_config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             peak = self._profile_peak_memory()
             budget = total * self.cache_config.gpu_memory_utilization - (total - free) - peak
             logger.info("GPU memory: total %.1f GiB, in use %.2f GiB, activation peak %.2f GiB",
                         total / 2**30, (total - free) / 2**30, peak / 2**30)
         else:
-            budget = self.cache_config.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
+            budget = _DEFAULT_CPU_KV_BYTES
         num_blocks = min(int(budget // self.bytes_per_block), cap)
         if num_blocks < 1:
             raise ValueError("not enough memory for a single KV cache block: raise --gpu-memory-utilization "
