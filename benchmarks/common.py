@@ -68,7 +68,7 @@ def load_average() -> list[float] | None:
 
 def machine_info() -> dict[str, Any]:
     """Take it before the benchmark runs, so that `loadavg` shows what else was running."""
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "hostname": socket.gethostname(),
         "cpu": _cpu_model(),

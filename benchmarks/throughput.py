@@ -29,7 +29,7 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
 from ember import LLM, SamplingParams  # noqa: E402
-from ember.config import DEFAULT_MODEL  # noqa: E402
+from ember.config import DEFAULT_MODEL, LOAD_FORMATS  # noqa: E402
 from ember.model.loader import resolve_model  # noqa: E402
 
 TEMPERATURE = 0.6
@@ -60,6 +60,9 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     prompts = [[rng.randint(0, 10000) % vocab_size for _ in range(rng.randint(args.min_input, args.max_input))]
                for _ in range(args.num_seqs)]
     max_tokens = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_seqs)]
+    design_ranges = (args.min_input, args.max_input, args.min_output, args.max_output) == (100, 1024, 100, 1024)
+    if design_ranges and args.num_seqs == 256:
+        assert sum(max_tokens) == DESIGN_OUTPUT_TOKENS, f"{sum(max_tokens)} output tokens, not nano-vllm's workload"
     return Workload(prompts, max_tokens)
 
 
@@ -82,7 +85,7 @@ class Timer:
 
 
 def result(workload: Workload, generated: int, timer: Timer, **extra: Any) -> dict[str, Any]:
-    """Throughput counts the workload's tokens: padding rows a static batch generates past a request's length are waste."""
+    """Throughput counts the workload's tokens: what a static batch generates past a request's length is waste."""
     return {
         "requests": len(workload.prompts),
         "prompt_tokens": workload.prompt_tokens,
@@ -123,6 +126,8 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
                      SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=WARMUP_TOKENS),
                      use_tqdm=False)
 
+    print(f"{len(workload.prompts)} requests: {workload.prompt_tokens} prompt tokens, "
+          f"{workload.output_tokens} output tokens")
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
     with Timer() as timer:
@@ -132,7 +137,8 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
         print(f"WARNING: Ember generated {generated} tokens, the workload asks for {workload.output_tokens}")
     del llm, outputs
     gc.collect()  # the HF peer shares this process's memory
-    return result(workload, generated, timer, load_s=round(load.wall, 2), warmup_s=round(warmup.wall, 2)), resolved, workload
+    ember = result(workload, generated, timer, load_s=round(load.wall, 2), warmup_s=round(warmup.wall, 2))
+    return ember, resolved, workload
 
 
 # ---- HF transformers peer -------------------------------------------------------------------------
@@ -270,7 +276,7 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"{label:<14}{r['requests']:>9}{r['prompt_tokens']:>12}{r['output_tokens']:>12}"
                   f"{r['elapsed_s']:>11.2f}{r['output_tok_per_s']:>11.2f}{r['total_tok_per_s']:>13.2f}")
     if results["ratio"] is not None:
-        print(f"{'ember / hf':<14}{'':>56}{results['ratio']:>10.2f}x")
+        print(f"{'ember / hf':<14}{'':>44}{results['ratio']:>10.2f}x")
 
 
 def write_chart(path: str, results: dict[str, Any], title: str) -> None:
@@ -285,7 +291,8 @@ def write_chart(path: str, results: dict[str, Any], title: str) -> None:
     runs = {("ember" if k == "ember" else f"hf ({v['mode']})"): v for k, v in results.items()
             if k in ("ember", "hf") and v is not None}
     fig, ax = plt.subplots(figsize=(6, 4))
-    bars = ax.bar(list(runs), [r["output_tok_per_s"] for r in runs.values()], color=["#d9541e", "#4a7ab5"][:len(runs)])
+    bars = ax.bar(list(runs), [r["output_tok_per_s"] for r in runs.values()],
+                  color=["#d9541e", "#4a7ab5"][:len(runs)])
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel("output tokens / s")
     ax.set_title(title, fontsize=9)
@@ -297,7 +304,8 @@ def write_chart(path: str, results: dict[str, Any], title: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help=f"HF directory, config.json, .gguf file (default: {DEFAULT_MODEL})")
-    p.add_argument("--load-format", default="auto", help="'dummy': random weights from config.json alone")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="'dummy': random weights from config.json alone")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input", type=int, default=100)
     p.add_argument("--max-input", type=int, default=1024)
@@ -331,15 +339,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     machine = machine_info()
-    if machine["loadavg"] and machine["loadavg"][0] > 0.5 * (machine["cores"] or 1):
-        print(f"WARNING: load average {machine['loadavg'][0]} on {machine['cores']} cores: other work skews timings")
     concurrency = args.concurrency or args.max_num_seqs
     ember, resolved, workload = run_ember(args, concurrency)
-    print(f"{len(workload.prompts)} requests: {workload.prompt_tokens} prompt tokens, "
-          f"{workload.output_tokens} output tokens")
-    design_ranges = (args.min_input, args.max_input, args.min_output, args.max_output) == (100, 1024, 100, 1024)
-    if design_ranges and args.num_seqs == 256:
-        assert workload.output_tokens == DESIGN_OUTPUT_TOKENS, workload.output_tokens
     hf = run_hf(args, workload.head(args.hf_num_seqs or args.num_seqs), resolved) if args.hf else None
     results = {"ember": ember, "hf": hf,
                "ratio": round(ember["output_tok_per_s"] / hf["output_tok_per_s"], 3) if hf else None}
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or os.path.join(RESULTS_DIR, f"throughput-{model_short_name(args.model)}-"
                                                 f"{resolved['device'].split(':')[0]}-{today()}.json")
     write_json(out, {"benchmark": "throughput", "date": today(), "machine": machine, "command": sys.argv,
-                     "config": {**vars(args), **resolved}, "results": results})
+                     "config": {**vars(args), "resolved": resolved}, "results": results})
     write_chart(os.path.splitext(out)[0] + ".png", results,
                 f"{model_short_name(args.model)}, {resolved['device']}, {len(workload.prompts)} requests, "
                 f"concurrency {concurrency}")

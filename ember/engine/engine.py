@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
@@ -17,6 +18,7 @@ import torch
 from ember.chat_template import load_chat_template
 from ember.config import EngineArgs
 from ember.engine.block_manager import BlockManager
+from ember.engine.metrics import StepStats
 from ember.engine.output import (CompletionOutput, IncrementalDetokenizer, RequestOutput, check_stop_token,
                                  make_logprobs)
 from ember.engine.request import Request, RequestStatus
@@ -37,14 +39,18 @@ class _Sequence:
 
     request: Request
     detok: IncrementalDetokenizer
+    num_emitted_tokens: int = 0
 
 
 @dataclass(eq=False)
-class _Parent:
+class PreparedRequest:
+    """A validated request (with its n sequences), ready to enter the scheduler."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[_Sequence]
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -73,7 +79,8 @@ class LLMEngine:
         self.eos_token_ids = files.tokenizer.eos_token_ids if files.tokenizer else []
         self.max_model_len = self.scheduler_config.max_model_len
         self.kv_capacity_tokens = num_blocks * self.cache_config.block_size
-        self._parents: dict[str, _Parent] = {}
+        self._parents: dict[str, PreparedRequest] = {}
+        self.stat_loggers: list[Callable[[StepStats], None]] = []
         self._ids = itertools.count()
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.2f GiB), max concurrency %.1fx at %d tokens; "
                     "loaded in %.1fs", files.source, device, str(self.runner.dtype).replace("torch.", ""),
@@ -112,12 +119,12 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {t!r}")
         return list(ids)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue a request; raises ValueError (and queues nothing) when it can never run."""
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                     arrival_time: float | None = None) -> "PreparedRequest":
+        """Tokenize and validate without touching engine state, so front ends may call it from any thread.
+
+        Raises ValueError when the request can never run.
+        """
         params = params or self.default_sampling_params()
         text, ids = self.tokenize_prompt(prompt)
         n_prompt = len(ids)
@@ -143,9 +150,22 @@ class LLMEngine:
                           eos_token_ids=self.eos_token_ids, generator=generator, parent_id=request_id,
                           index=i, arrival_time=arrival)
             seqs.append(_Sequence(req, IncrementalDetokenizer(self.tokenizer, ids, child)))
-        self._parents[request_id] = _Parent(request_id, text, ids, seqs)
-        for s in seqs:
+        return PreparedRequest(request_id, text, ids, seqs)
+
+    def add_prepared(self, parent: "PreparedRequest") -> None:
+        if parent.request_id in self._parents:
+            raise ValueError(f"request_id {parent.request_id!r} is already in use")
+        self._parents[parent.request_id] = parent
+        for s in parent.seqs:
             self.scheduler.add(s.request)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request; raises ValueError (and queues nothing) when it can never run."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.add_prepared(self.make_request(request_id, prompt, params, arrival_time))
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -155,9 +175,11 @@ class LLMEngine:
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
-            for s in parent.seqs:
-                self.scheduler.finish(s.request, RequestStatus.FINISHED_ABORTED)
+            live = [s.request for s in parent.seqs if not s.request.status.finished]
+            for req in live:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             outputs.append(self._make_output(parent))
+            self._log_stats(time.monotonic(), [], live)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -166,48 +188,95 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._parents)
+
     # ---- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        result = self.runner.execute(batch, self.eos_token_ids)
+        try:
+            result = self.runner.execute(batch, self.eos_token_ids)
+        except Exception as e:  # the model failed: fail this batch's requests, keep the engine alive
+            logger.exception("model step failed; aborting the %d requests in the batch", len(batch))
+            return self._fail({r.parent_id for r in batch.requests}, e)
         self.scheduler.after_step(batch)
         now = time.monotonic()
-        changed: dict[str, _Parent] = {}
+        changed: dict[str, PreparedRequest] = {}
+        failed: dict[str, Exception] = {}
+        sampled: list[Request] = []
+        finished: list[Request] = []
         for req, token, logprobs in zip(result.requests, result.token_ids, result.logprobs):
             parent = self._parents[req.parent_id]
-            seq = parent.seqs[req.index]
-            req.append_token(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if logprobs is not None:
-                pairs, rank = logprobs
-                req.logprobs.append(make_logprobs(self.tokenizer, pairs, rank))
-                req.cumulative_logprob += pairs[0][1]
-            status = check_stop_token(req, token, self.max_model_len)
-            if status is not RequestStatus.FINISHED_STOPPED:
-                stop = seq.detok.update(token)
-                if stop is not None:
-                    req.stop_reason, status = stop, RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                seq.detok.flush()
-                self.scheduler.finish(req, status)
+            try:
+                if self._process_token(parent.seqs[req.index], token, logprobs, now):
+                    finished.append(req)
+            except Exception as e:  # one request's output processing failed: fail only that request
+                logger.exception("request %s failed while processing its output", req.parent_id)
+                failed[req.parent_id] = e
+                continue
+            sampled.append(req)
             changed[parent.request_id] = parent
-        outputs = []
+        outputs = self._fail(set(failed), *failed.values()) if failed else []
         for parent in changed.values():
+            if parent.request_id in failed:
+                continue
             outputs.append(self._make_output(parent))
             if parent.finished:
                 del self._parents[parent.request_id]
+        self._log_stats(now, sampled, finished)
         return outputs
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
+    def _process_token(self, seq: _Sequence, token: int, logprobs: tuple[list[tuple[int, float]], int] | None,
+                       now: float) -> bool:
+        """Append a sampled token, detokenize, check stops; True when the sequence finished."""
+        req = seq.request
+        req.append_token(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if logprobs is not None:
+            pairs, rank = logprobs
+            req.logprobs.append(make_logprobs(self.tokenizer, pairs, rank))
+            req.cumulative_logprob += pairs[0][1]
+        status = check_stop_token(req, token, self.max_model_len)
+        if status is not RequestStatus.FINISHED_STOPPED:
+            stop = seq.detok.update(token)
+            if stop is not None:
+                req.stop_reason, status = stop, RequestStatus.FINISHED_STOPPED
+        if status is None:
+            return False
+        seq.detok.flush()
+        self.scheduler.finish(req, status)
+        return True
+
+    def _fail(self, request_ids: set[str], *errors: Exception) -> list[RequestOutput]:
+        message = "; ".join(f"{type(e).__name__}: {e}" for e in errors) or "internal error"
+        for rid in request_ids:
+            if rid in self._parents:
+                self._parents[rid].error = message
+        return self.abort_request(sorted(request_ids))
+
+    def _log_stats(self, now: float, sampled: list[Request], finished: list[Request]) -> None:
+        if not self.stat_loggers:
+            return
+        bm = self.block_manager
+        stats = StepStats(now=now, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                          kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
+                          prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+                          sampled=sampled, finished=finished)
+        for log in self.stat_loggers:
+            log(stats)
+
+    def _make_output(self, parent: PreparedRequest) -> RequestOutput:
         outs = []
         for s in parent.seqs:
             req = s.request
             finished = req.status.finished
             delta_text = s.detok.take_delta(finished)
+            delta_tokens = req.output_token_ids[s.num_emitted_tokens:]
+            s.num_emitted_tokens = req.num_output_tokens
             outs.append(CompletionOutput(
                 index=req.index,
                 text=s.detok.text if finished else s.detok.text[: s.detok.emitted],
@@ -217,7 +286,9 @@ class LLMEngine:
                 finish_reason=req.status.value if finished else None,
                 stop_reason=req.stop_reason,
                 delta_text=delta_text,
+                delta_token_ids=delta_tokens,
             ))
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=parent.finished,
-                             num_cached_tokens=max(parent.seqs[0].request.num_cached_tokens, 0))
+                             num_cached_tokens=max(parent.seqs[0].request.num_cached_tokens, 0),
+                             error=parent.error)

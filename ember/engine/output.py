@@ -36,6 +36,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    error: str | None = None  # set when the request failed inside the engine (finish_reason is then "abort")
 
 
 class IncrementalDetokenizer:

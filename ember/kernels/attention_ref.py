@@ -1,0 +1,32 @@
+"""Plain float32 attention over a paged cache: the yardstick the attention kernels are tested against.
+
+Deliberately naive (gather, repeat heads, masked softmax) so its correctness is evident by reading.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `seq_len` keys and values of one sequence, [seq_len, Hk, D] each."""
+    blocks = block_table[: -(-seq_len // k_cache.shape[1])].long()
+    k = k_cache[blocks].flatten(0, 1)[:seq_len]
+    v = v_cache[blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  context_len: int) -> torch.Tensor:
+    """Float32 attention of queries [Q, Hq, D] at positions context_len.. over keys [S, Hk, D],
+    each query seeing keys up to and including its own position."""
+    group = q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)                                 # [Hq, Q, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = qf @ kf.transpose(1, 2) * scale
+    q_pos = context_len + torch.arange(q.shape[0], device=q.device)
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ vf).transpose(0, 1)               # [Q, Hq, D]

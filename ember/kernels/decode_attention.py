@@ -1,0 +1,210 @@
+"""Paged attention for one-token queries (decode), split over the context for occupancy.
+
+One program owns one (sequence, KV head, context split) and every query head that shares that
+KV head, so each K/V tile is read from HBM once per group rather than once per query head: decode
+is bandwidth-bound and this is where the GQA saving lives. The group is padded to at least 16
+rows so both products are real `tl.dot`s (the tensor-core minimum on every dimension); the padded
+rows hold zero queries and are never stored.
+
+With few sequences (B * Hk programs well under the SM count) a long context would run on a few
+SMs; splitting it into `num_splits` contiguous ranges fills the GPU, each split writing an
+unnormalised partial result that a small second kernel merges by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.attention_ref import attention_ref, gather_context
+from ember.kernels.paged import check_paged_args
+
+_LOG2E = 1.4426950408889634
+_BLOCK_N = 64              # context tokens per K/V tile
+_MIN_TOKENS_PER_SPLIT = 256  # below this a split costs more in merging than it gains in parallelism
+_MAX_SPLITS = 32
+_WAVES = 2
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    group, head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < group
+    dim_mask = dims < head_dim
+    q_heads = kv_head * group + rows
+    q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Splits get equal whole tiles of this sequence's own context, so short sequences in a
+    # batch with long ones simply leave their trailing splits empty.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        pos_mask = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(pos_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if NUM_SPLITS == 1:
+        # A zero-length sequence (a padded CUDA-graph slot) yields zeros rather than NaN.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Scratch is [B, Hq, NUM_SPLITS] (+ [head_dim]) in fp32, contiguous.
+        part = (seq * (group * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=row_mask)
+        tl.store(part_acc_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    stride_ob, stride_oh, num_heads, head_dim,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    split_mask = splits < NUM_SPLITS
+    part = (seq * num_heads + head) * NUM_SPLITS + splits
+    m = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * head_dim + dims[None, :],
+                  mask=split_mask[:, None] & (dims[None, :] < head_dim), other=0.0)
+    m_max = tl.max(m, axis=0)
+    # Empty splits carry m = -inf; if every split is empty the sequence is padding.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Split only as far as needed to give the GPU about two waves of programs, and never so far
+    that a split of the longest context drops below a few hundred tokens."""
+    programs = batch * num_kv_heads
+    wanted = triton.cdiv(_WAVES * num_sms, max(programs, 1))
+    by_length = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None, num_splits: int | None = None,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D] attends to its sequence's `seq_lens[b]` cached tokens -> out [B, Hq, D].
+
+    Never reads device values on the host, so it can be captured in a CUDA graph: the split
+    count comes from `num_splits`, else from `max_seq_len` (a host int the caller knows), else
+    from the block table's width. Under graph capture pass `num_splits` or `max_seq_len` fixed
+    for the graph, since the split count is baked into the launch.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_paged_args(q, k_cache, v_cache)
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device))
+    if num_splits > 1:
+        part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused: the kernel writes the final output directly
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, part_acc, part_max, part_sum,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        group, head_dim,
+        NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, num_heads)](
+            out, part_acc, part_max, part_sum,
+            out.stride(0), out.stride(1), num_heads, head_dim,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               out: torch.Tensor | None = None, num_splits: int | None = None,
+                               max_seq_len: int | None = None) -> torch.Tensor:
+    outs = []
+    for b in range(q.shape[0]):
+        k, v = gather_context(k_cache, v_cache, block_tables[b], int(seq_lens[b]))
+        outs.append(attention_ref(q[b:b + 1], k, v, scale, context_len=int(seq_lens[b]) - 1))
+    result = torch.cat(outs).to(q.dtype)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+

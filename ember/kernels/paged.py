@@ -1,0 +1,22 @@
+"""Argument checks shared by the paged-attention kernels, kept on the host so failures are clear."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """q [*, Hq, D] against caches [num_blocks, block_size, Hk, D]."""
+    num_heads, head_dim = q.shape[-2:]
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size} must be a power of two")
+    if head_dim != cache_head_dim or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} disagree on head_dim or cache shape")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous head dimension")
+    if k_cache.dtype != v_cache.dtype or q.dtype != k_cache.dtype:
+        raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")

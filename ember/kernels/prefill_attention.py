@@ -1,0 +1,173 @@
+"""Paged flash attention for a varlen batch of prompt chunks (prefill, chunked prefill).
+
+Grid (query blocks, sequences, KV heads). A program's BLOCK_M rows are BLOCK_Q consecutive
+queries times the GROUP query heads sharing one KV head (row = query * GROUP + head), so each
+K/V tile loaded from the paged cache serves the whole group. One-head-per-program would reread
+every tile GROUP times; that only stops mattering for long fresh prompts, which are
+compute-bound either way, while short chunks over long cached prefixes (chunked prefill,
+prefix-cache hits) are bandwidth-bound and gain the full GROUP-fold saving.
+
+Keys are read through the block table one token at a time (a gather of page ids per tile), so
+the K/V tile size is independent of the cache's block size. Tiles entirely at or before a
+block's first query position need no causal mask; the tail tiles that straddle the diagonal are
+masked, and tiles past its last query are never visited.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.attention_ref import attention_ref, gather_context
+from ember.kernels.paged import check_paged_args
+
+_LOG2E = 1.4426950408889634
+_BLOCK_N = 64
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, tile, kv_end, q_pos,
+    k_cache_ptr, v_cache_ptr, table, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    qk_scale, dims, dim_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step over context positions [tile, tile + BLOCK_N)."""
+    pos = tile + tl.arange(0, BLOCK_N)
+    pos_mask = pos < kv_end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    kv_mask = pos_mask[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if CAUSAL:
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, head_dim,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    first_q = q_block * BLOCK_Q
+    if first_q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = first_q + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q_tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + q_tok[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=io_mask, other=0.0)
+    q_pos = context_len + q_idx
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Every row sees positions <= context_len + first_q, so whole tiles up to there skip the mask;
+    # the block's last query bounds the masked tail.
+    kv_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)
+    unmasked_end = (context_len + first_q + 1) // BLOCK_N * BLOCK_N
+    for tile in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
+            BLOCK_SIZE, BLOCK_N, False, PRECISION)
+    for tile in range(unmasked_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
+            BLOCK_SIZE, BLOCK_N, True, PRECISION)
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _block_m(max_query_len: int, group: int) -> int:
+    """Rows per program: 128 for long chunks, fewer when every chunk is short so programs are not
+    mostly padding; always a power of two >= 16 (tl.dot) and >= the group."""
+    rows = triton.next_power_of_2(max(1, max_query_len) * group)
+    return max(16, triton.next_power_of_2(group), min(128, rows))
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] holds each sequence's chunk at positions seq_lens[b] - q_len .. seq_lens[b] - 1;
+    each query attends causally over its whole cached context -> out [T, Hq, D].
+
+    The chunk's own keys and values must already be in the cache. `max_query_len` is a host int
+    (the scheduler knows it) that sizes the grid; blocks past a sequence's chunk exit at once.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    check_paged_args(q, k_cache, v_cache)
+    if out is None:
+        out = torch.empty_like(q)
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m = _block_m(max_query_len, group)
+    block_q = block_m // group
+    grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), head_dim,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_SIZE=block_size, BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m >= 128 else 4,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    result = torch.empty_like(q) if out is None else out
+    for b in range(seq_lens.shape[0]):
+        start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
+        if end == start:
+            continue
+        k, v = gather_context(k_cache, v_cache, block_tables[b], seq_len)
+        result[start:end] = attention_ref(q[start:end], k, v, scale, context_len=seq_len - (end - start))
+    return result

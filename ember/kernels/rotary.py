@@ -1,0 +1,103 @@
+"""Neox-style rotary embedding (rotate halves) on q and k, with HF's rounding order.
+
+HF computes `q * cos + rotate_half(q) * sin` in the model dtype after casting the fp32 tables to
+it, so every product and the sum are rounded separately. The kernel rounds at the same three
+points; since a product of two bf16/fp16 values is exact in fp32, the results match HF bit for
+bit rather than merely to within tolerance, which keeps greedy decoding identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, token,
+            num_heads, c1, c2, s1, s2, half,
+            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (cols < half)
+    src = x_ptr + token * stride_xt + heads * stride_xh + cols
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + half, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    # out[:half] = x1*cos - x2*sin, out[half:] = x2*cos + x1*sin, each term rounded as HF does.
+    o1 = (x1f * c1).to(dtype).to(tl.float32) - (x2f * s1).to(dtype).to(tl.float32)
+    o2 = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
+    dst = out_ptr + token * stride_ot + heads * stride_oh + cols
+    tl.store(dst, o1.to(dtype), mask=mask)
+    tl.store(dst + half, o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+    stride_table, num_q_heads, num_k_heads, half,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    col_mask = cols < half
+    table = pos * stride_table + cols
+    dtype = q_out_ptr.dtype.element_ty
+    # Cast the fp32 tables to the model dtype first, as HF does.
+    c1 = tl.load(cos_ptr + table, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + half, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + table, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + half, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    _rotate(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token,
+            num_q_heads, c1, c2, s1, s2, half, BLOCK_HQ, BLOCK_HALF)
+    _rotate(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token,
+            num_k_heads, c1, c2, s1, s2, half, BLOCK_HK, BLOCK_HALF)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] by the rows `positions` [T] of cos/sin [max_pos, D].
+
+    The tables are the full-width fp32 ones (cat(freqs, freqs) before cos/sin, as HF and
+    `ember.model.layers.RotaryEmbedding` build them); both halves are read, so any table works.
+    Returns new contiguous tensors: q and k may be strided views of a fused qkv output and are
+    left untouched.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if head_dim % 2 or k.shape[2] != head_dim or cos.shape[-1] != head_dim or sin.shape != cos.shape:
+        raise ValueError(f"apply_rotary: head_dim {head_dim} must be even and match k {tuple(k.shape)} "
+                         f"and the tables {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if k.dtype != q.dtype:
+        raise ValueError(f"apply_rotary: q ({q.dtype}) and k ({k.dtype}) must share a dtype")
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("apply_rotary: q, k and the tables need a contiguous last dim (tables alike)")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, cos, sin, q_out, k_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), num_q_heads, num_k_heads, head_dim // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_k_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+    )
+    return q_out, k_out
+
+
+def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
