@@ -73,6 +73,7 @@ class LLMEngine:
         self.runner = ModelRunner(files, args, self.cache_config, self.scheduler_config)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
         self.block_manager = BlockManager(num_blocks, self.cache_config.block_size,
                                           self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
@@ -82,9 +83,10 @@ class LLMEngine:
         self._parents: dict[str, PreparedRequest] = {}
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         self._ids = itertools.count()
-        logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.2f GiB), max concurrency %.1fx at %d tokens; "
-                    "loaded in %.1fs", files.source, device, str(self.runner.dtype).replace("torch.", ""),
-                    num_blocks, self.cache_config.block_size, num_blocks * self.runner.bytes_per_block / 2**30,
+        logger.info("model %s on %s (%s, weights %.2f GiB): %d KV blocks of %d tokens (%.2f GiB), "
+                    "max concurrency %.1fx at %d tokens; ready in %.1fs", files.source, device,
+                    str(self.runner.dtype).replace("torch.", ""), self.runner.weight_bytes / 2**30, num_blocks,
+                    self.cache_config.block_size, num_blocks * self.runner.bytes_per_block / 2**30,
                     self.kv_capacity_tokens / self.max_model_len, self.max_model_len, time.monotonic() - start)
 
     # ---- requests ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.attention_ref import attention_ref, gather_context
-from ember.kernels.paged import check_paged_args
+from ember.kernels.paged import check_paged_args, dot_dtype, dot_precision
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64              # context tokens per K/V tile
@@ -40,7 +40,7 @@ def _decode_kernel(
     group, head_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -52,7 +52,7 @@ def _decode_kernel(
     dim_mask = dims < head_dim
     q_heads = kv_head * group + rows
     q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(DOT_DTYPE)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # Splits get equal whole tiles of this sequence's own context, so short sequences in a
@@ -72,9 +72,9 @@ def _decode_kernel(
         offset = pos % BLOCK_SIZE
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(pos_mask[None, :], s, float("-inf"))
@@ -82,7 +82,7 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m_i = m_new
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
@@ -181,7 +181,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         group, head_dim,
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=4,
     )
     if num_splits > 1:

@@ -17,10 +17,11 @@ def _store_kv_kernel(
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # a padding token
+        return
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    # A negative slot marks a padding token; masking the whole row keeps the kernel branch-free.
-    mask = (heads < num_kv_heads) & (dims < head_dim) & (slot >= 0)
+    mask = (heads < num_kv_heads) & (dims < head_dim)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     dst = slot * stride_cs + heads * stride_ch + dims

@@ -1,8 +1,12 @@
-"""Argument checks shared by the paged-attention kernels, kept on the host so failures are clear."""
+"""Host-side helpers shared by the paged-attention kernels: argument checks and dot operand types."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -20,3 +24,18 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("q and the caches need a contiguous head dimension")
     if k_cache.dtype != v_cache.dtype or q.dtype != k_cache.dtype:
         raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
+
+
+def dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The type both attention products multiply in: the cache dtype, so bf16/fp16 use tensor
+    cores. The exception is bf16 under TRITON_INTERPRET, whose numpy `tl.dot` would multiply the
+    raw uint16 storage; there the operands are upcast (exactly) and only the rounding of the
+    softmax probabilities differs from the GPU."""
+    if dtype == torch.bfloat16 and triton.knobs.runtime.interpret:
+        return tl.float32
+    return _TL_DTYPES[dtype]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full precision: TF32 would lose the fp32 path's parity with HF."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.attention_ref import attention_ref, gather_context
-from ember.kernels.paged import check_paged_args
+from ember.kernels.paged import check_paged_args, dot_dtype, dot_precision
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64
@@ -32,7 +32,8 @@ def _attend_tile(
     k_cache_ptr, v_cache_ptr, table, kv_head,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     qk_scale, dims, dim_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One online-softmax step over context positions [tile, tile + BLOCK_N)."""
     pos = tile + tl.arange(0, BLOCK_N)
@@ -41,9 +42,9 @@ def _attend_tile(
     offset = pos % BLOCK_SIZE
     kv_mask = pos_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
     v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if CAUSAL:
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
@@ -52,7 +53,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -65,7 +66,7 @@ def _prefill_kernel(
     stride_bt, head_dim,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -88,7 +89,7 @@ def _prefill_kernel(
     io_mask = row_mask[:, None] & dim_mask[None, :]
     q_tok = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + q_tok[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=io_mask, other=0.0)
+                mask=io_mask, other=0.0).to(DOT_DTYPE)
     q_pos = context_len + q_idx
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -103,12 +104,12 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
-            BLOCK_SIZE, BLOCK_N, False, PRECISION)
+            BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, PRECISION)
     for tile in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
-            BLOCK_SIZE, BLOCK_N, True, PRECISION)
+            BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -153,7 +154,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_tables.stride(0), head_dim,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_SIZE=block_size, BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4,
     )
     return out

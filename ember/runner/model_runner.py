@@ -20,6 +20,8 @@ from ember.engine.scheduler import ScheduledBatch
 from ember.model.attention import AttentionMetadata
 from ember.model.loader import ModelFiles
 from ember.model.registry import model_class
+from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
+from ember.runner.input_buffers import InputBuffers
 from ember.sampling.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger("ember")
@@ -35,6 +37,45 @@ class StepOutput:
     # per request: (token id, logprob) pairs, the sampled token first, then the top-N, and the sampled
     # token's rank in the vocabulary; None where not asked
     logprobs: list[tuple[list[tuple[int, float]], int] | None]
+
+
+@dataclass
+class _StepInputs:
+    sample_rows: list[int]  # batch indices of the requests that sample this step, in logits order
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    padded: int | None  # the CUDA graph size to replay, or None for an eager forward
+
+
+class GpuIdleTimer:
+    """Measures how long the GPU waits between the end of one step's work and the start of the next.
+
+    CUDA events are recorded at the start and end of each step's GPU work; the gaps between them
+    are time the GPU spent waiting on the host (scheduling, batch building, detokenization).
+    """
+
+    def __init__(self) -> None:
+        self.idle_s = 0.0
+        self.busy_s = 0.0
+        self.steps = 0
+        self._last_end: torch.cuda.Event | None = None
+        self._start: torch.cuda.Event | None = None
+
+    def step_start(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def step_end(self) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        if self._last_end is not None:
+            self.idle_s += self._last_end.elapsed_time(self._start) / 1e3
+        self.busy_s += self._start.elapsed_time(end) / 1e3
+        self.steps += 1
+        self._last_end = end
 
 
 @contextmanager
@@ -68,6 +109,12 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.num_blocks = 0
+        self.enforce_eager = args.enforce_eager
+        max_blocks = -(-scheduler_config.max_model_len // self.block_size)
+        self.buffers = InputBuffers(max(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
+                                    scheduler_config.max_num_seqs, max_blocks, self.device)
+        self.graphs: DecodeGraphs | None = None
+        self.idle_timer: GpuIdleTimer | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -98,32 +145,37 @@ class ModelRunner:
         return num_blocks
 
     def _profile_peak_memory(self) -> int:
-        """Extra GPU memory a forward + sampling pass at the token budget needs beyond what is allocated now."""
+        """Extra GPU memory a forward + logits pass at the full token budget needs beyond what is allocated now."""
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = self.scheduler_config.max_num_batched_tokens
         max_len = self.scheduler_config.max_model_len
         lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
-        self.allocate_kv_cache(sum(-(-n // self.block_size) for n in lens))
-        offset, prefills = 0, []
-        block = 0
+        blocks = [-(-n // self.block_size) for n in lens]
+        self.allocate_kv_cache(sum(blocks))
+        tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+        first = 0
+        for row, nb in enumerate(blocks):
+            tables[row, :nb] = torch.arange(first, first + nb)
+            first += nb
+        starts = [0]
         for n in lens:
-            nb = -(-n // self.block_size)
-            prefills.append((offset, n, n, torch.arange(block, block + nb, device=self.device)))
-            offset, block = offset + n, block + nb
+            starts.append(starts[-1] + n)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens, device=self.device), num_decodes=0,
-            decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=self.device),
-            decode_seq_lens=torch.zeros(0, dtype=torch.long, device=self.device), prefills=prefills)
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+            slot_mapping=torch.cat([tables[r, : blocks[r]].repeat_interleave(self.block_size)[:n] * self.block_size
+                                    + torch.arange(n) % self.block_size for r, n in enumerate(lens)]).to(dev),
+            block_tables=tables.to(dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev), num_decodes=0,
+            max_query_len=max(lens), max_seq_len=max(lens), seq_lens_host=lens, query_start_host=starts)
+        ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         with torch.inference_mode():
             hidden = self.model(ids, positions, meta)
-            rows = min(self.scheduler_config.max_num_seqs, tokens)
-            self.model.compute_logits(hidden[:rows])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
+            self.model.compute_logits(hidden[: min(self.scheduler_config.max_num_seqs, tokens)])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
         self.release_kv_cache()
         torch.cuda.empty_cache()
         return peak
@@ -141,74 +193,99 @@ class ModelRunner:
             attn.k_cache = attn.v_cache = None
         self.num_blocks = 0
 
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def capture_cuda_graphs(self) -> None:
+        if self.device.type != "cuda" or self.enforce_eager:
+            return
+        before = torch.cuda.memory_reserved(self.device)
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, self.buffers, self.scheduler_config.max_model_len,
+                                       capture_sizes(self.scheduler_config.max_num_seqs))
+        logger.info("CUDA graph memory: %.2f GiB", (torch.cuda.memory_reserved(self.device) - before) / 2**30)
+
     # ---- one step -------------------------------------------------------------------------
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                       list[int]]:
+    def _prepare(self, batch: ScheduledBatch) -> _StepInputs:
+        """Fill the host buffers for this step (one-token queries first) and upload them."""
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        b, bs = self.buffers, self.block_size
+        ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
+        tables, seq_lens, qsl, logits_idx = b.block_tables.np, b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
+        t = num_decodes = max_query_len = max_seq_len = 0
         sample_rows: list[int] = []
-        logits_indices: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills = []
-        for i in order:
+        for row, i in enumerate(order):
             req, n = batch.requests[i], batch.num_new_tokens[i]
-            start = req.num_computed_tokens
-            seq_len = start + n
-            pos = np.arange(start, seq_len)
-            table = np.asarray(req.block_ids, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            positions.append(pos)
-            q_start = len(ids)
-            ids.extend(req.all_token_ids[start:seq_len])
+            start, end = req.num_computed_tokens, req.num_computed_tokens + batch.num_new_tokens[i]
+            tables[row, : len(req.block_ids)] = req.block_ids
             if n == 1:
-                decode_tables.append(req.block_ids[: -(-seq_len // bs)])
-                decode_lens.append(seq_len)
+                num_decodes += 1
+                ids[t] = req.all_token_ids[start]
+                pos[t] = start
+                slots[t] = req.block_ids[start // bs] * bs + start % bs
             else:
-                nblocks = -(-seq_len // bs)
-                prefills.append((q_start, n, seq_len, torch.as_tensor(table[:nblocks], device=self.device)))
-            if seq_len == req.num_tokens:
+                max_query_len = max(max_query_len, n)
+                p = np.arange(start, end)
+                ids[t:t + n] = req.all_token_ids[start:end]
+                pos[t:t + n] = p
+                slots[t:t + n] = tables[row, p // bs] * bs + p % bs
+            t += n
+            seq_lens[row] = end
+            qsl[row + 1] = t
+            max_seq_len = max(max_seq_len, end)
+            if end == req.num_tokens:
+                logits_idx[len(sample_rows)] = t - 1
                 sample_rows.append(i)
-                logits_indices.append(len(ids) - 1)
-        width = max((len(t) for t in decode_tables), default=1)
-        padded = np.zeros((len(decode_tables), width), dtype=np.int64)
-        for r, t in enumerate(decode_tables):
-            padded[r, : len(t)] = t
-        dev = self.device
+        num_seqs, num_tokens = len(order), t
+        padded = None
+        if self.graphs is not None and num_decodes == num_seqs:
+            padded = self.graphs.padded_size(num_seqs)
+        if padded is not None:  # pad rows write nowhere and attend to one cached token
+            ids[num_tokens:padded] = 0
+            pos[num_tokens:padded] = 0
+            slots[num_tokens:padded] = -1
+            seq_lens[num_seqs:padded] = 1
+        rows = padded or num_seqs
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(decode_tables),
-            decode_block_tables=torch.from_numpy(padded).to(dev),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev),
-            prefills=prefills,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return sample_rows, input_ids, pos_t, meta, logits_indices
+            slot_mapping=b.slot_mapping.upload(padded or num_tokens)[:num_tokens],
+            block_tables=b.block_tables.upload(rows)[:num_seqs],
+            seq_lens=b.seq_lens.upload(rows)[:num_seqs],
+            query_start_loc=b.query_start_loc.upload(num_seqs + 1),
+            num_decodes=num_decodes, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            seq_lens_host=seq_lens[:num_seqs].tolist(), query_start_host=qsl[:num_seqs + 1].tolist())
+        input_ids = b.input_ids.upload(padded or num_tokens)[:num_tokens]
+        positions = b.positions.upload(padded or num_tokens)[:num_tokens]
+        logits_indices = b.logits_indices.upload(len(sample_rows))
+        return _StepInputs(sample_rows, input_ids, positions, meta, logits_indices, padded)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, eos_token_ids: list[int]) -> StepOutput:
-        sample_rows, input_ids, positions, meta, logits_indices = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        if not sample_rows:
+        if self.idle_timer is not None:
+            self.idle_timer.step_start()
+        inputs = self._prepare(batch)
+        reqs = [batch.requests[i] for i in inputs.sample_rows]
+        sbatch = None
+        if reqs:  # built before the forward so its host-to-device copies overlap the GPU's work
+            sbatch = SamplingBatch.build(
+                params=[r.sampling_params for r in reqs],
+                prompt_token_ids=[r.prompt_token_ids for r in reqs],
+                output_token_ids=[r.output_token_ids for r in reqs],
+                generators=[r.generator for r in reqs],
+                eos_token_ids=eos_token_ids,
+                vocab_size=self.model_config.vocab_size,
+                device=self.device,
+            )
+        if inputs.padded is not None:
+            hidden = self.graphs.replay(inputs.padded)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        out = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), sbatch) if reqs else None
+        if self.idle_timer is not None:
+            self.idle_timer.step_end()
+        if out is None:
             return StepOutput([], [], [])
-        idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[idx])
-        reqs = [batch.requests[i] for i in sample_rows]
-        sbatch = SamplingBatch.build(
-            params=[r.sampling_params for r in reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
-            generators=[r.generator for r in reqs],
-            eos_token_ids=eos_token_ids,
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        out = self.sampler(logits, sbatch)
         tokens = out.sampled_token_ids.tolist()
         logprobs: list[tuple[list[tuple[int, float]], int] | None] = [None] * len(reqs)
         if out.logprobs is not None:
