@@ -65,7 +65,7 @@ def main() -> None:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
             results[arch] = compare(llm, hf, PROMPTS, args.max_tokens, args.device)
     gguf = default_gguf_path()
-    llm = LLM(device=args.device, dtype=args.dtype, kv_cache_memory=0.25)
+    llm = LLM(device=args.device, dtype=args.dtype, kv_cache_memory=0.25, max_model_len=2048)
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
                                               dtype=dtype).to(args.device)
     tok = llm.get_tokenizer()

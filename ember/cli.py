@@ -1,4 +1,4 @@
-"""`ember generate` and `ember chat`: the engine from a terminal."""
+"""`ember generate`, `ember chat` and `ember serve`: the engine from a terminal."""
 
 from __future__ import annotations
 
@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(chat)
     _add_sampling_args(chat, 512)
     chat.set_defaults(func=cmd_chat)
+
+    from ember.server.serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -175,7 +175,7 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", dest="model_flag", default=None,
+        g.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
                        help=f"HF model directory, .gguf file, or '{DEFAULT_MODEL}' (default)")
         g.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the model's)")
         g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,

@@ -55,7 +55,7 @@ def test_preemption_equals_alone(llama_dir, prompts, greedy, alone, prefix_cachi
     # 40 blocks of 16 tokens hold ~3 sequences at once: the scheduler must preempt and recompute.
     bm_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head_dim, fp32
     got, llm = _run(llama_dir, prompts, greedy, kv_cache_memory=40 * bm_bytes / 2**30, block_size=16,
-                    enable_prefix_caching=prefix_caching)
+                    max_model_len=256, enable_prefix_caching=prefix_caching)
     engine = llm.llm_engine
     assert engine.block_manager.num_blocks == 40
     assert engine.scheduler.num_preemptions > 0

@@ -12,7 +12,8 @@ def ember(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 
 def test_chat_message_answers_about_paris():
-    r = ember("chat", "--message", "What is the capital of France?", "--temperature", "0", "--kv-cache-memory", "0.1")
+    r = ember("chat", "--message", "What is the capital of France?", "--temperature", "0",
+              "--kv-cache-memory", "0.1", "--max-model-len", "2048")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
@@ -22,6 +23,7 @@ def test_interactive_chat_keeps_history(default_llm):
 
     turns = ["My name is Alice.", "What is my name?"]
     r = ember("chat", "--temperature", "0", "--max-tokens", "24", "--kv-cache-memory", "0.1",
+              "--max-model-len", "2048",
               stdin="".join(t + "\n" for t in turns))
     assert r.returncode == 0, r.stderr
     # The second answer must be the one the model gives with the whole conversation as context.
@@ -49,5 +51,5 @@ def test_bad_input_is_one_clear_line(tmp_path):
     r = ember("generate", "hi", "--model", str(tmp_path / "missing"))
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error:") and "missing" in r.stderr and "Traceback" not in r.stderr
-    r = ember("generate", "hi", "--temperature", "-1", "--kv-cache-memory", "0.1")
+    r = ember("generate", "hi", "--temperature", "-1", "--kv-cache-memory", "0.1", "--max-model-len", "2048")
     assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr

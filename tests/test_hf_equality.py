@@ -64,7 +64,7 @@ def test_default_gguf_matches_transformers():
     from transformers import AutoModelForCausalLM
 
     path = default_gguf_path()
-    llm = LLM(kv_cache_memory=0.25, device=DEVICE, dtype="float32")
+    llm = LLM(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).to(DEVICE)
     tok = llm.get_tokenizer()

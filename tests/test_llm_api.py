@@ -137,9 +137,12 @@ def test_invalid_requests_are_rejected(llm, prompt, params, match):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_request_larger_than_kv_cache_is_rejected(llama_dir):
-    small = LLM(str(llama_dir), kv_cache_memory=8 * 2 * 2 * 16 * 2 * 16 * 4 / 2**30)  # 8 blocks = 128 tokens
-    with pytest.raises(ValueError, match="KV cache capacity of 128 tokens"):
+def test_kv_cache_smaller_than_context_is_refused_at_start(llama_dir):
+    eight_blocks = 8 * 2 * 2 * 16 * 2 * 16 * 4 / 2**30  # 8 blocks of 16 tokens = 128 tokens
+    with pytest.raises(ValueError, match=r"max_model_len \(1024\) is larger than the KV cache can hold \(128 tokens\)"):
+        LLM(str(llama_dir), kv_cache_memory=eight_blocks)
+    small = LLM(str(llama_dir), kv_cache_memory=eight_blocks, max_model_len=128)
+    with pytest.raises(ValueError, match="maximum context length is 128"):
         small.generate(_ids(100), SamplingParams(max_tokens=50), use_tqdm=False)
 
 

@@ -123,7 +123,8 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prepared = self.engine.make_request(request_id, prompt, sampling_params)
+        # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
+        prepared = await asyncio.to_thread(self.engine.make_request, request_id, prompt, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._send("add", prepared)

@@ -80,14 +80,21 @@ class LLMEngine:
         self.eos_token_ids = files.tokenizer.eos_token_ids if files.tokenizer else []
         self.max_model_len = self.scheduler_config.max_model_len
         self.kv_capacity_tokens = num_blocks * self.cache_config.block_size
+        if self.kv_capacity_tokens < self.max_model_len:
+            # Otherwise a request within the context window could never be scheduled.
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the KV cache can hold "
+                             f"({self.kv_capacity_tokens} tokens); lower --max-model-len or raise --kv-cache-memory "
+                             f"/ --gpu-memory-utilization")
         self._parents: dict[str, PreparedRequest] = {}
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         self._ids = itertools.count()
-        logger.info("model %s on %s (%s, weights %.2f GiB): %d KV blocks of %d tokens (%.2f GiB), "
-                    "max concurrency %.1fx at %d tokens; ready in %.1fs", files.source, device,
-                    str(self.runner.dtype).replace("torch.", ""), self.runner.weight_bytes / 2**30, num_blocks,
-                    self.cache_config.block_size, num_blocks * self.runner.bytes_per_block / 2**30,
-                    self.kv_capacity_tokens / self.max_model_len, self.max_model_len, time.monotonic() - start)
+        self.ready_message = (
+            f"model {files.source} on {device} ({str(self.runner.dtype).replace('torch.', '')}, weights "
+            f"{self.runner.weight_bytes / 2**30:.2f} GiB): {num_blocks} KV blocks of {self.cache_config.block_size} "
+            f"tokens ({num_blocks * self.runner.bytes_per_block / 2**30:.2f} GiB), max concurrency "
+            f"{self.kv_capacity_tokens / self.max_model_len:.1f}x at {self.max_model_len} tokens; "
+            f"ready in {time.monotonic() - start:.1f}s")
+        logger.debug(self.ready_message)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -135,10 +142,6 @@ class LLMEngine:
             raise ValueError(f"max_tokens: this model's maximum context length is {self.max_model_len} tokens, "
                              f"but {n_prompt + max(max_tokens, 1)} were requested ({n_prompt} in the prompt, "
                              f"{max(max_tokens, 1)} to generate)")
-        if n_prompt + max_tokens > self.kv_capacity_tokens:
-            raise ValueError(f"max_tokens: the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                             f"KV cache capacity of {self.kv_capacity_tokens} tokens; raise --kv-cache-memory or "
-                             f"--gpu-memory-utilization")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):

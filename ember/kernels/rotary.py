@@ -2,8 +2,8 @@
 
 HF computes `q * cos + rotate_half(q) * sin` in the model dtype after casting the fp32 tables to
 it, so every product and the sum are rounded separately. The kernel rounds at the same three
-points; since a product of two bf16/fp16 values is exact in fp32, the results match HF bit for
-bit rather than merely to within tolerance, which keeps greedy decoding identical.
+points (with multiply-add fusion off, which would skip one), so the results match HF bit for bit
+rather than merely to within tolerance, which keeps greedy decoding identical.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
         cos.stride(0), num_q_heads, num_k_heads, head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_k_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        enable_fp_fusion=False,  # a fused multiply-add would skip the product rounding HF does
     )
     return q_out, k_out
 

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import prometheus_client
@@ -90,7 +90,7 @@ class ServerState:
     engine: AsyncLLM | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
-    _closed: bool = False
+    _closed: bool = field(default=False, init=False)
 
     async def drain(self) -> None:
         """Refuse new work at once (health and new requests get 503), give running requests up to
@@ -118,7 +118,7 @@ def build_app(settings: ServerSettings, engine: AsyncLLM | None = None) -> FastA
         yield
         await state.close()
 
-    app = FastAPI(title="Ember", version=ember.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="Ember", version=ember.__version__, lifespan=lifespan, openapi_url=None)
     app.state.ember = state
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
@@ -150,7 +150,7 @@ async def _http_error_handler(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected_error_handler(request: Request, exc: Exception) -> Response:
-    logger.error("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
+    # Starlette re-raises after this response, so uvicorn logs the traceback; the client gets no trace.
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()
 
 
@@ -192,8 +192,11 @@ async def _parse(request: Request, model: type[M]) -> M:
         if len(body) > limit:
             raise too_large
     try:
-        data = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as e:
+        text = body.decode("utf-8")
+        data = json.loads(text)
+        if _SURROGATE_ESCAPE.search(text):  # a lone "\ud800" is valid JSON but no text a tokenizer takes
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeError as e:
         raise bad_request(f"Request body is not valid UTF-8: {e}") from None
     except json.JSONDecodeError as e:
         raise bad_request(f"Request body is not valid JSON: {e}") from None
@@ -206,6 +209,8 @@ async def _parse(request: Request, model: type[M]) -> M:
         param = _loc_to_param(err["loc"])
         raise bad_request(f"{param}: {err['msg']}", param) from None
 
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 # Field names that may follow a list index in an error location; anything else there is a
 # pydantic union-member tag such as 'list[int]', which means nothing to the client.
@@ -300,7 +305,8 @@ class _Generation:
         self._merged = self._merge()
         self._buffered: list[tuple[int, RequestOutput]] = []
         self._started = time.monotonic()
-        self._outcome = "client disconnected"
+        self._outcome = "cancelled (client disconnected)"
+        self._closed = False
 
     async def _merge(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         if len(self._gens) == 1:
@@ -347,7 +353,7 @@ class _Generation:
                 return i, out
             error = (unavailable("The server shut down before this request finished") if self.state.draining else
                      APIError(500, out.error or "The engine aborted the request", "internal_server_error"))
-        self._outcome = f"error {error.status}: {error}"
+        self._outcome = f"failed ({error.status}: {error})"
         raise error
 
     async def start(self) -> None:
@@ -373,13 +379,29 @@ class _Generation:
         return self.final  # type: ignore[return-value]
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         await self._merged.aclose()
         if self.state.settings.log_requests:
             done = [o for o in self.final if o is not None]
-            logger.info("request %s: %s in %.2fs, %d prompt tokens, %d completion tokens, %s",
-                        self.request_id, self._outcome, time.monotonic() - self._started,
-                        sum(len(o.prompt_token_ids) for o in done),
-                        sum(len(c.token_ids) for o in done for c in o.outputs), self.params)
+            logger.info("request %s %s after %.2fs: %d prompt + %d completion tokens; %s", self.request_id,
+                        self._outcome, time.monotonic() - self._started, sum(len(o.prompt_token_ids) for o in done),
+                        sum(len(c.token_ids) for o in done for c in o.outputs), _describe(self.params))
+
+
+_DEFAULT_PARAMS = SamplingParams()
+
+
+def _describe(params: SamplingParams) -> str:
+    """The sampling fields that differ from the defaults; stop strings are counted, not shown, since
+    they are user text."""
+    parts = []
+    for f in fields(SamplingParams):
+        value = getattr(params, f.name)
+        if value != getattr(_DEFAULT_PARAMS, f.name):
+            parts.append(f"{f.name}=<{len(value)} strings>" if f.name == "stop" else f"{f.name}={value!r}")
+    return ", ".join(parts) or "default sampling"
 
 
 async def _respond(request: Request, gen: _Generation, stream: bool,
@@ -390,8 +412,7 @@ async def _respond(request: Request, gen: _Generation, stream: bool,
     try:
         await _until_disconnect(request, gen.start())
         if stream:
-            return StreamingResponse(_sse(gen, make_chunks()), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _EventStream(gen, make_chunks())
         finals = await _until_disconnect(request, gen.run())
     except ClientDisconnected:
         await gen.close()
@@ -400,18 +421,31 @@ async def _respond(request: Request, gen: _Generation, stream: bool,
         await gen.close()
         raise
     await gen.close()
-    return JSONResponse(make_response(finals).model_dump())
+    return Response(make_response(finals).model_dump_json(), media_type="application/json")
 
 
-async def _sse(gen: _Generation, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-    try:
-        async for chunk in chunks:
-            yield f"data: {chunk.model_dump_json()}\n\n"
-    except APIError as e:  # the response is already 200, so the error travels in the stream, as in vLLM
-        yield f"data: {ErrorResponse(error=e.info).model_dump_json()}\n\n"
-    finally:
-        await gen.close()
-    yield "data: [DONE]\n\n"
+class _EventStream(StreamingResponse):
+    """Server-sent events that close their generation however the response ends, including when the
+    client leaves before the body iterator ever starts (and so before any cleanup inside it could run)."""
+
+    def __init__(self, gen: _Generation, chunks: AsyncIterator[BaseModel]) -> None:
+        super().__init__(self._events(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.gen = gen
+
+    @staticmethod
+    async def _events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except APIError as e:  # the status is already 200, so the error travels in the stream, as in vLLM
+            yield f"data: {ErrorResponse(error=e.info).model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.gen.close()
 
 
 def _usage(finals: list[RequestOutput]) -> UsageInfo:
@@ -513,7 +547,10 @@ async def create_completion(request: Request, engine: AsyncLLM = Depends(_ready_
             text = _token_text(tid, entries[tid], tokenizer)
             result.tokens.append(text)
             result.token_logprobs.append(_lp(entries[tid].logprob))
-            result.top_logprobs.append({_token_text(t, lp, tokenizer): _lp(lp.logprob) for t, lp in entries.items()})
+            top: dict[str, float] = {}
+            for t, lp in entries.items():  # sampled token first, then by rank: a token text seen twice keeps the first
+                top.setdefault(_token_text(t, lp, tokenizer), _lp(lp.logprob))
+            result.top_logprobs.append(top)
             result.text_offset.append(offset)
             offset += len(text)
         return result, offset

@@ -40,6 +40,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return serve
 
 
+class _Default:
+    """Wraps a flag's default so `cmd_serve` can tell it from a typed value that a YAML entry must not override."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __str__(self) -> str:  # what `%(default)s` shows in --help
+        return str(self.value)
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help=f"HF model directory, .gguf file, or '{DEFAULT_MODEL}' (default)")
@@ -56,81 +66,82 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM/SIGINT")
     EngineArgs.add_cli_args(parser)
+    for action in parser._actions:
+        if action.default is not argparse.SUPPRESS:
+            action.default = _Default(action.default)
 
 
-def resolve_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Parse `argv` with a `--config` YAML file underneath it: command line > YAML > defaults.
+def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
+    """Unwrap the defaults, with a `--config` YAML file between them and the command line."""
+    typed = {k: v for k, v in vars(ns).items() if not isinstance(v, _Default)}
+    values = {k: v.value if isinstance(v, _Default) else v for k, v in vars(ns).items()}
+    if values["config"] is not None:
+        values.update({k: v for k, v in _read_config(values["config"]).items() if k not in typed})
+    # A positional MODEL on the command line beats a YAML `model` (which arrives as --model).
+    if "model" in typed and "model_flag" not in typed:
+        values["model_flag"] = None
+    return argparse.Namespace(**values)
 
-    YAML entries are turned into flags and parsed by the same parser, so they get the same type
-    checks and choices as typed flags, and appended flags win as they do on any command line.
-    """
-    ns = parser.parse_args(argv)
-    if ns.config is None:
-        return ns
+
+def _read_config(path: str) -> dict[str, Any]:
+    """The YAML entries as parsed flag values: turned into flags and parsed by the same parser, so they
+    get the same type checks and choices as typed ones."""
     try:
-        with open(ns.config, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as e:
-        parser.error(f"--config {ns.config}: {e}")
+        raise ValueError(f"--config {path}: {e}") from None
     if not isinstance(config, dict):
-        parser.error(f"--config {ns.config}: expected a mapping of flag names to values")
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_serve_args(parser)
     flags = {opt: action for action in parser._actions for opt in action.option_strings}
-    config_argv: list[str] = []
+    argv: list[str] = []
+    dests = []
     for key, value in config.items():
         flag = "--" + str(key).replace("_", "-")
         action = flags.get(flag)
         if action is None or flag == "--config":
-            parser.error(f"--config {ns.config}: unknown option {key!r}")
+            raise ValueError(f"--config {path}: unknown option {key!r}")
+        dests.append(action.dest)
         if action.nargs == 0:  # on/off flags
             if not isinstance(value, bool):
-                parser.error(f"--config {ns.config}: {key} must be true or false, got {value!r}")
+                raise ValueError(f"--config {path}: {key} must be true or false, got {value!r}")
             if isinstance(action, argparse.BooleanOptionalAction):
-                config_argv.append(flag if value else "--no-" + flag[2:])
+                argv.append(flag if value else "--no-" + flag[2:])
             elif value:
-                config_argv.append(flag)
+                argv.append(flag)
         elif value is not None:
-            config_argv += [flag, str(value)]
-    merged = parser.parse_args(config_argv + argv)
-    # The positional MODEL sits outside the flag ordering; on the command line it beats a YAML `model`.
-    if ns.model is not None and ns.model_flag is None:
-        merged.model_flag = None
-    return merged
+            argv += [flag, str(value)]
+    try:
+        parsed = vars(parser.parse_args(argv))
+    except argparse.ArgumentError as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    return {d: v.value if isinstance(v, _Default) else v for d, v in parsed.items() if d in dests}
 
 
 def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettings]:
     if ns.model is not None and ns.model_flag is not None and ns.model != ns.model_flag:
         raise ValueError(f"model given twice: {ns.model!r} and --model {ns.model_flag!r}")
+    if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
+        raise ValueError(f"max_waiting_requests must be >= 0, got {ns.max_waiting_requests}")
+    if ns.max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be positive, got {ns.max_request_body_bytes}")
+    if ns.shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be >= 0, got {ns.shutdown_timeout}")
     args = EngineArgs.from_cli_args(ns)
     root = args.model or DEFAULT_MODEL
     settings = ServerSettings(model_name=ns.served_model_name or root, model_root=root,
                               api_key=ns.api_key or os.environ.get("EMBER_API_KEY") or None,
                               max_body_bytes=ns.max_request_body_bytes, log_requests=ns.log_requests,
                               shutdown_timeout=ns.shutdown_timeout)
-    if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
-        raise ValueError(f"max_waiting_requests must be >= 0, got {ns.max_waiting_requests}")
-    if settings.max_body_bytes < 1:
-        raise ValueError(f"max_request_body_bytes must be positive, got {settings.max_body_bytes}")
-    if settings.shutdown_timeout < 0:
-        raise ValueError(f"shutdown_timeout must be >= 0, got {settings.shutdown_timeout}")
     return args, settings
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    if ns.config is not None:
-        ns = resolve_args(_serve_parser(), _argv_after("serve"))
+    ns = resolve_args(ns)
     args, settings = settings_from_args(ns)
     return asyncio.run(_serve(ns, args, settings))
-
-
-def _serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ember serve", description="Ember's OpenAI-compatible server")
-    add_serve_args(parser)
-    return parser
-
-
-def _argv_after(command: str) -> list[str]:
-    argv = sys.argv[1:]
-    return argv[argv.index(command) + 1:] if command in argv else argv
 
 
 class _Server(uvicorn.Server):
@@ -161,7 +172,7 @@ class _Server(uvicorn.Server):
             logger.warning("second %s: stopping now", signal.Signals(sig).name)
             self.should_exit = self.force_exit = True
             return
-        logger.info("%s: refusing new requests; running ones get up to %.0fs to finish",
+        logger.info("%s: refusing new requests; running ones get up to %gs to finish",
                     signal.Signals(sig).name, self.state.settings.shutdown_timeout)
         self._drain_task = asyncio.ensure_future(self._drain())
 
@@ -190,13 +201,21 @@ async def _load_in_daemon_thread(make: Callable[[], AsyncLLM]) -> AsyncLLM:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[AsyncLLM] = loop.create_future()
 
+    def settle(result: AsyncLLM | None, error: BaseException | None) -> None:
+        if future.done():  # cancelled: the server stopped while loading
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
     def run() -> None:
         try:
             result = make()
         except BaseException as e:  # delivered to the awaiting task
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
+            loop.call_soon_threadsafe(settle, None, e)
         else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            loop.call_soon_threadsafe(settle, result, None)
 
     threading.Thread(target=run, name="ember-load", daemon=True).start()
     return await future
@@ -241,11 +260,11 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs, settings: ServerSetti
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """`python -m ember.server.serve ...`, the same as `ember serve ...`."""
+    parser = argparse.ArgumentParser(prog="ember serve", description="Ember's OpenAI-compatible server")
+    add_serve_args(parser)
     try:
-        ns = resolve_args(_serve_parser(), argv)
-        args, settings = settings_from_args(ns)
-        return asyncio.run(_serve(ns, args, settings))
+        return cmd_serve(parser.parse_args(argv))
     except ValueError as e:  # bad flags, bad model files, a taken port: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,104 @@
+"""Batch-1 latency: time to first token (TTFT) and time per output token (TPOT).
+
+The design doc's setting: Llama-3.1-8B architecture with random bf16 weights, a 512-token prompt,
+256 output tokens; the roofline is weight bytes / memory bandwidth (about 3.7 ms per token on an H200).
+
+    python benchmarks/latency.py --model benchmarks/configs/llama-3.1-8b --load-format dummy
+    python benchmarks/latency.py --device cpu --input-len 128 --output-len 32     # the default model on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+if not __package__:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
+from ember import LLM, SamplingParams  # noqa: E402
+from ember.config import LOAD_FORMATS  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
+    """One request through engine.step(): seconds to the first token, then seconds per later step."""
+    engine = llm.llm_engine
+    device = engine.runner.device
+    engine.add_request(None, {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    _sync(device)
+    start = time.perf_counter()
+    ttft, steps, last = None, [], start
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        if outs and outs[0].outputs[0].token_ids:
+            if ttft is None:
+                ttft = now - start
+            else:
+                steps.append(now - last)
+        last = now
+    return ttft, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--num-iters", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--kv-cache-memory", type=float, default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    machine = machine_info()
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, max_num_seqs=8,
+              enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    measure(llm, [rng.randrange(vocab) for _ in range(16)], 8)  # warm-up: kernels compiled, caches touched
+    ttfts, tpots = [], []
+    for _ in range(args.num_iters):
+        ttft, steps = measure(llm, [rng.randrange(vocab) for _ in range(args.input_len)], args.output_len)
+        ttfts.append(ttft)
+        tpots.append(statistics.median(steps))
+    weight_gib = engine.runner.weight_bytes / 2**30
+    results = {
+        "ttft_ms": round(statistics.median(ttfts) * 1e3, 3),
+        "tpot_ms": round(statistics.median(tpots) * 1e3, 3),
+        "tpot_ms_all_iters": [round(t * 1e3, 3) for t in tpots],
+        "weights_gib": round(weight_gib, 3),
+        "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "device": str(engine.runner.device),
+        "cuda_graphs": engine.runner.graphs is not None,
+    }
+    print(f"{'input':>6} {'output':>6} {'TTFT ms':>9} {'TPOT ms':>9} {'weights GiB':>12}")
+    print(f"{args.input_len:>6} {args.output_len:>6} {results['ttft_ms']:>9.2f} {results['tpot_ms']:>9.3f} "
+          f"{weight_gib:>12.2f}")
+    name = os.path.basename(os.path.normpath(args.model)) if args.model else "smollm2-135m-instruct"
+    out = args.out or os.path.join(RESULTS_DIR, f"latency-{name}-{engine.runner.device.type}-{today()}.json")
+    write_json(out, {"benchmark": "latency", "date": today(), "machine": machine, "command": sys.argv,
+                     "config": vars(args), "results": results})
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

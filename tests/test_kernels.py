@@ -1,0 +1,317 @@
+"""Every Triton kernel in ember.kernels against its float32 PyTorch reference.
+
+Without a GPU the kernels run in Triton's interpreter on tiny shapes; on a GPU the same tests
+run compiled, and EMBER_KERNEL_TEST_FULL=1 switches to serving-sized shapes (B=64, contexts up to
+4096, Hk=8, head_dim 128).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+# The interpreter is chosen when the kernels are decorated, so this must precede the import below.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ember.kernels import (  # noqa: E402
+    apply_rotary, apply_rotary_ref, choose_num_splits, fused_add_rms_norm, fused_add_rms_norm_ref,
+    paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention,
+    paged_prefill_attention_ref, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref, store_kv,
+    store_kv_ref,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FULL = os.environ.get("EMBER_KERNEL_TEST_FULL") == "1"
+# Triton's interpreter truncates fp32 -> bf16 casts instead of rounding to nearest, so its bf16
+# results can be a few units in the last place off; compiled kernels round exactly like PyTorch.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+NUM_KV_HEADS = 8 if FULL else 2
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ATTN_TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+            torch.float16: dict(atol=4e-3, rtol=4e-3)}
+# A unit or two in the last place: elementwise kernels round where their references do.
+ELEMENTWISE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=2e-3),
+                   torch.bfloat16: dict(atol=3e-2, rtol=3e-2) if INTERPRETED else dict(atol=1e-2, rtol=1.6e-2)}
+# (block_size, GQA group, head_dim): every block size, group and head_dim appears at least once.
+GEOMETRIES = [(8, 1, 64), (16, 2, 128), (32, 4, 32), (16, 8, 80), (128, 4, 64), (8, 3, 128)]
+
+
+def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+def paged_kv(seq_lens: list[int], block_size: int, head_dim: int, dtype: torch.dtype,
+             gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches holding each context in shuffled blocks, and block tables padded with block 0.
+
+    Block 0, spare blocks and the slots past each context hold NaN, so a kernel that reads
+    anything outside a sequence's context poisons its output.
+    """
+    blocks = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = 1 + sum(blocks) + 3
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks + [1]) + 2, dtype=torch.int32)
+    for b, (n, nblocks) in enumerate(zip(seq_lens, blocks)):
+        own, ids = ids[:nblocks], ids[nblocks:]
+        tables[b, :nblocks] = torch.tensor(own, dtype=torch.int32)
+        slots = torch.tensor(own, dtype=torch.long)[:, None] * block_size + torch.arange(block_size)
+        slots = slots.flatten()[:n]
+        k_cache.view(-1, NUM_KV_HEADS, head_dim)[slots] = torch.randn(n, NUM_KV_HEADS, head_dim, generator=gen)
+        v_cache.view(-1, NUM_KV_HEADS, head_dim)[slots] = torch.randn(n, NUM_KV_HEADS, head_dim, generator=gen)
+    return k_cache.to(dtype=dtype, device=DEVICE), v_cache.to(dtype=dtype, device=DEVICE), tables.to(DEVICE)
+
+
+def assert_same_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-identical, except bf16 under the interpreter (see INTERPRETED)."""
+    if actual.dtype == torch.bfloat16 and INTERPRETED:
+        torch.testing.assert_close(actual, expected, **ELEMENTWISE_TOL[torch.bfloat16])
+    else:
+        assert torch.equal(actual, expected)
+
+
+def as_int32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+# ---------------------------------------------------------------- kv store
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_store_kv_writes_slots_and_skips_padding(dtype: torch.dtype, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    num_tokens, head_dim, num_blocks = (300, 128, 64) if FULL else (11, 80, 4)
+    # k and v as strided views of a fused qkv projection output, as the engine produces them.
+    qkv = randn(num_tokens, 3 * NUM_KV_HEADS * head_dim, gen=gen, dtype=dtype)
+    k = qkv[:, NUM_KV_HEADS * head_dim:2 * NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    v = qkv[:, 2 * NUM_KV_HEADS * head_dim:].view(num_tokens, NUM_KV_HEADS, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::4] = -1
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    k_cache, v_cache = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    store_kv(k, v, k_cache, v_cache, slots)
+    store_kv_ref(k, v, k_ref, v_ref, slots)
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+# ---------------------------------------------------------------- decode attention
+
+def decode_seq_lens(gen: torch.Generator) -> list[int]:
+    if FULL:
+        return [1, 7, 17, 4096] + torch.randint(1, 4097, (60,), generator=gen).tolist()
+    return [1, 7, 17, 130, 64]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, "auto"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,group,head_dim", GEOMETRIES)
+def test_decode_attention_matches_reference(block_size: int, group: int, head_dim: int, dtype: torch.dtype,
+                                            num_splits: int | str) -> None:
+    gen = torch.Generator().manual_seed(block_size * 100 + group * 10 + head_dim)
+    seq_lens = decode_seq_lens(gen)
+    k_cache, v_cache, tables = paged_kv(seq_lens, block_size, head_dim, dtype, gen)
+    q = randn(len(seq_lens), NUM_KV_HEADS * group, head_dim, gen=gen, dtype=dtype)
+    lens = as_int32(seq_lens)
+    scale = head_dim ** -0.5
+    # "auto" with a generous max_seq_len bound forces several splits even on tiny CPU shapes.
+    splits = dict(num_splits=None, max_seq_len=1024) if num_splits == "auto" else dict(num_splits=num_splits)
+
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, **splits)
+    ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+
+
+def test_decode_attention_auto_splits_from_table_width_and_out_buffer() -> None:
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [3, 300, 0, 45]  # a zero-length row is a padded CUDA-graph slot: its output is zeros
+    k_cache, v_cache, tables = paged_kv(seq_lens, 16, 64, torch.float32, gen)
+    q = randn(len(seq_lens), NUM_KV_HEADS * 4, 64, gen=gen)
+    out = torch.full_like(q, float("nan"))
+    lens = as_int32(seq_lens)
+
+    result = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=out)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
+
+    assert result is out
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+    assert torch.count_nonzero(out[2]) == 0
+
+
+def test_choose_num_splits_fills_the_gpu_only_when_needed() -> None:
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=32768, num_sms=132) == 32
+    assert choose_num_splits(batch=4, num_kv_heads=8, max_context=4096, num_sms=132) == 9
+    assert choose_num_splits(batch=4, num_kv_heads=8, max_context=600, num_sms=132) == 3
+    assert choose_num_splits(batch=64, num_kv_heads=8, max_context=4096, num_sms=132) == 1
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=200, num_sms=132) == 1
+
+
+# ---------------------------------------------------------------- prefill attention
+
+def prefill_chunks(gen: torch.Generator) -> list[tuple[int, int]]:
+    """(cached prefix length, query length) per sequence: fresh prompts, chunks over long prefixes,
+    one-token chunks, and a sequence with no queries this step."""
+    chunks = [(0, 1), (0, 7), (9, 1), (30, 17), (0, 40), (100, 3), (15, 0), (70, 33)]
+    if FULL:
+        ctx = torch.randint(0, 3000, (24,), generator=gen).tolist()
+        qlen = torch.randint(1, 513, (24,), generator=gen).tolist()
+        chunks += [(0, 1024), (3000, 1)] + list(zip(ctx, qlen))
+    return chunks
+
+
+def run_prefill(chunks: list[tuple[int, int]], block_size: int, group: int, head_dim: int,
+                dtype: torch.dtype, gen: torch.Generator, q_padding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    seq_lens = [c + n for c, n in chunks]
+    k_cache, v_cache, tables = paged_kv(seq_lens, block_size, head_dim, dtype, gen)
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    num_heads = NUM_KV_HEADS * group
+    # q_padding > 0 makes q a strided view of a wider (fused projection) buffer.
+    q_buf = randn(starts[-1], num_heads * head_dim + q_padding, gen=gen, dtype=dtype)
+    q = q_buf[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+    lens, qsl = as_int32(seq_lens), as_int32(starts)
+    max_q = max(n for _, n in chunks)
+    scale = head_dim ** -0.5
+
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, lens, qsl, max_q, scale)
+    ref = paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, qsl, max_q, scale)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,group,head_dim", GEOMETRIES)
+def test_prefill_attention_matches_reference(block_size: int, group: int, head_dim: int,
+                                             dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(block_size * 100 + group * 10 + head_dim)
+    out, ref = run_prefill(prefill_chunks(gen), block_size, group, head_dim, dtype, gen)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("chunks", [
+    [(0, 1), (5, 1), (63, 1), (64, 1)],   # all one-token queries: the smallest row tiles
+    [(0, 64), (0, 1)],                    # query blocks ending exactly on a K/V tile
+    [(127, 40), (0, 2)],                  # long prefix whose end straddles a tile boundary
+])
+def test_prefill_attention_edge_chunks_and_strided_q(chunks: list[tuple[int, int]]) -> None:
+    gen = torch.Generator().manual_seed(len(chunks))
+    out, ref = run_prefill(chunks, 16, 4, 64, torch.float32, gen, q_padding=96)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+
+
+def test_attention_rejects_bad_shapes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, tables = paged_kv([5], 16, 64, torch.float32, gen)
+    q = randn(1, NUM_KV_HEADS + 1, 64, gen=gen)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_decode_attention(q, k_cache, v_cache, tables, as_int32([5]), 0.125)
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_prefill_attention(randn(1, NUM_KV_HEADS, 64, gen=gen, dtype=torch.float16), k_cache, v_cache,
+                                tables, as_int32([5]), as_int32([0, 1]), 1, 0.125)
+
+
+# ---------------------------------------------------------------- rms norm
+
+HIDDEN_SIZES = [576, 1024, 4096]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+def test_rms_norm_matches_reference(hidden: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    rows = 256 if FULL else 5
+    x = randn(rows, hidden, gen=gen, dtype=dtype) * 3
+    weight = (1 + 0.1 * randn(hidden, gen=gen)).to(dtype)
+
+    y = rms_norm(x, weight, 1e-6)
+
+    assert y.dtype == dtype and y.shape == x.shape
+    torch.testing.assert_close(y.float(), rms_norm_ref(x, weight, 1e-6).float(), **ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+def test_fused_add_rms_norm_matches_reference(hidden: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(hidden + 1)
+    rows = 256 if FULL else 5
+    x, residual = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
+    weight = (1 + 0.1 * randn(hidden, gen=gen)).to(dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+
+    y, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+    y_ref, new_residual_ref = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+
+    assert_same_rounding(new_residual, new_residual_ref)  # one rounding of the same sum
+    torch.testing.assert_close(y.float(), y_ref.float(), **ELEMENTWISE_TOL[dtype])
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_strided_view(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, head_dim = (128, 32, 128) if FULL else (6, 4, 80)
+    qkv = randn(tokens, (heads + 2) * head_dim, gen=gen, dtype=dtype)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # row stride != heads * head_dim
+    weight = (1 + 0.1 * randn(head_dim, gen=gen)).to(dtype)
+
+    y = rms_norm(q, weight, 1e-6)
+
+    assert y.shape == q.shape
+    torch.testing.assert_close(y.float(), rms_norm_ref(q, weight, 1e-6).float(), **ELEMENTWISE_TOL[dtype])
+
+
+# ---------------------------------------------------------------- rotary
+
+def rotary_tables(head_dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 1), (80, 2), (32, 8)])
+def test_rotary_matches_hf_formula(head_dim: int, group: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(head_dim + group)
+    tokens, max_pos = (512, 8192) if FULL else (9, 4096)
+    num_heads = NUM_KV_HEADS * group
+    cos, sin = rotary_tables(head_dim, max_pos)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(DEVICE)
+    qkv = randn(tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, gen=gen, dtype=dtype)
+    q = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + NUM_KV_HEADS) * head_dim].view(tokens, NUM_KV_HEADS, head_dim)
+    qkv_before = qkv.clone()
+
+    q_rot, k_rot = apply_rotary(positions, q, k, cos, sin)
+    q_ref, k_ref = apply_rotary_ref(positions, q, k, cos, sin)
+
+    assert torch.equal(qkv, qkv_before)
+    assert_same_rounding(q_rot, q_ref)  # every product and sum rounded where HF rounds it
+    assert_same_rounding(k_rot, k_ref)
+
+
+# ---------------------------------------------------------------- activation
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [128, 1000, 2500])
+def test_silu_and_mul_matches_reference(inter: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(inter)
+    tokens = 300 if FULL else 4
+    x = randn(tokens, 2 * inter, gen=gen, dtype=dtype) * 4
+
+    y = silu_and_mul(x)
+
+    assert y.shape == (tokens, inter) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), silu_and_mul_ref(x).float(), **ELEMENTWISE_TOL[dtype])
