@@ -34,8 +34,8 @@ def git_commit() -> str | None:
         return out.stdout.strip() if out.returncode == 0 else None
 
     head = git("rev-parse", "HEAD")
-    if head is None:
-        return None
+    if head is None:  # a copy without .git (e.g. on a lent GPU machine): the caller may say which commit it is
+        return os.environ.get("EMBER_COMMIT")
     return head + ("+dirty" if git("status", "--porcelain") else "")
 
 

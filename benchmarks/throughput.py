@@ -31,6 +31,7 @@ from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # no
 from ember import LLM, SamplingParams  # noqa: E402
 from ember.config import DEFAULT_MODEL, LOAD_FORMATS  # noqa: E402
 from ember.model.loader import resolve_model  # noqa: E402
+from ember.runner.model_runner import GpuIdleTimer  # noqa: E402
 
 TEMPERATURE = 0.6
 DESIGN_OUTPUT_TOKENS = 133_966  # the design doc's 256 requests with the default ranges
@@ -130,14 +131,19 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
           f"{workload.output_tokens} output tokens")
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
+    timer_gpu = GpuIdleTimer() if engine.runner.device.type == "cuda" else None
+    engine.runner.idle_timer = timer_gpu
     with Timer() as timer:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+    gpu = {} if timer_gpu is None else {
+        "gpu_idle_between_steps_s": round(timer_gpu.idle_s, 3), "gpu_busy_in_steps_s": round(timer_gpu.busy_s, 3),
+        "steps": timer_gpu.steps, "cuda_graphs": engine.runner.graphs is not None}
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     if generated != workload.output_tokens:
         print(f"WARNING: Ember generated {generated} tokens, the workload asks for {workload.output_tokens}")
     del llm, outputs
     gc.collect()  # the HF peer shares this process's memory
-    ember = result(workload, generated, timer, load_s=round(load.wall, 2), warmup_s=round(warmup.wall, 2))
+    ember = result(workload, generated, timer, load_s=round(load.wall, 2), warmup_s=round(warmup.wall, 2), **gpu)
     return ember, resolved, workload
 
 

@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run through Triton's interpreter; it must be chosen before the
+# first `@triton.jit` runs, i.e. before anything imports ember.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # EMBER_TEST_DEVICE=cuda runs the reference-equality tests on a GPU (float32 on both sides).
 DEVICE = os.environ.get("EMBER_TEST_DEVICE", "cpu")
 

@@ -152,8 +152,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Never reads device values on the host, so it can be captured in a CUDA graph: the split
     count comes from `num_splits`, else from `max_seq_len` (a host int the caller knows), else
-    from the block table's width. Under graph capture pass `num_splits` or `max_seq_len` fixed
-    for the graph, since the split count is baked into the launch.
+    from the block table's width. A captured graph keeps the split count it was captured with;
+    every count is correct for every length (splits divide each sequence's own context), so a
+    stale one only costs speed.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ember.model.backend import use_triton
+
 
 @dataclass
 class AttentionMetadata:
@@ -30,7 +32,7 @@ class AttentionMetadata:
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]."""
-    if k.is_cuda:
+    if use_triton(k):
         from ember.kernels import store_kv as store_kv_kernel
 
         store_kv_kernel(k, v, k_cache, v_cache, slot_mapping)
@@ -43,7 +45,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Keys/values for the new tokens must already be stored."""
     out = torch.empty_like(q)
-    if q.is_cuda:
+    if use_triton(q):
         _triton_attention(q, k_cache, v_cache, meta, scale, out)
     else:
         _torch_attention(q, k_cache, v_cache, meta, scale, out)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.model.backend import use_triton
+
 
 class RMSNorm(nn.Module):
     """RMSNorm, optionally fused with the residual add that precedes it (one kernel on CUDA).
@@ -27,7 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda:
+        if use_triton(x):
             from ember.kernels import fused_add_rms_norm, rms_norm
 
             if residual is None:
@@ -81,7 +83,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]."""
-        if q.is_cuda:
+        if use_triton(q):
             from ember.kernels import apply_rotary
 
             return apply_rotary(positions, q, k, self.cos, self.sin)
@@ -106,7 +108,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if x.is_cuda:
+        if use_triton(x):
             from ember.kernels import silu_and_mul
 
             return self.down_proj(silu_and_mul(gate_up))

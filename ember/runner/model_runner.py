@@ -285,6 +285,8 @@ class ModelRunner:
         if self.idle_timer is not None:
             self.idle_timer.step_end()
         if out is None:
+            if self.device.type == "cuda":  # the next step refills the pinned input buffers: let the copies land
+                torch.cuda.current_stream(self.device).synchronize()
             return StepOutput([], [], [])
         tokens = out.sampled_token_ids.tolist()
         logprobs: list[tuple[list[tuple[int, float]], int] | None] = [None] * len(reqs)
