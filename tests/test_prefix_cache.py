@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from conftest import DEVICE
 from ember import LLM, SamplingParams
 from ember.engine.block_manager import BlockManager
 from ember.engine.request import Request
@@ -24,7 +25,8 @@ def test_outputs_identical_with_and_without_prefix_caching(llama_dir):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     results = {}
     for enabled in (False, True):
-        llm = LLM(str(llama_dir), kv_cache_memory=0.05, enable_prefix_caching=enabled)
+        llm = LLM(str(llama_dir), kv_cache_memory=0.05, enable_prefix_caching=enabled, device=DEVICE,
+                  dtype="float32")
         # Two rounds: the second round finds the first round's blocks in the cache.
         bm = llm.llm_engine.block_manager
         first = llm.generate(prompts, params, use_tqdm=False)

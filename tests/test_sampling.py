@@ -334,3 +334,24 @@ def test_no_logprobs_requested() -> None:
     out = Sampler()(random_logits(2, 10), make_batch([SamplingParams()] * 2, 10))
     assert out.logprobs is None and out.logprob_token_ids is None
     assert out.sampled_token_ids.shape == (2,) and out.sampled_token_ids.dtype == torch.int64
+
+
+@pytest.mark.parametrize("case", ["k", "p", "kp", "mixed", "flat"])
+def test_candidate_top_k_top_p_keeps_the_same_tokens_as_a_full_sort(case, monkeypatch):
+    from ember.sampling import sampler
+
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 6, 5000
+    logits = torch.randn(rows, vocab, generator=gen) * (0.5 if case == "flat" else 4.0)
+    top_k = torch.tensor([5, 50, vocab, 700, 1, vocab]) if "k" in case or case == "mixed" else None
+    top_p = torch.tensor([0.9, 0.5, 0.95, 1.0, 0.7, 0.8]) if "p" in case or case in ("mixed", "flat") else None
+    monkeypatch.setattr(sampler, "TOP_CANDIDATES", 256)
+    fast = sampler._top_k_top_p_candidates(logits.clone(), top_k, top_p)
+    full = sampler.apply_top_k_top_p_sorted(logits.clone(), top_k, top_p)
+    if case == "flat":
+        assert fast is None  # flat distributions: the nucleus needs more than 256 candidates
+        assert torch.equal(sampler.apply_top_k_top_p(logits.clone(), top_k, top_p).isinf(), full.isinf())
+        return
+    assert fast is not None
+    assert torch.equal(fast.isinf(), full.isinf())
+    assert torch.equal(fast[~fast.isinf()], logits[~fast.isinf()])

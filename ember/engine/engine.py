@@ -51,6 +51,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     seqs: list[_Sequence]
     error: str | None = None
+    final_only: bool = False  # report only the final output (offline use): no per-step output objects
 
     @property
     def finished(self) -> bool:
@@ -129,7 +130,7 @@ class LLMEngine:
         return list(ids)
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> "PreparedRequest":
+                     arrival_time: float | None = None, final_only: bool = False) -> "PreparedRequest":
         """Tokenize and validate without touching engine state, so front ends may call it from any thread.
 
         Raises ValueError when the request can never run.
@@ -155,7 +156,7 @@ class LLMEngine:
                           eos_token_ids=self.eos_token_ids, generator=generator, parent_id=request_id,
                           index=i, arrival_time=arrival)
             seqs.append(_Sequence(req, IncrementalDetokenizer(self.tokenizer, ids, child)))
-        return PreparedRequest(request_id, text, ids, seqs)
+        return PreparedRequest(request_id, text, ids, seqs, final_only=final_only)
 
     def add_prepared(self, parent: "PreparedRequest") -> None:
         if parent.request_id in self._parents:
@@ -165,12 +166,15 @@ class LLMEngine:
             self.scheduler.add(s.request)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue a request; raises ValueError (and queues nothing) when it can never run."""
+                    arrival_time: float | None = None, final_only: bool = False) -> str:
+        """Validate and queue a request; raises ValueError (and queues nothing) when it can never run.
+
+        With `final_only`, `step()` returns this request's output only once, when it finishes.
+        """
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.add_prepared(self.make_request(request_id, prompt, params, arrival_time))
+        self.add_prepared(self.make_request(request_id, prompt, params, arrival_time, final_only))
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -226,7 +230,7 @@ class LLMEngine:
             changed[parent.request_id] = parent
         outputs = self._fail(set(failed), *failed.values()) if failed else []
         for parent in changed.values():
-            if parent.request_id in failed:
+            if parent.request_id in failed or (parent.final_only and not parent.finished):
                 continue
             outputs.append(self._make_output(parent))
             if parent.finished:

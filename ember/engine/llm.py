@@ -69,7 +69,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p))
+                ids.append(engine.add_request(None, prompt, p, final_only=True))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -215,7 +215,60 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+# Candidates examined before falling back to a full-vocabulary sort: nuclei of real models are
+# almost always far smaller, and torch.topk over a vocabulary is much cheaper than a sort.
+TOP_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask everything outside each row's top-k and then its top-p nucleus.
+
+    Tries the `TOP_CANDIDATES` largest logits first; only when some row's nucleus may extend past
+    them does it sort the whole vocabulary. Both paths keep the same tokens.
+    """
+    masked = _top_k_top_p_candidates(logits, top_k, top_p)
+    return masked if masked is not None else apply_top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def _top_k_top_p_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The candidate path of `apply_top_k_top_p`; None when a full sort is needed."""
+    vocab_size = logits.shape[1]
+    none = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    k_on = none if top_k is None else top_k < vocab_size
+    p_on = none if top_p is None else top_p < 1.0
+    num = TOP_CANDIDATES if top_p is not None else 1
+    if top_k is not None:
+        num = max(num, int(top_k.masked_fill(~k_on, 1).max()))
+    num = min(num, vocab_size)
+    # One extra candidate shows whether a tie with the k-th value continues past the candidates.
+    values, _ = logits.topk(min(num + 1, vocab_size), dim=-1)  # sorted, largest first
+    next_value, values = values[:, num:], values[:, :num]
+    keep = torch.ones_like(values, dtype=torch.bool)
+    if top_k is not None:
+        kth = values.gather(1, (top_k.clamp(max=num) - 1).unsqueeze(1))
+        keep &= (values >= kth) | ~k_on.unsqueeze(1)
+        if next_value.numel() and bool((k_on.unsqueeze(1) & (next_value == kth)).any()):
+            return None
+    if top_p is not None:
+        kept = values.masked_fill(~keep, float("-inf"))
+        # Probabilities renormalised over what top-k kept (the whole vocabulary without top-k).
+        log_norm = torch.where(k_on.unsqueeze(1), torch.logsumexp(kept, dim=-1, keepdim=True),
+                               torch.logsumexp(logits, dim=-1, keepdim=True))
+        probs = (kept - log_norm).exp()
+        if num < vocab_size and bool((p_on & ~k_on & (probs.sum(dim=-1) < top_p)).any()):
+            return None  # some nucleus reaches past the candidates
+        above = probs.cumsum(dim=-1) - probs  # mass strictly above each candidate
+        keep &= (above < top_p.unsqueeze(1)) | ~p_on.unsqueeze(1)
+    threshold = values.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    threshold = threshold.masked_fill(~(k_on | p_on).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p_sorted(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
     """One ascending sort serves both filters.

@@ -1,0 +1,1 @@
+"""`ember bench ...`: benchmark clients that ship with Ember (`ember bench serve`)."""
