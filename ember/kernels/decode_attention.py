@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.attention_ref import attention_ref, gather_context
-from ember.kernels.paged import check_paged_args, dot_dtype, dot_precision
+from ember.kernels.paged import attend_tile, check_paged_args, dot_dtype, dot_precision
 
 _LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, D=128): these reach 3.3-4.3 TB/s; BLOCK_N=128 or 8 warps were no better.
@@ -68,25 +68,13 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # The query sits at position seq_len - 1, so the causal mask reduces to the split's end.
+    q_pos = tl.full([GROUP_PAD], seq_len - 1, tl.int32)
     for tile in range(start, end, BLOCK_N):
-        pos = tile + tl.arange(0, BLOCK_N)
-        pos_mask = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(pos_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, tile, end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
+            BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, PRECISION)
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:

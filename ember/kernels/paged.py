@@ -39,3 +39,36 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs multiply in full precision: TF32 would lose the fp32 path's parity with HF."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def attend_tile(
+    q, m_i, l_i, acc, tile, kv_end, q_pos,
+    k_cache_ptr, v_cache_ptr, table, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    qk_scale, dims, dim_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step over context positions [tile, tile + BLOCK_N), shared by the decode and
+    prefill kernels. MASKED hides positions at or past `kv_end` and past each row's own position
+    `q_pos`; tiles wholly inside every row's visible range skip it."""
+    pos = tile + tl.arange(0, BLOCK_N)
+    pos_mask = pos < kv_end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    kv_mask = pos_mask[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+    return m_new, l_i, acc

@@ -20,41 +20,10 @@ import triton
 import triton.language as tl
 
 from ember.kernels.attention_ref import attention_ref, gather_context
-from ember.kernels.paged import check_paged_args, dot_dtype, dot_precision
+from ember.kernels.paged import attend_tile, check_paged_args, dot_dtype, dot_precision
 
 _LOG2E = 1.4426950408889634
 _NUM_STAGES = 3
-
-
-@triton.jit
-def _attend_tile(
-    q, m_i, l_i, acc, tile, kv_end, q_pos,
-    k_cache_ptr, v_cache_ptr, table, kv_head,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    qk_scale, dims, dim_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """One online-softmax step over context positions [tile, tile + BLOCK_N)."""
-    pos = tile + tl.arange(0, BLOCK_N)
-    pos_mask = pos < kv_end
-    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-    offset = pos % BLOCK_SIZE
-    kv_mask = pos_mask[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if CAUSAL:
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -101,12 +70,12 @@ def _prefill_kernel(
     kv_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)
     unmasked_end = (context_len + first_q + 1) // BLOCK_N * BLOCK_N
     for tile in range(0, unmasked_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
             BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, PRECISION)
     for tile in range(unmasked_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
             BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, PRECISION)
