@@ -49,10 +49,13 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         i = 0
+        block_size = self.block_manager.block_size
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate(request, n):
+            # Most decodes still have room in their last block: no allocation to ask for.
+            fits = request.num_computed_tokens + n <= len(request.block_ids) * block_size
+            while not fits and not self.block_manager.allocate(request, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -93,9 +96,12 @@ class Scheduler:
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance computed-token counts and publish newly filled blocks to the prefix cache."""
+        block_size = self.block_manager.block_size
         for request, n in zip(batch.requests, batch.num_new_tokens):
+            before = request.num_computed_tokens // block_size
             request.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(request)
+            if request.num_computed_tokens // block_size > before:  # a block filled up
+                self.block_manager.cache_full_blocks(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request, wherever it is, and free its blocks at once."""
