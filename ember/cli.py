@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.server.serve import add_serve_parser
 
     add_serve_parser(sub)
+    from ember.bench.serve import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,303 @@
+"""`ember bench serve`: against a real `ember serve` on the tiny llama checkpoint, and against canned responses."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from ember import cli
+from ember.bench import serve as bench
+
+MAX_MODEL_LEN = 128
+RESULT_KEYS = {
+    "completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
+    "input_throughput", "output_throughput", "total_token_throughput", "max_concurrency_observed",
+    "failures_by_kind", "errors",
+    *(f"{stat}_{metric}_ms" for stat in bench.STATS for metric in ("ttft", "tpot", "itl", "e2el")),
+}
+REQUEST_KEYS = {"success", "error", "start_s", "prompt_tokens", "max_tokens", "output_tokens", "ttft_ms", "tpot_ms",
+                "e2el_ms"}
+
+
+# ---- a real server ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server_url(llama_dir):
+    """`ember serve` in a subprocess on a free port; its start-up log line says which."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ember.server.serve", str(llama_dir), "--port", "0", "--device", "cpu",
+         "--kv-cache-memory", "0.05", "--max-model-len", str(MAX_MODEL_LEN)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    url, log, deadline = None, [], time.monotonic() + 120
+    while url is None and time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        log.append(line)
+        if m := re.search(r"serving .* at (http://\S+) on", line):
+            url = m.group(1)
+    try:
+        assert url is not None, "ember serve did not start:\n" + "".join(log)
+        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+            assert resp.status == 200
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_bench(tmp_path, *flags: str) -> tuple[int, dict]:
+    out = tmp_path / "result.json"
+    rc = cli.main(["bench", "serve", "--vocab-size", "512", "--disable-tqdm", "--result-file", str(out), *flags])
+    return rc, json.loads(out.read_text())
+
+
+def check_consistent(doc: dict, n: int) -> None:
+    r = doc["results"]
+    assert RESULT_KEYS <= set(r)
+    assert {"benchmark", "date", "label", "machine", "command", "server", "config", "results", "requests"} <= set(doc)
+    assert {"hostname", "cpu", "torch", "ember_commit"} <= set(doc["machine"])
+    assert len(doc["requests"]) == n and all(REQUEST_KEYS <= set(q) for q in doc["requests"])
+    ok = [q for q in doc["requests"] if q["success"]]
+    assert r["completed"] == len(ok) and r["failed"] == n - len(ok)
+    for q in ok:
+        assert 0 < q["ttft_ms"] <= q["e2el_ms"]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        if ok:
+            assert r[f"median_{metric}_ms"] <= r[f"p90_{metric}_ms"] <= r[f"p99_{metric}_ms"]
+        else:
+            assert r[f"median_{metric}_ms"] is r[f"p99_{metric}_ms"] is None
+    assert r["request_throughput"] == pytest.approx(r["completed"] / r["duration_s"], rel=1e-3)
+    assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration_s"], rel=1e-3)
+    assert r["total_output_tokens"] == sum(q["output_tokens"] for q in ok)
+    assert r["total_input_tokens"] == sum(q["prompt_tokens"] for q in ok)
+
+
+def test_all_at_once_fixed_lengths(server_url, tmp_path):
+    rc, doc = run_bench(tmp_path, "--base-url", server_url, "--num-prompts", "12", "--dataset", "fixed",
+                        "--random-input-len", "16", "--random-output-len", "8", "--label", "inf")
+    assert rc == 0
+    check_consistent(doc, 12)
+    r = doc["results"]
+    assert (r["completed"], r["failed"]) == (12, 0), r["errors"]
+    assert all(q["prompt_tokens"] == 16 and q["output_tokens"] == 8 for q in doc["requests"])
+    assert r["total_output_tokens"] == 96 and r["total_input_tokens"] == 192
+    assert 1 < r["max_concurrency_observed"] <= 12
+    assert doc["server"]["model"] == doc["server"]["models"][0]["id"]  # found through /v1/models
+    assert doc["label"] == "inf" and doc["config"]["request_rate"] is None
+    assert "api_key" not in doc["config"]
+
+
+def test_poisson_arrivals_with_concurrency_cap(server_url, tmp_path):
+    rc, doc = run_bench(tmp_path, "--base-url", server_url, "--num-prompts", "12", "--request-rate", "30",
+                        "--max-concurrency", "4", "--random-input-len", "16", "--random-output-len", "8",
+                        "--random-range-ratio", "0.5", "--seed", "3")
+    assert rc == 0
+    check_consistent(doc, 12)
+    r = doc["results"]
+    assert r["completed"] == 12, r["errors"]
+    reqs = doc["requests"]
+    assert all(q["output_tokens"] == q["max_tokens"] for q in reqs)  # ignore_eos: exactly the lengths asked for
+    assert all(4 <= q["max_tokens"] <= 12 and 8 <= q["prompt_tokens"] <= 24 for q in reqs)
+    assert len({q["max_tokens"] for q in reqs}) > 1
+    assert r["max_concurrency_observed"] <= 4
+    assert max(q["start_s"] for q in reqs) > 0  # spread out in time, not all at once
+    assert doc["config"]["request_rate"] == 30
+
+
+def test_chat_endpoint(server_url, tmp_path):
+    rc, doc = run_bench(tmp_path, "--base-url", server_url, "--endpoint", "/v1/chat/completions",
+                        "--num-prompts", "4", "--dataset", "fixed", "--input-len", "3", "--output-len", "6")
+    assert rc == 0
+    check_consistent(doc, 4)
+    assert doc["results"]["completed"] == 4, doc["results"]["errors"]
+    # input tokens come from the server's usage: the chat template's tokens are counted too
+    assert all(q["output_tokens"] == 6 and q["prompt_tokens"] > 3 for q in doc["requests"])
+
+
+def test_requests_beyond_the_context_fail_cleanly(server_url, tmp_path):
+    rc, doc = run_bench(tmp_path, "--base-url", server_url, "--num-prompts", "4", "--dataset", "fixed",
+                        "--random-input-len", str(MAX_MODEL_LEN + 10), "--random-output-len", "8")
+    assert rc == 1  # nothing succeeded; the report and the file are complete all the same
+    check_consistent(doc, 4)
+    r = doc["results"]
+    assert (r["completed"], r["failed"]) == (0, 4)
+    assert r["failures_by_kind"] == {"HTTP 400": 4}
+    assert sum(e["count"] for e in r["errors"]) == 4
+    assert "context length" in r["errors"][0]["message"]
+    assert r["mean_ttft_ms"] is None and r["request_throughput"] == 0
+
+
+def test_server_down(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    assert cli.main(["bench", "serve", "--base-url", url, "--num-prompts", "2"]) == 2  # no model to ask for
+    rc, doc = run_bench(tmp_path, "--base-url", url, "--model", "m", "--num-prompts", "3")
+    assert rc == 1
+    assert doc["results"]["failures_by_kind"] == {"ConnectionRefusedError": 3}
+
+
+# ---- the client against canned responses ------------------------------------------------------------
+
+
+def sse(*events: object) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def chunked(body: bytes, size: int) -> bytes:
+    parts = [body[i:i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\nX-Trailer: 1\r\n\r\n"
+
+
+def completion(text: str, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}
+STREAM = sse(completion("a"), completion("b"), completion("cd"), completion("", "length"), USAGE, "[DONE]")
+
+
+def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = False):
+    """Run one request through `send_request` against a server that answers `response` in small pieces."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+        body = json.loads(await reader.readexactly(length))
+        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+        if hang:
+            await asyncio.sleep(10)
+        for i in range(0, len(response), piece):
+            writer.write(response[i:i + piece])
+            await writer.drain()
+            await asyncio.sleep(pause)
+        writer.close()
+
+    async def main() -> bench.RequestResult:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        spec = bench.RequestSpec([1, 2, 3], 3, 4)
+        args = argparse.Namespace(endpoint=bench.COMPLETIONS, temperature=0.0, ignore_eos=True, extra_body=None)
+        try:
+            return await bench.send_request(f"http://127.0.0.1:{port}/v1/completions",
+                                            bench.request_body(args, "m", spec), {}, False, spec,
+                                            timeout=0.5 if hang else 10, t0=time.perf_counter(),
+                                            in_flight=bench._InFlight())
+        finally:
+            server.close()
+
+    return asyncio.run(main())
+
+
+def test_chunked_sse_split_anywhere():
+    head = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" \
+           b"Transfer-Encoding: chunked\r\n\r\n"
+    res = canned(head + chunked(STREAM.replace(b"\n", b"\r\n"), 11))
+    assert res.success, res.error
+    assert (res.prompt_tokens, res.output_tokens, res.text_chunks, len(res.itl)) == (5, 4, 3, 2)
+    assert 0 < res.ttft <= res.e2e and res.tpot == pytest.approx((res.e2e - res.ttft) / 3)
+
+
+def test_body_without_length_and_without_usage():
+    body = sse(completion("a"), completion("b", "stop"), "[DONE]")
+    res = canned(b"HTTP/1.0 200 OK\r\n\r\n" + body)
+    assert res.success, res.error
+    assert res.output_tokens == 2 and res.prompt_tokens is None and res.input_tokens == 3
+
+
+def test_error_status_with_content_length():
+    body = json.dumps({"error": {"message": "bad things", "type": "invalid_request_error"}}).encode()
+    res = canned(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    assert not res.success and res.error == "HTTP 400: bad things"
+
+
+@pytest.mark.parametrize("response, kind", [
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(STREAM, 20)[:45], "IncompleteReadError"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + STREAM[:50], "ProtocolError"),
+    (b"HTTP/1.1 200 OK\r\n\r\n" + sse(completion("a"), {"error": {"message": "engine died"}}, "[DONE]"),
+     "error event in the stream"),
+    (b"garbage\r\n\r\n", "ProtocolError"),
+    (b"", "ProtocolError"),
+])
+def test_broken_responses_are_failures(response, kind):
+    res = canned(response)
+    assert not res.success and bench._error_kind(res.error) == kind, res.error
+
+
+def test_timeout():
+    start = time.monotonic()
+    res = canned(b"HTTP/1.1 200 OK\r\n\r\n" + STREAM, hang=True)
+    assert not res.success and bench._error_kind(res.error) == "timeout"
+    assert time.monotonic() - start < 5
+
+
+# ---- workload and statistics ----------------------------------------------------------------------------
+
+
+def workload_args(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_serve_bench_args(p)
+    ns = p.parse_args([])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_workload_is_seeded_and_in_range():
+    args = workload_args(num_prompts=50, random_input_len=100, random_output_len=20, random_range_ratio=0.5,
+                         vocab_size=300)
+    specs = bench.make_requests(args)
+    assert [s.prompt for s in specs] == [s.prompt for s in bench.make_requests(args)]
+    assert all(50 <= s.prompt_len == len(s.prompt) <= 150 and 10 <= s.output_len <= 30 for s in specs)
+    assert all(100 <= t < 300 for s in specs for t in s.prompt)
+    args.dataset = "fixed"
+    assert {(s.prompt_len, s.output_len) for s in bench.make_requests(args)} == {(100, 20)}
+    times = bench.arrival_times(2000, 50.0, 0)
+    assert times == sorted(times) and times[0] == 0
+    assert times[-1] / 1999 == pytest.approx(1 / 50, rel=0.1)
+    assert bench.arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+
+
+def test_percentiles_match_numpy():
+    np = pytest.importorskip("numpy")
+    values = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4, 0.45]
+    d = bench.distribution(values)
+    ms = np.array(values) * 1e3
+    assert d["median"] == pytest.approx(np.percentile(ms, 50), abs=1e-3)
+    assert d["p90"] == pytest.approx(np.percentile(ms, 90), abs=1e-3)
+    assert d["p99"] == pytest.approx(np.percentile(ms, 99), abs=1e-3)
+    assert d["std"] == pytest.approx(ms.std(), abs=1e-3)
+    assert bench.distribution([]) == dict.fromkeys(bench.STATS)
+
