@@ -34,11 +34,8 @@ import datetime
 import json
 import math
 import os
-import platform
 import random
-import socket
 import ssl
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -46,6 +43,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from ember.bench.machine import basic_machine_info
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -591,34 +590,6 @@ def print_report(summary: dict[str, Any], label: str | None) -> None:
 # ---- machine and code -----------------------------------------------------------------------------
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _ember_commit() -> str | None:
-    """HEAD (+dirty) of the checkout Ember runs from, when it is one; else $EMBER_COMMIT."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD") if os.path.exists(os.path.join(root, ".git")) else None
-    if head is None:
-        return os.environ.get("EMBER_COMMIT")
-    return head + ("+dirty" if git("status", "--porcelain") else "")
-
-
 def client_machine_info() -> dict[str, Any]:
     """The machine the client ran on (often the server's too); no torch import needed."""
     from importlib import metadata
@@ -629,13 +600,7 @@ def client_machine_info() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             return None
 
-    try:
-        loadavg: list[float] | None = [round(x, 2) for x in os.getloadavg()]
-    except (OSError, AttributeError):
-        loadavg = None
-    return {"hostname": socket.gethostname(), "cpu": _cpu_model(), "cores": os.cpu_count(),
-            "python": platform.python_version(), "torch": version("torch"), "ember": version("ember"),
-            "ember_commit": _ember_commit(), "loadavg": loadavg}
+    return {**basic_machine_info(), "torch": version("torch"), "ember": version("ember")}
 
 
 def _raise_open_files_limit(needed: int) -> None:
