@@ -71,3 +71,27 @@ def test_default_gguf_matches_transformers():
     chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in
              ("What is the capital of France?", "Write a haiku about the sea.", "用中文介绍一下你自己。")]
     assert_matches_hf(llm, hf, ["The history of the Roman Empire", "def fibonacci(n):"] + chats)
+
+
+def test_prompt_logprobs_match_transformers(checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    path = str(checkpoints["qwen2"])
+    # A small token budget splits the prompt over several chunks; the repeat would hit the prefix cache.
+    llm = LLM(path, kv_cache_memory=0.05, max_num_batched_tokens=16, device=DEVICE, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE)
+    prompt = {"prompt_token_ids": [(7 * i + 3) % 500 + 5 for i in range(45)]}
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    first, again = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+    ids = prompt["prompt_token_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids], device=DEVICE)).logits[0].float(), dim=-1).cpu()
+    for out in (first, again):
+        assert out.num_cached_tokens == 0
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        for pos in range(1, len(ids)):
+            entry = out.prompt_logprobs[pos]
+            assert entry[ids[pos]].logprob == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=2e-3)
+            assert entry[ids[pos]].rank == int((ref[pos - 1] > ref[pos - 1, ids[pos]]).sum()) + 1
+            top = torch.topk(ref[pos - 1], 3).indices.tolist()
+            assert set(top) <= set(entry)

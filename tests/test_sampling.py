@@ -82,6 +82,8 @@ def random_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
         ("stop_token_ids", {"stop_token_ids": 5}),
         ("logprobs", {"logprobs": 21}),
         ("logprobs", {"logprobs": -1}),
+        ("prompt_logprobs", {"prompt_logprobs": 21}),
+        ("prompt_logprobs", {"prompt_logprobs": "3"}),
         ("ignore_eos", {"ignore_eos": 1}),
         ("skip_special_tokens", {"skip_special_tokens": None}),
     ],

@@ -133,6 +133,28 @@ def test_token_id_prompts_and_echo(server, client):
     assert streamed == "Large language models" + by_text
 
 
+def test_echo_with_logprobs_covers_the_prompt(server, client):
+    ids = server.post("/tokenize", {"prompt": "Large language models"}).json()["tokens"]
+    plain = client.completions.create(model=MODEL, prompt=ids, logprobs=2, **GREEDY).choices[0]
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(model=MODEL, prompt=ids, logprobs=2, echo=True, stream=True,
+                                                    **GREEDY))
+            lp = chunks[0].choices[0].logprobs
+            for c in chunks[1:]:
+                if c.choices and c.choices[0].logprobs:
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(lp, name).extend(getattr(c.choices[0].logprobs, name))
+        else:
+            lp = client.completions.create(model=MODEL, prompt=ids, logprobs=2, echo=True, **GREEDY).choices[0].logprobs
+        n = len(ids)
+        assert len(lp.tokens) == n + len(plain.logprobs.tokens)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+        assert lp.token_logprobs[n:] == plain.logprobs.token_logprobs
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
 def test_completion_logprobs(client):
     out = client.completions.create(model=MODEL, prompt="def add(a, b):", logprobs=3, **GREEDY)
     lp = out.choices[0].logprobs
@@ -240,7 +262,6 @@ ERRORS = [
     (COMPLETIONS, {"prompt": []}, "prompt"),
     (COMPLETIONS, {"prompt": [1, 99999]}, "prompt"),
     (COMPLETIONS, {}, "prompt"),
-    (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     (COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     (CHAT, {"messages": []}, "messages"),

@@ -61,8 +61,11 @@ class BlockManager:
             hashes.append(hash_block(parent, self._block_tokens(request, len(hashes))))
 
     def match_prefix(self, request: Request) -> list[int]:
-        """Cached blocks holding a prefix of the request's tokens; at least one token is left to compute."""
-        if not self.enable_prefix_caching:
+        """Cached blocks holding a prefix of the request's tokens; at least one token is left to compute.
+
+        A request that wants prompt logprobs gets none: cached positions would have no logits.
+        """
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._ensure_hashes(request, max_blocks)

@@ -212,6 +212,10 @@ class LLMEngine:
             logger.exception("model step failed; aborting the %d requests in the batch", len(batch))
             return self._fail({r.parent_id for r in batch.requests}, e)
         self.scheduler.after_step(batch)
+        for req, entries in result.prompt_logprobs.items():
+            for position, pairs, rank in entries:
+                if position == len(req.prompt_logprobs):  # not already there from before a preemption
+                    req.prompt_logprobs.append(make_logprobs(self.tokenizer, pairs, rank))
         now = time.monotonic()
         changed: dict[str, PreparedRequest] = {}
         failed: dict[str, Exception] = {}
@@ -300,4 +304,4 @@ class LLMEngine:
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=parent.finished,
                              num_cached_tokens=max(parent.seqs[0].request.num_cached_tokens, 0),
-                             error=parent.error)
+                             error=parent.error, prompt_logprobs=parent.seqs[0].request.prompt_logprobs)

@@ -37,6 +37,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed inside the engine (finish_reason is then "abort")
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
 
 
 class IncrementalDetokenizer:

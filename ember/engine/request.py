@@ -55,6 +55,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None] + one entry per later prompt token
     stop_reason: int | str | None = None
     first_token_time: float | None = None
 
@@ -62,6 +63,8 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:

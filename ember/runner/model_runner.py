@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from ember.sampling.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger("ember")
 _DEFAULT_CPU_KV_BYTES = 4 << 30
+_PROMPT_LOGPROB_ROWS = 512  # prompt positions per [rows, vocab] logits slice
 
 
 @dataclass
@@ -37,6 +38,8 @@ class StepOutput:
     # per request: (token id, logprob) pairs, the sampled token first, then the top-N, and the sampled
     # token's rank in the vocabulary; None where not asked
     logprobs: list[tuple[list[tuple[int, float]], int] | None]
+    # per request asking for prompt logprobs: (prompt position p, pairs for prompt token p, its rank)
+    prompt_logprobs: dict[Request, list[tuple[int, list[tuple[int, float]], int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -47,6 +50,8 @@ class _StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     padded: int | None  # the CUDA graph size to replay, or None for an eager forward
+    # requests wanting prompt logprobs: (batch index, first flat token row, first position, number of rows)
+    prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class GpuIdleTimer:
@@ -216,6 +221,7 @@ class ModelRunner:
         tables, seq_lens, qsl, logits_idx = b.block_tables.np, b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
         t = num_decodes = max_query_len = max_seq_len = 0
         sample_rows: list[int] = []
+        prompt_rows: list[tuple[int, int, int, int]] = []
         for row, i in enumerate(order):
             req, n = batch.requests[i], batch.num_new_tokens[i]
             start, end = req.num_computed_tokens, req.num_computed_tokens + batch.num_new_tokens[i]
@@ -231,6 +237,11 @@ class ModelRunner:
                 ids[t:t + n] = req.all_token_ids[start:end]
                 pos[t:t + n] = p
                 slots[t:t + n] = tables[row, p // bs] * bs + p % bs
+            if req.prompt_logprobs is not None:
+                # Logits at position p predict prompt token p + 1.
+                last = min(end, req.num_prompt_tokens - 1)
+                if start < last:
+                    prompt_rows.append((i, t, start, last - start))
             t += n
             seq_lens[row] = end
             qsl[row + 1] = t
@@ -258,7 +269,7 @@ class ModelRunner:
         input_ids = b.input_ids.upload(padded or num_tokens)[:num_tokens]
         positions = b.positions.upload(padded or num_tokens)[:num_tokens]
         logits_indices = b.logits_indices.upload(len(sample_rows))
-        return _StepInputs(sample_rows, input_ids, positions, meta, logits_indices, padded)
+        return _StepInputs(sample_rows, input_ids, positions, meta, logits_indices, padded, prompt_rows)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, eos_token_ids: list[int]) -> StepOutput:
@@ -281,13 +292,15 @@ class ModelRunner:
             hidden = self.graphs.replay(inputs.padded)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        prompt_logprobs = {batch.requests[i]: self._prompt_logprobs(batch.requests[i], hidden, first_row, start, n)
+                           for i, first_row, start, n in inputs.prompt_rows}
         out = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), sbatch) if reqs else None
         if self.idle_timer is not None:
             self.idle_timer.step_end()
         if out is None:
             if self.device.type == "cuda":  # the next step refills the pinned input buffers: let the copies land
                 torch.cuda.current_stream(self.device).synchronize()
-            return StepOutput([], [], [])
+            return StepOutput([], [], [], prompt_logprobs)
         tokens = out.sampled_token_ids.tolist()
         logprobs: list[tuple[list[tuple[int, float]], int] | None] = [None] * len(reqs)
         if out.logprobs is not None:
@@ -296,4 +309,22 @@ class ModelRunner:
                 k = req.sampling_params.logprobs
                 if k is not None:
                     logprobs[r] = (list(zip(lp_ids[r][: 1 + k], lp_vals[r][: 1 + k])), ranks[r])
-        return StepOutput(reqs, tokens, logprobs)
+        return StepOutput(reqs, tokens, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, first_row: int, start: int, n: int
+                         ) -> list[tuple[int, list[tuple[int, float]], int]]:
+        """Logprobs of prompt tokens start + 1 .. start + n, in slices that bound the [rows, vocab] logits."""
+        k = req.sampling_params.prompt_logprobs
+        result = []
+        for lo in range(0, n, _PROMPT_LOGPROB_ROWS):
+            hi = min(n, lo + _PROMPT_LOGPROB_ROWS)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first_row + lo:first_row + hi]), dim=-1)
+            targets = torch.tensor(req.prompt_token_ids[start + lo + 1:start + hi + 1], device=logprobs.device)
+            target_lp = logprobs.gather(1, targets[:, None])
+            ranks = ((logprobs > target_lp).sum(dim=-1) + 1).tolist()
+            top = logprobs.topk(k, dim=-1) if k else None
+            ids = targets[:, None] if top is None else torch.cat([targets[:, None], top.indices], dim=1)
+            vals = target_lp if top is None else torch.cat([target_lp, top.values], dim=1)
+            for r, (row_ids, row_vals) in enumerate(zip(ids.tolist(), vals.tolist())):
+                result.append((start + lo + r + 1, list(zip(row_ids, row_vals)), ranks[r]))
+        return result

@@ -64,6 +64,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Top-N logprobs of every prompt token after the first (vLLM's name); prefix caching is bypassed for the
+    # request so every prompt position is computed.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -125,10 +128,13 @@ class SamplingParams:
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
 
-        if self.logprobs is not None:
-            self.logprobs = _int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+                setattr(self, name, value)
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

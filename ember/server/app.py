@@ -523,8 +523,6 @@ async def create_completion(request: Request, engine: AsyncLLM = Depends(_ready_
     body = await _parse(request, CompletionRequest)
     state.check_model(body.model)
     params = _sampling_params(body, engine)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported: Ember does not compute prompt logprobs", "echo")
     prompt = body.prompt
     prompts: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
     if not prompts:
@@ -538,22 +536,33 @@ async def create_completion(request: Request, engine: AsyncLLM = Depends(_ready_
             return out.prompt
         return _require_tokenizer(engine).decode(out.prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
 
-    def logprobs(token_ids: list[int], lps: list[dict[int, Logprob]] | None,
-                 offset: int) -> tuple[CompletionLogprobs | None, int]:
+    def logprobs(token_ids: list[int], lps: list[dict[int, Logprob]] | None, offset: int,
+                 result: CompletionLogprobs | None = None) -> tuple[CompletionLogprobs | None, int]:
         if lps is None:
-            return None, offset
-        result = CompletionLogprobs()
+            return result, offset
+        result = result or CompletionLogprobs()
         for tid, entries in zip(token_ids, lps):
-            text = _token_text(tid, entries[tid], tokenizer)
+            if entries is None:  # the first prompt token has no logprob
+                text = _token_text(tid, Logprob(0.0, 0), tokenizer)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                text = _token_text(tid, entries[tid], tokenizer)
+                result.token_logprobs.append(_lp(entries[tid].logprob))
+                top: dict[str, float] = {}
+                for t, lp in entries.items():  # sampled token first, then by rank: a text seen twice keeps the first
+                    top.setdefault(_token_text(t, lp, tokenizer), _lp(lp.logprob))
+                result.top_logprobs.append(top)
             result.tokens.append(text)
-            result.token_logprobs.append(_lp(entries[tid].logprob))
-            top: dict[str, float] = {}
-            for t, lp in entries.items():  # sampled token first, then by rank: a token text seen twice keeps the first
-                top.setdefault(_token_text(t, lp, tokenizer), _lp(lp.logprob))
-            result.top_logprobs.append(top)
             result.text_offset.append(offset)
             offset += len(text)
         return result, offset
+
+    def echoed_logprobs(out: RequestOutput) -> tuple[CompletionLogprobs | None, int]:
+        """With echo and logprobs, the prompt's tokens lead the logprobs (offsets from 0)."""
+        if not body.echo:
+            return None, 0
+        return logprobs(out.prompt_token_ids, out.prompt_logprobs, 0)
 
     async def chunks() -> AsyncIterator[CompletionResponse]:
         sent_tokens: dict[int, int] = {}
@@ -565,15 +574,17 @@ async def create_completion(request: Request, engine: AsyncLLM = Depends(_ready_
                 if idx in done:
                     continue
                 text = o.delta_text
+                prompt_lps = None
                 if idx not in sent_tokens:
                     prefix = prompt_text(out) if body.echo else ""
                     text = prefix + text
+                    prompt_lps, _ = echoed_logprobs(out)
                     offsets[idx] = len(prefix)
                 if not text and o.finish_reason is None:
                     continue  # text held back (a possible stop string); its tokens go with the next chunk
                 start = sent_tokens.get(idx, 0)
                 lps, offsets[idx] = logprobs(o.token_ids[start:], o.logprobs[start:] if o.logprobs else None,
-                                             offsets[idx])
+                                             offsets[idx], prompt_lps)
                 sent_tokens[idx] = len(o.token_ids)
                 if o.finish_reason is not None:
                     done.add(idx)
@@ -587,7 +598,7 @@ async def create_completion(request: Request, engine: AsyncLLM = Depends(_ready_
         for i, out in enumerate(finals):
             prefix = prompt_text(out) if body.echo else ""
             for o in out.outputs:
-                lps, _ = logprobs(o.token_ids, o.logprobs, len(prefix))
+                lps, _ = logprobs(o.token_ids, o.logprobs, len(prefix), echoed_logprobs(out)[0])
                 choices.append(CompletionChoice(index=i * params.n + o.index, text=prefix + o.text, logprobs=lps,
                                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         return CompletionResponse(id=rid, model=state.settings.model_name, choices=choices, usage=_usage(finals))

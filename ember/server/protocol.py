@@ -52,7 +52,7 @@ class _SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(self, defaults: SamplingParams, max_tokens: int | None,
-                         logprobs: int | None) -> SamplingParams:
+                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError whose message starts with the offending field's name."""
         def pick(name: str) -> Any:
             value = getattr(self, name)
@@ -64,7 +64,7 @@ class _SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty, repetition_penalty=pick("repetition_penalty"),
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
 
 
@@ -76,7 +76,9 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
-        return self._sampling_params(defaults, self.max_tokens, self.logprobs)
+        # With echo, OpenAI's logprobs cover the prompt tokens too.
+        return self._sampling_params(defaults, self.max_tokens, self.logprobs,
+                                     self.logprobs if self.echo else None)
 
 
 class TextPart(BaseModel):
