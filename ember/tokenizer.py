@@ -6,6 +6,9 @@ Built by `ember.model.loader` from an HF directory or a GGUF vocabulary; nothing
 
 from __future__ import annotations
 
+import json
+import re
+from functools import lru_cache
 from typing import Any
 
 import tokenizers
@@ -23,7 +26,9 @@ class Tokenizer:
         self.chat_template = chat_template
         added = tok.get_added_tokens_decoder()
         self.all_special_ids = sorted(i for i, t in added.items() if t.special)
+        self._added_ids = set(added)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(tok.to_str()).get("decoder"))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -34,6 +39,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for, even when it holds only part of a UTF-8 character
+        (where decoding it alone would give U+FFFD): byte-level BPE pieces map back through GPT-2's
+        byte alphabet, SentencePiece byte-fallback pieces are `<0xNN>`, and `▁` is a space."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode("utf-8")
+        if self._byte_level:
+            return bytes(_byte_decoder()[c] for c in piece)
+        match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **extra: Any) -> str:
         template = chat_template or self.chat_template
@@ -41,3 +62,17 @@ class Tokenizer:
             raise ValueError("chat_template: this model has no chat template; pass one with --chat-template")
         return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes-to-unicode table: printable bytes stand for themselves, the other 68
+    are shifted to code points from 256 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table

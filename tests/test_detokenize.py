@@ -62,3 +62,26 @@ def test_special_tokens_skipped_or_kept(tokenizer):
             detok.update(tid)
         detok.flush()
         assert detok.take_delta(finished=True) == expected
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_rebuild_the_utf8_text(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # some tokens are partial characters
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode("utf-8")
+
+
+def test_token_bytes_of_sentencepiece_pieces():
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+
+    from ember.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "</s>": 1, "\u2581hello": 2, "<0xE4>": 3, "<0xBD>": 4, "<0xA0>": 5, "x": 6}
+    tok = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken("</s>", special=True)])
+    wrapped = Tokenizer(tok, bos_token=None, eos_token="</s>", eos_token_ids=[1], chat_template=None)
+    assert wrapped.token_bytes(2) == b" hello"
+    assert b"".join(wrapped.token_bytes(i) for i in (3, 4, 5)) == "你".encode()
+    assert wrapped.token_bytes(1) == b"</s>"
+    assert wrapped.token_bytes(6) == b"x"

@@ -200,7 +200,9 @@ def test_chat_logprobs(client):
     content = out.choices[0].logprobs.content
     assert len(content) == 8
     for entry in content:
-        assert len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        if "\ufffd" not in entry.token:  # pieces of a multi-byte character carry their raw bytes
+            assert entry.bytes == list(entry.token.encode())
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
 

@@ -670,7 +670,7 @@ async def create_chat_completion(request: Request, engine: AsyncLLM = Depends(_r
 
 def _top_logprob(token_id: int, lp: Logprob, tokenizer: Tokenizer) -> TopLogprob:
     text = _token_text(token_id, lp, tokenizer)
-    return TopLogprob(token=text, logprob=_lp(lp.logprob), bytes=list(text.encode("utf-8")))
+    return TopLogprob(token=text, logprob=_lp(lp.logprob), bytes=list(tokenizer.token_bytes(token_id)))
 
 
 def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
