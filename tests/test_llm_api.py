@@ -235,3 +235,16 @@ def test_stop_strings_cut_text_and_are_never_streamed(default_llm):
 
 def test_finished_request_status_values():
     assert {s.value for s in RequestStatus if s.finished} == {"stop", "length", "abort"}
+
+
+def test_cpu_kv_cache_costs_memory_only_as_used(llama_dir):
+    def rss_mib() -> int:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
+
+    before = rss_mib()
+    llm = LLM(str(llama_dir), kv_cache_memory=3.0, max_num_seqs=8192)  # 3 GiB of KV blocks, not capped
+    out = llm.generate(_ids(50), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert llm.llm_engine.block_manager.num_blocks * llm.llm_engine.runner.bytes_per_block > (3 << 30) - (1 << 20)
+    assert rss_mib() - before < 512

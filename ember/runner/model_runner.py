@@ -189,9 +189,19 @@ class ModelRunner:
         cfg = self.model_config
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = self._zeros(shape)
+            attn.v_cache = self._zeros(shape)
         self.num_blocks = num_blocks
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed cache tensor. On CPU, numpy's calloc-backed zeros leave untouched pages unmapped, so
+        a large `--kv-cache-memory` costs resident memory only as blocks are used (torch.zeros writes
+        every page at once)."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        raw = np.zeros(shape[:-1] + (shape[-1] * elem,), dtype=np.uint8)
+        return torch.from_numpy(raw).view(self.dtype)
 
     def release_kv_cache(self) -> None:
         for attn in self.model.attention_layers():
