@@ -33,7 +33,8 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, load_average, machine_info, today, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
+from ember.bench.machine import load_average  # noqa: E402
 from benchmarks.throughput import model_short_name  # noqa: E402
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
