@@ -172,8 +172,6 @@ class LLMEngine:
         With `final_only`, `step()` returns this request's output only once, when it finishes.
         """
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         self.add_prepared(self.make_request(request_id, prompt, params, arrival_time, final_only))
         return request_id
 
@@ -193,9 +191,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
-
-    def num_unfinished_requests(self) -> int:
-        return len(self._parents)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._parents)

@@ -91,6 +91,7 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+_SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class CausalLM(nn.Module):
@@ -141,9 +142,8 @@ class CausalLM(nn.Module):
             dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + 1
         for name in params:
-            fused = name.rsplit(".", 1)[0].endswith(("qkv_proj", "gate_up_proj"))
-            expected = len(self._shard_sizes(name.rsplit(".", 1)[0])) if fused else 1
-            if filled.get(name, 0) != expected:
+            module = name.rsplit(".", 2)[-2]  # e.g. "qkv_proj" in "...self_attn.qkv_proj.weight"
+            if filled.get(name, 0) != _SHARDS_PER_FUSED.get(module, 1):
                 raise ModelLoadError(source, f"checkpoint is missing weights for {name!r}")
 
     def init_dummy_weights(self, seed: int) -> None:

@@ -234,7 +234,7 @@ class ModelRunner:
         prompt_rows: list[tuple[int, int, int, int]] = []
         for row, i in enumerate(order):
             req, n = batch.requests[i], batch.num_new_tokens[i]
-            start, end = req.num_computed_tokens, req.num_computed_tokens + batch.num_new_tokens[i]
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
             tables[row, : len(req.block_ids)] = req.block_ids
             if n == 1:
                 num_decodes += 1
