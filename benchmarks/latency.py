@@ -23,7 +23,7 @@ if not __package__:
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
 from ember import LLM, SamplingParams  # noqa: E402
-from ember.config import LOAD_FORMATS  # noqa: E402
+from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -64,13 +64,16 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--kv-cache-memory", type=float, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     machine = machine_info()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, max_num_seqs=8,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+              enforce_eager=args.enforce_eager, enable_prefix_caching=False, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -87,6 +90,8 @@ def main() -> None:
         "tpot_ms_all_iters": [round(t * 1e3, 3) for t in tpots],
         "weights_gib": round(weight_gib, 3),
         "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "quantization": engine.runner.quantization,
+        "kv_cache_dtype": str(engine.runner.kv_dtype).replace("torch.", ""),
         "device": str(engine.runner.device),
         "cuda_graphs": engine.runner.graphs is not None,
     }

@@ -16,7 +16,6 @@ import argparse
 import gc
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -29,12 +28,12 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
 from ember import LLM, SamplingParams  # noqa: E402
-from ember.config import DEFAULT_MODEL, LOAD_FORMATS  # noqa: E402
+from ember.bench.workloads import nano_vllm_requests  # noqa: E402
+from ember.config import DEFAULT_MODEL, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS  # noqa: E402
 from ember.model.loader import resolve_model  # noqa: E402
 from ember.runner.model_runner import GpuIdleTimer  # noqa: E402
 
 TEMPERATURE = 0.6
-DESIGN_OUTPUT_TOKENS = 133_966  # the design doc's 256 requests with the default ranges
 WARMUP_PROMPT_LEN, WARMUP_TOKENS = 32, 4
 
 
@@ -56,15 +55,8 @@ class Workload:
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    """nano-vllm's draws, in its order; ids are folded into the vocabulary, a no-op for any vocabulary above 10,000."""
-    rng = random.Random(0)
-    prompts = [[rng.randint(0, 10000) % vocab_size for _ in range(rng.randint(args.min_input, args.max_input))]
-               for _ in range(args.num_seqs)]
-    max_tokens = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_seqs)]
-    design_ranges = (args.min_input, args.max_input, args.min_output, args.max_output) == (100, 1024, 100, 1024)
-    if design_ranges and args.num_seqs == 256:
-        assert sum(max_tokens) == DESIGN_OUTPUT_TOKENS, f"{sum(max_tokens)} output tokens, not nano-vllm's workload"
-    return Workload(prompts, max_tokens)
+    return Workload(*nano_vllm_requests(args.num_seqs, args.min_input, args.max_input, args.min_output,
+                                        args.max_output, vocab_size))
 
 
 def warmup_prompt(vocab_size: int) -> list[int]:
@@ -103,13 +95,23 @@ def result(workload: Workload, generated: int, timer: Timer, **extra: Any) -> di
 # ---- Ember --------------------------------------------------------------------------------------
 
 
+def _generate(llm: LLM, workload: Workload) -> int:
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
+    generated = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+    if generated != workload.output_tokens:
+        print(f"WARNING: Ember generated {generated} tokens, the workload asks for {workload.output_tokens}")
+    return generated
+
+
 def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any], dict[str, Any], Workload]:
     """Returns Ember's result, the engine settings it resolved (which the HF peer then copies), and the workload."""
     with Timer() as load:
         llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                   max_model_len=args.max_model_len, max_num_seqs=concurrency,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                  enforce_eager=args.enforce_eager)
+                  enforce_eager=args.enforce_eager, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
     workload = make_workload(args, vocab)
@@ -121,6 +123,9 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
         "max_num_seqs": concurrency,
         "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,
         "kv_cache_tokens": engine.kv_capacity_tokens,
+        "quantization": engine.runner.quantization,
+        "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch."),
+        "weights_gib": round(engine.runner.weight_bytes / 2**30, 3),
     }
     with Timer() as warmup:
         llm.generate([{"prompt_token_ids": warmup_prompt(vocab)}],
@@ -129,21 +134,24 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
 
     print(f"{len(workload.prompts)} requests: {workload.prompt_tokens} prompt tokens, "
           f"{workload.output_tokens} output tokens")
-    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
     timer_gpu = GpuIdleTimer() if engine.runner.device.type == "cuda" else None
     engine.runner.idle_timer = timer_gpu
     with Timer() as timer:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        generated = _generate(llm, workload)
     gpu = {} if timer_gpu is None else {
         "gpu_idle_between_steps_s": round(timer_gpu.idle_s, 3), "gpu_busy_in_steps_s": round(timer_gpu.busy_s, 3),
         "steps": timer_gpu.steps, "cuda_graphs": engine.runner.graphs is not None}
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    if generated != workload.output_tokens:
-        print(f"WARNING: Ember generated {generated} tokens, the workload asks for {workload.output_tokens}")
-    del llm, outputs
-    gc.collect()  # the HF peer shares this process's memory
+    engine.runner.idle_timer = None
     ember = result(workload, generated, timer, load_s=round(load.wall, 2), warmup_s=round(warmup.wall, 2), **gpu)
+    print(f"ember: {ember['output_tok_per_s']:.1f} output tok/s {gpu}")
+    if args.hf and args.hf_num_seqs and args.hf_num_seqs < len(workload.prompts):
+        # The HF peer runs a subset: Ember runs the same one, so the ratio compares equal work.
+        subset = workload.head(args.hf_num_seqs)
+        with Timer() as sub_timer:
+            sub_generated = _generate(llm, subset)
+        ember["same_requests_as_hf"] = result(subset, sub_generated, sub_timer)
+    del llm
+    gc.collect()  # the HF peer shares this process's memory
     return ember, resolved, workload
 
 
@@ -185,12 +193,12 @@ def run_hf_cb(model: Any, workload: Workload, resolved: dict[str, Any]) -> tuple
     """
     from transformers import ContinuousBatchingConfig
 
-    cb_config = ContinuousBatchingConfig(
-        max_requests_per_batch=resolved["max_num_seqs"],
-        max_batch_tokens=resolved["max_num_batched_tokens"],
-        num_blocks=math.ceil(resolved["kv_cache_tokens"] / ContinuousBatchingConfig.page_size),
-        seed=0,
-    )
+    cb_config = ContinuousBatchingConfig(max_requests_per_batch=resolved["max_num_seqs"],
+                                         max_batch_tokens=resolved["max_num_batched_tokens"], seed=0)
+    page = getattr(cb_config, "page_size", None) or getattr(cb_config, "block_size", None) or 256  # by version
+    # Ember's capacity, or what the workload can ever hold if smaller (HF adds its own overheads on top).
+    cb_config.num_blocks = math.ceil(min(resolved["kv_cache_tokens"],
+                                         workload.prompt_tokens + workload.output_tokens + 4096) / page)
     gen_config = sampling_config(eos_token_id=-1, max_new_tokens=max(workload.max_tokens))
     with model.continuous_batching_context_manager(generation_config=gen_config,
                                                    continuous_batching_config=cb_config, block=True) as manager:
@@ -251,12 +259,18 @@ def run_hf(args: argparse.Namespace, workload: Workload, resolved: dict[str, Any
     if mode == "auto":  # continuous batching arrived in transformers 4.56
         mode = "cb" if hasattr(model, "continuous_batching_context_manager") else "generate"
     torch.manual_seed(0)
+    cb_error = None
     if mode == "cb":
-        generated, timer = run_hf_cb(model, workload, resolved)
-    else:
+        try:
+            generated, timer = run_hf_cb(model, workload, resolved)
+        except Exception as e:  # transformers' CB API changes between releases: fall back to static batches
+            cb_error, mode = f"{type(e).__name__}: {e}", "generate"
+            print(f"transformers continuous batching failed ({cb_error}); running static batches instead")
+            model.set_attn_implementation("sdpa")
+    if mode == "generate":
         generated, timer = run_hf_generate(model, workload, resolved["max_num_seqs"], resolved["vocab_size"])
     return result(workload, generated, timer, mode=mode, transformers=transformers.__version__,
-                  load_s=round(load.wall, 2))
+                  load_s=round(load.wall, 2), cb_error=cb_error)
 
 
 # ---- reporting ------------------------------------------------------------------------------------
@@ -324,6 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--concurrency", type=int, default=None,
                    help="cap on concurrently running requests (overrides --max-num-seqs; HF's batch size too)")
     p.add_argument("--hf", action="store_true", help="also run HF transformers on the same requests")
@@ -348,8 +364,9 @@ def main(argv: list[str] | None = None) -> None:
     concurrency = args.concurrency or args.max_num_seqs
     ember, resolved, workload = run_ember(args, concurrency)
     hf = run_hf(args, workload.head(args.hf_num_seqs or args.num_seqs), resolved) if args.hf else None
+    same = ember.get("same_requests_as_hf", ember)
     results = {"ember": ember, "hf": hf,
-               "ratio": round(ember["output_tok_per_s"] / hf["output_tok_per_s"], 3) if hf else None}
+               "ratio": round(same["output_tok_per_s"] / hf["output_tok_per_s"], 3) if hf else None}
     print_table(results)
 
     out = args.out or os.path.join(RESULTS_DIR, f"throughput-{model_short_name(args.model)}-"

@@ -26,6 +26,9 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# None: a GGUF file keeps its own quantization ("gguf"), other checkpoints load unquantized ("none").
+QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class EngineArgs:
     enforce_eager: bool = False
     chat_template: str | None = None
     served_model_name: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -135,6 +140,10 @@ class EngineArgs:
             _check_int("max_model_len", self.max_model_len, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}")
 
@@ -192,6 +201,11 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--chat-template", default=None, help="a Jinja2 chat template file or string")
+        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                       help="weight quantization applied at load (default: a GGUF file keeps its own, 'gguf'; "
+                            "other checkpoints load unquantized)")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="'fp8' stores keys and values as float8 e4m3: twice the KV capacity")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -2,7 +2,8 @@
 
 Without a GPU the kernels run in Triton's interpreter on tiny shapes; on a GPU the same tests
 run compiled, and EMBER_KERNEL_TEST_FULL=1 switches to serving-sized shapes (B=64, contexts up to
-4096, Hk=8, head_dim 128).
+4096, Hk=8, head_dim 128). fp8 caches are held to attention over their dequantized values, and the
+PyTorch path of ember.model.attention to the kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from ember.kernels import (  # noqa: E402
     paged_prefill_attention_ref, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref, store_kv,
     store_kv_ref,
 )
+from ember.model import backend  # noqa: E402
+from ember.model.attention import AttentionMetadata, paged_attention, quantize_kv  # noqa: E402
+from ember.model.attention import store_kv as model_store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = os.environ.get("EMBER_KERNEL_TEST_FULL") == "1"
@@ -38,6 +42,11 @@ ELEMENTWISE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dic
                    torch.bfloat16: dict(atol=3e-2, rtol=3e-2) if INTERPRETED else dict(atol=1e-2, rtol=1.6e-2)}
 # (block_size, GQA group, head_dim): every block size, group and head_dim appears at least once.
 GEOMETRIES = [(8, 1, 64), (16, 2, 128), (32, 4, 32), (16, 8, 80), (128, 4, 64), (8, 3, 128)]
+FP8 = torch.float8_e4m3fn
+FP8_GEOMETRIES = [(16, 2, 128), (8, 3, 32)]
+# Near amax / 448 for unit-normal data, as a per-layer scale would be, so the tails saturate; not
+# powers of two, so scaling rounds.
+FP8_SCALES = dict(k_scale=0.0123, v_scale=0.0091)
 
 
 def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -65,7 +74,16 @@ def paged_kv(seq_lens: list[int], block_size: int, head_dim: int, dtype: torch.d
         slots = slots.flatten()[:n]
         k_cache.view(-1, NUM_KV_HEADS, head_dim)[slots] = torch.randn(n, NUM_KV_HEADS, head_dim, generator=gen)
         v_cache.view(-1, NUM_KV_HEADS, head_dim)[slots] = torch.randn(n, NUM_KV_HEADS, head_dim, generator=gen)
+    if dtype == FP8:
+        # Quantized as store_kv stores them. NaN stays NaN on a GPU; the interpreter reads e4m3fn's
+        # NaN as 480, still far enough off to show in the output.
+        k_cache = quantize_kv(k_cache, FP8, FP8_SCALES["k_scale"])
+        v_cache = quantize_kv(v_cache, FP8, FP8_SCALES["v_scale"])
     return k_cache.to(dtype=dtype, device=DEVICE), v_cache.to(dtype=dtype, device=DEVICE), tables.to(DEVICE)
+
+
+def kv_scales(cache_dtype: torch.dtype) -> dict[str, float]:
+    return FP8_SCALES if cache_dtype == FP8 else {}
 
 
 def assert_same_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -112,24 +130,32 @@ def decode_seq_lens(gen: torch.Generator) -> list[int]:
     return [1, 7, 17, 130, 64]
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, "auto"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size,group,head_dim", GEOMETRIES)
-def test_decode_attention_matches_reference(block_size: int, group: int, head_dim: int, dtype: torch.dtype,
-                                            num_splits: int | str) -> None:
-    gen = torch.Generator().manual_seed(block_size * 100 + group * 10 + head_dim)
+def run_decode(block_size: int, group: int, head_dim: int, dtype: torch.dtype, num_splits: int | str,
+               cache_dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output on q of `dtype` over caches of `cache_dtype`, and the float32 reference's
+    over the values the caches stand for."""
+    gen = torch.Generator().manual_seed(seed)
     seq_lens = decode_seq_lens(gen)
-    k_cache, v_cache, tables = paged_kv(seq_lens, block_size, head_dim, dtype, gen)
+    k_cache, v_cache, tables = paged_kv(seq_lens, block_size, head_dim, cache_dtype, gen)
     q = randn(len(seq_lens), NUM_KV_HEADS * group, head_dim, gen=gen, dtype=dtype)
     lens = as_int32(seq_lens)
     scale = head_dim ** -0.5
     # "auto" with a generous max_seq_len bound forces several splits even on tiny CPU shapes.
     splits = dict(num_splits=None, max_seq_len=1024) if num_splits == "auto" else dict(num_splits=num_splits)
 
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, **splits)
-    ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
-
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, **splits, **kv_scales(cache_dtype))
+    ref = paged_decode_attention_ref(q.float(), k_cache, v_cache, tables, lens, scale, **kv_scales(cache_dtype))
     assert out.dtype == dtype and out.shape == q.shape
+    return out, ref
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, "auto"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,group,head_dim", GEOMETRIES)
+def test_decode_attention_matches_reference(block_size: int, group: int, head_dim: int, dtype: torch.dtype,
+                                            num_splits: int | str) -> None:
+    out, ref = run_decode(block_size, group, head_dim, dtype, num_splits, dtype,
+                          seed=block_size * 100 + group * 10 + head_dim)
     torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
 
 
@@ -171,9 +197,12 @@ def prefill_chunks(gen: torch.Generator) -> list[tuple[int, int]]:
 
 
 def run_prefill(chunks: list[tuple[int, int]], block_size: int, group: int, head_dim: int,
-                dtype: torch.dtype, gen: torch.Generator, q_padding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype: torch.dtype, gen: torch.Generator, q_padding: int = 0,
+                cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As run_decode, for prefill chunks; the caches are of q's dtype unless `cache_dtype` says."""
     seq_lens = [c + n for c, n in chunks]
-    k_cache, v_cache, tables = paged_kv(seq_lens, block_size, head_dim, dtype, gen)
+    cache_dtype = cache_dtype or dtype
+    k_cache, v_cache, tables = paged_kv(seq_lens, block_size, head_dim, cache_dtype, gen)
     starts = [0]
     for _, n in chunks:
         starts.append(starts[-1] + n)
@@ -185,8 +214,9 @@ def run_prefill(chunks: list[tuple[int, int]], block_size: int, group: int, head
     max_q = max(n for _, n in chunks)
     scale = head_dim ** -0.5
 
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, lens, qsl, max_q, scale)
-    ref = paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, qsl, max_q, scale)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, lens, qsl, max_q, scale, **kv_scales(cache_dtype))
+    ref = paged_prefill_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, max_q, scale,
+                                      **kv_scales(cache_dtype))
     return out, ref
 
 
@@ -220,6 +250,145 @@ def test_attention_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="share a dtype"):
         paged_prefill_attention(randn(1, NUM_KV_HEADS, 64, gen=gen, dtype=torch.float16), k_cache, v_cache,
                                 tables, as_int32([5]), as_int32([0, 1]), 1, 0.125)
+
+
+# ---------------------------------------------------------------- fp8 KV cache
+
+def fp8_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Bitwise, so NaN and -0.0 count too."""
+    return torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_fp8_rounds_like_reference_and_saturates(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, head_dim, block_size, num_blocks = 11, 80, 16, 4
+    qkv = randn(num_tokens, 3 * NUM_KV_HEADS * head_dim, gen=gen, dtype=dtype) * 3
+    k = qkv[:, NUM_KV_HEADS * head_dim:2 * NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    v = qkv[:, 2 * NUM_KV_HEADS * head_dim:].view(num_tokens, NUM_KV_HEADS, head_dim)
+    # Past 448 * scale (saturate, never NaN), signed zero, and values that round into subnormals or to 0.
+    extremes = torch.tensor([1e4, -1e4, float("inf"), float("-inf"), -0.0, 1e-6, -1e-6, 3e-5, -7e-5])
+    k[1, 0, :extremes.numel()] = extremes.to(dtype=dtype, device=DEVICE)
+    v[2, 1, :extremes.numel()] = extremes.to(dtype=dtype, device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::4] = -1
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    k_cache = quantize_kv(randn(*shape, gen=gen), FP8, FP8_SCALES["k_scale"])
+    v_cache = quantize_kv(randn(*shape, gen=gen), FP8, FP8_SCALES["v_scale"])
+    k_ref, v_ref, k_torch, v_torch = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+
+    store_kv(k, v, k_cache, v_cache, slots, **FP8_SCALES)
+    store_kv_ref(k, v, k_ref, v_ref, slots, **FP8_SCALES)
+    keep = slots >= 0  # ember.model.attention's PyTorch path is never given padding slots
+    model_store_kv(k[keep], v[keep], k_torch, v_torch, slots[keep], **FP8_SCALES)
+
+    assert fp8_bits_equal(k_cache, k_ref) and fp8_bits_equal(v_cache, v_ref)
+    assert fp8_bits_equal(k_torch, k_ref) and fp8_bits_equal(v_torch, v_ref)
+    assert not (k_cache.float().isnan().any() or v_cache.float().isnan().any())
+    saturated = torch.tensor([448.0, -448.0, 448.0, -448.0], device=DEVICE)
+    assert torch.equal(k_cache.view(-1, NUM_KV_HEADS, head_dim)[slots[1], 0, :4].float(), saturated)
+    assert torch.equal(v_cache.view(-1, NUM_KV_HEADS, head_dim)[slots[2], 1, :4].float(), saturated)
+
+
+@pytest.mark.parametrize("num_splits", [1, "auto"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,group,head_dim", FP8_GEOMETRIES)
+def test_decode_attention_fp8_cache_matches_dequantized_reference(block_size: int, group: int, head_dim: int,
+                                                                  dtype: torch.dtype, num_splits: int | str) -> None:
+    out, ref = run_decode(block_size, group, head_dim, dtype, num_splits, FP8, seed=head_dim + group)
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,group,head_dim", FP8_GEOMETRIES)
+def test_prefill_attention_fp8_cache_matches_dequantized_reference(block_size: int, group: int, head_dim: int,
+                                                                   dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(head_dim + group)
+    out, ref = run_prefill(prefill_chunks(gen), block_size, group, head_dim, dtype, gen, cache_dtype=FP8)
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+
+
+def test_fp8_cache_attention_stays_close_to_bf16_cache() -> None:
+    """The cost of quantizing: e4m3 keeps 3 mantissa bits (a relative error of up to 1/16 per value),
+    which attention's averaging shrinks."""
+    outs = [run_decode(16, 2, 128, torch.bfloat16, "auto", cache_dtype, seed=5)[0].float()
+            for cache_dtype in (torch.bfloat16, FP8)]
+    assert torch.linalg.norm(outs[1] - outs[0]) <= 0.05 * torch.linalg.norm(outs[0])  # measured: 0.028
+
+
+def fp8_attention_batch(dtype: torch.dtype, block_size: int, group: int, head_dim: int,
+                        gen: torch.Generator) -> tuple[AttentionMetadata, dict[str, torch.Tensor]]:
+    """Two decodes, then a fresh prompt and a chunk over a cached prefix, as the engine lays out a
+    step, over fp8 caches whose cached context is random and whose new slots are still to be written."""
+    chunks = [(4, 1), (39, 1), (0, 9), (20, 12)]  # (cached context, new tokens)
+    seq_lens = [c + n for c, n in chunks]
+    blocks = [-(-n // block_size) for n in seq_lens]
+    ids = (torch.randperm(sum(blocks) + 2, generator=gen) + 1).tolist()  # block 0 stays unused padding
+    tables = torch.zeros(len(chunks), max(blocks) + 1, dtype=torch.int32)
+    slots = []
+    for b, ((ctx, n), nblocks) in enumerate(zip(chunks, blocks)):
+        tables[b, :nblocks] = torch.tensor(ids[:nblocks])
+        ids = ids[nblocks:]
+        pos = torch.arange(ctx, ctx + n)
+        slots.append(tables[b, pos // block_size].long() * block_size + pos % block_size)
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots), block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), num_decodes=2,
+        max_query_len=max(n for _, n in chunks[2:]), max_seq_len=max(seq_lens), seq_lens_host=seq_lens,
+        query_start_host=starts)
+    shape = (1 + sum(blocks) + 2, block_size, NUM_KV_HEADS, head_dim)
+    new = starts[-1]
+    tensors = dict(
+        k_cache=quantize_kv(torch.randn(shape, generator=gen), FP8, FP8_SCALES["k_scale"]),
+        v_cache=quantize_kv(torch.randn(shape, generator=gen), FP8, FP8_SCALES["v_scale"]),
+        q=torch.randn(new, NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype),
+        k=torch.randn(new, NUM_KV_HEADS, head_dim, generator=gen).to(dtype),
+        v=torch.randn(new, NUM_KV_HEADS, head_dim, generator=gen).to(dtype))
+    return meta, tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_model_attention_torch_path_on_fp8_cache_matches_kernels(dtype: torch.dtype, monkeypatch) -> None:
+    """ember.model.attention on CPU tensors (PyTorch ops) against the same step through the kernels
+    (on the GPU, or forced through the interpreter): the same cache bits, the same attention."""
+    head_dim = 64
+    meta, cpu = fp8_attention_batch(dtype, 16, 2, head_dim, torch.Generator().manual_seed(3))
+
+    def step(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = {name: x.to(device, copy=True) for name, x in cpu.items()}  # each step writes its own caches
+        m = AttentionMetadata(**{f: x.to(device) if isinstance(x, torch.Tensor) else x
+                                 for f, x in vars(meta).items()})
+        model_store_kv(t["k"], t["v"], t["k_cache"], t["v_cache"], m.slot_mapping, **FP8_SCALES)
+        out = paged_attention(t["q"], t["k_cache"], t["v_cache"], m, head_dim ** -0.5, **FP8_SCALES)
+        return out.cpu(), t["k_cache"].cpu(), t["v_cache"].cpu()
+
+    torch_out, torch_k, torch_v = step("cpu")
+    monkeypatch.setattr(backend, "FORCE_TRITON", True)
+    kernel_out, kernel_k, kernel_v = step(DEVICE)
+
+    assert fp8_bits_equal(torch_k, kernel_k) and fp8_bits_equal(torch_v, kernel_v)
+    assert not fp8_bits_equal(torch_k, cpu["k_cache"])  # the new tokens did land
+    torch.testing.assert_close(torch_out.float(), kernel_out.float(), **ATTN_TOL[dtype])
+
+
+def test_kv_scales_are_host_floats_for_fp8_caches_only() -> None:
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, tables = paged_kv([5], 16, 64, torch.float32, gen)
+    k8, v8, _ = paged_kv([5], 16, 64, FP8, torch.Generator().manual_seed(0))
+    q = randn(1, NUM_KV_HEADS, 64, gen=gen, dtype=torch.bfloat16)
+    lens = as_int32([5])
+    with pytest.raises(ValueError, match="only to fp8 caches"):
+        paged_decode_attention(q.float(), k_cache, v_cache, tables, lens, 0.125, k_scale=0.5)
+    with pytest.raises(ValueError, match="only to fp8 caches"):
+        store_kv(q.float(), q.float(), k_cache, v_cache, as_int32([0]), v_scale=2.0)
+    with pytest.raises(TypeError, match="Python floats"):
+        paged_decode_attention(q, k8, v8, tables, lens, 0.125, k_scale=torch.tensor(0.5, device=DEVICE))
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_prefill_attention(q, k8, v_cache, tables, lens, as_int32([0, 1]), 1, 0.125)
 
 
 # ---------------------------------------------------------------- rms norm

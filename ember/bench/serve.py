@@ -45,6 +45,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ember.bench.machine import basic_machine_info
+from ember.bench.workloads import nano_vllm_requests
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -271,6 +272,9 @@ def sample_lengths(rng: random.Random, n: int, length: int, ratio: float) -> lis
 
 def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
     """Seeded: the same flags give the same prompts. Input lengths are drawn first, then output lengths."""
+    if args.dataset == "nano-vllm":
+        prompts, max_tokens = nano_vllm_requests(args.num_prompts, vocab_size=args.vocab_size)
+        return [RequestSpec(p, len(p), n) for p, n in zip(prompts, max_tokens)]
     rng = random.Random(args.seed)
     ratio = args.random_range_ratio if args.dataset == "random" else 0.0
     input_lens = sample_lengths(rng, args.num_prompts, args.random_input_len, ratio)
@@ -652,8 +656,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals (default: inf, every request at once)")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=("random", "fixed"), default="random",
-                   help="random: lengths uniform in [len*(1-r), len*(1+r)]; fixed: exactly the given lengths")
+    g.add_argument("--dataset", choices=("random", "fixed", "nano-vllm"), default="random",
+                   help="random: lengths uniform in [len*(1-r), len*(1+r)]; fixed: exactly the given lengths; "
+                        "nano-vllm: the offline benchmark's requests (benchmarks/throughput.py), token ids")
     g.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=int, default=1024,
                    help="prompt tokens (words for chat)")
     g.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=int, default=128,

@@ -36,7 +36,7 @@ _WAVES = 2
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -75,6 +75,7 @@ def _decode_kernel(
             q, m_i, l_i, acc, tile, end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
             BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, PRECISION)
+    acc = acc * v_scale  # fp8 values' scale, once per program rather than per tile (see attend_tile)
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
@@ -135,8 +136,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, *, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """q [B, Hq, D] attends to its sequence's `seq_lens[b]` cached tokens -> out [B, Hq, D].
+
+    An fp8 cache's keys read as float(stored) * k_scale and its values as float(stored) * v_scale
+    (host floats; other caches need 1.0), both products running in q's dtype.
 
     Never reads device values on the host, so it can be captured in a CUDA graph: the split
     count comes from `num_splits`, else from `max_seq_len` (a host int the caller knows), else
@@ -146,7 +151,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    check_paged_args(q, k_cache, v_cache)
+    check_paged_args(q, k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -165,7 +170,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_acc, part_max, part_sum,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -189,10 +194,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                out: torch.Tensor | None = None, num_splits: int | None = None,
-                               max_seq_len: int | None = None) -> torch.Tensor:
+                               max_seq_len: int | None = None, *, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
-        k, v = gather_context(k_cache, v_cache, block_tables[b], int(seq_lens[b]))
+        k, v = gather_context(k_cache, v_cache, block_tables[b], int(seq_lens[b]), k_scale=k_scale, v_scale=v_scale)
         outs.append(attention_ref(q[b:b + 1], k, v, scale, context_len=int(seq_lens[b]) - 1))
     result = torch.cat(outs).to(q.dtype)
     if out is not None:

@@ -6,11 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.model.attention import FP8_KV_DTYPE, check_kv_scales
+
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """q [*, Hq, D] against caches [num_blocks, block_size, Hk, D]."""
+def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     k_scale: float, v_scale: float) -> None:
+    """q [*, Hq, D] against caches [num_blocks, block_size, Hk, D]. fp8 caches are read into q's
+    dtype, so only they may differ from it."""
     num_heads, head_dim = q.shape[-2:]
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if num_heads % num_kv_heads:
@@ -22,13 +26,16 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(v_cache.shape)} disagree on head_dim or cache shape")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous head dimension")
-    if k_cache.dtype != v_cache.dtype or q.dtype != k_cache.dtype:
-        raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
+    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and k_cache.dtype != FP8_KV_DTYPE):
+        raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype "
+                         "unless the caches are fp8")
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
 
 
 def dot_dtype(dtype: torch.dtype) -> tl.dtype:
-    """The type both attention products multiply in: the cache dtype, so bf16/fp16 use tensor
-    cores. The exception is bf16 under TRITON_INTERPRET, whose numpy `tl.dot` would multiply the
+    """The type both attention products multiply in: q's dtype, so bf16/fp16 use tensor cores. It
+    is the cache dtype too, except for fp8 caches, whose e4m3 values every one of these types holds
+    exactly. bf16 under TRITON_INTERPRET is the one exception: its numpy `tl.dot` would multiply the
     raw uint16 storage; there the operands are upcast (exactly) and only the rounding of the
     softmax probabilities differs from the GPU."""
     if dtype == torch.bfloat16 and triton.knobs.runtime.interpret:
@@ -52,7 +59,11 @@ def attend_tile(
 ):
     """One online-softmax step over context positions [tile, tile + BLOCK_N), shared by the decode and
     prefill kernels. MASKED hides positions at or past `kv_end` and past each row's own position
-    `q_pos`; tiles wholly inside every row's visible range skip it."""
+    `q_pos`; tiles wholly inside every row's visible range skip it.
+
+    fp8 tiles convert to DOT_DTYPE exactly, unscaled: the caller folds k_scale into `qk_scale` and
+    applies v_scale once to the final accumulator, which saves a multiply per element per tile and
+    a rounding of the scaled values to bf16/fp16."""
     pos = tile + tl.arange(0, BLOCK_N)
     pos_mask = pos < kv_end
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)

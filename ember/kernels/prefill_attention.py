@@ -29,7 +29,7 @@ _NUM_STAGES = 3
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, head_dim,
@@ -80,7 +80,7 @@ def _prefill_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
             BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, PRECISION)
 
-    out = acc / l_i[:, None]
+    out = acc * v_scale / l_i[:, None]  # v_scale: fp8 values' scale, applied once (see attend_tile)
     tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -101,16 +101,19 @@ def _block_n(block_m: int, dtype: torch.dtype) -> int:
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, *, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hq, D] holds each sequence's chunk at positions seq_lens[b] - q_len .. seq_lens[b] - 1;
     each query attends causally over its whole cached context -> out [T, Hq, D].
 
     The chunk's own keys and values must already be in the cache. `max_query_len` is a host int
     (the scheduler knows it) that sizes the grid; blocks past a sequence's chunk exit at once.
+    An fp8 cache's keys read as float(stored) * k_scale and its values as float(stored) * v_scale
+    (host floats; other caches need 1.0), both products running in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    check_paged_args(q, k_cache, v_cache)
+    check_paged_args(q, k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     batch = seq_lens.shape[0]
@@ -122,7 +125,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -138,12 +141,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                 query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                                out: torch.Tensor | None = None) -> torch.Tensor:
+                                out: torch.Tensor | None = None, *, k_scale: float = 1.0,
+                                v_scale: float = 1.0) -> torch.Tensor:
     result = torch.empty_like(q) if out is None else out
     for b in range(seq_lens.shape[0]):
         start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
         if end == start:
             continue
-        k, v = gather_context(k_cache, v_cache, block_tables[b], seq_len)
+        k, v = gather_context(k_cache, v_cache, block_tables[b], seq_len, k_scale=k_scale, v_scale=v_scale)
         result[start:end] = attention_ref(q[start:end], k, v, scale, context_len=seq_len - (end - start))
     return result

@@ -4,6 +4,11 @@ A batch holds `num_decodes` one-token queries first, then prefill chunks. New ke
 written into their cache slots, then every query attends to its sequence's cached context plus
 itself, found through its block table. On CPU, one-token queries share one padded SDPA call and
 each prefill chunk gets its own, with a causal mask offset by the chunk's cached context.
+
+Caches are either in the model's dtype or fp8 (e4m3fn) with one float scale per layer for keys and
+one for values: a stored value is x / scale saturated to +-448, and reads as float(stored) * scale.
+The fp8 format is defined here, in a module that imports no Triton (CPU installs have none), so the
+PyTorch path and the kernels' references share one definition of it.
 """
 
 from __future__ import annotations
@@ -29,52 +34,95 @@ class AttentionMetadata:
     query_start_host: list[int]
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448; e4m3fn has no inf, so a cast beyond it may give NaN
+
+
+def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
+    """Scales are host floats, so CUDA-graph capture never reads the device for them. Only fp8
+    caches are scaled; a scale other than 1.0 on any other cache is a caller's mistake that would
+    otherwise be silently ignored."""
+    if not all(isinstance(s, (int, float)) for s in (k_scale, v_scale)):
+        raise TypeError(f"k_scale and v_scale must be Python floats, got {type(k_scale)} and {type(v_scale)}")
+    if cache_dtype != FP8_KV_DTYPE and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError(f"k_scale {k_scale} and v_scale {v_scale} apply only to fp8 caches, not {cache_dtype}")
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as a cache of `cache_dtype` holds it: fp8 caches x / scale, clamped first so that large
+    values saturate rather than cast to NaN; other caches take x as is."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return x
+    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The values a slice of an fp8 cache stands for, in `dtype`; other caches hold their values
+    as is, so their slices come back untouched (no copy)."""
+    if stored.dtype != FP8_KV_DTYPE:
+        return stored
+    return (stored.float() * scale).to(dtype)
+
+
+def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """index_copy_ has no CPU kernel for fp8, so fp8 caches are written through their raw bytes."""
+    if cache.dtype == FP8_KV_DTYPE:
+        cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]."""
+             slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]; the scales as in `quantize_kv`."""
     if use_triton(k):
         from ember.kernels import store_kv as store_kv_kernel
 
-        store_kv_kernel(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_kernel(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    _copy_to_slots(k_cache, slot_mapping, quantize_kv(k, k_cache.dtype, k_scale))
+    _copy_to_slots(v_cache, slot_mapping, quantize_kv(v, v_cache.dtype, v_scale))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]. Keys/values for the new tokens must already be stored."""
+                    meta: AttentionMetadata, scale: float, *, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D]. Keys/values for the new tokens must already be stored; fp8
+    caches are read through their scales (see `dequantize_kv`)."""
     out = torch.empty_like(q)
     if use_triton(q):
-        _triton_attention(q, k_cache, v_cache, meta, scale, out)
+        _triton_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
     else:
-        _torch_attention(q, k_cache, v_cache, meta, scale, out)
+        check_kv_scales(k_cache.dtype, k_scale, v_scale)
+        _torch_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
     return out
 
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor) -> None:
+                      scale: float, out: torch.Tensor, k_scale: float, v_scale: float) -> None:
     from ember.kernels import paged_decode_attention, paged_prefill_attention
 
     nd = meta.num_decodes
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                               out=out[:nd], max_seq_len=meta.max_seq_len)
+                               out=out[:nd], max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
     if meta.max_query_len:
         # Prefill rows index the full q/out through their own query_start_loc entries.
         paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                                meta.query_start_loc[nd:], meta.max_query_len, scale, out=out)
+                                meta.query_start_loc[nd:], meta.max_query_len, scale, out=out,
+                                k_scale=k_scale, v_scale=v_scale)
 
 
 def _torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, out: torch.Tensor) -> None:
+                     scale: float, out: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """fp8 caches are dequantized to q's dtype block by block as they are gathered, never whole."""
     block_size = k_cache.shape[1]
     nd = meta.num_decodes
     if nd:
         width = -(-max(meta.seq_lens_host[:nd]) // block_size)
         tables = meta.block_tables[:nd, :width].long()
-        k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [nd, Hk, S, D]
-        v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        k = dequantize_kv(k_cache[tables], k_scale, q.dtype).flatten(1, 2).transpose(1, 2)  # [nd, Hk, S, D]
+        v = dequantize_kv(v_cache[tables], v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
         mask = torch.arange(width * block_size, device=q.device)[None, :] < meta.seq_lens[:nd, None]
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                            scale=scale, enable_gqa=True)
@@ -83,8 +131,8 @@ def _torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         start, end = meta.query_start_host[i], meta.query_start_host[i + 1]
         q_len, seq_len = end - start, meta.seq_lens_host[i]
         block_ids = meta.block_tables[i, : -(-seq_len // block_size)].long()
-        k = k_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hk, S, D]
-        v = v_cache[block_ids].flatten(0, 1)[:seq_len].transpose(0, 1)
+        k = dequantize_kv(k_cache[block_ids].flatten(0, 1)[:seq_len], k_scale, q.dtype).transpose(0, 1)  # [Hk, S, D]
+        v = dequantize_kv(v_cache[block_ids].flatten(0, 1)[:seq_len], v_scale, q.dtype).transpose(0, 1)
         qc = q[start:end].transpose(0, 1)  # [Hq, Q, D]
         ctx = seq_len - q_len
         if ctx == 0:

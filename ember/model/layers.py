@@ -97,6 +97,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class Embedding(nn.Embedding):
+    """Token embedding that can also act as a tied LM head."""
+
+    def attend(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
 

@@ -14,7 +14,9 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
 from ember.model.errors import ModelLoadError
-from ember.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from ember.model.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from ember.quant.formats import QuantizedWeight
+from ember.quant.linear import QuantEmbedding, QuantLinear, quantize_module
 
 
 class Attention(nn.Module):
@@ -33,6 +35,10 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # fp8 KV: stored = value / scale. 1.0 (as vLLM without calibration) keeps |k|, |v| <= 448 exact
+        # to e4m3's 3-bit mantissa; larger values saturate.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -42,8 +48,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale,
+                            v_scale=self.v_scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -71,7 +78,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -105,8 +112,22 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        logits = self.model.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return logits.float()
+
+    def quantize(self, kind: str) -> None:
+        """Replace every linear layer, the embedding and the LM head by quantized forms, one at a time so
+        only one float weight is ever held beside the quantized model.
+
+        int4 keeps the LM head (and a tied embedding) at int8: its error lands directly on the logits,
+        which is why llama.cpp's Q4 files also store output.weight at 6 bits or more."""
+        dtype = self.model.norm.weight.dtype
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        for parent in list(self.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, (nn.Linear, nn.Embedding)):
+                    child_kind = "int8" if kind == "int4" and child is head else kind
+                    setattr(parent, name, quantize_module(child, child_kind, dtype))
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -118,17 +139,21 @@ class CausalLM(nn.Module):
         size = self.config.intermediate_size
         return [size, size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        """Copy checkpoint tensors into parameters; every parameter must be filled exactly once."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], source: str) -> None:
+        """Copy checkpoint tensors into parameters; every parameter must be filled exactly once.
+
+        Quantized tensors (GGUF kept quantized) are collected per layer and replace that layer by its
+        quantized form once the whole checkpoint has been read."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
+        quantized: dict[str, dict[int, QuantizedWeight]] = {}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
                 continue
-            target, offset, size = name, 0, None
-            for ckpt, (fused, shard) in _FUSED.items():
+            target, offset, size, shard = name, 0, None, 0
+            for ckpt, (fused, index) in _FUSED.items():
                 if f".{ckpt}." in name:
-                    target = name.replace(ckpt, fused)
+                    target, shard = name.replace(ckpt, fused), index
                     sizes = self._shard_sizes(fused)
                     offset, size = sum(sizes[:shard]), sizes[shard]
                     break
@@ -136,15 +161,36 @@ class CausalLM(nn.Module):
             if param is None:
                 raise ModelLoadError(source, f"unexpected tensor {name!r} for {self.config.architecture}")
             dest = param.data if size is None else param.data.narrow(0, offset, size)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                             f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, QuantizedWeight) else tensor.shape
+            if tuple(dest.shape) != tuple(shape):
+                raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(shape)}, expected {tuple(dest.shape)}")
+            if isinstance(tensor, QuantizedWeight):
+                quantized.setdefault(target, {})[shard] = tensor.to(dest.device)
+            else:
+                dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + 1
         for name in params:
             module = name.rsplit(".", 2)[-2]  # e.g. "qkv_proj" in "...self_attn.qkv_proj.weight"
             if filled.get(name, 0) != _SHARDS_PER_FUSED.get(module, 1):
                 raise ModelLoadError(source, f"checkpoint is missing weights for {name!r}")
+        for name, shards in quantized.items():
+            self._install_quantized(name, shards, params[name])
+
+    def _install_quantized(self, param_name: str, shards: dict[int, QuantizedWeight], param: nn.Parameter) -> None:
+        """Swap the layer owning `param_name` for its quantized form; shards that arrived dense (a GGUF
+        file may store v_proj as F16 beside a Q4_K q_proj) stay dense parts of the fused layer."""
+        module_name = param_name.rsplit(".", 1)[0]
+        parent_name, attr = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)
+        parent = self.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        if isinstance(old, nn.Embedding):
+            setattr(parent, attr, QuantEmbedding(shards[0], param.dtype))
+            return
+        sizes = self._shard_sizes(attr) if attr in _SHARDS_PER_FUSED else [param.shape[0]]
+        parts: list[QuantizedWeight | torch.Tensor] = []
+        for i, size in enumerate(sizes):
+            parts.append(shards[i] if i in shards else param.data.narrow(0, sum(sizes[:i]), size).clone())
+        setattr(parent, attr, QuantLinear(parts, old.bias, param.dtype))
 
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights for benchmarking an architecture without its checkpoint."""

@@ -22,6 +22,7 @@ from ember.config import DEFAULT_MODEL, EngineArgs, ModelConfig
 from ember.model.errors import ModelLoadError
 from ember.model.gguf import load_gguf
 from ember.model.registry import model_class
+from ember.quant.formats import QuantizedWeight
 from ember.tokenizer import Tokenizer
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
@@ -37,6 +38,7 @@ class ModelFiles:
     checkpoint_dtype: str | None
     generation_config: dict[str, Any] = field(default_factory=dict)
     weights: Callable[[], WeightIterator] | None = None  # None: random weights (--load-format dummy)
+    quantization: str = "none"  # resolved: "none", "gguf" (weights arrive quantized), or a mode to apply
 
 
 def resolve_model(model: str | None) -> str:
@@ -58,21 +60,28 @@ def load_model_files(args: EngineArgs) -> ModelFiles:
         raise ModelLoadError(path, f"no such file or directory (expected an HF model directory, a .gguf file, "
                                    f"or '{DEFAULT_MODEL}'; Ember never downloads models)")
     if os.path.isfile(path) and (path.endswith(".gguf") or args.load_format == "gguf"):
-        files = _gguf_files(path, args.load_format == "dummy")
+        quantization = args.quantization or "gguf"
+        files = _gguf_files(path, args.load_format == "dummy", keep_quantized=quantization == "gguf")
     elif os.path.isdir(path) or os.path.basename(path) == "config.json":
+        quantization = args.quantization or "none"
+        if quantization == "gguf":
+            raise ValueError("quantization 'gguf' needs a .gguf model file; use int8, int4 or fp8 to quantize "
+                             f"{path} at load")
         files = _hf_files(path if os.path.isdir(path) else os.path.dirname(path), args.load_format)
     else:
         raise ModelLoadError(path, "not a model: expected an HF model directory or a .gguf file")
+    files.quantization = quantization
     if args.tokenizer is not None:
         files.tokenizer = load_hf_tokenizer(args.tokenizer, files.tokenizer.eos_token_ids if files.tokenizer else [])
     return files
 
 
-def _gguf_files(path: str, dummy: bool) -> ModelFiles:
+def _gguf_files(path: str, dummy: bool, keep_quantized: bool) -> ModelFiles:
     g = load_gguf(path)
     tok = Tokenizer(g.tokenizer, bos_token=g.bos_token, eos_token=g.eos_token, eos_token_ids=g.eos_token_ids,
                     chat_template=g.chat_template)
-    weights = None if dummy else lambda: ((name, torch.from_numpy(t)) for name, t in g.tensors())
+    weights = None if dummy else lambda: ((name, t if isinstance(t, QuantizedWeight) else torch.from_numpy(t))
+                                          for name, t in g.tensors(keep_quantized=keep_quantized))
     return ModelFiles(source=path, model_config=_model_config(g.hf_config, path), tokenizer=tok,
                       checkpoint_dtype=None, weights=weights)
 

@@ -20,6 +20,8 @@ from ember.engine.scheduler import ScheduledBatch
 from ember.model.attention import AttentionMetadata
 from ember.model.loader import ModelFiles
 from ember.model.registry import model_class
+from ember.quant.linear import QuantEmbedding, QuantLinear
+from ember.quant.quantize import QUANTIZERS
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
 from ember.sampling.sampler import Sampler, SamplingBatch
@@ -83,6 +85,13 @@ class GpuIdleTimer:
         self._last_end = end
 
 
+def _check_fp8_support(device: torch.device) -> None:
+    """fp8 weights need fp8 tensor cores (Ada/Hopper and newer); fp8 KV needs only the fp8 dtype."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("quantization 'fp8' needs a CUDA GPU with fp8 tensor cores (compute capability 8.9+, "
+                         "e.g. L4, H100, H200); use int8 or int4 on this device")
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -106,12 +115,18 @@ class ModelRunner:
         max_positions = max(scheduler_config.max_model_len, cfg.max_position_embeddings)
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = model_class(cfg, files.source)(cfg, max_positions)
+        self.quantization = files.quantization
+        if self.quantization == "fp8":
+            _check_fp8_support(self.device)
         with torch.no_grad():
             if files.weights is None:
                 self.model.init_dummy_weights(args.seed)
             else:
                 self.model.load_weights(files.weights(), files.source)
+            if self.quantization in QUANTIZERS:
+                self.model.quantize(self.quantization)
         self.model.eval()
+        self.kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype != "auto" else self.dtype
         self.sampler = Sampler()
         self.num_blocks = 0
         self.enforce_eager = args.enforce_eager
@@ -126,7 +141,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -198,10 +213,10 @@ class ModelRunner:
         a large `--kv-cache-memory` costs resident memory only as blocks are used (torch.zeros writes
         every page at once)."""
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        elem = torch.empty((), dtype=self.dtype).element_size()
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         raw = np.zeros(shape[:-1] + (shape[-1] * elem,), dtype=np.uint8)
-        return torch.from_numpy(raw).view(self.dtype)
+        return torch.from_numpy(raw).view(self.kv_dtype)
 
     def release_kv_cache(self) -> None:
         for attn in self.model.attention_layers():
@@ -210,7 +225,13 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of every parameter plus the codes, scales and zeros of quantized layers (a tied
+        embedding and LM head counted once)."""
+        tensors = {id(p): p for p in self.model.parameters()}
+        for module in self.model.modules():
+            if isinstance(module, (QuantLinear, QuantEmbedding)):
+                tensors.update((id(t), t) for t in module.weight_tensors())
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.enforce_eager:

@@ -1,0 +1,88 @@
+"""The one in-memory form every quantized weight takes, whatever produced it.
+
+Integer weights dequantize as `w[n, k] = q[n, k] * scales[n, k // g] + zeros[n, k // g]` (zeros
+absent: symmetric). One affine form covers per-channel int8 (g = K), group-wise int4 and every
+GGUF block type we map (Q4_1's min, Q4_0's implicit 8, the K-quants' sub-block scales and mins),
+so kernels need no per-source cases. Scales and zeros are float32: GGUF scale products such as
+`d * sc` need more mantissa than bf16 keeps, and float32 keeps GGUF decoding exact.
+
+fp8 weights are e4m3 with one float32 scale per output channel (`zeros` None, g = K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("int8", "int4", "fp8")
+
+
+@dataclass
+class QuantizedWeight:
+    kind: str                 # "int8" (int8 storage), "int4" (two unsigned nibbles per byte), "fp8"
+    qweight: torch.Tensor     # int8 [N, K]; uint8 [N, ceil(K / 2)] for int4; float8_e4m3fn [N, K] for fp8
+    scales: torch.Tensor      # float32 [N, ceil(K / group_size)]
+    zeros: torch.Tensor | None  # float32, shape of scales; None for symmetric formats
+    group_size: int
+    in_features: int          # K (int4 storage alone cannot tell an odd K from K + 1)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+
+    def nbytes(self) -> int:
+        """Bytes held in memory: codes, scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return QuantizedWeight(self.kind, self.qweight.to(device), self.scales.to(device),
+                               None if self.zeros is None else self.zeros.to(device),
+                               self.group_size, self.in_features)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values in 0..15 -> uint8 [N, ceil(K / 2)], element 2j in the low nibble of byte j."""
+    if q.shape[1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Inverse of pack_int4: uint8 [N, K] values in 0..15."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :in_features]
+
+
+def codes(w: QuantizedWeight) -> torch.Tensor:
+    """The integer (or fp8) codes as an [N, K] tensor, unpacked."""
+    return unpack_int4(w.qweight, w.in_features) if w.kind == "int4" else w.qweight
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense [N, K] weight: the reference every kernel is tested against."""
+    group_idx = torch.arange(w.in_features, device=w.qweight.device) // w.group_size
+    dense = codes(w).float() * w.scales[:, group_idx]
+    if w.zeros is not None:
+        dense = dense + w.zeros[:, group_idx]
+    return dense.to(dtype)
+
+
+def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights along the output dimension (fused q/k/v or gate/up); groups run along K, so this is exact."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.kind, p.group_size, p.in_features, p.zeros is None) != (first.kind, first.group_size,
+                                                                        first.in_features, first.zeros is None):
+            raise ValueError(f"cannot fuse quantized weights of different formats: {first.kind}/g{first.group_size} "
+                             f"and {p.kind}/g{p.group_size}")
+    zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+    return QuantizedWeight(first.kind, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                           zeros, first.group_size, first.in_features)

@@ -1,0 +1,161 @@
+"""Linear and embedding layers whose weights stay quantized in memory.
+
+The matmul reads the quantized form on every path: on CUDA, a Triton GEMM that dequantizes in
+its inner loop for small batches (decode, bound by weight bandwidth), dequantize-then-cuBLAS for
+large ones (compute-bound, where the dequantize pass is amortised), and `torch._scaled_mm` for
+fp8; on CPU, PyTorch's packed int8/int4 CPU operators where the format fits them. The size at
+which the GPU path switches is measured (benchmarks/quant_gemm.py), not guessed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.model.backend import use_triton
+from ember.quant.formats import QuantizedWeight, codes, concat_out, dequantize
+from ember.quant.quantize import FP8_MAX, quantize
+
+# Rows at and below which the fused dequantizing GEMM beats dequantize + cuBLAS on an H200
+# (benchmarks/results/quant-gemm-cuda-2026-12-02.json: int8 crosses between 64 and 128 rows, int4,
+# whose dequantize pass is slower, between 128 and 256).
+GPU_FUSED_MAX_ROWS = {"int8": 64, "int4": 128}
+_TINYGEMM_GROUPS = (32, 64, 128, 256)
+_CPU_ACT_DTYPE = torch.bfloat16
+
+
+def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torch.Tensor, ...]]:
+    """Pack the weight once for PyTorch's CPU kernels, with bf16 activations: their fp32 paths are
+    scalar and 10-50x slower on AVX-512 CPUs (benchmarks/results/cpu-quant-matmul-*.json).
+
+    Group-wise int8 (GGUF Q8_0, Q5_K, Q6_K: in practice a model's embedding and LM head) has no CPU
+    kernel; it is expanded once to a dense copy in the model dtype, which keeps the file's values
+    exactly. Re-quantizing it per channel would save memory but perturbs the logits enough to flip
+    near-tied greedy choices of small models.
+    """
+    if w.kind == "int8" and w.in_features % 16 == 0 and w.zeros is None and w.group_size == w.in_features:
+        return "int8pack", (w.qweight, w.scales[:, 0].to(_CPU_ACT_DTYPE))  # K in 16s, or the kernel crashes
+    if (w.kind == "int4" and w.group_size in _TINYGEMM_GROUPS and w.in_features % w.group_size == 0
+            and w.out_features % 16 == 0):  # the packing's own requirements
+        # tinygemm computes (q - 8) * scale + zero, so zero = our zero term + 8 * scale.
+        zeros = w.zeros if w.zeros is not None else torch.zeros_like(w.scales)
+        scale_zero = torch.stack([w.scales.t(), (zeros + 8 * w.scales).t()], dim=-1).to(_CPU_ACT_DTYPE).contiguous()
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes(w).to(torch.int32), 1)
+        return "int4pack", (packed, scale_zero)
+    if w.kind == "int8":
+        return "dense", (dequantize(w, dtype),)
+    return "dequantize", ()
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T + b with W quantized. `parts` of different formats (GGUF files mix types inside a
+    fused q/k/v) run one matmul each and concatenate; parts of one format are fused into one."""
+
+    def __init__(self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+        if len(parts) > 1 and len(quantized) == len(parts) and _same_format(quantized):
+            parts = [concat_out(quantized)]
+        self.parts = parts
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.dtype = dtype
+        self.out_features = sum(p.out_features if isinstance(p, QuantizedWeight) else p.shape[0] for p in parts)
+        device = _device(parts[0])
+        self._cpu = [_cpu_layout(p, dtype) if isinstance(p, QuantizedWeight) and device.type == "cpu"
+                     else ("gpu", ()) for p in parts]
+        # A packed copy replaces the codes it was made from: keep only their shape.
+        self.parts = [_shape_only(p) if layout in ("int4pack", "dense") else p
+                      for p, (layout, _) in zip(self.parts, self._cpu)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        outs = [self._matmul(x, p, cpu) for p, cpu in zip(self.parts, self._cpu)]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor, w: QuantizedWeight | torch.Tensor,
+                cpu: tuple[str, tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        if not isinstance(w, QuantizedWeight):
+            return F.linear(x, w)
+        if w.kind == "fp8":
+            return _fp8_matmul(x, w)
+        if use_triton(x):
+            from ember.kernels import dequantize_kernel, quant_matmul
+
+            if x.shape[0] <= GPU_FUSED_MAX_ROWS[w.kind]:
+                return quant_matmul(x, w)
+            return F.linear(x, dequantize_kernel(w, x.dtype))
+        layout, tensors = cpu
+        if layout == "int8pack":
+            return torch._weight_int8pack_mm(x.to(_CPU_ACT_DTYPE), *tensors).to(x.dtype)
+        if layout == "int4pack":
+            return torch._weight_int4pack_mm_for_cpu(x.to(_CPU_ACT_DTYPE), tensors[0], w.group_size,
+                                                     tensors[1]).to(x.dtype)
+        if layout == "dense":
+            return F.linear(x, tensors[0])
+        return F.linear(x, dequantize(w, x.dtype))
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the weight occupies (codes, scales, zeros, dense parts, CPU-packed copies), for
+        memory accounting."""
+        tensors = [t for p in self.parts for t in (p.tensors() if isinstance(p, QuantizedWeight) else [p])]
+        return tensors + [t for _, packed in self._cpu for t in packed]
+
+
+def _shape_only(w: QuantizedWeight) -> QuantizedWeight:
+    empty = torch.empty(w.out_features, 0)
+    return QuantizedWeight(w.kind, empty.to(w.qweight.dtype), empty, None, w.group_size, w.in_features)
+
+
+def _same_format(parts: list[QuantizedWeight]) -> bool:
+    first = parts[0]
+    return all((p.kind, p.group_size, p.zeros is None) == (first.kind, first.group_size, first.zeros is None)
+               for p in parts)
+
+
+def _device(p: QuantizedWeight | torch.Tensor) -> torch.device:
+    return (p.qweight if isinstance(p, QuantizedWeight) else p).device
+
+
+def _fp8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """W8A8: each row of x gets its own scale (dynamic per-token), the weight one per channel."""
+    if not x.is_cuda:
+        raise ValueError("quantization 'fp8' needs a CUDA GPU with fp8 support (compute capability 8.9+)")
+    x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    xq = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scale, scale_b=w.scales.t(), out_dtype=x.dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding that dequantizes only the rows it looks up; with tied weights it also serves
+    as the LM head through `attend`."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.dtype = dtype
+        self.head = QuantLinear([weight], None, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight_q
+        rows = QuantizedWeight(w.kind, w.qweight[ids], w.scales[ids],
+                               None if w.zeros is None else w.zeros[ids], w.group_size, w.in_features)
+        return dequantize(rows, self.dtype)
+
+    def attend(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return self.weight_q.tensors() + self.head.weight_tensors()
+
+
+def quantize_module(module: nn.Module, kind: str, dtype: torch.dtype) -> nn.Module:
+    """The quantized replacement of a dense nn.Linear or nn.Embedding (its float weight is dropped)."""
+    if isinstance(module, nn.Embedding):
+        return QuantEmbedding(quantize(module.weight.data, kind), dtype)
+    return QuantLinear([quantize(module.weight.data, kind)], module.bias, dtype)

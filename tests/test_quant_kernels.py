@@ -1,0 +1,169 @@
+"""quant_matmul and dequantize_kernel against float64 products of the dequantized weight.
+
+Without a GPU the kernels run in Triton's interpreter on tiny, deliberately ragged shapes (odd K,
+partial groups and tiles); on a GPU the same tests run compiled, and EMBER_KERNEL_TEST_FULL=1
+switches to serving-sized shapes (M in {1, 16, 256}, N = K = 4096, group 128).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import zlib
+
+import pytest
+import torch
+
+# The interpreter is chosen when the kernels are decorated, so this must precede the import below.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ember.kernels import (  # noqa: E402
+    QuantMatmulConfig, choose_quant_matmul_config, dequantize_kernel, quant_matmul, quant_matmul_ref,
+)
+from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FULL = os.environ.get("EMBER_KERNEL_TEST_FULL") == "1"
+# Triton's interpreter truncates fp32 -> bf16 casts instead of rounding to nearest.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+PER_CHANNEL = 0  # stands for group_size = K
+# Outputs are O(1); bf16/fp16 round the dequantized weight and the output once each.
+MATMUL_TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+              torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2} if INTERPRETED else {"atol": 2e-2, "rtol": 2e-2}}
+
+
+def _case(kind: str, group: int, zeros: bool, dtype: torch.dtype, shape: tuple[int, int, int],
+          bias: bool) -> pytest.ParameterSet:
+    name = f"{kind}-g{group or 'K'}-{'zeros' if zeros else 'sym'}-{str(dtype)[6:]}-{'x'.join(map(str, shape))}"
+    return pytest.param(kind, group, zeros, dtype, shape, bias, id=name + ("-bias" if bias else ""))
+
+
+def _cases() -> list[pytest.ParameterSet]:
+    """Off FULL, every kind/group/zeros/dtype mix runs on one shape, rotating through shapes with a
+    period (5) coprime to the others, so each dtype and group meets every shape without running the
+    whole product."""
+    if FULL:
+        return [_case(kind, 128, zeros, dtype, (m, 4096, 4096), True)
+                for kind, zeros, dtype, m in itertools.product(["int8", "int4"], [False, True], DTYPES, [1, 16, 256])]
+    shapes = [(1, 17, 129), (3, 64, 40), (33, 17, 256), (1, 64, 256), (3, 17, 129)]
+    mixes = itertools.product(["int8", "int4"], [16, 32, 128, PER_CHANNEL], [False, True], DTYPES)
+    return [_case(*mix, shapes[i % len(shapes)], i % 2 == 0) for i, mix in enumerate(mixes)]
+
+
+def _gen(*key: object) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def make_weight(kind: str, n: int, k: int, group_size: int, with_zeros: bool, gen: torch.Generator) -> QuantizedWeight:
+    """Random codes over the kind's whole range, scaled so x @ w.T is O(1) for x ~ N(0, 1).
+
+    Scales and zeros are views into tensors one group wider whose spare column is NaN, and an odd
+    K's int4 padding nibble is 15, so reading past the weight's groups or K shows in the result.
+    """
+    num_groups = -(-k // group_size)
+    if kind == "int8":
+        qweight, levels = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), 128
+    else:
+        qweight, levels = pack_int4(torch.randint(0, 16, (n, k), generator=gen)), 8
+        if k % 2:
+            qweight[:, -1] |= 0xF0
+    scales = torch.full((n, num_groups + 1), float("nan"))
+    scales[:, :num_groups] = (0.5 + torch.rand(n, num_groups, generator=gen)) / (levels * k ** 0.5)
+    zeros = None
+    if with_zeros:
+        zeros = torch.full((n, num_groups + 1), float("nan"))
+        zeros[:, :num_groups] = torch.randn(n, num_groups, generator=gen) * levels * scales[:, :num_groups]
+        zeros = zeros[:, :num_groups]
+    return QuantizedWeight(kind, qweight, scales[:, :num_groups], zeros, group_size, k).to(DEVICE)
+
+
+def make_input(m: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """x [M, K] as a view of a wider NaN-padded buffer: a kernel that reads past K poisons its output."""
+    x = torch.full((m, k + 5), float("nan"))
+    x[:, :k] = torch.randn(m, k, generator=gen)
+    return x.to(dtype=dtype, device=DEVICE)[:, :k]
+
+
+def expected_f64(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) in float64, dequantizing independently of formats.dequantize."""
+    group_idx = torch.arange(w.in_features, device=x.device) // w.group_size
+    dense = codes(w).double() * w.scales.double()[:, group_idx]
+    if w.zeros is not None:
+        dense += w.zeros.double()[:, group_idx]
+    out = x.double() @ dense.T
+    return out if bias is None else out + bias.double()
+
+
+def check_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+                 config: QuantMatmulConfig | None = None) -> None:
+    out = quant_matmul(x, w, bias, config=config)
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], w.out_features)
+    expected = expected_f64(x, w, bias)
+    torch.testing.assert_close(out.double(), expected, **MATMUL_TOL[x.dtype])
+    torch.testing.assert_close(quant_matmul_ref(x, w, bias).double(), expected, **MATMUL_TOL[x.dtype])
+
+
+@pytest.mark.parametrize("kind,group,zeros,dtype,shape,with_bias", _cases())
+def test_quant_matmul_matches_float64(kind: str, group: int, zeros: bool, dtype: torch.dtype,
+                                      shape: tuple[int, int, int], with_bias: bool) -> None:
+    m, n, k = shape
+    gen = _gen(kind, group, zeros, dtype, shape)
+    w = make_weight(kind, n, k, group or k, zeros, gen)
+    bias = torch.randn(n, generator=gen).to(dtype=dtype, device=DEVICE) if with_bias else None
+    check_matmul(make_input(m, k, dtype, gen), w, bias)
+
+
+# (M, N, K, group, config): split-K with a short last split, several M tiles, per-element scales
+# (BLOCK_K spanning groups, a group that is no power of two), several K tiles per group, and the
+# large-M tiles of the heuristic.
+TILINGS = [
+    (33, 17, 259, 16, QuantMatmulConfig(16, 16, 64, 3, 4, 1)),
+    (5, 64, 200, 48, None),
+    (5, 64, 200, 64, QuantMatmulConfig(16, 32, 32, 2, 4, 1)),
+    (1, 17, 129, 129, QuantMatmulConfig(16, 16, 16, 16, 4, 1)),
+    (1100, 40, 72, 32, None),
+]
+
+
+@pytest.mark.skipif(FULL, reason="tiny ragged shapes: the FULL run covers serving sizes")
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("m,n,k,group,config", TILINGS)
+def test_quant_matmul_tilings(kind: str, m: int, n: int, k: int, group: int,
+                              config: QuantMatmulConfig | None) -> None:
+    gen = _gen(kind, m, n, k, group)
+    check_matmul(make_input(m, k, torch.float32, gen), make_weight(kind, n, k, group, kind == "int4", gen), None,
+                 config)
+
+
+def test_config_fills_the_gpu_for_decode() -> None:
+    """Decode tiles are 16 rows, split-K brings even N = 1024 to at least one program per SM, and
+    every K tile of a power-of-two group lies inside one group."""
+    for n, k in [(1024, 4096), (1024, 14336), (4096, 14336), (14336, 4096)]:
+        cfg = choose_quant_matmul_config(1, n, k, 128, num_sms=132)
+        assert cfg.block_m == 16 and 128 % cfg.block_k == 0
+        assert -(-n // cfg.block_n) * cfg.split_k >= 132
+    large = choose_quant_matmul_config(4096, 4096, 4096, 128, num_sms=132)
+    assert large.block_m >= 64 and large.split_k == 1
+    assert choose_quant_matmul_config(1, 4096, 4096, 16, num_sms=132).block_k == 16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind,zeros", [("int8", False), ("int8", True), ("int4", False), ("int4", True)])
+def test_dequantize_kernel_matches_formats(kind: str, zeros: bool, dtype: torch.dtype) -> None:
+    """Bit-identical to formats.dequantize, except bf16 under the interpreter (see INTERPRETED)."""
+    n, k, group = (4096, 4096, 128) if FULL else (19, 301, 32)
+    w = make_weight(kind, n, k, group, zeros, _gen(kind, zeros, dtype))
+    out = dequantize_kernel(w, dtype)
+    expected = dequantize(w, dtype)
+    if dtype == torch.bfloat16 and INTERPRETED:
+        torch.testing.assert_close(out, expected, atol=0, rtol=2 ** -7)
+    else:
+        assert torch.equal(out, expected)
+
+
+def test_fp8_weights_are_rejected() -> None:
+    w = QuantizedWeight("fp8", torch.zeros(4, 16, dtype=torch.float8_e4m3fn), torch.ones(4, 1), None, 16, 16)
+    with pytest.raises(ValueError, match="int8 or int4"):
+        quant_matmul(torch.zeros(1, 16), w)
