@@ -9,7 +9,8 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 from ember.model.errors import ModelLoadError
-from ember.model.gguf import dequantize, load_gguf
+from ember.model.gguf import load_gguf
+from ember.model.gguf_blocks import dequantize
 
 # --- dequantization -----------------------------------------------------------------------------
 

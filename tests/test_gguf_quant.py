@@ -1,4 +1,4 @@
-"""Tests for keeping GGUF weights quantized: ember.model.gguf.quantized and tensors(keep_quantized=True).
+"""Tests for keeping GGUF weights quantized: ember.model.gguf_blocks.quantized and tensors(keep_quantized=True).
 
 The mapping must add no loss beyond the file's own, so every check is exact equality with the
 float decodings (gguf's reference and Ember's), never a tolerance.
@@ -13,8 +13,9 @@ import torch
 from conftest import default_gguf_path
 from gguf import GGMLQuantizationType as QType
 
-from ember.model import gguf as ember_gguf
-from ember.model.gguf import dequantize, load_gguf, quantized
+from ember.model import gguf_blocks
+from ember.model.gguf import load_gguf
+from ember.model.gguf_blocks import dequantize, quantized
 from ember.quant import formats
 from ember.quant.formats import QuantizedWeight
 
@@ -66,7 +67,7 @@ def _bits(x: np.ndarray | torch.Tensor, qtype: QType) -> np.ndarray:
 @qtypes
 def test_quantized_dequantizes_exactly(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
     # Small chunks put chunk boundaries inside rows, where packing and scale placement could slip.
-    monkeypatch.setattr(ember_gguf, "_BLOCKS_PER_CHUNK", 4)
+    monkeypatch.setattr(gguf_blocks, "_BLOCKS_PER_CHUNK", 4)
     raw = _raw(qtype)
     got = formats.dequantize(quantized(raw, qtype, _shape(qtype))).numpy()
     reference = gguf.quants.dequantize(raw, qtype)

@@ -49,10 +49,15 @@ class QuantizedWeight:
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] values in 0..15 -> uint8 [N, ceil(K / 2)], element 2j in the low nibble of byte j."""
+    """[N, K] values in 0..15 -> uint8 [N, ceil(K / 2)], element 2j in the low nibble of byte j.
+
+    On CPU through numpy, several times faster than torch's strided uint8 ops (model load time)."""
     if q.shape[1] % 2:
         q = torch.nn.functional.pad(q, (0, 1))
     q = q.to(torch.uint8)
+    if q.device.type == "cpu":
+        a = q.numpy()
+        return torch.from_numpy(a[:, 0::2] | (a[:, 1::2] << 4))
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 

@@ -1,0 +1,204 @@
+"""The GGUF container: header, metadata and tensor table, parsed fast.
+
+gguf.GGUFReader slices a numpy memmap once per metadata element, which costs seconds on a
+49k-token vocabulary at every start-up; this reader walks the same layout with struct over one
+memoryview and hands tensors out as views of one memory map.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from typing import Any, NamedTuple
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFValueType
+
+_GGUF_MAGIC = b"GGUF"
+_GGUF_VERSIONS = (2, 3)
+_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, key/value count
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_ALIGNMENT_KEY = "general.alignment"
+_DEFAULT_ALIGNMENT = 32
+_SCALARS: dict[GGUFValueType, struct.Struct] = {
+    GGUFValueType.UINT8: struct.Struct("<B"),
+    GGUFValueType.INT8: struct.Struct("<b"),
+    GGUFValueType.UINT16: struct.Struct("<H"),
+    GGUFValueType.INT16: struct.Struct("<h"),
+    GGUFValueType.UINT32: _U32,
+    GGUFValueType.INT32: struct.Struct("<i"),
+    GGUFValueType.FLOAT32: struct.Struct("<f"),
+    GGUFValueType.BOOL: struct.Struct("<?"),
+    GGUFValueType.UINT64: _U64,
+    GGUFValueType.INT64: struct.Struct("<q"),
+    GGUFValueType.FLOAT64: struct.Struct("<d"),
+}
+# Arrays of scalars are read whole by numpy, which spells these types as struct does.
+_ARRAY_DTYPES: dict[GGUFValueType, np.dtype] = {
+    vtype: np.dtype(fmt.format) for vtype, fmt in _SCALARS.items()
+}
+
+
+class GGUFFormatError(ValueError):
+    """The file is not a well-formed GGUF file; load_gguf reports it as ModelLoadError."""
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor's description and its bytes, still in the file."""
+
+    name: str
+    tensor_type: QType
+    shape: tuple[int, ...]  # GGML order: innermost dimension first
+    data: np.ndarray        # uint8 view of the memory-mapped file: no copy, nothing read yet
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads moving forward through a buffer, so a truncated file
+    fails with GGUFFormatError instead of yielding short values."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def skip(self, size: int) -> int:
+        """Claim the next `size` bytes; return where they start."""
+        start, end = self.pos, self.pos + size
+        if end > len(self.buf):
+            raise _truncated(start, end, len(self.buf))
+        self.pos = end
+        return start
+
+    def scalar(self, fmt: struct.Struct) -> Any:
+        return fmt.unpack_from(self.buf, self.skip(fmt.size))[0]
+
+    def string(self) -> str:
+        size = self.scalar(_U64)
+        start = self.skip(size)
+        return str(self.buf[start:self.pos], "utf-8")
+
+    def value(self, vtype: int) -> Any:
+        """A metadata value: a Python scalar, str, or a list of them (lists of lists when nested)."""
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            return self.array()
+        raise GGUFFormatError(f"unknown metadata value type {vtype}")
+
+    def array(self) -> list:
+        item_type, count = self.scalar(_U32), self.scalar(_U64)
+        if item_type in _ARRAY_DTYPES:
+            dtype = _ARRAY_DTYPES[item_type]
+            start = self.skip(dtype.itemsize * count)
+            return np.frombuffer(self.buf, dtype, count, start).tolist()
+        if item_type == GGUFValueType.STRING:
+            return self.strings(count)
+        return [self.value(item_type) for _ in range(count)]
+
+    def strings(self, count: int) -> list[str]:
+        """`count` consecutive strings: string() inlined into one loop, as vocabularies and merge
+        lists hold ~50k strings each and the per-call overhead would double the parse time."""
+        buf, pos, end, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        out: list[str] = []
+        for _ in range(count):
+            if pos + 8 > end:
+                raise _truncated(pos, pos + 8, end)
+            (size,) = unpack(buf, pos)
+            start, pos = pos + 8, pos + 8 + size
+            if pos > end:  # checked before decoding, which would fail on a cut-off character
+                raise _truncated(start, pos, end)
+            out.append(str(buf[start:pos], "utf-8"))
+        self.pos = pos
+        return out
+
+
+def _truncated(start: int, end: int, size: int) -> GGUFFormatError:
+    return GGUFFormatError(f"file ends at byte {size}, inside a field spanning bytes {start}-{end}")
+
+
+class GGUFFile:
+    """A parsed GGUF file: metadata as plain Python values, tensors as views of the mapped file.
+
+    Only little-endian files of versions 2 and 3 are read, as llama.cpp writes them everywhere.
+    """
+
+    def __init__(self, path: str) -> None:
+        size = os.path.getsize(path)
+        if size < _HEADER.size:
+            raise GGUFFormatError(f"{size} bytes is too short for a GGUF header")
+        self._data = np.memmap(path, dtype=np.uint8, mode="r")
+        cursor = _Cursor(memoryview(self._data))
+        try:
+            self.version, tensor_count, kv_count = self._read_header(cursor)
+            self.fields = self._read_fields(cursor, kv_count)
+            infos = [self._read_tensor_info(cursor) for _ in range(tensor_count)]
+        except UnicodeDecodeError as exc:
+            raise GGUFFormatError(f"a string is not valid UTF-8 ({exc})") from None
+        self.alignment = self._alignment()
+        self.data_offset = (cursor.pos + self.alignment - 1) // self.alignment * self.alignment
+        self.tensors = [self._tensor(*info) for info in infos]
+        self._check_unique_names()
+
+    @staticmethod
+    def _read_header(cursor: _Cursor) -> tuple[int, int, int]:
+        """(version, tensor count, key/value count), once the magic and version check out."""
+        magic, version, tensor_count, kv_count = _HEADER.unpack_from(cursor.buf, cursor.skip(_HEADER.size))
+        if magic != _GGUF_MAGIC:
+            raise GGUFFormatError(f"bad magic {magic!r} (expected {_GGUF_MAGIC!r})")
+        if version not in _GGUF_VERSIONS:
+            # A byte-swapped small version number reads as a multiple of 65536.
+            endian = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
+            raise GGUFFormatError(f"unsupported GGUF version {version}{endian}")
+        return version, tensor_count, kv_count
+
+    def _read_fields(self, cursor: _Cursor, count: int) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for _ in range(count):
+            key, vtype = cursor.string(), cursor.scalar(_U32)
+            if key in fields:
+                raise GGUFFormatError(f"duplicate metadata key {key!r}")
+            if key == _ALIGNMENT_KEY and vtype != GGUFValueType.UINT32:
+                raise GGUFFormatError(f"{key} must be a UINT32, not value type {vtype}")
+            fields[key] = cursor.value(vtype)
+        return fields
+
+    @staticmethod
+    def _read_tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+        """(name, GGML shape, raw type, offset within the data section) of the next tensor."""
+        name, n_dims = cursor.string(), cursor.scalar(_U32)
+        shape = struct.unpack_from(f"<{n_dims}Q", cursor.buf, cursor.skip(8 * n_dims))
+        return name, shape, cursor.scalar(_U32), cursor.scalar(_U64)
+
+    def _alignment(self) -> int:
+        alignment = self.fields.get(_ALIGNMENT_KEY, _DEFAULT_ALIGNMENT)
+        if alignment == 0 or alignment & (alignment - 1):
+            raise GGUFFormatError(f"alignment {alignment} is not a power of two")
+        return alignment
+
+    def _check_unique_names(self) -> None:
+        seen: set[str] = set()
+        for tensor in self.tensors:
+            if tensor.name in seen:
+                raise GGUFFormatError(f"duplicate tensor {tensor.name!r}")
+            seen.add(tensor.name)
+
+    def _tensor(self, name: str, shape: tuple[int, ...], raw_type: int, offset: int) -> GGUFTensor:
+        try:
+            qtype = QType(raw_type)
+        except ValueError:
+            raise GGUFFormatError(f"tensor {name!r} has unknown type {raw_type}") from None
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        if shape and shape[0] % block_size:
+            raise GGUFFormatError(f"tensor {name!r} of type {qtype.name} has a row of {shape[0]} elements, "
+                                  f"not a multiple of its {block_size}-element blocks")
+        start = self.data_offset + offset
+        end = start + math.prod(shape) // block_size * block_bytes
+        if end > len(self._data):
+            raise GGUFFormatError(
+                f"tensor {name!r} needs bytes {start}-{end} of a {len(self._data)}-byte file"
+            )
+        return GGUFTensor(name, qtype, shape, self._data[start:end])
