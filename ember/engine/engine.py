@@ -90,8 +90,10 @@ class LLMEngine:
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         self._ids = itertools.count()
         self.ready_message = (
-            f"model {files.source} on {device} ({str(self.runner.dtype).replace('torch.', '')}, weights "
-            f"{self.runner.weight_bytes / 2**30:.2f} GiB): {num_blocks} KV blocks of {self.cache_config.block_size} "
+            f"model {files.source} on {device} ({str(self.runner.dtype).replace('torch.', '')}, "
+            f"quantization {self.runner.quantization}, weights {self.runner.weight_bytes / 2**30:.2f} GiB, "
+            f"KV {str(self.runner.kv_dtype).replace('torch.', '')}): {num_blocks} KV blocks of "
+            f"{self.cache_config.block_size} "
             f"tokens ({num_blocks * self.runner.bytes_per_block / 2**30:.2f} GiB), max concurrency "
             f"{self.kv_capacity_tokens / self.max_model_len:.1f}x at {self.max_model_len} tokens; "
             f"ready in {time.monotonic() - start:.1f}s")

@@ -36,13 +36,14 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
     """
     if w.kind == "int8" and w.in_features % 16 == 0 and w.zeros is None and w.group_size == w.in_features:
         return "int8pack", (w.qweight, w.scales[:, 0].to(_CPU_ACT_DTYPE))  # K in 16s, or the kernel crashes
-    if (w.kind == "int4" and w.group_size in _TINYGEMM_GROUPS and w.in_features % w.group_size == 0
-            and w.out_features % 16 == 0):  # the packing's own requirements
-        # tinygemm computes (q - 8) * scale + zero, so zero = our zero term + 8 * scale.
+    if w.kind == "int4" and w.group_size in _TINYGEMM_GROUPS and w.out_features % 16 == 0:  # the packing's rule
+        # tinygemm computes (q - 8) * scale + zero, so zero = our zero term + 8 * scale. It needs whole
+        # groups: a ragged last group is padded, and forward pads x with zeros to match.
         zeros = w.zeros if w.zeros is not None else torch.zeros_like(w.scales)
         scale_zero = torch.stack([w.scales.t(), (zeros + 8 * w.scales).t()], dim=-1).to(_CPU_ACT_DTYPE).contiguous()
-        packed = torch._convert_weight_to_int4pack_for_cpu(codes(w).to(torch.int32), 1)
-        return "int4pack", (packed, scale_zero)
+        q = codes(w).to(torch.int32)
+        q = F.pad(q, (0, _padded_k(w) - w.in_features))
+        return "int4pack", (torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero)
     if w.kind == "int8":
         return "dense", (dequantize(w, dtype),)
     return "dequantize", ()
@@ -94,8 +95,8 @@ class QuantLinear(nn.Module):
         if layout == "int8pack":
             return torch._weight_int8pack_mm(x.to(_CPU_ACT_DTYPE), *tensors).to(x.dtype)
         if layout == "int4pack":
-            return torch._weight_int4pack_mm_for_cpu(x.to(_CPU_ACT_DTYPE), tensors[0], w.group_size,
-                                                     tensors[1]).to(x.dtype)
+            padded = F.pad(x.to(_CPU_ACT_DTYPE), (0, _padded_k(w) - w.in_features))
+            return torch._weight_int4pack_mm_for_cpu(padded, tensors[0], w.group_size, tensors[1]).to(x.dtype)
         if layout == "dense":
             return F.linear(x, tensors[0])
         return F.linear(x, dequantize(w, x.dtype))
@@ -105,6 +106,11 @@ class QuantLinear(nn.Module):
         memory accounting."""
         tensors = [t for p in self.parts for t in (p.tensors() if isinstance(p, QuantizedWeight) else [p])]
         return tensors + [t for _, packed in self._cpu for t in packed]
+
+
+def _padded_k(w: QuantizedWeight) -> int:
+    """K rounded up to whole groups."""
+    return -(-w.in_features // w.group_size) * w.group_size
 
 
 def _shape_only(w: QuantizedWeight) -> QuantizedWeight:
