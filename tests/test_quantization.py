@@ -104,10 +104,11 @@ def test_bad_quantization_values_name_the_field(llama_dir) -> None:
         LLM(str(llama_dir), quantization="gguf")
 
 
-@pytest.mark.parametrize("mode,ratio", [("int8", 0.56), ("int4", 0.42)])
+@pytest.mark.parametrize("mode,ratio", [("int8", 0.56), ("int4", 0.5)])
 def test_weight_memory_is_measured(llama_dir, mode: str, ratio: float) -> None:
-    """Bytes of codes, scales and zeros against the float model; the tiny model's K = 64 makes per-row
-    scales weigh more than at real sizes (the 8B shape is measured in benchmarks/latency.py)."""
+    """Bytes of codes, scales, zeros and CPU-packed copies against the float model. The tiny model's
+    K = 64 makes per-row scales weigh more than at real sizes, and on CPU its int4 rows are padded to
+    one whole group of 128 for the packed kernel (the 8B shape is measured in benchmarks/latency.py)."""
     dense = LLM(str(llama_dir), device=DEVICE, dtype="bfloat16", kv_cache_memory=0.01).llm_engine.runner
     quant = LLM(str(llama_dir), device=DEVICE, dtype="bfloat16", kv_cache_memory=0.01,
                 quantization=mode).llm_engine.runner

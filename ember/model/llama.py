@@ -127,7 +127,7 @@ class CausalLM(nn.Module):
             for name, child in list(parent.named_children()):
                 if isinstance(child, (nn.Linear, nn.Embedding)):
                     child_kind = "int8" if kind == "int4" and child is head else kind
-                    setattr(parent, name, quantize_module(child, child_kind, dtype))
+                    setattr(parent, name, quantize_module(child, child_kind, dtype, tied=self.lm_head is None))
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -184,7 +184,7 @@ class CausalLM(nn.Module):
         parent = self.get_submodule(parent_name)
         old = getattr(parent, attr)
         if isinstance(old, nn.Embedding):
-            setattr(parent, attr, QuantEmbedding(shards[0], param.dtype))
+            setattr(parent, attr, QuantEmbedding(shards[0], param.dtype, tied=self.lm_head is None))
             return
         sizes = self._shard_sizes(attr) if attr in _SHARDS_PER_FUSED else [param.shape[0]]
         parts: list[QuantizedWeight | torch.Tensor] = []
