@@ -120,9 +120,11 @@ def _torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     nd = meta.num_decodes
     if nd:
         width = -(-max(meta.seq_lens_host[:nd]) // block_size)
-        tables = meta.block_tables[:nd, :width].long()
-        k = dequantize_kv(k_cache[tables], k_scale, q.dtype).flatten(1, 2).transpose(1, 2)  # [nd, Hk, S, D]
-        v = dequantize_kv(v_cache[tables], v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+        # index_select on the flat block list: 1.6x (one sequence) to 12x (16) faster than k_cache[tables]
+        ids = meta.block_tables[:nd, :width].reshape(-1)
+        shape = (nd, width * block_size, *k_cache.shape[2:])
+        k = dequantize_kv(k_cache.index_select(0, ids).view(shape), k_scale, q.dtype).transpose(1, 2)  # [nd, Hk, S, D]
+        v = dequantize_kv(v_cache.index_select(0, ids).view(shape), v_scale, q.dtype).transpose(1, 2)
         mask = torch.arange(width * block_size, device=q.device)[None, :] < meta.seq_lens[:nd, None]
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                            scale=scale, enable_gqa=True)
@@ -130,9 +132,9 @@ def _torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for i in range(nd, len(meta.seq_lens_host)):
         start, end = meta.query_start_host[i], meta.query_start_host[i + 1]
         q_len, seq_len = end - start, meta.seq_lens_host[i]
-        block_ids = meta.block_tables[i, : -(-seq_len // block_size)].long()
-        k = dequantize_kv(k_cache[block_ids].flatten(0, 1)[:seq_len], k_scale, q.dtype).transpose(0, 1)  # [Hk, S, D]
-        v = dequantize_kv(v_cache[block_ids].flatten(0, 1)[:seq_len], v_scale, q.dtype).transpose(0, 1)
+        block_ids = meta.block_tables[i, : -(-seq_len // block_size)]
+        k = dequantize_kv(k_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len], k_scale, q.dtype).transpose(0, 1)
+        v = dequantize_kv(v_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len], v_scale, q.dtype).transpose(0, 1)
         qc = q[start:end].transpose(0, 1)  # [Hq, Q, D]
         ctx = seq_len - q_len
         if ctx == 0:
