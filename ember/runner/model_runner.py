@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import math
+import mmap
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -236,14 +238,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed cache tensor. On CPU, numpy's calloc-backed zeros leave untouched pages unmapped, so
-        a large `--kv-cache-memory` costs resident memory only as blocks are used (torch.zeros writes
-        every page at once)."""
+        """A zeroed cache tensor. On CPU, an anonymous memory map leaves untouched pages unmapped, so a
+        large `--kv-cache-memory` costs resident memory only as blocks are used (torch.zeros writes
+        every page at once). Not numpy's zeros: it advises huge pages for large arrays, and the
+        kernel's khugepaged then fills whole 2 MiB pages around each touched block."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        raw = np.zeros(shape[:-1] + (shape[-1] * elem,), dtype=np.uint8)
-        return torch.from_numpy(raw).view(self.kv_dtype)
+        nbytes = math.prod(shape) * torch.empty((), dtype=self.kv_dtype).element_size()
+        raw = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+        return torch.from_numpy(raw).view(self.kv_dtype).view(shape)
 
     def release_kv_cache(self) -> None:
         for attn in self.model.attention_layers():
