@@ -7,19 +7,19 @@ With EMBER_TEST_DEVICE=cuda the engine tests run on the GPU, where fp8 joins the
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import DEVICE
 
-from ember import LLM, SamplingParams
+from benchmarks import quality
+from ember import LLM
 from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4, unpack_int4
 from ember.quant.linear import QuantLinear
 from ember.quant.quantize import quantize_fp8, quantize_int4, quantize_int8
 
-TEXT = (Path(__file__).parent.parent / "benchmarks" / "data" / "quality.txt").read_text(encoding="utf-8")
+TEXT = Path(quality.TEXT_PATH).read_text(encoding="utf-8")
 FP8_OK = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
 # Perplexity budgets against the unquantized model, in percent, on two 256-token windows: regression
 # guards. The issue's targets (int8 +1%, fp8 +2%) are measured on the whole text by
@@ -126,24 +126,21 @@ def text_windows() -> list[list[int]]:
     return [ids[i:i + 256] for i in range(0, 512, 256)]
 
 
-def perplexity(llm: LLM, windows: list[list[int]]) -> float:
-    outs = llm.generate([{"prompt_token_ids": w} for w in windows],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
-    logprobs = [entry[tok].logprob for out, w in zip(outs, windows)
-                for entry, tok in zip(out.prompt_logprobs[1:], w[1:])]
-    return math.exp(-sum(logprobs) / len(logprobs))
+GREEDY_TOKENS = 24
+
+
+def ppl(llm: LLM, windows: list[list[int]]) -> float:
+    return quality.perplexity(llm, windows)["ppl"]
 
 
 def greedy(llm: LLM, windows: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": w[:48]} for w in windows],
-                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return quality.greedy(llm, [w[:48] for w in windows], GREEDY_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def baseline(text_windows) -> tuple[float, list[list[int]]]:
     llm = LLM(quantization="none", kv_cache_memory=0.05, max_model_len=512, device=DEVICE)
-    return perplexity(llm, text_windows), greedy(llm, text_windows)
+    return ppl(llm, text_windows), greedy(llm, text_windows)
 
 
 MODES = [("gguf", "auto"), ("int8", "auto"), ("none", "fp8")] + ([("fp8", "auto")] if FP8_OK else [])
@@ -155,11 +152,10 @@ def test_default_model_quality_per_mode(mode: str, kv_dtype: str, text_windows, 
     to the unquantized model's."""
     base_ppl, base_tokens = baseline
     llm = LLM(quantization=mode, kv_cache_dtype=kv_dtype, kv_cache_memory=0.05, max_model_len=512, device=DEVICE)
-    ppl = perplexity(llm, text_windows)
+    mode_ppl = ppl(llm, text_windows)
     budget = PPL_BUDGET["fp8-kv" if kv_dtype == "fp8" else mode]
-    assert ppl <= base_ppl * (1 + budget / 100), f"{mode}/{kv_dtype}: ppl {ppl:.4f} vs {base_ppl:.4f}"
-    tokens = greedy(llm, text_windows)
-    agree = sum(a == b for x, y in zip(tokens, base_tokens) for a, b in zip(x, y)) / sum(map(len, base_tokens))
+    assert mode_ppl <= base_ppl * (1 + budget / 100), f"{mode}/{kv_dtype}: ppl {mode_ppl:.4f} vs {base_ppl:.4f}"
+    agree = quality.agreement(base_tokens, greedy(llm, text_windows), GREEDY_TOKENS)["token_agreement"]
     assert agree >= 0.5, f"{mode}/{kv_dtype}: only {agree:.0%} of greedy tokens agree"
 
 
@@ -169,4 +165,4 @@ def test_int4_stays_a_usable_model(text_windows, baseline) -> None:
     the test guards against breakage (a broken int4 path gives a perplexity in the thousands)."""
     base_ppl, _ = baseline
     llm = LLM(quantization="int4", kv_cache_memory=0.05, max_model_len=512, device=DEVICE)
-    assert perplexity(llm, text_windows) < 3 * base_ppl
+    assert ppl(llm, text_windows) < 3 * base_ppl

@@ -6,9 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.model.attention import FP8_KV_DTYPE, FP8_KV_MAX, check_kv_scales, quantize_kv
+from ember.model.attention import check_kv_scales, quantize_kv
+from ember.quant.formats import FP8_DTYPE, FP8_MAX
 
-_FP8_MAX = tl.constexpr(FP8_KV_MAX)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -83,7 +84,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(1), k_cache.stride(2),
         num_kv_heads, head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=k_cache.dtype == FP8_KV_DTYPE, ROUND_IN_FP32=triton.knobs.runtime.interpret,
+        FP8=k_cache.dtype == FP8_DTYPE, ROUND_IN_FP32=triton.knobs.runtime.interpret,
     )
 
 

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.model.attention import FP8_KV_DTYPE, check_kv_scales
+from ember.model.attention import check_kv_scales
+from ember.quant.formats import FP8_DTYPE
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -26,7 +27,7 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(v_cache.shape)} disagree on head_dim or cache shape")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous head dimension")
-    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and k_cache.dtype != FP8_KV_DTYPE):
+    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE):
         raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype "
                          "unless the caches are fp8")
     check_kv_scales(k_cache.dtype, k_scale, v_scale)

@@ -7,8 +7,9 @@ each prefill chunk gets its own, with a causal mask offset by the chunk's cached
 
 Caches are either in the model's dtype or fp8 (e4m3fn) with one float scale per layer for keys and
 one for values: a stored value is x / scale saturated to +-448, and reads as float(stored) * scale.
-The fp8 format is defined here, in a module that imports no Triton (CPU installs have none), so the
-PyTorch path and the kernels' references share one definition of it.
+The scaling rules (quantize_kv, dequantize_kv) live here, in a module that imports no Triton (CPU
+installs have none), so the PyTorch path and the kernels' references share them; the fp8 type and
+its range are ember.quant.formats' FP8_DTYPE and FP8_MAX, shared with fp8 weights.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.model.backend import use_triton
+from ember.quant.formats import FP8_DTYPE, FP8_MAX
 
 
 @dataclass
@@ -34,8 +36,6 @@ class AttentionMetadata:
     query_start_host: list[int]
 
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448; e4m3fn has no inf, so a cast beyond it may give NaN
 
 
 def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
@@ -44,29 +44,29 @@ def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) ->
     otherwise be silently ignored."""
     if not all(isinstance(s, (int, float)) for s in (k_scale, v_scale)):
         raise TypeError(f"k_scale and v_scale must be Python floats, got {type(k_scale)} and {type(v_scale)}")
-    if cache_dtype != FP8_KV_DTYPE and (k_scale != 1.0 or v_scale != 1.0):
+    if cache_dtype != FP8_DTYPE and (k_scale != 1.0 or v_scale != 1.0):
         raise ValueError(f"k_scale {k_scale} and v_scale {v_scale} apply only to fp8 caches, not {cache_dtype}")
 
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
     """x as a cache of `cache_dtype` holds it: fp8 caches x / scale, clamped first so that large
     values saturate rather than cast to NaN; other caches take x as is."""
-    if cache_dtype != FP8_KV_DTYPE:
+    if cache_dtype != FP8_DTYPE:
         return x
-    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_kv(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """The values a slice of an fp8 cache stands for, in `dtype`; other caches hold their values
     as is, so their slices come back untouched (no copy)."""
-    if stored.dtype != FP8_KV_DTYPE:
+    if stored.dtype != FP8_DTYPE:
         return stored
     return (stored.float() * scale).to(dtype)
 
 
 def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
     """index_copy_ has no CPU kernel for fp8, so fp8 caches are written through their raw bytes."""
-    if cache.dtype == FP8_KV_DTYPE:
+    if cache.dtype == FP8_DTYPE:
         cache, values = cache.view(torch.uint8), values.view(torch.uint8)
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values)
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 KINDS = ("int8", "int4", "fp8")
+FP8_DTYPE = torch.float8_e4m3fn  # fp8 weights and the fp8 KV cache
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448; e4m3fn has no inf, so a cast beyond it may give NaN
 
 
 @dataclass
@@ -80,14 +82,18 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
     return dense.to(dtype)
 
 
+def same_format(parts: list[QuantizedWeight]) -> bool:
+    """Whether the weights can be stacked into one: same codes, groups, K and symmetry."""
+    key = {(p.kind, p.group_size, p.in_features, p.zeros is None) for p in parts}
+    return len(key) == 1
+
+
 def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights along the output dimension (fused q/k/v or gate/up); groups run along K, so this is exact."""
     first = parts[0]
-    for p in parts[1:]:
-        if (p.kind, p.group_size, p.in_features, p.zeros is None) != (first.kind, first.group_size,
-                                                                        first.in_features, first.zeros is None):
-            raise ValueError(f"cannot fuse quantized weights of different formats: {first.kind}/g{first.group_size} "
-                             f"and {p.kind}/g{p.group_size}")
+    if not same_format(parts):
+        raise ValueError("cannot fuse quantized weights of different formats: "
+                         + ", ".join(f"{p.kind}/g{p.group_size}/K{p.in_features}" for p in parts))
     zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
     return QuantizedWeight(first.kind, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
                            zeros, first.group_size, first.in_features)

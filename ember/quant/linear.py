@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.model.backend import use_triton
-from ember.quant.formats import QuantizedWeight, codes, concat_out, dequantize
-from ember.quant.quantize import FP8_MAX, quantize
+from ember.quant.formats import FP8_DTYPE, FP8_MAX, QuantizedWeight, codes, concat_out, dequantize, same_format
+from ember.quant.quantize import quantize
 
 # Rows at and below which the fused dequantizing GEMM beats dequantize + cuBLAS on an H200
 # (benchmarks/results/quant-gemm-cuda-2026-12-02.json: int8 crosses between 64 and 128 rows, int4,
@@ -57,18 +57,16 @@ class QuantLinear(nn.Module):
     def __init__(self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
-        if len(parts) > 1 and len(quantized) == len(parts) and _same_format(quantized):
-            parts = [concat_out(quantized)]
-        self.parts = parts
+        if len(parts) > 1 and all(isinstance(p, QuantizedWeight) for p in parts) and same_format(parts):
+            parts = [concat_out(parts)]
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.out_features = sum(p.out_features if isinstance(p, QuantizedWeight) else p.shape[0] for p in parts)
-        device = _device(parts[0])
-        self._cpu = [_cpu_layout(p, dtype) if isinstance(p, QuantizedWeight) and device.type == "cpu"
-                     else ("gpu", ()) for p in parts]
+        on_cpu = _device(parts[0]).type == "cpu"
+        self._cpu = [_cpu_layout(p, dtype) if isinstance(p, QuantizedWeight) and on_cpu else ("gpu", ())
+                     for p in parts]
         # A packed copy replaces the codes it was made from: keep only their shape.
         self.parts = [_shape_only(p) if layout in ("int4pack", "dense") else p
-                      for p, (layout, _) in zip(self.parts, self._cpu)]
+                      for p, (layout, _) in zip(parts, self._cpu)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -118,22 +116,15 @@ def _shape_only(w: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(w.kind, empty.to(w.qweight.dtype), empty, None, w.group_size, w.in_features)
 
 
-def _same_format(parts: list[QuantizedWeight]) -> bool:
-    first = parts[0]
-    return all((p.kind, p.group_size, p.zeros is None) == (first.kind, first.group_size, first.zeros is None)
-               for p in parts)
-
-
 def _device(p: QuantizedWeight | torch.Tensor) -> torch.device:
     return (p.qweight if isinstance(p, QuantizedWeight) else p).device
 
 
 def _fp8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """W8A8: each row of x gets its own scale (dynamic per-token), the weight one per channel."""
-    if not x.is_cuda:
-        raise ValueError("quantization 'fp8' needs a CUDA GPU with fp8 support (compute capability 8.9+)")
+    """W8A8: each row of x gets its own scale (dynamic per-token), the weight one per channel. The
+    model runner refuses fp8 weights on devices without fp8 tensor cores, at load."""
     x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
-    xq = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    xq = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scale, scale_b=w.scales.t(), out_dtype=x.dtype)
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ember.quant.formats import QuantizedWeight, pack_int4
+from ember.quant.formats import FP8_DTYPE, FP8_MAX, QuantizedWeight, pack_int4
 
 INT4_GROUP_SIZE = 128
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
@@ -42,7 +41,7 @@ def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
     """e4m3 with one scale per output channel, so each row's largest weight maps to 448."""
     w = w.float()
     scales = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (w / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = (w / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return QuantizedWeight("fp8", q, scales, None, w.shape[1], w.shape[1])
 
 

@@ -25,6 +25,7 @@ from ember.engine.scheduler import ScheduledBatch
 from ember.model.attention import AttentionMetadata
 from ember.model.loader import ModelFiles
 from ember.model.registry import model_class
+from ember.quant.formats import FP8_DTYPE
 from ember.quant.linear import QuantEmbedding, QuantLinear
 from ember.quant.quantize import QUANTIZERS
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
@@ -155,7 +156,7 @@ class ModelRunner:
                 self.model.quantize(self.quantization)
         self.model.eval()
         _return_freed_memory_to_os()
-        self.kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype != "auto" else self.dtype
+        self.kv_dtype = FP8_DTYPE if args.kv_cache_dtype != "auto" else self.dtype
         self.sampler = Sampler()
         self.num_blocks = 0
         self.enforce_eager = args.enforce_eager
