@@ -122,6 +122,7 @@ class EngineArgs:
     served_model_name: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -134,6 +135,7 @@ class EngineArgs:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.max_num_batched_tokens is not None:
             _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_model_len is not None:
@@ -206,6 +208,9 @@ class EngineArgs:
                             "other checkpoints load unquantized)")
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="'fp8' stores keys and values as float8 e4m3: twice the KV capacity")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over N processes (GPUs 0..N-1, or CPU cores); under torchrun, N is "
+                            "its world size")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

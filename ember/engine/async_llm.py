@@ -156,6 +156,7 @@ class AsyncLLM:
         self._stopping = True
         self._send("abort_all", None)
         await asyncio.to_thread(self._thread.join, max(deadline - time.monotonic(), 0) + 5.0)
+        self.engine.shutdown()
 
     # ---- engine thread --------------------------------------------------------------------
 

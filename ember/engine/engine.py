@@ -6,8 +6,10 @@ stops -> free finished requests' blocks -> `RequestOutput`s for every request th
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,7 +26,9 @@ from ember.engine.output import (CompletionOutput, IncrementalDetokenizer, Reque
 from ember.engine.request import Request, RequestStatus
 from ember.engine.scheduler import Scheduler
 from ember.model.loader import load_model_files
+from ember.model.sharding import check_divisible
 from ember.runner.model_runner import ModelRunner
+from ember.runner.tp_workers import TensorParallelGroup, launched_by_torchrun, serve_as_torchrun_worker
 from ember.sampling.params import SamplingParams
 
 logger = logging.getLogger("ember")
@@ -71,10 +75,23 @@ class LLMEngine:
         device = args.torch_device
         self.cache_config = args.cache_config()
         self.scheduler_config = args.scheduler_config(files.model_config, device)
-        self.runner = ModelRunner(files, args, self.cache_config, self.scheduler_config)
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs()
+        self.tensor_parallel = self._start_tensor_parallel(args, files.model_config)
+        try:
+            self.runner = ModelRunner(files, args, self.cache_config, self.scheduler_config,
+                                      self.tensor_parallel.device if self.tensor_parallel else None)
+            num_blocks = self.runner.prepare_cache()
+        except RuntimeError as e:  # under tensor parallelism, often a rank that died
+            if self.tensor_parallel is None:
+                raise
+            error = self.tensor_parallel.step_failed(e)
+            self.tensor_parallel.stop()
+            raise error from e
+        except BaseException:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.stop()
+            raise
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.ready()
         self.block_manager = BlockManager(num_blocks, self.cache_config.block_size,
                                           self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
@@ -98,6 +115,22 @@ class LLMEngine:
             f"{self.kv_capacity_tokens / self.max_model_len:.1f}x at {self.max_model_len} tokens; "
             f"ready in {time.monotonic() - start:.1f}s")
         logger.debug(self.ready_message)
+
+    @staticmethod
+    def _start_tensor_parallel(args: EngineArgs, model_config) -> TensorParallelGroup | None:
+        if args.tensor_parallel_size == 1:
+            return None
+        check_divisible(model_config, args.tensor_parallel_size)
+        if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+            serve_as_torchrun_worker(args)  # does not return
+        group = TensorParallelGroup(args)
+        atexit.register(group.stop)
+        return group
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes (nothing to do with one rank). Idempotent."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.stop()
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -203,9 +236,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.check()
         try:
             result = self.runner.execute(batch, self.eos_token_ids)
         except Exception as e:  # the model failed: fail this batch's requests, keep the engine alive
+            if self.tensor_parallel is not None:  # unless the ranks may be out of step: then the engine stops
+                raise self.tensor_parallel.step_failed(e) from e
             logger.exception("model step failed; aborting the %d requests in the batch", len(batch))
             return self._fail({r.parent_id for r in batch.requests}, e)
         self.scheduler.after_step(batch)

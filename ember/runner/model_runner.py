@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ember.config import CacheConfig, EngineArgs, SchedulerConfig
+from ember.distributed import host_group, tp_size
 from ember.engine.request import Request
 from ember.engine.scheduler import ScheduledBatch
 from ember.model.attention import AttentionMetadata
@@ -30,6 +31,7 @@ from ember.quant.linear import QuantEmbedding, QuantLinear
 from ember.quant.quantize import QUANTIZERS
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
+from ember.runner.step_broadcast import StepHeader, receive_step, send_step
 from ember.sampling.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger("ember")
@@ -52,14 +54,11 @@ class StepOutput:
 
 @dataclass
 class _StepInputs:
-    sample_rows: list[int]  # batch indices of the requests that sample this step, in logits order
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     padded: int | None  # the CUDA graph size to replay, or None for an eager forward
-    # requests wanting prompt logprobs: (batch index, first flat token row, first position, number of rows)
-    prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class GpuIdleTimer:
@@ -131,10 +130,19 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def _prompt_logit_slices(n: int) -> list[tuple[int, int]]:
+    """Row ranges of one request's prompt logprobs, each bounding a [rows, vocab] logits tensor."""
+    return [(lo, min(n, lo + _PROMPT_LOGPROB_ROWS)) for lo in range(0, n, _PROMPT_LOGPROB_ROWS)]
+
+
 class ModelRunner:
+    """One rank's model and KV cache. Rank 0 (the engine's) builds each step from the scheduler's
+    batch and, under tensor parallelism, broadcasts its description; other ranks `serve_steps`,
+    mirroring every forward and logits computation so the collectives inside them line up."""
+
     def __init__(self, files: ModelFiles, args: EngineArgs, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig) -> None:
-        self.device = args.torch_device
+                 scheduler_config: SchedulerConfig, device: torch.device | None = None) -> None:
+        self.device = device or args.torch_device
         self.dtype = args.torch_dtype(self.device, files.checkpoint_dtype)
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -172,7 +180,14 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return 2 * cfg.num_hidden_layers * self.block_size * self.model.layout.num_kv_heads * cfg.head_dim * elem
+
+    def prepare_cache(self) -> int:
+        """Size, allocate and capture: every rank runs this same sequence (its collectives must pair up)."""
+        num_blocks = self.determine_num_blocks()
+        self.allocate_kv_cache(num_blocks)
+        self.capture_cuda_graphs()
+        return num_blocks
 
     def determine_num_blocks(self) -> int:
         """`--kv-cache-memory` when given; else on GPU what `--gpu-memory-utilization` leaves after a forward
@@ -189,6 +204,10 @@ class ModelRunner:
         else:
             budget = _DEFAULT_CPU_KV_BYTES
         num_blocks = min(int(budget // self.bytes_per_block), cap)
+        if tp_size() > 1:  # every rank's pool holds the same blocks: the smallest budget decides
+            agreed = torch.tensor([num_blocks], dtype=torch.int64)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=host_group())
+            num_blocks = int(agreed.item())
         if num_blocks < 1:
             raise ValueError("not enough memory for a single KV cache block: raise --gpu-memory-utilization "
                              "or --kv-cache-memory")
@@ -232,7 +251,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.model.layout.num_kv_heads, cfg.head_dim)
         for attn in self.model.attention_layers():
             attn.k_cache = self._zeros(shape)
             attn.v_cache = self._zeros(shape)
@@ -275,8 +294,12 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _prepare(self, batch: ScheduledBatch) -> _StepInputs:
-        """Fill the host buffers for this step (one-token queries first) and upload them."""
+    def _prepare(self, batch: ScheduledBatch) -> tuple[StepHeader, list[int], list[tuple[int, int, int, int]]]:
+        """Fill the host buffers for this step, one-token queries first.
+
+        Returns the step's header, the batch indices of the requests that sample (in logits order),
+        and per request wanting prompt logprobs: (batch index, first flat token row, first position,
+        number of rows)."""
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         b, bs = self.buffers, self.block_size
         ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
@@ -320,25 +343,41 @@ class ModelRunner:
             pos[num_tokens:padded] = 0
             slots[num_tokens:padded] = -1
             seq_lens[num_seqs:padded] = 1
-        rows = padded or num_seqs
+        header = StepHeader(num_tokens=num_tokens, num_seqs=num_seqs, num_decodes=num_decodes,
+                            max_query_len=max_query_len, max_seq_len=max_seq_len, padded=padded or 0,
+                            num_sample=len(sample_rows), table_width=-(-max_seq_len // bs),
+                            prompt_rows=[(first_row, n) for _, first_row, _, n in prompt_rows])
+        return header, sample_rows, prompt_rows
+
+    def _upload(self, h: StepHeader) -> _StepInputs:
+        """Device tensors (and host lists for the PyTorch attention path) from the filled host buffers."""
+        b = self.buffers
+        tokens, rows = h.tokens, h.rows
         meta = AttentionMetadata(
-            slot_mapping=b.slot_mapping.upload(padded or num_tokens)[:num_tokens],
-            block_tables=b.block_tables.upload(rows)[:num_seqs],
-            seq_lens=b.seq_lens.upload(rows)[:num_seqs],
-            query_start_loc=b.query_start_loc.upload(num_seqs + 1),
-            num_decodes=num_decodes, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            seq_lens_host=seq_lens[:num_seqs].tolist(), query_start_host=qsl[:num_seqs + 1].tolist())
-        input_ids = b.input_ids.upload(padded or num_tokens)[:num_tokens]
-        positions = b.positions.upload(padded or num_tokens)[:num_tokens]
-        logits_indices = b.logits_indices.upload(len(sample_rows))
-        return _StepInputs(sample_rows, input_ids, positions, meta, logits_indices, padded, prompt_rows)
+            slot_mapping=b.slot_mapping.upload(tokens)[:h.num_tokens],
+            block_tables=b.block_tables.upload(rows)[:h.num_seqs],
+            seq_lens=b.seq_lens.upload(rows)[:h.num_seqs],
+            query_start_loc=b.query_start_loc.upload(h.num_seqs + 1),
+            num_decodes=h.num_decodes, max_query_len=h.max_query_len, max_seq_len=h.max_seq_len,
+            seq_lens_host=b.seq_lens.np[:h.num_seqs].tolist(),
+            query_start_host=b.query_start_loc.np[:h.num_seqs + 1].tolist())
+        return _StepInputs(b.input_ids.upload(tokens)[:h.num_tokens], b.positions.upload(tokens)[:h.num_tokens], meta,
+                           b.logits_indices.upload(h.num_sample), h.padded or None)
+
+    def _forward(self, inputs: _StepInputs) -> torch.Tensor:
+        if inputs.padded is not None:
+            return self.graphs.replay(inputs.padded)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, eos_token_ids: list[int]) -> StepOutput:
         if self.idle_timer is not None:
             self.idle_timer.step_start()
-        inputs = self._prepare(batch)
-        reqs = [batch.requests[i] for i in inputs.sample_rows]
+        header, sample_rows, prompt_rows = self._prepare(batch)
+        if tp_size() > 1:
+            send_step(header, self.buffers)
+        inputs = self._upload(header)
+        reqs = [batch.requests[i] for i in sample_rows]
         sbatch = None
         if reqs:  # built before the forward so its host-to-device copies overlap the GPU's work
             sbatch = SamplingBatch.build(
@@ -350,12 +389,9 @@ class ModelRunner:
                 vocab_size=self.model_config.vocab_size,
                 device=self.device,
             )
-        if inputs.padded is not None:
-            hidden = self.graphs.replay(inputs.padded)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self._forward(inputs)
         prompt_logprobs = {batch.requests[i]: self._prompt_logprobs(batch.requests[i], hidden, first_row, start, n)
-                           for i, first_row, start, n in inputs.prompt_rows}
+                           for i, first_row, start, n in prompt_rows}
         out = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), sbatch) if reqs else None
         if self.idle_timer is not None:
             self.idle_timer.step_end()
@@ -373,13 +409,28 @@ class ModelRunner:
                     logprobs[r] = (list(zip(lp_ids[r][: 1 + k], lp_vals[r][: 1 + k])), ranks[r])
         return StepOutput(reqs, tokens, logprobs, prompt_logprobs)
 
+    @torch.inference_mode()
+    def serve_steps(self) -> None:
+        """A tensor-parallel rank other than 0: run rank 0's steps until it says stop. The same forward
+        and the same logits computations in the same order, so that every collective pairs up; the
+        logits themselves are rank 0's business."""
+        while (header := receive_step(self.buffers)) is not None:
+            inputs = self._upload(header)
+            hidden = self._forward(inputs)
+            for first_row, n in header.prompt_rows:
+                for lo, hi in _prompt_logit_slices(n):
+                    self.model.compute_logits(hidden[first_row + lo:first_row + hi])
+            if header.num_sample:
+                self.model.compute_logits(hidden[inputs.logits_indices])
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, first_row: int, start: int, n: int
                          ) -> list[tuple[int, list[tuple[int, float]], int]]:
         """Logprobs of prompt tokens start + 1 .. start + n, in slices that bound the [rows, vocab] logits."""
         k = req.sampling_params.prompt_logprobs
         result = []
-        for lo in range(0, n, _PROMPT_LOGPROB_ROWS):
-            hi = min(n, lo + _PROMPT_LOGPROB_ROWS)
+        for lo, hi in _prompt_logit_slices(n):
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[first_row + lo:first_row + hi]), dim=-1)
             targets = torch.tensor(req.prompt_token_ids[start + lo + 1:start + hi + 1], device=logprobs.device)
             target_lp = logprobs.gather(1, targets[:, None])

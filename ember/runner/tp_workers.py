@@ -1,0 +1,185 @@
+"""Tensor-parallel ranks as processes: rank 0 is the engine's own process; ranks 1..N-1 are
+spawned by it (one machine), or started by `torchrun` (several machines).
+
+Rank 0 watches the processes it spawned: one that dies ends the engine with an error naming the
+rank and its exception, instead of leaving rank 0 waiting in a collective. Shutdown tells the
+ranks to stop and ends every process.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from ember.config import EngineArgs
+from ember.distributed import destroy_tensor_parallel, init_tensor_parallel
+from ember.model.loader import load_model_files
+from ember.runner.model_runner import ModelRunner
+from ember.runner.step_broadcast import send_stop
+
+logger = logging.getLogger("ember")
+_JOIN_TIMEOUT_S = 10.0
+_FAILURE_WAIT_S = 5.0  # after a failed collective, how long to wait for the watcher to name the dead rank
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed or died: the ranks can no longer run steps together."""
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def rank_device(args: EngineArgs, local_rank: int) -> torch.device:
+    """Rank r uses GPU r of its machine (CUDA_VISIBLE_DEVICES picks which), or the CPU."""
+    device = args.torch_device
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def _share_cpu_cores(device: torch.device, size: int) -> None:
+    """On CPU the ranks share the machine's cores; each using all of them would oversubscribe."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+
+def run_worker(args: EngineArgs, rank: int, size: int, init_method: str, local_rank: int,
+               errors: Any = None) -> None:
+    """The life of rank 1..N-1: join, load its shard, build its KV cache, then mirror rank 0's steps."""
+    device = rank_device(args, local_rank)
+    try:
+        _share_cpu_cores(device, size)
+        init_tensor_parallel(rank, size, init_method, device)
+        files = load_model_files(args)
+        runner = ModelRunner(files, args, args.cache_config(), args.scheduler_config(files.model_config, device),
+                             device)
+        runner.prepare_cache()
+        runner.serve_steps()
+    except BaseException as e:
+        if errors is not None:
+            errors.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        destroy_tensor_parallel()
+
+
+def serve_as_torchrun_worker(args: EngineArgs) -> None:
+    """Under torchrun, ranks other than 0 serve rank 0's engine and end the process when it stops."""
+    run_worker(args, int(os.environ["RANK"]), args.tensor_parallel_size, "env://", int(os.environ["LOCAL_RANK"]))
+    sys.exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelGroup:
+    """Rank 0's side of the group."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.size = args.tensor_parallel_size
+        self.device = rank_device(args, 0)
+        self.failure: str | None = None
+        self._procs: list[multiprocessing.Process] = []
+        self._stopping = False
+        self._serving = False
+        _share_cpu_cores(self.device, self.size)
+        if launched_by_torchrun():
+            if int(os.environ["WORLD_SIZE"]) != self.size:
+                raise ValueError(f"tensor_parallel_size ({self.size}) must equal torchrun's world size "
+                                 f"({os.environ['WORLD_SIZE']})")
+            init_method = "env://"
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            ctx = multiprocessing.get_context("spawn")
+            self._errors = ctx.SimpleQueue()
+            for rank in range(1, self.size):
+                proc = ctx.Process(target=run_worker, args=(args, rank, self.size, init_method, rank, self._errors),
+                                   name=f"ember-tp-rank{rank}", daemon=True)
+                proc.start()
+                self._procs.append(proc)
+            threading.Thread(target=self._watch, name="ember-tp-watch", daemon=True).start()
+        self._join(init_method)
+
+    def _join(self, init_method: str) -> None:
+        """Rendezvous in a thread: a rank that dies before it joins is an error here, not an endless wait."""
+        error: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                init_tensor_parallel(0, self.size, init_method, self.device)
+            except BaseException as e:  # re-raised in the caller's thread
+                error.append(e)
+
+        thread = threading.Thread(target=join, name="ember-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            self.check()
+        if error:
+            raise error[0]
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: p for p in self._procs}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._stopping:
+            return
+        dead = sentinels[ready[0]]
+        dead.join()
+        reasons = []
+        while not self._errors.empty():
+            rank, message = self._errors.get()
+            reasons.append(f"rank {rank}: {message}")
+        self.failure = (f"tensor-parallel rank {dead.name.removeprefix('ember-tp-rank')} (pid {dead.pid}) exited "
+                        f"with code {dead.exitcode}" + (f" ({'; '.join(reasons)})" if reasons else ""))
+        logger.error("%s; stopping the engine", self.failure)
+        self._kill_all()
+        if torch.distributed.is_initialized() and self.device.type == "cuda":
+            torch.distributed.distributed_c10d._abort_process_group()  # NCCL waits would otherwise never end
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+
+    def step_failed(self, error: Exception) -> TensorParallelError:
+        """The error to raise after a step failed on rank 0: the ranks may be out of step now, so the
+        engine cannot go on. Names the dead rank when one died (gloo notices a closed socket before
+        the watcher sees the process exit)."""
+        for proc in self._procs:
+            proc.join(_FAILURE_WAIT_S if self.failure is None else 0)
+        if self.failure is None:
+            self.failure = f"a tensor-parallel step failed on rank 0: {type(error).__name__}: {error}"
+        return TensorParallelError(self.failure)
+
+    def ready(self) -> None:
+        """Every rank has its KV cache and graphs and now waits for steps."""
+        self._serving = True
+
+    def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._serving and self.failure is None:
+            try:
+                send_stop()
+            except RuntimeError as e:  # a rank died meanwhile; it is ended below all the same
+                logger.warning("could not tell the tensor-parallel ranks to stop: %s", e)
+        for proc in self._procs:
+            proc.join(_JOIN_TIMEOUT_S if self._serving and self.failure is None else 0)
+        self._kill_all()
+        destroy_tensor_parallel()
+
+    def _kill_all(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
