@@ -301,3 +301,15 @@ def test_percentiles_match_numpy():
     assert d["std"] == pytest.approx(ms.std(), abs=1e-3)
     assert bench.distribution([]) == dict.fromkeys(bench.STATS)
 
+
+
+def test_progress_chunks_count_as_output_but_role_and_empty_final_chunks_do_not():
+    from ember.bench.serve import _carries_output
+
+    assert _carries_output({"text": "", "finish_reason": None}, chat=False)
+    assert not _carries_output({"text": "", "finish_reason": "length"}, chat=False)
+    assert _carries_output({"text": "x", "finish_reason": "length"}, chat=False)
+    assert not _carries_output({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}, chat=True)
+    assert _carries_output({"delta": {"content": ""}, "finish_reason": None}, chat=True)
+    assert _carries_output({"delta": {"reasoning_content": "hm"}, "finish_reason": None}, chat=True)
+    assert not _carries_output({"delta": {}, "finish_reason": "stop"}, chat=True)

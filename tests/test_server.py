@@ -448,3 +448,18 @@ def test_asyncio_not_blocked_by_generation(server):
             return latency
 
     assert asyncio.run(main()) < 0.5
+
+
+def test_stream_without_tokenizer_sends_a_chunk_per_token(tmp_path, llama_dir):
+    """A model served without a tokenizer (config.json alone, random weights) has no text to stream;
+    as in vLLM, each step's new token still gets its chunk, so TTFT and ITL stay measurable."""
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    with ServerThread(tiny_engine(tmp_path, load_format="dummy")) as s:
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
+                "prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert [c["text"] for c in choices] == [""] * 6
+    assert [c["finish_reason"] for c in choices] == [None] * 5 + ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == 6

@@ -5,14 +5,16 @@ It sends `--num-prompts` streaming requests to a running server (Ember, vLLM, ll
 `--max-concurrency` requests in flight, and reports what a user of the server sees. The metric
 names and definitions follow vLLM's `benchmark_serving`:
 
-- TTFT: seconds from sending a request to the first chunk that carries text;
-- ITL: the gaps between consecutive chunks that carry text (a chunk may hold several tokens);
+- TTFT: seconds from sending a request to the first chunk that carries output: text, or (as vLLM
+  streams) a chunk for tokens whose text is not out yet (an unfinished character, a model served
+  without a tokenizer); a chat stream's opening role-only chunk does not count;
+- ITL: the gaps between consecutive such chunks (a chunk may hold several tokens);
 - TPOT: (E2E - TTFT) / (output tokens - 1), per request, for requests with more than one token;
 - E2E: seconds from sending a request to the end of its stream;
 - request, input, output and total token throughput over the whole run (successful requests only).
 
 Output token counts come from the stream's final `usage` chunk (`stream_options.include_usage`),
-or, where a server sends none, from the number of chunks that carried text.
+or, where a server sends none, from the number of chunks that carried output.
 
     ember serve &                                               # or any OpenAI-compatible server
     ember bench serve --num-prompts 200 --random-input-len 512 --random-output-len 128 --request-rate 8 \\
@@ -346,12 +348,14 @@ class RequestResult:
         return self.prompt_tokens if self.prompt_tokens is not None else self.prompt_len
 
 
-def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
+def _carries_output(choice: dict[str, Any], chat: bool) -> bool:
+    """Text, or a progress chunk: one sent before the finish for tokens whose text is not out yet."""
     if not chat:
-        return choice.get("text") or ""
+        return bool(choice.get("text")) or choice.get("finish_reason") is None
     delta = choice.get("delta") or {}
     # reasoning models stream their thinking in a field of its own; it is output all the same
-    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+    text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+    return bool(text) or (choice.get("finish_reason") is None and not delta.get("role"))
 
 
 async def _stream_one(url: str, body: dict[str, Any], headers: dict[str, str], chat: bool,
@@ -378,7 +382,7 @@ async def _stream_one(url: str, body: dict[str, Any], headers: dict[str, str], c
                     res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
                     res.output_tokens = usage.get("completion_tokens", res.output_tokens)
                 for choice in chunk.get("choices") or ():
-                    if _chunk_text(choice, chat):
+                    if _carries_output(choice, chat):
                         if res.ttft is None:
                             res.ttft = now - start
                         else:

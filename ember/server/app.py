@@ -580,8 +580,10 @@ async def create_completion(request: Request, engine: AsyncLLM = Depends(_ready_
                     text = prefix + text
                     prompt_lps, _ = echoed_logprobs(out)
                     offsets[idx] = len(prefix)
-                if not text and o.finish_reason is None:
-                    continue  # text held back (a possible stop string); its tokens go with the next chunk
+                if not text and o.finish_reason is None and len(o.token_ids) == sent_tokens.get(idx, 0):
+                    continue  # nothing new: a chunked prefill step
+                # Tokens whose text is held back (an unfinished character, a possible stop string, no
+                # tokenizer) still get a chunk, as in vLLM, so clients see progress token by token.
                 start = sent_tokens.get(idx, 0)
                 lps, offsets[idx] = logprobs(o.token_ids[start:], o.logprobs[start:] if o.logprobs else None,
                                              offsets[idx], prompt_lps)
@@ -642,7 +644,7 @@ async def create_chat_completion(request: Request, engine: AsyncLLM = Depends(_r
             for o in out.outputs:
                 if o.index in done:
                     continue
-                if o.delta_text:
+                if o.delta_text or (o.finish_reason is None and len(o.token_ids) > sent_tokens[o.index]):
                     start = sent_tokens[o.index]
                     lps = logprobs(o.token_ids[start:], o.logprobs[start:] if o.logprobs else None)
                     sent_tokens[o.index] = len(o.token_ids)
