@@ -45,6 +45,26 @@ def test_concurrent_streams_match_offline(llama_dir, engine):
         assert text == ref.outputs[0].text
 
 
+def test_a_slow_consumer_gets_joined_deltas(llama_dir, engine):
+    """Outputs that queue up while the consumer is busy come out as one, their deltas joined: fewer
+    yields than tokens, and exactly the same tokens and text as a consumer that keeps up."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = LLM(str(llama_dir), kv_cache_memory=0.05).generate([_prompt(3)], params, use_tqdm=False)[0].outputs[0]
+
+    async def slow():
+        deltas, text, yields = [], "", 0
+        async for out in engine.generate(_prompt(3), params):
+            yields += 1
+            deltas += out.outputs[0].delta_token_ids
+            text += out.outputs[0].delta_text
+            await asyncio.sleep(0.05)
+        return deltas, text, yields
+
+    deltas, text, yields = asyncio.run(slow())
+    assert deltas == ref.token_ids and text == ref.text
+    assert yields < len(ref.token_ids)
+
+
 def test_cancel_aborts_and_frees_blocks(engine):
     bm = engine.engine.block_manager
 

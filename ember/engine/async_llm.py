@@ -129,12 +129,21 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._send("add", prepared)
         finished = False
+        error: BaseException | None = None  # one that arrived behind outputs merged into the last yield
         try:
             while True:
-                item = await stream.queue.get()
+                item = error or await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                # Outputs that queued up while the caller was busy go out as one (their deltas joined):
+                # under load, fewer and larger stream chunks instead of a growing backlog.
+                while not item.finished and not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later
+                        break
+                    item = later.after(item)
                 finished = item.finished
                 yield item
                 if finished:
@@ -208,14 +217,26 @@ class AsyncLLM:
             self._deliver(prepared.request_id, e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._deliver(out.request_id, RequestFailedError(out.error) if out.error else out)
+        self._deliver_all([(out.request_id, RequestFailedError(out.error) if out.error else out) for out in outputs])
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed; nobody is listening
-            pass
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """One wake-up per event loop for a whole step's outputs, not one per request (hundreds per step
+        at full batch, each a write to the loop's self-pipe and a callback)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, pairs)
+            except RuntimeError:  # the caller's event loop is closed; nobody is listening
+                pass
+
+
+def _put_all(pairs: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in pairs:
+        q.put_nowait(item)
