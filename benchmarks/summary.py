@@ -37,14 +37,14 @@ def _tput(r: list[dict[str, Any]]) -> float:
 
 
 ROWS = [
-    Row("offline throughput, Qwen3-0.6B shape (H200)", ("throughput-qwen3-0.6b-cuda-{date}.json",), _tput,
-        25000, "out tok/s"),
+    Row("offline throughput, Qwen3-0.6B shape (H200)", ("throughput-qwen3-0.6b-cuda-{date}-with-serve.json",),
+        _tput, 25000, "out tok/s"),
     Row("offline throughput, Llama-3.1-8B shape (H200)", ("throughput-llama-3.1-8b-cuda-{date}.json",), _tput,
         9000, "out tok/s"),
     Row("batch-1 TPOT, Llama-3.1-8B shape (H200)", ("latency-llama-3.1-8b-cuda-{date}.json",),
         lambda r: r[0]["results"]["tpot_ms"], 4.6, "ms", higher_is_better=False),
     Row("online / offline throughput, Qwen3-0.6B shape (H200)",
-        ("serve-qwen3-0.6b-cuda-{date}.json", "throughput-qwen3-0.6b-cuda-{date}.json"),
+        ("serve-qwen3-0.6b-cuda-{date}.json", "throughput-qwen3-0.6b-cuda-{date}-with-serve.json"),
         lambda r: r[0]["results"]["output_throughput"] / _tput(r[1:]), 0.85, "x"),
     Row("start-up to /health 200, Qwen3-0.6B shape, CUDA graphs (H200)", ("startup-qwen3-0.6b-cuda-{date}.json",),
         lambda r: r[0]["results"]["median"]["ready_s"], 15, "s", higher_is_better=False),
@@ -64,6 +64,9 @@ ROWS = [
                                                 "latency-llama-3.1-8b-cuda-{date}.json"),
         lambda r: r[0]["results"]["weights_gib"] / r[1]["results"]["weights_gib"], 0.52, "ratio",
         higher_is_better=False),
+    *(Row(f"perplexity increase, {mode}, default model (H200)", ("quality-smollm2-135m-instruct-cuda-{date}.json",),
+          lambda r, mode=mode: r[0]["results"][mode]["ppl_delta_pct"], bound, "%", higher_is_better=False)
+      for mode, bound in (("int8", 1.0), ("fp8", 2.0), ("int4", 10.0))),
     Row("fp8 weights / bf16 offline throughput, 8B shape (H200)",
         ("throughput-llama-3.1-8b-fp8-cuda-{date}.json", "throughput-llama-3.1-8b-cuda-{date}.json"),
         lambda r: _tput(r[:1]) / _tput(r[1:]), 1.3, "x"),
