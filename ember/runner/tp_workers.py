@@ -82,6 +82,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _use_loopback_for_gloo() -> None:
+    """All ranks are on this machine: gloo should not depend on the host name resolving to a
+    reachable interface (it often does not in containers). The spawned ranks inherit the choice."""
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+
+
 class TensorParallelGroup:
     """Rank 0's side of the group."""
 
@@ -99,7 +107,11 @@ class TensorParallelGroup:
                                  f"({os.environ['WORLD_SIZE']})")
             init_method = "env://"
         else:
+            if self.device.type == "cuda" and torch.cuda.device_count() < self.size:
+                raise ValueError(f"tensor_parallel_size {self.size} needs {self.size} GPUs on this machine, "
+                                 f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)")
             init_method = f"tcp://127.0.0.1:{_free_port()}"
+            _use_loopback_for_gloo()
             ctx = multiprocessing.get_context("spawn")
             self._errors = ctx.SimpleQueue()
             for rank in range(1, self.size):
