@@ -46,8 +46,8 @@ def test_concurrent_streams_match_offline(llama_dir, engine):
 
 
 def test_a_slow_consumer_gets_joined_deltas(llama_dir, engine):
-    """Outputs that queue up while the consumer is busy come out as one, their deltas joined: fewer
-    yields than tokens, and exactly the same tokens and text as a consumer that keeps up."""
+    """While the consumer is busy the engine makes no new output for it, and the next one carries the
+    deltas of every step since: fewer yields than tokens, exactly the same tokens and text."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = LLM(str(llama_dir), kv_cache_memory=0.05).generate([_prompt(3)], params, use_tqdm=False)[0].outputs[0]
 

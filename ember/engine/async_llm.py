@@ -43,6 +43,13 @@ class RequestFailedError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    # Outputs handed over by the engine thread / taken by the consumer: each counter has one writer.
+    delivered: int = 0
+    taken: int = 0
+
+    @property
+    def behind(self) -> bool:
+        return self.delivered > self.taken
 
 
 class AsyncLLM:
@@ -129,21 +136,13 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._send("add", prepared)
         finished = False
-        error: BaseException | None = None  # one that arrived behind outputs merged into the last yield
         try:
             while True:
-                item = error or await stream.queue.get()
+                item = await stream.queue.get()
+                stream.taken += 1
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                # Outputs that queued up while the caller was busy go out as one (their deltas joined):
-                # under load, fewer and larger stream chunks instead of a growing backlog.
-                while not item.finished and not stream.queue.empty():
-                    later = stream.queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        error = later
-                        break
-                    item = later.after(item)
                 finished = item.finished
                 yield item
                 if finished:
@@ -186,7 +185,7 @@ class AsyncLLM:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                self._dispatch(self.engine.step())
+                self._dispatch(self.engine.step(defer=self._consumer_behind))
         except BaseException as e:  # an engine bug: fail every stream instead of hanging them
             logger.exception("engine loop died")
             self._dead = e
@@ -216,6 +215,13 @@ class AsyncLLM:
         except ValueError as e:
             self._deliver(prepared.request_id, e)
 
+    def _consumer_behind(self, request_id: str) -> bool:
+        """While a stream's consumer has not taken its last output, the engine makes no new one for it:
+        the next carries both steps' deltas. Under load (hundreds of streams, the event loop busy
+        writing chunks) this halves the outputs built and the chunks sent instead of queueing them."""
+        stream = self._streams.get(request_id)
+        return stream is not None and stream.behind
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         self._deliver_all([(out.request_id, RequestFailedError(out.error) if out.error else out) for out in outputs])
 
@@ -229,6 +235,7 @@ class AsyncLLM:
         for request_id, item in items:
             stream = self._streams.get(request_id)
             if stream is not None:
+                stream.delivered += 1
                 by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, pairs in by_loop.items():
             try:

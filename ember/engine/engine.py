@@ -232,7 +232,10 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, defer: Callable[[str], bool] | None = None) -> list[RequestOutput]:
+        """One engine step. A request for which `defer(request_id)` is true gets no output this step
+        unless it finished; its next output's deltas then cover both steps (a front end uses this
+        while its consumer has not read the last output yet)."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -268,10 +271,12 @@ class LLMEngine:
             changed[parent.request_id] = parent
         outputs = self._fail(set(failed), *failed.values()) if failed else []
         for parent in changed.values():
-            if parent.request_id in failed or (parent.final_only and not parent.finished):
+            done = parent.finished
+            if parent.request_id in failed or (not done and (parent.final_only or (
+                    defer is not None and defer(parent.request_id)))):
                 continue
             outputs.append(self._make_output(parent))
-            if parent.finished:
+            if done:
                 del self._parents[parent.request_id]
         self._log_stats(now, sampled, finished)
         return outputs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ember.engine.request import Logprob, Request, RequestStatus
 from ember.sampling.params import SamplingParams
@@ -38,15 +38,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed inside the engine (finish_reason is then "abort")
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
-
-    def after(self, earlier: "RequestOutput") -> "RequestOutput":
-        """This output as if `earlier` (of the same request, not yet consumed) had not been sent apart:
-        each completion's delta text and tokens are the two deltas joined."""
-        before = {o.index: o for o in earlier.outputs}
-        outputs = [replace(o, delta_text=before[o.index].delta_text + o.delta_text,
-                           delta_token_ids=before[o.index].delta_token_ids + o.delta_token_ids)
-                   if o.index in before else o for o in self.outputs]
-        return replace(self, outputs=outputs)
 
 
 class IncrementalDetokenizer:
