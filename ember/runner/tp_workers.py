@@ -120,7 +120,12 @@ class TensorParallelGroup:
                 proc.start()
                 self._procs.append(proc)
             threading.Thread(target=self._watch, name="ember-tp-watch", daemon=True).start()
-        self._join(init_method)
+        try:
+            self._join(init_method)
+        except BaseException:
+            self._stopping = True
+            self._kill_all()
+            raise
 
     def _join(self, init_method: str) -> None:
         """Rendezvous in a thread: a rank that dies before it joins is an error here, not an endless wait."""
