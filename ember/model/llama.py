@@ -115,6 +115,12 @@ class CausalLM(nn.Module):
         logits = self.model.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         return logits.float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1); a quantized tied head finds it without every logit."""
+        if isinstance(self.model.embed_tokens, QuantEmbedding) and self.lm_head is None:
+            return self.model.embed_tokens.argmax(hidden)
+        return self.compute_logits(hidden).argmax(dim=-1)
+
     def quantize(self, kind: str) -> None:
         """Replace every linear layer, the embedding and the LM head by quantized forms, one at a time so
         only one float weight is ever held beside the quantized model.

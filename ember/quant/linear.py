@@ -16,6 +16,7 @@ from torch import nn
 from ember.model.backend import use_triton
 from ember.quant.formats import FP8_DTYPE, FP8_MAX, QuantizedWeight, codes, concat_out, dequantize, same_format
 from ember.quant.quantize import quantize
+from ember.quant.screened_argmax import ScreenedArgmax
 
 # Rows at and below which the fused dequantizing GEMM beats dequantize + cuBLAS on an H200
 # (benchmarks/results/quant-gemm-cuda-2026-12-02.json: int8 crosses between 64 and 128 rows, int4,
@@ -99,6 +100,12 @@ class QuantLinear(nn.Module):
             return F.linear(x, tensors[0])
         return F.linear(x, dequantize(w, x.dtype))
 
+    def cpu_dense_weight(self) -> torch.Tensor | None:
+        """The whole weight when it is one part kept as a dense CPU copy, else None."""
+        if len(self._cpu) == 1 and self._cpu[0][0] == "dense":
+            return self._cpu[0][1][0]
+        return None
+
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor the weight occupies (codes, scales, zeros, dense parts, CPU-packed copies), for
         memory accounting."""
@@ -130,13 +137,15 @@ def _fp8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 class QuantEmbedding(nn.Module):
     """Token embedding that dequantizes only the rows it looks up; with tied weights it also serves
-    as the LM head through `attend`."""
+    as the LM head through `attend`, and finds greedy tokens through `argmax`."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, tied: bool) -> None:
         super().__init__()
         self.weight_q = weight
         self.dtype = dtype
         self.head = QuantLinear([weight], None, dtype) if tied else None
+        dense = self.head.cpu_dense_weight() if self.head is not None else None
+        self.screen = ScreenedArgmax(dense) if dense is not None and dense.dtype == torch.float32 else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight_q
@@ -147,8 +156,15 @@ class QuantEmbedding(nn.Module):
     def attend(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The token `attend` scores highest per row, without every float32 logit where a screen exists."""
+        if self.screen is not None:
+            return self.screen(hidden)
+        return self.attend(hidden).argmax(dim=-1)
+
     def weight_tensors(self) -> list[torch.Tensor]:
-        return self.weight_q.tensors() + (self.head.weight_tensors() if self.head is not None else [])
+        head = self.head.weight_tensors() if self.head is not None else []
+        return self.weight_q.tensors() + head + (self.screen.tensors() if self.screen is not None else [])
 
 
 def quantize_module(module: nn.Module, kind: str, dtype: torch.dtype, tied: bool) -> nn.Module:
