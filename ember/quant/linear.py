@@ -9,6 +9,8 @@ which the GPU path switches is measured (benchmarks/quant_gemm.py), not guessed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +26,13 @@ from ember.quant.screened_argmax import ScreenedArgmax
 GPU_FUSED_MAX_ROWS = {"int8": 64, "int4": 128}
 _TINYGEMM_GROUPS = (32, 64, 128, 256)
 _CPU_ACT_DTYPE = torch.bfloat16
+# Rows at and above which a packed int4 weight is expanded to bf16 for oneDNN's GEMM instead of
+# running the int4 kernel, which is compute-bound from a few rows on (it reaches ~70 GMAC/s on this
+# project's 2-core AVX-512 EPYC, bf16 GEMM ~150). Summed over one SmolLM2-135M layer: expanding
+# costs 1.8 ms; 128 rows take 6.7 ms through the int4 kernel, 2.8 ms + 1.8 ms expanded; 2048 rows
+# 105 ms and 41 ms + 1.8 ms.
+CPU_EXPAND_MIN_ROWS = 64
+_PACK_BLOCK_N = 64
 
 
 def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torch.Tensor, ...]]:
@@ -94,7 +103,11 @@ class QuantLinear(nn.Module):
         if layout == "int8pack":
             return torch._weight_int8pack_mm(x.to(_CPU_ACT_DTYPE), *tensors).to(x.dtype)
         if layout == "int4pack":
-            padded = F.pad(x.to(_CPU_ACT_DTYPE), (0, _padded_k(w) - w.in_features))
+            padded = x.to(_CPU_ACT_DTYPE)
+            if _padded_k(w) != w.in_features:
+                padded = F.pad(padded, (0, _padded_k(w) - w.in_features))
+            if x.shape[0] >= CPU_EXPAND_MIN_ROWS and w.out_features % _PACK_BLOCK_N == 0 and _int4pack_is_blocked():
+                return torch.mm(padded, _expand_int4pack_t(*tensors, w.group_size)).to(x.dtype)
             return torch._weight_int4pack_mm_for_cpu(padded, tensors[0], w.group_size, tensors[1]).to(x.dtype)
         if layout == "dense":
             return F.linear(x, tensors[0])
@@ -111,6 +124,35 @@ class QuantLinear(nn.Module):
         memory accounting."""
         tensors = [t for p in self.parts for t in (p.tensors() if isinstance(p, QuantizedWeight) else [p])]
         return tensors + [t for _, packed in self._cpu for t in packed]
+
+
+def _unpack_int4pack_t(packed: torch.Tensor) -> torch.Tensor:
+    """The codes of a CPU-packed int4 weight as uint8 [K, N]. PyTorch's AVX-512 packing stores each
+    block of 64 output rows as [K, 32] bytes, row j of the block in the low nibble of byte j and row
+    j + 32 in the high one (checked once at run time by `_int4pack_is_blocked`)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    blocks = packed.view(n // _PACK_BLOCK_N, k, _PACK_BLOCK_N // 2)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).transpose(0, 1).reshape(k, n)
+
+
+@functools.cache
+def _int4pack_is_blocked() -> bool:
+    """Whether this PyTorch build packs int4 weights as `_unpack_int4pack_t` reads them; other
+    layouts keep to the int4 kernel at every size."""
+    q = torch.randint(0, 16, (2 * _PACK_BLOCK_N, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed.shape == (q.shape[0], q.shape[1] // 2) and torch.equal(_unpack_int4pack_t(packed).t(), q.byte())
+
+
+def _expand_int4pack_t(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """W^T as bf16 [K, N] from the packed codes and tinygemm's (scale, zero) pairs, computed as
+    q * scale + (zero - 8 * scale) in float32. Transposed because the packing's blocks are runs of
+    output rows: laying them side by side copies 64 codes at a time."""
+    codes_t = _unpack_int4pack_t(packed)
+    k, n = codes_t.shape
+    scale, zero = scale_zero.float().unbind(-1)  # [K / group_size, N] each
+    w = codes_t.view(k // group_size, group_size, n).float().mul_(scale[:, None]).add_((zero - 8 * scale)[:, None])
+    return w.view(k, n).to(_CPU_ACT_DTYPE)
 
 
 def _padded_k(w: QuantizedWeight) -> int:
