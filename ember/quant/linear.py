@@ -53,7 +53,8 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
         zeros = w.zeros if w.zeros is not None else torch.zeros_like(w.scales)
         scale_zero = torch.stack([w.scales.t(), (zeros + 8 * w.scales).t()], dim=-1).to(_CPU_ACT_DTYPE).contiguous()
         q = codes(w).to(torch.int32)
-        q = F.pad(q, (0, _padded_k(w) - w.in_features))
+        if _padded_k(w) != w.in_features:
+            q = F.pad(q, (0, _padded_k(w) - w.in_features))
         return "int4pack", (torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero)
     if w.kind == "int8":
         return "dense", (dequantize(w, dtype),)

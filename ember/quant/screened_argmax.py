@@ -25,10 +25,12 @@ class ScreenedArgmax:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
         self.screen = weight.to(torch.bfloat16)
-        screen_norms = self.screen.float().norm(dim=1)
-        accumulation = weight.shape[1] * 2.0 ** -22 * weight.norm(dim=1)
+        wide = self.screen.float()
+        screen_norms = torch.linalg.vector_norm(wide, dim=1)
+        accumulation = torch.linalg.vector_norm(weight, dim=1).mul_(weight.shape[1] * 2.0 ** -22)
+        rounding = torch.linalg.vector_norm(wide.sub_(weight), dim=1)
         # bound[m, n] = |x_m| * per_x[n] + |dx_m| * per_dx[n], one addmm for all rows
-        self.coefficients = torch.stack([(weight - self.screen.float()).norm(dim=1) + accumulation, screen_norms])
+        self.coefficients = torch.stack([rounding.add_(accumulation), screen_norms])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [M, K] float32 -> [M] int64 token ids."""
