@@ -82,8 +82,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        outs = [self._matmul(x, p, cpu) for p, cpu in zip(self.parts, self._cpu)]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if len(self.parts) == 1:
+            y = self._matmul(x, self.parts[0], self._cpu[0])
+        else:
+            y = torch.cat([self._matmul(x, p, cpu) for p, cpu in zip(self.parts, self._cpu)], dim=-1)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
