@@ -16,6 +16,7 @@ from conftest import DEVICE
 from benchmarks import quality
 from ember import LLM
 from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4, unpack_int4
+from ember.quant import linear
 from ember.quant.linear import QuantLinear
 from ember.quant.quantize import quantize_fp8, quantize_int4, quantize_int8
 
@@ -75,6 +76,30 @@ def test_quant_linear_matches_dequantized_matmul(n: int, k: int) -> None:
         # bf16 activations on the packed paths; per-channel re-quantization adds half a step
         tol = 3e-2 * expected.abs().max().item()
         torch.testing.assert_close(layer(x), expected, atol=tol, rtol=0)
+
+
+def test_int4_packed_codes_unpack_for_the_expanded_path() -> None:
+    """The expanded path reads PyTorch's private int4 packing; on this build it must be the blocked
+    layout it assumes, exactly."""
+    q = torch.randint(0, 16, (192, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    assert linear._int4pack_is_blocked()
+    assert torch.equal(linear._unpack_int4pack_t(torch._convert_weight_to_int4pack_for_cpu(q, 1)).t(), q.byte())
+
+
+@pytest.mark.parametrize("k", [96, 100])
+def test_int4_many_rows_expand_to_bf16_and_match_the_kernel(k: int) -> None:
+    """From CPU_EXPAND_MIN_ROWS rows on, int4 weights are expanded to bf16 for a dense GEMM; the
+    result must match the int4 kernel row by row (bf16 rounding apart) and the float reference."""
+    gen = torch.Generator().manual_seed(3)
+    w = quantize_int4(torch.randn(128, k, generator=gen) * 0.05, group_size=32)
+    layer = QuantLinear([w], None, torch.float32)
+    x = torch.randn(linear.CPU_EXPAND_MIN_ROWS + 3, k, generator=gen)
+    expanded = layer(x)
+    per_row = torch.cat([layer(row[None]) for row in x])
+    expected = x @ dequantize(w).T
+    tol = 2e-2 * expected.abs().max().item()
+    torch.testing.assert_close(expanded, per_row, atol=tol, rtol=0)
+    torch.testing.assert_close(expanded, expected, atol=tol, rtol=0)
 
 
 def test_quant_linear_fuses_equal_formats_and_keeps_mixed_ones_apart() -> None:

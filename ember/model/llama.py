@@ -140,6 +140,13 @@ class CausalLM(nn.Module):
             logits = all_gather_last_dim(logits)[:, :layout.vocab_size]
         return logits.float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1); a quantized tied head finds it without every logit (with
+        one rank: under tensor parallelism the other ranks take part in compute_logits' all-gather)."""
+        if self.layout.size == 1 and isinstance(self.model.embed_tokens, QuantEmbedding) and self.lm_head is None:
+            return self.model.embed_tokens.argmax(hidden)
+        return self.compute_logits(hidden).argmax(dim=-1)
+
     def quantize(self, kind: str) -> None:
         """Replace every linear layer, the embedding and the LM head by quantized forms, one at a time so
         only one float weight is ever held beside the quantized model.

@@ -9,6 +9,8 @@ which the GPU path switches is measured (benchmarks/quant_gemm.py), not guessed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,7 @@ from torch import nn
 from ember.model.backend import use_triton
 from ember.quant.formats import FP8_DTYPE, FP8_MAX, QuantizedWeight, codes, concat_out, dequantize, same_format
 from ember.quant.quantize import quantize
+from ember.quant.screened_argmax import ScreenedArgmax
 
 # Rows at and below which the fused dequantizing GEMM beats dequantize + cuBLAS on an H200
 # (benchmarks/results/quant-gemm-cuda-2026-12-02.json: int8 crosses between 64 and 128 rows, int4,
@@ -23,6 +26,14 @@ from ember.quant.quantize import quantize
 GPU_FUSED_MAX_ROWS = {"int8": 64, "int4": 128}
 _TINYGEMM_GROUPS = (32, 64, 128, 256)
 _CPU_ACT_DTYPE = torch.bfloat16
+# Rows at and above which a packed int4 weight is expanded to bf16 for oneDNN's GEMM instead of
+# running the int4 kernel, which is compute-bound from a few rows on (it reaches ~70 GMAC/s on this
+# project's 2-core AVX-512 EPYC, bf16 GEMM ~150). Summed over one SmolLM2-135M layer in isolation:
+# expanding costs 1.8 ms; 128 rows take 6.7 ms through the int4 kernel, 2.8 ms + 1.8 ms expanded;
+# 2048 rows 105 ms and 41 ms + 1.8 ms. In the engine, where the expansion no longer runs from cache,
+# 128-token prompts were 3-10% slower expanded and 256 and 512 rows 16% and 38% faster.
+CPU_EXPAND_MIN_ROWS = 256
+_PACK_BLOCK_N = 64
 
 
 def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torch.Tensor, ...]]:
@@ -43,7 +54,8 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
         zeros = w.zeros if w.zeros is not None else torch.zeros_like(w.scales)
         scale_zero = torch.stack([w.scales.t(), (zeros + 8 * w.scales).t()], dim=-1).to(_CPU_ACT_DTYPE).contiguous()
         q = codes(w).to(torch.int32)
-        q = F.pad(q, (0, _padded_k(w) - w.in_features))
+        if _padded_k(w) != w.in_features:
+            q = F.pad(q, (0, _padded_k(w) - w.in_features))
         return "int4pack", (torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero)
     if w.kind == "int8":
         return "dense", (dequantize(w, dtype),)
@@ -71,8 +83,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        outs = [self._matmul(x, p, cpu) for p, cpu in zip(self.parts, self._cpu)]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if len(self.parts) == 1:
+            y = self._matmul(x, self.parts[0], self._cpu[0])
+        else:
+            y = torch.cat([self._matmul(x, p, cpu) for p, cpu in zip(self.parts, self._cpu)], dim=-1)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
@@ -93,17 +107,56 @@ class QuantLinear(nn.Module):
         if layout == "int8pack":
             return torch._weight_int8pack_mm(x.to(_CPU_ACT_DTYPE), *tensors).to(x.dtype)
         if layout == "int4pack":
-            padded = F.pad(x.to(_CPU_ACT_DTYPE), (0, _padded_k(w) - w.in_features))
+            padded = x.to(_CPU_ACT_DTYPE)
+            if _padded_k(w) != w.in_features:
+                padded = F.pad(padded, (0, _padded_k(w) - w.in_features))
+            if x.shape[0] >= CPU_EXPAND_MIN_ROWS and w.out_features % _PACK_BLOCK_N == 0 and _int4pack_is_blocked():
+                return torch.mm(padded, _expand_int4pack_t(*tensors, w.group_size)).to(x.dtype)
             return torch._weight_int4pack_mm_for_cpu(padded, tensors[0], w.group_size, tensors[1]).to(x.dtype)
         if layout == "dense":
             return F.linear(x, tensors[0])
         return F.linear(x, dequantize(w, x.dtype))
+
+    def cpu_dense_weight(self) -> torch.Tensor | None:
+        """The whole weight when it is one part kept as a dense CPU copy, else None."""
+        if len(self._cpu) == 1 and self._cpu[0][0] == "dense":
+            return self._cpu[0][1][0]
+        return None
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor the weight occupies (codes, scales, zeros, dense parts, CPU-packed copies), for
         memory accounting."""
         tensors = [t for p in self.parts for t in (p.tensors() if isinstance(p, QuantizedWeight) else [p])]
         return tensors + [t for _, packed in self._cpu for t in packed]
+
+
+def _unpack_int4pack_t(packed: torch.Tensor) -> torch.Tensor:
+    """The codes of a CPU-packed int4 weight as uint8 [K, N]. PyTorch's AVX-512 packing stores each
+    block of 64 output rows as [K, 32] bytes, row j of the block in the low nibble of byte j and row
+    j + 32 in the high one (checked once at run time by `_int4pack_is_blocked`)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    blocks = packed.view(n // _PACK_BLOCK_N, k, _PACK_BLOCK_N // 2)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).transpose(0, 1).reshape(k, n)
+
+
+@functools.cache
+def _int4pack_is_blocked() -> bool:
+    """Whether this PyTorch build packs int4 weights as `_unpack_int4pack_t` reads them; other
+    layouts keep to the int4 kernel at every size."""
+    q = torch.randint(0, 16, (2 * _PACK_BLOCK_N, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed.shape == (q.shape[0], q.shape[1] // 2) and torch.equal(_unpack_int4pack_t(packed).t(), q.byte())
+
+
+def _expand_int4pack_t(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """W^T as bf16 [K, N] from the packed codes and tinygemm's (scale, zero) pairs, computed as
+    q * scale + (zero - 8 * scale) in float32. Transposed because the packing's blocks are runs of
+    output rows: laying them side by side copies 64 codes at a time."""
+    codes_t = _unpack_int4pack_t(packed)
+    k, n = codes_t.shape
+    scale, zero = scale_zero.float().unbind(-1)  # [K / group_size, N] each
+    w = codes_t.view(k // group_size, group_size, n).float().mul_(scale[:, None]).add_((zero - 8 * scale)[:, None])
+    return w.view(k, n).to(_CPU_ACT_DTYPE)
 
 
 def _padded_k(w: QuantizedWeight) -> int:
@@ -130,13 +183,15 @@ def _fp8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 class QuantEmbedding(nn.Module):
     """Token embedding that dequantizes only the rows it looks up; with tied weights it also serves
-    as the LM head through `attend`."""
+    as the LM head through `attend`, and finds greedy tokens through `argmax`."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, tied: bool) -> None:
         super().__init__()
         self.weight_q = weight
         self.dtype = dtype
         self.head = QuantLinear([weight], None, dtype) if tied else None
+        dense = self.head.cpu_dense_weight() if self.head is not None else None
+        self.screen = ScreenedArgmax(dense) if dense is not None and dense.dtype == torch.float32 else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight_q
@@ -147,8 +202,15 @@ class QuantEmbedding(nn.Module):
     def attend(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The token `attend` scores highest per row, without every float32 logit where a screen exists."""
+        if self.screen is not None:
+            return self.screen(hidden)
+        return self.attend(hidden).argmax(dim=-1)
+
     def weight_tensors(self) -> list[torch.Tensor]:
-        return self.weight_q.tensors() + (self.head.weight_tensors() if self.head is not None else [])
+        head = self.head.weight_tensors() if self.head is not None else []
+        return self.weight_q.tensors() + head + (self.screen.tensors() if self.screen is not None else [])
 
 
 def quantize_module(module: nn.Module, kind: str, dtype: torch.dtype, tied: bool) -> nn.Module:

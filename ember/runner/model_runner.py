@@ -32,7 +32,7 @@ from ember.quant.quantize import QUANTIZERS
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
-from ember.sampling.sampler import Sampler, SamplingBatch
+from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 
 logger = logging.getLogger("ember")
 _DEFAULT_CPU_KV_BYTES = 4 << 30
@@ -392,7 +392,11 @@ class ModelRunner:
         hidden = self._forward(inputs)
         prompt_logprobs = {batch.requests[i]: self._prompt_logprobs(batch.requests[i], hidden, first_row, start, n)
                            for i, first_row, start, n in prompt_rows}
-        out = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), sbatch) if reqs else None
+        out = None
+        if sbatch is not None and sbatch.argmax_only:
+            out = SamplerOutput(self.model.greedy_tokens(hidden[inputs.logits_indices]), None, None)
+        elif sbatch is not None:
+            out = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), sbatch)
         if self.idle_timer is not None:
             self.idle_timer.step_end()
         if out is None:

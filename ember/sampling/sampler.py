@@ -47,6 +47,12 @@ class SamplingBatch:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None  # None when no row asked for logprobs
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row takes its largest raw logit and reports nothing else: the logits themselves are not needed."""
+        return (self.all_greedy and self.penalties is None and self.min_tokens_mask is None
+                and self.max_num_logprobs is None)
+
     @classmethod
     def build(
         cls,
