@@ -1,14 +1,38 @@
-"""Ember: a small, fast LLM inference engine with a vLLM-compatible API."""
+"""Ember: a small, fast LLM inference engine with a vLLM-compatible API.
 
-from ember.config import EngineArgs
-from ember.engine.async_llm import AsyncLLM
-from ember.engine.engine import LLMEngine
-from ember.engine.llm import LLM
-from ember.engine.output import CompletionOutput, RequestOutput
+The public names load their modules on first use (PEP 562), so `import ember` and `ember --help`
+do not pay for importing torch.
+"""
+
+import importlib
+from typing import Any
+
 from ember.logger import init_logging
-from ember.sampling.params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+_EXPORTS = {
+    "LLM": "ember.engine.llm",
+    "AsyncLLM": "ember.engine.async_llm",
+    "LLMEngine": "ember.engine.engine",
+    "EngineArgs": "ember.config",
+    "SamplingParams": "ember.sampling.params",
+    "RequestOutput": "ember.engine.output",
+    "CompletionOutput": "ember.engine.output",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ember' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
+
 
 init_logging()

@@ -1,14 +1,21 @@
-"""`ember generate`, `ember chat` and `ember serve`: the engine from a terminal."""
+"""`ember generate`, `ember chat` and `ember serve`: the engine from a terminal.
+
+Building the parser imports nothing heavy (no torch, no web stack): `ember --help` answers at once,
+and each command imports what it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ember.config import EngineArgs
-from ember.engine.engine import LLMEngine, PromptType
 from ember.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from ember.engine.engine import LLMEngine, PromptType
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_max_tokens: int) -> None:
@@ -55,12 +62,16 @@ def _print_stream(chunks: Iterator[str]) -> str:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    from ember.engine.engine import LLMEngine
+
     engine = LLMEngine(EngineArgs.from_cli_args(ns))
     _print_stream(stream(engine, ns.prompt, _sampling_params(engine, ns)))
     return 0
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
+    from ember.engine.engine import LLMEngine
+
     engine = LLMEngine(EngineArgs.from_cli_args(ns))
     tokenizer = engine.tokenizer
     if tokenizer is None:
@@ -112,11 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, 512)
     chat.set_defaults(func=cmd_chat)
 
-    from ember.server.serve import add_serve_parser
+    from ember.bench.serve import add_bench_parser
+    from ember.server.args import add_serve_parser
 
     add_serve_parser(sub)
-    from ember.bench.serve import add_bench_parser
-
     add_bench_parser(sub)
     return parser
 

@@ -10,20 +10,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+_DTYPES = {  # name -> torch dtype attribute; resolved only when a torch dtype is needed, so that
+    # reading flags (`ember --help`) never imports torch
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # None: a GGUF file keeps its own quantization ("gguf"), other checkpoints load unquantized ("none").
@@ -151,6 +153,8 @@ class EngineArgs:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -159,13 +163,15 @@ class EngineArgs:
 
     def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
         """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        if device.type == "cpu":
-            return torch.float32
-        if checkpoint_dtype in ("float16", "bfloat16"):
-            return _DTYPES[checkpoint_dtype]
-        return torch.bfloat16
+            name = _DTYPES[self.dtype]
+        elif device.type == "cpu":
+            name = "float32"
+        else:
+            name = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
+        return getattr(torch, name)
 
     def cache_config(self) -> CacheConfig:
         kv_bytes = None if self.kv_cache_memory is None else int(self.kv_cache_memory * (1 << 30))

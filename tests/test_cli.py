@@ -53,3 +53,12 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert r.stderr.strip().startswith("error:") and "missing" in r.stderr and "Traceback" not in r.stderr
     r = ember("generate", "hi", "--temperature", "-1", "--kv-cache-memory", "0.1", "--max-model-len", "2048")
     assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_building_the_command_line_imports_neither_torch_nor_the_web_stack():
+    """`ember --help` (and parsing any command's flags) answers at once: heavy imports wait for a command to run."""
+    code = ("import sys; from ember.cli import build_parser; build_parser().parse_args(['serve', '--port', '1']); "
+            "heavy = [m for m in ('torch', 'fastapi', 'uvicorn', 'numpy') if m in sys.modules]; print(heavy)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

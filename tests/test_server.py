@@ -16,8 +16,8 @@ import pytest
 import uvicorn
 
 from ember import AsyncLLM, EngineArgs
-from ember.server.app import ServerSettings, build_app
-from ember.server.serve import add_serve_parser, resolve_args, settings_from_args
+from ember.server.app import build_app
+from ember.server.args import ServerSettings, add_serve_parser, resolve_args, settings_from_args
 
 from conftest import DEVICE
 

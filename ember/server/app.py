@@ -31,6 +31,7 @@ from ember.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, Re
 from ember.engine.output import RequestOutput
 from ember.engine.request import Logprob
 from ember.sampling.params import SamplingParams
+from ember.server.args import ServerSettings
 from ember.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                    ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                    ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -49,16 +50,6 @@ RETRY_AFTER_QUEUE_FULL_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
 # vLLM's floor for -inf logprobs: JSON has no infinity, and clients expect a number.
 MIN_LOGPROB = -9999.0
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    model_name: str  # the id clients send as `model` and see in /v1/models
-    model_root: str  # where the weights came from, shown as the model's `root`
-    api_key: str | None = None
-    max_body_bytes: int = 1 << 20
-    log_requests: bool = False
-    shutdown_timeout: float = 30.0
 
 
 class APIError(Exception):

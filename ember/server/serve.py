@@ -12,130 +12,23 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import uvicorn
-import yaml
 
-from ember.config import DEFAULT_MODEL, EngineArgs
+from ember.config import EngineArgs
 from ember.engine.async_llm import AsyncLLM
-from ember.server.app import ServerSettings, ServerState, build_app
+from ember.server.app import ServerState, build_app
+from ember.server.args import ServerSettings, add_serve_args, resolve_args, settings_from_args
 
 logger = logging.getLogger("ember")
 
 # Enough for finished streams to write their last bytes; the real wait is `--shutdown-timeout`.
 _CONNECTION_CLOSE_GRACE_S = 5.0
-
-
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    serve = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_serve_args(serve)
-    serve.set_defaults(func=cmd_serve)
-    return serve
-
-
-class _Default:
-    """Wraps a flag's default so `cmd_serve` can tell it from a typed value that a YAML entry must not override."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __str__(self) -> str:  # what `%(default)s` shows in --help
-        return str(self.value)
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help=f"HF model directory, .gguf file, or '{DEFAULT_MODEL}' (default)")
-    g = parser.add_argument_group("server")
-    g.add_argument("--config", default=None, help="YAML file of flags (dashes or underscores); the command line wins")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model path)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $EMBER_API_KEY)")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 429 once this many requests wait for the engine (default: no limit)")
-    g.add_argument("--max-request-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
-    g.add_argument("--log-requests", action="store_true", help="log one line per request (no prompt text)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM/SIGINT")
-    EngineArgs.add_cli_args(parser)
-    for action in parser._actions:
-        if action.default is not argparse.SUPPRESS:
-            action.default = _Default(action.default)
-
-
-def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
-    """Unwrap the defaults, with a `--config` YAML file between them and the command line."""
-    typed = {k: v for k, v in vars(ns).items() if not isinstance(v, _Default)}
-    values = {k: v.value if isinstance(v, _Default) else v for k, v in vars(ns).items()}
-    if values["config"] is not None:
-        values.update({k: v for k, v in _read_config(values["config"]).items() if k not in typed})
-    # A positional MODEL on the command line beats a YAML `model` (which arrives as --model).
-    if "model" in typed and "model_flag" not in typed:
-        values["model_flag"] = None
-    return argparse.Namespace(**values)
-
-
-def _read_config(path: str) -> dict[str, Any]:
-    """The YAML entries as parsed flag values: turned into flags and parsed by the same parser, so they
-    get the same type checks and choices as typed ones."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"--config {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_serve_args(parser)
-    flags = {opt: action for action in parser._actions for opt in action.option_strings}
-    argv: list[str] = []
-    dests = []
-    for key, value in config.items():
-        flag = "--" + str(key).replace("_", "-")
-        action = flags.get(flag)
-        if action is None or flag == "--config":
-            raise ValueError(f"--config {path}: unknown option {key!r}")
-        dests.append(action.dest)
-        if action.nargs == 0:  # on/off flags
-            if not isinstance(value, bool):
-                raise ValueError(f"--config {path}: {key} must be true or false, got {value!r}")
-            if isinstance(action, argparse.BooleanOptionalAction):
-                argv.append(flag if value else "--no-" + flag[2:])
-            elif value:
-                argv.append(flag)
-        elif value is not None:
-            argv += [flag, str(value)]
-    try:
-        parsed = vars(parser.parse_args(argv))
-    except argparse.ArgumentError as e:
-        raise ValueError(f"--config {path}: {e}") from None
-    return {d: v.value if isinstance(v, _Default) else v for d, v in parsed.items() if d in dests}
-
-
-def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettings]:
-    if ns.model is not None and ns.model_flag is not None and ns.model != ns.model_flag:
-        raise ValueError(f"model given twice: {ns.model!r} and --model {ns.model_flag!r}")
-    if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
-        raise ValueError(f"max_waiting_requests must be >= 0, got {ns.max_waiting_requests}")
-    if ns.max_request_body_bytes < 1:
-        raise ValueError(f"max_request_body_bytes must be positive, got {ns.max_request_body_bytes}")
-    if ns.shutdown_timeout < 0:
-        raise ValueError(f"shutdown_timeout must be >= 0, got {ns.shutdown_timeout}")
-    args = EngineArgs.from_cli_args(ns)
-    root = args.model or DEFAULT_MODEL
-    settings = ServerSettings(model_name=ns.served_model_name or root, model_root=root,
-                              api_key=ns.api_key or os.environ.get("EMBER_API_KEY") or None,
-                              max_body_bytes=ns.max_request_body_bytes, log_requests=ns.log_requests,
-                              shutdown_timeout=ns.shutdown_timeout)
-    return args, settings
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
