@@ -112,11 +112,13 @@ def test_shutdown_ends_workers_and_a_dead_rank_is_a_clear_error(checkpoints):
     llm.llm_engine.shutdown()
     assert not worker.is_alive()
 
+    threads = torch.get_num_threads()
     llm = _llm(str(checkpoints["llama"]), 2)
     (worker,) = llm.llm_engine.tensor_parallel._procs
     assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == GREEDY.max_tokens
     llm.llm_engine.shutdown()
     assert worker.exitcode == 0  # told to stop, it stopped by itself
+    assert torch.get_num_threads() == threads  # the cores shared with the worker are given back
 
 
 def _config(path) -> dict:

@@ -100,7 +100,7 @@ class TensorParallelGroup:
         self._procs: list[multiprocessing.Process] = []
         self._stopping = False
         self._serving = False
-        _share_cpu_cores(self.device, self.size)
+        self._threads = torch.get_num_threads()  # this is the caller's process: restored at stop
         if launched_by_torchrun():
             if int(os.environ["WORLD_SIZE"]) != self.size:
                 raise ValueError(f"tensor_parallel_size ({self.size}) must equal torchrun's world size "
@@ -120,6 +120,7 @@ class TensorParallelGroup:
                 proc.start()
                 self._procs.append(proc)
             threading.Thread(target=self._watch, name="ember-tp-watch", daemon=True).start()
+        _share_cpu_cores(self.device, self.size)
         try:
             self._join(init_method)
         except BaseException:
@@ -194,6 +195,7 @@ class TensorParallelGroup:
             proc.join(_JOIN_TIMEOUT_S if self._serving and self.failure is None else 0)
         self._kill_all()
         destroy_tensor_parallel()
+        torch.set_num_threads(self._threads)
 
     def _kill_all(self) -> None:
         for proc in self._procs:
