@@ -83,10 +83,11 @@ def _f16(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float16)
 
 
-def _write_tiny(path: str, arch: str = "llama", tensor_types: dict[str, QType] | None = None) -> dict:
+def _write_tiny(path: str, arch: str = "llama", tensor_types: dict[str, QType] | None = None,
+                extra_tokens: tuple[str, ...] = ()) -> dict:
     """Write a 2-layer model and return the HF-layout weights it should load back as."""
     rng = np.random.default_rng(0)
-    vocab = _vocab()
+    vocab = _vocab() + list(extra_tokens)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)

@@ -218,7 +218,8 @@ class AsyncLLM:
     def _consumer_behind(self, request_id: str) -> bool:
         """While a stream's consumer has not taken its last output, the engine makes no new one for it:
         the next carries both steps' deltas. Under load (hundreds of streams, the event loop busy
-        writing chunks) this halves the outputs built and the chunks sent instead of queueing them."""
+        writing chunks) fewer outputs are built and sent instead of queueing up (on the H200 serving
+        benchmark it measured the same throughput as joining queued outputs on the consumer's side)."""
         stream = self._streams.get(request_id)
         return stream is not None and stream.behind
 

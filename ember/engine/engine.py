@@ -18,7 +18,7 @@ from typing import Any, Union
 import torch
 
 from ember.chat_template import load_chat_template
-from ember.config import EngineArgs
+from ember.config import EngineArgs, ModelConfig
 from ember.engine.block_manager import BlockManager
 from ember.engine.metrics import StepStats
 from ember.engine.output import (CompletionOutput, IncrementalDetokenizer, RequestOutput, check_stop_token,
@@ -65,6 +65,8 @@ class PreparedRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.monotonic()
+        if args.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+            serve_as_torchrun_worker(args)  # rank 0's follower: loads its own shard; does not return
         files = load_model_files(args)
         self.args = args
         self.tokenizer = files.tokenizer
@@ -117,12 +119,10 @@ class LLMEngine:
         logger.debug(self.ready_message)
 
     @staticmethod
-    def _start_tensor_parallel(args: EngineArgs, model_config) -> TensorParallelGroup | None:
+    def _start_tensor_parallel(args: EngineArgs, model_config: ModelConfig) -> TensorParallelGroup | None:
         if args.tensor_parallel_size == 1:
             return None
         check_divisible(model_config, args.tensor_parallel_size)
-        if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
-            serve_as_torchrun_worker(args)  # does not return
         group = TensorParallelGroup(args)
         atexit.register(group.stop)
         return group

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from ember.config import ModelConfig
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
@@ -131,12 +130,14 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary on every rank: each computes its rows' (padding cut off,
-        then padded back to equal widths) and the ranks' columns are gathered."""
+        """Logits over the whole vocabulary on every rank: each computes its rows' and the ranks' columns
+        are gathered. Only the last rank can hold padding rows, so they end up past the vocabulary and
+        are cut; a quantized head built from the file's rows alone is padded to the common width first."""
         logits = self.model.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         layout = self.layout
         if layout.size > 1:
-            logits = F.pad(logits[:, :layout.vocab_rows], (0, layout.vocab_per_rank - layout.vocab_rows))
+            if logits.shape[-1] < layout.vocab_per_rank:
+                logits = F.pad(logits, (0, layout.vocab_per_rank - logits.shape[-1]))
             logits = all_gather_last_dim(logits)[:, :layout.vocab_size]
         return logits.float()
 
