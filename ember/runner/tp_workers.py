@@ -119,7 +119,8 @@ class TensorParallelGroup:
                                    name=f"ember-tp-rank{rank}", daemon=True)
                 proc.start()
                 self._procs.append(proc)
-            threading.Thread(target=self._watch, name="ember-tp-watch", daemon=True).start()
+            self._watcher = threading.Thread(target=self._watch, name="ember-tp-watch", daemon=True)
+            self._watcher.start()
         _share_cpu_cores(self.device, self.size)
         try:
             self._join(init_method)
@@ -172,8 +173,10 @@ class TensorParallelGroup:
         """The error to raise after a step failed on rank 0: the ranks may be out of step now, so the
         engine cannot go on. Names the dead rank when one died (gloo notices a closed socket before
         the watcher sees the process exit)."""
-        for proc in self._procs:
-            proc.join(_FAILURE_WAIT_S if self.failure is None else 0)
+        if self.failure is None and self._procs:  # wait for any rank to die, not for each in turn
+            multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=_FAILURE_WAIT_S)
+            if not all(p.is_alive() for p in self._procs):
+                self._watcher.join(_FAILURE_WAIT_S)  # it names the rank, then ends
         if self.failure is None:
             self.failure = f"a tensor-parallel step failed on rank 0: {type(error).__name__}: {error}"
         return TensorParallelError(self.failure)
