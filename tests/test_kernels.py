@@ -25,8 +25,9 @@ from ember.kernels import (  # noqa: E402
     store_kv_ref,
 )
 from ember.model import backend  # noqa: E402
-from ember.model.attention import AttentionMetadata, paged_attention, quantize_kv  # noqa: E402
+from ember.model.attention import AttentionMetadata, paged_attention  # noqa: E402
 from ember.model.attention import store_kv as model_store_kv  # noqa: E402
+from ember.quant.kv_scale import quantize_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = os.environ.get("EMBER_KERNEL_TEST_FULL") == "1"

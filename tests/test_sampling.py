@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ember.sampling.params import SamplingParams, SamplingType
+from ember.sampling.params import SamplingParams
 from ember.sampling.sampler import Sampler, SamplingBatch, apply_min_tokens, apply_penalties
 
 CPU = torch.device("cpu")
@@ -102,11 +102,9 @@ def test_params_normalisation() -> None:
     assert SamplingParams(stop_token_ids=(7, 8)).stop_token_ids == [7, 8]
 
 
-def test_sampling_type_and_clone() -> None:
+def test_is_greedy_and_clone() -> None:
     assert SamplingParams(temperature=0.0).is_greedy
-    assert SamplingParams(temperature=0.0, seed=1).sampling_type is SamplingType.GREEDY
-    assert SamplingParams(seed=1).sampling_type is SamplingType.RANDOM_SEED
-    assert SamplingParams().sampling_type is SamplingType.RANDOM
+    assert not SamplingParams(seed=1).is_greedy
     p = SamplingParams(stop=["a"], stop_token_ids=[1])
     q = p.clone()
     q.stop.append("b")

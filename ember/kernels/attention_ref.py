@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.model.attention import dequantize_kv
+from ember.quant.kv_scale import dequantize_kv
 
 
 def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, *,

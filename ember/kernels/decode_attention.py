@@ -13,14 +13,12 @@ unnormalised partial result that a small second kernel merges by log-sum-exp.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ember.kernels.attention_ref import attention_ref, gather_context
-from ember.kernels.paged import attend_tile, check_paged_args, dot_dtype, dot_precision
+from ember.kernels.paged import attend_tile, check_paged_args, dot_dtype, dot_precision, num_sms
 
 _LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, D=128): these reach 3.3-4.3 TB/s; BLOCK_N=128 or 8 warps were no better.
@@ -117,13 +115,6 @@ def _merge_splits_kernel(
              mask=dims < head_dim)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Split only as far as needed to give the GPU about two waves of programs, and never so far
     that a split of the longest context drops below a few hundred tokens."""
@@ -159,7 +150,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     if num_splits is None:
         max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, num_sms(q.device))
     if num_splits > 1:
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.model.attention import check_kv_scales, quantize_kv
 from ember.quant.formats import FP8_DTYPE, FP8_MAX
+from ember.quant.kv_scale import check_kv_scales, quantize_kv
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 

@@ -1,13 +1,16 @@
-"""Host-side helpers shared by the paged-attention kernels: argument checks and dot operand types."""
+"""Host-side helpers shared by the kernels: paged-attention argument checks, dot operand types and
+the SM count that sizes split grids."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ember.model.attention import check_kv_scales
 from ember.quant.formats import FP8_DTYPE
+from ember.quant.kv_scale import check_kv_scales
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -31,6 +34,15 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype "
                          "unless the caches are fp8")
     check_kv_scales(k_cache.dtype, k_scale, v_scale)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The GPU's SM count, which the decode-attention split and split-K aim to fill; off CUDA (the
+    interpreter) an H100/H200's 132, so tests choose the grids the GPU would."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def dot_dtype(dtype: torch.dtype) -> tl.dtype:

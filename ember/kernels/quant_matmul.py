@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.decode_attention import _num_sms
-from ember.kernels.paged import dot_dtype, dot_precision
+from ember.kernels.paged import dot_dtype, dot_precision, num_sms
 from ember.quant.formats import QuantizedWeight, dequantize
 
 _KINDS = ("int8", "int4")
@@ -185,7 +184,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or choose_quant_matmul_config(m, n, k, w.group_size, _num_sms(x.device))
+    cfg = config or choose_quant_matmul_config(m, n, k, w.group_size, num_sms(x.device))
     k_tiles = triton.cdiv(k, cfg.block_k)
     k_per_split = triton.cdiv(k_tiles, cfg.split_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)

@@ -7,9 +7,8 @@ each prefill chunk gets its own, with a causal mask offset by the chunk's cached
 
 Caches are either in the model's dtype or fp8 (e4m3fn) with one float scale per layer for keys and
 one for values: a stored value is x / scale saturated to +-448, and reads as float(stored) * scale.
-The scaling rules (quantize_kv, dequantize_kv) live here, in a module that imports no Triton (CPU
-installs have none), so the PyTorch path and the kernels' references share them; the fp8 type and
-its range are ember.quant.formats' FP8_DTYPE and FP8_MAX, shared with fp8 weights.
+The scaling rules (check_kv_scales, quantize_kv, dequantize_kv) are ember.quant.kv_scale's, shared
+with the kernels' references.
 """
 
 from __future__ import annotations
@@ -20,7 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from ember.model.backend import use_triton
-from ember.quant.formats import FP8_DTYPE, FP8_MAX
+from ember.quant.formats import FP8_DTYPE
+from ember.quant.kv_scale import check_kv_scales, dequantize_kv, quantize_kv
+
+# The Triton kernels are imported inside the functions that call them, so CPU-only paths never import Triton.
 
 
 @dataclass
@@ -36,34 +38,6 @@ class AttentionMetadata:
     query_start_host: list[int]
     # the PyTorch path's decode gather plan (block ids, longest context, key mask), made by a step's first layer
     cpu_decode: tuple[torch.Tensor, int, torch.Tensor | None] | None = field(default=None, repr=False)
-
-
-
-
-def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
-    """Scales are host floats, so CUDA-graph capture never reads the device for them. Only fp8
-    caches are scaled; a scale other than 1.0 on any other cache is a caller's mistake that would
-    otherwise be silently ignored."""
-    if not all(isinstance(s, (int, float)) for s in (k_scale, v_scale)):
-        raise TypeError(f"k_scale and v_scale must be Python floats, got {type(k_scale)} and {type(v_scale)}")
-    if cache_dtype != FP8_DTYPE and (k_scale != 1.0 or v_scale != 1.0):
-        raise ValueError(f"k_scale {k_scale} and v_scale {v_scale} apply only to fp8 caches, not {cache_dtype}")
-
-
-def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """x as a cache of `cache_dtype` holds it: fp8 caches x / scale, clamped first so that large
-    values saturate rather than cast to NaN; other caches take x as is."""
-    if cache_dtype != FP8_DTYPE:
-        return x
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def dequantize_kv(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """The values a slice of an fp8 cache stands for, in `dtype`; other caches hold their values
-    as is, so their slices come back untouched (no copy)."""
-    if stored.dtype != FP8_DTYPE:
-        return stored
-    return (stored.float() * scale).to(dtype)
 
 
 def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,7 +1,6 @@
 """Per-request sampling parameters, named and defaulted as in vLLM so clients can switch freely."""
 
 import copy
-import enum
 import math
 import numbers
 from dataclasses import dataclass
@@ -10,12 +9,6 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Larger top-logprob counts cost a full-vocab top-k per step for little practical use.
 MAX_LOGPROBS = 20
-
-
-class SamplingType(enum.IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 def _int(name: str, value: object) -> int:
@@ -166,15 +159,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        # A seed is irrelevant to greedy decoding, so greedy wins over RANDOM_SEED.
-        if self.is_greedy:
-            return SamplingType.GREEDY
-        if self.seed is not None:
-            return SamplingType.RANDOM_SEED
-        return SamplingType.RANDOM
 
     def clone(self) -> "SamplingParams":
         """Deep copy, so the engine can fill in defaults (e.g. max_tokens) without
