@@ -1,0 +1,100 @@
+"""Every error the server sends, in OpenAI's JSON shape.
+
+`APIError` carries status, OpenAI error fields and headers; the app's exception handlers turn it,
+Starlette's HTTP errors and anything unexpected into `{"error": {...}}` bodies. `value_error` and
+`engine_error` map what SamplingParams and the engine raise onto the same errors, naming the request
+field at fault, so every endpoint reports a failure the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember.engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
+from ember.server.protocol import ErrorInfo, ErrorResponse
+
+if TYPE_CHECKING:
+    from ember.server.state import ServerState
+
+# A full queue drains in about a step; a loading or stopping server needs longer.
+RETRY_AFTER_QUEUE_FULL_S = 1
+RETRY_AFTER_UNAVAILABLE_S = 5
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable", code="service_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+
+
+# ---- exception handlers -------------------------------------------------------------------
+
+async def api_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+_HTTP_ERROR_TYPES = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
+
+
+async def http_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    type_, code = _HTTP_ERROR_TYPES.get(exc.status_code, ("invalid_request_error", None))
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return APIError(exc.status_code, message, type_, code=code, headers=exc.headers).response()
+
+
+async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
+    # Starlette re-raises after this response, so uvicorn logs the traceback; the client gets no trace.
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()
+
+
+# ---- engine exceptions --------------------------------------------------------------------
+
+_LEADING_NAME = re.compile(r"[A-Za-z_]\w*(?:\[\d+\]|\.\w+)*")
+_PARAM_ALIASES = {"prompt_token_ids": "prompt"}
+
+
+def value_error(e: ValueError, model: type[BaseModel]) -> APIError:
+    """SamplingParams and the engine start their messages with the field at fault; name it as `param`."""
+    message = str(e)
+    match = _LEADING_NAME.match(message)
+    param = None
+    if match:
+        name = match.group(0)
+        root = re.match(r"\w+", name).group(0)
+        param = _PARAM_ALIASES.get(root, name if root in model.model_fields else None)
+    code = "context_length_exceeded" if "maximum context length" in message else None
+    return bad_request(message, param, code)
+
+
+def engine_error(e: Exception, state: ServerState, model: type[BaseModel]) -> APIError:
+    if isinstance(e, QueueFullError):
+        return APIError(429, f"The server is busy: {e}", "rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
+    if isinstance(e, ValueError):
+        return value_error(e, model)
+    if state.draining and not isinstance(e, (RequestFailedError, EngineDeadError)):
+        return unavailable(f"The server is shutting down: {e}")
+    return APIError(500, f"The request failed inside the engine: {e}", "internal_server_error")

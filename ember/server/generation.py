@@ -1,0 +1,223 @@
+"""Running one API request on the engine and answering it, shared by completions and chat.
+
+`Generation` merges the engine streams of a request's prompts into one and logs how the request
+ended; `respond` turns it into one JSON answer or a stream of server-sent events (`EventStream`), and
+cancels the engine requests as soon as the client goes away, so a dropped connection never keeps KV
+blocks busy until `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import fields
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from ember.engine.async_llm import AsyncLLM
+from ember.engine.output import RequestOutput
+from ember.sampling.params import SamplingParams
+from ember.server.errors import APIError, engine_error, unavailable
+from ember.server.protocol import ErrorResponse
+from ember.server.state import ServerState
+
+logger = logging.getLogger("ember")
+
+T = TypeVar("T")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (which aborts its engine requests) if the client goes away first.
+
+    A non-streaming handler would otherwise notice a vanished client only when it finally writes
+    the answer, after generating all of it for nobody.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when we are cancelled ourselves, e.g. by a server shutdown
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    await asyncio.wait({task})
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+class Generation:
+    """One API request's engine requests (one per prompt) merged into one stream of (prompt index, output).
+
+    `start()` waits for every prompt's first output, because the engine reports a rejected request
+    (bad length, full queue) only then, and that must become an HTTP error before any streamed byte.
+    """
+
+    def __init__(self, state: ServerState, engine: AsyncLLM, request_id: str, prompts: list[Any],
+                 params: SamplingParams, request_model: type[BaseModel]) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.params = params
+        self.request_model = request_model
+        self.final: list[RequestOutput | None] = [None] * len(prompts)
+        self._gens = [engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+                      for i, p in enumerate(prompts)]
+        self._merged = self._merge()
+        self._buffered: list[tuple[int, RequestOutput]] = []
+        self._started = time.monotonic()
+        self._outcome = "cancelled (client disconnected)"
+        self._closed = False
+
+    async def _merge(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self._gens) == 1:
+            async with aclosing(self._gens[0]) as gen:
+                async for out in gen:
+                    yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in gen:
+                    queue.put_nowait((i, out))
+                queue.put_nowait((i, None))
+            except Exception as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self._gens)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    remaining -= 1
+                else:
+                    yield i, item
+        finally:
+            # Cancelling a pump cancels its engine.generate(), which aborts that request.
+            for t in tasks:
+                t.cancel()
+
+    async def _next(self) -> tuple[int, RequestOutput] | None:
+        try:
+            i, out = await anext(self._merged)
+        except StopAsyncIteration:
+            return None
+        except Exception as e:
+            error = engine_error(e, self.state, self.request_model)
+        else:
+            if not (out.finished and any(o.finish_reason == "abort" for o in out.outputs)):
+                self.final[i] = out
+                return i, out
+            error = (unavailable("The server shut down before this request finished") if self.state.draining else
+                     APIError(500, out.error or "The engine aborted the request", "internal_server_error"))
+        self._outcome = f"failed ({error.status}: {error})"
+        raise error
+
+    async def start(self) -> None:
+        seen: set[int] = set()
+        while len(seen) < len(self._gens):
+            item = await self._next()
+            if item is None:
+                break
+            self._buffered.append(item)
+            seen.add(item[0])
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._buffered:
+            yield self._buffered.pop(0)
+        while (item := await self._next()) is not None:
+            yield item
+        self._outcome = "finished"
+
+    async def run(self) -> list[RequestOutput]:
+        """All prompts to the end; their final outputs in prompt order."""
+        async for _ in self.outputs():
+            pass
+        return self.final  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._merged.aclose()
+        if self.state.settings.log_requests:
+            done = [o for o in self.final if o is not None]
+            logger.info("request %s %s after %.2fs: %d prompt + %d completion tokens; %s", self.request_id,
+                        self._outcome, time.monotonic() - self._started, sum(len(o.prompt_token_ids) for o in done),
+                        sum(len(c.token_ids) for o in done for c in o.outputs), _describe(self.params))
+
+
+_DEFAULT_PARAMS = SamplingParams()
+
+
+def _describe(params: SamplingParams) -> str:
+    """The sampling fields that differ from the defaults; stop strings are counted, not shown, since
+    they are user text."""
+    parts = []
+    for f in fields(SamplingParams):
+        value = getattr(params, f.name)
+        if value != getattr(_DEFAULT_PARAMS, f.name):
+            parts.append(f"{f.name}=<{len(value)} strings>" if f.name == "stop" else f"{f.name}={value!r}")
+    return ", ".join(parts) or "default sampling"
+
+
+async def respond(request: Request, gen: Generation, stream: bool,
+                  make_chunks: Callable[[], AsyncIterator[BaseModel]],
+                  make_response: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+    """The shared tail of completions and chat: errors before the first output are plain HTTP
+    errors, streams become SSE, and everything is cancelled when the client leaves."""
+    try:
+        await _until_disconnect(request, gen.start())
+        if stream:
+            return EventStream(gen, make_chunks())
+        finals = await _until_disconnect(request, gen.run())
+    except ClientDisconnected:
+        await gen.close()
+        return Response(status_code=499)  # nobody reads it; "client closed request", as nginx logs it
+    except BaseException:
+        await gen.close()
+        raise
+    await gen.close()
+    return Response(make_response(finals).model_dump_json(), media_type="application/json")
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that close their generation however the response ends, including when the
+    client leaves before the body iterator ever starts (and so before any cleanup inside it could run)."""
+
+    def __init__(self, gen: Generation, chunks: AsyncIterator[BaseModel]) -> None:
+        super().__init__(self._events(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.gen = gen
+
+    @staticmethod
+    async def _events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except APIError as e:  # the status is already 200, so the error travels in the stream, as in vLLM
+            yield f"data: {ErrorResponse(error=e.info).model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.gen.close()

@@ -1,0 +1,57 @@
+"""GET /v1/models, POST /tokenize and POST /detokenize: what the served model is, and its tokenizer.
+
+None of these runs the model; /tokenize renders chat messages through chat.py's `render_chat`, so a
+client counts exactly the tokens a chat request would send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request
+
+from ember.engine.async_llm import AsyncLLM
+from ember.server.chat import render_chat
+from ember.server.errors import bad_request
+from ember.server.plumbing import check_api_key, read_body, ready_engine, require_tokenizer, vocab_size
+from ember.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                   TokenizeResponse)
+from ember.server.state import get_state
+
+router = APIRouter(dependencies=[Depends(check_api_key)])
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> ModelList:
+    state = get_state(request)
+    s = state.settings
+    return ModelList(data=[ModelCard(id=s.model_name, created=state.created, root=s.model_root,
+                                     max_model_len=engine.max_model_len)])
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> TokenizeResponse:
+    body = await read_body(request, TokenizeRequest)
+    tokenizer = require_tokenizer(engine)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("Send exactly one of 'prompt' or 'messages'", "prompt")
+    if body.messages is not None:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        add_special = bool(body.add_special_tokens)
+        ids = (await asyncio.to_thread(render_chat, tokenizer, messages, body.add_generation_prompt,
+                                       add_special))["prompt_token_ids"]
+    else:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> DetokenizeResponse:
+    body = await read_body(request, DetokenizeRequest)
+    tokenizer = require_tokenizer(engine)
+    vocab = vocab_size(engine)
+    for i, t in enumerate(body.tokens):
+        if not 0 <= t < vocab:
+            raise bad_request(f"tokens[{i}]: {t} is not a token id of this model (0 to {vocab - 1})", f"tokens[{i}]")
+    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))

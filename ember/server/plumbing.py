@@ -1,0 +1,171 @@
+"""The request plumbing that every endpoint module shares, kept here once.
+
+Reading a request: the API key check, the engine dependency, body parsing with its size limit and
+OpenAI-shaped 400s, and sampling parameters. Then what completions and chat both need to build their
+answers: token text, clamped logprobs and usage counts. Running the request is generation.py's part.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from ember.engine.async_llm import AsyncLLM
+from ember.engine.output import CompletionOutput, RequestOutput
+from ember.engine.request import Logprob
+from ember.sampling.params import SamplingParams
+from ember.server.errors import APIError, bad_request, unavailable, value_error
+from ember.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart,
+                                   UsageInfo)
+from ember.server.state import ServerState, get_state
+from ember.tokenizer import Tokenizer
+
+M = TypeVar("M", bound=BaseModel)
+
+# vLLM's floor for -inf logprobs: JSON has no infinity, and clients expect a number.
+MIN_LOGPROB = -9999.0
+
+
+# ---- access -------------------------------------------------------------------------------
+
+async def check_api_key(request: Request) -> None:
+    key = get_state(request).settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'",
+                       "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def available_engine(state: ServerState) -> AsyncLLM:
+    """The engine, or a 503 while the model loads or the server drains (/health asks the same)."""
+    if state.draining:
+        raise unavailable("The server is shutting down")
+    if state.engine is None:
+        raise unavailable("The model is still loading")
+    return state.engine
+
+
+async def ready_engine(request: Request) -> AsyncLLM:
+    return available_engine(get_state(request))
+
+
+def vocab_size(engine: AsyncLLM) -> int:
+    """The one place the server reads the model's vocabulary size."""
+    return engine.model_config.vocab_size
+
+
+# ---- request bodies -----------------------------------------------------------------------
+
+async def _parse(request: Request, model: type[M]) -> M:
+    """Read and validate a JSON body ourselves, so that size limits, bad UTF-8, bad JSON and wrong
+    types all become 400/413 errors in OpenAI's shape, whatever Content-Type the client sent."""
+    data = _decode_json(await _read_body_bytes(request))
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        if not err["loc"]:
+            raise bad_request(f"Request body must be a JSON object: {err['msg']}") from None
+        param = _loc_to_param(err["loc"])
+        raise bad_request(f"{param}: {err['msg']}", param) from None
+
+
+async def _read_body_bytes(request: Request) -> bytearray:
+    limit = get_state(request).settings.max_body_bytes
+    too_large = APIError(413, f"Request body is larger than {limit} bytes", "invalid_request_error",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return body
+
+
+def _decode_json(body: bytearray) -> Any:
+    try:
+        text = body.decode("utf-8")
+        data = json.loads(text)
+        if _SURROGATE_ESCAPE.search(text):  # a lone "\ud800" is valid JSON but no text a tokenizer takes
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeError as e:
+        raise bad_request(f"Request body is not valid UTF-8: {e}") from None
+    except json.JSONDecodeError as e:
+        raise bad_request(f"Request body is not valid JSON: {e}") from None
+    return data
+
+
+async def read_body(request: Request, model: type[M]) -> M:
+    """`_parse`, then refuse a `model` field that names another model than ours."""
+    body = await _parse(request, model)
+    get_state(request).check_model(body.model)  # type: ignore[attr-defined]
+    return body
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+# Field names that may follow a list index in an error location; anything else there is a
+# pydantic union-member tag such as 'list[int]', which means nothing to the client.
+_NESTED_FIELDS = set(ChatMessage.model_fields) | set(TextPart.model_fields) | set(StreamOptions.model_fields)
+
+
+def _loc_to_param(loc: tuple[int | str, ...]) -> str:
+    param = str(loc[0])
+    for part in loc[1:]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _NESTED_FIELDS:
+            param += f".{part}"
+        else:
+            break
+    return param
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, engine: AsyncLLM) -> SamplingParams:
+    try:
+        return body.to_sampling_params(engine.default_sampling_params())
+    except ValueError as e:
+        err = value_error(e, type(body))
+        if err.info.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+            err.info.param = "max_completion_tokens"
+        raise err from None
+
+
+# ---- tokens, logprobs, usage --------------------------------------------------------------
+
+def require_tokenizer(engine: AsyncLLM) -> Tokenizer:
+    if engine.tokenizer is None:
+        raise bad_request("This model was loaded without a tokenizer; send token ids instead")
+    return engine.tokenizer
+
+
+def token_text(token_id: int, lp: Logprob, tokenizer: Tokenizer | None) -> str:
+    if lp.decoded_token is not None:
+        return lp.decoded_token
+    piece = tokenizer.id_to_token(token_id) if tokenizer is not None else None
+    return piece if piece is not None else f"token_id:{token_id}"
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def logprobs_since(o: CompletionOutput, start: int) -> list[dict[int, Logprob]] | None:
+    """The logprobs of a choice's tokens from `start` on, if it asked for logprobs."""
+    return o.logprobs[start:] if o.logprobs else None
+
+
+def usage(finals: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
