@@ -47,7 +47,7 @@ from benchmarks.startup import free_port, health, process_tree, rss_mib, server_
 from benchmarks.throughput import load_hf_model, model_short_name  # noqa: E402
 from ember.bench import serve as bench_serve  # noqa: E402
 from ember.bench.machine import load_average  # noqa: E402
-from ember.model.loader import resolve_model  # noqa: E402
+from ember.model.files import resolve_model  # noqa: E402
 
 COLORS = {"ember": "#d9541e", "llama.cpp": "#6a9a3a", "hf": "#4a7ab5"}
 SEEDS_PER_REPEAT = 1000

@@ -34,10 +34,9 @@ def _sync(device: torch.device) -> None:
 def measure(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
     """One request through engine.step(): seconds to the first token, then seconds per later step."""
     engine = llm.llm_engine
-    device = engine.runner.device
     engine.add_request(None, {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
-    _sync(device)
+    _sync(torch.device(engine.ready.device))
     start = time.perf_counter()
     ttft, steps, last = None, [], start
     while engine.has_unfinished_requests():
@@ -66,6 +65,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -73,33 +74,36 @@ def main() -> None:
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, max_num_seqs=8,
               enforce_eager=args.enforce_eager, enable_prefix_caching=False, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
-    engine = llm.llm_engine
+              kv_cache_dtype=args.kv_cache_dtype, engine_process=args.engine_process,
+              async_scheduling=args.async_scheduling)
+    ready = llm.llm_engine.ready
     rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
+    vocab = ready.vocab_size
     measure(llm, [rng.randrange(vocab) for _ in range(16)], 8)  # warm-up: kernels compiled, caches touched
     ttfts, tpots = [], []
     for _ in range(args.num_iters):
         ttft, steps = measure(llm, [rng.randrange(vocab) for _ in range(args.input_len)], args.output_len)
         ttfts.append(ttft)
         tpots.append(statistics.median(steps))
-    weight_gib = engine.runner.weight_bytes / 2**30
+    weight_gib = ready.weight_bytes / 2**30
     results = {
         "ttft_ms": round(statistics.median(ttfts) * 1e3, 3),
         "tpot_ms": round(statistics.median(tpots) * 1e3, 3),
         "tpot_ms_all_iters": [round(t * 1e3, 3) for t in tpots],
         "weights_gib": round(weight_gib, 3),
-        "dtype": str(engine.runner.dtype).replace("torch.", ""),
-        "quantization": engine.runner.quantization,
-        "kv_cache_dtype": str(engine.runner.kv_dtype).replace("torch.", ""),
-        "device": str(engine.runner.device),
-        "cuda_graphs": engine.runner.graphs is not None,
+        "dtype": ready.dtype,
+        "quantization": ready.quantization,
+        "kv_cache_dtype": ready.kv_cache_dtype,
+        "device": ready.device,
+        "cuda_graphs": ready.cuda_graphs,
+        "async_scheduling": ready.async_scheduling,
+        "engine_process": bool(args.engine_process),
     }
     print(f"{'input':>6} {'output':>6} {'TTFT ms':>9} {'TPOT ms':>9} {'weights GiB':>12}")
     print(f"{args.input_len:>6} {args.output_len:>6} {results['ttft_ms']:>9.2f} {results['tpot_ms']:>9.3f} "
           f"{weight_gib:>12.2f}")
     name = os.path.basename(os.path.normpath(args.model)) if args.model else "smollm2-135m-instruct"
-    out = args.out or os.path.join(RESULTS_DIR, f"latency-{name}-{engine.runner.device.type}-{today()}.json")
+    out = args.out or os.path.join(RESULTS_DIR, f"latency-{name}-{ready.device.split(':')[0]}-{today()}.json")
     write_json(out, {"benchmark": "latency", "date": today(), "machine": machine, "command": sys.argv,
                      "config": vars(args), "results": results})
     print("wrote", out)

@@ -52,7 +52,8 @@ from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # no
 from benchmarks.throughput import model_short_name  # noqa: E402
 from ember import LLM, SamplingParams  # noqa: E402
 from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, EngineArgs  # noqa: E402
-from ember.model.loader import load_model_files, resolve_model  # noqa: E402
+from ember.model.files import load_model_info, resolve_model  # noqa: E402
+from ember.model.loader import load_model_files  # noqa: E402
 from ember.tokenizer import Tokenizer  # noqa: E402
 
 MODES = ("none", "int8", "int4", "fp8", "gguf")
@@ -71,12 +72,12 @@ def tokenize_text(args: argparse.Namespace, text: str) -> tuple[list[int], list[
     """The text's ids, the ids the tokenizer puts before any text (a BOS, or nothing), and whose tokenizer
     it was, read from the model's files (no weights). Without a tokenizer of its own, the model gets the
     default model's tokens folded into its vocabulary."""
-    files = load_model_files(EngineArgs(model=args.model, load_format="dummy"))
-    tokenizer: Tokenizer | None = files.tokenizer
+    config_only = EngineArgs(model=args.model, load_format="dummy")
+    tokenizer: Tokenizer | None = load_model_info(config_only).tokenizer
     source = "model"
     if tokenizer is None:
-        tokenizer, source = load_model_files(EngineArgs(load_format="dummy")).tokenizer, "default model, folded"
-    vocab = files.model_config.vocab_size
+        tokenizer, source = load_model_info(EngineArgs(load_format="dummy")).tokenizer, "default model, folded"
+    vocab = load_model_files(config_only).model_config.vocab_size
     ids = [i % vocab for i in tokenizer.encode(text, add_special_tokens=False)]
     prefix = [i % vocab for i in tokenizer.encode("", add_special_tokens=True)]
     return ids, prefix, source
@@ -129,11 +130,12 @@ def run_mode(args: argparse.Namespace, mode: str, windows: list[list[int]], prom
     start = time.perf_counter()
     llm = LLM(model=args.model, **kwargs)
     load_s = time.perf_counter() - start
-    runner = llm.llm_engine.runner
+    ready = llm.llm_engine.ready
     generated = greedy(llm, prompts, args.max_tokens)  # also the warm-up before the timed perplexity pass
     result = {**perplexity(llm, windows), **agreement(baseline or generated, generated, args.max_tokens),
-              "weight_bytes": runner.weight_bytes, "dtype": str(runner.dtype).removeprefix("torch."),
-              "device": str(runner.device), "load_s": round(load_s, 2), "engine_kwargs": kwargs}
+              "weight_bytes": ready.weight_bytes, "dtype": ready.dtype, "device": ready.device,
+              "load_s": round(load_s, 2), "engine_kwargs": kwargs}
+    llm.llm_engine.shutdown()
     return result, generated
 
 

@@ -30,8 +30,7 @@ from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # no
 from ember import LLM, SamplingParams  # noqa: E402
 from ember.bench.workloads import nano_vllm_requests  # noqa: E402
 from ember.config import DEFAULT_MODEL, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS  # noqa: E402
-from ember.model.loader import resolve_model  # noqa: E402
-from ember.runner.model_runner import GpuIdleTimer  # noqa: E402
+from ember.model.files import resolve_model  # noqa: E402
 
 TEMPERATURE = 0.6
 WARMUP_PROMPT_LEN, WARMUP_TOKENS = 32, 4
@@ -111,21 +110,26 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
                   max_model_len=args.max_model_len, max_num_seqs=concurrency,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                   enforce_eager=args.enforce_eager, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, engine_process=args.engine_process,
+                  async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
-    vocab = engine.model_config.vocab_size
+    ready = engine.ready
+    vocab = ready.vocab_size
     workload = make_workload(args, vocab)
     resolved = {
         "model_path": resolve_model(args.model),
-        "dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "device": str(engine.runner.device),
+        "dtype": ready.dtype,
+        "device": ready.device,
         "vocab_size": vocab,
         "max_num_seqs": concurrency,
-        "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,
-        "kv_cache_tokens": engine.kv_capacity_tokens,
-        "quantization": engine.runner.quantization,
-        "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch."),
-        "weights_gib": round(engine.runner.weight_bytes / 2**30, 3),
+        "max_num_batched_tokens": ready.max_num_batched_tokens,
+        "kv_cache_tokens": ready.kv_capacity_tokens,
+        "quantization": ready.quantization,
+        "kv_cache_dtype": ready.kv_cache_dtype,
+        "weights_gib": round(ready.weight_bytes / 2**30, 3),
+        "engine_process": bool(args.engine_process),
+        "async_scheduling": ready.async_scheduling,
+        "cuda_graphs": ready.cuda_graphs,
     }
     with Timer() as warmup:
         llm.generate([{"prompt_token_ids": warmup_prompt(vocab)}],
@@ -134,14 +138,14 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
 
     print(f"{len(workload.prompts)} requests: {workload.prompt_tokens} prompt tokens, "
           f"{workload.output_tokens} output tokens")
-    timer_gpu = GpuIdleTimer() if engine.runner.device.type == "cuda" else None
-    engine.runner.idle_timer = timer_gpu
+    before = engine.scheduler_stats()
     with Timer() as timer:
         generated = _generate(llm, workload)
-    gpu = {} if timer_gpu is None else {
-        "gpu_idle_between_steps_s": round(timer_gpu.idle_s, 3), "gpu_busy_in_steps_s": round(timer_gpu.busy_s, 3),
-        "steps": timer_gpu.steps, "cuda_graphs": engine.runner.graphs is not None}
-    engine.runner.idle_timer = None
+    after = engine.scheduler_stats()  # the core's counters, read through its stats message
+    gpu = {"steps": after.num_steps - before.num_steps}
+    if ready.device.startswith("cuda"):
+        gpu.update(gpu_idle_between_steps_s=round(after.gpu_idle_s - before.gpu_idle_s, 3),
+                   gpu_busy_in_steps_s=round(after.gpu_busy_s - before.gpu_busy_s, 3))
     ember = result(workload, generated, timer, load_s=round(load.wall, 2), warmup_s=round(warmup.wall, 2), **gpu)
     print(f"ember: {ember['output_tok_per_s']:.1f} output tok/s {gpu}")
     if args.hf and args.hf_num_seqs and args.hf_num_seqs < len(workload.prompts):
@@ -150,6 +154,7 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
         with Timer() as sub_timer:
             sub_generated = _generate(llm, subset)
         ember["same_requests_as_hf"] = result(subset, sub_generated, sub_timer)
+    engine.shutdown()
     del llm
     gc.collect()  # the HF peer shares this process's memory
     return ember, resolved, workload
@@ -340,6 +345,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine core in its own process (default: LLM's default)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: the engine's (on with one CUDA GPU)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="cap on concurrently running requests (overrides --max-num-seqs; HF's batch size too)")
     p.add_argument("--hf", action="store_true", help="also run HF transformers on the same requests")

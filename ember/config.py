@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,16 @@ class SchedulerConfig:
     max_model_len: int
 
 
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the model runner needs beyond the model, cache and scheduler configs, resolved."""
+
+    dtype: str  # torch dtype name: float32, float16 or bfloat16
+    kv_cache_dtype: str  # "auto" (the model's dtype) or "fp8"
+    seed: int
+    enforce_eager: bool
+
+
 @dataclass
 class EngineArgs:
     """Everything a user can configure; names match vLLM's `EngineArgs` / CLI flags."""
@@ -125,6 +136,10 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    # Plan step N+1 on the host while the GPU runs step N (None: on for one CUDA GPU; see EngineCore).
+    async_scheduling: bool | None = None
+    # Run the engine core in its own process (None: each front end's default; see core_client.py).
+    engine_process: bool | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -161,17 +176,16 @@ class EngineArgs:
             raise ValueError("device is 'cuda' but no CUDA GPU is available to PyTorch")
         return torch.device(self.device)
 
-    def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    def runner_config(self, device: torch.device, checkpoint_dtype: str | None) -> RunnerConfig:
         """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
-        import torch
-
         if self.dtype != "auto":
-            name = _DTYPES[self.dtype]
+            dtype = _DTYPES[self.dtype]
         elif device.type == "cpu":
-            name = "float32"
+            dtype = "float32"
         else:
-            name = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
-        return getattr(torch, name)
+            dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
+        kv = "auto" if self.kv_cache_dtype == "auto" else "fp8"
+        return RunnerConfig(dtype=dtype, kv_cache_dtype=kv, seed=self.seed, enforce_eager=self.enforce_eager)
 
     def cache_config(self) -> CacheConfig:
         kv_bytes = None if self.kv_cache_memory is None else int(self.kv_cache_memory * (1 << 30))
@@ -217,6 +231,11 @@ class EngineArgs:
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over N processes (GPUs 0..N-1, or CPU cores); under torchrun, N is "
                             "its world size")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="prepare the next step on the host while the GPU runs this one (default: on with "
+                            "one CUDA GPU)")
+        g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the engine core in its own process (default: on for serve, see the README)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -224,6 +243,10 @@ class EngineArgs:
         kwargs = {k: v for k, v in vars(ns).items() if k in names}
         model = getattr(ns, "model_flag", None) or getattr(ns, "model", None)
         return cls(model=model, **kwargs)
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

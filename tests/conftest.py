@@ -104,6 +104,11 @@ def _quiet_tokenizers(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
 
 
+def inproc_core(llm):
+    """White-box tests only: the EngineCore of an LLM whose core runs in this process."""
+    return llm.llm_engine.client.loop.core
+
+
 @pytest.fixture(scope="session")
 def default_llm():
     from ember import LLM

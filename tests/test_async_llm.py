@@ -7,7 +7,9 @@ import asyncio
 import pytest
 
 from ember import LLM, AsyncLLM, EngineArgs, SamplingParams
-from ember.engine.async_llm import QueueFullError, RequestFailedError
+from ember.engine.errors import QueueFullError, RequestFailedError
+from ember.engine.output import RequestState
+from test_server_robustness import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -66,8 +68,6 @@ def test_a_slow_consumer_gets_joined_deltas(llama_dir, engine):
 
 
 def test_cancel_aborts_and_frees_blocks(engine):
-    bm = engine.engine.block_manager
-
     async def main():
         async def consume():
             async for _ in engine.generate(_prompt(1), SamplingParams(max_tokens=900, ignore_eos=True)):
@@ -75,18 +75,20 @@ def test_cancel_aborts_and_frees_blocks(engine):
 
         task = asyncio.create_task(consume())
         await asyncio.sleep(0.3)
-        assert bm.num_free_blocks < bm.num_blocks
+        assert engine.scheduler_stats.kv_cache_usage > 0  # the core's stats, sent with every step
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(100):
-            if bm.num_free_blocks == bm.num_blocks:
+            if engine.scheduler_stats.kv_cache_usage == 0:
                 break
             await asyncio.sleep(0.02)
+        stats = await engine.call_utility("stats")  # asked, not pushed: the core's state now
+        return stats
 
-    asyncio.run(main())
-    assert bm.num_free_blocks == bm.num_blocks
-    assert not engine.engine.has_unfinished_requests()
+    stats = asyncio.run(main())
+    assert engine.scheduler_stats.kv_cache_usage == 0 and engine.scheduler_stats.num_running == 0
+    assert stats[2] == 0.0  # kv_cache_usage, third of SchedulerStats' fields on the wire
 
 
 def test_validation_errors_raise_in_caller(engine):
@@ -120,14 +122,14 @@ def test_full_queue_rejects(llama_dir):
 
 
 def test_one_failing_request_does_not_stop_others(engine, monkeypatch):
-    real = engine.engine._process_token
+    real = RequestState.update
 
-    def flaky(seq, token, logprobs, now):
-        if seq.request.parent_id == "bad" and seq.request.num_output_tokens >= 3:
+    def flaky(self, seq, out, now, stats):
+        if self.request_id == "bad" and len(seq.token_ids) >= 3:
             raise RuntimeError("boom in output processing")
-        return real(seq, token, logprobs, now)
+        return real(self, seq, out, now, stats)
 
-    monkeypatch.setattr(engine.engine, "_process_token", flaky)
+    monkeypatch.setattr(RequestState, "update", flaky)
 
     async def main():
         bad = asyncio.create_task(_collect(engine, _prompt(2), request_id="bad"))
@@ -140,8 +142,7 @@ def test_one_failing_request_does_not_stop_others(engine, monkeypatch):
         assert len(deltas) == 16
 
     asyncio.run(main())
-    bm = engine.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    wait_until(lambda: engine.scheduler_stats.kv_cache_usage == 0)
 
 
 def test_shutdown_finishes_running_then_refuses(llama_dir):

@@ -1,5 +1,7 @@
 """Continuous batching must not change results: a prompt's greedy output is the same alone, inside
-a batch of 32, with chunked prefill, and when KV pressure forces preemption and recomputation."""
+a batch of 32, with chunked prefill, and when KV pressure forces preemption and recomputation;
+each also with async scheduling (step N+1 launched before step N's tokens reach the host), which
+runs the same code path on the CPU as on a GPU."""
 
 from __future__ import annotations
 
@@ -38,26 +40,30 @@ def _run(llama_dir, prompts, greedy, **engine_args) -> tuple[list[list[int]], LL
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-def test_batch_equals_alone(llama_dir, prompts, greedy, alone):
-    got, llm = _run(llama_dir, prompts, greedy, kv_cache_memory=0.05)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batch_equals_alone(llama_dir, prompts, greedy, alone, async_scheduling):
+    got, llm = _run(llama_dir, prompts, greedy, kv_cache_memory=0.05, async_scheduling=async_scheduling)
     assert got == alone
     assert all(len(t) == MAX_TOKENS for t in got)
 
 
-def test_chunked_prefill_equals_alone(llama_dir, prompts, greedy, alone):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_equals_alone(llama_dir, prompts, greedy, alone, async_scheduling):
     # A 40-token budget splits every long prompt over several steps, mixed with other decodes.
-    got, llm = _run(llama_dir, prompts, greedy, kv_cache_memory=0.05, max_num_batched_tokens=40)
+    got, llm = _run(llama_dir, prompts, greedy, kv_cache_memory=0.05, max_num_batched_tokens=40,
+                    async_scheduling=async_scheduling)
     assert got == alone
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
-def test_preemption_equals_alone(llama_dir, prompts, greedy, alone, prefix_caching):
+@pytest.mark.parametrize("prefix_caching,async_scheduling", [(False, False), (True, False), (True, True)])
+def test_preemption_equals_alone(llama_dir, prompts, greedy, alone, prefix_caching, async_scheduling):
     # 40 blocks of 16 tokens hold ~3 sequences at once: the scheduler must preempt and recompute.
     bm_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head_dim, fp32
     got, llm = _run(llama_dir, prompts, greedy, kv_cache_memory=40 * bm_bytes / 2**30, block_size=16,
-                    max_model_len=256, enable_prefix_caching=prefix_caching)
+                    max_model_len=256, enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling)
     engine = llm.llm_engine
-    assert engine.block_manager.num_blocks == 40
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.ready.num_blocks == 40
+    stats = engine.scheduler_stats()
+    assert stats.num_preemptions > 0
     assert got == alone
-    assert engine.block_manager.num_free_blocks == 40
+    assert stats.kv_cache_usage == 0.0

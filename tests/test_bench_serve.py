@@ -61,7 +61,7 @@ def server_url(llama_dir):
         if line is None:
             break
         log.append(line)
-        if m := re.search(r"serving .* at (http://\S+) on", line):
+        if m := re.search(r"serving .* at (http://\S+) ", line):
             url = m.group(1)
     try:
         assert url is not None, "ember serve did not start:\n" + "".join(log)

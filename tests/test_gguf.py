@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
+from ember.config import EngineArgs
 from ember.model.errors import ModelLoadError
+from ember.model.files import load_model_info
 from ember.model.gguf import load_gguf
 from ember.model.gguf_blocks import dequantize
 
@@ -181,9 +183,9 @@ def test_tiny_config(tiny: tuple[str, dict]) -> None:
         "eos_token_id": 2,
         "torch_dtype": "float32",
     }
-    assert (model.bos_token, model.eos_token, model.eos_token_ids) == ("<|im_start|>", "<|im_end|>", [2])
+    assert (model.vocab.bos_token, model.vocab.eos_token, model.vocab.eos_token_ids) == ("<|im_start|>", "<|im_end|>", [2])
     assert model.add_bos_token is True
-    assert model.chat_template == TEMPLATE
+    assert model.vocab.chat_template == TEMPLATE
 
 
 def test_tiny_tensors_round_trip_with_unpermuted_qk(tiny: tuple[str, dict]) -> None:
@@ -285,7 +287,7 @@ def test_sentencepiece_tokenizer(tmp_path) -> None:
 def test_merge_of_unknown_tokens(tmp_path) -> None:
     path = str(tmp_path / "merges.gguf")
     _write_minimal(path, {"token_embd.weight": np.ones((257, 32), dtype=np.float32)}, merges=("x yz",))
-    _assert_load_error(path, "invalid tokenizer vocabulary")
+    _assert_load_error(path, "invalid tokenizer vocabulary", lambda p: load_model_info(EngineArgs(model=p)))
 
 
 def test_unknown_tensor_name(tmp_path) -> None:
@@ -297,9 +299,10 @@ def test_unknown_tensor_name(tmp_path) -> None:
 # --- errors -------------------------------------------------------------------------------------
 
 
-def _assert_load_error(path: str, match: str) -> None:
+def _assert_load_error(path: str, match: str, load=load_gguf) -> None:
+    """`load_gguf` is the engine core's reader (config and weights); the front end reads the tokenizer."""
     with pytest.raises(ModelLoadError, match=match) as info:
-        load_gguf(path)
+        load(path)
     assert path in str(info.value)
 
 
@@ -365,8 +368,8 @@ def test_smollm_config(smollm_model) -> None:
     assert config["num_key_value_heads"] == 3
     assert config["vocab_size"] == 49152
     assert config["tie_word_embeddings"] is True
-    assert smollm_model.eos_token == "<|im_end|>" and smollm_model.add_bos_token is False
-    assert "<|im_start|>" in smollm_model.chat_template
+    assert smollm_model.vocab.eos_token == "<|im_end|>" and smollm_model.add_bos_token is False
+    assert "<|im_start|>" in smollm_model.vocab.chat_template
 
 
 def test_smollm_tokenizer_matches_transformers(smollm: tuple[str, str], smollm_model) -> None:

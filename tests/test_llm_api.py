@@ -85,7 +85,7 @@ def test_stop_token_ids_and_min_tokens(llm):
 def test_eos_stops_unless_ignored(default_llm):
     conv = [{"role": "user", "content": "What is the capital of France?"}]
     stopped = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
-    eos = default_llm.llm_engine.eos_token_ids
+    eos = default_llm.get_tokenizer().eos_token_ids
     assert stopped.finish_reason == "stop" and stopped.stop_reason is None
     assert stopped.token_ids[-1] in eos and len(stopped.token_ids) < 64
     assert "Paris" in stopped.text and "<|im_end|>" not in stopped.text
@@ -112,11 +112,8 @@ def test_logprobs_shape(llm):
 
 
 def test_default_max_tokens_fills_context(llm):
-    engine = llm.llm_engine
-    rid = engine.add_request("ctx", _ids(500), SamplingParams(max_tokens=None, ignore_eos=True))
-    req = engine.scheduler.waiting[-1]
-    assert req.max_tokens == 12
-    engine.abort_request(rid)
+    processed = llm.llm_engine.processor.process("ctx", _ids(500), SamplingParams(max_tokens=None, ignore_eos=True))
+    assert [r.max_tokens for r in processed.core_requests] == [12]
 
 
 @pytest.mark.parametrize("prompt,params,match", [
@@ -133,8 +130,7 @@ def test_invalid_requests_are_rejected(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(prompt, params, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
-    bm = llm.llm_engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    assert llm.llm_engine.scheduler_stats().kv_cache_usage == 0.0
 
 
 def test_kv_cache_smaller_than_context_is_refused_at_start(llama_dir):
@@ -154,14 +150,13 @@ def test_bad_batch_adds_nothing(llm):
 
 def test_abort_frees_blocks_at_once(llm):
     engine = llm.llm_engine
-    bm = engine.block_manager
     rid = engine.add_request(None, _ids(100), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert bm.num_free_blocks < bm.num_blocks
+    assert engine.scheduler_stats().kv_cache_usage > 0
     (final,) = engine.abort_request(rid)
     assert final.finished and final.outputs[0].finish_reason == "abort"
-    assert bm.num_free_blocks == bm.num_blocks
+    assert engine.scheduler_stats().kv_cache_usage == 0.0
     assert not engine.has_unfinished_requests()
     assert engine.step() == []
 
@@ -246,5 +241,6 @@ def test_cpu_kv_cache_costs_memory_only_as_used(llama_dir):
     llm = LLM(str(llama_dir), kv_cache_memory=3.0, max_num_seqs=8192)  # 3 GiB of KV blocks, not capped
     out = llm.generate(_ids(50), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
-    assert llm.llm_engine.block_manager.num_blocks * llm.llm_engine.runner.bytes_per_block > (3 << 30) - (1 << 20)
+    ready = llm.llm_engine.ready
+    assert ready.num_blocks * ready.bytes_per_block > (3 << 30) - (1 << 20)
     assert rss_mib() - before < 512

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
 from ember.model.errors import ModelLoadError
-from ember.model.loader import resolve_model
+from ember.model.files import resolve_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [5, 17, 99, 203, 40, 8]}
@@ -113,7 +113,7 @@ def test_generation_config_defaults_and_chat_template_file(llama_dir, tmp_path):
     llm = LLM(str(d), kv_cache_memory=0.02)
     p = llm.get_default_sampling_params()
     assert (p.temperature, p.top_p, p.top_k) == (0.25, 0.5, 7)
-    assert llm.llm_engine.eos_token_ids == [2, 4]
+    assert llm.get_tokenizer().eos_token_ids == [2, 4]
     assert llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
     override = LLM(str(d), kv_cache_memory=0.02, chat_template="{{ messages[0]['content'] | upper }}")
     assert override.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}]) == "HI"

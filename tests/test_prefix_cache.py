@@ -14,7 +14,7 @@ from ember.engine.request import Request
 
 def _req(rid: str, tokens: list[int]) -> Request:
     return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=4),
-                   max_tokens=4, eos_token_ids=[])
+                   max_tokens=4, eos_token_ids=[], arrival_time=0.0)
 
 
 def test_outputs_identical_with_and_without_prefix_caching(llama_dir):
@@ -28,34 +28,37 @@ def test_outputs_identical_with_and_without_prefix_caching(llama_dir):
         llm = LLM(str(llama_dir), kv_cache_memory=0.05, enable_prefix_caching=enabled, device=DEVICE,
                   dtype="float32")
         # Two rounds: the second round finds the first round's blocks in the cache.
-        bm = llm.llm_engine.block_manager
+        stats = llm.llm_engine.scheduler_stats
         first = llm.generate(prompts, params, use_tqdm=False)
-        hits_first = bm.prefix_cache_hits
+        hits_first = stats().prefix_cache_hits
         second = llm.generate(prompts, params, use_tqdm=False)
         results[enabled] = ([o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in second])
-        assert bm.num_free_blocks == bm.num_blocks
+        assert stats().kv_cache_usage == 0.0
         if enabled:
-            assert bm.prefix_cache_hits - hits_first >= 12 * 64  # at least the 4 shared blocks each
+            assert stats().prefix_cache_hits - hits_first >= 12 * 64  # at least the 4 shared blocks each
             assert all(o.num_cached_tokens >= 64 for o in second)
         else:
-            assert bm.prefix_cache_hits == 0
+            assert stats().prefix_cache_hits == 0
     assert results[True] == results[False]
     assert results[True][0] == results[True][1]
 
 
 def test_hit_counter_rises_on_shared_prefix(llama_dir):
     llm = LLM(str(llama_dir), kv_cache_memory=0.05)
-    bm = llm.llm_engine.block_manager
+    stats = llm.llm_engine.scheduler_stats
     shared = list(range(10, 10 + 48))
     params = SamplingParams(temperature=0, max_tokens=2)
     llm.generate([{"prompt_token_ids": shared + [7]}], params, use_tqdm=False)
-    assert bm.prefix_cache_hits == 0
-    queries = bm.prefix_cache_queries
+    assert stats().prefix_cache_hits == 0
+    queries = stats().prefix_cache_queries
     out = llm.generate([{"prompt_token_ids": shared + [8, 9]}], params, use_tqdm=False)[0]
-    assert bm.prefix_cache_hits == 48
-    assert bm.prefix_cache_queries == queries + 50
+    assert stats().prefix_cache_hits == 48
+    assert stats().prefix_cache_queries == queries + 50
     assert out.num_cached_tokens == 48
-    assert bm.num_free_blocks == bm.num_blocks
+    assert stats().kv_cache_usage == 0.0
+    assert llm.llm_engine.reset_prefix_cache()
+    again = llm.generate([{"prompt_token_ids": shared + [8, 9]}], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and stats().prefix_cache_hits == 48
 
 
 def test_block_manager_refcounts_lru_and_token_check():
@@ -63,7 +66,7 @@ def test_block_manager_refcounts_lru_and_token_check():
     a = _req("a", list(range(9)))  # two full blocks + one token
     assert bm.allocate(a, 9, bm.match_prefix(a))
     a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, a.num_computed_tokens)
     assert len(bm.cached_blocks) == 2
 
     b = _req("b", list(range(8)) + [99])
@@ -104,7 +107,7 @@ def test_disabled_prefix_caching_never_hits():
     a = _req("a", list(range(9)))
     assert bm.allocate(a, 9, bm.match_prefix(a))
     a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, a.num_computed_tokens)
     bm.free(a)
     assert bm.match_prefix(_req("b", list(range(9)))) == []
 

@@ -7,10 +7,12 @@ With EMBER_TEST_DEVICE=cuda the engine tests run on the GPU, where fp8 joins the
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from conftest import DEVICE
 
 from benchmarks import quality
@@ -134,11 +136,13 @@ def test_weight_memory_is_measured(llama_dir, mode: str, ratio: float) -> None:
     """Bytes of codes, scales, zeros and CPU-packed copies against the float model. The tiny model's
     K = 64 makes per-row scales weigh more than at real sizes, and on CPU its int4 rows are padded to
     one whole group of 128 for the packed kernel (the 8B shape is measured in benchmarks/latency.py)."""
-    dense = LLM(str(llama_dir), device=DEVICE, dtype="bfloat16", kv_cache_memory=0.01).llm_engine.runner
+    dense = LLM(str(llama_dir), device=DEVICE, dtype="bfloat16", kv_cache_memory=0.01).llm_engine.ready
     quant = LLM(str(llama_dir), device=DEVICE, dtype="bfloat16", kv_cache_memory=0.01,
-                quantization=mode).llm_engine.runner
-    params = sum(p.numel() for p in dense.model.parameters())
-    norms = sum(p.numel() for n, p in dense.model.named_parameters() if "norm" in n)
+                quantization=mode).llm_engine.ready
+    with safe_open(str(llama_dir / "model.safetensors"), framework="pt") as f:
+        sizes = {name: math.prod(f.get_slice(name).get_shape()) for name in f.keys()}
+    params = sum(sizes.values())
+    norms = sum(n for name, n in sizes.items() if "norm" in name)
     assert dense.weight_bytes == 2 * params
     assert quant.weight_bytes < ratio * dense.weight_bytes
     assert quant.weight_bytes > 2 * norms + (params - norms) * (0.5 if mode == "int4" else 1.0)

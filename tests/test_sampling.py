@@ -20,12 +20,14 @@ def make_batch(
     n = len(params)
     if generators is None:
         generators = [_gen(p.seed) if p.seed is not None else None for p in params]
+    outputs = outputs if outputs is not None else [[] for _ in range(n)]
     return SamplingBatch.build(
         params,
         prompts if prompts is not None else [[] for _ in range(n)],
-        outputs if outputs is not None else [[] for _ in range(n)],
+        outputs,
+        [len(o) for o in outputs],
         generators,
-        [EOS],
+        [[EOS]] * n,
         vocab_size,
         CPU,
     )

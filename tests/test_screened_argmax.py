@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from conftest import inproc_core
 from ember import SamplingParams
 from ember.quant.screened_argmax import ScreenedArgmax
 
@@ -33,7 +34,7 @@ def test_screen_keeps_the_first_of_exact_ties() -> None:
 def test_default_model_greedy_tokens_match_full_logits(default_llm) -> None:
     """Plain greedy requests take the screen; asking for logprobs forces every float32 logit
     through the sampler. Both must choose the same tokens."""
-    head = default_llm.llm_engine.runner.model.model.embed_tokens
+    head = inproc_core(default_llm).runner.model.model.embed_tokens
     assert head.screen is not None
     prompts = ["What is the capital of France?", "The history of the Roman Empire"] * 2
     plain = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),

@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-import ember.engine.engine
 from conftest import make_checkpoint
+from ember.engine.request import Request
 from test_server import ServerThread, tiny_engine
 
 LONG = {"prompt": [5, 17, 99, 203, 40], "ignore_eos": True, "temperature": 0}
@@ -53,8 +53,9 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
 
 
 def all_blocks_free(engine) -> bool:
-    bm = engine.engine.block_manager
-    return bm.num_free_blocks == bm.num_blocks and not engine.engine.has_unfinished_requests()
+    """From the core's stats, which it sends after every step and after aborts when idle."""
+    stats = engine.scheduler_stats
+    return stats is not None and stats.kv_cache_usage == 0 and stats.num_running == stats.num_waiting == 0
 
 
 @pytest.mark.parametrize("path,extra", [("/v1/completions", {"stream": True}),
@@ -68,13 +69,13 @@ def test_client_disconnect_aborts_and_frees_all_blocks(server, path, extra):
         body = {**body, "messages": [{"role": "user", "content": "Tell me a long story"}]}
         del body["prompt"]
     sock = raw_post(server.url, path, body)
-    wait_until(lambda: engine.engine.has_unfinished_requests())
+    wait_until(lambda: engine.scheduler_stats is not None and engine.scheduler_stats.num_running == 1)
     if extra.get("stream"):  # wait for the headers and the first chunks
         received = b""
         while b"data: " not in received:
             received += sock.recv(4096)
     time.sleep(0.2)
-    assert engine.engine.block_manager.num_free_blocks < engine.engine.block_manager.num_blocks
+    assert engine.scheduler_stats.kv_cache_usage > 0
     sock.close()
     wait_until(lambda: all_blocks_free(engine), timeout=5)
     # The server keeps serving.
@@ -85,7 +86,7 @@ def test_full_queue_is_429_with_retry_after(long_ctx_dir):
     with ServerThread(tiny_engine(long_ctx_dir, max_num_seqs=1, max_waiting_requests=1)) as s:
         engine = s.state.engine
         running = raw_post(s.url, "/v1/completions", {**LONG, "max_tokens": 7000, "stream": True})
-        wait_until(lambda: len(engine.engine.scheduler.running) == 1)
+        wait_until(lambda: engine.scheduler_stats is not None and engine.scheduler_stats.num_running == 1)
         waiting = raw_post(s.url, "/v1/completions", {**LONG, "max_tokens": 7000})
         wait_until(lambda: engine.num_waiting == 1)
         r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
@@ -97,21 +98,30 @@ def test_full_queue_is_429_with_retry_after(long_ctx_dir):
         assert s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
-def test_request_failing_inside_the_engine_is_500_and_others_carry_on(server, monkeypatch):
-    doomed = [7, 7, 7, 7]
-    original = ember.engine.engine.check_stop_token
+@pytest.fixture(scope="module")
+def inproc_server(long_ctx_dir):
+    """The engine core in this process (a thread), so that a test can inject a failure into it."""
+    with ServerThread(tiny_engine(long_ctx_dir, engine_process=False)) as s:
+        yield s
 
-    def check_stop_token(request, token_id, max_model_len):
+
+def test_request_failing_inside_the_engine_is_500_and_others_carry_on(inproc_server, monkeypatch):
+    server = inproc_server
+    doomed = [7, 7, 7, 7]
+    original = Request.check_stop
+
+    def check_stop(request, token_id, max_model_len):
         if request.prompt_token_ids == doomed and request.num_output_tokens >= 3:
             raise RuntimeError("injected failure")
         return original(request, token_id, max_model_len)
 
-    monkeypatch.setattr(ember.engine.engine, "check_stop_token", check_stop_token)
+    monkeypatch.setattr(Request, "check_stop", check_stop)
     results = {}
     good = threading.Thread(target=lambda: results.update(good=server.post(
         "/v1/completions", {**LONG, "max_tokens": 400})))
     good.start()
-    wait_until(lambda: server.state.engine.engine.has_unfinished_requests())
+    wait_until(lambda: server.state.engine.scheduler_stats is not None
+               and server.state.engine.scheduler_stats.num_running == 1)
     bad = server.post("/v1/completions", {"prompt": doomed, "max_tokens": 50, "ignore_eos": True})
     good.join(60)
     assert bad.status_code == 500, bad.text

@@ -1,119 +1,129 @@
 """`AsyncLLM`: the engine for asyncio programs (the HTTP server, or any user service).
 
-The engine runs in its own thread, so a step's compute never blocks the event loop. Requests are
-tokenized and validated in the caller's task (errors surface there at once), then handed to the
-engine thread through a command queue; each request's outputs come back through its own
-asyncio queue. Cancelling the consuming task aborts the request and frees its KV blocks.
+The engine core runs in its own process by default (`engine_process=False` keeps it in a thread
+of this one), so a step's compute never competes with the event loop. Requests are tokenized and
+validated in the caller's task (errors surface there at once) and sent to the core. An output
+thread receives each step's outputs, detokenizes them and checks stop strings (off the event
+loop's thread), then wakes the streams that changed, one wake-up per event loop per step. A
+stream's consumer builds its `RequestOutput` when it wakes, covering every step since it last
+read: a slow reader gets fewer, larger deltas instead of a queue. Cancelling the consuming task
+aborts the request and frees its KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 from ember.config import EngineArgs
-from ember.engine.engine import LLMEngine, PreparedRequest, PromptType
+from ember.engine.core_client import EngineCoreClient, make_client
+from ember.engine.errors import EngineDeadError, QueueFullError, RequestFailedError
+from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
+                                   UtilityCall, UtilityResult)
 from ember.engine.metrics import PrometheusStatLogger
-from ember.engine.output import RequestOutput
+from ember.engine.output import OutputProcessor, RequestOutput, RequestState
+from ember.engine.processor import Processor, PromptType
+from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
+from ember.tokenizer import Tokenizer
 
 logger = logging.getLogger("ember")
+_OUTPUT_POLL_S = 0.5  # how often the output thread looks up from an idle core to check for shutdown
 
 
-class QueueFullError(RuntimeError):
-    """The waiting queue holds `max_waiting_requests` already; retry later."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an unexpected error; no request can run any more."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request failed inside the engine; other requests are unaffected."""
-
-
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    # Outputs handed over by the engine thread / taken by the consumer: each counter has one writer.
-    delivered: int = 0
-    taken: int = 0
+    """A request's link to its consumer: the output thread sets `woken`, the consumer reads the state."""
 
-    @property
-    def behind(self) -> bool:
-        return self.delivered > self.taken
+    def __init__(self, state: RequestState, loop: asyncio.AbstractEventLoop) -> None:
+        self.state = state
+        self.loop = loop
+        self.event = asyncio.Event()
+        self.notified = False  # a wake-up is on its way or unread (guarded by AsyncLLM._lock)
+        self.error: BaseException | None = None
 
 
 class AsyncLLM:
     def __init__(self, args: EngineArgs, max_waiting_requests: int | None = None,
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None, client: EngineCoreClient | None = None) -> None:
+        """Blocks until the engine core is ready. `client` is a core client started earlier (so that
+        `ember serve` can load the model while it imports the web stack)."""
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
-        self.engine = LLMEngine(args)
+        self.client = client or make_client(args, args.engine_process is not False)
+        try:
+            self.processor = Processor(load_model_info(args), self.client.wait_ready())
+        except BaseException:  # the model cannot load here either: no point waiting for the core
+            self.client.shutdown(timeout=0)
+            raise
+        self.ready = self.client.ready
         self.served_model_name = served_model_name or args.served_model_name or str(args.model or "default")
         self.max_waiting_requests = max_waiting_requests
         self.metrics = PrometheusStatLogger(self.served_model_name)
         self.metrics_registry = self.metrics.registry
-        self.engine.stat_loggers.append(self.metrics)
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self.scheduler_stats: SchedulerStats | None = None
+        self.output_processor = OutputProcessor()
         self._streams: dict[str, _Stream] = {}
-        self._num_queued_adds = 0
-        self._count_lock = threading.Lock()
+        self._lock = threading.Lock()  # the output processor, the streams' flags and the client's socket
+        self._adds_since_stats = 0
+        self._call_ids = itertools.count()
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._accepting = True
-        self._stopping = False
-        self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+        self._closing = False
+        self._dead: str | None = None
+        self._thread = threading.Thread(target=self._run_output_thread, name="ember-output", daemon=True)
         self._thread.start()
 
     # ---- what front ends read -------------------------------------------------------------
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def model_config(self):
-        return self.engine.model_config
+    def tokenizer(self) -> Tokenizer | None:
+        return self.processor.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.ready.max_model_len
 
     @property
-    def device(self):
-        return self.engine.runner.device
+    def vocab_size(self) -> int:
+        return self.ready.vocab_size
+
+    @property
+    def device(self) -> str:
+        return self.ready.device
 
     @property
     def num_blocks(self) -> int:
-        return self.engine.block_manager.num_blocks
+        return self.ready.num_blocks
 
     @property
     def block_size(self) -> int:
-        return self.engine.block_manager.block_size
+        return self.ready.block_size
 
     @property
     def max_concurrency(self) -> float:
-        return self.engine.kv_capacity_tokens / self.engine.max_model_len
+        return self.ready.kv_capacity_tokens / self.ready.max_model_len
 
     @property
     def is_ready(self) -> bool:
-        return self._accepting and self._dead is None and self._thread.is_alive()
+        return self._accepting and self._dead is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine core stopped, once it has (its process died, or its loop failed)."""
+        return self._dead
 
     @property
     def num_waiting(self) -> int:
-        return self._num_queued_adds + len(self.engine.scheduler.waiting)
+        """Requests the core has not started yet, as of its last step (plus those sent since)."""
+        return (self.scheduler_stats.num_waiting if self.scheduler_stats else 0) + self._adds_since_stats
 
     def default_sampling_params(self) -> SamplingParams:
-        return self.engine.default_sampling_params()
+        return self.processor.default_sampling_params()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -121,7 +131,7 @@ class AsyncLLM:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput each time the request makes progress; the last has `finished=True`."""
         if self._dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self._dead!r}")
+            raise EngineDeadError(f"the engine stopped: {self._dead}")
         if not self._accepting:
             raise RuntimeError("the engine is shutting down and accepts no new requests")
         if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
@@ -131,29 +141,70 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
-        prepared = await asyncio.to_thread(self.engine.make_request, request_id, prompt, sampling_params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._send("add", prepared)
+        processed = await asyncio.to_thread(self.processor.process, request_id, prompt, sampling_params)
+        stream = _Stream(processed.state, asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.output_processor.add(processed.state)
+            self._streams[request_id] = stream
+            self._adds_since_stats += len(processed.core_requests)
+            for core_request in processed.core_requests:
+                self.client.send(core_request)
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                stream.taken += 1
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            while not finished:
+                await stream.event.wait()
+                stream.event.clear()
+                with self._lock:
+                    stream.notified = False
+                    if stream.error is not None:
+                        finished = True
+                        raise stream.error
+                    out = stream.state.output()
+                finished = out.finished
+                if out.error is not None:
+                    raise RequestFailedError(out.error)
+                yield out
         finally:
+            self._end_stream(request_id, aborted=not finished)
+
+    def _end_stream(self, request_id: str, aborted: bool) -> None:
+        with self._lock:
             self._streams.pop(request_id, None)
-            if not finished:
-                self._send("abort", request_id)
+            if not aborted:
+                return
+            state, running, stats = self.output_processor.abort(request_id, time.monotonic())
+            if running and self._dead is None:
+                self.client.send(AbortRequests(running))
+        if state is not None:
+            self.metrics.record_iteration(stats)
 
     async def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+        """End a request now; its stream ends with finish_reason "abort"."""
+        with self._lock:
+            state, running, stats = self.output_processor.abort(request_id, time.monotonic())
+            if running and self._dead is None:
+                self.client.send(AbortRequests(running))
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                self._wake([stream])
+        self.metrics.record_iteration(stats)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.call_utility("reset_prefix_cache"))
+
+    async def call_utility(self, method: str, *args: object) -> object:
+        """Run `method` on the engine core between steps and return its result."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self._dead}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (loop, future)
+            self.client.send(UtilityCall(call_id, method, list(args)))
+        return await future
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop accepting, let running requests finish for up to `timeout` seconds, abort the rest, stop."""
@@ -161,90 +212,84 @@ class AsyncLLM:
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline and self._dead is None:
             await asyncio.sleep(0.05)
-        self._stopping = True
-        self._send("abort_all", None)
-        await asyncio.to_thread(self._thread.join, max(deadline - time.monotonic(), 0) + 5.0)
-        self.engine.shutdown()
+        for request_id in list(self._streams):
+            await self.abort(request_id)
+        self._closing = True
+        await asyncio.to_thread(self._thread.join, 5.0)
+        await asyncio.to_thread(self.client.shutdown)
 
-    # ---- engine thread --------------------------------------------------------------------
+    # ---- output thread --------------------------------------------------------------------
 
-    def _send(self, command: str, arg: Any) -> None:
-        if command == "add":
-            with self._count_lock:
-                self._num_queued_adds += 1
-        self._commands.put((command, arg))
-        self._wake.set()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                self._drain_commands()
-                if self._stopping and not self.engine.has_unfinished_requests():
-                    return
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                self._dispatch(self.engine.step(defer=self._consumer_behind))
-        except BaseException as e:  # an engine bug: fail every stream instead of hanging them
-            logger.exception("engine loop died")
-            self._dead = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"the engine stopped: {e!r}"))
-
-    def _drain_commands(self) -> None:
-        while True:
+    def _run_output_thread(self) -> None:
+        while not self._closing and self._dead is None:
+            messages = self.client.get_output(timeout=_OUTPUT_POLL_S)
             try:
-                command, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command == "add":
-                with self._count_lock:
-                    self._num_queued_adds -= 1
-                self._add(arg)
-            elif command == "abort":
-                self._dispatch(self.engine.abort_request(arg))
-            elif command == "abort_all":
-                self._dispatch(self.engine.abort_request(self.engine.unfinished_request_ids()))
+                self._handle(messages)
+            except Exception as e:  # a front-end bug: fail every stream rather than hang them
+                logger.exception("output processing failed")
+                self._fail_all(f"{type(e).__name__}: {e}")
 
-    def _add(self, prepared: PreparedRequest) -> None:
-        if prepared.request_id not in self._streams:  # cancelled before the engine saw it
-            return
-        try:
-            self.engine.add_prepared(prepared)
-        except ValueError as e:
-            self._deliver(prepared.request_id, e)
+    def _handle(self, messages: list[CoreOutput]) -> None:
+        for message in messages:
+            if isinstance(message, EngineCoreOutputs):
+                self._on_outputs(message)
+            elif isinstance(message, UtilityResult):
+                self._on_result(message)
+            elif isinstance(message, EngineCoreFailed):
+                self._fail_all(message.message)
 
-    def _consumer_behind(self, request_id: str) -> bool:
-        """While a stream's consumer has not taken its last output, the engine makes no new one for it:
-        the next carries both steps' deltas. Under load (hundreds of streams, the event loop busy
-        writing chunks) fewer outputs are built and sent instead of queueing up (on the H200 serving
-        benchmark it measured the same throughput as joining queued outputs on the consumer's side)."""
-        stream = self._streams.get(request_id)
-        return stream is not None and stream.behind
+    def _on_outputs(self, message: EngineCoreOutputs) -> None:
+        with self._lock:
+            processed = self.output_processor.process(message)
+            if processed.to_abort:
+                self.client.send(AbortRequests(processed.to_abort))
+            self.scheduler_stats = message.stats
+            self._adds_since_stats = 0
+            self._wake([s for state in processed.changed if (s := self._streams.get(state.request_id))])
+        self.metrics.record_scheduler(message.stats)
+        self.metrics.record_iteration(processed.stats)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        self._deliver_all([(out.request_id, RequestFailedError(out.error) if out.error else out) for out in outputs])
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self._deliver_all([(request_id, item)])
-
-    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """One wake-up per event loop for a whole step's outputs, not one per request (hundreds per step
-        at full batch, each a write to the loop's self-pipe and a callback)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for request_id, item in items:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.delivered += 1
-                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
-        for loop, pairs in by_loop.items():
+    def _wake(self, streams: list[_Stream]) -> None:
+        """One call into each event loop for all of its streams (hundreds per step at full batch).
+        Call with the lock held."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Stream]] = {}
+        for stream in streams:
+            if not stream.notified:
+                stream.notified = True
+                by_loop.setdefault(stream.loop, []).append(stream)
+        for loop, woken in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, pairs)
-            except RuntimeError:  # the caller's event loop is closed; nobody is listening
+                loop.call_soon_threadsafe(_set_events, woken)
+            except RuntimeError:  # the consumer's event loop is closed; nobody is listening
                 pass
 
+    def _on_result(self, result: UtilityResult) -> None:
+        with self._lock:
+            loop, future = self._calls.pop(result.call_id)
+        error = None if result.error is None else RuntimeError(result.error)
+        loop.call_soon_threadsafe(_settle, future, result.result, error)
 
-def _put_all(pairs: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in pairs:
-        q.put_nowait(item)
+    def _fail_all(self, message: str) -> None:
+        logger.error("engine core failed: %s; failing every request", message)
+        with self._lock:
+            self._dead = message
+            for stream in self._streams.values():
+                stream.error = EngineDeadError(f"the engine stopped: {message}")
+            self._wake(list(self._streams.values()))
+            calls, self._calls = self._calls, {}
+        for loop, future in calls.values():
+            loop.call_soon_threadsafe(_settle, future, None, EngineDeadError(message))
+
+
+def _set_events(streams: list[_Stream]) -> None:
+    for stream in streams:
+        stream.event.set()
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

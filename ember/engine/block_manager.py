@@ -108,16 +108,16 @@ class BlockManager:
         if is_query and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(prefix_blocks) * self.block_size
-        if is_query and self.enable_prefix_caching:
             self.num_hashed_blocks[request.request_id] = len(prefix_blocks)
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register blocks that the last step filled, so later requests can share them."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the blocks that the request's first `num_tokens` tokens (computed, and known on the
+        host) fill, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
         start = self.num_hashed_blocks.get(request.request_id, 0)
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         if num_full <= start:
             return
         self._ensure_hashes(request, num_full)
@@ -129,6 +129,15 @@ class BlockManager:
                 block.token_ids = self._block_tokens(request, i)
                 self.cached_blocks[h] = block.block_id
         self.num_hashed_blocks[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is in use, as in vLLM."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = block.token_ids = None
+        self.cached_blocks.clear()
+        return True
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks first so a shared prefix outlives its suffixes."""

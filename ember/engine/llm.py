@@ -10,8 +10,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ember.config import EngineArgs
-from ember.engine.engine import LLMEngine, PromptType
+from ember.engine.engine import LLMEngine
 from ember.engine.output import RequestOutput
+from ember.engine.processor import PromptType
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 
@@ -24,7 +25,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
-        logger.info(self.llm_engine.ready_message)
+        logger.info(self.llm_engine.ready.description)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.llm_engine.tokenizer

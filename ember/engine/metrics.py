@@ -1,32 +1,33 @@
 """Engine metrics in Prometheus form, named like vLLM's (`vllm:` becomes `ember:`) so dashboards carry over.
 
-The engine hands a `StepStats` snapshot to its stat loggers after every step; latencies are
-measured from the engine's own clock, so they do not depend on how a client reads its stream.
+Two sources feed them: the engine core's `SchedulerStats` (queue lengths, KV usage, prefix cache,
+preemptions; sent with every step) and the front end's `IterationStats` (tokens, latencies and
+finished requests, derived from the core's outputs). Latencies use the core's step timestamps
+against the front end's arrival times: both are `time.monotonic()`, one clock per machine, so
+they do not depend on how a client reads its stream.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ember.engine.request import Request
+from ember.engine.messages import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
 @dataclass
-class StepStats:
-    now: float
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int  # cumulative, in tokens
-    prefix_cache_hits: int  # cumulative, in tokens
-    num_preemptions: int  # cumulative
-    sampled: list[Request]  # requests that got one new token this step
-    finished: list[Request]  # requests that ended this step (including aborts)
+class IterationStats:
+    """What one batch of core outputs (or a front-end abort) meant for the metrics."""
+
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0  # of requests that got their first token
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    finished: list[tuple[str, float]] = field(default_factory=list)  # (finish reason, seconds since arrival)
 
 
 class PrometheusStatLogger:
@@ -41,8 +42,8 @@ class PrometheusStatLogger:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
 
         self.running = gauge("ember:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("ember:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -58,10 +59,9 @@ class PrometheusStatLogger:
         self._success = Counter("ember:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
-        self._last_token_time: dict[str, float] = {}
         self._seen = (0, 0, 0)
 
-    def __call__(self, s: StepStats) -> None:
+    def record_scheduler(self, s: SchedulerStats) -> None:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_cache_usage)
@@ -70,16 +70,14 @@ class PrometheusStatLogger:
         self.prefix_hits.inc(s.prefix_cache_hits - hits)
         self.preemptions.inc(s.num_preemptions - preempted)
         self._seen = (s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions)
-        for req in s.sampled:
-            last = self._last_token_time.get(req.request_id)
-            if last is None:
-                self.ttft.observe(s.now - req.arrival_time)
-                self.prompt_tokens.inc(req.num_prompt_tokens)
-            else:
-                self.itl.observe(s.now - last)
-            self._last_token_time[req.request_id] = s.now
-        self.generation_tokens.inc(len(s.sampled))
-        for req in s.finished:
-            self._last_token_time.pop(req.request_id, None)
-            self.e2e.observe(s.now - req.arrival_time)
-            self._success.labels(self.model_name, req.status.value).inc()
+
+    def record_iteration(self, it: IterationStats) -> None:
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        for value in it.ttfts:
+            self.ttft.observe(value)
+        for value in it.itls:
+            self.itl.observe(value)
+        for reason, e2e in it.finished:
+            self.e2e.observe(e2e)
+            self._success.labels(self.model_name, reason).inc()

@@ -1,15 +1,30 @@
-"""From sampled token ids to what users see: text deltas, stop handling, `RequestOutput`s."""
+"""Front end, output side: the engine core's token ids become what users see.
+
+Per request (`RequestState`): incremental detokenization, stop strings (a hit ends the sequence
+here and asks the core to abort it), logprobs with their token texts, and `RequestOutput`s whose
+deltas cover everything since the previous one, so a consumer that reads late gets one output
+for several steps instead of a queue of them. `OutputProcessor` routes each step's
+`EngineCoreOutputs` to its requests and counts what the metrics need.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
-from ember.engine.request import Logprob, Request, RequestStatus
+from ember.engine.detokenizer import IncrementalDetokenizer
+from ember.engine.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs
+from ember.engine.metrics import IterationStats
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 
-# Prompt tokens decoded ahead of the output so leading spaces and merges render as in the full text.
-_CONTEXT_TOKENS = 6
+logger = logging.getLogger("ember")
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -24,9 +39,6 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestOutput:
@@ -40,92 +52,203 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
 
 
-class IncrementalDetokenizer:
-    """Decodes one token at a time and never emits half of a multi-byte character.
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine core's id for sequence `index` of a request with `n` sequences."""
+    return request_id if n == 1 else f"{request_id}#{index}"
 
-    Text is decoded over a sliding window of tokens (`prefix_offset:`) and only the part beyond
-    what the window's head already produced is new; a trailing U+FFFD means the last token ended
-    mid-character, so the text waits for the next token. While stop strings are possible, the
-    last `len(longest stop) - 1` characters are held back so a stop string is never streamed.
-    """
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+class _Sequence:
+    """One of a request's n sequences, as the front end accumulates it."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer | None, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        self.index = index
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_emitted = 0
+        self.last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.detok.flush()
+
+    def add(self, token_id: int, logprobs: dict[int, Logprob] | None, logprob: float, detokenize: bool
+            ) -> str | None:
+        """Append one token; returns the stop string its text completed, if any. A stop token (EOS or
+        one of `stop_token_ids`) is not detokenized: its text never appears, as in vLLM."""
+        self.token_ids.append(token_id)
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprob
+        return self.detok.update(token_id) if detokenize else None
+
+    def output(self) -> CompletionOutput:
+        finished = self.finished
+        delta_tokens = self.token_ids[self.num_emitted:]
+        self.num_emitted = len(self.token_ids)
+        return CompletionOutput(
+            index=self.index, text=self.detok.text if finished else self.detok.text[: self.detok.emitted],
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            delta_text=self.detok.take_delta(finished), delta_token_ids=delta_tokens)
+
+
+class RequestState:
+    """A request between its arrival and its final output: n sequences, prompt logprobs, timings."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer: Tokenizer | None, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
         self.tokenizer = tokenizer
-        self.skip_special = params.skip_special_tokens
-        self.stop = params.stop
-        self.include_stop = params.include_stop_str_in_output
-        self.min_tokens = params.min_tokens
-        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
-        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.read_offset = len(self.ids)
-        self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS + 1, 0)
-        self.num_output_tokens = 0
-        self.text = ""
-        self.emitted = 0
+        self.arrival_time = arrival_time
+        self.seqs = [_Sequence(i, tokenizer, prompt_token_ids, params) for i in range(params.n)]
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.num_cached_tokens = 0
+        self.error: str | None = None
+        self.first_token_time: float | None = None
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
 
-    def update(self, token_id: int) -> str | None:
-        """Add one generated token; returns the stop string it completed, if any."""
-        self.num_output_tokens += 1
-        if self.tokenizer is None:
-            return None
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new = self._decode(self.ids[self.prefix_offset:])
-        if len(new) <= len(prefix) or new.endswith("\ufffd"):
-            return None
-        delta = new[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
-        if not self.stop or self.num_output_tokens < self.min_tokens:
-            return None
-        search_from = max(0, len(self.text) - len(delta) - self.hold_back)
-        found = [(self.text.find(s, search_from), s) for s in self.stop]
-        found = [(pos, s) for pos, s in found if pos >= 0]
-        if not found:
-            return None
-        pos, stop = min(found)
-        self.text = self.text[: pos + len(stop) if self.include_stop else pos]
-        return stop
+    def child_ids(self, unfinished_only: bool = False) -> list[str]:
+        n = len(self.seqs)
+        return [child_request_id(self.request_id, s.index, n) for s in self.seqs
+                if not (unfinished_only and s.finished)]
 
-    def flush(self) -> None:
-        """At the end, emit whatever a last incomplete character left waiting."""
-        if self.tokenizer is not None and self.read_offset < len(self.ids):
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
-            self.read_offset = len(self.ids)
+    def abort(self, error: str | None = None) -> None:
+        """End every unfinished sequence (client gone, core failure); `error` marks a failure."""
+        if error is not None and self.error is None:
+            self.error = error
+        for s in self.seqs:
+            if not s.finished:
+                s.finish("abort")
 
-    def take_delta(self, finished: bool) -> str:
-        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold_back)
-        delta = self.text[self.emitted:end]
-        self.emitted = end
-        return delta
+    def output(self) -> RequestOutput:
+        """Everything since the previous output, as one RequestOutput."""
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=[s.output() for s in self.seqs], finished=self.finished,
+                             num_cached_tokens=self.num_cached_tokens, error=self.error,
+                             prompt_logprobs=self.prompt_logprobs)
+
+    def update(self, seq: _Sequence, out: EngineCoreOutput, now: float, stats: IterationStats) -> bool:
+        """Apply one core output to one sequence; True when its text hit a stop string (the core must
+        then abort it)."""
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs)
+        if out.new_token_ids:
+            self._count_tokens(seq, len(out.new_token_ids), now, stats)
+        logprobs = self._logprob_dicts(out.new_logprobs) if out.new_logprobs is not None else None
+        last = len(out.new_token_ids) - 1
+        for i, token in enumerate(out.new_token_ids):
+            lp = out.new_logprobs.logprobs[i][0] if out.new_logprobs is not None else 0.0
+            stop = seq.add(token, logprobs[i] if logprobs is not None else None, lp,
+                           detokenize=not (i == last and out.finish_reason == "stop"))
+            if stop is not None:
+                seq.finish("stop", stop)
+                return out.finish_reason is None
+        if out.error is not None:
+            self.error = out.error
+        if out.finish_reason is not None:
+            seq.finish(out.finish_reason, out.stop_reason)
+        return False
+
+    def _count_tokens(self, seq: _Sequence, count: int, now: float, stats: IterationStats) -> None:
+        stats.num_generation_tokens += count
+        if self.first_token_time is None:
+            self.first_token_time = now
+            stats.ttfts.append(now - self.arrival_time)
+            stats.num_prompt_tokens += len(self.prompt_token_ids)
+        elif seq.last_token_time is not None:
+            stats.itls.append(now - seq.last_token_time)
+        seq.last_token_time = now
+
+    def _logprob_dicts(self, lps: Logprobs) -> list[dict[int, Logprob]]:
+        return [_logprob_dict(self.tokenizer, ids, values, rank)
+                for ids, values, rank in zip(lps.token_ids, lps.logprobs, lps.ranks)]
 
 
-def check_stop_token(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
-    """Finish conditions that depend only on the token just sampled and the lengths."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
-    return None
-
-
-def make_logprobs(tokenizer: Tokenizer | None, pairs: list[tuple[int, float]], sampled_rank: int
+def _logprob_dict(tokenizer: Tokenizer | None, ids: list[int], values: list[float], chosen_rank: int
                   ) -> dict[int, Logprob]:
-    """vLLM's shape: the sampled token (first pair) and the top-N, each with its rank by logprob."""
+    """vLLM's shape: the chosen token (first) and the top-N, each with its rank by logprob."""
     def text(tid: int) -> str | None:
         return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer else None
 
-    sampled_id, sampled_lp = pairs[0]
-    out = {sampled_id: Logprob(sampled_lp, sampled_rank, text(sampled_id))}
-    for rank, (tid, lp) in enumerate(pairs[1:], start=1):
+    out = {ids[0]: Logprob(values[0], chosen_rank, text(ids[0]))}
+    for rank, (tid, lp) in enumerate(zip(ids[1:], values[1:]), start=1):
         out.setdefault(tid, Logprob(lp, rank, text(tid)))
     return out
+
+
+@dataclass
+class ProcessedOutputs:
+    changed: list[RequestState]  # requests with something new, in the order their outputs came
+    to_abort: list[str]  # core request ids whose text hit a stop string
+    stats: IterationStats
+
+
+class OutputProcessor:
+    def __init__(self) -> None:
+        self.requests: dict[str, RequestState] = {}
+        self._children: dict[str, tuple[RequestState, _Sequence]] = {}
+
+    def add(self, state: RequestState) -> None:
+        if state.request_id in self.requests:
+            raise ValueError(f"request_id {state.request_id!r} is already in use")
+        self.requests[state.request_id] = state
+        for child_id, seq in zip(state.child_ids(), state.seqs):
+            self._children[child_id] = (state, seq)
+
+    def abort(self, request_id: str, now: float, error: str | None = None
+              ) -> tuple[RequestState | None, list[str], IterationStats]:
+        """End a request here; returns it, the core ids the core must abort, and the sequences it ended."""
+        stats = IterationStats()
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None, [], stats
+        running = state.child_ids(unfinished_only=True)
+        for child_id in state.child_ids():
+            self._children.pop(child_id, None)
+        state.abort(error)
+        stats.finished += [("abort", now - state.arrival_time)] * len(running)
+        return state, running, stats
+
+    def process(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        stats = IterationStats()
+        changed: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs.outputs:
+            entry = self._children.get(out.request_id)
+            if entry is None:  # aborted here while the core was still stepping it
+                continue
+            state, seq = entry
+            changed[state.request_id] = state
+            try:
+                if state.update(seq, out, outputs.timestamp, stats):
+                    to_abort.append(out.request_id)
+            except Exception as e:  # one request's output failed: fail only that request
+                logger.exception("request %s failed while processing its output", state.request_id)
+                _, running, ended = self.abort(state.request_id, outputs.timestamp, f"{type(e).__name__}: {e}")
+                to_abort += running
+                stats.finished += ended.finished
+                continue
+            if seq.finished:
+                del self._children[out.request_id]
+                stats.finished.append((seq.finish_reason, outputs.timestamp - state.arrival_time))
+                if state.finished:
+                    del self.requests[state.request_id]
+        return ProcessedOutputs(list(changed.values()), to_abort, stats)

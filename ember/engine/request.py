@@ -1,13 +1,17 @@
-"""Per-request state shared by the scheduler, block manager, model runner and output processor."""
+"""A sequence inside the engine core: its tokens, computed-token count, KV blocks and status.
+
+Shared by the scheduler, block manager and model runner; the front end never sees it (it gets
+`EngineCoreOutput` messages instead).
+"""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from ember.engine.messages import EngineCoreRequest
 from ember.sampling.params import SamplingParams
 
 
@@ -24,47 +28,40 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int
-    decoded_token: str | None = None
-
-
 @dataclass(eq=False)
 class Request:
-    """One sequence being generated. A prompt with `n > 1` becomes n Requests sharing a parent."""
-
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     max_tokens: int
     eos_token_ids: list[int]
+    arrival_time: float
     generator: torch.Generator | None = None
-    parent_id: str | None = None
-    index: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled by a step still running on the device (async scheduling): counted as known,
+    # so the next step can be scheduled before their values reach the host.
+    num_inflight_tokens: int = 0
     num_cached_tokens: int = -1
-    num_preemptions: int = 0
+    num_prompt_logprobs_sent: int = 1  # prompt position of the next prompt logprob to report
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None] + one entry per later prompt token
-    stop_reason: int | str | None = None
-    first_token_time: float | None = None
+    stop_reason: int | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.logprobs is not None:
-            self.logprobs = []
-        if self.sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]
+
+    @classmethod
+    def from_message(cls, msg: EngineCoreRequest, device: torch.device) -> "Request":
+        params = msg.sampling_params
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = torch.Generator(device=device).manual_seed(params.seed)
+        return cls(msg.request_id, msg.prompt_token_ids, params, msg.max_tokens, msg.eos_token_ids,
+                   msg.arrival_time, generator)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,12 +69,44 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens whose values the host knows."""
         return len(self.all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens known or in flight: what the next step may compute up to."""
+        return len(self.all_token_ids) + self.num_inflight_tokens
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next step needs every earlier token on the host: penalties count the output tokens, and
+        prompt logprobs are read back while computing (async scheduling waits for such requests)."""
+        p = self.sampling_params
+        return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+                or p.prompt_logprobs is not None)
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def check_stop(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """Finish conditions that depend only on the token just sampled and the lengths."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def is_length_capped(self, max_model_len: int) -> bool:
+        """Its tokens in flight already reach a length limit: nothing more to compute for it."""
+        return (self.num_output_tokens + self.num_inflight_tokens >= self.max_tokens
+                or self.num_scheduled_tokens >= max_model_len)

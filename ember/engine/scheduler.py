@@ -5,6 +5,10 @@ running requests (decodes and unfinished prefill chunks) their share of the toke
 then admits waiting requests while budget, sequence slots and KV blocks last. A prompt longer
 than the remaining budget is split into chunks over several steps. When blocks run out, the
 newest running request is preempted: its blocks are freed and it is recomputed later.
+
+Computed-token counts advance when a step is launched (`advance`), not when its results arrive,
+so that under async scheduling the next step can be planned while this one runs: a token sampled
+by a step still in flight counts as known (`Request.num_inflight_tokens`).
 """
 
 from __future__ import annotations
@@ -21,11 +25,6 @@ from ember.engine.request import Request, RequestStatus
 class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -42,23 +41,24 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        preempted = False
         i = 0
         block_size = self.block_manager.block_size
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.is_length_capped(self.config.max_model_len):
+                i += 1  # its last token is in flight; it finishes when that arrives
+                continue
+            n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
             # Most decodes still have room in their last block: no allocation to ask for.
             fits = request.num_computed_tokens + n <= len(request.block_ids) * block_size
             while not fits and not self.block_manager.allocate(request, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                batch.preempted.append(victim)
+                preempted = True
                 if victim is request:
                     break
             else:
@@ -68,8 +68,10 @@ class Scheduler:
                 i += 1
 
         # Admitting new work right after a preemption would only thrash the cache.
-        while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_inflight_tokens:  # preempted mid-flight: readmitted once its token has arrived
+                break
             prefix_blocks = self.block_manager.match_prefix(request)
             num_cached = len(prefix_blocks) * self.block_manager.block_size
             n = min(request.num_tokens - num_cached, budget)
@@ -90,18 +92,23 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed-token counts and publish newly filled blocks to the prefix cache."""
-        block_size = self.block_manager.block_size
+    def advance(self, batch: ScheduledBatch) -> list[Request]:
+        """The batch has been launched: count its tokens as computed. Returns the requests that sample
+        a token in it (those whose computed tokens reach every known or in-flight token)."""
+        sampling = []
         for request, n in zip(batch.requests, batch.num_new_tokens):
-            before = request.num_computed_tokens // block_size
             request.num_computed_tokens += n
-            if request.num_computed_tokens // block_size > before:  # a block filled up
-                self.block_manager.cache_full_blocks(request)
+            if request.num_computed_tokens == request.num_scheduled_tokens:
+                request.num_inflight_tokens += 1
+                sampling.append(request)
+        return sampling
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish blocks that steps have filled with known tokens to the prefix cache."""
+        self.block_manager.cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request, wherever it is, and free its blocks at once."""
@@ -113,3 +120,6 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.block_manager.free(request)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()

@@ -9,37 +9,24 @@ losslessly into Ember's QuantizedWeight form so they can stay quantized.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import tokenizers
 import torch
-from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
-from tokenizers.models import BPE
 
 from ember.model.errors import ModelLoadError
 from ember.model.gguf_blocks import QUANTIZED_TYPES, SUPPORTED_TYPES, dequantize, quantized
-from ember.model.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor
+from ember.model.gguf_reader import GGUFFile, GGUFTensor
+from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
 from ember.quant.formats import QuantizedWeight
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-# Tokens llama.cpp marks as CONTROL or USER_DEFINED must be matched whole, never split by BPE.
-_CONTROL, _USER_DEFINED = 3, 4
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Same as llama3 except digits are split one by one.
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -100,17 +87,21 @@ def _unpermute_weight(w: np.ndarray | QuantizedWeight, n_head: int) -> np.ndarra
 
 @dataclass
 class GGUFModel:
-    """A GGUF checkpoint translated to HF terms; weights are decoded lazily by tensors()."""
+    """A GGUF checkpoint translated to HF terms; weights are decoded lazily by tensors(), and the
+    tokenizer is built only when asked for (the engine core never needs it)."""
 
     path: str
     hf_config: dict
-    tokenizer: tokenizers.Tokenizer
-    bos_token: str | None
-    eos_token: str | None
-    eos_token_ids: list[int]
-    add_bos_token: bool
-    chat_template: str | None
+    vocab: GGUFVocab = field(repr=False)
     _reader: GGUFFile = field(repr=False)
+
+    @functools.cached_property
+    def tokenizer(self) -> tokenizers.Tokenizer:
+        return self.vocab.build()
+
+    @property
+    def add_bos_token(self) -> bool:
+        return self.vocab.add_bos_token
 
     def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
         """Yield (HF name, weight) one tensor at a time, so peak memory stays near one tensor
@@ -152,33 +143,13 @@ def _numpy_shape(tensor: GGUFTensor) -> tuple[int, ...]:
     return shape
 
 
-class _Metadata:
-    """Access to GGUF key/value fields, raising ModelLoadError that names the file."""
-
-    def __init__(self, path: str, reader: GGUFFile) -> None:
-        self.path = path
-        self.fields = reader.fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
-
-    def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ModelLoadError(self.path, f"GGUF metadata lacks {key!r}")
-        return value
-
-
 def load_gguf(path: str) -> GGUFModel:
     """Open a GGUF file and translate its metadata; weights stay memory-mapped until tensors()."""
     path = str(path)
     if not os.path.exists(path):
         raise ModelLoadError(path, "file not found")
-    try:
-        reader = GGUFFile(path)
-    except (GGUFFormatError, OSError) as exc:
-        raise ModelLoadError(path, f"not a valid GGUF file ({type(exc).__name__}: {exc})") from exc
-    meta = _Metadata(path, reader)
+    meta = open_gguf(path)
+    reader = meta.reader
 
     arch = meta.require("general.architecture")
     if arch not in ARCHITECTURES:
@@ -196,33 +167,13 @@ def load_gguf(path: str) -> GGUFModel:
                 path, f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}"
             )
 
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    eos_id = meta.get("tokenizer.ggml.eos_token_id")
-    eos_ids = [
-        token_id
-        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-        if (token_id := meta.get(f"tokenizer.ggml.{key}")) is not None
-    ]
-    tokenizer_model = meta.require("tokenizer.ggml.model")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama"))
-    bos_token = tokens[bos_id] if bos_id is not None else None
-
-    return GGUFModel(
-        path=path,
-        hf_config=_hf_config(meta, arch, names, len(tokens), bos_id, eos_id),
-        tokenizer=_tokenizer(meta, tokenizer_model, tokens, bos_id if add_bos else None),
-        bos_token=bos_token,
-        eos_token=tokens[eos_id] if eos_id is not None else None,
-        eos_token_ids=list(dict.fromkeys(eos_ids)),
-        add_bos_token=add_bos,
-        chat_template=meta.get("tokenizer.chat_template"),
-        _reader=reader,
-    )
+    vocab = GGUFVocab.read(meta)
+    return GGUFModel(path=path, hf_config=_hf_config(meta, arch, names, len(vocab.tokens), vocab.bos_id, vocab.eos_id),
+                     vocab=vocab, _reader=reader)
 
 
 def _hf_config(
-    meta: _Metadata, arch: str, tensor_names: set[str], n_tokens: int,
+    meta: GGUFMetadata, arch: str, tensor_names: set[str], n_tokens: int,
     bos_id: int | None, eos_id: int | None,
 ) -> dict:
     hidden = meta.require(f"{arch}.embedding_length")
@@ -249,7 +200,7 @@ def _hf_config(
     }
 
 
-def _rope_scaling(meta: _Metadata, arch: str) -> dict | None:
+def _rope_scaling(meta: GGUFMetadata, arch: str) -> dict | None:
     kind = meta.get(f"{arch}.rope.scaling.type")
     if kind is None or kind == "none":
         return None
@@ -265,104 +216,3 @@ def _rope_scaling(meta: _Metadata, arch: str) -> dict | None:
             ),
         }
     raise ModelLoadError(meta.path, f"unsupported rope scaling type {kind!r}")
-
-
-def _tokenizer(
-    meta: _Metadata, model: str, tokens: list[str], bos_id: int | None
-) -> tokenizers.Tokenizer:
-    """Rebuild the HF tokenizer llama.cpp derived its vocabulary from.
-
-    `bos_id` is the token to prepend to every encoding, or None when the model wants none.
-    """
-    if model == "gpt2":
-        tokenizer = _byte_level_bpe(meta, tokens)
-    elif model == "llama":
-        tokenizer = _sentencepiece_bpe(meta, tokens)
-    else:
-        raise ModelLoadError(meta.path, f"unsupported tokenizer model {model!r} (supported: gpt2, llama)")
-
-    token_types = meta.get("tokenizer.ggml.token_type", [])
-    tokenizer.add_special_tokens([
-        AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tokens, token_types)
-        if kind in (_CONTROL, _USER_DEFINED)
-    ])
-    if bos_id is not None:
-        bos = tokens[bos_id]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
-    return tokenizer
-
-
-def _vocab(tokens: list[str]) -> dict[str, int]:
-    """Token -> id, keeping the first id when a file repeats a token string."""
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(token, index)
-    return vocab
-
-
-def _bpe(meta: _Metadata, vocab: dict[str, int], merges: list, **options: Any) -> BPE:
-    """A BPE model, reporting a merge that names a missing token as a broken file, not a crash."""
-    try:
-        return BPE(vocab, merges, **options)
-    except Exception as exc:  # tokenizers raises a bare Exception
-        raise ModelLoadError(meta.path, f"invalid tokenizer vocabulary ({exc})") from exc
-
-
-def _byte_level_bpe(meta: _Metadata, tokens: list[str]) -> tokenizers.Tokenizer:
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
-    pre = meta.get("tokenizer.ggml.pre")
-    # llama.cpp looks a whole pre-token up in the vocabulary before merging for llama3 only.
-    llama3 = pre in ("llama-bpe", "llama3")
-    tokenizer = tokenizers.Tokenizer(_bpe(meta, _vocab(tokens), merges, ignore_merges=llama3))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre == "smollm":
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    elif llama3 or pre == "qwen2":
-        split = _LLAMA3_SPLIT if llama3 else _QWEN2_SPLIT
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level,
-        ])
-    else:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _sentencepiece_bpe(meta: _Metadata, tokens: list[str]) -> tokenizers.Tokenizer:
-    """SentencePiece stores scores, not merges; HF recovers BPE merges from them.
-
-    Every token that splits into two vocabulary pieces yields that merge, ranked by the merged
-    token's score, so higher-scoring tokens are formed first, as SentencePiece would.
-    """
-    vocab = _vocab(tokens)
-    scores = meta.require("tokenizer.ggml.scores")
-    candidates = [
-        (-scores[index], vocab[token[:cut]], vocab[token[cut:]])
-        for token, index in vocab.items()
-        for cut in range(1, len(token))
-        if token[:cut] in vocab and token[cut:] in vocab
-    ]
-    candidates.sort()
-    merges = [(tokens[left], tokens[right]) for _, left, right in candidates]
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if unk_id is not None else ("<unk>" if "<unk>" in vocab else None)
-    tokenizer = tokenizers.Tokenizer(
-        _bpe(meta, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
-    )
-    add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    space = "\u2581"
-    tokenizer.normalizer = normalizers.Sequence(
-        ([normalizers.Prepend(space)] if add_space_prefix else [])
-        + [normalizers.Replace(" ", space)]
-    )
-    tokenizer.decoder = decoders.Sequence(
-        [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()]
-        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
-    )
-    return tokenizer

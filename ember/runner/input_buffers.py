@@ -1,7 +1,9 @@
 """Persistent step inputs: host buffers (pinned on CUDA) filled in place, one copy each to the device.
 
 The device tensors never move, so CUDA graphs captured on them replay with the next step's
-inputs; eager steps use slices of the same tensors.
+inputs; eager steps use slices of the same tensors. There are two host sets, used by turns:
+under async scheduling the host fills step N+1's inputs while step N may still be copying from
+its own set, and step N-1, which used the set N+1 takes, has finished by then.
 """
 
 from __future__ import annotations
@@ -13,14 +15,20 @@ import torch
 class _Buffer:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         on_gpu = device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_gpu)
-        self.np: np.ndarray = self.host.numpy()
+        self._hosts = [torch.zeros(shape, dtype=dtype, pin_memory=on_gpu) for _ in range(2 if on_gpu else 1)]
+        self._arrays = [h.numpy() for h in self._hosts]
+        self.host = self._hosts[0]
+        self.np: np.ndarray = self._arrays[0]
         self.dev = torch.zeros(shape, dtype=dtype, device=device) if on_gpu else self.host
+
+    def use(self, index: int) -> None:
+        self.host, self.np = self._hosts[index % len(self._hosts)], self._arrays[index % len(self._arrays)]
 
     def upload(self, n: int) -> torch.Tensor:
         if self.dev is not self.host:
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        return self.dev[:n]
+            return self.dev[:n]
+        return self.host[:n]
 
 
 class InputBuffers:
@@ -32,3 +40,12 @@ class InputBuffers:
         self.seq_lens = _Buffer((max_seqs,), torch.int32, device)
         self.query_start_loc = _Buffer((max_seqs + 1,), torch.int32, device)
         self.logits_indices = _Buffer((max_seqs,), torch.int64, device)
+        self._all = [self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.seq_lens,
+                     self.query_start_loc, self.logits_indices]
+        self._turn = 0
+
+    def next_set(self) -> None:
+        """Switch to the other host set for the next step's inputs."""
+        self._turn += 1
+        for buffer in self._all:
+            buffer.use(self._turn)

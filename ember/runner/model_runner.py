@@ -1,8 +1,8 @@
 """Owns the model and its KV cache on one device; turns a scheduled batch into sampled tokens.
 
-Each step flattens the scheduled requests into one varlen batch (no padding between sequences):
-token ids, positions, cache slots and per-sequence attention metadata, with one-token queries
-ordered first so attention can treat them together.
+A step is launched (`launch`: inputs flattened into one varlen batch and copied, forward, sampling,
+results copied back without waiting) and later collected (`wait`). On a GPU the host can so
+prepare the next step while this one runs; on the CPU `launch` computes everything at once.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ember.config import CacheConfig, EngineArgs, SchedulerConfig
+from ember.config import CacheConfig, RunnerConfig, SchedulerConfig
 from ember.distributed import host_group, tp_size
+from ember.engine.messages import Logprobs
 from ember.engine.request import Request
 from ember.engine.scheduler import ScheduledBatch
 from ember.model.attention import AttentionMetadata
@@ -32,6 +33,8 @@ from ember.quant.quantize import QUANTIZERS
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
+from ember.runner.step_inputs import PromptRows, prepare_step
+from ember.runner.step_timer import StepTimer
 from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 
 logger = logging.getLogger("ember")
@@ -40,16 +43,24 @@ _PROMPT_LOGPROB_ROWS = 512  # prompt positions per [rows, vocab] logits slice
 
 
 @dataclass
-class StepOutput:
-    """Sampled results for the requests that reached the end of their known tokens this step."""
+class StepResult:
+    """What a finished step sampled, on the host."""
+
+    requests: list[Request]  # the requests that sampled a token, in row order
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # per request; None where not asked
+    prompt_logprobs: dict[Request, tuple[int, Logprobs]] = field(default_factory=dict)  # (first position, rows)
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its results are on their way from the device to the host."""
 
     requests: list[Request]
-    token_ids: list[int]
-    # per request: (token id, logprob) pairs, the sampled token first, then the top-N, and the sampled
-    # token's rank in the vocabulary; None where not asked
-    logprobs: list[tuple[list[tuple[int, float]], int] | None]
-    # per request asking for prompt logprobs: (prompt position p, pairs for prompt token p, its rank)
-    prompt_logprobs: dict[Request, list[tuple[int, list[tuple[int, float]], int]]] = field(default_factory=dict)
+    sampled: torch.Tensor | None  # [N] int64 on the host (pinned on CUDA)
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # ids, values, ranks on the host
+    prompt_logprobs: list[tuple[PromptRows, torch.Tensor, torch.Tensor, torch.Tensor]]
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # start, end of its device work (CUDA)
 
 
 @dataclass
@@ -59,35 +70,6 @@ class _StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     padded: int | None  # the CUDA graph size to replay, or None for an eager forward
-
-
-class GpuIdleTimer:
-    """Measures how long the GPU waits between the end of one step's work and the start of the next.
-
-    CUDA events are recorded at the start and end of each step's GPU work; the gaps between them
-    are time the GPU spent waiting on the host (scheduling, batch building, detokenization).
-    """
-
-    def __init__(self) -> None:
-        self.idle_s = 0.0
-        self.busy_s = 0.0
-        self.steps = 0
-        self._last_end: torch.cuda.Event | None = None
-        self._start: torch.cuda.Event | None = None
-
-    def step_start(self) -> None:
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._start.record()
-
-    def step_end(self) -> None:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        if self._last_end is not None:
-            self.idle_s += self._last_end.elapsed_time(self._start) / 1e3
-        self.busy_s += self._start.elapsed_time(end) / 1e3
-        self.steps += 1
-        self._last_end = end
 
 
 def _return_freed_memory_to_os() -> None:
@@ -140,15 +122,15 @@ class ModelRunner:
     batch and, under tensor parallelism, broadcasts its description; other ranks `serve_steps`,
     mirroring every forward and logits computation so the collectives inside them line up."""
 
-    def __init__(self, files: ModelFiles, args: EngineArgs, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, device: torch.device | None = None) -> None:
-        self.device = device or args.torch_device
-        self.dtype = args.torch_dtype(self.device, files.checkpoint_dtype)
+    def __init__(self, files: ModelFiles, config: RunnerConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, device: torch.device) -> None:
+        self.device = device
+        self.dtype: torch.dtype = getattr(torch, config.dtype)
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.model_config = cfg = files.model_config
         self.block_size = cache_config.block_size
-        torch.manual_seed(args.seed)
+        torch.manual_seed(config.seed)
         max_positions = max(scheduler_config.max_model_len, cfg.max_position_embeddings)
         with torch.device(self.device), _default_dtype(self.dtype), _skip_weight_init():
             self.model = model_class(cfg, files.source)(cfg, max_positions)
@@ -157,22 +139,24 @@ class ModelRunner:
             _check_fp8_support(self.device)
         with torch.no_grad():
             if files.weights is None:
-                self.model.init_dummy_weights(args.seed)
+                self.model.init_dummy_weights(config.seed)
             else:
                 self.model.load_weights(files.weights(), files.source)
             if self.quantization in QUANTIZERS:
                 self.model.quantize(self.quantization)
         self.model.eval()
         _return_freed_memory_to_os()
-        self.kv_dtype = FP8_DTYPE if args.kv_cache_dtype != "auto" else self.dtype
+        self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
         self.sampler = Sampler()
         self.num_blocks = 0
-        self.enforce_eager = args.enforce_eager
+        self.enforce_eager = config.enforce_eager
         max_blocks = -(-scheduler_config.max_model_len // self.block_size)
         self.buffers = InputBuffers(max(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
                                     scheduler_config.max_num_seqs, max_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
-        self.idle_timer: GpuIdleTimer | None = None
+        self.timer = StepTimer() if self.device.type == "cuda" else None
+        # The last launched step's sampled ids on the device, and each sampling request's row in them.
+        self._last_sampled: tuple[torch.Tensor, dict[Request, int]] | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -294,61 +278,6 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[StepHeader, list[int], list[tuple[int, int, int, int]]]:
-        """Fill the host buffers for this step, one-token queries first.
-
-        Returns the step's header, the batch indices of the requests that sample (in logits order),
-        and per request wanting prompt logprobs: (batch index, first flat token row, first position,
-        number of rows)."""
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
-        b, bs = self.buffers, self.block_size
-        ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
-        tables, seq_lens, qsl, logits_idx = b.block_tables.np, b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
-        t = num_decodes = max_query_len = max_seq_len = 0
-        sample_rows: list[int] = []
-        prompt_rows: list[tuple[int, int, int, int]] = []
-        for row, i in enumerate(order):
-            req, n = batch.requests[i], batch.num_new_tokens[i]
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            tables[row, : len(req.block_ids)] = req.block_ids
-            if n == 1:
-                num_decodes += 1
-                ids[t] = req.all_token_ids[start]
-                pos[t] = start
-                slots[t] = req.block_ids[start // bs] * bs + start % bs
-            else:
-                max_query_len = max(max_query_len, n)
-                p = np.arange(start, end)
-                ids[t:t + n] = req.all_token_ids[start:end]
-                pos[t:t + n] = p
-                slots[t:t + n] = tables[row, p // bs] * bs + p % bs
-            if req.prompt_logprobs is not None:
-                # Logits at position p predict prompt token p + 1.
-                last = min(end, req.num_prompt_tokens - 1)
-                if start < last:
-                    prompt_rows.append((i, t, start, last - start))
-            t += n
-            seq_lens[row] = end
-            qsl[row + 1] = t
-            max_seq_len = max(max_seq_len, end)
-            if end == req.num_tokens:
-                logits_idx[len(sample_rows)] = t - 1
-                sample_rows.append(i)
-        num_seqs, num_tokens = len(order), t
-        padded = None
-        if self.graphs is not None and num_decodes == num_seqs:
-            padded = self.graphs.padded_size(num_seqs)
-        if padded is not None:  # pad rows write nowhere and attend to one cached token
-            ids[num_tokens:padded] = 0
-            pos[num_tokens:padded] = 0
-            slots[num_tokens:padded] = -1
-            seq_lens[num_seqs:padded] = 1
-        header = StepHeader(num_tokens=num_tokens, num_seqs=num_seqs, num_decodes=num_decodes,
-                            max_query_len=max_query_len, max_seq_len=max_seq_len, padded=padded or 0,
-                            num_sample=len(sample_rows), table_width=-(-max_seq_len // bs),
-                            prompt_rows=[(first_row, n) for _, first_row, _, n in prompt_rows])
-        return header, sample_rows, prompt_rows
-
     def _upload(self, h: StepHeader) -> _StepInputs:
         """Device tensors (and host lists for the PyTorch attention path) from the filled host buffers."""
         b = self.buffers
@@ -370,48 +299,79 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, eos_token_ids: list[int]) -> StepOutput:
-        if self.idle_timer is not None:
-            self.idle_timer.step_start()
-        header, sample_rows, prompt_rows = self._prepare(batch)
+    def launch(self, batch: ScheduledBatch) -> PendingStep:
+        """Start a step: every device operation is queued, nothing waits for the device."""
+        self.buffers.next_set()
+        step = prepare_step(batch, self.buffers, self.block_size,
+                            self.graphs.padded_size if self.graphs is not None else None)
         if tp_size() > 1:
-            send_step(header, self.buffers)
-        inputs = self._upload(header)
-        reqs = [batch.requests[i] for i in sample_rows]
+            send_step(step.header, self.buffers)
+        start = StepTimer.record() if self.timer is not None else None
+        inputs = self._upload(step.header)
+        if step.inflight_rows:
+            self._fill_inflight_tokens(inputs.input_ids, step.inflight_rows)
+        reqs = step.samplers
         sbatch = None
         if reqs:  # built before the forward so its host-to-device copies overlap the GPU's work
             sbatch = SamplingBatch.build(
                 params=[r.sampling_params for r in reqs],
                 prompt_token_ids=[r.prompt_token_ids for r in reqs],
                 output_token_ids=[r.output_token_ids for r in reqs],
+                num_output_tokens=[r.num_output_tokens + r.num_inflight_tokens for r in reqs],
                 generators=[r.generator for r in reqs],
-                eos_token_ids=eos_token_ids,
+                eos_token_ids=[r.eos_token_ids for r in reqs],
                 vocab_size=self.model_config.vocab_size,
                 device=self.device,
             )
         hidden = self._forward(inputs)
-        prompt_logprobs = {batch.requests[i]: self._prompt_logprobs(batch.requests[i], hidden, first_row, start, n)
-                           for i, first_row, start, n in prompt_rows}
+        prompt = [(rows, *self._prompt_logprobs(rows, hidden)) for rows in step.prompt_rows]
         out = None
         if sbatch is not None and sbatch.argmax_only:
             out = SamplerOutput(self.model.greedy_tokens(hidden[inputs.logits_indices]), None, None)
         elif sbatch is not None:
             out = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), sbatch)
-        if self.idle_timer is not None:
-            self.idle_timer.step_end()
-        if out is None:
-            if self.device.type == "cuda":  # the next step refills the pinned input buffers: let the copies land
-                torch.cuda.current_stream(self.device).synchronize()
-            return StepOutput([], [], [], prompt_logprobs)
-        tokens = out.sampled_token_ids.tolist()
-        logprobs: list[tuple[list[tuple[int, float]], int] | None] = [None] * len(reqs)
-        if out.logprobs is not None:
-            lp_ids, lp_vals, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
+        self._last_sampled = None if out is None else (out.sampled_token_ids, {r: i for i, r in enumerate(reqs)})
+        return PendingStep(
+            requests=reqs,
+            sampled=None if out is None else _to_host(out.sampled_token_ids),
+            logprobs=None if out is None or out.logprobs is None else (
+                _to_host(out.logprob_token_ids), _to_host(out.logprobs), _to_host(out.sampled_ranks)),
+            prompt_logprobs=[(rows, _to_host(ids), _to_host(vals), _to_host(ranks)) for rows, ids, vals, ranks in prompt],
+            events=None if start is None else (start, StepTimer.record()))
+
+    def _fill_inflight_tokens(self, input_ids: torch.Tensor, rows: list[tuple[int, Request]]) -> None:
+        """Input tokens sampled by the previous step, still on the device: copied there, never to the host."""
+        if self._last_sampled is None:
+            raise RuntimeError("a step needs tokens in flight, but no step was launched before it")
+        sampled, row_of = self._last_sampled
+        try:
+            src = [row_of[req] for _, req in rows]
+        except KeyError:
+            raise RuntimeError("a step needs a token that the previous step did not sample") from None
+        dst = torch.tensor([t for t, _ in rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        input_ids[dst] = sampled[torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)]
+
+    def wait(self, pending: PendingStep) -> StepResult:
+        """The step's results, once the device has finished it."""
+        if pending.events is not None:
+            pending.events[1].synchronize()
+            self.timer.finished(*pending.events)
+        if pending.sampled is None:
+            return StepResult([], [], [], self._prompt_results(pending))
+        reqs = pending.requests
+        logprobs: list[Logprobs | None] = [None] * len(reqs)
+        if pending.logprobs is not None:
+            ids, values, ranks = (t.tolist() for t in pending.logprobs)
             for r, req in enumerate(reqs):
                 k = req.sampling_params.logprobs
                 if k is not None:
-                    logprobs[r] = (list(zip(lp_ids[r][: 1 + k], lp_vals[r][: 1 + k])), ranks[r])
-        return StepOutput(reqs, tokens, logprobs, prompt_logprobs)
+                    logprobs[r] = Logprobs([ids[r][: 1 + k]], [values[r][: 1 + k]], [ranks[r]])
+        return StepResult(reqs, pending.sampled.tolist(), logprobs, self._prompt_results(pending))
+
+    @staticmethod
+    def _prompt_results(pending: PendingStep) -> dict[Request, tuple[int, Logprobs]]:
+        return {rows.request: (rows.start + 1, Logprobs(ids.tolist(), vals.tolist(), ranks.tolist()))
+                for rows, ids, vals, ranks in pending.prompt_logprobs}
 
     @torch.inference_mode()
     def serve_steps(self) -> None:
@@ -429,19 +389,30 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
 
-    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, first_row: int, start: int, n: int
-                         ) -> list[tuple[int, list[tuple[int, float]], int]]:
-        """Logprobs of prompt tokens start + 1 .. start + n, in slices that bound the [rows, vocab] logits."""
-        k = req.sampling_params.prompt_logprobs
-        result = []
-        for lo, hi in _prompt_logit_slices(n):
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first_row + lo:first_row + hi]), dim=-1)
-            targets = torch.tensor(req.prompt_token_ids[start + lo + 1:start + hi + 1], device=logprobs.device)
-            target_lp = logprobs.gather(1, targets[:, None])
-            ranks = ((logprobs > target_lp).sum(dim=-1) + 1).tolist()
+    def _prompt_logprobs(self, rows: PromptRows, hidden: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logprobs of prompt tokens start + 1 .. start + count on the device: per position the prompt
+        token then the top-N (ids, values), and the prompt token's rank. Computed in slices that bound
+        the [rows, vocab] logits."""
+        k = rows.request.sampling_params.prompt_logprobs
+        prompt = rows.request.prompt_token_ids
+        ids, vals, ranks = [], [], []
+        for lo, hi in _prompt_logit_slices(rows.count):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows.first_row + lo:rows.first_row + hi]),
+                                         dim=-1)
+            targets = torch.tensor(prompt[rows.start + lo + 1:rows.start + hi + 1], device=logprobs.device)[:, None]
+            target_lp = logprobs.gather(1, targets)
+            ranks.append((logprobs > target_lp).sum(dim=-1) + 1)
             top = logprobs.topk(k, dim=-1) if k else None
-            ids = targets[:, None] if top is None else torch.cat([targets[:, None], top.indices], dim=1)
-            vals = target_lp if top is None else torch.cat([target_lp, top.values], dim=1)
-            for r, (row_ids, row_vals) in enumerate(zip(ids.tolist(), vals.tolist())):
-                result.append((start + lo + r + 1, list(zip(row_ids, row_vals)), ranks[r]))
-        return result
+            ids.append(targets if top is None else torch.cat([targets, top.indices], dim=1))
+            vals.append(target_lp if top is None else torch.cat([target_lp, top.values], dim=1))
+        return torch.cat(ids), torch.cat(vals), torch.cat(ranks)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy that arrives without the host waiting for it (pinned memory; a plain copy on CPU)."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

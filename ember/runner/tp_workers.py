@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ember.config import EngineArgs
+from ember.config import EngineArgs, launched_by_torchrun
 from ember.distributed import destroy_tensor_parallel, init_tensor_parallel
 from ember.model.loader import load_model_files
 from ember.runner.model_runner import ModelRunner
@@ -34,10 +34,6 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or died: the ranks can no longer run steps together."""
 
 
-def launched_by_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
-
-
 def rank_device(args: EngineArgs, local_rank: int) -> torch.device:
     """Rank r uses GPU r of its machine (CUDA_VISIBLE_DEVICES picks which), or the CPU."""
     device = args.torch_device
@@ -50,16 +46,25 @@ def _share_cpu_cores(device: torch.device, size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
 
+def _exit_with_parent() -> None:
+    """A spawned rank ends as soon as rank 0's process does, however it ended (kill -9 included)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+
 def run_worker(args: EngineArgs, rank: int, size: int, init_method: str, local_rank: int,
                errors: Any = None) -> None:
     """The life of rank 1..N-1: join, load its shard, build its KV cache, then mirror rank 0's steps."""
     device = rank_device(args, local_rank)
+    threading.Thread(target=_exit_with_parent, name="ember-tp-parent", daemon=True).start()
     try:
         _share_cpu_cores(device, size)
         init_tensor_parallel(rank, size, init_method, device)
         files = load_model_files(args)
-        runner = ModelRunner(files, args, args.cache_config(), args.scheduler_config(files.model_config, device),
-                             device)
+        runner = ModelRunner(files, args.runner_config(device, files.checkpoint_dtype), args.cache_config(),
+                             args.scheduler_config(files.model_config, device), device)
         runner.prepare_cache()
         runner.serve_steps()
     except BaseException as e:

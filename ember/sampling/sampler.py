@@ -59,22 +59,27 @@ class SamplingBatch:
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
+        num_output_tokens: list[int],
         generators: list[torch.Generator | None],
-        eos_token_ids: list[int],
+        eos_token_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
     ) -> "SamplingBatch":
         """Lists are indexed by batch row.
 
-        A random row is seeded iff its generator is given; the runner creates it
-        from params.seed on the logits' device and keeps it across steps so a
-        request's draws continue one stream. Generators of greedy rows are ignored.
+        `num_output_tokens` counts tokens sampled so far, including any still on the device under
+        async scheduling (`output_token_ids` then lacks them, which only rows without penalties
+        may do). A random row is seeded iff its generator is given; the engine creates it from
+        params.seed on the logits' device and keeps it across steps so a request's draws continue
+        one stream. Generators of greedy rows are ignored.
         """
         num_rows = len(params)
         for name, values in (
             ("prompt_token_ids", prompt_token_ids),
             ("output_token_ids", output_token_ids),
+            ("num_output_tokens", num_output_tokens),
             ("generators", generators),
+            ("eos_token_ids", eos_token_ids),
         ):
             if len(values) != num_rows:
                 raise ValueError(f"{name} has {len(values)} rows, expected {num_rows}")
@@ -125,12 +130,12 @@ class SamplingBatch:
 
         mask_rows: list[int] = []
         mask_ids: list[int] = []
-        for row, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) >= p.min_tokens:
+        for row, (p, count, eos) in enumerate(zip(params, num_output_tokens, eos_token_ids)):
+            if count >= p.min_tokens:
                 continue
             # As in vLLM, ignore_eos lets EOS be generated freely, so it is only
             # held back for requests that would otherwise stop on it.
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
             banned_in_vocab = sorted(t for t in banned if t < vocab_size)
             mask_rows.extend([row] * len(banned_in_vocab))
             mask_ids.extend(banned_in_vocab)

@@ -29,7 +29,7 @@ class ServerSettings:
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_serve_args(serve)
-    serve.set_defaults(func=_cmd_serve)
+    serve.set_defaults(func=cmd_serve)
     return serve
 
 
@@ -131,7 +131,17 @@ def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettin
     return args, settings
 
 
-def _cmd_serve(ns: argparse.Namespace) -> int:
-    from ember.server.serve import cmd_serve
+def cmd_serve(ns: argparse.Namespace) -> int:
+    """Start the engine core first, then import the web stack and serve: the core's torch import and
+    model load run while this process imports FastAPI and binds the port."""
+    ns = resolve_args(ns)
+    args, settings = settings_from_args(ns)
+    from ember.engine.core_client import make_client
 
-    return cmd_serve(ns)
+    client = make_client(args, args.engine_process is not False)
+    try:
+        from ember.server.serve import run_server
+    except BaseException:
+        client.shutdown()
+        raise
+    return run_server(ns, args, settings, client)

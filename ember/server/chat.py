@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from ember.engine.async_llm import AsyncLLM
 from ember.engine.output import CompletionOutput, RequestOutput
-from ember.engine.request import Logprob
+from ember.engine.output import Logprob
 from ember.sampling.params import SamplingParams
 from ember.server.errors import value_error
 from ember.server.generation import Generation, respond

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from ember.engine.async_llm import AsyncLLM
 from ember.engine.output import CompletionOutput, RequestOutput
-from ember.engine.request import Logprob
+from ember.engine.output import Logprob
 from ember.sampling.params import SamplingParams
 from ember.server.errors import bad_request
 from ember.server.generation import Generation, respond

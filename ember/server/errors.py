@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
+from ember.engine.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ember.server.protocol import ErrorInfo, ErrorResponse
 
 if TYPE_CHECKING:
@@ -95,6 +95,8 @@ def engine_error(e: Exception, state: ServerState, model: type[BaseModel]) -> AP
                         headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
     if isinstance(e, ValueError):
         return value_error(e, model)
+    if isinstance(e, EngineDeadError):
+        return unavailable(str(e))
     if state.draining and not isinstance(e, (RequestFailedError, EngineDeadError)):
         return unavailable(f"The server is shutting down: {e}")
     return APIError(500, f"The request failed inside the engine: {e}", "internal_server_error")

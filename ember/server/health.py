@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 import ember
-from ember.server.errors import APIError, unavailable
+from ember.server.errors import APIError
 from ember.server.plumbing import available_engine
 from ember.server.state import get_state
 
@@ -21,11 +21,9 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> Response:
     try:
-        engine = available_engine(get_state(request))
+        available_engine(get_state(request))
     except APIError as e:
         return e.response()
-    if not engine.is_ready:
-        return unavailable("The engine is not running").response()
     return Response(status_code=200)
 
 

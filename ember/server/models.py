@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from ember.engine.async_llm import AsyncLLM
 from ember.server.chat import render_chat
 from ember.server.errors import bad_request
-from ember.server.plumbing import check_api_key, read_body, ready_engine, require_tokenizer, vocab_size
+from ember.server.plumbing import check_api_key, read_body, ready_engine, require_tokenizer
 from ember.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                    TokenizeResponse)
 from ember.server.state import get_state
@@ -50,7 +50,7 @@ async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -
 async def detokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> DetokenizeResponse:
     body = await read_body(request, DetokenizeRequest)
     tokenizer = require_tokenizer(engine)
-    vocab = vocab_size(engine)
+    vocab = engine.vocab_size
     for i, t in enumerate(body.tokens):
         if not 0 <= t < vocab:
             raise bad_request(f"tokens[{i}]: {t} is not a token id of this model (0 to {vocab - 1})", f"tokens[{i}]")

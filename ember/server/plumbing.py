@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from ember.engine.async_llm import AsyncLLM
 from ember.engine.output import CompletionOutput, RequestOutput
-from ember.engine.request import Logprob
+from ember.engine.output import Logprob
 from ember.sampling.params import SamplingParams
 from ember.server.errors import APIError, bad_request, unavailable, value_error
 from ember.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart,
@@ -49,16 +49,13 @@ def available_engine(state: ServerState) -> AsyncLLM:
         raise unavailable("The server is shutting down")
     if state.engine is None:
         raise unavailable("The model is still loading")
+    if not state.engine.is_ready:
+        raise unavailable("The engine is not running")
     return state.engine
 
 
 async def ready_engine(request: Request) -> AsyncLLM:
     return available_engine(get_state(request))
-
-
-def vocab_size(engine: AsyncLLM) -> int:
-    """The one place the server reads the model's vocabulary size."""
-    return engine.model_config.vocab_size
 
 
 # ---- request bodies -----------------------------------------------------------------------

@@ -1,9 +1,13 @@
 """`ember serve`: the OpenAI-compatible server from the command line.
 
-The port is bound first and the model loaded after, so `/health` answers 503 while loading and
+The engine core's process is started first (`ember.server.args` does it before this module's web
+stack is imported), so it imports torch and loads the model while this process imports FastAPI,
+binds the port and loads the tokenizer; `/health` answers 503 until the core is ready, and
 orchestrators can tell "starting" from "dead". On SIGTERM/SIGINT the server keeps its socket
 open but answers 503 to new work while running requests finish (up to `--shutdown-timeout`),
-then exits 0; a second signal stops at once.
+then stops the core and exits 0; a second signal stops at once. If the core dies, running
+streams end with an error event, `/health` and new requests get 503, and after
+`_DEAD_ENGINE_GRACE_S` the server exits 1 so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -22,19 +26,24 @@ import uvicorn
 
 from ember.config import EngineArgs
 from ember.engine.async_llm import AsyncLLM
+from ember.engine.core_client import EngineCoreClient
 from ember.server.app import ServerState, build_app
-from ember.server.args import ServerSettings, add_serve_args, resolve_args, settings_from_args
+from ember.server.args import ServerSettings, add_serve_args, cmd_serve
 
 logger = logging.getLogger("ember")
 
 # Enough for finished streams to write their last bytes; the real wait is `--shutdown-timeout`.
 _CONNECTION_CLOSE_GRACE_S = 5.0
+# After the core died: long enough for running streams to send their error event and for health
+# checks to see 503, short enough for a supervisor to restart the service promptly.
+_DEAD_ENGINE_GRACE_S = 2.0
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
-    ns = resolve_args(ns)
-    args, settings = settings_from_args(ns)
-    return asyncio.run(_serve(ns, args, settings))
+def run_server(ns: argparse.Namespace, args: EngineArgs, settings: ServerSettings, client: EngineCoreClient) -> int:
+    try:
+        return asyncio.run(_serve(ns, args, settings, client))
+    finally:
+        client.shutdown()
 
 
 class _Server(uvicorn.Server):
@@ -47,6 +56,8 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        self.exit_code = 0
+        self.watchdog: asyncio.Task[None] | None = None
         self._drain_task: asyncio.Task[None] | None = None
 
     @contextlib.contextmanager
@@ -114,7 +125,16 @@ async def _load_in_daemon_thread(make: Callable[[], AsyncLLM]) -> AsyncLLM:
     return await future
 
 
-async def _serve(ns: argparse.Namespace, args: EngineArgs, settings: ServerSettings) -> int:
+async def _exit_when_engine_dies(server: _Server, engine: AsyncLLM) -> None:
+    while engine.dead_reason is None:
+        await asyncio.sleep(0.1)
+    logger.error("the engine stopped (%s); exiting in %gs", engine.dead_reason, _DEAD_ENGINE_GRACE_S)
+    await asyncio.sleep(_DEAD_ENGINE_GRACE_S)
+    server.exit_code = 1
+    server.should_exit = True
+
+
+async def _serve(ns: argparse.Namespace, args: EngineArgs, settings: ServerSettings, client: EngineCoreClient) -> int:
     try:
         sock = _bind(ns.host, ns.port)
     except OSError as e:
@@ -129,7 +149,7 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs, settings: ServerSetti
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     loading = asyncio.ensure_future(_load_in_daemon_thread(
         lambda: AsyncLLM(args, max_waiting_requests=ns.max_waiting_requests,
-                         served_model_name=settings.model_name)))
+                         served_model_name=settings.model_name, client=client)))
     await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():  # stopped by a signal while loading
         loading.cancel()
@@ -145,11 +165,12 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs, settings: ServerSetti
         await state.close()
     else:
         display = f"[{host}]" if ":" in host else host
-        logger.info("serving %s at http://%s:%d on %s: %d KV blocks of %d tokens, max concurrency %.1fx at %d tokens",
-                    settings.model_name, display, port, engine.device, engine.num_blocks, engine.block_size,
-                    engine.max_concurrency, engine.max_model_len)
+        logger.info("serving %s at http://%s:%d (%s)", settings.model_name, display, port, engine.ready.description)
+        server.watchdog = asyncio.create_task(_exit_when_engine_dies(server, engine))
     await serving
-    return 0
+    if not state.draining:
+        await state.close()
+    return server.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,277 @@
+"""`EngineCore`: scheduler, KV block manager, model runner and sampler. Token ids in, token ids out.
+
+It never sees text: requests arrive as `EngineCoreRequest` messages (prompt token ids, sampling
+parameters, resolved `max_tokens`, EOS ids) and each step answers with `EngineCoreOutputs` (new
+token ids, logprobs as arrays, finish reasons, stats). Stop strings are the front end's: it aborts
+a request whose text hit one. The core checks what needs only token ids: EOS, stop token ids,
+`max_tokens` and the context window.
+
+A step is launched on the device, then collected. With async scheduling (on by default with one
+CUDA GPU) two steps are in flight: step N+1 is scheduled and launched while step N still runs,
+its decode inputs taken on the device from step N's sampled ids, and only then are step N's
+results read back and turned into outputs; the GPU no longer waits for the host between steps.
+Requests whose next step needs every earlier token on the host (penalties, prompt logprobs)
+make the core fall back to one step at a time while they run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+from collections import deque
+
+from ember.config import EngineArgs, ModelConfig
+from ember.engine.block_manager import BlockManager
+from ember.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                                   Logprobs, SchedulerStats)
+from ember.engine.request import Request, RequestStatus
+from ember.engine.scheduler import ScheduledBatch, Scheduler
+from ember.model.loader import load_model_files
+from ember.model.sharding import check_divisible
+from ember.runner.model_runner import ModelRunner, PendingStep, StepResult
+from ember.runner.tp_workers import TensorParallelGroup
+
+logger = logging.getLogger("ember")
+
+
+class EngineCore:
+    UTILITIES = ("reset_prefix_cache", "stats")  # the methods a UtilityCall may name
+
+    def __init__(self, args: EngineArgs) -> None:
+        start = time.monotonic()
+        files = load_model_files(args)
+        device = args.torch_device
+        cache_config = args.cache_config()
+        self.scheduler_config = args.scheduler_config(files.model_config, device)
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.vocab_size = files.model_config.vocab_size
+        self.tensor_parallel = _start_tensor_parallel(args, files.model_config)
+        try:
+            runner_device = self.tensor_parallel.device if self.tensor_parallel else device
+            self.runner = ModelRunner(files, args.runner_config(runner_device, files.checkpoint_dtype), cache_config,
+                                      self.scheduler_config, runner_device)
+            num_blocks = self.runner.prepare_cache()
+        except RuntimeError as e:  # under tensor parallelism, often a rank that died
+            if self.tensor_parallel is None:
+                raise
+            error = self.tensor_parallel.step_failed(e)
+            self.tensor_parallel.stop()
+            raise error from e
+        except BaseException:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.stop()
+            raise
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.ready()
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        capacity = num_blocks * cache_config.block_size
+        if capacity < self.max_model_len:
+            self.shutdown()  # otherwise a request within the context window could never be scheduled
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the KV cache can hold "
+                             f"({capacity} tokens); lower --max-model-len or raise --kv-cache-memory "
+                             f"/ --gpu-memory-utilization")
+        self.async_scheduling = _resolve_async_scheduling(args, runner_device.type)
+        self.requests: dict[str, Request] = {}
+        self._inflight: deque[tuple[ScheduledBatch, PendingStep]] = deque()
+        self._pending: list[EngineCoreOutput] = []  # rejections, sent with the next step's outputs
+        self._num_host_sync = 0  # unfinished requests that need one step at a time
+        self._num_steps = 0
+        self.ready = self._ready_message(files.source, num_blocks, cache_config.block_size,
+                                         args.tensor_parallel_size, time.monotonic() - start)
+        logger.debug(self.ready.description)
+
+    def _ready_message(self, source: str, num_blocks: int, block_size: int, tp: int, seconds: float
+                       ) -> EngineCoreReady:
+        r = self.runner
+        dtype, kv_dtype = (str(d).removeprefix("torch.") for d in (r.dtype, r.kv_dtype))
+        description = (
+            f"model {source} on {r.device} ({dtype}, quantization {r.quantization}, weights "
+            f"{r.weight_bytes / 2**30:.2f} GiB, KV {kv_dtype}): {num_blocks} KV blocks of {block_size} tokens "
+            f"({num_blocks * r.bytes_per_block / 2**30:.2f} GiB), max concurrency "
+            f"{num_blocks * block_size / self.max_model_len:.1f}x at {self.max_model_len} tokens; "
+            f"async scheduling {'on' if self.async_scheduling else 'off'}; ready in {seconds:.1f}s")
+        return EngineCoreReady(
+            num_blocks=num_blocks, block_size=block_size, max_model_len=self.max_model_len,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, vocab_size=self.vocab_size,
+            device=str(r.device),
+            dtype=dtype, kv_cache_dtype=kv_dtype, quantization=r.quantization, weight_bytes=r.weight_bytes,
+            bytes_per_block=r.bytes_per_block, cuda_graphs=r.graphs is not None,
+            async_scheduling=self.async_scheduling, tensor_parallel_size=tp, description=description)
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes (nothing to do with one rank). Idempotent."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.stop()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, msg: EngineCoreRequest) -> None:
+        """Queue a request; one the core cannot run is answered at once (with the next outputs) by an
+        error. The front end validates first, so this is a second line of defence."""
+        problem = self._check(msg)
+        if problem is not None:
+            self._pending.append(EngineCoreOutput(msg.request_id, [], finish_reason="abort", error=problem))
+            return
+        req = Request.from_message(msg, self.runner.device)
+        self.requests[msg.request_id] = req
+        self._num_host_sync += req.needs_host_tokens
+        self.scheduler.add(req)
+
+    def _check(self, msg: EngineCoreRequest) -> str | None:
+        ids = msg.prompt_token_ids
+        if msg.request_id in self.requests:
+            return f"request_id {msg.request_id!r} is already in use"
+        if not ids or any(not 0 <= t < self.vocab_size for t in ids):
+            return f"prompt_token_ids must be a non-empty list of integers in [0, {self.vocab_size})"
+        if msg.max_tokens < 1 or len(ids) + msg.max_tokens > self.max_model_len:
+            return (f"max_tokens: {len(ids)} prompt + {msg.max_tokens} new tokens exceed the context window of "
+                    f"{self.max_model_len}")
+        return None
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """End requests now and free their KV blocks; the front end already knows, so no output."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        del self.requests[req.request_id]
+        self._num_host_sync -= req.needs_host_tokens
+
+    def has_work(self) -> bool:
+        return bool(self.requests or self._inflight or self._pending)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    # ---- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Launch the next step when there is room, and collect the oldest one in flight when it is due:
+        with one step at a time that is the one just launched."""
+        outputs, self._pending = self._pending, []
+        depth = 2 if self.async_scheduling and not self._num_host_sync else 1
+        launched = len(self._inflight) < depth and self._launch(outputs)
+        if self._inflight and (len(self._inflight) >= depth or not launched):
+            outputs += self._collect()
+        return self.outputs(outputs)
+
+    def outputs(self, outputs: list[EngineCoreOutput] | None = None) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs or [], time.monotonic(), self.stats())
+
+    def stats(self) -> SchedulerStats:
+        bm, timer = self.block_manager, self.runner.timer
+        return SchedulerStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps, gpu_busy_s=timer.busy_s if timer else 0.0,
+            gpu_idle_s=timer.idle_s if timer else 0.0)
+
+    def _launch(self, outputs: list[EngineCoreOutput]) -> bool:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return False
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.check()
+        try:
+            pending = self.runner.launch(batch)
+        except Exception as e:
+            outputs += self._failed(batch, e)
+            return True
+        self.scheduler.advance(batch)
+        self._inflight.append((batch, pending))
+        return True
+
+    def _collect(self) -> list[EngineCoreOutput]:
+        batch, pending = self._inflight.popleft()
+        try:
+            result = self.runner.wait(pending)
+        except Exception as e:
+            return self._failed(batch, e)
+        self._num_steps += 1
+        outputs = self._sampled_outputs(result)
+        for req in batch.requests:
+            if not req.status.finished:
+                self.scheduler.cache_full_blocks(req)
+        return outputs
+
+    def _sampled_outputs(self, result: StepResult) -> list[EngineCoreOutput]:
+        outputs: dict[str, EngineCoreOutput] = {}
+        for req, (first, logprobs) in result.prompt_logprobs.items():
+            new = None if req.status.finished else _unsent_prompt_logprobs(req, first, logprobs)
+            if new is not None:
+                outputs[req.request_id] = EngineCoreOutput(req.request_id, [], new_prompt_logprobs=new)
+        for req, token, logprobs in zip(result.requests, result.token_ids, result.logprobs):
+            req.num_inflight_tokens -= 1
+            if req.status.finished:  # aborted, or finished by the step before, while this one ran
+                continue
+            out = outputs.setdefault(req.request_id, EngineCoreOutput(req.request_id, []))
+            try:
+                self._append(req, token, logprobs, out)
+            except Exception as e:  # one request's bookkeeping failed: fail only that request
+                logger.exception("request %s failed after its step", req.request_id)
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                outputs[req.request_id] = EngineCoreOutput(req.request_id, [], finish_reason="abort",
+                                                           error=f"{type(e).__name__}: {e}")
+        return list(outputs.values())
+
+    def _append(self, req: Request, token: int, logprobs: Logprobs | None, out: EngineCoreOutput) -> None:
+        req.append_token(token)
+        out.new_token_ids, out.new_logprobs = [token], logprobs
+        out.num_cached_tokens = max(req.num_cached_tokens, 0)
+        status = req.check_stop(token, self.max_model_len)
+        if status is not None:
+            self._finish(req, status)
+            out.finish_reason, out.stop_reason = status.value, req.stop_reason
+
+    def _failed(self, batch: ScheduledBatch, error: Exception) -> list[EngineCoreOutput]:
+        """The model failed on this batch: fail its requests and keep serving the others, unless the
+        tensor-parallel ranks may now be out of step, which ends the core."""
+        if self.tensor_parallel is not None:
+            raise self.tensor_parallel.step_failed(error) from error
+        logger.exception("model step failed; aborting the %d requests in the batch", len(batch))
+        message = f"{type(error).__name__}: {error}"
+        outputs = []
+        for req in batch.requests:
+            if not req.status.finished:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", error=message))
+        return outputs
+
+
+def _unsent_prompt_logprobs(req: Request, first: int, logprobs: Logprobs) -> Logprobs | None:
+    """The part of a step's prompt logprobs not reported before (a preempted request recomputes its
+    prompt, and its earlier positions were sent already)."""
+    skip = req.num_prompt_logprobs_sent - first
+    if skip >= len(logprobs.ranks):
+        return None
+    req.num_prompt_logprobs_sent = first + len(logprobs.ranks)
+    if skip <= 0:
+        return logprobs
+    return Logprobs(logprobs.token_ids[skip:], logprobs.logprobs[skip:], logprobs.ranks[skip:])
+
+
+def _start_tensor_parallel(args: EngineArgs, model_config: ModelConfig) -> TensorParallelGroup | None:
+    if args.tensor_parallel_size == 1:
+        return None
+    check_divisible(model_config, args.tensor_parallel_size)
+    group = TensorParallelGroup(args)
+    atexit.register(group.stop)
+    return group
+
+
+def _resolve_async_scheduling(args: EngineArgs, device_type: str) -> bool:
+    """On by default with one CUDA GPU, where it hides the host's per-step work behind the GPU's; on the
+    CPU the same cores do both, so nothing is hidden. The tensor-parallel step broadcast sends token
+    ids from the host, so it needs them there: one step at a time."""
+    if args.async_scheduling is None:
+        return device_type == "cuda" and args.tensor_parallel_size == 1
+    if args.async_scheduling and args.tensor_parallel_size > 1:
+        raise ValueError("async_scheduling: not supported with tensor parallelism (tensor_parallel_size > 1)")
+    return args.async_scheduling

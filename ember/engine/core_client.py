@@ -1,0 +1,220 @@
+"""How a front end talks to its engine core: in-process or in the core's own process, one interface.
+
+`send` queues an input message, `get_output` returns the core's next output messages (waiting up
+to `timeout`), `shutdown` ends the core. `InprocClient` runs the core's loop in the caller's
+thread on `get_output` (`LLM`, `ember generate`, tests that patch the core); `MPClient` starts
+`ember.engine.core_process` and speaks msgpack over two ZMQ ipc sockets (`ember serve`,
+`AsyncLLM`, and `LLM(engine_process=True)`).
+
+A core process that dies is noticed by `get_output` within `_POLL_S`: it then returns an
+`EngineCoreFailed` with the core's own last words (or its exit status), once, and the front end
+fails every request instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from typing import IO
+
+import msgspec
+import zmq
+
+from ember.config import EngineArgs, launched_by_torchrun
+from ember.engine.errors import EngineStartError
+from ember.engine.messages import (CoreInput, CoreOutput, EngineCoreFailed, EngineCoreReady, UtilityCall,
+                                   decode_output, encode)
+
+logger = logging.getLogger("ember")
+_POLL_S = 0.1  # how often a waiting client checks that the core process is alive
+_SHUTDOWN_CALL_ID = -1
+BOOTSTRAP_LENGTH = struct.Struct("<I")
+
+
+class CoreBootstrap(msgspec.Struct):
+    """What a core process reads from its stdin first (length-prefixed msgpack)."""
+
+    args: EngineArgs
+    input_address: str  # the front end's PUSH socket, bound
+    output_address: str  # the front end's PULL socket, bound
+
+    def write(self, stream: IO[bytes]) -> None:
+        data = msgspec.msgpack.encode(self)
+        stream.write(BOOTSTRAP_LENGTH.pack(len(data)) + data)
+        stream.flush()
+
+
+class EngineCoreClient(ABC):
+    ready: EngineCoreReady
+    failure: str | None = None  # set once the core has stopped on an error
+
+    @abstractmethod
+    def wait_ready(self, timeout: float | None = None) -> EngineCoreReady:
+        """The core's fixed facts once it is ready; EngineStartError when it could not start."""
+
+    @abstractmethod
+    def send(self, message: CoreInput) -> None:
+        ...
+
+    @abstractmethod
+    def get_output(self, timeout: float | None = None) -> list[CoreOutput]:
+        """The core's next outputs, or [] when none came within `timeout` seconds (None: no limit
+        while the core has work; an idle in-process core returns at once)."""
+
+    @abstractmethod
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """End the core (and its tensor-parallel ranks). Idempotent."""
+
+    @property
+    def is_alive(self) -> bool:
+        return self.failure is None
+
+
+class InprocClient(EngineCoreClient):
+    """The core in this process; `get_output` runs one iteration of its loop in the caller's thread."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        from ember.engine.core import EngineCore
+        from ember.engine.core_loop import CoreLoop
+
+        self.loop = CoreLoop(EngineCore(args))
+        self.ready = self.loop.core.ready
+
+    def wait_ready(self, timeout: float | None = None) -> EngineCoreReady:
+        return self.ready
+
+    def send(self, message: CoreInput) -> None:
+        self.loop.put(message)
+
+    def get_output(self, timeout: float | None = None) -> list[CoreOutput]:
+        try:
+            return self.loop.run_once(timeout)
+        except BaseException as e:  # the core's loop failed: as fatal as a core process dying
+            logger.exception("engine core stopped")
+            self.failure = f"{type(e).__name__}: {e}"
+            self.loop.core.shutdown()
+            self.loop.stopped = True
+            return [EngineCoreFailed(self.failure)]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if not self.loop.stopped:
+            self.loop.stopped = True
+            self.loop.core.shutdown()
+
+
+class MPClient(EngineCoreClient):
+    """Starts the core process at once; `wait_ready` then waits for its model to load, so the caller
+    can do its own start-up (the web stack, the tokenizer) meanwhile."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ember-core-")
+        self._ctx = zmq.Context()
+        self._input = self._bind(zmq.PUSH, "in")
+        self._output = self._bind(zmq.PULL, "out")
+        self._poller = zmq.Poller()
+        self._poller.register(self._output, zmq.POLLIN)
+        # The core never needs its own stdout; keeping stdin open tells it the front end lives.
+        self.proc = subprocess.Popen([sys.executable, "-m", "ember.engine.core_process"], stdin=subprocess.PIPE)
+        CoreBootstrap(args, self._address("in"), self._address("out")).write(self.proc.stdin)
+        self._stopping = False
+
+    def _address(self, name: str) -> str:
+        return f"ipc://{os.path.join(self._dir, name)}"
+
+    def _bind(self, kind: int, name: str) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
+        sock.bind(self._address(name))
+        return sock
+
+    def wait_ready(self, timeout: float | None = None) -> EngineCoreReady:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for message in self._receive(_POLL_S):
+                if isinstance(message, EngineCoreReady):
+                    self.ready = message
+                    return message
+                if isinstance(message, EngineCoreFailed):
+                    self.shutdown()
+                    raise EngineStartError(message.message)
+            if deadline is not None and time.monotonic() > deadline:
+                self.shutdown()
+                raise EngineStartError(f"the engine core did not start within {timeout:g}s")
+
+    def send(self, message: CoreInput) -> None:
+        """Never blocks: a PUSH socket would wait forever for a core that died (its peer is gone)."""
+        try:
+            self._input.send(encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.debug("engine core not connected; dropped a %s", type(message).__name__)
+
+    def get_output(self, timeout: float | None = None) -> list[CoreOutput]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+            messages = self._receive(remaining)
+            if messages or (deadline is not None and time.monotonic() >= deadline):
+                return messages
+
+    def _receive(self, timeout: float) -> list[CoreOutput]:
+        """What has arrived (waiting up to `timeout` for the first); a dead core's last words once."""
+        if self.failure is not None:
+            return []
+        if self._poller.poll(timeout * 1000):
+            messages = []
+            while True:
+                try:
+                    messages.append(decode_output(self._output.recv(zmq.NOBLOCK, copy=False).buffer))
+                except zmq.Again:
+                    break
+            for m in messages:
+                if isinstance(m, EngineCoreFailed):
+                    self.failure = m.message
+            return messages
+        code = self.proc.poll()
+        if code is None or self._stopping:
+            return []
+        self.failure = _exit_description(code)
+        logger.error("engine core process (pid %d) %s", self.proc.pid, self.failure)
+        return [EngineCoreFailed(self.failure)]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the core to stop, give it `timeout` seconds, then kill it; nothing is left behind."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.proc.poll() is None:
+            self.send(UtilityCall(_SHUTDOWN_CALL_ID, "shutdown"))
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("engine core did not stop within %gs; killing it", timeout)
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdin.close()
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        return f"engine core process was killed by {signal.Signals(-code).name}"
+    return f"engine core process exited with code {code}"
+
+
+def make_client(args: EngineArgs, engine_process: bool) -> EngineCoreClient:
+    """The client for this process's role. Under torchrun, ranks other than 0 become followers of rank
+    0's core here and never return."""
+    if args.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+        from ember.runner.tp_workers import serve_as_torchrun_worker
+
+        serve_as_torchrun_worker(args)
+    return MPClient(args) if engine_process else InprocClient(args)

@@ -1,0 +1,90 @@
+"""`CoreLoop`: an `EngineCore` driven by a queue of input messages.
+
+The core process's main thread runs it in a busy loop (`run`); the in-process client runs one
+iteration at a time in its caller's thread (`run_once`). Either way the order is the same: take
+every input waiting (blocking only while the core has nothing to do), then run one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+
+from ember.engine.core import EngineCore
+from ember.engine.messages import (AbortRequests, CoreInput, CoreOutput, EngineCoreRequest, UtilityCall,
+                                   UtilityResult)
+
+logger = logging.getLogger("ember")
+SHUTDOWN = "shutdown"  # the UtilityCall that ends the loop (after answering it)
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.inputs: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
+        self.stopped = False
+        self._idle_changed = False  # an input changed the core's state since the last outputs
+
+    def put(self, message: CoreInput) -> None:
+        """Thread-safe: the caller's or an I/O thread."""
+        self.inputs.put(message)
+
+    def run_once(self, timeout: float | None = None) -> list[CoreOutput]:
+        """Handle the waiting inputs (while the core is idle, waiting up to `timeout` seconds for one;
+        None: until one comes), then step if there is work. An idle core whose requests were aborted
+        reports fresh stats instead."""
+        results = self._take_inputs(block=not self.core.has_work(), timeout=timeout)
+        if self.stopped:
+            return results
+        if self.core.has_work():
+            results.append(self.core.step())
+            self._idle_changed = False
+        elif self._idle_changed:
+            results.append(self.core.outputs())
+            self._idle_changed = False
+        return results
+
+    def run(self, emit: Callable[[CoreOutput], None]) -> None:
+        """Until a shutdown call: the core process's main thread."""
+        while not self.stopped:
+            for out in self.run_once(timeout=1.0):
+                emit(out)
+
+    def _take_inputs(self, block: bool, timeout: float | None) -> list[CoreOutput]:
+        results: list[CoreOutput] = []
+        try:
+            message = self.inputs.get(timeout=timeout) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return results
+        while True:
+            result = self._handle(message)
+            if result is not None:
+                results.append(result)
+            try:
+                message = self.inputs.get_nowait()
+            except queue.Empty:
+                return results
+
+    def _handle(self, message: CoreInput) -> UtilityResult | None:
+        self._idle_changed = True
+        if isinstance(message, EngineCoreRequest):
+            self.core.add_request(message)
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+        elif isinstance(message, UtilityCall):
+            return self._call(message)
+        return None
+
+    def _call(self, call: UtilityCall) -> UtilityResult:
+        if call.method == SHUTDOWN:
+            self.core.shutdown()
+            self.stopped = True
+            return UtilityResult(call.call_id)
+        if call.method not in EngineCore.UTILITIES:
+            return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
+        except Exception as e:  # a utility's failure is the caller's answer, not the core's end
+            logger.exception("utility call %s failed", call.method)
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")

@@ -1,0 +1,121 @@
+"""The engine core's own process: `python -m ember.engine.core_process`, started by `MPClient`.
+
+Three threads. The main thread runs the `CoreLoop` (schedule, launch, collect); an input thread
+receives and decodes the front end's messages; an output thread encodes and sends each step's
+outputs. ZMQ's send and receive release the GIL, so (de)serialisation overlaps the next step's
+device work instead of adding to it, and the front end's HTTP work never competes with the
+engine for a GIL at all.
+
+Start-up: the front end writes one `CoreBootstrap` (engine arguments, socket addresses) to this
+process's stdin and keeps the pipe open. EOF on it means the front end is gone, even by kill -9:
+the core then exits at once instead of living on as an orphan (tensor-parallel ranks watch the
+core the same way). The core ignores SIGINT and SIGTERM: a Ctrl-C in a terminal or systemd's
+SIGTERM to the whole service reaches the front end too, which drains its requests and then asks
+the core to stop. A core that cannot start sends `EngineCoreFailed` with its exception and exits 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+
+import msgspec
+import zmq
+
+from ember.engine.core import EngineCore
+from ember.engine.core_client import BOOTSTRAP_LENGTH, CoreBootstrap
+from ember.engine.core_loop import CoreLoop
+from ember.engine.messages import CoreOutput, EngineCoreFailed, decode_input, encode
+
+logger = logging.getLogger("ember")
+_LINGER_MS = 5000  # how long closing waits for queued outputs to leave
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            raise EOFError("the front end closed the engine core's stdin before sending its arguments")
+        data += chunk
+    return data
+
+
+def _read_bootstrap() -> CoreBootstrap:
+    """Read from the raw descriptor: a buffered sys.stdin would hold a lock that the watching thread
+    keeps at interpreter exit."""
+    (size,) = BOOTSTRAP_LENGTH.unpack(_read_exactly(0, BOOTSTRAP_LENGTH.size))
+    return msgspec.msgpack.decode(_read_exactly(0, size), type=CoreBootstrap)
+
+
+def _exit_when_front_end_dies() -> None:
+    while os.read(0, 4096):  # returns b"" at EOF: the front end closed the pipe or died
+        pass
+    logger.error("engine core: the front end is gone; exiting")
+    os._exit(1)
+
+
+def _send_outputs(outputs: queue.SimpleQueue, sock: zmq.Socket) -> None:
+    while (message := outputs.get()) is not None:
+        sock.send(encode(message), copy=False)
+
+
+def _receive_inputs(sock: zmq.Socket, loop: CoreLoop) -> None:
+    try:
+        while True:
+            loop.put(decode_input(sock.recv(copy=False).buffer))
+    except zmq.ContextTerminated:
+        sock.close(linger=0)
+
+
+def _failure(e: BaseException) -> EngineCoreFailed:
+    return EngineCoreFailed(f"{type(e).__name__}: {e}")
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    boot = _read_bootstrap()
+    threading.Thread(target=_exit_when_front_end_dies, name="ember-core-parent", daemon=True).start()
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.SNDHWM, 0)
+    out_sock.connect(boot.output_address)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.setsockopt(zmq.RCVHWM, 0)
+    in_sock.connect(boot.input_address)
+    try:
+        core = EngineCore(boot.args)
+    except BaseException as e:  # reported to the front end, which shows it and exits
+        if not isinstance(e, ValueError):  # bad flags or model files need no traceback; anything else does
+            logger.exception("engine core failed to start")
+        out_sock.send(encode(_failure(e)))
+        out_sock.close(linger=_LINGER_MS)
+        return 1
+    out_sock.send(encode(core.ready))
+    loop = CoreLoop(core)
+    outputs: queue.SimpleQueue[CoreOutput | None] = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_outputs, args=(outputs, out_sock), name="ember-core-out")
+    sender.start()
+    threading.Thread(target=_receive_inputs, args=(in_sock, loop), name="ember-core-in", daemon=True).start()
+    code = 0
+    try:
+        loop.run(outputs.put)
+    except BaseException as e:  # an engine bug or a device failure: the front end fails every request
+        logger.exception("engine core stopped")
+        outputs.put(_failure(e))
+        core.shutdown()
+        code = 1
+    outputs.put(None)
+    sender.join()
+    out_sock.close(linger=_LINGER_MS)
+    ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

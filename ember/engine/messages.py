@@ -1,0 +1,151 @@
+"""The engine core's whole interface: the messages a front end and an `EngineCore` exchange.
+
+The core sees token ids, never text; the front end sees these structs, never tensors or engine
+objects. Each is a msgspec Struct sent as msgpack with its fields by position (`array_like`), so
+the same types serve the in-process client (passed as objects) and the core process (bytes over
+ZMQ). Tagged unions let one socket carry every kind of message in each direction.
+
+Front end -> core: `EngineCoreRequest`, `AbortRequests`, `UtilityCall`.
+Core -> front end: `EngineCoreReady` once, then `EngineCoreOutputs` per step (with the scheduler's
+stats) and `UtilityResult`s; `EngineCoreFailed` when the core cannot start or stops on an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from ember.sampling.params import SamplingParams
+
+
+class _Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of every message: fields by position on the wire, the class name as the tag."""
+
+
+class EngineCoreRequest(_Message):
+    """One sequence to generate. A prompt with `n > 1` reaches the core as n requests."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # text-only fields (stop strings) stripped by the front end
+    max_tokens: int  # resolved: the request's own, or what the context window leaves
+    eos_token_ids: list[int]
+    arrival_time: float  # time.monotonic() of the front end (one clock per machine)
+
+
+class AbortRequests(_Message):
+    """End these requests now and free their KV blocks (client gone, stop string found, ...)."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(_Message):
+    """A call outside the request flow; answered by a `UtilityResult` with the same `call_id`."""
+
+    call_id: int
+    method: str  # see EngineCore.UTILITIES
+    args: list[Any] = []
+
+
+class Logprobs(_Message):
+    """Logprobs of consecutive positions as flat lists: per position the chosen token (sampled, or
+    the prompt's next token) first, then the top-N by logprob; and the chosen token's rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(_Message):
+    """What one request gained in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None  # one row per new token, when the request asked for logprobs
+    # the prompt positions computed this step (prompt token i's logprob for i = 1, 2, ..., continuing
+    # where the previous message left off), when the request asked for prompt logprobs
+    new_prompt_logprobs: Logprobs | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | None = None  # the stop token id that ended the request
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    error: str | None = None  # the request failed inside the core (finish_reason is then "abort")
+
+
+class SchedulerStats(_Message):
+    """The core's state after a step; counters are cumulative since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use, 0 to 1
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    num_steps: int  # steps that ran the model
+    gpu_busy_s: float = 0.0  # CUDA: time the GPU spent in steps' work
+    gpu_idle_s: float = 0.0  # CUDA: time the GPU waited for the host between steps
+
+
+class EngineCoreOutputs(_Message):
+    """One step's outputs; a message with no outputs carries fresh stats (after aborts, when idle)."""
+
+    outputs: list[EngineCoreOutput]
+    timestamp: float  # time.monotonic() when the step's tokens were known
+    stats: SchedulerStats
+
+
+class UtilityResult(_Message):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreReady(_Message):
+    """Facts fixed for the core's lifetime, sent once when it is ready for requests."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    device: str
+    dtype: str
+    kv_cache_dtype: str
+    quantization: str
+    weight_bytes: int
+    bytes_per_block: int
+    cuda_graphs: bool
+    async_scheduling: bool
+    tensor_parallel_size: int
+    description: str  # the one start-up log line
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class EngineCoreFailed(_Message):
+    """The core could not start, or its loop stopped on an error: no request can run any more."""
+
+    message: str  # the exception, as `Type: text`
+
+
+CoreInput = Union[EngineCoreRequest, AbortRequests, UtilityCall]
+CoreOutput = Union[EngineCoreOutputs, UtilityResult, EngineCoreReady, EngineCoreFailed]
+
+_encoder = msgspec.msgpack.Encoder()
+_input_decoder = msgspec.msgpack.Decoder(CoreInput)
+_output_decoder = msgspec.msgpack.Decoder(CoreOutput)
+
+
+def encode(message: CoreInput | CoreOutput) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_input(data: bytes) -> CoreInput:
+    return _input_decoder.decode(data)
+
+
+def decode_output(data: bytes) -> CoreOutput:
+    return _output_decoder.decode(data)

