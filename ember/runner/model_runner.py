@@ -10,12 +10,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import math
-import mmap
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +29,7 @@ from ember.quant.linear import QuantEmbedding, QuantLinear
 from ember.quant.quantize import QUANTIZERS
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
+from ember.runner.kv_cache import KVCache
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
 from ember.runner.step_inputs import PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
@@ -147,8 +145,9 @@ class ModelRunner:
         self.model.eval()
         _return_freed_memory_to_os()
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
+        self.kv_cache = KVCache(self.model.attention_layers(), self.model.layout.num_kv_heads, cfg.head_dim,
+                                self.block_size, self.kv_dtype, self.device)
         self.sampler = Sampler()
-        self.num_blocks = 0
         self.enforce_eager = config.enforce_eager
         max_blocks = -(-scheduler_config.max_model_len // self.block_size)
         self.buffers = InputBuffers(max(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
@@ -162,14 +161,12 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        cfg = self.model_config
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * self.model.layout.num_kv_heads * cfg.head_dim * elem
+        return self.kv_cache.bytes_per_block
 
     def prepare_cache(self) -> int:
         """Size, allocate and capture: every rank runs this same sequence (its collectives must pair up)."""
         num_blocks = self.determine_num_blocks()
-        self.allocate_kv_cache(num_blocks)
+        self.kv_cache.allocate(num_blocks)
         self.capture_cuda_graphs()
         return num_blocks
 
@@ -206,7 +203,7 @@ class ModelRunner:
         max_len = self.scheduler_config.max_model_len
         lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
         blocks = [-(-n // self.block_size) for n in lens]
-        self.allocate_kv_cache(sum(blocks))
+        self.kv_cache.allocate(sum(blocks))
         tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
         first = 0
         for row, nb in enumerate(blocks):
@@ -229,33 +226,9 @@ class ModelRunner:
             self.model.compute_logits(hidden[: min(self.scheduler_config.max_num_seqs, tokens)])
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
-        self.release_kv_cache()
+        self.kv_cache.release()
         torch.cuda.empty_cache()
         return peak
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        cfg = self.model_config
-        shape = (num_blocks, self.block_size, self.model.layout.num_kv_heads, cfg.head_dim)
-        for attn in self.model.attention_layers():
-            attn.k_cache = self._zeros(shape)
-            attn.v_cache = self._zeros(shape)
-        self.num_blocks = num_blocks
-
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed cache tensor. On CPU, an anonymous memory map leaves untouched pages unmapped, so a
-        large `--kv-cache-memory` costs resident memory only as blocks are used (torch.zeros writes
-        every page at once). Not numpy's zeros: it advises huge pages for large arrays, and the
-        kernel's khugepaged then fills whole 2 MiB pages around each touched block."""
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        nbytes = math.prod(shape) * torch.empty((), dtype=self.kv_dtype).element_size()
-        raw = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-        return torch.from_numpy(raw).view(self.kv_dtype).view(shape)
-
-    def release_kv_cache(self) -> None:
-        for attn in self.model.attention_layers():
-            attn.k_cache = attn.v_cache = None
-        self.num_blocks = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -310,34 +283,38 @@ class ModelRunner:
         inputs = self._upload(step.header)
         if step.inflight_rows:
             self._fill_inflight_tokens(inputs.input_ids, step.inflight_rows)
-        reqs = step.samplers
-        sbatch = None
-        if reqs:  # built before the forward so its host-to-device copies overlap the GPU's work
-            sbatch = SamplingBatch.build(
-                params=[r.sampling_params for r in reqs],
-                prompt_token_ids=[r.prompt_token_ids for r in reqs],
-                output_token_ids=[r.output_token_ids for r in reqs],
-                num_output_tokens=[r.num_output_tokens + r.num_inflight_tokens for r in reqs],
-                generators=[r.generator for r in reqs],
-                eos_token_ids=[r.eos_token_ids for r in reqs],
-                vocab_size=self.model_config.vocab_size,
-                device=self.device,
-            )
+        # Built before the forward so that its host-to-device copies overlap the GPU's work.
+        sbatch = self._sampling_batch(step.samplers) if step.samplers else None
         hidden = self._forward(inputs)
-        prompt = [(rows, *self._prompt_logprobs(rows, hidden)) for rows in step.prompt_rows]
-        out = None
-        if sbatch is not None and sbatch.argmax_only:
+        prompt = [(rows, *(_to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
+        if sbatch is None:
+            self._last_sampled = None
+            return PendingStep(step.samplers, None, None, prompt, self._end_events(start))
+        if sbatch.argmax_only:
             out = SamplerOutput(self.model.greedy_tokens(hidden[inputs.logits_indices]), None, None)
-        elif sbatch is not None:
+        else:
             out = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), sbatch)
-        self._last_sampled = None if out is None else (out.sampled_token_ids, {r: i for i, r in enumerate(reqs)})
-        return PendingStep(
-            requests=reqs,
-            sampled=None if out is None else _to_host(out.sampled_token_ids),
-            logprobs=None if out is None or out.logprobs is None else (
-                _to_host(out.logprob_token_ids), _to_host(out.logprobs), _to_host(out.sampled_ranks)),
-            prompt_logprobs=[(rows, _to_host(ids), _to_host(vals), _to_host(ranks)) for rows, ids, vals, ranks in prompt],
-            events=None if start is None else (start, StepTimer.record()))
+        self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(step.samplers)})
+        logprobs = None if out.logprobs is None else (
+            _to_host(out.logprob_token_ids), _to_host(out.logprobs), _to_host(out.sampled_ranks))
+        return PendingStep(step.samplers, _to_host(out.sampled_token_ids), logprobs, prompt, self._end_events(start))
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        return SamplingBatch.build(
+            params=[r.sampling_params for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            num_output_tokens=[r.num_output_tokens + r.num_inflight_tokens for r in reqs],
+            generators=[r.generator for r in reqs],
+            eos_token_ids=[r.eos_token_ids for r in reqs],
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+        )
+
+    @staticmethod
+    def _end_events(start: torch.cuda.Event | None) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """The step's start event and one recorded now, after its last device work (the copies back)."""
+        return None if start is None else (start, StepTimer.record())
 
     def _fill_inflight_tokens(self, input_ids: torch.Tensor, rows: list[tuple[int, Request]]) -> None:
         """Input tokens sampled by the previous step, still on the device: copied there, never to the host."""

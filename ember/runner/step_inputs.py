@@ -8,6 +8,7 @@ its row is listed in `inflight_rows` and filled on the device from that step's s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,7 @@ class PreparedStep:
 
 
 def prepare_step(batch: ScheduledBatch, buffers: InputBuffers, block_size: int,
-                 graph_size: "callable[[int], int | None] | None") -> PreparedStep:
+                 graph_size: Callable[[int], int | None] | None) -> PreparedStep:
     """Fill the host buffers for this batch. `graph_size(num_seqs)` gives the captured CUDA graph size
     to pad a decode-only batch to (None: run eagerly)."""
     order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
