@@ -27,10 +27,9 @@ from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, 
                                    UtilityCall, UtilityResult)
 from ember.engine.metrics import PrometheusStatLogger
 from ember.engine.output import OutputProcessor, RequestOutput, RequestState
-from ember.engine.processor import Processor, PromptType
+from ember.engine.processor import ModelFacts, Processor, PromptType
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
-from ember.tokenizer import Tokenizer
 
 logger = logging.getLogger("ember")
 _OUTPUT_POLL_S = 0.5  # how often the output thread looks up from an idle core to check for shutdown
@@ -47,7 +46,7 @@ class _Stream:
         self.error: BaseException | None = None
 
 
-class AsyncLLM:
+class AsyncLLM(ModelFacts):
     def __init__(self, args: EngineArgs, max_waiting_requests: int | None = None,
                  served_model_name: str | None = None, client: EngineCoreClient | None = None) -> None:
         """Blocks until the engine core is ready. `client` is a core client started earlier (so that
@@ -81,18 +80,6 @@ class AsyncLLM:
     # ---- what front ends read -------------------------------------------------------------
 
     @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self.processor.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.ready.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.ready.vocab_size
-
-    @property
     def device(self) -> str:
         return self.ready.device
 
@@ -121,9 +108,6 @@ class AsyncLLM:
     def num_waiting(self) -> int:
         """Requests the core has not started yet, as of its last step (plus those sent since)."""
         return (self.scheduler_stats.num_waiting if self.scheduler_stats else 0) + self._adds_since_stats
-
-    def default_sampling_params(self) -> SamplingParams:
-        return self.processor.default_sampling_params()
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -23,16 +23,15 @@ from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, 
                                    UtilityCall, UtilityResult)
 from ember.engine.metrics import IterationStats
 from ember.engine.output import OutputProcessor, RequestOutput
-from ember.engine.processor import Processor, PromptType
+from ember.engine.processor import ModelFacts, Processor, PromptType
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
-from ember.tokenizer import Tokenizer
 
 logger = logging.getLogger("ember")
 StatLogger = Callable[[SchedulerStats | None, IterationStats], None]
 
 
-class LLMEngine:
+class LLMEngine(ModelFacts):
     def __init__(self, args: EngineArgs) -> None:
         self.client: EngineCoreClient = make_client(args, bool(args.engine_process))
         try:
@@ -49,17 +48,6 @@ class LLMEngine:
         self._call_ids = itertools.count()
         self._buffered: deque[CoreOutput] = deque()
         self._results: dict[int, UtilityResult] = {}
-
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self.processor.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.ready.max_model_len
-
-    def default_sampling_params(self) -> SamplingParams:
-        return self.processor.default_sampling_params()
 
     def shutdown(self) -> None:
         """End the engine core (its process and tensor-parallel ranks). Idempotent."""

@@ -87,3 +87,25 @@ class Processor:
             core.append(EngineCoreRequest(child_request_id(request_id, i, params.n), ids, child, max_tokens,
                                           self.eos_token_ids, arrival))
         return ProcessedRequest(state, core)
+
+
+class ModelFacts:
+    """What both front ends (`LLMEngine`, `AsyncLLM`) answer about the model they serve."""
+
+    processor: Processor
+    ready: EngineCoreReady
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.processor.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.ready.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.ready.vocab_size
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.processor.default_sampling_params()
