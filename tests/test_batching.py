@@ -67,3 +67,19 @@ def test_preemption_equals_alone(llama_dir, prompts, greedy, alone, prefix_cachi
     assert stats.num_preemptions > 0
     assert got == alone
     assert stats.kv_cache_usage == 0.0
+
+
+def test_kernel_warm_up_batches_run_through_the_runner(llama_dir):
+    """The start-up warm-up (CUDA only) feeds these batches to the runner: every prefill tile height next
+    to a decode, over cached context. Here they run on the CPU path: each samples one token per row."""
+    from conftest import inproc_core
+    from ember.runner.warmup import warm_up_batches
+
+    llm = LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05)
+    runner = inproc_core(llm).runner
+    batches = warm_up_batches(16, runner.kv_cache.num_blocks)
+    assert [b.num_new_tokens[1] for b in batches] == [2, 3, 5, 9, 17, 33, 65, 129]
+    for batch in batches:
+        result = runner.wait(runner.launch(batch))
+        assert len(result.token_ids) == 2 and all(0 <= t < 512 for t in result.token_ids)
+    assert warm_up_batches(16, 3) == []  # a pool too small for the first batch: no warm-up

@@ -64,6 +64,7 @@ class EngineCore:
             raise
         if self.tensor_parallel is not None:
             self.tensor_parallel.ready()
+        self.runner.warm_up_kernels()
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         capacity = num_blocks * cache_config.block_size

@@ -33,6 +33,7 @@ from ember.runner.kv_cache import KVCache
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
 from ember.runner.step_inputs import PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
+from ember.runner.warmup import warm_up_batches
 from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 
 logger = logging.getLogger("ember")
@@ -169,6 +170,17 @@ class ModelRunner:
         self.kv_cache.allocate(num_blocks)
         self.capture_cuda_graphs()
         return num_blocks
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile the kernel variants of mixed prefill/decode steps now (see runner/warmup.py). Rank 0
+        runs it once every rank serves steps; it leaves no trace in the step timer."""
+        if self.device.type != "cuda":
+            return
+        for batch in warm_up_batches(self.block_size, self.kv_cache.num_blocks):
+            self.wait(self.launch(batch))
+        self._last_sampled = None
+        self.timer = StepTimer()
 
     def determine_num_blocks(self) -> int:
         """`--kv-cache-memory` when given; else on GPU what `--gpu-memory-utilization` leaves after a forward

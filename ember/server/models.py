@@ -1,4 +1,5 @@
-"""GET /v1/models, POST /tokenize and POST /detokenize: what the served model is, and its tokenizer.
+"""GET /v1/models, POST /tokenize and POST /detokenize: what the served model is, and its tokenizer;
+POST /reset_prefix_cache (vLLM's name): forget cached prefixes, e.g. between benchmark runs.
 
 None of these runs the model; /tokenize renders chat messages through chat.py's `render_chat`, so a
 client counts exactly the tokens a chat request would send.
@@ -55,3 +56,9 @@ async def detokenize(request: Request, engine: AsyncLLM = Depends(ready_engine))
         if not 0 <= t < vocab:
             raise bad_request(f"tokens[{i}]: {t} is not a token id of this model (0 to {vocab - 1})", f"tokens[{i}]")
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(engine: AsyncLLM = Depends(ready_engine)) -> dict[str, bool]:
+    """`reset` is false while requests hold KV blocks: the cache is then left as it is."""
+    return {"reset": await engine.reset_prefix_cache()}

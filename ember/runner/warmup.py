@@ -1,0 +1,37 @@
+"""Batches that make Triton compile, at start-up, the kernel variants serving meets later.
+
+Triton compiles a kernel per tile configuration on first use. The start-up forward (the memory
+profile) and the CUDA graph capture cover full-length prefills and pure decode batches, but not
+short prefill chunks over a cached context mixed with decodes, which appear only once requests
+hit the prefix cache or get chunked: on an H200 the first such step compiled for 2.5 s inside a
+user's time to first token. These batches cover every prefill tile height (16 to 128 query rows)
+for any GQA group size, each next to a decode and over a context of one block.
+"""
+
+from __future__ import annotations
+
+from ember.engine.request import Request
+from ember.engine.scheduler import ScheduledBatch
+from ember.sampling.params import SamplingParams
+
+_CHUNK_LENGTHS = (2, 3, 5, 9, 17, 33, 65, 129)  # query rows next_power_of_2(len * group) span 16..128
+
+
+def _request(name: str, num_tokens: int, num_computed: int, block_size: int, first_block: int) -> Request:
+    req = Request(name, [0] * num_tokens, SamplingParams(temperature=0.0), 1, [], 0.0)
+    req.num_computed_tokens = num_computed
+    req.block_ids = list(range(first_block, first_block + -(-num_tokens // block_size)))
+    return req
+
+
+def warm_up_batches(block_size: int, num_blocks: int) -> list[ScheduledBatch]:
+    """One batch per chunk length: a decode over one block of context, and a chunk after one block of
+    context. Block contents are whatever the pool holds: only the kernels' compilation matters."""
+    batches = []
+    for n in _CHUNK_LENGTHS:
+        decode = _request("warm-up-decode", block_size + 1, block_size, block_size, 0)
+        chunk = _request("warm-up-chunk", block_size + n, block_size, block_size, len(decode.block_ids))
+        if len(decode.block_ids) + len(chunk.block_ids) > num_blocks:
+            break
+        batches.append(ScheduledBatch([decode, chunk], [1, n]))
+    return batches
