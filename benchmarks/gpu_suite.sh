@@ -10,7 +10,12 @@
 #   tput8b       offline throughput, Llama-3.1-8B shape
 #   latency      batch-1 TTFT / TPOT, Llama-3.1-8B shape
 #   startup      seconds to /health = 200, Qwen3-0.6B shape, CUDA graphs on and --enforce-eager
-#   serve        online throughput: ember serve + ember bench serve on the offline workload's requests
+#   serve        offline throughput (Qwen3-0.6B shape), then one `ember serve` of it driven by, in turn:
+#                ember bench serve --dataset nano-vllm (256 at once), benchmarks/openai_client.py (the same
+#                workload through openai.AsyncOpenAI) and benchmarks/serve_sweep.py (saturation, then Poisson
+#                at $FRACTIONS of its rate); needs the openai package besides the server's
+#   tputvariants offline throughput, Qwen3-0.6B shape, {in-process, --engine-process} x {--async-scheduling,
+#                --no-async-scheduling}
 #   quant        int4/int8 latency (8B), fp8-weight throughput (8B), fp8-KV throughput (0.6B)
 #   parity       bf16 greedy agreement with HF
 set -uo pipefail
@@ -21,7 +26,7 @@ L=benchmarks/configs/llama-3.1-8b
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 log() { echo "=== $* ($(date +%T))"; }
 quiet() { grep -vE "Processed|it/s"; }
-tput() { timeout 300 python3 benchmarks/throughput.py --load-format dummy "$@" 2>&1 | quiet; }
+tput() { timeout ${limit:-300} python3 benchmarks/throughput.py --load-format dummy "$@" 2>&1 | quiet; }
 lat() { timeout 200 python3 benchmarks/latency.py --load-format dummy --model $L "$@" 2>&1 | tail -3; }
 
 stage_kernels() {
@@ -50,13 +55,46 @@ stage_startup() {
   timeout 100 python3 benchmarks/startup.py --model $Q --repeat ${REPEAT:-2} --out "$OUT/startup-qwen3-0.6b-cuda-eager-$D.json" \
     -- --load-format dummy --enforce-eager 2>&1 | tail -4
 }
+serve_up() {  # start `ember serve` of the 0.6B shape on port $1 with log $2; returns once /health says 200
+  python3 -m ember.cli serve --model $Q --load-format dummy --port $1 --max-model-len 4096 > "$2" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 240); do
+    curl -sf localhost:$1/health >/dev/null && return 0
+    kill -0 $SERVER 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "ember serve did not come up:"; tail -20 "$2"; return 1
+}
 stage_serve() {
-  python3 -m ember.cli serve --model $Q --load-format dummy --port 8011 --max-model-len 4096 > /tmp/serve.log 2>&1 &
-  local pid=$!
-  for _ in $(seq 120); do curl -sf localhost:8011/health >/dev/null && break; sleep 0.5; done
-  timeout 200 python3 -m ember.cli bench serve --base-url http://localhost:8011 --dataset nano-vllm --num-prompts 256 \
-    --temperature 0.6 --label qwen3-0.6b-saturation --result-file "$OUT/serve-qwen3-0.6b-cuda-$D.json" 2>&1 | tail -25
-  kill $pid; wait $pid
+  # Offline first, in the same call: the online/offline ratio compares runs of one machine, one session. It also
+  # leaves Triton's compiled kernels in its disk cache for the server; the warm-up below compiles what is left
+  # (the first request of a fresh process otherwise pays the compilation inside the measured run).
+  local port=8011 url=http://localhost:8011 log=/tmp/ember-serve-$D.log
+  limit=100 tput --model $Q --out "$OUT/throughput-qwen3-0.6b-cuda-$D-with-serve.json"
+  serve_up $port $log || { kill $SERVER 2>/dev/null; return 1; }
+  timeout 45 python3 -m ember.cli bench serve --base-url $url --dataset random --num-prompts 64 \
+    --random-input-len 512 --random-output-len 32 --seed 99 --disable-tqdm 2>&1 | grep -E "Successful|Failed"
+  # Each client sends the nano-vllm lengths with its own --seed: the same work, token ids shifted so that no run
+  # finds its prompts in the server's prefix cache from an earlier one (seed 0 is nano-vllm's exact prompts).
+  timeout 60 python3 -m ember.cli bench serve --base-url $url --dataset nano-vllm --num-prompts 256 \
+    --temperature 0.6 --seed 0 --disable-tqdm --label qwen3-0.6b-saturation \
+    --result-file "$OUT/serve-qwen3-0.6b-cuda-$D.json" 2>&1 | tail -25
+  timeout 60 python3 benchmarks/openai_client.py --base-url $url --num-prompts 256 --seed 1 \
+    --out "$OUT/openai-client-qwen3-0.6b-cuda-$D.json" 2>&1 \
+    | grep -E "Successful|Failed|duration|Output token|Median|P99|text|wrote"
+  timeout 270 python3 benchmarks/serve_sweep.py --base-url $url --num-prompts 256 --sweep-prompts 256 --seed 2 \
+    --fractions ${FRACTIONS:-0.25 0.5 0.8 1.0} --disable-tqdm --out "$OUT/serve-sweep-qwen3-0.6b-cuda-$D.json" 2>&1 \
+    | tail -8
+  kill $SERVER; wait $SERVER
+  tail -40 $log > "$OUT/serve-server-qwen3-0.6b-cuda-$D.log"
+}
+stage_tputvariants() {  # each run prints the GPU's busy and idle seconds between steps
+  for ep in no-engine-process engine-process; do
+    for as in async-scheduling no-async-scheduling; do
+      log "throughput --$ep --$as"
+      limit=100 tput --model $Q --$ep --$as --out "$OUT/throughput-qwen3-0.6b-cuda-$ep-$as-$D.json"
+    done
+  done
 }
 stage_quant() {
   lat --quantization int4 --out "$OUT/latency-llama-3.1-8b-int4-cuda-$D.json"

@@ -21,6 +21,7 @@ import pytest
 
 from ember import cli
 from ember.bench import serve as bench
+from ember.bench.workloads import nano_vllm_requests
 
 MAX_MODEL_LEN = 128
 RESULT_KEYS = {
@@ -159,6 +160,43 @@ def test_requests_beyond_the_context_fail_cleanly(server_url, tmp_path):
     assert r["mean_ttft_ms"] is None and r["request_throughput"] == 0
 
 
+def run_script(script: str, *flags: str) -> subprocess.CompletedProcess:
+    """A benchmarks/ client script in its own interpreter, as it is run (it puts the repository on its path)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, f"benchmarks/{script}", "--vocab-size", "512", *flags], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_serve_sweep_script(server_url, tmp_path):
+    out = tmp_path / "sweep.json"
+    r = run_script("serve_sweep.py", "--base-url", server_url, "--dataset", "fixed", "--num-prompts", "6",
+                   "--sweep-prompts", "4", "--input-len", "8", "--output-len", "4", "--fractions", "0.5", "1",
+                   "--disable-tqdm", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert {"benchmark", "date", "machine", "command", "config", "results"} <= set(doc)
+    sat, runs = doc["results"]["saturation"], doc["results"]["runs"]
+    assert sat["completed"] == 6 and sat["offered_request_rate"] is None and sat["seed"] == 0
+    assert [(q["fraction"], q["seed"], q["completed"]) for q in runs] == [(0.5, 1, 4), (1.0, 2, 4)]
+    for q in runs:
+        assert q["offered_request_rate"] == pytest.approx(q["fraction"] * sat["request_throughput"], rel=1e-3)
+        assert q["median_ttft_ms"] <= q["p99_ttft_ms"] and q["meets_ttft_p99_target"] == (q["p99_ttft_ms"] <= 150)
+
+
+def test_openai_client_script(server_url, tmp_path):
+    pytest.importorskip("openai")
+    out = tmp_path / "openai.json"
+    r = run_script("openai_client.py", "--base-url", server_url, "--dataset", "fixed", "--num-prompts", "5",
+                   "--input-len", "8", "--output-len", "6", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    check_consistent(doc, 5)
+    res = doc["results"]
+    assert res["completed"] == 5 and res["total_output_tokens"] == 30  # ignore_eos went through extra_body
+    assert doc["config"]["max_connections"] == 5 and doc["config"]["temperature"] == 0.6
+    assert all(q["ttft_text_ms"] is None or q["ttft_text_ms"] >= q["ttft_ms"] for q in doc["requests"])
+
+
 def test_server_down(tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -214,7 +252,7 @@ def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = F
             return await bench.send_request(f"http://127.0.0.1:{port}/v1/completions",
                                             bench.request_body(args, "m", spec), {}, False, spec,
                                             timeout=0.5 if hang else 10, t0=time.perf_counter(),
-                                            in_flight=bench._InFlight())
+                                            in_flight=bench.InFlight())
         finally:
             server.close()
 
@@ -288,6 +326,24 @@ def test_workload_is_seeded_and_in_range():
     assert times == sorted(times) and times[0] == 0
     assert times[-1] / 1999 == pytest.approx(1 / 50, rel=0.1)
     assert bench.arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+
+
+def test_nano_vllm_seed_shifts_ids_not_lengths():
+    args = workload_args(dataset="nano-vllm", num_prompts=8, vocab_size=10000)
+    exact, shifted = bench.make_requests(args), bench.make_requests(workload_args(**{**vars(args), "seed": 3}))
+    prompts, max_tokens = nano_vllm_requests(8, vocab_size=10000)
+    assert [s.prompt for s in exact] == prompts and [s.output_len for s in exact] == max_tokens
+    assert [s.output_len for s in shifted] == max_tokens
+    assert [s.prompt for s in shifted] == [[(t + 3) % 10000 for t in p] for p in prompts]
+
+
+def test_flags_a_script_sets_itself_can_be_left_out():
+    p = argparse.ArgumentParser()
+    bench.add_serve_bench_args(p, omit=("--request-rate", "--random-input-len"))
+    flags = {s for a in p._actions for s in a.option_strings}
+    assert not flags & {"--request-rate", "--random-input-len", "--input-len"} and "--output-len" in flags
+    with pytest.raises(SystemExit):
+        p.parse_args(["--request-rate", "3"])
 
 
 def test_percentiles_match_numpy():

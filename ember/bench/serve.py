@@ -41,7 +41,7 @@ import ssl
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -276,6 +276,9 @@ def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
     """Seeded: the same flags give the same prompts. Input lengths are drawn first, then output lengths."""
     if args.dataset == "nano-vllm":
         prompts, max_tokens = nano_vllm_requests(args.num_prompts, vocab_size=args.vocab_size)
+        # Seed 0 is the workload exactly. Another run against the same server would find every prompt in its
+        # prefix cache; shifting the ids by the seed keeps the lengths (the work) and makes the prompts new.
+        prompts = [[(t + args.seed) % args.vocab_size for t in p] for p in prompts]
         return [RequestSpec(p, len(p), n) for p, n in zip(prompts, max_tokens)]
     rng = random.Random(args.seed)
     ratio = args.random_range_ratio if args.dataset == "random" else 0.0
@@ -405,7 +408,7 @@ async def _stream_one(url: str, body: dict[str, Any], headers: dict[str, str], c
     res.success = True
 
 
-class _InFlight:
+class InFlight:
     def __init__(self) -> None:
         self.now = self.max = 0
 
@@ -420,7 +423,7 @@ class _InFlight:
 
 
 async def send_request(url: str, body: dict[str, Any], headers: dict[str, str], chat: bool, spec: RequestSpec,
-                       timeout: float, t0: float, in_flight: _InFlight) -> RequestResult:
+                       timeout: float, t0: float, in_flight: InFlight) -> RequestResult:
     """Never raises for a failed request: the failure is recorded in the result."""
     res = RequestResult(spec.prompt_len, spec.output_len)
     start = time.perf_counter()
@@ -448,7 +451,7 @@ async def run_requests(args: argparse.Namespace, model: str, specs: Sequence[Req
     url = args.base_url.rstrip("/") + args.endpoint
     chat = args.endpoint == CHAT
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    in_flight = _InFlight()
+    in_flight = InFlight()
     progress = _progress(len(specs), args.disable_tqdm)
 
     async def one(spec: RequestSpec) -> RequestResult:
@@ -644,8 +647,23 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
+class _Flags:
+    """An argument group that leaves out the flags named in `omit`."""
+
+    def __init__(self, p: argparse.ArgumentParser, title: str, omit: Collection[str]) -> None:
+        self.group = p.add_argument_group(title)
+        self.omit = omit
+
+    def add_argument(self, *flags: str, **kwargs: Any) -> None:
+        if flags[0] not in self.omit:
+            self.group.add_argument(*flags, **kwargs)
+
+
+def add_serve_bench_args(p: argparse.ArgumentParser, omit: Collection[str] = ()) -> None:
+    """`ember bench serve`'s flags. A script that calls `benchmark` itself names in `omit` (by first name) the flags
+    it sets on its own (benchmarks/serve_sweep.py sets --request-rate per run), so that its users are not offered
+    them."""
+    g = _Flags(p, "server", omit)
     g.add_argument("--base-url", default=DEFAULT_BASE_URL, help="the server's root URL (default: %(default)s)")
     g.add_argument("--endpoint", default=COMPLETIONS, choices=(COMPLETIONS, CHAT),
                    help="completions send token-id prompts; chat sends random words (default: %(default)s)")
@@ -654,12 +672,12 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                    help="sent as 'Authorization: Bearer KEY' (default: $EMBER_API_KEY, as `ember serve` reads it)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds one request may take, connection to last byte, before it counts as failed")
-    g = p.add_argument_group("load")
+    g = _Flags(p, "load", omit)
     g.add_argument("--num-prompts", type=int, default=200)
     g.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="requests per second, Poisson arrivals (default: inf, every request at once)")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
-    g = p.add_argument_group("dataset")
+    g = _Flags(p, "dataset", omit)
     g.add_argument("--dataset", choices=("random", "fixed", "nano-vllm"), default="random",
                    help="random: lengths uniform in [len*(1-r), len*(1+r)]; fixed: exactly the given lengths; "
                         "nano-vllm: the offline benchmark's requests (benchmarks/throughput.py), token ids")
@@ -670,14 +688,16 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-range-ratio", type=float, default=0.0, help="r above, in [0, 1) (random dataset only)")
     g.add_argument("--vocab-size", type=int, default=TOKEN_ID_HIGH,
                    help="prompt token ids are drawn from [100, min(10000, this)); set it below a smaller vocabulary")
-    g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("sampling")
+    g.add_argument("--seed", type=int, default=0,
+                   help="draws the random and fixed prompts; nano-vllm: 0 sends its prompts exactly, another seed "
+                        "shifts every token id by it (the same lengths, prompts a prefix cache has not seen)")
+    g = _Flags(p, "sampling", omit)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos: true so each request generates exactly its max_tokens (Ember, vLLM)")
     g.add_argument("--extra-body", type=_json_object, default=None,
                    help="JSON object merged into every request body, e.g. '{\"top_k\": 20}'")
-    g = p.add_argument_group("output")
+    g = _Flags(p, "output", omit)
     g.add_argument("--result-file", default=None, help="write the results as JSON here")
     g.add_argument("--label", default=None, help="a name for this run, kept in the results")
     g.add_argument("--save-detailed", action="store_true", help="also keep every request's inter-token gaps")
