@@ -105,7 +105,7 @@ def _quiet_tokenizers(monkeypatch):
 
 
 def inproc_core(llm):
-    """White-box tests only: the EngineCore of an LLM whose core runs in this process."""
+    """White-box tests only: the EngineCore of an LLM made with `engine_process=False`."""
     return llm.llm_engine.client.loop.core
 
 
@@ -113,4 +113,5 @@ def inproc_core(llm):
 def default_llm():
     from ember import LLM
 
-    return LLM(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32")
+    # In this process: tests/test_screened_argmax.py looks inside its core.
+    return LLM(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32", engine_process=False)

@@ -75,11 +75,13 @@ def test_kernel_warm_up_batches_run_through_the_runner(llama_dir):
     from conftest import inproc_core
     from ember.runner.warmup import warm_up_batches
 
-    llm = LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05)
+    llm = LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05, engine_process=False)
     runner = inproc_core(llm).runner
-    batches = warm_up_batches(16, runner.kv_cache.num_blocks)
-    assert [b.num_new_tokens[1] for b in batches] == [2, 3, 5, 9, 17, 33, 65, 129]
-    for batch in batches:
+    batches = warm_up_batches(16, runner.kv_cache.num_blocks, 256, 2048)
+    assert [b.num_new_tokens for b in batches] == [[1, n] for n in (2, 3, 5, 9, 17, 33, 65, 129)]
+    alone = warm_up_batches(16, runner.kv_cache.num_blocks, 1, 40)  # one sequence a step, 40 tokens a step
+    assert [b.num_new_tokens for b in alone] == [[2], [3], [5], [9], [17], [33]]
+    for batch in batches + alone:
         result = runner.wait(runner.launch(batch))
-        assert len(result.token_ids) == 2 and all(0 <= t < 512 for t in result.token_ids)
-    assert warm_up_batches(16, 3) == []  # a pool too small for the first batch: no warm-up
+        assert len(result.token_ids) == len(batch) and all(0 <= t < 512 for t in result.token_ids)
+    assert warm_up_batches(16, 3, 256, 2048) == []  # a pool too small for the first batch: no warm-up

@@ -238,7 +238,8 @@ def test_cpu_kv_cache_costs_memory_only_as_used(llama_dir):
             return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
 
     before = rss_mib()
-    llm = LLM(str(llama_dir), kv_cache_memory=3.0, max_num_seqs=8192)  # 3 GiB of KV blocks, not capped
+    # In this process, whose memory the test reads. 3 GiB of KV blocks, not capped:
+    llm = LLM(str(llama_dir), kv_cache_memory=3.0, max_num_seqs=8192, engine_process=False)
     out = llm.generate(_ids(50), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
     ready = llm.llm_engine.ready

@@ -111,7 +111,7 @@ def test_model_that_does_not_split_is_rejected_before_any_process_starts(checkpo
 
 
 def test_shutdown_ends_workers_and_a_dead_rank_is_a_clear_error(checkpoints):
-    llm = _llm(str(checkpoints["llama"]), 2)
+    llm = _llm(str(checkpoints["llama"]), 2, engine_process=False)  # white-box: the core's TP group here
     group = inproc_core(llm).tensor_parallel
     (worker,) = group._procs
     assert worker.is_alive()
@@ -124,7 +124,7 @@ def test_shutdown_ends_workers_and_a_dead_rank_is_a_clear_error(checkpoints):
     assert not worker.is_alive()
 
     threads = torch.get_num_threads()
-    llm = _llm(str(checkpoints["llama"]), 2)
+    llm = _llm(str(checkpoints["llama"]), 2, engine_process=False)
     (worker,) = inproc_core(llm).tensor_parallel._procs
     assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == GREEDY.max_tokens
     llm.llm_engine.shutdown()

@@ -183,7 +183,7 @@ class MPClient(EngineCoreClient):
         if code is None or self._stopping:
             return []
         self.failure = _exit_description(code)
-        logger.error("engine core process (pid %d) %s", self.proc.pid, self.failure)
+        logger.error("%s (pid %d)", self.failure, self.proc.pid)
         return [EngineCoreFailed(self.failure)]
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -35,6 +35,7 @@ from ember.runner.step_inputs import PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
 from ember.runner.warmup import warm_up_batches
 from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
+from ember.transfer import to_device, to_host
 
 logger = logging.getLogger("ember")
 _DEFAULT_CPU_KV_BYTES = 4 << 30
@@ -177,7 +178,9 @@ class ModelRunner:
         runs it once every rank serves steps; it leaves no trace in the step timer."""
         if self.device.type != "cuda":
             return
-        for batch in warm_up_batches(self.block_size, self.kv_cache.num_blocks):
+        sc = self.scheduler_config
+        for batch in warm_up_batches(self.block_size, self.kv_cache.num_blocks, sc.max_num_seqs,
+                                     sc.max_num_batched_tokens):
             self.wait(self.launch(batch))
         self._last_sampled = None
         self.timer = StepTimer()
@@ -298,7 +301,7 @@ class ModelRunner:
         # Built before the forward so that its host-to-device copies overlap the GPU's work.
         sbatch = self._sampling_batch(step.samplers) if step.samplers else None
         hidden = self._forward(inputs)
-        prompt = [(rows, *(_to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
+        prompt = [(rows, *(to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
         if sbatch is None:
             self._last_sampled = None
             return PendingStep(step.samplers, None, None, prompt, self._end_events(start))
@@ -308,8 +311,8 @@ class ModelRunner:
             out = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), sbatch)
         self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(step.samplers)})
         logprobs = None if out.logprobs is None else (
-            _to_host(out.logprob_token_ids), _to_host(out.logprobs), _to_host(out.sampled_ranks))
-        return PendingStep(step.samplers, _to_host(out.sampled_token_ids), logprobs, prompt, self._end_events(start))
+            to_host(out.logprob_token_ids), to_host(out.logprobs), to_host(out.sampled_ranks))
+        return PendingStep(step.samplers, to_host(out.sampled_token_ids), logprobs, prompt, self._end_events(start))
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         return SamplingBatch.build(
@@ -337,8 +340,8 @@ class ModelRunner:
             src = [row_of[req] for _, req in rows]
         except KeyError:
             raise RuntimeError("a step needs a token that the previous step did not sample") from None
-        dst = torch.tensor([t for t, _ in rows], dtype=torch.int64).to(self.device, non_blocking=True)
-        input_ids[dst] = sampled[torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)]
+        dst = to_device([t for t, _ in rows], torch.int64, self.device)
+        input_ids[dst] = sampled[to_device(src, torch.int64, self.device)]
 
     def wait(self, pending: PendingStep) -> StepResult:
         """The step's results, once the device has finished it."""
@@ -389,7 +392,7 @@ class ModelRunner:
         for lo, hi in _prompt_logit_slices(rows.count):
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows.first_row + lo:rows.first_row + hi]),
                                          dim=-1)
-            targets = torch.tensor(prompt[rows.start + lo + 1:rows.start + hi + 1], device=logprobs.device)[:, None]
+            targets = to_device(prompt[rows.start + lo + 1:rows.start + hi + 1], torch.int64, logprobs.device)[:, None]
             target_lp = logprobs.gather(1, targets)
             ranks.append((logprobs > target_lp).sum(dim=-1) + 1)
             top = logprobs.topk(k, dim=-1) if k else None
@@ -397,11 +400,3 @@ class ModelRunner:
             vals.append(target_lp if top is None else torch.cat([target_lp, top.values], dim=1))
         return torch.cat(ids), torch.cat(vals), torch.cat(ranks)
 
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy that arrives without the host waiting for it (pinned memory; a plain copy on CPU)."""
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host

@@ -24,14 +24,18 @@ def _request(name: str, num_tokens: int, num_computed: int, block_size: int, fir
     return req
 
 
-def warm_up_batches(block_size: int, num_blocks: int) -> list[ScheduledBatch]:
-    """One batch per chunk length: a decode over one block of context, and a chunk after one block of
-    context. Block contents are whatever the pool holds: only the kernels' compilation matters."""
+def warm_up_batches(block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int
+                    ) -> list[ScheduledBatch]:
+    """One batch per chunk length: a decode over one block of context (when two sequences fit in a
+    batch), and a chunk after one block of context; within the scheduler's limits. Block contents
+    are whatever the pool holds: only the kernels' compilation matters."""
     batches = []
+    with_decode = max_num_seqs >= 2
     for n in _CHUNK_LENGTHS:
         decode = _request("warm-up-decode", block_size + 1, block_size, block_size, 0)
-        chunk = _request("warm-up-chunk", block_size + n, block_size, block_size, len(decode.block_ids))
-        if len(decode.block_ids) + len(chunk.block_ids) > num_blocks:
+        first_block = len(decode.block_ids) if with_decode else 0
+        chunk = _request("warm-up-chunk", block_size + n, block_size, block_size, first_block)
+        if first_block + len(chunk.block_ids) > num_blocks or n + with_decode > max_num_batched_tokens:
             break
-        batches.append(ScheduledBatch([decode, chunk], [1, n]))
+        batches.append(ScheduledBatch([decode, chunk], [1, n]) if with_decode else ScheduledBatch([chunk], [n]))
     return batches

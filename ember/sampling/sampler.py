@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ember.sampling.params import SamplingParams
+from ember.transfer import array_to_device, to_device
 
 
 @dataclass
@@ -88,7 +89,7 @@ class SamplingBatch:
         random_params = [p for p, g in zip(params, greedy) if not g]
 
         def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         temperature = None
         if any(p.temperature != 1.0 for p in random_params):
@@ -181,7 +182,7 @@ def _pad_token_ids(rows: list[list[int]], vocab_size: int, device: torch.device)
     padded = np.full((len(rows), width), vocab_size, dtype=np.int64)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r
-    return torch.from_numpy(padded).to(device)
+    return array_to_device(padded, device)
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
