@@ -452,14 +452,15 @@ def test_asyncio_not_blocked_by_generation(server):
 
 def test_stream_without_tokenizer_sends_a_chunk_per_token(tmp_path, llama_dir):
     """A model served without a tokenizer (config.json alone, random weights) has no text to stream;
-    as in vLLM, each step's new token still gets its chunk, so TTFT and ITL stay measurable."""
+    as in vLLM, new tokens still get chunks, so TTFT and ITL stay measurable. (A chunk covers every
+    token since the client's last read: the tiny model's steps can outrun the stream.)"""
     (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
     with ServerThread(tiny_engine(tmp_path, load_format="dummy")) as s:
         with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
-                "prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "stream": True,
+                "prompt": [5, 6, 7], "max_tokens": 64, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     choices = [e["choices"][0] for e in events if e["choices"]]
-    assert [c["text"] for c in choices] == [""] * 6
-    assert [c["finish_reason"] for c in choices] == [None] * 5 + ["length"]
-    assert events[-1]["usage"]["completion_tokens"] == 6
+    assert 1 < len(choices) <= 64 and all(c["text"] == "" for c in choices)
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == 64

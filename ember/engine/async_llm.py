@@ -27,7 +27,7 @@ from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, 
                                    UtilityCall, UtilityResult)
 from ember.engine.metrics import PrometheusStatLogger
 from ember.engine.output import OutputProcessor, RequestOutput, RequestState
-from ember.engine.processor import ModelFacts, Processor, PromptType
+from ember.engine.processor import ModelFacts, Processor, PromptType, needs_tokenizing
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
 
@@ -124,8 +124,10 @@ class AsyncLLM(ModelFacts):
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
-        processed = await asyncio.to_thread(self.processor.process, request_id, prompt, sampling_params)
+        if needs_tokenizing(prompt):  # tokenizing a long prompt takes milliseconds: off the event loop
+            processed = await asyncio.to_thread(self.processor.process, request_id, prompt, sampling_params)
+        else:  # token ids need ~35 us of checks, far less than a thread hop and its GIL hand-offs
+            processed = self.processor.process(request_id, prompt, sampling_params)
         stream = _Stream(processed.state, asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:

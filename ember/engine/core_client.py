@@ -196,7 +196,8 @@ class MPClient(EngineCoreClient):
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                logger.warning("engine core did not stop within %gs; killing it", timeout)
+                if timeout > 0:  # 0: the caller knows the core cannot be of use (the model failed to load)
+                    logger.warning("engine core did not stop within %gs; killing it", timeout)
                 self.proc.kill()
                 self.proc.wait()
         self.proc.stdin.close()

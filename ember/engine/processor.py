@@ -23,6 +23,11 @@ PromptType = Union[str, list[int], dict[str, Any]]
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def needs_tokenizing(prompt: PromptType) -> bool:
+    """Whether `prompt` is text to tokenize rather than token ids (or something invalid, found by `process`)."""
+    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+
+
 @dataclass
 class ProcessedRequest:
     state: RequestState  # the front end's side
