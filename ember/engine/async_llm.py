@@ -25,7 +25,7 @@ from ember.engine.core_client import EngineCoreClient, make_client
 from ember.engine.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
                                    UtilityCall, UtilityResult)
-from ember.engine.metrics import PrometheusStatLogger
+from ember.engine.metrics import IterationStats, PrometheusStatLogger
 from ember.engine.output import OutputProcessor, RequestOutput, RequestState
 from ember.engine.processor import ModelFacts, Processor, PromptType, needs_tokenizing
 from ember.model.files import load_model_info
@@ -78,22 +78,6 @@ class AsyncLLM(ModelFacts):
         self._thread.start()
 
     # ---- what front ends read -------------------------------------------------------------
-
-    @property
-    def device(self) -> str:
-        return self.ready.device
-
-    @property
-    def num_blocks(self) -> int:
-        return self.ready.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.ready.block_size
-
-    @property
-    def max_concurrency(self) -> float:
-        return self.ready.kv_capacity_tokens / self.ready.max_model_len
 
     @property
     def is_ready(self) -> bool:
@@ -160,22 +144,24 @@ class AsyncLLM(ModelFacts):
             self._streams.pop(request_id, None)
             if not aborted:
                 return
-            state, running, stats = self.output_processor.abort(request_id, time.monotonic())
-            if running and self._dead is None:
-                self.client.send(AbortRequests(running))
-        if state is not None:
-            self.metrics.record_iteration(stats)
+            stats = self._abort_locked(request_id)
+        self.metrics.record_iteration(stats)
 
     async def abort(self, request_id: str) -> None:
         """End a request now; its stream ends with finish_reason "abort"."""
         with self._lock:
-            state, running, stats = self.output_processor.abort(request_id, time.monotonic())
-            if running and self._dead is None:
-                self.client.send(AbortRequests(running))
+            stats = self._abort_locked(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:
                 self._wake([stream])
         self.metrics.record_iteration(stats)
+
+    def _abort_locked(self, request_id: str) -> IterationStats:
+        """End a request here and in the core; the sequences it ended, for the metrics. Lock held."""
+        _, running, stats = self.output_processor.abort(request_id, time.monotonic())
+        if running and self._dead is None:
+            self.client.send(AbortRequests(running))
+        return stats
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.call_utility("reset_prefix_cache"))
@@ -251,7 +237,10 @@ class AsyncLLM(ModelFacts):
 
     def _on_result(self, result: UtilityResult) -> None:
         with self._lock:
-            loop, future = self._calls.pop(result.call_id)
+            caller = self._calls.pop(result.call_id, None)
+        if caller is None:  # a call nobody waits for (the client's own shutdown call)
+            return
+        loop, future = caller
         error = None if result.error is None else RuntimeError(result.error)
         loop.call_soon_threadsafe(_settle, future, result.result, error)
 

@@ -100,8 +100,7 @@ class InprocClient(EngineCoreClient):
         except BaseException as e:  # the core's loop failed: as fatal as a core process dying
             logger.exception("engine core stopped")
             self.failure = f"{type(e).__name__}: {e}"
-            self.loop.core.shutdown()
-            self.loop.stopped = True
+            self.shutdown()
             return [EngineCoreFailed(self.failure)]
 
     def shutdown(self, timeout: float = 10.0) -> None:

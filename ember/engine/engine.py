@@ -16,7 +16,6 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 
 import msgspec
 
@@ -25,14 +24,12 @@ from ember.engine.core_client import EngineCoreClient, make_client
 from ember.engine.errors import EngineDeadError
 from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
                                    UtilityCall, UtilityResult)
-from ember.engine.metrics import IterationStats
 from ember.engine.output import OutputProcessor, RequestOutput
 from ember.engine.processor import ModelFacts, Processor, PromptType
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
 
 logger = logging.getLogger("ember")
-StatLogger = Callable[[SchedulerStats | None, IterationStats], None]
 
 
 class LLMEngine(ModelFacts):
@@ -48,7 +45,6 @@ class LLMEngine(ModelFacts):
         weakref.finalize(self, self.client.shutdown)
         self.processor = Processor(self.model_info, self.ready)
         self.output_processor = OutputProcessor()
-        self.stat_loggers: list[StatLogger] = []
         self._final_only: set[str] = set()
         self._ids = itertools.count()
         self._call_ids = itertools.count()
@@ -81,12 +77,11 @@ class LLMEngine(ModelFacts):
         """Stop requests now and free their KV blocks; returns their final outputs."""
         outputs, core_ids = [], []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            state, running, stats = self.output_processor.abort(rid, time.monotonic())
+            state, running, _ = self.output_processor.abort(rid, time.monotonic())
             if state is None:
                 continue
             self._final_only.discard(rid)
             core_ids += running
-            self._log(None, stats)
             outputs.append(state.output())
         if core_ids and self.client.is_alive:
             self.client.send(AbortRequests(core_ids))
@@ -124,7 +119,6 @@ class LLMEngine(ModelFacts):
         processed = self.output_processor.process(message)
         if processed.to_abort:
             self.client.send(AbortRequests(processed.to_abort))
-        self._log(message.stats, processed.stats)
         outputs = []
         for state in processed.changed:
             finished = state.finished
@@ -144,10 +138,6 @@ class LLMEngine(ModelFacts):
     def _check_alive(self) -> None:
         if not self.client.is_alive:
             raise EngineDeadError(f"the engine stopped: {self.client.failure}")
-
-    def _log(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None:
-        for log in self.stat_loggers:
-            log(scheduler, iteration)
 
     # ---- utility calls ----------------------------------------------------------------------
 
