@@ -62,12 +62,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Keys/values for the new tokens must already be stored; fp8
-    caches are read through their scales (see `dequantize_kv`)."""
+    caches are read through their scales (see `dequantize_kv`). A query at position p sees keys
+    p - sliding_window < j <= p; scores s become logits_soft_cap * tanh(s / logits_soft_cap)."""
     out = torch.empty_like(q)
     if use_triton(q):
-        _triton_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
+        _triton_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale, sliding_window, logits_soft_cap)
+    elif sliding_window is not None or logits_soft_cap is not None:
+        raise NotImplementedError("sliding_window / logits_soft_cap on the PyTorch path: the Gemma branch's")
     else:
         check_kv_scales(k_cache.dtype, k_scale, v_scale)
         _torch_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
@@ -75,18 +79,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor, k_scale: float, v_scale: float) -> None:
+                      scale: float, out: torch.Tensor, k_scale: float, v_scale: float,
+                      sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """Each layer passes its own window and cap, constant from step to step, so one captured CUDA
+    graph replays every layer's kernels with the right ones."""
     from ember.kernels import paged_decode_attention, paged_prefill_attention
 
     nd = meta.num_decodes
+    masking = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": sliding_window,
+               "logits_soft_cap": logits_soft_cap}
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                               out=out[:nd], max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
+                               out=out[:nd], max_seq_len=meta.max_seq_len, **masking)
     if meta.max_query_len:
         # Prefill rows index the full q/out through their own query_start_loc entries.
         paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                                meta.query_start_loc[nd:], meta.max_query_len, scale, out=out,
-                                k_scale=k_scale, v_scale=v_scale)
+                                meta.query_start_loc[nd:], meta.max_query_len, scale, out=out, **masking)
 
 
 def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
