@@ -135,26 +135,27 @@ def test_decode_window_bf16() -> None:
 # ---------------------------------------------------------------- prefill
 
 # (cached context, new tokens): fresh prompts, one-token chunks, chunks over long cached prefixes,
-# a sequence with no queries this step.
-PREFILL_CHUNKS = [(0, 1), (0, 23), (9, 1), (30, 17), (100, 3), (15, 0), (70, 40)]
+# a sequence with no queries this step, and a two-token chunk, whose second query's window edge is
+# one past its first's (the smallest window-masked strip).
+PREFILL_CHUNKS = [(0, 1), (0, 23), (9, 1), (30, 17), (100, 3), (15, 0), (70, 40), (50, 2)]
 
 
 def run_prefill(window: int | None, cap: float | None, *, block_size: int = 16, group: int = 2,
                 head_dim: int = 32, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None,
-                q_gain: float = 1.0) -> None:
+                q_gain: float = 1.0, chunks: list[tuple[int, int]] = PREFILL_CHUNKS) -> None:
     gen = torch.Generator().manual_seed(1000 * (window or 0) + group * 10 + block_size + 1)
     cache_dtype = cache_dtype or dtype
-    seq_lens = [c + n for c, n in PREFILL_CHUNKS]
+    seq_lens = [c + n for c, n in chunks]
     k_clean, v_clean, tables = paged_kv(seq_lens, block_size, head_dim, cache_dtype, gen)
     starts = [0]
-    for _, n in PREFILL_CHUNKS:
+    for _, n in chunks:
         starts.append(starts[-1] + n)
     q = randn(starts[-1], NUM_KV_HEADS * group, head_dim, gen=gen, dtype=dtype) * q_gain
     scale, scales = head_dim ** -0.5, kv_scales(cache_dtype)
     k_cache, v_cache = k_clean, v_clean
-    for b, (ctx, _) in enumerate(PREFILL_CHUNKS):
+    for b, (ctx, _) in enumerate(chunks):
         k_cache, v_cache = poison_left_of_window(k_cache, v_cache, tables[b], ctx, window)
-    max_q = max(n for _, n in PREFILL_CHUNKS)
+    max_q = max(n for _, n in chunks)
 
     out = paged_prefill_attention(q, k_cache, v_cache, tables, as_int32(seq_lens), as_int32(starts), max_q, scale,
                                   **scales, sliding_window=window, logits_soft_cap=cap)
@@ -172,6 +173,12 @@ def test_prefill_window(window: int) -> None:
 @pytest.mark.parametrize("group", [1, 4])
 def test_prefill_window_gqa_and_small_blocks(group: int) -> None:
     run_prefill(13, None, group=group, block_size=8)
+
+
+def test_prefill_window_narrower_than_a_query_tile() -> None:
+    """128-query tiles (one head per KV head) over a 13-token window: a tile's last queries see
+    nothing in its first key tile, so their running max is still -inf there."""
+    run_prefill(13, None, group=1, chunks=[(0, 100), (30, 90)])
 
 
 @pytest.mark.parametrize("window", [None, 20])
