@@ -246,3 +246,35 @@ def test_model_attention_forwards_window_and_cap_to_both_kernels(monkeypatch) ->
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
         check(out[rows], dense_ref(q[rows], k_cache, v_cache, tables[b], n, 0.2, window, cap), torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (gpu_suite.sh's kernels stage)")
+def test_windowed_and_capped_decode_replay_in_one_cuda_graph() -> None:
+    """As the runner captures decode: one graph over several layers, each with its own window and
+    cap, replayed after the sequence lengths changed in place."""
+    gen = torch.Generator().manual_seed(4)
+    capacity = [40, 133, 7]
+    k_cache, v_cache, tables = paged_kv(capacity, 16, 64, torch.bfloat16, gen)
+    q = randn(len(capacity), NUM_KV_HEADS * 2, 64, gen=gen, dtype=torch.bfloat16) * 3
+    lens = as_int32(capacity)
+    layers = [(16, None), (None, 5.0), (37, 5.0)]
+    outs = [torch.empty_like(q) for _ in layers]
+
+    def step() -> None:
+        for (window, cap), out in zip(layers, outs):
+            paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=out, max_seq_len=256,
+                                   sliding_window=window, logits_soft_cap=cap)
+
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_lens = [33, 120, 5]
+    lens.copy_(as_int32(new_lens))
+    graph.replay()
+    torch.cuda.synchronize()
+
+    for (window, cap), out in zip(layers, outs):
+        for b, n in enumerate(new_lens):
+            check(out[b:b + 1], dense_ref(q[b:b + 1], k_cache, v_cache, tables[b], n, 0.125, window, cap),
+                  torch.bfloat16)
