@@ -107,10 +107,11 @@ def test_preemption_and_prefix_hits_with_released_blocks() -> None:
     preempted and recomputed, later ones hit the prefix blocks that earlier ones released while
     those still held their cached tokens, and nothing reads a block that another request rewrote."""
     batch = prompts(7, 8, shared=24)
-    kept = WindowedStandIn(6, num_blocks=40, freeing=False)
-    freed = WindowedStandIn(6, num_blocks=40, freeing=True)
+    kept = WindowedStandIn(16, num_blocks=20, freeing=False)
+    freed = WindowedStandIn(16, num_blocks=20, freeing=True)
     assert freed.run(batch, 30) == kept.run(batch, 30)
-    assert kept.scheduler.num_preemptions > 0
+    assert freed.scheduler.num_preemptions > 0  # measured: 5 (12 keeping every block)
+    assert freed.scheduler.num_preemptions < kept.scheduler.num_preemptions
     assert freed.manager.prefix_cache_hits > 0
 
 
