@@ -232,6 +232,7 @@ def _write_gguf_twin(src: Path, path: Path, twin: Path) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_chat_template(GEMMA2_TEMPLATE if arch == "gemma2" else GEMMA3_TEMPLATE)
 
     layer_names = _GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER
     decoded = {}
@@ -273,6 +274,13 @@ def test_gguf_twin_gives_the_same_tokens(tmp_path, arch):
         llm = LLM(str(model), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02,
                   block_size=8, max_num_batched_tokens=16, quantization="none")
         outputs.append(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    # the GGUF file's chat template, through LLM.chat: one BOS, from the template
+    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False,
+                    chat_template=GEMMA2_TEMPLATE if arch == "gemma2" else GEMMA3_TEMPLATE)[0]
+    gguf_chat = LLM(str(path), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02).chat(
+        [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert gguf_chat.prompt == chat.prompt and gguf_chat.prompt_token_ids == chat.prompt_token_ids
+    assert chat.prompt_token_ids.count(1) == 1 and chat.prompt_token_ids[0] == 1
     for gguf_out, twin_out in zip(*outputs):
         assert gguf_out.outputs[0].token_ids == twin_out.outputs[0].token_ids
         for a, b in zip(gguf_out.outputs[0].logprobs, twin_out.outputs[0].logprobs):
@@ -334,3 +342,92 @@ def test_torch_paged_attention_window_and_soft_cap(window, cap, decode_lens):
             torch.testing.assert_close(out[row].double(), ref, atol=1e-5, rtol=1e-5)
     if window is not None and window < 10:  # the longest decode context is gathered only near its window
         assert meta.cpu_decode[window][1] < max(decode_lens)
+
+
+# --- chat templates -----------------------------------------------------------------------------
+
+# Gemma 2's and Gemma 3's templates as their tokenizer_config.json (and llama.cpp's GGUF files) carry
+# them: Gemma 2 refuses a system message, Gemma 3 folds it into the first user turn; both insist on
+# alternating roles through raise_exception and print bos_token themselves.
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+CONVERSATIONS = {
+    "one turn": [{"role": "user", "content": "  Hi there \n"}],
+    "three turns": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                    {"role": "user", "content": [{"type": "text", "text": "How are you?"}]}],
+    "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    "not alternating": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi again"}],
+}
+
+
+@pytest.mark.parametrize("conversation", list(CONVERSATIONS))
+@pytest.mark.parametrize("template", [GEMMA2_TEMPLATE, GEMMA3_TEMPLATE], ids=["gemma2", "gemma3"])
+def test_gemma_chat_templates_render_as_transformers(checkpoints, template, conversation):
+    from jinja2.exceptions import TemplateError
+    from transformers import AutoTokenizer
+
+    from ember.model.files import load_hf_tokenizer
+
+    path = str(checkpoints["gemma3"])
+    messages = CONVERSATIONS[conversation]
+    ours = load_hf_tokenizer(path, [])
+    # Ember hands templates OpenAI text parts joined into one string (Gemma 2's template would print the list)
+    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else
+             "".join(part["text"] for part in m["content"])} for m in messages]
+    try:
+        expected = AutoTokenizer.from_pretrained(path).apply_chat_template(
+            flat, chat_template=template, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:
+        with pytest.raises(ValueError, match=f"chat template failed: {e}"):
+            ours.apply_chat_template(messages, chat_template=template)
+        assert conversation == "not alternating" or template == GEMMA2_TEMPLATE
+        return
+    assert ours.apply_chat_template(messages, chat_template=template) == expected
+    assert expected.startswith("<s><start_of_turn>user\n") and expected.endswith("<start_of_turn>model\n")
