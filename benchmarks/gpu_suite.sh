@@ -8,7 +8,8 @@
 #   smoke        benchmarks/quality.py on CUDA: every quantization mode and fp8 KV (4-layer default model)
 #   equality     HF equality tests on CUDA (float32)
 #   tput         offline throughput, Qwen3-0.6B shape, with HF continuous batching on 64 of the requests
-#   gemma        offline throughput, Gemma-3-1B shape (22 sliding-window layers of 512, 4 global; needs the
+#   gemma        attention kernels with and without a 512-token window (benchmarks/window_attention.py), then
+#                offline throughput, Gemma-3-1B shape (22 sliding-window layers of 512, 4 global; needs the
 #                Gemma 3 model code), beside the Qwen3-0.6B shape run again in the same call
 #   tput8b       offline throughput, Llama-3.1-8B shape
 #   latency      batch-1 TTFT / TPOT, Llama-3.1-8B shape
@@ -52,6 +53,7 @@ stage_equality() {
 }
 stage_tput() { tput --model $Q --hf --hf-num-seqs 64 --out "$OUT/throughput-qwen3-0.6b-cuda-$D.json"; }
 stage_gemma() {
+  timeout 200 python3 benchmarks/window_attention.py --out "$OUT/window-attention-cuda-$D.json" 2>&1 | tail -18
   tput --model $Q --out "$OUT/throughput-qwen3-0.6b-cuda-$D-with-gemma.json"
   tput --model $G --out "$OUT/throughput-gemma-3-1b-cuda-$D.json"
 }
