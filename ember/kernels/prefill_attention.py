@@ -109,6 +109,8 @@ def _prefill_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, cap, window,
             dims, dim_mask, BLOCK_SIZE, BLOCK_N, True, False, SOFT_CAP, DOT_DTYPE, PRECISION)
 
+    if WINDOWED:  # padding rows past the chunk may have seen no key at all; they are not stored
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc * v_scale / l_i[:, None]  # v_scale: fp8 values' scale, applied once (see attend_tile)
     tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
