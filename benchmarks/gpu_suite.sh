@@ -2,11 +2,15 @@
 # The GPU benchmarks and tests, as named stages run in order: bash benchmarks/gpu_suite.sh STAGE...
 # Results land in $OUT (default: benchmarks/results). Every stage has its own time limit, so one
 # failure leaves the others' results. Stages:
-#   kernels      kernel tests compiled on the GPU (small shapes), then quantized GEMM at full size
+#   kernels      kernel tests (sliding window and soft cap too) compiled on the GPU (small shapes), then
+#                quantized GEMM at full size
 #   quantgemm    benchmarks/quant_gemm.py: fused vs dequantize+cuBLAS vs fp8 per batch size
 #   smoke        benchmarks/quality.py on CUDA: every quantization mode and fp8 KV (4-layer default model)
 #   equality     HF equality tests on CUDA (float32)
 #   tput         offline throughput, Qwen3-0.6B shape, with HF continuous batching on 64 of the requests
+#   gemma        attention kernels with and without a 512-token window (benchmarks/window_attention.py), then
+#                offline throughput, Gemma-3-1B shape (22 sliding-window layers of 512, 4 global; needs the
+#                Gemma 3 model code), beside the Qwen3-0.6B shape run again in the same call
 #   tput8b       offline throughput, Llama-3.1-8B shape
 #   latency      batch-1 TTFT / TPOT, Llama-3.1-8B shape
 #   startup      seconds to /health = 200, Qwen3-0.6B shape, CUDA graphs on and --enforce-eager
@@ -23,6 +27,7 @@ OUT=${OUT:-benchmarks/results}
 D=$(date +%F)
 Q=benchmarks/configs/qwen3-0.6b
 L=benchmarks/configs/llama-3.1-8b
+G=benchmarks/configs/gemma-3-1b
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 log() { echo "=== $* ($(date +%T))"; }
 quiet() { grep -vE "Processed|it/s"; }
@@ -31,7 +36,7 @@ lat() { timeout 200 python3 benchmarks/latency.py --load-format dummy --model $L
 
 stage_kernels() {
   timeout 240 python3 -m pytest -q --tb=${KTB:-line} -p no:cacheprovider tests/test_kernels.py tests/test_quant_kernels.py \
-    ${KTESTS:+-k "$KTESTS"} 2>&1 | tail -8 | tee "$OUT/kernels-cuda-$D.log"
+    tests/test_sliding_window_kernels.py ${KTESTS:+-k "$KTESTS"} 2>&1 | tail -8 | tee "$OUT/kernels-cuda-$D.log"
   EMBER_KERNEL_TEST_FULL=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 \
     | tail -3 | tee "$OUT/quant-kernels-full-cuda-$D.log"
 }
@@ -47,6 +52,11 @@ stage_equality() {
     tests/test_batching.py tests/test_prefix_cache.py 2>&1 | tail -4 | tee "$OUT/equality-cuda-$D.log"
 }
 stage_tput() { tput --model $Q --hf --hf-num-seqs 64 --out "$OUT/throughput-qwen3-0.6b-cuda-$D.json"; }
+stage_gemma() {
+  timeout 200 python3 benchmarks/window_attention.py --out "$OUT/window-attention-cuda-$D.json" 2>&1 | tail -18
+  tput --model $Q --out "$OUT/throughput-qwen3-0.6b-cuda-$D-with-gemma.json"
+  tput --model $G --out "$OUT/throughput-gemma-3-1b-cuda-$D.json"
+}
 stage_tput8b() { tput --model $L --out "$OUT/throughput-llama-3.1-8b-cuda-$D.json"; }
 stage_latency() { lat --out "$OUT/latency-llama-3.1-8b-cuda-$D.json"; }
 stage_startup() {

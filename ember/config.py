@@ -53,22 +53,42 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    # Gemma: (1 + w) norms, four norms per layer, embeddings scaled by sqrt(hidden), GELU-tanh MLP
+    gemma_norms: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (default: head_dim)
+    # "sliding_attention" / "full_attention" per layer; None: every layer attends to its whole context
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # keys a query sees in a sliding layer, itself included
+    # rope of the sliding layers where it differs from the global one (Gemma 3's local base)
+    rope_local_theta: float | None = None
+    rope_local_scaling: dict[str, Any] | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else ""
+        if arch in _GEMMA_DEFAULTS:
+            if arch == "Gemma3ForConditionalGeneration":
+                cfg = cfg["text_config"]
+            cfg = {**_GEMMA_DEFAULTS[arch], **cfg}
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // heads
-        rope_scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta")
-        # transformers >= 5 moved rope settings under `rope_parameters`.
-        params = cfg.get("rope_parameters")
-        if isinstance(params, dict):
-            rope_theta = rope_theta or params.get("rope_theta")
-            if rope_scaling is None and params.get("rope_type", "default") != "default":
-                rope_scaling = params
+        rope_theta, rope_scaling = _rope(cfg, "full_attention")
+        gemma = arch in _GEMMA_DEFAULTS
+        local_theta, local_scaling = None, None
+        if arch in _GEMMA3:  # transformers' defaults: 1e6 for the global layers, 1e4 for the local ones
+            rope_theta = rope_theta or 1_000_000.0
+            local_theta, local_scaling = _rope(cfg, "sliding_attention")
+            local_theta = local_theta or 10_000.0
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -84,8 +104,67 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", *_GEMMA3),
+            gemma_norms=gemma,
+            hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
+            layer_types=_layer_types(arch, cfg),
+            sliding_window=cfg.get("sliding_window") if arch in _SLIDING else None,
+            rope_local_theta=None if local_theta is None else float(local_theta),
+            rope_local_scaling=local_scaling,
+            # transformers' Gemma 3 attention ignores attn_logit_softcapping, so Ember does too
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
         )
+
+
+_GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# transformers' config defaults for keys that Gemma configs on the Hub leave out (Gemma 3's
+# multimodal configs give little more than the sizes under `text_config`)
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "final_logit_softcapping": None,
+}
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": {
+        "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "sliding_window_pattern": 2, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+    },
+    **{arch: _GEMMA3_DEFAULTS for arch in _GEMMA3},
+}
+# architectures whose `sliding_window` is used (Qwen2 configs carry one that is off unless use_sliding_window)
+_SLIDING = ("MistralForCausalLM", *_GEMMA_DEFAULTS)
+
+
+def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[str, ...] | None:
+    """transformers 5 configs list each layer's type; older ones give a period where every
+    `sliding_window_pattern`-th layer is global (Gemma), or make every layer slide (Mistral)."""
+    if arch not in _SLIDING or cfg.get("sliding_window") is None:
+        return None
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    period = cfg.get("sliding_window_pattern") if arch in _GEMMA_DEFAULTS else None
+    return tuple("sliding_attention" if period is None or (i + 1) % period else "full_attention"
+                 for i in range(cfg["num_hidden_layers"]))
+
+
+def _rope(cfg: dict[str, Any], layer_type: str) -> tuple[float | None, dict[str, Any] | None]:
+    """(theta, scaling) of one layer type. transformers >= 5 puts them under `rope_parameters`, one dict
+    for all layers or one per layer type (Gemma 3); older configs give `rope_theta` and `rope_scaling`
+    (Gemma 3: for the global layers; the local ones use `rope_local_base_freq`, unscaled)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    if not isinstance(params, dict) or not ({"rope_theta", "rope_type"} & params.keys()):
+        params = {}
+    scaling = params if params.get("rope_type", "default") != "default" else None
+    if layer_type == "sliding_attention":
+        return params.get("rope_theta", cfg.get("rope_local_base_freq")), scaling
+    return cfg.get("rope_theta") or params.get("rope_theta"), cfg.get("rope_scaling") or scaling
 
 
 @dataclass(frozen=True)

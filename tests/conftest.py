@@ -45,6 +45,17 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    # Sliding windows of 8 keys: every test's prompt plus output outgrows them. Gemma's attention scale
+    # (query_pre_attn_scalar) differs from head_dim, and each layer type has its own rope.
+    "mistral-sw": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
+        final_logit_softcapping=12.0, rope_parameters={"rope_type": "default", "rope_theta": 20000.0})),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
 }
 
 
@@ -83,6 +94,10 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+            elif "Gemma" in model_cls and name.endswith("norm.weight"):
+                # Gemma scales by 1 + w (w starts at 0): make w matter, keeping 1 + w >= 0.5 so the
+                # GGUF twin's stored 1 + w converts back exactly (see ember.model.gguf)
+                p.uniform_(-0.4, 0.4)
     model.save_pretrained(path)
     _train_tokenizer(path, cfg.vocab_size)
     return path

@@ -5,6 +5,16 @@ to and including that block. Blocks whose requests have finished keep their hash
 free queue as LRU candidates: a later request with the same prefix takes them back instead of
 recomputing, until an allocation evicts them. Token ids are compared on every hit, so a hash
 collision can never serve the wrong KV.
+
+When every layer of the model attends through the same sliding window, a running request's blocks
+that lie wholly left of its next query's window are never read again and are released early
+(`drop_out_of_window`). They stay in the request's block list, as placeholders that keep positions
+and that the kernels never read (they start at the window's edge), but no longer count as its own:
+a released block that holds a cached prefix keeps its hash and can still serve a later hit, since
+its contents stay exactly those tokens' KV until an allocation takes it; one that was not cached yet
+is never cached afterwards, because it may already hold another request's KV by then. Stream order
+makes the early release safe under async scheduling: a step still running that reads such a block
+finishes before any later step can write into it.
 """
 
 from __future__ import annotations
@@ -28,17 +38,22 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the window every layer attends through, or None (some or all layers
+        see the whole context) to keep each request's blocks until it ends."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Front = next to hand out. Uncached blocks go to the front, cached ones to the back (LRU).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[int, int] = {}
         self.num_hashed_blocks: dict[str, int] = {}
+        self.num_dropped_blocks: dict[str, int] = {}  # leading blocks released by drop_out_of_window
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -116,7 +131,7 @@ class BlockManager:
         host) fill, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        start = self.num_hashed_blocks.get(request.request_id, 0)
+        start = max(self.num_hashed_blocks.get(request.request_id, 0), self.num_dropped_blocks.get(request.request_id, 0))
         num_full = num_tokens // self.block_size
         if num_full <= start:
             return
@@ -139,14 +154,31 @@ class BlockManager:
         self.cached_blocks.clear()
         return True
 
+    def drop_out_of_window(self, request: Request) -> None:
+        """Release the request's blocks that no query from its next one on can see: the next query
+        sits at num_computed_tokens and sees only positions above num_computed_tokens - sliding_window."""
+        if self.sliding_window is None:
+            return
+        dead = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        start = self.num_dropped_blocks.get(request.request_id, 0)
+        dead = min(dead, len(request.block_ids))
+        if dead <= start:
+            return
+        for block_id in request.block_ids[start:dead]:
+            self._release(block_id)
+        self.num_dropped_blocks[request.request_id] = dead
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks first so a shared prefix outlives its suffixes."""
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue[block_id] = None
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)
+        for block_id in reversed(request.block_ids[self.num_dropped_blocks.pop(request.request_id, 0):]):
+            self._release(block_id)
         request.block_ids = []
         self.num_hashed_blocks.pop(request.request_id, None)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue[block_id] = None
+            if block.block_hash is None:
+                self.free_queue.move_to_end(block_id, last=False)

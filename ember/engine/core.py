@@ -65,7 +65,8 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.tensor_parallel.ready()
         self.runner.warm_up_kernels()
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                          sliding_window=_shared_window(files.model_config))
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         capacity = num_blocks * cache_config.block_size
         if capacity < self.max_model_len:
@@ -265,6 +266,13 @@ def _start_tensor_parallel(args: EngineArgs, model_config: ModelConfig) -> Tenso
     group = TensorParallelGroup(args)
     atexit.register(group.stop)
     return group
+
+
+def _shared_window(cfg: ModelConfig) -> int | None:
+    """The window every layer attends through, or None: only then do a request's blocks leave all
+    layers' windows, so that the block manager may release them before the request ends."""
+    windows = {cfg.layer_window(layer) for layer in range(cfg.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else None
 
 
 def _resolve_async_scheduling(args: EngineArgs, device_type: str) -> bool:

@@ -4,7 +4,9 @@ There is no separate prefill phase. Every request has `num_computed_tokens`; eac
 running requests (decodes and unfinished prefill chunks) their share of the token budget first,
 then admits waiting requests while budget, sequence slots and KV blocks last. A prompt longer
 than the remaining budget is split into chunks over several steps. When blocks run out, the
-newest running request is preempted: its blocks are freed and it is recomputed later.
+newest running request is preempted: its blocks are freed and it is recomputed later. With a
+model windowed in every layer, blocks that have left a request's window are released before each
+step's allocations (see `BlockManager.drop_out_of_window`).
 
 Computed-token counts advance when a step is launched (`advance`), not when its results arrive,
 so that under async scheduling the next step can be planned while this one runs: a token sampled
@@ -52,6 +54,7 @@ class Scheduler:
             if request.is_length_capped(self.config.max_model_len):
                 i += 1  # its last token is in flight; it finishes when that arrives
                 continue
+            self.block_manager.drop_out_of_window(request)
             n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
             # Most decodes still have room in their last block: no allocation to ask for.
             fits = request.num_computed_tokens + n <= len(request.block_ids) * block_size
@@ -79,6 +82,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
+            self.block_manager.drop_out_of_window(request)  # a long cached prefix may reach past the window
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING

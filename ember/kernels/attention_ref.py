@@ -21,15 +21,22 @@ def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: to
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  context_len: int) -> torch.Tensor:
+                  context_len: int, *, sliding_window: int | None = None,
+                  logits_soft_cap: float | None = None) -> torch.Tensor:
     """Float32 attention of queries [Q, Hq, D] at positions context_len.. over keys [S, Hk, D],
-    each query seeing keys up to and including its own position."""
+    each query at p seeing keys j with p - sliding_window < j <= p (no lower bound without a
+    window); scores capped to cap * tanh(s / cap) with `logits_soft_cap`."""
     group = q.shape[1] // k.shape[1]
     qf = q.float().transpose(0, 1)                                 # [Hq, Q, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = qf @ kf.transpose(1, 2) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     q_pos = context_len + torch.arange(q.shape[0], device=q.device)
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    visible = k_pos <= q_pos[:, None]
+    if sliding_window is not None:
+        visible &= k_pos > q_pos[:, None] - sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
     return (scores.softmax(-1) @ vf).transpose(0, 1)               # [Q, Hq, D]

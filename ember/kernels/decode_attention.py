@@ -9,6 +9,13 @@ rows hold zero queries and are never stored.
 With few sequences (B * Hk programs well under the SM count) a long context would run on a few
 SMs; splitting it into `num_splits` contiguous ranges fills the GPU, each split writing an
 unnormalised partial result that a small second kernel merges by log-sum-exp.
+
+With a sliding window the query at position seq_len - 1 sees only the last `sliding_window`
+tokens, so the loop starts exactly at the window's first token (tiles gather token by token, so
+they need not align with cache blocks): a long context costs only the window's tiles and no key
+left of the window is read, let alone masked. The splits divide the window, and the split count
+is sized by it. Soft-capping and windowing are constexpr switches; with both off the kernel is the
+one compiled before they existed.
 """
 
 from __future__ import annotations
@@ -18,9 +25,16 @@ import triton
 import triton.language as tl
 
 from ember.kernels.attention_ref import attention_ref, gather_context
-from ember.kernels.paged import attend_tile, check_paged_args, dot_dtype, dot_precision, num_sms
+from ember.kernels.paged import (
+    attend_tile,
+    check_paged_args,
+    check_window_args,
+    dot_dtype,
+    dot_precision,
+    num_sms,
+    score_scales,
+)
 
-_LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, D=128): these reach 3.3-4.3 TB/s; BLOCK_N=128 or 8 warps were no better.
 _BLOCK_N = 64              # context tokens per K/V tile
 _NUM_WARPS = 4
@@ -34,13 +48,14 @@ _WAVES = 2
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    qk_scale, v_scale,
+    qk_scale, v_scale, cap, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     group, head_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -56,10 +71,13 @@ def _decode_kernel(
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(DOT_DTYPE)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Splits get equal whole tiles of this sequence's own context, so short sequences in a
-    # batch with long ones simply leave their trailing splits empty.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+    # Splits get equal whole tiles of this sequence's own (windowed) context, so short sequences
+    # in a batch with long ones simply leave their trailing splits empty.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -71,8 +89,8 @@ def _decode_kernel(
     for tile in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, tile, end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
-            BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, PRECISION)
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, cap, window,
+            dims, dim_mask, BLOCK_SIZE, BLOCK_N, True, False, SOFT_CAP, DOT_DTYPE, PRECISION)
     acc = acc * v_scale  # fp8 values' scale, once per program rather than per tile (see attend_tile)
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
@@ -128,8 +146,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            max_seq_len: int | None = None, *, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
-    """q [B, Hq, D] attends to its sequence's `seq_lens[b]` cached tokens -> out [B, Hq, D].
+                           v_scale: float = 1.0, sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
+    """q [B, Hq, D] attends to its sequence's `seq_lens[b]` cached tokens -> out [B, Hq, D]; with
+    `sliding_window` only to the last that many, and with `logits_soft_cap` its scaled scores s
+    become cap * tanh(s / cap) first (Gemma 2), both as in HF transformers.
 
     An fp8 cache's keys read as float(stored) * k_scale and its values as float(stored) * v_scale
     (host floats; other caches need 1.0), both products running in q's dtype.
@@ -143,6 +164,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_args(q, k_cache, v_cache, k_scale, v_scale)
+    check_window_args(sliding_window, logits_soft_cap)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -150,6 +172,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     if num_splits is None:
         max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        max_context = min(max_context, sliding_window or max_context)
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, num_sms(q.device))
     if num_splits > 1:
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -158,10 +181,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_max = part_sum = out  # unused: the kernel writes the final output directly
     block_d = triton.next_power_of_2(head_dim)
+    qk_scale, cap = score_scales(scale, k_scale, logits_soft_cap)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_acc, part_max, part_sum,
-        scale * k_scale * _LOG2E, v_scale,
+        qk_scale, v_scale, cap, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -169,6 +193,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         group, head_dim,
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
         DOT_DTYPE=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
@@ -186,11 +211,13 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                out: torch.Tensor | None = None, num_splits: int | None = None,
                                max_seq_len: int | None = None, *, k_scale: float = 1.0,
-                               v_scale: float = 1.0) -> torch.Tensor:
+                               v_scale: float = 1.0, sliding_window: int | None = None,
+                               logits_soft_cap: float | None = None) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
         k, v = gather_context(k_cache, v_cache, block_tables[b], int(seq_lens[b]), k_scale=k_scale, v_scale=v_scale)
-        outs.append(attention_ref(q[b:b + 1], k, v, scale, context_len=int(seq_lens[b]) - 1))
+        outs.append(attention_ref(q[b:b + 1], k, v, scale, context_len=int(seq_lens[b]) - 1,
+                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap))
     result = torch.cat(outs).to(q.dtype)
     if out is not None:
         out.copy_(result)

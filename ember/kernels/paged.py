@@ -1,5 +1,6 @@
-"""Host-side helpers shared by the kernels: paged-attention argument checks, dot operand types and
-the SM count that sizes split grids."""
+"""Host-side helpers shared by the kernels: paged-attention argument checks, dot operand types, the
+SM count that sizes split grids, and the score scaling for logit soft-capping; plus the one
+online-softmax step (`attend_tile`) both attention kernels run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ember.quant.formats import FP8_DTYPE
 from ember.quant.kv_scale import check_kv_scales
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_LOG2E = 1.4426950408889634
 
 
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -34,6 +36,23 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype "
                          "unless the caches are fp8")
     check_kv_scales(k_cache.dtype, k_scale, v_scale)
+
+
+def check_window_args(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be a positive float or None, got {logits_soft_cap!r}")
+
+
+def score_scales(scale: float, k_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
+    """(qk_scale, cap) for `attend_tile`: scores leave the dot product as q.k times qk_scale, in log2
+    units so the softmax runs on exp2. Capped, cap * tanh(s / cap) of the natural score s is
+    computed as cap * (1 - 2 / (exp(2 s / cap) + 1)), so qk_scale carries 2 / cap and `cap` the
+    factor back to log2 units (tanh through exp2: Triton's interpreter has no tanh)."""
+    if logits_soft_cap is None:
+        return scale * k_scale * _LOG2E, 1.0
+    return scale * k_scale * 2 * _LOG2E / logits_soft_cap, logits_soft_cap * _LOG2E
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,13 +85,17 @@ def attend_tile(
     q, m_i, l_i, acc, tile, kv_end, q_pos,
     k_cache_ptr, v_cache_ptr, table, kv_head,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    qk_scale, dims, dim_mask,
+    qk_scale, cap, window, dims, dim_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    WINDOW_MASK: tl.constexpr, SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One online-softmax step over context positions [tile, tile + BLOCK_N), shared by the decode and
     prefill kernels. MASKED hides positions at or past `kv_end` and past each row's own position
-    `q_pos`; tiles wholly inside every row's visible range skip it.
+    `q_pos`; tiles wholly inside every row's visible range skip it. WINDOW_MASK (needs MASKED) also
+    hides positions at or before q_pos - window, the sliding window's left edge; a row may then see
+    nothing in a tile, so its running max can stay -inf and the exponentials are taken against 0.
+    SOFT_CAP applies the cap to the scores before masking (`qk_scale` and `cap` from `score_scales`).
 
     fp8 tiles convert to DOT_DTYPE exactly, unscaled: the caller folds k_scale into `qk_scale` and
     applies v_scale once to the final accumulator, which saves a multiply per element per tile and
@@ -87,12 +110,19 @@ def attend_tile(
     v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
                 + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if SOFT_CAP:
+        s = cap * (1.0 - 2.0 / (tl.exp2(s) + 1.0))
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        if WINDOW_MASK:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = m_new
+    if WINDOW_MASK:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
     return m_new, l_i, acc

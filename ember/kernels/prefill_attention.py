@@ -11,6 +11,12 @@ Keys are read through the block table one token at a time (a gather of page ids 
 the K/V tile size is independent of the cache's block size. Tiles entirely at or before a
 block's first query position need no causal mask; the tail tiles that straddle the diagonal are
 masked, and tiles past its last query are never visited.
+
+With a sliding window a query block's tiles start at its first query's window edge, so key
+tiles wholly left of every row's window are never read. Tiles from there up to the last query's
+window edge are masked on both sides (window and causal); the rest are split as without a window.
+Soft-capping and windowing are constexpr switches; with both off the kernel is the one compiled
+before they existed.
 """
 
 from __future__ import annotations
@@ -20,21 +26,28 @@ import triton
 import triton.language as tl
 
 from ember.kernels.attention_ref import attention_ref, gather_context
-from ember.kernels.paged import attend_tile, check_paged_args, dot_dtype, dot_precision
+from ember.kernels.paged import (
+    attend_tile,
+    check_paged_args,
+    check_window_args,
+    dot_dtype,
+    dot_precision,
+    score_scales,
+)
 
-_LOG2E = 1.4426950408889634
 _NUM_STAGES = 3
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    qk_scale, v_scale,
+    qk_scale, v_scale, cap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, head_dim,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -65,21 +78,39 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Every row sees positions <= context_len + first_q, so whole tiles up to there skip the mask;
-    # the block's last query bounds the masked tail.
+    # Every row sees positions <= context_len + first_q, so whole tiles up to there skip the causal
+    # mask; the block's last query bounds the masked tail. Tiles run from `first` on a BLOCK_N grid.
     kv_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)
-    unmasked_end = (context_len + first_q + 1) // BLOCK_N * BLOCK_N
-    for tile in range(0, unmasked_end, BLOCK_N):
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(context_len + first_q - window + 1, 0)  # the first query's window edge
+    unmasked_end = first + (context_len + first_q + 1 - first) // BLOCK_N * BLOCK_N
+    unmasked_start = first
+    masked_start = unmasked_end
+    if WINDOWED:
+        # From the last query's window edge on every row sees every key, so only the tiles before
+        # it need the window mask (and the causal one, should they reach the diagonal).
+        all_see = kv_end - window
+        unmasked_start = first + tl.cdiv(tl.maximum(all_see - first, 0), BLOCK_N) * BLOCK_N
+        masked_start = tl.maximum(unmasked_start, unmasked_end)
+        for tile in range(first, tl.minimum(unmasked_start, kv_end), BLOCK_N):
+            m_i, l_i, acc = attend_tile(
+                q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, cap, window,
+                dims, dim_mask, BLOCK_SIZE, BLOCK_N, True, True, SOFT_CAP, DOT_DTYPE, PRECISION)
+    for tile in range(unmasked_start, unmasked_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
-            BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, PRECISION)
-    for tile in range(unmasked_end, kv_end, BLOCK_N):
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, cap, window,
+            dims, dim_mask, BLOCK_SIZE, BLOCK_N, False, False, SOFT_CAP, DOT_DTYPE, PRECISION)
+    for tile in range(masked_start, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, dims, dim_mask,
-            BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, PRECISION)
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, cap, window,
+            dims, dim_mask, BLOCK_SIZE, BLOCK_N, True, False, SOFT_CAP, DOT_DTYPE, PRECISION)
 
+    if WINDOWED:  # padding rows past the chunk may have seen no key at all; they are not stored
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc * v_scale / l_i[:, None]  # v_scale: fp8 values' scale, applied once (see attend_tile)
     tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -102,9 +133,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                             out: torch.Tensor | None = None, *, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0, sliding_window: int | None = None,
+                            logits_soft_cap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D] holds each sequence's chunk at positions seq_lens[b] - q_len .. seq_lens[b] - 1;
-    each query attends causally over its whole cached context -> out [T, Hq, D].
+    each query attends causally over its whole cached context (with `sliding_window`, over its last
+    that many positions, itself included) -> out [T, Hq, D]; `logits_soft_cap` caps the scaled
+    scores s to cap * tanh(s / cap) first (Gemma 2).
 
     The chunk's own keys and values must already be in the cache. `max_query_len` is a host int
     (the scheduler knows it) that sizes the grid; blocks past a sequence's chunk exit at once.
@@ -114,6 +148,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_paged_args(q, k_cache, v_cache, k_scale, v_scale)
+    check_window_args(sliding_window, logits_soft_cap)
     if out is None:
         out = torch.empty_like(q)
     batch = seq_lens.shape[0]
@@ -123,15 +158,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m = _block_m(max_query_len, group)
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
+    qk_scale, cap = score_scales(scale, k_scale, logits_soft_cap)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * k_scale * _LOG2E, v_scale,
+        qk_scale, v_scale, cap, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), head_dim,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_SIZE=block_size, BLOCK_N=_block_n(block_m, q.dtype), BLOCK_D=triton.next_power_of_2(head_dim),
+        WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
         DOT_DTYPE=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4, num_stages=_NUM_STAGES,
     )
@@ -142,12 +179,14 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                 query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                                 out: torch.Tensor | None = None, *, k_scale: float = 1.0,
-                                v_scale: float = 1.0) -> torch.Tensor:
+                                v_scale: float = 1.0, sliding_window: int | None = None,
+                                logits_soft_cap: float | None = None) -> torch.Tensor:
     result = torch.empty_like(q) if out is None else out
     for b in range(seq_lens.shape[0]):
         start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
         if end == start:
             continue
         k, v = gather_context(k_cache, v_cache, block_tables[b], seq_len, k_scale=k_scale, v_scale=v_scale)
-        result[start:end] = attention_ref(q[start:end], k, v, scale, context_len=seq_len - (end - start))
+        result[start:end] = attention_ref(q[start:end], k, v, scale, context_len=seq_len - (end - start),
+                                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return result

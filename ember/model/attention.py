@@ -36,8 +36,10 @@ class AttentionMetadata:
     max_seq_len: int                # longest context in the batch (sizes the decode kernel's split)
     seq_lens_host: list[int]        # the same values on the host, for the PyTorch path
     query_start_host: list[int]
-    # the PyTorch path's decode gather plan (block ids, longest context, key mask), made by a step's first layer
-    cpu_decode: tuple[torch.Tensor, int, torch.Tensor | None] | None = field(default=None, repr=False)
+    # the PyTorch path's decode gather plans (block ids, keys per query, key mask) per sliding window (None:
+    # global layers), each made by the first layer of a step that uses it
+    cpu_decode: dict[int | None, tuple[torch.Tensor, int, torch.Tensor | None]] = field(default_factory=dict,
+                                                                                         repr=False)
 
 
 def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -62,76 +64,138 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Keys/values for the new tokens must already be stored; fp8
-    caches are read through their scales (see `dequantize_kv`)."""
+    caches are read through their scales (see `dequantize_kv`).
+
+    sliding_window: a query at position p sees only keys j with p - sliding_window < j <= p.
+    logits_soft_cap: scaled scores s become cap * tanh(s / cap) before masking and softmax (Gemma 2)."""
     out = torch.empty_like(q)
     if use_triton(q):
-        _triton_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
+        _triton_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale, sliding_window, logits_soft_cap)
     else:
         check_kv_scales(k_cache.dtype, k_scale, v_scale)
-        _torch_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
+        _torch_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale, sliding_window, logits_soft_cap)
     return out
 
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor, k_scale: float, v_scale: float) -> None:
+                      scale: float, out: torch.Tensor, k_scale: float, v_scale: float,
+                      sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """Each layer passes its own window and cap, constant from step to step, so one captured CUDA
+    graph replays every layer's kernels with the right ones."""
     from ember.kernels import paged_decode_attention, paged_prefill_attention
 
     nd = meta.num_decodes
+    masking = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": sliding_window,
+               "logits_soft_cap": logits_soft_cap}
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                               out=out[:nd], max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
+                               out=out[:nd], max_seq_len=meta.max_seq_len, **masking)
     if meta.max_query_len:
         # Prefill rows index the full q/out through their own query_start_loc entries.
         paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                                meta.query_start_loc[nd:], meta.max_query_len, scale, out=out,
-                                k_scale=k_scale, v_scale=v_scale)
+                                meta.query_start_loc[nd:], meta.max_query_len, scale, out=out, **masking)
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-    """Block ids to gather for the one-token queries, the longest context, and which of its keys each
-    query may see ([nd, 1, 1, S]; None when all contexts are equally long, which lets SDPA skip masking)."""
+def _first_block(first_query_pos: int, window: int | None, block_size: int) -> int:
+    """The first block holding a key that a query at first_query_pos or later may see."""
+    return 0 if window is None else max(0, first_query_pos - window + 1) // block_size
+
+
+def _decode_plan(meta: AttentionMetadata, block_size: int,
+                 window: int | None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Block ids to gather for the one-token queries (with a window, only the blocks it covers, from
+    each sequence's own first one), the number of keys gathered per query, and which of them each
+    query may see ([nd, 1, 1, S]; None when all are visible, which lets SDPA skip masking)."""
     nd = meta.num_decodes
     lens = meta.seq_lens_host[:nd]
     longest = max(lens)
-    ids = meta.block_tables[:nd, : -(-longest // block_size)].reshape(-1)
-    if min(lens) == longest:
-        return ids, longest, None
-    mask = torch.arange(longest, device=meta.seq_lens.device)[None, :] < meta.seq_lens[:nd, None]
-    return ids, longest, mask[:, None, None, :]
+    first = [_first_block(n - 1, window, block_size) for n in lens]
+    if not any(first):
+        ids = meta.block_tables[:nd, : -(-longest // block_size)].reshape(-1)
+        if window is None and min(lens) == longest:
+            return ids, longest, None
+        keys = longest
+        cols = None
+    else:
+        width = max(-(-n // block_size) - f for n, f in zip(lens, first))
+        keys = width * block_size
+        dev = meta.block_tables.device
+        cols = torch.tensor(first, device=dev)[:, None] + torch.arange(width, device=dev)
+        last = meta.block_tables.shape[1] - 1  # columns past a row's table hold keys past its length
+        ids = meta.block_tables[:nd].gather(1, cols.clamp_(max=last)).reshape(-1)
+    dev = meta.seq_lens.device
+    pos = torch.arange(keys, device=dev)[None, :]
+    if cols is not None:
+        pos = pos + torch.tensor(first, device=dev)[:, None] * block_size
+    lens_t = meta.seq_lens[:nd, None]
+    mask = pos < lens_t
+    if window is not None:
+        mask &= pos >= lens_t - window
+    return ids, keys, mask[:, None, None, :]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            soft_cap: float | None, causal: bool = False) -> torch.Tensor:
+    """q [B, Hq, Q, D], k/v [B, Hk, S, D], mask broadcastable to [B, 1, Q, S] (True: visible).
+
+    SDPA has no soft cap, so a capped layer takes the explicit path, ordered as transformers' eager
+    attention: scores, scale, cap, mask, softmax in float32."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
+    b, hq, nq, d = q.shape
+    hk = k.shape[1]
+    q5 = q.view(b, hk, hq // hk, nq, d)  # query heads grouped by their KV head
+    scores = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if causal:
+        mask = torch.ones(nq, k.shape[2], dtype=torch.bool, device=q.device).tril_()[None, None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.unsqueeze(2)).view(b, hq, nq, d)
 
 
 def _torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, out: torch.Tensor, k_scale: float, v_scale: float) -> None:
-    """fp8 caches are dequantized to q's dtype block by block as they are gathered, never whole."""
+                     scale: float, out: torch.Tensor, k_scale: float, v_scale: float,
+                     window: int | None = None, soft_cap: float | None = None) -> None:
+    """fp8 caches are dequantized to q's dtype block by block as they are gathered, never whole. With a
+    window, a sequence's blocks wholly before it are not gathered (a 4096-key window on a 32k context
+    reads an eighth of the keys)."""
     block_size = k_cache.shape[1]
     nd = meta.num_decodes
     if nd:
-        if meta.cpu_decode is None:
-            meta.cpu_decode = _decode_plan(meta, block_size)
-        ids, longest, mask = meta.cpu_decode
+        if window not in meta.cpu_decode:
+            meta.cpu_decode[window] = _decode_plan(meta, block_size, window)
+        ids, keys, mask = meta.cpu_decode[window]
         shape = (nd, ids.numel() // nd * block_size, *k_cache.shape[2:])
         # index_select on the flat block list: 1.6x (one sequence) to 12x (16) faster than k_cache[tables]
-        k = dequantize_kv(k_cache.index_select(0, ids).view(shape)[:, :longest], k_scale, q.dtype).transpose(1, 2)
-        v = dequantize_kv(v_cache.index_select(0, ids).view(shape)[:, :longest], v_scale, q.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        k = dequantize_kv(k_cache.index_select(0, ids).view(shape)[:, :keys], k_scale, q.dtype).transpose(1, 2)
+        v = dequantize_kv(v_cache.index_select(0, ids).view(shape)[:, :keys], v_scale, q.dtype).transpose(1, 2)
+        out[:nd] = _attend(q[:nd].unsqueeze(2), k, v, mask, scale, soft_cap).squeeze(2)
     for i in range(nd, len(meta.seq_lens_host)):
         start, end = meta.query_start_host[i], meta.query_start_host[i + 1]
         q_len, seq_len = end - start, meta.seq_lens_host[i]
-        block_ids = meta.block_tables[i, : -(-seq_len // block_size)]
-        k = dequantize_kv(k_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len], k_scale, q.dtype).transpose(0, 1)
-        v = dequantize_kv(v_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len], v_scale, q.dtype).transpose(0, 1)
+        ctx = seq_len - q_len
+        first = _first_block(ctx, window, block_size)
+        block_ids = meta.block_tables[i, first: -(-seq_len // block_size)]
+        keys = seq_len - first * block_size
+        k = dequantize_kv(k_cache.index_select(0, block_ids).flatten(0, 1)[:keys], k_scale, q.dtype).transpose(0, 1)
+        v = dequantize_kv(v_cache.index_select(0, block_ids).flatten(0, 1)[:keys], v_scale, q.dtype).transpose(0, 1)
         # A batch dimension of 1: PyTorch's CPU flash kernel takes only 4-d inputs, and 3-d ones fall
         # back to the unfused math path (twice as slow for a 128-token prompt).
         qc = q[start:end].transpose(0, 1)[None]  # [1, Hq, Q, D]
         k, v = k[None], v[None]
-        ctx = seq_len - q_len
-        if ctx == 0:
-            o = F.scaled_dot_product_attention(qc, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        if ctx == 0 and window is None:
+            o = _attend(qc, k, v, None, scale, soft_cap, causal=True)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + ctx
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            pos = torch.arange(keys, device=q.device)[None, :] + first * block_size
+            mask = pos <= rows
+            if window is not None:
+                mask &= pos > rows - window
+            o = _attend(qc, k, v, mask[None, None], scale, soft_cap)
         out[start:end] = o[0].transpose(0, 1)

@@ -26,7 +26,9 @@ from ember.model.gguf_reader import GGUFFile, GGUFTensor
 from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
 from ember.quant.formats import QuantizedWeight
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_GEMMA = ("gemma2", "gemma3")
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -46,17 +48,29 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the one before the MLP in both layouts.
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                        "post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's llama3 rope scaling, precomputed per frequency; HF derives it from config instead.
 _ROPE_FREQS = "rope_freqs.weight"
 
-def _hf_tensor_name(name: str) -> str | None:
+def _hf_tensor_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
+    layer_tensors = _GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS
     match = _LAYER_TENSOR_RE.fullmatch(name)
-    if match is None or match[2] not in _LAYER_TENSORS:
+    if match is None or match[2] not in layer_tensors:
         return None
-    return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{layer_tensors[match[2]]}.{match[3]}"
+
+
+def _unshift_norm(w: np.ndarray) -> np.ndarray:
+    """llama.cpp's Gemma converters store a norm's effective weight 1 + w; Ember's GemmaRMSNorm takes
+    transformers' w. (1 + w) - 1 is exact in float32 whenever 1 + w >= 0.5 (Sterbenz), so the model's
+    1 + w is then bit for bit the file's value; below 0.5 it may differ by one float32 ulp of 1."""
+    return w - np.float32(1.0)
 
 
 _Rows = TypeVar("_Rows", np.ndarray, torch.Tensor)
@@ -110,8 +124,9 @@ class GGUFModel:
         Weights are float32 arrays, except that with keep_quantized every 2-D block-quantized
         tensor comes as the QuantizedWeight that dequantizes to exactly that array.
         """
+        arch = self.hf_config["model_type"]
         permuted_heads = {}
-        if self.hf_config["model_type"] == "llama":
+        if arch == "llama":
             permuted_heads = {
                 "attn_q": self.hf_config["num_attention_heads"],
                 "attn_k": self.hf_config["num_key_value_heads"],
@@ -119,7 +134,7 @@ class GGUFModel:
         for tensor in self._reader.tensors:
             if tensor.name == _ROPE_FREQS:
                 continue
-            hf_name = _hf_tensor_name(tensor.name)
+            hf_name = _hf_tensor_name(tensor.name, arch)
             assert hf_name is not None, "load_gguf validated every tensor name"
             shape = _numpy_shape(tensor)
             if keep_quantized and tensor.tensor_type in QUANTIZED_TYPES and len(shape) == 2:
@@ -129,6 +144,8 @@ class GGUFModel:
             match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
             if match is not None and match[2] in permuted_heads:
                 weight = _unpermute_weight(weight, permuted_heads[match[2]])
+            if arch in _GEMMA and tensor.name.endswith("norm.weight"):
+                weight = _unshift_norm(weight)
             yield hf_name, weight
 
 
@@ -160,7 +177,7 @@ def load_gguf(path: str) -> GGUFModel:
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        if _hf_tensor_name(tensor.name) is None:
+        if _hf_tensor_name(tensor.name, arch) is None:
             raise ModelLoadError(path, f"unexpected tensor {tensor.name!r} for architecture {arch!r}")
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise ModelLoadError(
@@ -197,7 +214,39 @@ def _hf_config(
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "torch_dtype": "float32",
+        **_sliding_window_config(meta, arch),
     }
+
+
+# llama.cpp's fixed Gemma facts (llama-model.cpp): every 2nd (Gemma 2) / 6th (Gemma 3) layer is global,
+# Gemma 3's local layers use rope base 10000 unscaled, and the 27B models scale attention by
+# hidden / heads instead of head_dim (as their query_pre_attn_scalar says); llama.cpp knows them by depth.
+_GEMMA_PERIOD = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _sliding_window_config(meta: GGUFMetadata, arch: str) -> dict:
+    """The HF config keys for sliding windows, soft caps and Gemma's attention scale. A llama file
+    with a window (`llama.attention.sliding_window`, which gguf.GGUFWriter.add_sliding_window writes)
+    is a Mistral model with sliding-window attention."""
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if arch not in _GEMMA:
+        return {} if window is None else {"architectures": ["MistralForCausalLM"], "sliding_window": window}
+    hidden = meta.require(f"{arch}.embedding_length")
+    heads = meta.require(f"{arch}.attention.head_count")
+    layers = meta.require(f"{arch}.block_count")
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    config = {
+        "sliding_window": window,
+        "sliding_window_pattern": meta.get(f"{arch}.attention.sliding_window_pattern", _GEMMA_PERIOD[arch]),
+        "query_pre_attn_scalar": hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim,
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None),
+    }
+    if arch == "gemma2":
+        config["attn_logit_softcapping"] = meta.get("gemma2.attn_logit_softcapping", 50.0)
+    else:
+        config["rope_local_base_freq"] = 10_000.0
+    return config
 
 
 def _rope_scaling(meta: GGUFMetadata, arch: str) -> dict | None:

@@ -51,6 +51,31 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm scales by (1 + w), with w as the checkpoint stores it (initialised to 0).
+
+    As transformers computes it: the normalised input times 1 + w, both in float32, rounded to x's
+    dtype once at the end (Llama rounds before scaling). The Triton kernels get the float32 1 + w and
+    round before scaling, which equals this in float32 only."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        self.weight.data.zero_()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        weight = self.weight.float() + 1.0
+        if use_triton(x):
+            from ember.kernels import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, weight, self.eps)
+            return fused_add_rms_norm(x, residual, weight, self.eps)
+        if residual is not None:
+            x = x + residual
+            return F.rms_norm(x.float(), weight.shape, weight, self.eps).to(x.dtype), x
+        return F.rms_norm(x.float(), weight.shape, weight, self.eps).to(x.dtype)
+
+
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -122,16 +147,23 @@ class Embedding(nn.Embedding):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+    """Gated feed-forward with the gate and up projections fused into one matmul: SwiGLU, or GELU-tanh
+    (Gemma, transformers' "gelu_pytorch_tanh"; no fused kernel, PyTorch ops on every device)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act: unsupported activation {act!r} (supported: silu, gelu_pytorch_tanh)")
+        self.act = act
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.act == "gelu_pytorch_tanh":
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if use_triton(x):
             from ember.kernels import silu_and_mul
 

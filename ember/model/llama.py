@@ -1,4 +1,8 @@
-"""The decoder shared by Llama (2, 3, Mistral, SmolLM), Qwen2 (QKV bias) and Qwen3 (QK norm).
+"""The decoder shared by Llama (2, 3, Mistral, SmolLM), Qwen2 (QKV bias), Qwen3 (QK norm) and Gemma 2/3.
+
+Gemma differs in config-driven details only: (1 + w) norms, a norm after attention and after the
+MLP besides the usual two (the "sandwich"), embeddings scaled by sqrt(hidden), GELU-tanh, its own
+attention scale, local (sliding-window) layers with their own rope, and soft-capped scores/logits.
 
 Parameters keep Hugging Face's names except that q/k/v and gate/up are fused into one matmul
 each; `load_weights` slices checkpoint tensors into the fused parameters.
@@ -16,27 +20,39 @@ from ember.config import ModelConfig
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
 from ember.model.errors import ModelLoadError
-from ember.model.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from ember.model.layers import (
+    Embedding,
+    GatedMLP,
+    GemmaRMSNorm,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from ember.model.sharding import ShardLayout, read_shard
 from ember.quant.formats import QuantizedWeight
 from ember.quant.linear import QuantEmbedding, QuantLinear, quantize_module
 
 
+def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
+    return (GemmaRMSNorm if cfg.gemma_norms else RMSNorm)(size, cfg.rms_norm_eps)
+
+
 class Attention(nn.Module):
     """This rank's query and KV heads; o_proj is row-parallel, so its partial sums are all-reduced."""
 
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
         self.num_heads = layout.num_heads
         self.num_kv_heads = layout.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.sliding_window = cfg.layer_window(layer)
+        self.logits_soft_cap = cfg.attn_logit_softcapping
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.rotary = rotary
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -55,17 +71,26 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale,
-                            v_scale=self.v_scale)
+                            v_scale=self.v_scale, sliding_window=self.sliding_window,
+                            logits_soft_cap=self.logits_soft_cap)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding) -> None:
+    """Llama's two norms, or Gemma's four: there post_attention_layernorm normalises the attention
+    output before it joins the residual stream, pre_feedforward_layernorm does what Llama's
+    post_attention_layernorm does, and post_feedforward_layernorm normalises the MLP output."""
+
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layout, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, layout.intermediate_size)
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.self_attn = Attention(cfg, layout, rotary, layer)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        if cfg.gemma_norms:
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+        self.sandwich = cfg.gemma_norms
+        self.mlp = GatedMLP(cfg.hidden_size, layout.intermediate_size, cfg.hidden_act)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +100,11 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return all_reduce(self.mlp(h)), residual  # down_proj is row-parallel
+        if not self.sandwich:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return all_reduce(self.mlp(h)), residual  # down_proj is row-parallel
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(all_reduce(self.mlp(h))), residual
 
 
 class DecoderModel(nn.Module):
@@ -84,19 +112,27 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.layout = layout
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_local_theta, cfg.rope_local_scaling)
         self.embed_tokens = Embedding(layout.vocab_per_rank, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, rotary) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, rotary if cfg.layer_window(i) is None else local, i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = _norm(cfg, cfg.hidden_size)
+        # Gemma: sqrt(hidden) rounded to the model dtype, as transformers' embedding scale is
+        scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(torch.get_default_dtype())
+        self.register_buffer("embed_scale", scale if cfg.gemma_norms else None, persistent=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids in its rows and zeros the others; the sum over
         ranks is the embedding."""
         if self.layout.size == 1:
-            return self.embed_tokens(input_ids)
-        local = input_ids - self.layout.vocab_start
-        mine = (local >= 0) & (local < self.layout.vocab_rows)
-        h = self.embed_tokens(torch.where(mine, local, 0))
-        return all_reduce(h * mine.unsqueeze(-1).to(h.dtype))
+            h = self.embed_tokens(input_ids)
+        else:
+            local = input_ids - self.layout.vocab_start
+            mine = (local >= 0) & (local < self.layout.vocab_rows)
+            h = self.embed_tokens(torch.where(mine, local, 0))
+            h = all_reduce(h * mine.unsqueeze(-1).to(h.dtype))
+        return h if self.embed_scale is None else h * self.embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed(input_ids)
@@ -115,6 +151,20 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
+# Gemma3ForConditionalGeneration: the language model's tensors under transformers < 5's and >= 5's names
+_LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                            "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _language_model_name(name: str) -> str | None:
+    """The text model's name for a multimodal checkpoint's tensor; None for the vision tower's."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, replacement in _LANGUAGE_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
 
 
 class CausalLM(nn.Module):
@@ -139,12 +189,17 @@ class CausalLM(nn.Module):
             if logits.shape[-1] < layout.vocab_per_rank:
                 logits = F.pad(logits, (0, layout.vocab_per_rank - logits.shape[-1]))
             logits = all_gather_last_dim(logits)[:, :layout.vocab_size]
-        return logits.float()
+        logits = logits.float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """compute_logits(hidden).argmax(-1); a quantized tied head finds it without every logit (with
-        one rank: under tensor parallelism the other ranks take part in compute_logits' all-gather)."""
-        if self.layout.size == 1 and isinstance(self.model.embed_tokens, QuantEmbedding) and self.lm_head is None:
+        one rank: under tensor parallelism the other ranks take part in compute_logits' all-gather).
+        Not with a logit soft cap: tanh keeps the order but can round distinct logits to one value,
+        and argmax then takes the first of them as transformers does."""
+        if (self.layout.size == 1 and isinstance(self.model.embed_tokens, QuantEmbedding) and self.lm_head is None
+                and self.config.final_logit_softcapping is None):
             return self.model.embed_tokens.argmax(hidden)
         return self.compute_logits(hidden).argmax(dim=-1)
 
@@ -182,7 +237,10 @@ class CausalLM(nn.Module):
         filled: dict[str, int] = {}
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
+            if self.config.architecture == "Gemma3ForConditionalGeneration":
+                name = _language_model_name(name)
+            if name is None or name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and
+                                                                        name == "lm_head.weight"):
                 continue
             tensor = read_shard(tensor, self.layout.shard(name))
             target, offset, size, shard = name, 0, None, 0
@@ -237,6 +295,6 @@ class CausalLM(nn.Module):
             if gen is None:
                 gen = torch.Generator(device=param.device).manual_seed(seed)
             if name.endswith("norm.weight"):
-                param.data.fill_(1.0)
+                param.data.fill_(0.0 if self.config.gemma_norms else 1.0)  # the identity either way
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)

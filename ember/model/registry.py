@@ -11,11 +11,14 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # its language model; the vision tower is not loaded
 )
 
 
 def model_class(cfg: ModelConfig, source: str) -> type[CausalLM]:
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(source, f"unknown architecture {cfg.architecture!r}; "
-                                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ModelLoadError(source, f"unsupported architecture {cfg.architecture!r} "
+                                     f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     return CausalLM
