@@ -20,12 +20,12 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file, save_file
 
-from conftest import DEVICE, make_checkpoint
+from conftest import DEVICE, WINDOWED_ARCHS, make_checkpoint
 from ember import LLM, SamplingParams
 from ember.model.attention import AttentionMetadata, paged_attention
 from test_hf_equality import TOP, assert_output_matches, hf_greedy
 
-ARCHS = ("gemma3", "gemma2", "mistral-sw")
+ARCHS = tuple(WINDOWED_ARCHS)
 NUM_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP)
 
