@@ -269,18 +269,17 @@ def test_gguf_twin_gives_the_same_tokens(tmp_path, arch):
     src = make_checkpoint(tmp_path / "hf", arch, **_GGUF_COMPATIBLE[arch])
     path, twin = tmp_path / f"{arch}.gguf", tmp_path / "twin"
     _write_gguf_twin(src, path, twin)
-    outputs = []
+    outputs, chats = [], []
     for model in (path, twin):
         llm = LLM(str(model), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02,
                   block_size=8, max_num_batched_tokens=16, quantization="none")
         outputs.append(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    # the GGUF file's chat template, through LLM.chat: one BOS, from the template
-    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False,
-                    chat_template=GEMMA2_TEMPLATE if arch == "gemma2" else GEMMA3_TEMPLATE)[0]
-    gguf_chat = LLM(str(path), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02).chat(
-        [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
-    assert gguf_chat.prompt == chat.prompt and gguf_chat.prompt_token_ids == chat.prompt_token_ids
-    assert chat.prompt_token_ids.count(1) == 1 and chat.prompt_token_ids[0] == 1
+        # the GGUF file's own chat template; the twin is given the same one
+        template = None if model == path else GEMMA2_TEMPLATE if arch == "gemma2" else GEMMA3_TEMPLATE
+        chats.append(llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False,
+                              chat_template=template)[0])
+    assert chats[0].prompt == chats[1].prompt and chats[0].prompt_token_ids == chats[1].prompt_token_ids
+    assert chats[0].prompt_token_ids.count(1) == 1 and chats[0].prompt_token_ids[0] == 1  # one BOS, the template's
     for gguf_out, twin_out in zip(*outputs):
         assert gguf_out.outputs[0].token_ids == twin_out.outputs[0].token_ids
         for a, b in zip(gguf_out.outputs[0].logprobs, twin_out.outputs[0].logprobs):
