@@ -20,12 +20,12 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file, save_file
 
-from conftest import DEVICE, make_checkpoint
+from conftest import DEVICE, WINDOWED_ARCHS, make_checkpoint
 from ember import LLM, SamplingParams
 from ember.model.attention import AttentionMetadata, paged_attention
 from test_hf_equality import TOP, assert_output_matches, hf_greedy
 
-ARCHS = ("gemma3", "gemma2", "mistral-sw")
+ARCHS = tuple(WINDOWED_ARCHS)
 NUM_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP)
 
@@ -269,18 +269,17 @@ def test_gguf_twin_gives_the_same_tokens(tmp_path, arch):
     src = make_checkpoint(tmp_path / "hf", arch, **_GGUF_COMPATIBLE[arch])
     path, twin = tmp_path / f"{arch}.gguf", tmp_path / "twin"
     _write_gguf_twin(src, path, twin)
-    outputs = []
+    outputs, chats = [], []
     for model in (path, twin):
         llm = LLM(str(model), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02,
                   block_size=8, max_num_batched_tokens=16, quantization="none")
         outputs.append(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    # the GGUF file's chat template, through LLM.chat: one BOS, from the template
-    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False,
-                    chat_template=GEMMA2_TEMPLATE if arch == "gemma2" else GEMMA3_TEMPLATE)[0]
-    gguf_chat = LLM(str(path), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02).chat(
-        [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
-    assert gguf_chat.prompt == chat.prompt and gguf_chat.prompt_token_ids == chat.prompt_token_ids
-    assert chat.prompt_token_ids.count(1) == 1 and chat.prompt_token_ids[0] == 1
+        # the GGUF file's own chat template; the twin is given the same one
+        template = None if model == path else GEMMA2_TEMPLATE if arch == "gemma2" else GEMMA3_TEMPLATE
+        chats.append(llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False,
+                              chat_template=template)[0])
+    assert chats[0].prompt == chats[1].prompt and chats[0].prompt_token_ids == chats[1].prompt_token_ids
+    assert chats[0].prompt_token_ids.count(1) == 1 and chats[0].prompt_token_ids[0] == 1  # one BOS, the template's
     for gguf_out, twin_out in zip(*outputs):
         assert gguf_out.outputs[0].token_ids == twin_out.outputs[0].token_ids
         for a, b in zip(gguf_out.outputs[0].logprobs, twin_out.outputs[0].logprobs):
@@ -431,3 +430,40 @@ def test_gemma_chat_templates_render_as_transformers(checkpoints, template, conv
         return
     assert ours.apply_chat_template(messages, chat_template=template) == expected
     assert expected.startswith("<s><start_of_turn>user\n") and expected.endswith("<start_of_turn>model\n")
+
+
+# --- configs in older transformers' format -------------------------------------------------------
+
+
+def test_gemma3_config_in_transformers_4_format_gives_the_same_model(checkpoints, references, tmp_path):
+    """transformers < 5 wrote rope_theta + rope_scaling (global layers), rope_local_base_freq and
+    sliding_window_pattern instead of rope_parameters per layer type and layer_types."""
+    d = shutil.copytree(checkpoints["gemma3"], tmp_path / "gemma3-v4")
+    cfg = json.loads((d / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+        cfg.pop(key)
+    cfg.update(rope_theta=50000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_local_base_freq=1000.0,
+               sliding_window_pattern=2)
+    (d / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(d), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02, block_size=8)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in references["gemma3"]]
+
+
+def test_gemma3_multimodal_config_takes_transformers_defaults():
+    """The Hub's Gemma 3 4B config.json gives little more than sizes under text_config."""
+    from ember.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_config({
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152}})
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262_208)
+    assert cfg.query_pre_attn_scalar == 256 and cfg.tie_word_embeddings and cfg.qk_norm and cfg.gemma_norms
+    assert cfg.layer_types == tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(34))
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_local_theta, cfg.rope_local_scaling) == (
+        1_000_000.0, {"factor": 8.0, "rope_type": "linear"}, 10_000.0, None)
+    assert [cfg.layer_window(i) for i in (0, 5)] == [1024, None]
+    assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None

@@ -111,30 +111,28 @@ def _decode_plan(meta: AttentionMetadata, block_size: int,
     query may see ([nd, 1, 1, S]; None when all are visible, which lets SDPA skip masking)."""
     nd = meta.num_decodes
     lens = meta.seq_lens_host[:nd]
-    longest = max(lens)
     first = [_first_block(n - 1, window, block_size) for n in lens]
-    if not any(first):
-        ids = meta.block_tables[:nd, : -(-longest // block_size)].reshape(-1)
-        if window is None and min(lens) == longest:
-            return ids, longest, None
-        keys = longest
-        cols = None
+    width = max(-(-n // block_size) - f for n, f in zip(lens, first))
+    dev = meta.block_tables.device
+    if not any(first):  # every row from its first block: a plain slice of the tables
+        ids = meta.block_tables[:nd, :width].reshape(-1)
+        keys = max(lens)
+        if window is None and min(lens) == keys:
+            return ids, keys, None
+        offset: torch.Tensor | int = 0
     else:
-        width = max(-(-n // block_size) - f for n, f in zip(lens, first))
+        start = torch.tensor(first, device=dev)[:, None]
+        # columns past a row's table can only hold keys past its length, which the mask hides
+        cols = (start + torch.arange(width, device=dev)).clamp_(max=meta.block_tables.shape[1] - 1)
+        ids = meta.block_tables[:nd].gather(1, cols).reshape(-1)
         keys = width * block_size
-        dev = meta.block_tables.device
-        cols = torch.tensor(first, device=dev)[:, None] + torch.arange(width, device=dev)
-        last = meta.block_tables.shape[1] - 1  # columns past a row's table hold keys past its length
-        ids = meta.block_tables[:nd].gather(1, cols.clamp_(max=last)).reshape(-1)
-    dev = meta.seq_lens.device
-    pos = torch.arange(keys, device=dev)[None, :]
-    if cols is not None:
-        pos = pos + torch.tensor(first, device=dev)[:, None] * block_size
+        offset = start * block_size
+    pos = torch.arange(keys, device=dev)[None, :] + offset
     lens_t = meta.seq_lens[:nd, None]
-    mask = pos < lens_t
+    visible = pos < lens_t
     if window is not None:
-        mask &= pos >= lens_t - window
-    return ids, keys, mask[:, None, None, :]
+        visible &= pos >= lens_t - window
+    return ids, keys, visible[:, None, None, :]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -20,13 +20,7 @@ from ember.config import ModelConfig
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
 from ember.model.errors import ModelLoadError
-from ember.model.layers import (
-    Embedding,
-    GatedMLP,
-    GemmaRMSNorm,
-    RMSNorm,
-    RotaryEmbedding,
-)
+from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from ember.model.sharding import ShardLayout, read_shard
 from ember.quant.formats import QuantizedWeight
 from ember.quant.linear import QuantEmbedding, QuantLinear, quantize_module
