@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    partial_rotary_factor: float = 1.0  # the share of each head that is rotated (Phi-4-mini: 0.75)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -69,6 +71,9 @@ class ModelConfig:
             rope_theta = rope_theta or params.get("rope_theta")
             if rope_scaling is None and params.get("rope_type", "default") != "default":
                 rope_scaling = params
+        if _rope_type(rope_scaling) in ("longrope", "su"):
+            rope_scaling = _longrope(rope_scaling, cfg)
+        partial = cfg.get("partial_rotary_factor") or (params or {}).get("partial_rotary_factor") or 1.0
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -85,7 +90,51 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
+            partial_rotary_factor=float(partial),
         )
+
+    def for_max_model_len(self, max_model_len: int) -> ModelConfig:
+        """This config with LongRoPE's factor set chosen for an engine whose sequences reach max_model_len.
+
+        As vLLM and llama.cpp do, one set serves every position of every sequence: the long factors
+        when sequences may outgrow original_max_position_embeddings, else the short ones. A token's
+        cached keys then never depend on how long its sequence grows later. transformers instead
+        rotates a sequence with the short factors until it passes that length and then recomputes its
+        whole context with the long ones; the two agree on every token while max_model_len stays
+        within the pre-training length, and otherwise on every token produced after the sequence
+        has passed it (a prompt longer than the pre-training length: all of them)."""
+        if _rope_type(self.rope_scaling) != "longrope":
+            return self
+        use_long = max_model_len > self.rope_scaling["original_max_position_embeddings"]
+        return dataclasses.replace(self, rope_scaling={**self.rope_scaling, "use_long_factors": use_long})
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading channels of each head that RoPE rotates; the rest pass through (HF's rounding)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _rope_type(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE (Phi-3, also under its old name 'su') with every default resolved the way transformers'
+    `_compute_longrope_parameters` resolves it, so the rotary table needs nothing but this dict: the
+    pre-training length may sit beside the factors or at the top of config.json, `factor` defaults to
+    max_position_embeddings / original_max_position_embeddings, and the cos/sin scale to
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) (1 when factor <= 1)."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_scaling: longrope needs original_max_position_embeddings")
+    original = int(original)
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return {"rope_type": "longrope", "short_factor": list(scaling["short_factor"]),
+            "long_factor": list(scaling["long_factor"]), "original_max_position_embeddings": original,
+            "factor": float(factor), "attention_factor": float(attention_factor)}
 
 
 @dataclass(frozen=True)

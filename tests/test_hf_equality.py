@@ -38,9 +38,15 @@ def assert_matches_hf(llm: LLM, hf_model, prompts: list[str], chat: bool = False
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         assert out.prompt_token_ids == tok.encode(prompt)
-        ref_tokens, ref_logprobs = hf_greedy(hf_model, out.prompt_token_ids, NUM_TOKENS)
+    assert_outputs_match(outputs, [hf_greedy(hf_model, out.prompt_token_ids, NUM_TOKENS) for out in outputs])
+
+
+def assert_outputs_match(outputs, references: list[tuple[list[int], torch.Tensor]]) -> None:
+    """Ember's greedy outputs (made with logprobs=TOP) against hf_greedy's (tokens, logprobs), one per output."""
+    assert len(outputs) == len(references)
+    for out, (ref_tokens, ref_logprobs) in zip(outputs, references):
         got = out.outputs[0]
-        assert got.token_ids == ref_tokens, f"prompt {prompt!r} diverged from transformers"
+        assert got.token_ids == ref_tokens, f"prompt {out.prompt!r} {out.prompt_token_ids[:8]} diverged"
         assert got.finish_reason == "length"
         for step, (token, lp) in enumerate(zip(got.token_ids, got.logprobs)):
             ref_top = torch.topk(ref_logprobs[step], TOP)

@@ -1,7 +1,9 @@
-"""The decoder shared by Llama (2, 3, Mistral, SmolLM), Qwen2 (QKV bias) and Qwen3 (QK norm).
+"""The decoder shared by Llama (2, 3, Mistral, SmolLM), Qwen2 (QKV bias), Qwen3 (QK norm) and Phi-3
+(fused checkpoint tensors, LongRoPE, partial rotary).
 
 Parameters keep Hugging Face's names except that q/k/v and gate/up are fused into one matmul
-each; `load_weights` slices checkpoint tensors into the fused parameters.
+each; `load_weights` slices checkpoint tensors into the fused parameters (a checkpoint that is
+fused already, as Phi-3's, is first cut into its parts so both kinds take one path).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, max_positions: int) -> None:
         super().__init__()
         self.layout = layout
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
         self.embed_tokens = Embedding(layout.vocab_per_rank, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, layout, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -115,6 +117,11 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
+# fused checkpoint tensor (Phi-3) -> the parts it stacks, in order
+_STACKED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 class CausalLM(nn.Module):
@@ -181,7 +188,7 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
-        for name, tensor in weights:
+        for name, tensor in self._unstacked(weights, source):
             if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             tensor = read_shard(tensor, self.layout.shard(name))
@@ -213,6 +220,27 @@ class CausalLM(nn.Module):
                 raise ModelLoadError(source, f"checkpoint is missing weights for {name!r}")
         for name, shards in quantized.items():
             self._install_quantized(name, shards, params[name])
+
+    def _unstacked(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+                   source: str) -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Checkpoint tensors with stacked q/k/v or gate/up (Phi-3's qkv_proj, gate_up_proj) cut into
+        their parts, so tensor-parallel slicing and quantized shards see what separate tensors give.
+        A lazily read safetensors part is read whole here (each rank then keeps its slice)."""
+        cfg = self.config
+        sizes = {"self_attn.qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
+                 "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+        for name, tensor in weights:
+            stacked = next((s for s in _STACKED if f".{s}." in name), None)
+            if stacked is None:
+                yield name, tensor
+                continue
+            if tensor.shape[0] != sum(sizes[stacked]):
+                raise ModelLoadError(source, f"tensor {name!r} has {tensor.shape[0]} rows, expected "
+                                             f"{' + '.join(map(str, sizes[stacked]))}")
+            offset = 0
+            for part, size in zip(_STACKED[stacked], sizes[stacked]):
+                yield name.replace(stacked, part), tensor.narrow(0, offset, size)
+                offset += size
 
     def _install_quantized(self, param_name: str, shards: dict[int, QuantizedWeight], param: nn.Parameter) -> None:
         """Swap the layer owning `param_name` for its quantized form; shards that arrived dense (a GGUF
