@@ -71,9 +71,6 @@ class ModelConfig:
             rope_theta = rope_theta or params.get("rope_theta")
             if rope_scaling is None and params.get("rope_type", "default") != "default":
                 rope_scaling = params
-        if _rope_type(rope_scaling) in ("longrope", "su"):
-            rope_scaling = _longrope(rope_scaling, cfg)
-        partial = cfg.get("partial_rotary_factor") or (params or {}).get("partial_rotary_factor") or 1.0
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -85,12 +82,12 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=rope_scaling,
+            rope_scaling=_resolve_longrope(rope_scaling, cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
-            partial_rotary_factor=float(partial),
+            partial_rotary_factor=_partial_rotary_factor(cfg),
         )
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
@@ -118,13 +115,23 @@ def _rope_type(scaling: dict[str, Any] | None) -> str:
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
 
-def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """Top level in config.json (Phi-4-mini), inside `rope_parameters` in transformers >= 5's."""
+    params = cfg.get("rope_parameters")
+    return float(cfg.get("partial_rotary_factor") or (params if isinstance(params, dict) else {}).get(
+        "partial_rotary_factor") or 1.0)
+
+
+def _resolve_longrope(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """LongRoPE (Phi-3, also under its old name 'su') with every default resolved the way transformers'
     `_compute_longrope_parameters` resolves it, so the rotary table needs nothing but this dict: the
     pre-training length may sit beside the factors or at the top of config.json, `factor` defaults to
     max_position_embeddings / original_max_position_embeddings, and the cos/sin scale to
     sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) (1 when factor <= 1)."""
-    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if _rope_type(scaling) not in ("longrope", "su"):
+        return scaling
+    # transformers lets the top-level value win where both are given
+    original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
     if not original:
         raise ValueError("rope_scaling: longrope needs original_max_position_embeddings")
     original = int(original)

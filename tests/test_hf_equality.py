@@ -38,22 +38,19 @@ def assert_matches_hf(llm: LLM, hf_model, prompts: list[str], chat: bool = False
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         assert out.prompt_token_ids == tok.encode(prompt)
-    assert_outputs_match(outputs, [hf_greedy(hf_model, out.prompt_token_ids, NUM_TOKENS) for out in outputs])
+        assert_output_matches(out.outputs[0], *hf_greedy(hf_model, out.prompt_token_ids, NUM_TOKENS), prompt)
 
 
-def assert_outputs_match(outputs, references: list[tuple[list[int], torch.Tensor]]) -> None:
-    """Ember's greedy outputs (made with logprobs=TOP) against hf_greedy's (tokens, logprobs), one per output."""
-    assert len(outputs) == len(references)
-    for out, (ref_tokens, ref_logprobs) in zip(outputs, references):
-        got = out.outputs[0]
-        assert got.token_ids == ref_tokens, f"prompt {out.prompt!r} {out.prompt_token_ids[:8]} diverged"
-        assert got.finish_reason == "length"
-        for step, (token, lp) in enumerate(zip(got.token_ids, got.logprobs)):
-            ref_top = torch.topk(ref_logprobs[step], TOP)
-            ours = {tid: v.logprob for tid, v in lp.items()}
-            for tid, ref in zip(ref_top.indices.tolist(), ref_top.values.tolist()):
-                assert ours[tid] == pytest.approx(ref, abs=2e-3), f"step {step}"
-            assert lp[token].rank == 1
+def assert_output_matches(got, ref_tokens: list[int], ref_logprobs: torch.Tensor, prompt: object) -> None:
+    """An Ember completion (greedy, logprobs=TOP) against hf_greedy's tokens and logprobs."""
+    assert got.token_ids == ref_tokens, f"prompt {prompt!r} diverged from transformers"
+    assert got.finish_reason == "length"
+    for step, (token, lp) in enumerate(zip(got.token_ids, got.logprobs)):
+        ref_top = torch.topk(ref_logprobs[step], TOP)
+        ours = {tid: v.logprob for tid, v in lp.items()}
+        for tid, ref in zip(ref_top.indices.tolist(), ref_top.values.tolist()):
+            assert ours[tid] == pytest.approx(ref, abs=2e-3), f"step {step}"
+        assert lp[token].rank == 1
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

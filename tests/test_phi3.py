@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
+from conftest import DEVICE, inproc_core, make_checkpoint
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
+from test_hf_equality import PROMPTS, TOP, assert_output_matches, hf_greedy
 
-from conftest import DEVICE, make_checkpoint
 from ember import LLM, SamplingParams
-from test_hf_equality import NUM_TOKENS, PROMPTS, TOP, assert_outputs_match, hf_greedy
+from ember.model.gguf import load_gguf
+from ember.quant.linear import QuantLinear
 
 # Phi-3-mini-4k-instruct's template (tokenizer_config.json)
 PHI3_TEMPLATE = (
@@ -29,6 +31,7 @@ PHI3_TEMPLATE = (
     "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
+NUM_TOKENS = 40
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP)
 ORIGINAL_MAX = 32  # the LongRoPE variants' original_max_position_embeddings (tests/conftest.py)
 SHORT_PROMPTS = PROMPTS[:4]  # each under ORIGINAL_MAX - SHORT_TOKENS tokens (test_prompt_lengths)
@@ -37,7 +40,7 @@ SHORT_TOKENS = 10
 LONG_PROMPTS = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(4)]
 
 
-@pytest.fixture(scope="module", params=["phi3", "phi3-longrope", "phi4-mini"])
+@pytest.fixture(scope="module", params=["phi3-longrope", "phi4-mini"])
 def phi(request, tmp_path_factory) -> tuple[str, Path, list[dict], list]:
     """(variant, checkpoint, token-id prompts, HF's greedy tokens and logprobs for each)."""
     from transformers import AutoModelForCausalLM
@@ -45,7 +48,7 @@ def phi(request, tmp_path_factory) -> tuple[str, Path, list[dict], list]:
     path = make_checkpoint(tmp_path_factory.mktemp(request.param) / "hf", request.param)
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PHI3_TEMPLATE}))
-    prompts = _ids(path, PROMPTS if request.param == "phi3" else LONG_PROMPTS)
+    prompts = _ids(path, LONG_PROMPTS)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE)
     refs = [hf_greedy(hf, p["prompt_token_ids"], NUM_TOKENS) for p in prompts]
     return request.param, path, prompts, refs
@@ -56,15 +59,20 @@ def _ids(path: Path, texts: list[str]) -> list[dict]:
     return [{"prompt_token_ids": tok.encode(t).ids} for t in texts]
 
 
+def assert_outputs_match(outputs, refs: list[tuple[list[int], torch.Tensor]]) -> None:
+    assert len(outputs) == len(refs)
+    for out, (tokens, logprobs) in zip(outputs, refs):
+        assert_output_matches(out.outputs[0], tokens, logprobs, out.prompt_token_ids)
+
+
 def _llm(path: Path | str, **kwargs) -> LLM:
     return LLM(str(path), device=DEVICE, dtype="float32", engine_process=False, **kwargs)
 
 
 def test_prompt_lengths(phi):
-    variant, path, prompts, _ = phi
-    if variant != "phi3":
-        assert min(len(p["prompt_token_ids"]) for p in prompts) > ORIGINAL_MAX
-        assert max(len(p["prompt_token_ids"]) for p in _ids(path, SHORT_PROMPTS)) <= ORIGINAL_MAX - SHORT_TOKENS
+    _, path, prompts, _ = phi
+    assert min(len(p["prompt_token_ids"]) for p in prompts) > ORIGINAL_MAX
+    assert max(len(p["prompt_token_ids"]) for p in _ids(path, SHORT_PROMPTS)) <= ORIGINAL_MAX - SHORT_TOKENS
 
 
 @pytest.mark.parametrize("variant", ["phi3-longrope", "phi4-mini"])
@@ -92,16 +100,13 @@ def test_alone_then_from_prefix_cache(phi):
     assert_outputs_match(again, refs)
 
 
-def test_batched_with_chunked_prefill(phi):
-    _, path, prompts, refs = phi
-    llm = _llm(path, kv_cache_memory=0.05, max_num_batched_tokens=16, enable_prefix_caching=False)
-    assert_outputs_match(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
-
-
-def test_preemption(phi):
+def test_batched_with_chunked_prefill_and_preemption(phi):
+    """A 16-token budget splits every prompt over several steps beside other decodes, and 16 KV blocks
+    hold about one sequence, so the scheduler preempts and recomputes."""
     _, path, prompts, refs = phi
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head_dim, fp32
-    llm = _llm(path, kv_cache_memory=16 * block_bytes / 2**30, block_size=16, max_model_len=256)
+    llm = _llm(path, kv_cache_memory=16 * block_bytes / 2**30, block_size=16, max_model_len=256,
+               max_num_batched_tokens=16, enable_prefix_caching=False)
     assert_outputs_match(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
     stats = llm.llm_engine.scheduler_stats()
     assert stats.num_preemptions > 0 and stats.kv_cache_usage == 0.0
@@ -124,6 +129,30 @@ def test_bad_longrope_factors_name_the_field(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="long_factor has 2 values, expected rotary_dim / 2 = 8"):
         _llm(path, kv_cache_memory=0.01)
+
+
+def test_partial_rotary_through_the_triton_kernel_matches_torch(monkeypatch):
+    """The GPU path rotates the leading 3/4 of each head with the Triton kernel (here through its
+    interpreter); the rest passes through untouched."""
+    from ember.model import backend
+    from ember.model.layers import RotaryEmbedding
+
+    scaling = {**_longrope_scaling(12), "use_long_factors": True}
+    rotary = RotaryEmbedding(16, 64, 10000.0, scaling, rotary_dim=12)
+    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
+    positions = torch.tensor([0, 3, 31, 32, 63])
+    ref_q, ref_k = rotary(positions, q, k)
+    monkeypatch.setattr(backend, "FORCE_TRITON", True)
+    got_q, got_k = rotary(positions, q, k)
+    torch.testing.assert_close(got_q, ref_q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_k, ref_k, rtol=0, atol=1e-6)
+    assert torch.equal(got_q[..., 12:], q[..., 12:]) and not torch.allclose(got_q[..., :12], q[..., :12])
+
+
+def _longrope_scaling(rotary_dim: int) -> dict:
+    return {"rope_type": "longrope", "original_max_position_embeddings": ORIGINAL_MAX, "attention_factor": 1.3,
+            "short_factor": [1.0 + 0.1 * i for i in range(rotary_dim // 2)],
+            "long_factor": [2.0 + i for i in range(rotary_dim // 2)]}
 
 
 # --- the same models as llama.cpp GGUF files -----------------------------------------------------
@@ -162,21 +191,24 @@ def _write_gguf(hf_dir: Path, gguf_path: Path, twin_dir: Path) -> None:
     w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_sliding_window(0)
-    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    scale = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]
-    w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(rope["original_max_position_embeddings"]))))
+    if rope["rope_type"] == "longrope":
+        original = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     specials = {t["content"] for t in tok["added_tokens"]}
+    pad = [f"[PAD{i}]" for i in range(len(vocab), cfg["vocab_size"])]  # as the converter fills the rows
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+    w.add_token_list([t for t, _ in vocab] + pad)
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab] + [4] * len(pad))
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_chat_template(PHI3_TEMPLATE)
-    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
-    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     twin = {}
     for name, tensor in load_file(hf_dir / "model.safetensors").items():
         gname = _gguf_name(name)
@@ -193,17 +225,23 @@ def _write_gguf(hf_dir: Path, gguf_path: Path, twin_dir: Path) -> None:
     save_file(twin, twin_dir / "model.safetensors", metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("variant", ["phi3-longrope", "phi4-mini"])
-def test_gguf_matches_its_safetensors_twin(tmp_path, variant):
+# Phi-3-mini-like dequantized to float32; Phi-4-mini-like with its Q8_0 tensors kept quantized (int8).
+@pytest.mark.parametrize("variant,quantization", [("phi3", "none"), ("phi4-mini", None)])
+def test_gguf_matches_its_safetensors_twin(tmp_path, variant, quantization):
     hf_dir = make_checkpoint(tmp_path / "hf", variant)
     gguf_path, twin_dir = tmp_path / "phi.gguf", tmp_path / "twin"
     _write_gguf(hf_dir, gguf_path, twin_dir)
+    config = load_gguf(str(gguf_path)).hf_config
+    rope = json.loads((hf_dir / "config.json").read_text())["rope_parameters"]
+    assert config["partial_rotary_factor"] == rope["partial_rotary_factor"] and config["sliding_window"] is None
+    assert (config["rope_scaling"] or {}).get("long_factor") == rope.get("long_factor")
     prompts = _ids(hf_dir, LONG_PROMPTS[:2] + SHORT_PROMPTS[:2])
     twin = _llm(twin_dir, kv_cache_memory=0.02).generate(prompts, GREEDY, use_tqdm=False)
     refs = [(out.outputs[0].token_ids, _dense_logprobs(out)) for out in twin]
-    for quantization in ("none", None):  # dequantized to float32; kept quantized (Q8_0 as int8)
-        llm = _llm(gguf_path, kv_cache_memory=0.02, max_num_batched_tokens=16, quantization=quantization)
-        assert_outputs_match(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
+    llm = _llm(gguf_path, kv_cache_memory=0.02, max_num_batched_tokens=16, quantization=quantization)
+    qkv = inproc_core(llm).runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) == (quantization is None)
+    assert_outputs_match(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
     messages = [{"role": "user", "content": "Hi!"}]
     assert llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
         "<|user|>\nHi!<|end|>\n<|assistant|>\n"
@@ -217,3 +255,14 @@ def _dense_logprobs(out) -> torch.Tensor:
         for tid, v in lp.items():
             rows[step, tid] = v.logprob
     return rows
+
+
+def test_tensor_parallel_2_matches_1(tmp_path):
+    """Fused checkpoint tensors are cut into q/k/v and gate/up before each rank takes its slice, here
+    from a GGUF file whose fused Q8_0 tensors stay quantized (the slower of the two paths; safetensors
+    take the same one, read lazily)."""
+    from test_tensor_parallel import _assert_same
+
+    hf_dir = make_checkpoint(tmp_path / "hf", "phi4-mini")
+    _write_gguf(hf_dir, tmp_path / "phi.gguf", tmp_path / "twin")
+    _assert_same(str(tmp_path / "phi.gguf"))
