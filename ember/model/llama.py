@@ -227,8 +227,8 @@ class CausalLM(nn.Module):
         their parts, so tensor-parallel slicing and quantized shards see what separate tensors give.
         A lazily read safetensors part is read whole here (each rank then keeps its slice)."""
         cfg = self.config
-        sizes = {"self_attn.qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
-                 "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
         for name, tensor in weights:
             stacked = next((s for s in _STACKED if f".{s}." in name), None)
             if stacked is None:
