@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,7 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+    partial_rotary_factor: float = 1.0  # the share of each head that is rotated (Phi-4-mini: 0.75)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -100,7 +102,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=rope_scaling,
+            rope_scaling=_resolve_longrope(rope_scaling, cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
@@ -115,7 +117,61 @@ class ModelConfig:
             # transformers' Gemma 3 attention ignores attn_logit_softcapping, so Ember does too
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+            partial_rotary_factor=_partial_rotary_factor(cfg),
         )
+
+    def for_max_model_len(self, max_model_len: int) -> ModelConfig:
+        """This config with LongRoPE's factor set chosen for an engine whose sequences reach max_model_len.
+
+        As vLLM and llama.cpp do, one set serves every position of every sequence: the long factors
+        when sequences may outgrow original_max_position_embeddings, else the short ones. A token's
+        cached keys then never depend on how long its sequence grows later. transformers instead
+        rotates a sequence with the short factors until it passes that length and then recomputes its
+        whole context with the long ones; the two agree on every token while max_model_len stays
+        within the pre-training length, and otherwise on every token produced after the sequence
+        has passed it (a prompt longer than the pre-training length: all of them)."""
+        if _rope_type(self.rope_scaling) != "longrope":
+            return self
+        use_long = max_model_len > self.rope_scaling["original_max_position_embeddings"]
+        return dataclasses.replace(self, rope_scaling={**self.rope_scaling, "use_long_factors": use_long})
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading channels of each head that RoPE rotates; the rest pass through (HF's rounding)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _rope_type(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """Top level in config.json (Phi-4-mini), inside `rope_parameters` in transformers >= 5's."""
+    params = cfg.get("rope_parameters")
+    return float(cfg.get("partial_rotary_factor") or (params if isinstance(params, dict) else {}).get(
+        "partial_rotary_factor") or 1.0)
+
+
+def _resolve_longrope(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """LongRoPE (Phi-3, also under its old name 'su') with every default resolved the way transformers'
+    `_compute_longrope_parameters` resolves it, so the rotary table needs nothing but this dict: the
+    pre-training length may sit beside the factors or at the top of config.json, `factor` defaults to
+    max_position_embeddings / original_max_position_embeddings, and the cos/sin scale to
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) (1 when factor <= 1)."""
+    if _rope_type(scaling) not in ("longrope", "su"):
+        return scaling
+    # transformers lets the top-level value win where both are given
+    original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_scaling: longrope needs original_max_position_embeddings")
+    original = int(original)
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return {"rope_type": "longrope", "short_factor": list(scaling["short_factor"]),
+            "long_factor": list(scaling["long_factor"]), "original_max_position_embeddings": original,
+            "factor": float(factor), "attention_factor": float(attention_factor)}
 
 
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -137,7 +193,7 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
     **{arch: _GEMMA3_DEFAULTS for arch in _GEMMA3},
 }
 # architectures whose `sliding_window` is used (Qwen2 configs carry one that is off unless use_sliding_window)
-_SLIDING = ("MistralForCausalLM", *_GEMMA_DEFAULTS)
+_SLIDING = ("MistralForCausalLM", "Phi3ForCausalLM", *_GEMMA_DEFAULTS)
 
 
 def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[str, ...] | None:

@@ -51,6 +51,7 @@ WINDOWED_ARCHS = {
     # Sliding windows of 8 keys: every test's prompt plus output outgrows them. Gemma's attention scale
     # (query_pre_attn_scalar) differs from head_dim, and each layer type has its own rope.
     "mistral-sw": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "phi3-sw": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, sliding_window=8)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
         final_logit_softcapping=12.0, rope_parameters={"rope_type": "default", "rope_theta": 20000.0})),
@@ -59,6 +60,27 @@ WINDOWED_ARCHS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+}
+
+
+def _longrope(rotary_dim: int, original: int) -> dict:
+    """LongRoPE with distinct short and long factors (Phi-3 style) over a tiny pre-training length."""
+    half = rotary_dim // 2
+    return {"rope_type": "longrope", "original_max_position_embeddings": original,
+            "short_factor": [1.0 + 0.05 * i for i in range(half)],
+            "long_factor": [1.5 + 0.75 * i for i in range(half)]}
+
+
+# Architectures with their own test files (tests/test_phi3.py), beside the ARCHS every equality test runs.
+MORE_ARCHS = {
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    # Phi-3.5-mini-like: LongRoPE, every channel rotated; generations cross original_max_position_embeddings=32
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, original_max_position_embeddings=32, rope_scaling=_longrope(16, 32))),
+    # Phi-4-mini-like: a quarter of each head passes unrotated, tied embeddings, LongRoPE
+    "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, partial_rotary_factor=0.75, tie_word_embeddings=True, original_max_position_embeddings=32,
+        rope_scaling=_longrope(12, 32))),
 }
 
 
@@ -87,7 +109,7 @@ def _train_tokenizer(path: Path, vocab_size: int) -> None:
 def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
     import transformers
 
-    config_cls, model_cls, extra = {**ARCHS, **WINDOWED_ARCHS}[arch]
+    config_cls, model_cls, extra = {**ARCHS, **WINDOWED_ARCHS, **MORE_ARCHS}[arch]
     cfg = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg)

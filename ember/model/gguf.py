@@ -10,6 +10,7 @@ losslessly into Ember's QuantizedWeight form so they can stay quantized.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
 from ember.quant.formats import QuantizedWeight
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
 
 _GLOBAL_TENSORS = {
@@ -41,6 +42,7 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -52,14 +54,21 @@ _LAYER_TENSORS = {
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
                         "post_attention_norm": "post_attention_layernorm",
                         "post_ffw_norm": "post_feedforward_layernorm"}
+# Where an architecture's tensor differs from the table above: Phi-3's ffn_up holds gate and up stacked.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's llama3 rope scaling, precomputed per frequency; HF derives it from config instead.
 _ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE factors (HF keeps them in config.json's rope_scaling): read into the config.
+_ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+_CONFIG_TENSORS = {_ROPE_FREQS, *_ROPE_FACTORS.values()}
+
 
 def _hf_tensor_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     layer_tensors = _GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS
+    layer_tensors = {**layer_tensors, **_ARCH_LAYER_TENSORS.get(arch, {})}
     match = _LAYER_TENSOR_RE.fullmatch(name)
     if match is None or match[2] not in layer_tensors:
         return None
@@ -131,8 +140,9 @@ class GGUFModel:
                 "attn_q": self.hf_config["num_attention_heads"],
                 "attn_k": self.hf_config["num_key_value_heads"],
             }
+        arch = self.hf_config["model_type"]
         for tensor in self._reader.tensors:
-            if tensor.name == _ROPE_FREQS:
+            if tensor.name in _CONFIG_TENSORS:
                 continue
             hf_name = _hf_tensor_name(tensor.name, arch)
             assert hf_name is not None, "load_gguf validated every tensor name"
@@ -175,7 +185,7 @@ def load_gguf(path: str) -> GGUFModel:
         )
     names = {tensor.name for tensor in reader.tensors}
     for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name in _CONFIG_TENSORS:
             continue
         if _hf_tensor_name(tensor.name, arch) is None:
             raise ModelLoadError(path, f"unexpected tensor {tensor.name!r} for architecture {arch!r}")
@@ -185,8 +195,10 @@ def load_gguf(path: str) -> GGUFModel:
             )
 
     vocab = GGUFVocab.read(meta)
-    return GGUFModel(path=path, hf_config=_hf_config(meta, arch, names, len(vocab.tokens), vocab.bos_id, vocab.eos_id),
-                     vocab=vocab, _reader=reader)
+    hf_config = _hf_config(meta, arch, names, len(vocab.tokens), vocab.bos_id, vocab.eos_id)
+    if arch == "phi3":
+        hf_config.update(_phi3_config(meta, hf_config, {t.name: t for t in reader.tensors}))
+    return GGUFModel(path=path, hf_config=hf_config, vocab=vocab, _reader=reader)
 
 
 def _hf_config(
@@ -230,6 +242,8 @@ def _sliding_window_config(meta: GGUFMetadata, arch: str) -> dict:
     with a window (`llama.attention.sliding_window`, which gguf.GGUFWriter.add_sliding_window writes)
     is a Mistral model with sliding-window attention."""
     window = meta.get(f"{arch}.attention.sliding_window")
+    if arch == "phi3":  # _phi3_config reads its window
+        return {}
     if arch not in _GEMMA:
         return {} if window is None else {"architectures": ["MistralForCausalLM"], "sliding_window": window}
     hidden = meta.require(f"{arch}.embedding_length")
@@ -247,6 +261,26 @@ def _sliding_window_config(meta: GGUFMetadata, arch: str) -> dict:
     else:
         config["rope_local_base_freq"] = 10_000.0
     return config
+def _phi3_config(meta: GGUFMetadata, hf_config: dict, tensors: dict[str, GGUFTensor]) -> dict:
+    """What llama.cpp's converter keeps of Phi-3's config apart from the common keys: the rotated share
+    of a head (Phi-4-mini rotates 3/4), the sliding window (0: none) and LongRoPE, whose factors are
+    tensors and whose cos/sin scale is precomputed."""
+    head_dim = hf_config["head_dim"]
+    rotary = meta.get("phi3.rope.dimension_count", head_dim)
+    partial = rotary / head_dim
+    if int(head_dim * partial) < rotary:  # HF truncates head_dim * factor; keep the product exact
+        partial = math.nextafter(partial, 2.0)
+    extra = {"partial_rotary_factor": partial, "sliding_window": meta.get("phi3.attention.sliding_window") or None}
+    if all(name in tensors for name in _ROPE_FACTORS.values()):
+        original = meta.require("phi3.rope.scaling.original_context_length")
+        rope = {key: dequantize(tensors[name].data, tensors[name].tensor_type, _numpy_shape(tensors[name])).tolist()
+                for key, name in _ROPE_FACTORS.items()}
+        rope.update(rope_type="longrope", original_max_position_embeddings=original)
+        attention_factor = meta.get("phi3.rope.scaling.attn_factor")
+        if attention_factor is not None:
+            rope["attention_factor"] = attention_factor
+        extra.update(rope_scaling=rope, original_max_position_embeddings=original)
+    return extra
 
 
 def _rope_scaling(meta: GGUFMetadata, arch: str) -> dict | None:

@@ -83,6 +83,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
+    if rope_type == "longrope":
+        return _longrope_inv_freq(head_dim, theta, scaling)
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -96,31 +98,56 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} (supported: default, linear, llama3, "
+                     "longrope)")
+
+
+def _longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """LongRoPE (Phi-3): one stretch factor per frequency, the long set when the engine's sequences may
+    outgrow the pre-training length (see ModelConfig.for_max_model_len)."""
+    which = "long_factor" if scaling["use_long_factors"] else "short_factor"
+    ext = torch.tensor(scaling[which], dtype=torch.float32)
+    if ext.numel() != rotary_dim // 2:
+        raise ValueError(f"rope_scaling: {which} has {ext.numel()} values, expected rotary_dim / 2 = {rotary_dim // 2}")
+    return 1.0 / (ext * theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table per position.
+
+    Only the first `rotary_dim` channels of a head are rotated (partial_rotary_factor < 1, as in
+    Phi-4-mini); the rest pass through unchanged.
 
     On CPU, rotate_half(x) * sin is computed as roll(x, D / 2) * sin_signed, sin with its first half
     negated: the same products bit for bit, in one op instead of four. The rows for a step's
     positions are looked up once and reused by every layer, which all share this module.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = _inv_freq(self.rotary_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-        half = head_dim // 2
+        # LongRoPE scales cos and sin (so each attention logit) by its attention_factor, as HF does.
+        scale = float(scaling["attention_factor"]) if (scaling or {}).get("rope_type") == "longrope" else 1.0
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        half = self.rotary_dim // 2
         self.register_buffer("sin_signed", torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1),
                              persistent=False)
         self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]."""
+        rot = self.rotary_dim
+        if rot == q.shape[-1]:
+            return self._rotate(positions, q, k)
+        q_rot, k_rot = self._rotate(positions, q[..., :rot], k[..., :rot])
+        return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
+
+    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if use_triton(q):
             from ember.kernels import apply_rotary
 

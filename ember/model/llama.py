@@ -1,11 +1,13 @@
-"""The decoder shared by Llama (2, 3, Mistral, SmolLM), Qwen2 (QKV bias), Qwen3 (QK norm) and Gemma 2/3.
+"""The decoder shared by Llama (2, 3, Mistral, SmolLM), Qwen2 (QKV bias), Qwen3 (QK norm), Phi-3
+(fused checkpoint tensors, LongRoPE, partial rotary) and Gemma 2/3.
 
 Gemma differs in config-driven details only: (1 + w) norms, a norm after attention and after the
 MLP besides the usual two (the "sandwich"), embeddings scaled by sqrt(hidden), GELU-tanh, its own
 attention scale, local (sliding-window) layers with their own rope, and soft-capped scores/logits.
 
 Parameters keep Hugging Face's names except that q/k/v and gate/up are fused into one matmul
-each; `load_weights` slices checkpoint tensors into the fused parameters.
+each; `load_weights` slices checkpoint tensors into the fused parameters (a checkpoint that is
+fused already, as Phi-3's, is first cut into its parts so both kinds take one path).
 """
 
 from __future__ import annotations
@@ -105,9 +107,9 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, max_positions: int) -> None:
         super().__init__()
         self.layout = layout
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
         local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_local_theta, cfg.rope_local_scaling)
+            cfg.head_dim, max_positions, cfg.rope_local_theta, cfg.rope_local_scaling, cfg.rotary_dim)
         self.embed_tokens = Embedding(layout.vocab_per_rank, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, layout, rotary if cfg.layer_window(i) is None else local, i)
                                     for i in range(cfg.num_hidden_layers))
@@ -159,6 +161,11 @@ def _language_model_name(name: str) -> str | None:
         if name.startswith(prefix):
             return replacement + name[len(prefix):]
     return name
+# fused checkpoint tensor (Phi-3) -> the parts it stacks, in order
+_STACKED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 class CausalLM(nn.Module):
@@ -230,7 +237,7 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
-        for name, tensor in weights:
+        for name, tensor in self._unstacked(weights, source):
             if self.config.architecture == "Gemma3ForConditionalGeneration":
                 name = _language_model_name(name)
             if name is None or name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and
@@ -265,6 +272,27 @@ class CausalLM(nn.Module):
                 raise ModelLoadError(source, f"checkpoint is missing weights for {name!r}")
         for name, shards in quantized.items():
             self._install_quantized(name, shards, params[name])
+
+    def _unstacked(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+                   source: str) -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Checkpoint tensors with stacked q/k/v or gate/up (Phi-3's qkv_proj, gate_up_proj) cut into
+        their parts, so tensor-parallel slicing and quantized shards see what separate tensors give.
+        A lazily read safetensors part is read whole here (each rank then keeps its slice)."""
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+        for name, tensor in weights:
+            stacked = next((s for s in _STACKED if f".{s}." in name), None)
+            if stacked is None:
+                yield name, tensor
+                continue
+            if tensor.shape[0] != sum(sizes[stacked]):
+                raise ModelLoadError(source, f"tensor {name!r} has {tensor.shape[0]} rows, expected "
+                                             f"{' + '.join(map(str, sizes[stacked]))}")
+            offset = 0
+            for part, size in zip(_STACKED[stacked], sizes[stacked]):
+                yield name.replace(stacked, part), tensor.narrow(0, offset, size)
+                offset += size
 
     def _install_quantized(self, param_name: str, shards: dict[int, QuantizedWeight], param: nn.Parameter) -> None:
         """Swap the layer owning `param_name` for its quantized form; shards that arrived dense (a GGUF

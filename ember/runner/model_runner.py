@@ -128,7 +128,7 @@ class ModelRunner:
         self.dtype: torch.dtype = getattr(torch, config.dtype)
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
-        self.model_config = cfg = files.model_config
+        self.model_config = cfg = files.model_config.for_max_model_len(scheduler_config.max_model_len)
         self.block_size = cache_config.block_size
         torch.manual_seed(config.seed)
         max_positions = max(scheduler_config.max_model_len, cfg.max_position_embeddings)
