@@ -4,14 +4,17 @@ A GGUF file carries everything an HF checkpoint spreads over config.json, tokeni
 safetensors, but under llama.cpp's names and layouts. This module translates all three into the
 HF shapes the rest of Ember already understands, so the model code never sees GGUF specifics.
 Weights are decoded on the CPU with numpy, either to float32 or, for the block-quantized types,
-losslessly into Ember's QuantizedWeight form so they can stay quantized.
+losslessly into Ember's QuantizedWeight form so they can stay quantized (gguf_blocks says which
+type takes which form).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -21,10 +24,20 @@ import tokenizers
 import torch
 
 from ember.model.errors import ModelLoadError
-from ember.model.gguf_blocks import QUANTIZED_TYPES, SUPPORTED_TYPES, dequantize, quantized
+from ember.model.gguf_blocks import (
+    FLOAT_TYPES,
+    QUANTIZED_TYPES,
+    SUPPORTED_TYPES,
+    dequantize,
+    quantized,
+    quantized_form,
+    supported_names,
+)
 from ember.model.gguf_reader import GGUFFile, GGUFTensor
 from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
 from ember.quant.formats import QuantizedWeight
+
+logger = logging.getLogger("ember")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -110,6 +123,7 @@ class GGUFModel:
         Weights are float32 arrays, except that with keep_quantized every 2-D block-quantized
         tensor comes as the QuantizedWeight that dequantizes to exactly that array.
         """
+        logger.info("%s: %s", os.path.basename(self.path), self._type_summary(keep_quantized))
         permuted_heads = {}
         if self.hf_config["model_type"] == "llama":
             permuted_heads = {
@@ -122,7 +136,7 @@ class GGUFModel:
             hf_name = _hf_tensor_name(tensor.name)
             assert hf_name is not None, "load_gguf validated every tensor name"
             shape = _numpy_shape(tensor)
-            if keep_quantized and tensor.tensor_type in QUANTIZED_TYPES and len(shape) == 2:
+            if keep_quantized and _keeps_quantized(tensor):
                 weight = quantized(tensor.data, tensor.tensor_type, shape)
             else:
                 weight = dequantize(tensor.data, tensor.tensor_type, shape)
@@ -130,6 +144,30 @@ class GGUFModel:
             if match is not None and match[2] in permuted_heads:
                 weight = _unpermute_weight(weight, permuted_heads[match[2]])
             yield hf_name, weight
+
+
+    def _type_summary(self, keep_quantized: bool) -> str:
+        """One line: each tensor type with its count and what it becomes, e.g.
+        "F32 x 49 -> float, IQ3_S x 24 -> decoded to float, Q4_K x 120 -> int4 g32 (kept)"."""
+        forms = Counter((t.tensor_type.name, _form(t, keep_quantized))
+                        for t in self._reader.tensors if t.name != _ROPE_FREQS)
+        return ", ".join(f"{name} x {count} -> {form}" for (name, form), count in sorted(forms.items()))
+
+
+def _form(tensor: GGUFTensor, keep_quantized: bool) -> str:
+    if keep_quantized and _keeps_quantized(tensor):
+        return f"{quantized_form(tensor.tensor_type)} (kept)"
+    return "float" if tensor.tensor_type in FLOAT_TYPES else "decoded to float"
+
+
+def _known_tensor_names() -> str:
+    layer = (f"blk.N.{name}.weight" for name in _LAYER_TENSORS)
+    return ", ".join([*_GLOBAL_TENSORS, _ROPE_FREQS, *layer]) + " (and .bias of blk.N tensors)"
+
+
+def _keeps_quantized(tensor: GGUFTensor) -> bool:
+    """Matrices of a type with an exact QuantizedWeight form stay quantized (vectors are small)."""
+    return tensor.tensor_type in QUANTIZED_TYPES and len(_numpy_shape(tensor)) == 2
 
 
 def _numpy_shape(tensor: GGUFTensor) -> tuple[int, ...]:
@@ -161,11 +199,11 @@ def load_gguf(path: str) -> GGUFModel:
         if tensor.name == _ROPE_FREQS:
             continue
         if _hf_tensor_name(tensor.name) is None:
-            raise ModelLoadError(path, f"unexpected tensor {tensor.name!r} for architecture {arch!r}")
+            raise ModelLoadError(path, f"unexpected tensor {tensor.name!r} for architecture {arch!r} "
+                                       f"(supported: {_known_tensor_names()})")
         if tensor.tensor_type not in SUPPORTED_TYPES:
-            raise ModelLoadError(
-                path, f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}"
-            )
+            raise ModelLoadError(path, f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name} "
+                                       f"(supported: {supported_names()})")
 
     vocab = GGUFVocab.read(meta)
     return GGUFModel(path=path, hf_config=_hf_config(meta, arch, names, len(vocab.tokens), vocab.bos_id, vocab.eos_id),
