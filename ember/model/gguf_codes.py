@@ -33,6 +33,11 @@ def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
     return blocks[:, start:start + 2].view(np.float16).astype(np.float32)
 
 
+def _fp16_at(offset: int) -> Callable[[np.ndarray], Affine]:
+    """The affine terms of a symmetric type with one fp16 scale per block at byte `offset`."""
+    return lambda b: (_fp16(b, offset), None)
+
+
 def _split_nibbles(packed: np.ndarray) -> np.ndarray:
     """Bytes [n, ..., r] holding element j in the low and element j + r in the high nibble of byte j
     (every GGUF 4-bit layout) -> uint8 codes [n, ... * 2r] in element order."""
@@ -40,15 +45,18 @@ def _split_nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def pack_split_nibbles(packed: np.ndarray, run: int) -> np.ndarray:
-    """The same bytes re-laid out as Ember's int4 packing (element 2j low, 2j + 1 high nibble of byte j),
-    straight from byte pairs: three ops on half-size arrays instead of unpacking and repacking,
-    which was 60% of the default model's weight decoding time."""
+    """The same bytes re-laid out as Ember's int4 packing (element 2j low, 2j + 1 high nibble of byte j).
+
+    Each output byte combines one nibble from each byte of a pair, so the work runs on the byte
+    pairs as uint16: contiguous ops instead of unpacking and repacking, which was 60% of the
+    default model's weight decoding time (2.3x faster than the same ops on strided even/odd bytes).
+    """
     n = len(packed)
-    pairs = packed.reshape(n, -1, run // 2, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
+    pairs = np.ascontiguousarray(packed).view(np.uint16).reshape(n, -1, run // 2)  # b0 | b1 << 8
+    shifted = pairs >> 4
     out = np.empty((n, pairs.shape[1], 2, run // 2), dtype=np.uint8)
-    np.bitwise_or(even & 0x0F, odd << 4, out=out[:, :, 0])
-    np.bitwise_or(even >> 4, odd & 0xF0, out=out[:, :, 1])
+    np.bitwise_or(pairs & 0x0F, shifted & 0xF0, out=out[:, :, 0], casting="unsafe")  # b0 low | b1 low << 4
+    np.bitwise_or(shifted & 0x0F, (pairs >> 8) & 0xF0, out=out[:, :, 1], casting="unsafe")  # b0 high | b1 high
     return out.reshape(n, -1)
 
 
@@ -81,10 +89,6 @@ def _q5_codes(b: np.ndarray, start: int, offset: int) -> np.ndarray:
     # [4 bytes: bit i is element i's fifth bit][16 bytes of split nibbles], from byte `start` on.
     q = _split_nibbles(b[:, start + 4:start + 20]) | (_bits(b[:, start:start + 4]) << 4)
     return q.view(np.int8) - np.int8(offset) if offset else q.view(np.int8)
-
-
-def _d_only(b: np.ndarray) -> Affine:
-    return _fp16(b, 0), None
 
 
 def _iq4_nl_codes(b: np.ndarray) -> np.ndarray:  # [d: fp16][16 bytes of split nibbles indexing the table]
@@ -133,12 +137,22 @@ def _q5_k_codes(b: np.ndarray) -> np.ndarray:
 
 
 def _q6_k_codes(b: np.ndarray) -> np.ndarray:
-    # [128 bytes low nibbles][64 bytes high 2-bit pairs][16 x int8 scales][d: fp16]. Each half
-    # of 128 elements uses 64 low bytes (elements 0-63 low nibbles, 64-127 high nibbles) and
-    # 32 high bytes (bit pair k of byte l belongs to element 32k + l).
+    """[128 bytes low nibbles][64 bytes high 2-bit pairs][16 x int8 scales][d: fp16]. Each half
+    of 128 elements uses 64 low bytes (elements 0-63 low nibbles, 64-127 high nibbles) and 32
+    high bytes (bit pair s of byte l belongs to element 32s + l).
+
+    Built in place in one output array, quarter by quarter: 1.6x faster than combining whole
+    unpacked arrays (Q6_K holds a Q4_K_M file's embedding and output)."""
     n = len(b)
-    low = _split_nibbles(b[:, :128].reshape(n, 2, 64))
-    return (low | (_crumbs(b[:, 128:192]) << 4)).view(np.int8) - np.int8(32)
+    low, high = b[:, :128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
+    q = np.empty((n, 2, 2, 64), dtype=np.uint8)  # [block, half, nibble, 64]
+    np.bitwise_and(low, 0x0F, out=q[:, :, 0])
+    np.right_shift(low, 4, out=q[:, :, 1])
+    quarters = q.reshape(n, 2, 4, 32)  # element 32s + l of a half is quarters[:, :, s, l]
+    for s in range(4):
+        quarters[:, :, s] |= (high << 4 >> 2 * s if s < 2 else high >> 2 * s - 4) & 0x30
+    q -= 32  # wraps to the int8 codes q - 32
+    return q.reshape(n, 256).view(np.int8)
 
 
 def _q6_k_affine(b: np.ndarray) -> Affine:
@@ -200,10 +214,6 @@ def _tq2_0_codes(b: np.ndarray) -> np.ndarray:  # [64 bytes of 2-bit codes q + 1
     return _crumbs(b[:, :64]).view(np.int8) - np.int8(1)
 
 
-def _fp16_at(offset: int) -> Callable[[np.ndarray], Affine]:
-    return lambda b: (_fp16(b, offset), None)
-
-
 class BlockCodes(NamedTuple):
     """How one GGUF type's blocks decode: `codes` gives int8 (or, for int4, uint8 0..15) codes
     [blocks, block size] in element order; `affine` the per-group scales and zero terms; `packed`,
@@ -211,6 +221,7 @@ class BlockCodes(NamedTuple):
 
     kind: str          # QuantizedWeight kind that holds the codes: "int8" or "int4"
     group_size: int    # elements sharing one scale (and zero)
+    has_zeros: bool
     codes: Callable[[np.ndarray], np.ndarray]
     affine: Callable[[np.ndarray], Affine]
     packed: Callable[[np.ndarray], np.ndarray] | None = None
@@ -218,24 +229,24 @@ class BlockCodes(NamedTuple):
 
 def _nibble_type(start: int, run: int, group_size: int, affine: Callable[[np.ndarray], Affine]) -> BlockCodes:
     """An int4 type whose bytes from `start` on are runs of `run` split-nibble bytes."""
-    return BlockCodes("int4", group_size, lambda b: _split_nibbles(b[:, start:].reshape(len(b), -1, run)),
+    return BlockCodes("int4", group_size, True, lambda b: _split_nibbles(b[:, start:].reshape(len(b), -1, run)),
                       affine, lambda b: pack_split_nibbles(b[:, start:], run))
 
 
 BLOCK_CODES: dict[QType, BlockCodes] = {
-    QType.Q8_0: BlockCodes("int8", 32, _q8_0_codes, _d_only),
+    QType.Q8_0: BlockCodes("int8", 32, False, _q8_0_codes, _fp16_at(0)),
     QType.Q4_0: _nibble_type(2, 16, 32, _q4_0_affine),
     QType.Q4_1: _nibble_type(4, 16, 32, _q4_1_affine),
-    QType.Q5_0: BlockCodes("int8", 32, lambda b: _q5_codes(b, 2, 16), _d_only),
-    QType.Q5_1: BlockCodes("int8", 32, lambda b: _q5_codes(b, 4, 0), _q4_1_affine),
-    QType.IQ4_NL: BlockCodes("int8", 32, _iq4_nl_codes, _d_only),
-    QType.MXFP4: BlockCodes("int8", 32, _mxfp4_codes, _mxfp4_affine),
-    QType.Q2_K: BlockCodes("int4", 16, _q2_k_codes, _q2_k_affine),
-    QType.Q3_K: BlockCodes("int8", 16, _q3_k_codes, _q3_k_affine),
+    QType.Q5_0: BlockCodes("int8", 32, False, lambda b: _q5_codes(b, 2, 16), _fp16_at(0)),
+    QType.Q5_1: BlockCodes("int8", 32, True, lambda b: _q5_codes(b, 4, 0), _q4_1_affine),
+    QType.IQ4_NL: BlockCodes("int8", 32, False, _iq4_nl_codes, _fp16_at(0)),
+    QType.MXFP4: BlockCodes("int8", 32, False, _mxfp4_codes, _mxfp4_affine),
+    QType.Q2_K: BlockCodes("int4", 16, True, _q2_k_codes, _q2_k_affine),
+    QType.Q3_K: BlockCodes("int8", 16, False, _q3_k_codes, _q3_k_affine),
     QType.Q4_K: _nibble_type(16, 32, 32, _k_affine),
-    QType.Q5_K: BlockCodes("int8", 32, _q5_k_codes, _k_affine),
-    QType.Q6_K: BlockCodes("int8", 16, _q6_k_codes, _q6_k_affine),
-    QType.IQ4_XS: BlockCodes("int8", 32, _iq4_xs_codes, _iq4_xs_affine),
-    QType.TQ1_0: BlockCodes("int8", 256, _tq1_0_codes, _fp16_at(52)),
-    QType.TQ2_0: BlockCodes("int8", 256, _tq2_0_codes, _fp16_at(64)),
+    QType.Q5_K: BlockCodes("int8", 32, True, _q5_k_codes, _k_affine),
+    QType.Q6_K: BlockCodes("int8", 16, False, _q6_k_codes, _q6_k_affine),
+    QType.IQ4_XS: BlockCodes("int8", 32, False, _iq4_xs_codes, _iq4_xs_affine),
+    QType.TQ1_0: BlockCodes("int8", 256, False, _tq1_0_codes, _fp16_at(52)),
+    QType.TQ2_0: BlockCodes("int8", 256, False, _tq2_0_codes, _fp16_at(64)),
 }
