@@ -29,8 +29,7 @@ from ember.quant.formats import QuantizedWeight
 # Blocks decoded at once: Q4_K chunks of 4096 blocks (590 KB in, 1 MB of codes out) keep the
 # intermediates in L2; 65536-block chunks were 1.6x slower on the default model (both warm).
 _BLOCKS_PER_CHUNK = 1 << 12
-# numpy releases the GIL inside its array ops, so chunks decode in parallel on every core.
-_POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="gguf-decode")
+_pools: dict[int, ThreadPoolExecutor] = {}
 
 FLOAT_TYPES = frozenset({QType.F32, QType.F16, QType.BF16})
 QUANTIZED_TYPES = frozenset(BLOCK_CODES)  # types that can stay quantized
@@ -65,13 +64,22 @@ def _stored_blocks(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> np.
     return data.reshape(-1, block_bytes)
 
 
+def _pool() -> ThreadPoolExecutor:
+    """numpy releases the GIL inside its array ops, so chunks decode in parallel on every core. One
+    pool per process: a forked child must not inherit the parent's pool, whose threads it lacks."""
+    pid = os.getpid()
+    if pid not in _pools:
+        _pools[pid] = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="gguf-decode")
+    return _pools[pid]
+
+
 def _each_chunk(n: int, decode: Callable[[slice], None]) -> None:
     """Run `decode` on every chunk of n blocks across the pool; chunks write disjoint rows."""
     chunks = [slice(start, start + _BLOCKS_PER_CHUNK) for start in range(0, n, _BLOCKS_PER_CHUNK)]
     if len(chunks) == 1:
         decode(chunks[0])
     else:
-        for _ in _POOL.map(decode, chunks):  # re-raises a chunk's exception
+        for _ in _pool().map(decode, chunks):  # re-raises a chunk's exception
             pass
 
 
