@@ -19,16 +19,11 @@ from ember import LLM, SamplingParams
 from ember.bench.gguf_files import ALL_TYPES, ModelShape, random_tensor, write_model
 from ember.model import gguf_blocks
 from ember.model.gguf import load_gguf
-from ember.model.gguf_blocks import (
-    DECODED_TYPES,
-    QUANTIZED_TYPES,
-    dequantize,
-    quantized,
-)
+from ember.model.gguf_blocks import QUANTIZED_TYPES, dequantize, quantized
 from ember.quant import formats
 from ember.quant.formats import QuantizedWeight
 
-ROWS, BLOCKS_PER_ROW = 3, 3
+ROWS, BLOCKS_PER_ROW = 4, 8
 # The kept form of every type with an exact one: kind, group size, symmetric, code range.
 KEPT = {
     QType.Q8_0: ("int8", 32, True, (-128, 127)),
@@ -46,8 +41,14 @@ KEPT = {
     QType.TQ1_0: ("int8", 256, True, (-1, 1)),
     QType.TQ2_0: ("int8", 256, True, (-1, 2)),
     QType.MXFP4: ("int8", 32, True, (-12, 12)),
+    QType.IQ2_XXS: ("int8", 32, True, (-43, 43)),
+    QType.IQ2_XS: ("int8", 16, True, (-43, 43)),
+    QType.IQ2_S: ("int8", 16, True, (-43, 43)),
+    QType.IQ3_XXS: ("int8", 32, True, (-62, 62)),
+    QType.IQ3_S: ("int8", 32, True, (-15, 15)),
+    QType.IQ1_S: ("int8", 32, True, (-9, 9)),
+    QType.IQ1_M: ("int8", 16, True, (-9, 9)),
 }
-GRID_TYPES = {QType.IQ1_S, QType.IQ1_M, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS, QType.IQ3_S}
 # Q4_0 maps to q*d + (-8d), which yields +0.0 where llama.cpp's d*(q-8) yields -0.0: equal values.
 SIGNED_ZERO_MAY_DIFFER = {QType.Q4_0}
 
@@ -81,7 +82,7 @@ def _assert_decodes_exactly(raw: np.ndarray, qtype: QType) -> None:
 
 def test_every_type_llama_quantize_writes_is_supported() -> None:
     assert len(ALL_TYPES) == 25 and set(ALL_TYPES) <= gguf_blocks.SUPPORTED_TYPES
-    assert set(KEPT) == QUANTIZED_TYPES and GRID_TYPES == DECODED_TYPES
+    assert set(KEPT) == QUANTIZED_TYPES == set(ALL_TYPES) - {QType.F32, QType.F16, QType.BF16}
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -112,12 +113,6 @@ def test_kept_form_and_memory(qtype: QType) -> None:
     assert lo <= int(codes.min()) and int(codes.max()) <= hi
     code_bytes = rows * cols * {"int8": 8, "int4": 4}[kind] // 8
     assert w.nbytes() == code_bytes + rows * (cols // group_size) * 4 * (1 if symmetric else 2)
-
-
-@pytest.mark.parametrize("qtype", sorted(GRID_TYPES), ids=lambda t: t.name)
-def test_grid_types_have_no_kept_form(qtype: QType) -> None:
-    with pytest.raises(ValueError, match="no quantized form"):
-        quantized(random_tensor(qtype, _shape(qtype), np.random.default_rng(0)), qtype, _shape(qtype))
 
 
 # --- a model mixing the new types ---------------------------------------------------------------
@@ -155,10 +150,10 @@ def test_mixed_model_tensors_kept_equal_decoded(mixed_model: str, caplog: pytest
         if isinstance(weight, QuantizedWeight):
             weight = formats.dequantize(weight).numpy()
         assert np.array_equal(weight.view(np.uint32), dense[name].view(np.uint32)), name
-    assert not isinstance(kept["model.layers.0.mlp.down_proj.weight"], QuantizedWeight)  # IQ2_XXS
+    assert kept["model.layers.0.mlp.down_proj.weight"].kind == "int8"  # IQ2_XXS
     assert kept["model.layers.0.mlp.gate_proj.weight"].kind == "int4"  # Q2_K
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("mixed.gguf: "))
-    for part in ("BF16 x 1 -> float", "F32 x 5 -> float", "IQ2_XXS x 1 -> decoded to float",
+    for part in ("BF16 x 1 -> float", "F32 x 5 -> float", "IQ2_XXS x 1 -> int8 g32 (kept)",
                  "Q2_K x 1 -> int4 g16 (kept)", "Q5_1 x 1 -> int8 g32 (kept)", "TQ1_0 x 1 -> int8 g256 (kept)"):
         assert part in line
 

@@ -2,10 +2,10 @@
 
 Which form each type takes:
 - F32, F16, BF16: float.
-- The types in gguf_codes.BLOCK_CODES (legacy, K, IQ4, ternary and MXFP4 quants): integer codes
-  times per-group scales plus zero terms, kept as a QuantizedWeight of the same values, or
-  evaluated to float32 from the same decoding, so the two forms cannot disagree.
-- The grid-based IQ1/IQ2/IQ3 types: decoded to float32 by gguf.quants, the reference itself.
+- Every quantized type (gguf_codes: legacy, K, IQ4, ternary and MXFP4 quants; gguf_grids: the
+  lattice IQ1/IQ2/IQ3 types): integer codes times per-group scales plus zero terms, kept as a
+  QuantizedWeight of the same values, or evaluated to float32 from the same decoding, so the two
+  forms cannot disagree.
 
 Decoding runs over bounded chunks of blocks written into preallocated outputs, so peak memory
 stays near one tensor and every step is a numpy op over thousands of blocks.
@@ -24,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from ember.model.gguf_codes import BLOCK_CODES, BlockCodes
+from ember.model.gguf_grids import GRID_CODES
 from ember.quant.formats import QuantizedWeight
 
 # Blocks decoded at once: Q4_K chunks of 4096 blocks (590 KB in, 1 MB of codes out) keep the
@@ -31,12 +32,10 @@ from ember.quant.formats import QuantizedWeight
 _BLOCKS_PER_CHUNK = 1 << 12
 _pools: dict[int, ThreadPoolExecutor] = {}
 
+_CODES: dict[QType, BlockCodes] = BLOCK_CODES | GRID_CODES
 FLOAT_TYPES = frozenset({QType.F32, QType.F16, QType.BF16})
-QUANTIZED_TYPES = frozenset(BLOCK_CODES)  # types that can stay quantized
-# Grid code books (sign-flipped lattice points): decoded once at load by the reference.
-DECODED_TYPES = frozenset({QType.IQ1_S, QType.IQ1_M, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S,
-                           QType.IQ3_XXS, QType.IQ3_S})
-SUPPORTED_TYPES = FLOAT_TYPES | QUANTIZED_TYPES | DECODED_TYPES
+QUANTIZED_TYPES = frozenset(_CODES)  # types that can stay quantized
+SUPPORTED_TYPES = FLOAT_TYPES | QUANTIZED_TYPES
 
 
 def supported_names() -> str:
@@ -45,7 +44,7 @@ def supported_names() -> str:
 
 def quantized_form(qtype: QType) -> str:
     """The QuantizedWeight a type's matrices are kept as, e.g. "int4 g32", for the load log."""
-    fmt = BLOCK_CODES[qtype]
+    fmt = _CODES[qtype]
     return f"{fmt.kind} g{fmt.group_size}"
 
 
@@ -106,10 +105,7 @@ def dequantize(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> np.ndar
     out = np.empty((len(blocks), gguf.GGML_QUANT_SIZES[qtype][0]), dtype=np.float32)
 
     def decode(rows: slice) -> None:
-        if qtype in DECODED_TYPES:
-            out[rows] = gguf.quants.dequantize(blocks[rows], qtype)
-        else:
-            _dense(blocks[rows], BLOCK_CODES[qtype], out[rows])
+        _dense(blocks[rows], _CODES[qtype], out[rows])
     _each_chunk(len(blocks), decode)
     return out.reshape(shape)
 
@@ -124,7 +120,7 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
     if qtype not in QUANTIZED_TYPES or len(shape) != 2:
         raise ValueError(f"a {qtype.name} tensor of shape {shape} has no quantized form "
                          f"(2-D tensors of {', '.join(t.name for t in QUANTIZED_TYPES)} only)")
-    fmt = BLOCK_CODES[qtype]
+    fmt = _CODES[qtype]
     blocks = _stored_blocks(raw, qtype, shape)
     n, block_size = len(blocks), gguf.GGML_QUANT_SIZES[qtype][0]
     int4 = fmt.kind == "int4"

@@ -28,14 +28,19 @@ _TERNARY_POWERS = np.array([1, 3, 9, 27, 81], dtype=np.uint8)[:, None]
 _CRUMB_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
 
 
-def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
+def fp16_field(blocks: np.ndarray, start: int) -> np.ndarray:
     """An fp16 field at byte `start` of every block, as a float32 column for broadcasting."""
     return blocks[:, start:start + 2].view(np.float16).astype(np.float32)
 
 
 def _fp16_at(offset: int) -> Callable[[np.ndarray], Affine]:
     """The affine terms of a symmetric type with one fp16 scale per block at byte `offset`."""
-    return lambda b: (_fp16(b, offset), None)
+    return lambda b: (fp16_field(b, offset), None)
+
+
+def nibble_pairs(packed: np.ndarray) -> np.ndarray:
+    """4-bit fields of [n, m] bytes, low nibble first: [n, 2m] (scale fields)."""
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(len(packed), -1)
 
 
 def _split_nibbles(packed: np.ndarray) -> np.ndarray:
@@ -77,12 +82,12 @@ def _q8_0_codes(b: np.ndarray) -> np.ndarray:  # [d: fp16][32 x int8]
 
 
 def _q4_0_affine(b: np.ndarray) -> Affine:  # [d: fp16][16 bytes of split nibbles]: d * (q - 8)
-    d = _fp16(b, 0)
+    d = fp16_field(b, 0)
     return d, d * np.float32(-8)
 
 
 def _q4_1_affine(b: np.ndarray) -> Affine:  # [d: fp16][m: fp16][16 bytes of split nibbles]: d * q + m
-    return _fp16(b, 0), _fp16(b, 2)
+    return fp16_field(b, 0), fp16_field(b, 2)
 
 
 def _q5_codes(b: np.ndarray, start: int, offset: int) -> np.ndarray:
@@ -125,7 +130,7 @@ def _k_affine(b: np.ndarray) -> Affine:
     min gives the same bits.
     """
     scales, mins = _k_scales(b[:, 4:16])
-    return _fp16(b, 0) * scales, -(_fp16(b, 2) * mins)
+    return fp16_field(b, 0) * scales, -(fp16_field(b, 2) * mins)
 
 
 def _q5_k_codes(b: np.ndarray) -> np.ndarray:
@@ -156,7 +161,7 @@ def _q6_k_codes(b: np.ndarray) -> np.ndarray:
 
 
 def _q6_k_affine(b: np.ndarray) -> Affine:
-    return _fp16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), None
+    return fp16_field(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), None
 
 
 def _q2_k_codes(b: np.ndarray) -> np.ndarray:  # [16 scale bytes][64 bytes of 2-bit codes][d][dmin]
@@ -166,7 +171,7 @@ def _q2_k_codes(b: np.ndarray) -> np.ndarray:  # [16 scale bytes][64 bytes of 2-
 def _q2_k_affine(b: np.ndarray) -> Affine:
     """16 sub-blocks: scale d * (low nibble), zero term -(dmin * high nibble); see _k_affine."""
     sc = b[:, :16]
-    return _fp16(b, 80) * (sc & 0x0F).astype(np.float32), -(_fp16(b, 82) * (sc >> 4).astype(np.float32))
+    return fp16_field(b, 80) * (sc & 0x0F).astype(np.float32), -(fp16_field(b, 82) * (sc >> 4).astype(np.float32))
 
 
 def _q3_k_codes(b: np.ndarray) -> np.ndarray:
@@ -184,7 +189,7 @@ def _q3_k_affine(b: np.ndarray) -> Affine:
     low = _split_nibbles(b[:, 96:104])
     high = ((b[:, None, 104:108] >> _CRUMB_SHIFTS) & 3).reshape(n, 16)
     scales = ((low | (high << 4)).view(np.int8) - np.int8(32)).astype(np.float32)
-    return _fp16(b, 108) * scales, None
+    return fp16_field(b, 108) * scales, None
 
 
 def _iq4_xs_codes(b: np.ndarray) -> np.ndarray:  # [d][2 bytes high scales][4 bytes low scales][8 runs of 16 split nibbles]
@@ -193,11 +198,11 @@ def _iq4_xs_codes(b: np.ndarray) -> np.ndarray:  # [d][2 bytes high scales][4 by
 
 def _iq4_xs_affine(b: np.ndarray) -> Affine:
     """8 six-bit signed scales: nibble j % 2 of byte 4 + j // 2, plus bits 2j..2j+1 of the uint16 at byte 2."""
-    low = np.stack([b[:, 4:8] & 0x0F, b[:, 4:8] >> 4], axis=-1).reshape(len(b), 8)
+    low = nibble_pairs(b[:, 4:8])
     shifts = np.arange(0, 16, 2, dtype=np.uint16)
     high = ((b[:, 2:4].view(np.uint16) >> shifts) & 3).astype(np.uint8)
     scales = ((low | (high << 4)).view(np.int8) - np.int8(32)).astype(np.float32)
-    return _fp16(b, 0) * scales, None
+    return fp16_field(b, 0) * scales, None
 
 
 def _tq1_0_codes(b: np.ndarray) -> np.ndarray:
