@@ -49,19 +49,24 @@ def _split_nibbles(packed: np.ndarray) -> np.ndarray:
     return np.stack([packed & 0x0F, packed >> 4], axis=-2).reshape(len(packed), -1)
 
 
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+
+
 def pack_split_nibbles(packed: np.ndarray, run: int) -> np.ndarray:
     """The same bytes re-laid out as Ember's int4 packing (element 2j low, 2j + 1 high nibble of byte j).
 
-    Each output byte combines one nibble from each byte of a pair, so the work runs on the byte
-    pairs as uint16: contiguous ops instead of unpacking and repacking, which was 60% of the
-    default model's weight decoding time (2.3x faster than the same ops on strided even/odd bytes).
+    Output byte j of a run's first half is the low nibbles of bytes 2j and 2j + 1, of its second
+    half their high nibbles. On 64-bit words, `m | m >> 4` of the masked nibbles leaves each such
+    pair in the low byte of a 16-bit lane, which a narrowing copy extracts: 5x faster than the same
+    work on uint16 byte pairs and never unpacking to one code per byte (which was 60% of the default
+    model's weight decoding time).
     """
     n = len(packed)
-    pairs = np.ascontiguousarray(packed).view(np.uint16).reshape(n, -1, run // 2)  # b0 | b1 << 8
-    shifted = pairs >> 4
-    out = np.empty((n, pairs.shape[1], 2, run // 2), dtype=np.uint8)
-    np.bitwise_or(pairs & 0x0F, shifted & 0xF0, out=out[:, :, 0], casting="unsafe")  # b0 low | b1 low << 4
-    np.bitwise_or(shifted & 0x0F, (pairs >> 8) & 0xF0, out=out[:, :, 1], casting="unsafe")  # b0 high | b1 high
+    words = np.ascontiguousarray(packed).view(np.uint64)
+    out = np.empty((n, packed.shape[1] // run, 2, run // 2), dtype=np.uint8)
+    for half, nibbles in enumerate((words & _LOW_NIBBLES, (words >> np.uint64(4)) & _LOW_NIBBLES)):
+        nibbles |= nibbles >> np.uint64(4)
+        np.copyto(out[:, :, half], nibbles.view(np.uint16).reshape(n, -1, run // 2), casting="unsafe")
     return out.reshape(n, -1)
 
 
