@@ -30,7 +30,7 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from ember.bench.gguf_files import QWEN25_1_5B, write_model
+from ember.bench.gguf_files import QWEN25_1_5B, ModelShape, write_model
 from ember.bench.machine import load_average
 from ember.config import EngineArgs
 from ember.model.files import model_path
@@ -67,9 +67,8 @@ def timed(fn: Any, path: str, repeat: int) -> dict[str, Any]:
             "loadavg_after": load_average()}
 
 
-def synthetic_file(cache_dir: str, layers: int) -> str:
-    shape = dataclasses.replace(QWEN25_1_5B, layers=layers)
-    path = os.path.join(cache_dir, f"qwen2.5-1.5b-shape-q4_k_m-random-{layers}l.gguf")
+def synthetic_file(cache_dir: str, shape: ModelShape) -> str:
+    path = os.path.join(cache_dir, f"qwen2.5-1.5b-shape-q4_k_m-random-{shape.layers}l.gguf")
     if not os.path.exists(path):
         os.makedirs(cache_dir, exist_ok=True)
         print(f"writing {path} ...", flush=True)
@@ -90,10 +89,11 @@ def main() -> None:
     args = parser.parse_args()
 
     machine = machine_info()
+    shape = dataclasses.replace(QWEN25_1_5B, layers=args.layers)
     default_path, _ = model_path(EngineArgs())
     runs = {"default model: read weights": timed(read_weights, default_path, args.repeat),
             f"Qwen2.5-1.5B shape Q4_K_M ({args.layers} layers): read weights":
-                timed(read_weights, synthetic_file(args.cache_dir, args.layers), args.repeat)}
+                timed(read_weights, synthetic_file(args.cache_dir, shape), args.repeat)}
     if args.llm:
         runs["default model: LLM() on CPU"] = timed(build_llm, default_path, args.repeat)
 
@@ -101,8 +101,9 @@ def main() -> None:
     for name, r in runs.items():
         print(f"{name:<58} {r['median_s']:>8.3f} {r['median_cpu_s']:>7.3f} {r['file_gb']:>8.3f} {r['gb_per_s']:>6.2f}")
     out = args.out or os.path.join(RESULTS_DIR, f"load-speed-cpu-{today()}.json")
-    write_json(out, {"benchmark": "load_speed", "date": today(), "command": " ".join(sys.argv),
-                     "machine": machine, "warm_page_cache": True, "repeat": args.repeat, "runs": runs})
+    config = {**vars(args), "warm_page_cache": True, "synthetic_shape": dataclasses.asdict(shape)}
+    write_json(out, {"benchmark": "load_speed", "date": today(), "machine": machine, "command": " ".join(sys.argv),
+                     "config": config, "results": runs})
     print(f"wrote {out}")
 
 
