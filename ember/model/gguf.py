@@ -131,10 +131,9 @@ class GGUFModel:
                 weight = dequantize(data, tensor.tensor_type, shape)
             yield hf_name, weight if n_head is None else _unpermute(weight, n_head)
 
-
     def _type_summary(self, keep_quantized: bool) -> str:
         """One line: each tensor type with its count and what it becomes, e.g.
-        "F32 x 49 -> float, IQ3_S x 24 -> decoded to float, Q4_K x 120 -> int4 g32 (kept)"."""
+        "F32 x 49 -> float, IQ3_S x 24 -> int8 g32 (kept), Q4_K x 120 -> int4 g32 (kept)"."""
         forms = Counter((t.tensor_type.name, _form(t, keep_quantized))
                         for t in self._reader.tensors if t.name != _ROPE_FREQS)
         return ", ".join(f"{name} x {count} -> {form}" for (name, form), count in sorted(forms.items()))
