@@ -118,6 +118,7 @@ class GGUFModel:
             hf_name = _hf_tensor_name(tensor.name)
             assert hf_name is not None, "load_gguf validated every tensor name"
             shape, data = _numpy_shape(tensor), tensor.data
+            self._reader.populate(tensor)
             match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
             n_head = permuted_heads.get(match[2]) if match is not None else None
             if n_head is not None and len(shape) == 2:
