@@ -175,7 +175,7 @@ def cases(default_llm, greedy) -> dict[str, tuple[str, str]]:
 @pytest.fixture(scope="module")
 def server(cases, tmp_path_factory):
     path = tmp_path_factory.mktemp("filter") / "blocked.txt"
-    (c_full, c_word), (_, h_word) = cases["completions"], cases["chat"]
+    c_word, h_word = cases["completions"][1], cases["chat"][1]
     path.write_text(f"{c_word.upper()}\n\n  {fullwidth(h_word)}  \n", encoding="utf-8")
     args = EngineArgs(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32",
                       engine_process=False, blocked_words=str(path))
@@ -209,7 +209,7 @@ def _post(server, path: str, body: dict) -> tuple[list[str], list[str], dict]:
 
 def _metric(server, name: str) -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
