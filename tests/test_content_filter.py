@@ -20,7 +20,7 @@ from ember.engine.content_filter import ContentFilter, normalize
 from ember.engine.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
 from ember.engine.output import OutputProcessor, RequestState
 
-from conftest import DEVICE
+from conftest import DEVICE, make_checkpoint
 from test_server import ServerThread
 
 MODEL = "tiny"
@@ -257,3 +257,27 @@ def test_streamed_logprobs_show_no_part_of_the_phrase(server, cases):
     shown = "".join(tokens)
     assert normalize(word) not in normalize(shown)
     assert shown == full[:len(shown)] and len(shown) <= first_occurrence(full, [word])
+
+
+# ---- the library ----------------------------------------------------------------------------
+
+def test_llm_blocked_words_list(tmp_path):
+    """`LLM(blocked_words=[...])`: the synchronous front end stops, aborts and frees blocks the same way."""
+    from ember import LLM
+
+    model = make_checkpoint(tmp_path / "llama", "llama")
+    kwargs = dict(kv_cache_memory=0.02, device=DEVICE, dtype="float32", engine_process=False)
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, n=2)
+    plain = LLM(str(model), **kwargs)
+    full = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].text
+    plain.llm_engine.shutdown()
+    phrase = full[len(full) // 2:len(full) // 2 + 4].strip() or full.split()[-1]
+    llm = LLM(str(model), blocked_words=[fullwidth(phrase.upper())], **kwargs)
+    out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    cut = first_occurrence(full, [phrase])
+    assert [(c.text, c.finish_reason) for c in out.outputs] == [(full[:cut], "content_filter")] * 2
+    stats = llm.llm_engine.scheduler_stats()
+    assert (stats.num_running, stats.kv_cache_usage) == (0, 0.0)
+    assert stats.num_steps < 40  # aborted at the phrase, not run to max_tokens
+    llm.llm_engine.shutdown()
