@@ -1,8 +1,10 @@
 """`--blocked-words`: a completion stops before a blocked phrase (case-insensitive, NFKC-normalised), with
 finish_reason "content_filter", and no character of the phrase ever streams.
 
-Phrases are cut from what the default model generates greedily (an unfiltered run first), so the
-filter really fires; the expected text is the unfiltered text up to the phrase's first occurrence.
+Phrases are cut from what a model generates greedily (an unfiltered run first), so the filter really
+fires; the expected text is the unfiltered text up to the phrase's first occurrence. The 100 generated
+cases use the default model's text; the server and `LLM` tests a tiny checkpoint, which loads in
+well under a second.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from ember import AsyncLLM, EngineArgs, SamplingParams
+from ember import LLM, AsyncLLM, EngineArgs, SamplingParams
 from ember.engine.content_filter import ContentFilter, normalize
 from ember.engine.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
 from ember.engine.output import OutputProcessor, RequestState
@@ -159,11 +161,21 @@ def test_generated_phrases_never_stream_a_character(tokenizer, greedy):
 # ---- through the server -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cases(default_llm, greedy) -> dict[str, tuple[str, str]]:
+def tiny(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("filter") / "llama", "llama")
+
+
+TINY = {"kv_cache_memory": 0.02, "device": DEVICE, "dtype": "float32", "engine_process": False}
+
+
+@pytest.fixture(scope="module")
+def cases(tiny) -> dict[str, tuple[str, str]]:
     """Per endpoint, the unfiltered greedy text and a word from its middle (the server's filter lists them
     as an operator might: upper case, and in full-width letters)."""
-    completion = greedy[0][2]
-    chat = default_llm.chat(CHAT, GREEDY, use_tqdm=False)[0].outputs[0].text
+    plain = LLM(str(tiny), **TINY)
+    completion = plain.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text
+    chat = plain.chat(CHAT, GREEDY, use_tqdm=False)[0].outputs[0].text
+    plain.llm_engine.shutdown()
     out = {}
     for name, full in (("completions", completion), ("chat", chat)):
         words = full.split()
@@ -173,13 +185,11 @@ def cases(default_llm, greedy) -> dict[str, tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def server(cases, tmp_path_factory):
+def server(tiny, cases, tmp_path_factory):
     path = tmp_path_factory.mktemp("filter") / "blocked.txt"
     c_word, h_word = cases["completions"][1], cases["chat"][1]
     path.write_text(f"{c_word.upper()}\n\n  {fullwidth(h_word)}  \n", encoding="utf-8")
-    args = EngineArgs(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32",
-                      engine_process=False, blocked_words=str(path))
-    with ServerThread(AsyncLLM(args, served_model_name=MODEL)) as s:
+    with ServerThread(AsyncLLM(EngineArgs(str(tiny), blocked_words=str(path), **TINY), served_model_name=MODEL)) as s:
         yield s
 
 
@@ -245,36 +255,31 @@ def test_server_stops_before_the_phrase(server, cases, endpoint, streamed, n):
 
 
 def test_streamed_logprobs_show_no_part_of_the_phrase(server, cases):
+    """Logprobs carry each token's text: they stream only as far as the text did, and a filtered choice
+    keeps only the tokens before the cut (as many as the non-streamed answer reports)."""
     full, word = cases["completions"]
     body = {"model": MODEL, "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 200, "ignore_eos": True,
-            "stream": True, "logprobs": 1}
+            "logprobs": 1}
+    kept = server.post("/v1/completions", body).json()["usage"]["completion_tokens"]
     tokens = []
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 lp = json.loads(line[6:])["choices"][0]["logprobs"]
                 tokens += lp["tokens"] if lp else []
-    shown = "".join(tokens)
-    assert normalize(word) not in normalize(shown)
-    assert shown == full[:len(shown)] and len(shown) <= first_occurrence(full, [word])
+    assert normalize(word) not in normalize("".join(tokens))
+    assert 0 < len(tokens) == kept < MAX_TOKENS
 
 
 # ---- the library ----------------------------------------------------------------------------
 
-def test_llm_blocked_words_list(tmp_path):
+def test_llm_blocked_words_list(tiny, cases):
     """`LLM(blocked_words=[...])`: the synchronous front end stops, aborts and frees blocks the same way."""
-    from ember import LLM
-
-    model = make_checkpoint(tmp_path / "llama", "llama")
-    kwargs = dict(kv_cache_memory=0.02, device=DEVICE, dtype="float32", engine_process=False)
+    full = cases["completions"][0]
     params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, n=2)
-    plain = LLM(str(model), **kwargs)
-    full = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0].text
-    plain.llm_engine.shutdown()
     phrase = full[len(full) // 2:len(full) // 2 + 4].strip() or full.split()[-1]
-    llm = LLM(str(model), blocked_words=[fullwidth(phrase.upper())], **kwargs)
-    out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    llm = LLM(str(tiny), blocked_words=[fullwidth(phrase.upper())], **TINY)
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
     cut = first_occurrence(full, [phrase])
     assert [(c.text, c.finish_reason) for c in out.outputs] == [(full[:cut], "content_filter")] * 2
     stats = llm.llm_engine.scheduler_stats()
