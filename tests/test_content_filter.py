@@ -257,7 +257,7 @@ def test_server_stops_before_the_phrase(server, cases, endpoint, streamed, n):
 def test_streamed_logprobs_show_no_part_of_the_phrase(server, cases):
     """Logprobs carry each token's text: they stream only as far as the text did, and a filtered choice
     keeps only the tokens before the cut (as many as the non-streamed answer reports)."""
-    full, word = cases["completions"]
+    word = cases["completions"][1]
     body = {"model": MODEL, "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 200, "ignore_eos": True,
             "logprobs": 1}
     kept = server.post("/v1/completions", body).json()["usage"]["completion_tokens"]
