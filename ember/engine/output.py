@@ -1,9 +1,9 @@
 """Front end, output side: the engine core's token ids become what users see.
 
 Per request (`RequestState`): incremental detokenization, stop strings and blocked phrases (a hit
-ends the sequence here and asks the core to abort it), logprobs with their token texts, and `RequestOutput`s whose
-deltas cover everything since the previous one, so a consumer that reads late gets one output
-for several steps instead of a queue of them. `OutputProcessor` routes each step's
+ends the sequence here and asks the core to abort it), logprobs with their token texts, and
+`RequestOutput`s whose deltas cover everything since the previous one, so a consumer that reads
+late gets one output for several steps instead of a queue of them. `OutputProcessor` routes each step's
 `EngineCoreOutputs` to its requests and counts what the metrics need.
 """
 
@@ -100,10 +100,16 @@ class _Sequence:
             self.cumulative_logprob += logprob
         finish = self.detok.update(token_id) if detokenize else None
         if finish is not None and finish[0] == "content_filter":
-            self._keep_tokens(bisect.bisect_right(self.text_ends, len(self.detok.text)))
+            self._keep_tokens(self._tokens_within(len(self.detok.text)))
         elif self.filtered:
             self.text_ends.append(len(self.detok.text))
         return finish
+
+    def _tokens_within(self, end: int) -> int:
+        """How many tokens have all their text in `text[:end]`: up to the one that reached `end`, not the
+        pieces of a character after it (a byte of it would show in chat logprobs' `bytes`)."""
+        count = bisect.bisect_left(self.text_ends, end)
+        return count + 1 if end > 0 and count < len(self.text_ends) and self.text_ends[count] == end else count
 
     def _keep_tokens(self, count: int) -> None:
         del self.token_ids[count:]
@@ -117,7 +123,7 @@ class _Sequence:
         delta_text = self.detok.take_delta(finished)
         visible = len(self.token_ids)
         if self.filtered and not finished:
-            visible = bisect.bisect_right(self.text_ends, self.detok.emitted)
+            visible = self._tokens_within(self.detok.emitted)
         delta_tokens = self.token_ids[self.num_emitted:visible]
         self.num_emitted = max(self.num_emitted, visible)
         return CompletionOutput(
