@@ -275,6 +275,8 @@ class EngineArgs:
     async_scheduling: bool | None = None
     # Run the engine core in its own process (None: each front end's default; see core_client.py).
     engine_process: bool | None = None
+    # Front end only: a file of phrases to stop before (one a line), or the phrases themselves (see content_filter.py).
+    blocked_words: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -298,6 +300,9 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if not (self.blocked_words is None or isinstance(self.blocked_words, str) or (
+                isinstance(self.blocked_words, list) and all(isinstance(w, str) for w in self.blocked_words))):
+            raise ValueError(f"blocked_words must be a file path or a list of phrases, got {self.blocked_words!r}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}")
 
@@ -371,6 +376,9 @@ class EngineArgs:
                             "one CUDA GPU)")
         g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine core in its own process (default: on for serve, see the README)")
+        g.add_argument("--blocked-words", metavar="FILE", default=None,
+                       help="phrases (one a line, case-insensitive, Unicode-normalised) that end a completion before "
+                            "they appear, with finish_reason 'content_filter'")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -50,7 +50,7 @@ def test_stop_string_spanning_tokens_is_held_back(tokenizer):
         streamed += detok.take_delta(finished=stop is not None)
         if stop:
             break
-    assert stop == "the END"
+    assert stop == ("stop", "the END")
     assert streamed == detok.text == "Hello world, this is "
 
 

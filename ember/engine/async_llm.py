@@ -27,7 +27,7 @@ from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, 
                                    UtilityCall, UtilityResult)
 from ember.engine.metrics import IterationStats, PrometheusStatLogger
 from ember.engine.output import OutputProcessor, RequestOutput, RequestState
-from ember.engine.processor import ModelFacts, Processor, PromptType, needs_tokenizing
+from ember.engine.processor import ModelFacts, Processor, PromptType, load_content_filter, needs_tokenizing
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
 
@@ -55,7 +55,8 @@ class AsyncLLM(ModelFacts):
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         self.client = client or make_client(args, args.engine_process is not False)
         try:
-            self.processor = Processor(load_model_info(args), self.client.wait_ready())
+            content_filter = load_content_filter(args.blocked_words)
+            self.processor = Processor(load_model_info(args), self.client.wait_ready(), content_filter)
         except BaseException:  # the model cannot load here either: no point waiting for the core
             self.client.shutdown(timeout=0)
             raise

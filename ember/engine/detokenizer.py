@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from ember.engine.content_filter import ContentFilter
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
+
+Finish = tuple[str, str | None]  # (finish reason, stop reason) when the text itself ends a sequence
 
 # Prompt tokens decoded ahead of the output so leading spaces and merges render as in the full text.
 _CONTEXT_TOKENS = 6
@@ -15,11 +18,15 @@ class IncrementalDetokenizer:
     Text is decoded over a sliding window of tokens (`prefix_offset:`) and only the part beyond
     what the window's head already produced is new; a trailing U+FFFD means the last token ended
     mid-character, so the text waits for the next token. While stop strings are possible, the
-    last `len(longest stop) - 1` characters are held back so a stop string is never streamed.
+    last `len(longest stop) - 1` characters are held back so a stop string is never streamed. With a
+    content filter, the text that could still become a blocked phrase is held back too, and a blocked
+    phrase ends the text before it (finish reason "content_filter"), whatever `min_tokens` says.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], params: SamplingParams,
+                 content_filter: ContentFilter | None = None) -> None:
         self.tokenizer = tokenizer
+        self.content_filter = content_filter
         self.skip_special = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
@@ -31,12 +38,14 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self.text = ""
         self.emitted = 0
+        self.safe_end: int | None = None if content_filter is None else 0  # the content filter's limit
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
-    def update(self, token_id: int) -> str | None:
-        """Add one generated token; returns the stop string it completed, if any."""
+    def update(self, token_id: int) -> Finish | None:
+        """Add one generated token; returns ("stop", the stop string) or ("content_filter", None) when
+        its text completed a stop string or a blocked phrase (the text then ends before it)."""
         self.num_output_tokens += 1
         if self.tokenizer is None:
             return None
@@ -47,17 +56,31 @@ class IncrementalDetokenizer:
             return None
         delta = new[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        since = len(self.text)
         self.text += delta
+        stop = self._find_stop(since)
+        if self.content_filter is not None:
+            scan = self.content_filter.scan(self.text, since)
+            self.safe_end = scan.safe_end
+            if scan.blocked_at is not None and (stop is None or scan.blocked_at < stop[0]):
+                self.text = self.text[:scan.blocked_at]
+                return "content_filter", None
+        if stop is None:
+            return None
+        self.text = self.text[:stop[0]]
+        return "stop", stop[1]
+
+    def _find_stop(self, since: int) -> tuple[int, str] | None:
+        """Where the text ends for the first stop string the new text completed, and that string."""
         if not self.stop or self.num_output_tokens < self.min_tokens:
             return None
-        search_from = max(0, len(self.text) - len(delta) - self.hold_back)
+        search_from = max(0, since - self.hold_back)
         found = [(self.text.find(s, search_from), s) for s in self.stop]
         found = [(pos, s) for pos, s in found if pos >= 0]
         if not found:
             return None
         pos, stop = min(found)
-        self.text = self.text[: pos + len(stop) if self.include_stop else pos]
-        return stop
+        return (pos + len(stop) if self.include_stop else pos), stop
 
     def flush(self) -> None:
         """At the end, emit whatever a last incomplete character left waiting."""
@@ -67,7 +90,10 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
 
     def take_delta(self, finished: bool) -> str:
-        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold_back)
+        limit = len(self.text) - self.hold_back
+        if self.safe_end is not None:
+            limit = min(limit, self.safe_end)
+        end = len(self.text) if finished else max(self.emitted, limit)
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta

@@ -25,7 +25,7 @@ from ember.engine.errors import EngineDeadError
 from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
                                    UtilityCall, UtilityResult)
 from ember.engine.output import OutputProcessor, RequestOutput
-from ember.engine.processor import ModelFacts, Processor, PromptType
+from ember.engine.processor import ModelFacts, Processor, PromptType, load_content_filter
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
 
@@ -37,13 +37,14 @@ class LLMEngine(ModelFacts):
         self.client: EngineCoreClient = make_client(args, args.engine_process is not False)
         try:
             self.model_info = load_model_info(args)
+            content_filter = load_content_filter(args.blocked_words)
             self.ready = self.client.wait_ready()
         except BaseException:  # the model cannot load here either: no point waiting for the core
             self.client.shutdown(timeout=0)
             raise
         # An engine dropped without shutdown() still ends its core process (and the core's memory).
         weakref.finalize(self, self.client.shutdown)
-        self.processor = Processor(self.model_info, self.ready)
+        self.processor = Processor(self.model_info, self.ready, content_filter)
         self.output_processor = OutputProcessor()
         self._final_only: set[str] = set()
         self._ids = itertools.count()

@@ -56,6 +56,8 @@ class PrometheusStatLogger:
         self.ttft = histogram("ember:time_to_first_token_seconds", "Arrival to first generated token.")
         self.itl = histogram("ember:inter_token_latency_seconds", "Time between consecutive generated tokens.")
         self.e2e = histogram("ember:e2e_request_latency_seconds", "Arrival to the end of the request.")
+        self.content_filtered = counter("ember:request_content_filtered",
+                                        "Sequences ended before a blocked phrase (--blocked-words).")
         self._success = Counter("ember:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -81,3 +83,5 @@ class PrometheusStatLogger:
         for reason, e2e in it.finished:
             self.e2e.observe(e2e)
             self._success.labels(self.model_name, reason).inc()
+            if reason == "content_filter":
+                self.content_filtered.inc()

@@ -1,18 +1,20 @@
 """Front end, output side: the engine core's token ids become what users see.
 
-Per request (`RequestState`): incremental detokenization, stop strings (a hit ends the sequence
-here and asks the core to abort it), logprobs with their token texts, and `RequestOutput`s whose
-deltas cover everything since the previous one, so a consumer that reads late gets one output
-for several steps instead of a queue of them. `OutputProcessor` routes each step's
+Per request (`RequestState`): incremental detokenization, stop strings and blocked phrases (a hit
+ends the sequence here and asks the core to abort it), logprobs with their token texts, and
+`RequestOutput`s whose deltas cover everything since the previous one, so a consumer that reads
+late gets one output for several steps instead of a queue of them. `OutputProcessor` routes each step's
 `EngineCoreOutputs` to its requests and counts what the metrics need.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
 
-from ember.engine.detokenizer import IncrementalDetokenizer
+from ember.engine.content_filter import ContentFilter
+from ember.engine.detokenizer import Finish, IncrementalDetokenizer
 from ember.engine.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs
 from ember.engine.metrics import IterationStats
 from ember.sampling.params import SamplingParams
@@ -58,13 +60,20 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 class _Sequence:
-    """One of a request's n sequences, as the front end accumulates it."""
+    """One of a request's n sequences, as the front end accumulates it.
+
+    Under a content filter, token ids and logprobs are released only as far as their text was (a
+    token's decoded text in its logprobs would otherwise show a held-back phrase), and a sequence the
+    filter ended keeps only the tokens whose text lies wholly before the cut.
+    """
 
     def __init__(self, index: int, tokenizer: Tokenizer | None, prompt_token_ids: list[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, content_filter: ContentFilter | None = None) -> None:
         self.index = index
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params, content_filter)
+        self.filtered = content_filter is not None
         self.token_ids: list[int] = []
+        self.text_ends: list[int] = []  # under a content filter: the text's length after each token
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
@@ -81,39 +90,62 @@ class _Sequence:
         self.detok.flush()
 
     def add(self, token_id: int, logprobs: dict[int, Logprob] | None, logprob: float, detokenize: bool
-            ) -> str | None:
-        """Append one token; returns the stop string its text completed, if any. A stop token (EOS or
-        one of `stop_token_ids`) is not detokenized: its text never appears, as in vLLM."""
+            ) -> Finish | None:
+        """Append one token; returns how its text ended the sequence (a stop string or a blocked phrase),
+        if it did. A stop token (EOS or one of `stop_token_ids`) is not detokenized: its text never
+        appears, as in vLLM."""
         self.token_ids.append(token_id)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprob
-        return self.detok.update(token_id) if detokenize else None
+        finish = self.detok.update(token_id) if detokenize else None
+        if finish is not None and finish[0] == "content_filter":
+            self._keep_tokens(self._tokens_within(len(self.detok.text)))
+        elif self.filtered:
+            self.text_ends.append(len(self.detok.text))
+        return finish
+
+    def _tokens_within(self, end: int) -> int:
+        """How many tokens have all their text in `text[:end]`: up to the one that reached `end`, not the
+        pieces of a character after it (a byte of it would show in chat logprobs' `bytes`)."""
+        count = bisect.bisect_left(self.text_ends, end)
+        return count + 1 if end > 0 and count < len(self.text_ends) and self.text_ends[count] == end else count
+
+    def _keep_tokens(self, count: int) -> None:
+        del self.token_ids[count:]
+        if self.logprobs is not None:
+            del self.logprobs[count:]
+            self.cumulative_logprob = sum(next(iter(d.values())).logprob for d in self.logprobs)
 
     def output(self) -> CompletionOutput:
         finished = self.finished
-        delta_tokens = self.token_ids[self.num_emitted:]
-        self.num_emitted = len(self.token_ids)
+        text = self.detok.text if finished else self.detok.text[: self.detok.emitted]
+        delta_text = self.detok.take_delta(finished)
+        visible = len(self.token_ids)
+        if self.filtered and not finished:
+            visible = self._tokens_within(self.detok.emitted)
+        delta_tokens = self.token_ids[self.num_emitted:visible]
+        self.num_emitted = max(self.num_emitted, visible)
         return CompletionOutput(
-            index=self.index, text=self.detok.text if finished else self.detok.text[: self.detok.emitted],
-            token_ids=list(self.token_ids),
+            index=self.index, text=text, token_ids=self.token_ids[:visible],
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            delta_text=self.detok.take_delta(finished), delta_token_ids=delta_tokens)
+            logprobs=None if self.logprobs is None else self.logprobs[:visible], finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason, delta_text=delta_text, delta_token_ids=delta_tokens)
 
 
 class RequestState:
     """A request between its arrival and its final output: n sequences, prompt logprobs, timings."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer | None, arrival_time: float) -> None:
+                 tokenizer: Tokenizer | None, arrival_time: float, content_filter: ContentFilter | None = None
+                 ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.tokenizer = tokenizer
         self.arrival_time = arrival_time
-        self.seqs = [_Sequence(i, tokenizer, prompt_token_ids, params) for i in range(params.n)]
+        self.seqs = [_Sequence(i, tokenizer, prompt_token_ids, params, content_filter) for i in range(params.n)]
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.num_cached_tokens = 0
@@ -145,8 +177,8 @@ class RequestState:
                              prompt_logprobs=self.prompt_logprobs)
 
     def update(self, seq: _Sequence, out: EngineCoreOutput, now: float, stats: IterationStats) -> bool:
-        """Apply one core output to one sequence; True when its text hit a stop string (the core must
-        then abort it)."""
+        """Apply one core output to one sequence; True when its text hit a stop string or a blocked phrase
+        (the core must then abort it)."""
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs)
@@ -156,10 +188,10 @@ class RequestState:
         last = len(out.new_token_ids) - 1
         for i, token in enumerate(out.new_token_ids):
             lp = out.new_logprobs.logprobs[i][0] if out.new_logprobs is not None else 0.0
-            stop = seq.add(token, logprobs[i] if logprobs is not None else None, lp,
-                           detokenize=not (i == last and out.finish_reason == "stop"))
-            if stop is not None:
-                seq.finish("stop", stop)
+            finish = seq.add(token, logprobs[i] if logprobs is not None else None, lp,
+                             detokenize=not (i == last and out.finish_reason == "stop"))
+            if finish is not None:
+                seq.finish(*finish)
                 return out.finish_reason is None
         if out.error is not None:
             self.error = out.error
@@ -197,7 +229,7 @@ def _logprob_dict(tokenizer: Tokenizer | None, ids: list[int], values: list[floa
 @dataclass
 class ProcessedOutputs:
     changed: list[RequestState]  # requests with something new, in the order their outputs came
-    to_abort: list[str]  # core request ids whose text hit a stop string
+    to_abort: list[str]  # core request ids whose text hit a stop string or a blocked phrase
     stats: IterationStats
 
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
+from ember.engine.content_filter import ContentFilter
 from ember.engine.messages import EngineCoreReady, EngineCoreRequest
 from ember.engine.output import RequestState, child_request_id
 from ember.model.files import ModelInfo
@@ -34,9 +35,17 @@ class ProcessedRequest:
     core_requests: list[EngineCoreRequest]  # the core's side: one per sequence
 
 
+def load_content_filter(blocked_words: str | list[str] | None) -> ContentFilter | None:
+    """`EngineArgs.blocked_words` as a filter: a string names a file, a list holds the phrases."""
+    if blocked_words is None:
+        return None
+    return ContentFilter.from_file(blocked_words) if isinstance(blocked_words, str) else ContentFilter(blocked_words)
+
+
 class Processor:
-    def __init__(self, info: ModelInfo, ready: EngineCoreReady) -> None:
+    def __init__(self, info: ModelInfo, ready: EngineCoreReady, content_filter: ContentFilter | None = None) -> None:
         self.tokenizer: Tokenizer | None = info.tokenizer
+        self.content_filter = content_filter
         self.generation_config = info.generation_config
         self.eos_token_ids = info.eos_token_ids
         self.max_model_len = ready.max_model_len
@@ -84,7 +93,7 @@ class Processor:
                              f"but {n_prompt + max(max_tokens, 1)} were requested ({n_prompt} in the prompt, "
                              f"{max(max_tokens, 1)} to generate)")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        state = RequestState(request_id, text, ids, params, self.tokenizer, arrival)
+        state = RequestState(request_id, text, ids, params, self.tokenizer, arrival, self.content_filter)
         core = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i

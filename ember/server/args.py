@@ -16,6 +16,9 @@ import yaml
 from ember.config import DEFAULT_MODEL, EngineArgs
 
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     model_name: str  # the id clients send as `model` and see in /v1/models
@@ -23,6 +26,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     log_requests: bool = False
+    log_request_text: bool = False  # prompts, outputs and error messages in the logs
     shutdown_timeout: float = 30.0
 
 
@@ -55,7 +59,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 429 once this many requests wait for the engine (default: no limit)")
     g.add_argument("--max-request-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
-    g.add_argument("--log-requests", action="store_true", help="log one line per request (no prompt text)")
+    g.add_argument("--log-requests", action="store_true",
+                   help="log one line per request: ids, timings, token counts, sampling parameters (no text)")
+    g.add_argument("--log-request-text", action="store_true",
+                   help="let prompts, outputs and error messages reach the logs (off: they never do)")
+    g.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
+                   help="uvicorn's own log level (Ember's: $EMBER_LOGGING_LEVEL)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM/SIGINT")
     EngineArgs.add_cli_args(parser)
@@ -127,6 +136,7 @@ def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettin
     settings = ServerSettings(model_name=ns.served_model_name or root, model_root=root,
                               api_key=ns.api_key or os.environ.get("EMBER_API_KEY") or None,
                               max_body_bytes=ns.max_request_body_bytes, log_requests=ns.log_requests,
+                              log_request_text=ns.log_request_text,
                               shutdown_timeout=ns.shutdown_timeout)
     return args, settings
 

@@ -8,6 +8,7 @@ field at fault, so every endpoint reports a failure the same way.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ from ember.server.protocol import ErrorInfo, ErrorResponse
 if TYPE_CHECKING:
     from ember.server.state import ServerState
 
+logger = logging.getLogger("ember")
+
 # A full queue drains in about a step; a loading or stopping server needs longer.
 RETRY_AFTER_QUEUE_FULL_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
@@ -34,6 +37,7 @@ class APIError(Exception):
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = headers
+        self.logged = False  # `--log-requests` has already shown this request's end (generation.py)
 
     def response(self) -> JSONResponse:
         return JSONResponse(ErrorResponse(error=self.info).model_dump(), self.status, headers=self.headers)
@@ -52,6 +56,12 @@ def unavailable(message: str) -> APIError:
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    settings = request.app.state.ember.settings
+    if settings.log_requests and not exc.logged:
+        # The message often quotes the request (a bad role, a stop string): only with --log-request-text.
+        detail = f": {exc}" if settings.log_request_text else ""
+        logger.info("request %s %s rejected (%d %s)%s", request.method, request.url.path, exc.status, exc.info.type,
+                    detail)
     return exc.response()
 
 

@@ -1,7 +1,9 @@
 """Running one API request on the engine and answering it, shared by completions and chat.
 
-`Generation` merges the engine streams of a request's prompts into one and logs how the request
-ended; `respond` turns it into one JSON answer or a stream of server-sent events (`EventStream`), and
+`Generation` merges the engine streams of a request's prompts into one and, with `--log-requests`,
+logs how the request ended: ids, timings, token counts, finish reasons and sampling parameters, but
+no text (prompts, outputs, stop strings, error messages, which can quote the prompt) unless
+`--log-request-text` is given too; `respond` turns it into one JSON answer or a stream of server-sent events (`EventStream`), and
 cancels the engine requests as soon as the client goes away, so a dropped connection never keeps KV
 blocks busy until `max_tokens`.
 """
@@ -9,6 +11,7 @@ blocks busy until `max_tokens`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -75,12 +78,15 @@ class Generation:
         self.params = params
         self.request_model = request_model
         self.final: list[RequestOutput | None] = [None] * len(prompts)
+        self.prompts = prompts
         self._gens = [engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
                       for i, p in enumerate(prompts)]
         self._merged = self._merge()
         self._buffered: list[tuple[int, RequestOutput]] = []
         self._started = time.monotonic()
+        self._first_token: float | None = None
         self._outcome = "cancelled (client disconnected)"
+        self._error: str | None = None
         self._closed = False
 
     async def _merge(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -124,11 +130,15 @@ class Generation:
             error = engine_error(e, self.state, self.request_model)
         else:
             if not (out.finished and any(o.finish_reason == "abort" for o in out.outputs)):
+                if self._first_token is None and any(o.token_ids for o in out.outputs):
+                    self._first_token = time.monotonic()
                 self.final[i] = out
                 return i, out
             error = (unavailable("The server shut down before this request finished") if self.state.draining else
                      APIError(500, out.error or "The engine aborted the request", "internal_server_error"))
-        self._outcome = f"failed ({error.status}: {error})"
+        self._outcome = f"failed ({error.status} {error.info.type})"
+        self._error = str(error)
+        error.logged = True  # close() logs this request's end
         raise error
 
     async def start(self) -> None:
@@ -159,24 +169,63 @@ class Generation:
         self._closed = True
         await self._merged.aclose()
         if self.state.settings.log_requests:
-            done = [o for o in self.final if o is not None]
-            logger.info("request %s %s after %.2fs: %d prompt + %d completion tokens; %s", self.request_id,
-                        self._outcome, time.monotonic() - self._started, sum(len(o.prompt_token_ids) for o in done),
-                        sum(len(c.token_ids) for o in done for c in o.outputs), _describe(self.params))
+            logger.info("%s", self._log_line())
+
+    def _log_line(self) -> str:
+        done = [o for o in self.final if o is not None]
+        now = time.monotonic()
+        first = "" if self._first_token is None else f", first token after {self._first_token - self._started:.2f}s"
+        reasons = ",".join(str(c.finish_reason) for o in done for c in o.outputs)
+        line = (f"request {self.request_id} {self._outcome} after {now - self._started:.2f}s{first}: "
+                f"{sum(len(o.prompt_token_ids) for o in done)} prompt + "
+                f"{sum(len(c.token_ids) for o in done for c in o.outputs)} completion tokens, "
+                f"finish reasons [{reasons}]; {describe_params(self.params, self.state.settings.log_request_text)}")
+        if self.state.settings.log_request_text:
+            text = {"prompts": [_prompt_text(p) for p in self.prompts],
+                    "outputs": [[c.text for c in o.outputs] for o in done]}
+            if self._error is not None:
+                text["error"] = self._error
+            line += "; " + json.dumps(text, ensure_ascii=False)
+        return line
+
+
+def _prompt_text(prompt: Any) -> Any:
+    """A prompt as the log shows it: its text (a rendered chat too), or its token ids."""
+    return prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
 
 
 _DEFAULT_PARAMS = SamplingParams()
 
 
-def _describe(params: SamplingParams) -> str:
-    """The sampling fields that differ from the defaults; stop strings are counted, not shown, since
-    they are user text."""
+def describe_params(params: SamplingParams, with_text: bool) -> str:
+    """The sampling fields that differ from the defaults. Fields holding text (stop strings, and any
+    future one: grammars, schemas) are shown as their size unless `with_text`, since they are the
+    user's text."""
     parts = []
     for f in fields(SamplingParams):
         value = getattr(params, f.name)
         if value != getattr(_DEFAULT_PARAMS, f.name):
-            parts.append(f"{f.name}=<{len(value)} strings>" if f.name == "stop" else f"{f.name}={value!r}")
+            shown = repr(value) if with_text or not _holds_text(value) else f"<{_size(value)}>"
+            parts.append(f"{f.name}={shown}")
     return ", ".join(parts) or "default sampling"
+
+
+def _holds_text(value: object) -> bool:
+    if isinstance(value, str):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_text(k) or _holds_text(v) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_text(v) for v in value)
+    return hasattr(value, "__dataclass_fields__") or hasattr(value, "__struct_fields__")
+
+
+def _size(value: object) -> str:
+    if isinstance(value, str):
+        return f"{len(value)} characters"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"{len(value)} items"
+    return type(value).__name__
 
 
 async def respond(request: Request, gen: Generation, stream: bool,

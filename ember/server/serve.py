@@ -27,6 +27,7 @@ import uvicorn
 from ember.config import EngineArgs
 from ember.engine.async_llm import AsyncLLM
 from ember.engine.core_client import EngineCoreClient
+from ember.logger import route_server_logs
 from ember.server.app import ServerState, build_app
 from ember.server.args import ServerSettings, add_serve_args, cmd_serve
 
@@ -142,8 +143,9 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs, settings: ServerSetti
     host, port = sock.getsockname()[:2]
     app = build_app(settings)
     state: ServerState = app.state.ember
-    # uvicorn's own INFO lines would repeat what our one start-up line says; warnings still show.
-    config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
+    route_server_logs(hide_text=not settings.log_request_text)
+    # By default uvicorn's own INFO lines would repeat what our one start-up line says; warnings still show.
+    config = uvicorn.Config(app, log_config=None, log_level=ns.uvicorn_log_level, access_log=False,
                             timeout_graceful_shutdown=_CONNECTION_CLOSE_GRACE_S)
     server = _Server(config, state)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
