@@ -294,3 +294,28 @@ def test_llm_run_batch_shares_the_engine_and_resumes(model_dir, tmp_path, expect
         check_mixed_output(read_records(out), expected)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_engine_death_stops_the_job_and_a_rerun_finishes_it(model_dir, tmp_path):
+    ids = [f"req-{i:03d}" for i in range(8)]
+    (tmp_path / "in.jsonl").write_text("\n".join(line(cid, COMPLETIONS, completion_body(cid, max_tokens=32))
+                                                 for cid in ids) + "\n")
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "ember.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
+           str(model_dir), *ENGINE_FLAGS, "--max-concurrency", "1", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (out.exists() and out.read_text().count("\n") >= 1):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no output before the deadline"
+        time.sleep(0.02)
+    [core] = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()  # the engine core process
+    os.kill(int(core), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    assert "rerun the same command" in stderr
+    first = read_records(out)
+    assert 1 <= len(first) < len(ids) and all(r["error"] is None for r in first)  # no error written for the rest
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stderr
+    assert sorted(r["custom_id"] for r in read_records(out)) == ids
