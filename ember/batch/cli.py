@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,8 @@ def add_run_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_run_batch(ns: argparse.Namespace) -> int:
     ns = resolve_args(ns)
     args, settings = settings_from_args(ns)
+    if not os.path.isfile(ns.input_file):  # before a model load, not after
+        raise ValueError(f"--input-file {ns.input_file}: no such file")
     from ember.batch.runner import BatchAborted, BatchOptions
 
     options = BatchOptions(max_concurrency=ns.max_concurrency or 2 * args.max_num_seqs, max_retries=ns.max_retries,
