@@ -1,4 +1,4 @@
-"""`ember generate`, `ember chat` and `ember serve`: the engine from a terminal.
+"""`ember generate`, `ember chat`, `ember serve` and `ember run-batch`: the engine from a terminal.
 
 Building the parser imports nothing heavy (no torch, no web stack): `ember --help` answers at once,
 and each command imports what it runs.
@@ -123,10 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, 512)
     chat.set_defaults(func=cmd_chat)
 
+    from ember.batch.cli import add_run_batch_parser
     from ember.bench.serve import add_bench_parser
     from ember.server.args import add_serve_parser
 
     add_serve_parser(sub)
+    add_run_batch_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -179,8 +179,9 @@ class AsyncLLM(ModelFacts):
             self.client.send(UtilityCall(call_id, method, list(args)))
         return await future
 
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop accepting, let running requests finish for up to `timeout` seconds, abort the rest, stop."""
+    async def shutdown(self, timeout: float = 30.0, stop_core: bool = True) -> None:
+        """Stop accepting, let running requests finish for up to `timeout` seconds, abort the rest, stop
+        (the core too, unless another front end still uses it: `stop_core=False`)."""
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline and self._dead is None:
@@ -189,7 +190,8 @@ class AsyncLLM(ModelFacts):
             await self.abort(request_id)
         self._closing = True
         await asyncio.to_thread(self._thread.join, 5.0)
-        await asyncio.to_thread(self.client.shutdown)
+        if stop_core:
+            await asyncio.to_thread(self.client.shutdown)
 
     # ---- output thread --------------------------------------------------------------------
 

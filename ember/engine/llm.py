@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -16,6 +18,9 @@ from ember.engine.processor import PromptType
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from ember.batch.runner import BatchSummary
+
 Conversation = list[dict[str, Any]]
 logger = logging.getLogger("ember")
 
@@ -24,7 +29,8 @@ class LLM:
     """Batch generation in the calling thread; engine arguments as keyword arguments (see `EngineArgs`)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(self.engine_args)
         logger.info(self.llm_engine.ready.description)
 
     def get_tokenizer(self) -> Tokenizer | None:
@@ -64,6 +70,22 @@ class LLM:
                                                  chat_template=chat_template)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def run_batch(self, requests: str | os.PathLike[str] | Sequence[str | dict[str, Any]],
+                  output_path: str | os.PathLike[str], max_concurrency: int | None = None, max_retries: int = 3,
+                  retry_delay: float = 1.0, request_timeout: float | None = None,
+                  use_tqdm: bool = True) -> BatchSummary:
+        """`ember run-batch` in the library: an OpenAI Batch API JSONL file (or a list of its lines as
+        dicts) through the server's request code on this engine, all at once; records go to
+        `output_path` as they finish, and lines it already answers are skipped (see docs/batch.md).
+        Runs its own event loop, so call it from synchronous code."""
+        from ember.batch.local import run_on_core
+        from ember.batch.runner import BatchOptions
+
+        options = BatchOptions(max_concurrency=max_concurrency or 2 * self.engine_args.max_num_seqs,
+                               max_retries=max_retries, retry_delay=retry_delay, request_timeout=request_timeout,
+                               progress=use_tqdm)
+        return asyncio.run(run_on_core(self.engine_args, self.llm_engine.client, requests, output_path, options))
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -20,7 +20,7 @@ from ember.engine.output import CompletionOutput, RequestOutput
 from ember.engine.output import Logprob
 from ember.sampling.params import SamplingParams
 from ember.server.errors import value_error
-from ember.server.generation import Generation, respond
+from ember.server.generation import Generation, answer, respond
 from ember.server.plumbing import (check_api_key, clamp_logprob, logprobs_since, read_body, ready_engine,
                                    require_tokenizer, sampling_params, token_text, usage)
 from ember.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -34,13 +34,22 @@ router = APIRouter(dependencies=[Depends(check_api_key)])
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> Response:
-    state = get_state(request)
     body = await read_body(request, ChatCompletionRequest)
+    chat = await _start(get_state(request), engine, body)
+    return await respond(request, chat.gen, body.stream, chat.chunks, chat.response)
+
+
+async def complete_chat(state: ServerState, engine: AsyncLLM, body: ChatCompletionRequest) -> ChatCompletionResponse:
+    """A validated non-streaming request's whole answer, without HTTP (`ember run-batch`)."""
+    chat = await _start(state, engine, body)
+    return await answer(chat.gen, chat.response)
+
+
+async def _start(state: ServerState, engine: AsyncLLM, body: ChatCompletionRequest) -> _ChatCompletion:
     params = sampling_params(body, engine)
     tokenizer = require_tokenizer(engine)
     prompt = await asyncio.to_thread(render_chat, tokenizer, body.template_messages(), True, False)
-    chat = _ChatCompletion(state, engine, body, params, tokenizer, prompt)
-    return await respond(request, chat.gen, body.stream, chat.chunks, chat.response)
+    return _ChatCompletion(state, engine, body, params, tokenizer, prompt)
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,

@@ -75,9 +75,14 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     return APIError(exc.status_code, message, type_, code=code, headers=exc.headers).response()
 
 
+def internal_error(exc: Exception) -> APIError:
+    """What a client sees of a bug: the exception's type and message, no trace."""
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+
+
 async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
-    # Starlette re-raises after this response, so uvicorn logs the traceback; the client gets no trace.
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()
+    # Starlette re-raises after this response, so uvicorn logs the traceback.
+    return internal_error(exc).response()
 
 
 # ---- engine exceptions --------------------------------------------------------------------

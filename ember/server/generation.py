@@ -33,6 +33,7 @@ from ember.server.state import ServerState
 logger = logging.getLogger("ember")
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -246,6 +247,16 @@ async def respond(request: Request, gen: Generation, stream: bool,
         raise
     await gen.close()
     return Response(make_response(finals).model_dump_json(), media_type="application/json")
+
+
+async def answer(gen: Generation, make_response: Callable[[list[RequestOutput]], M]) -> M:
+    """`respond` without a client connection (`ember run-batch`): the whole answer as its model, and
+    the same errors as exceptions; cancelling the caller aborts the engine requests."""
+    try:
+        await gen.start()
+        return make_response(await gen.run())
+    finally:
+        await gen.close()
 
 
 class EventStream(StreamingResponse):

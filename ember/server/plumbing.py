@@ -60,18 +60,19 @@ async def ready_engine(request: Request) -> AsyncLLM:
 
 # ---- request bodies -----------------------------------------------------------------------
 
-async def _parse(request: Request, model: type[M]) -> M:
-    """Read and validate a JSON body ourselves, so that size limits, bad UTF-8, bad JSON and wrong
-    types all become 400/413 errors in OpenAI's shape, whatever Content-Type the client sent."""
-    data = _decode_json(await _read_body_bytes(request))
+def validate_body(state: ServerState, data: Any, model: type[M]) -> M:
+    """A decoded JSON body as `model`, or the 400 (wrong fields or types) or 404 (another model's name)
+    that the server answers for it. Shared with `ember run-batch`, which has bodies but no HTTP request."""
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         if not err["loc"]:
             raise bad_request(f"Request body must be a JSON object: {err['msg']}") from None
         param = _loc_to_param(err["loc"])
         raise bad_request(f"{param}: {err['msg']}", param) from None
+    state.check_model(body.model)  # type: ignore[attr-defined]
+    return body
 
 
 async def _read_body_bytes(request: Request) -> bytearray:
@@ -103,10 +104,10 @@ def _decode_json(body: bytearray) -> Any:
 
 
 async def read_body(request: Request, model: type[M]) -> M:
-    """`_parse`, then refuse a `model` field that names another model than ours."""
-    body = await _parse(request, model)
-    get_state(request).check_model(body.model)  # type: ignore[attr-defined]
-    return body
+    """Read and validate a JSON body ourselves, so that size limits, bad UTF-8, bad JSON and wrong
+    types all become 400/413 errors in OpenAI's shape, whatever Content-Type the client sent."""
+    data = _decode_json(await _read_body_bytes(request))
+    return validate_body(get_state(request), data, model)
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
