@@ -4,9 +4,11 @@ It parses nothing but the prompt's opening characters (the routing key) and neve
 so it needs no CPU or GPU of its own (`num_cpus=0`). A replica that dies before it sent anything
 back (killed, its node lost) is retried on another: such a request had not started, so it is not
 lost; one that died mid-answer ends the stream, as a dead `ember serve` would.
-"""
 
-from __future__ import annotations
+No `from __future__ import annotations` here: Serve re-wraps the route methods and FastAPI must see
+`Request` as a class, not a string, or it reads it as a query parameter (422). The helpers come
+before the class because `serve.ingress` pickles the app, with what its routes refer to, at once.
+"""
 
 import json
 import logging
@@ -26,40 +28,6 @@ from ember.integrations.ray_serve.replica import REPLICA_HEADER
 logger = logging.getLogger("ember")
 _ATTEMPTS = 3  # a replica that died before answering is retried on another, this many tries in all
 _PROMPT_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
-
-app = FastAPI(title="Ember on Ray Serve", openapi_url=None)
-
-
-@serve.ingress(app)
-class EmberIngress:
-    def __init__(self, replicas: DeploymentHandle, prefix_chars: int = 256) -> None:
-        self.replicas = replicas.options(stream=True)
-        self.prefix_chars = prefix_chars
-
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
-    async def forward(self, request: Request) -> StreamingResponse:
-        body = await request.body()
-        forwarded = ForwardedRequest(
-            method=request.method, path=request.url.path, query_string=request.scope["query_string"],
-            headers=list(request.scope["headers"]), body=body,
-            prefix=routing_prefix(request.url.path, body, self.prefix_chars),
-            replica=request.headers.get(REPLICA_HEADER))
-        messages, start = await self._start(forwarded)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])}
-        return StreamingResponse(_bodies(messages), status_code=start["status"], headers=headers)
-
-    async def _start(self, forwarded: ForwardedRequest) -> tuple[DeploymentResponseGenerator, Message]:
-        attempt = 1
-        while True:
-            messages = self.replicas.forward.remote(forwarded)
-            try:
-                return messages, await messages.__anext__()
-            except RayActorError as e:  # died or unreachable, before sending anything back
-                if attempt == _ATTEMPTS:
-                    raise
-                attempt += 1
-                logger.warning("replica lost before answering (%s); retrying on another", type(e).__name__)
-
 
 async def _bodies(messages: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
     async for message in messages:
@@ -93,3 +61,37 @@ def _text(value: Any) -> str:
             return _text(value[0])
         return "".join(_text(v) for v in value)
     return ""
+
+
+app = FastAPI(title="Ember on Ray Serve", openapi_url=None)
+
+
+@serve.ingress(app)
+class EmberIngress:
+    def __init__(self, replicas: DeploymentHandle, prefix_chars: int = 256) -> None:
+        self.replicas = replicas.options(stream=True)
+        self.prefix_chars = prefix_chars
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(self, request: Request) -> StreamingResponse:
+        body = await request.body()
+        forwarded = ForwardedRequest(
+            method=request.method, path=request.url.path, query_string=request.scope["query_string"],
+            headers=list(request.scope["headers"]), body=body,
+            prefix=routing_prefix(request.url.path, body, self.prefix_chars),
+            replica=request.headers.get(REPLICA_HEADER))
+        messages, start = await self._start(forwarded)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])}
+        return StreamingResponse(_bodies(messages), status_code=start["status"], headers=headers)
+
+    async def _start(self, forwarded: ForwardedRequest) -> tuple[DeploymentResponseGenerator, Message]:
+        attempt = 1
+        while True:
+            messages = self.replicas.forward.remote(forwarded)
+            try:
+                return messages, await messages.__anext__()
+            except RayActorError as e:  # died or unreachable, before sending anything back
+                if attempt == _ATTEMPTS:
+                    raise
+                attempt += 1
+                logger.warning("replica lost before answering (%s); retrying on another", type(e).__name__)

@@ -39,5 +39,7 @@ class EmberReplica:
             raise RuntimeError(f"Ember engine stopped: {self.state.engine.dead_reason}")
 
     async def __del__(self) -> None:
-        """On scale-down or shutdown: running requests get `--shutdown-timeout` to finish."""
-        await self.state.drain()
+        """On scale-down or shutdown: running requests get `--shutdown-timeout` to finish. (Serve calls
+        this after a failed `__init__` too, when there is no engine to drain.)"""
+        if hasattr(self, "state"):
+            await self.state.drain()
