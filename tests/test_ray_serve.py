@@ -18,7 +18,7 @@ from ember.integrations.ray_serve.replica import REPLICA_HEADER
 from conftest import default_gguf_path
 
 MODEL = "smollm2"
-GREEDY = dict(temperature=0, max_tokens=4)
+GREEDY = {"temperature": 0, "max_tokens": 4}
 # Longer than --prefix-chars (256) and several 16-token KV blocks, so replicas can reuse it.
 SHARED = "You are a terse assistant. Answer in one word. " * 12
 
@@ -35,7 +35,7 @@ def url():
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        engine_args, settings, options, ns = parse([
+        engine_args, settings, options, _ = parse([
             default_gguf_path(), "--served-model-name", MODEL, "--device", "cpu", "--kv-cache-memory", "0.05", "--max-model-len", "512",
             "--max-num-seqs", "4", "--num-replicas", "2", "--replica-cpus", "1", "--shutdown-timeout", "1"])
         serve.run(build_application(engine_args, settings, options), name="ember", route_prefix="/")
@@ -59,7 +59,7 @@ def _complete(client: openai.OpenAI, prompt: str) -> tuple[str, str]:
 def _prefix_hits(url: str, replica: str) -> float:
     response = httpx.get(url + "/metrics", headers={REPLICA_HEADER: replica}, timeout=30)
     assert response.headers[REPLICA_HEADER] == replica
-    return float(re.search(r'^ember:prefix_cache_hits_total\{[^}]*\} (\S+)$', response.text, re.M).group(1))
+    return float(re.search(r'^ember:prefix_cache_hits_total\{[^}]*\} (\S+)$', response.text, re.MULTILINE).group(1))
 
 
 def _replicas(client: openai.OpenAI) -> set[str]:
@@ -94,13 +94,13 @@ def test_shared_prefix_lands_on_one_replica(url, client):
     (home,) = answered
     (other,) = replicas - answered
     assert after[other] == before[other]
-    assert after[home] - before[home] >= 3 * 16  # the later three reuse at least one block each... and more
+    assert after[home] - before[home] >= 3 * 16  # the later three each reuse at least one 16-token block
     assert routing_prefix("/v1/completions", b'{"prompt": "abc"}', 2) == "ab"
 
 
 def test_killing_a_replica_loses_no_new_request(url, client):
     replicas = _replicas(client)
-    victim = sorted(replicas)[0]
+    victim = min(replicas)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
     assert len(names) == 1
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
