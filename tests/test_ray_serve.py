@@ -95,7 +95,15 @@ def test_shared_prefix_lands_on_one_replica(url, client):
     (other,) = replicas - answered
     assert after[other] == before[other]
     assert after[home] - before[home] >= 3 * 16  # the later three each reuse at least one 16-token block
-    assert routing_prefix("/v1/completions", b'{"prompt": "abc"}', 2) == "ab"
+
+
+def test_routing_prefix_is_the_prompts_opening():
+    assert routing_prefix("/v1/completions", b'{"prompt": "abcdef"}', 4) == "abcd"
+    assert routing_prefix("/v1/completions", b'{"prompt": ["abc", "xyz"]}', 4) == "abc"  # a batch: its first
+    assert routing_prefix("/v1/completions", b'{"prompt": [[5, 17], [9]]}', 9) == "5 17 "
+    chat = b'{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}'
+    assert routing_prefix("/v1/chat/completions", chat, 100) == "system:Be brief.\nuser:Hi\n"
+    assert routing_prefix("/v1/models", b"", 100) == routing_prefix("/v1/completions", b"[1,", 100) == ""
 
 
 def test_killing_a_replica_loses_no_new_request(url, client):

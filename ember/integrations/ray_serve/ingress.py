@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -24,10 +24,12 @@ from starlette.types import Message
 
 from ember.integrations.ray_serve.forwarding import ForwardedRequest
 from ember.integrations.ray_serve.replica import REPLICA_HEADER
+from ember.server.errors import unavailable
 
 logger = logging.getLogger("ember")
 _ATTEMPTS = 3  # a replica that died before answering is retried on another, this many tries in all
 _PROMPT_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+
 
 async def _bodies(messages: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
     async for message in messages:
@@ -53,9 +55,10 @@ def _text(value: Any) -> str:
         return value
     if isinstance(value, int):
         return f"{value} "
-    if isinstance(value, dict):
-        return f"{value.get('role', '')}:{_text(value.get('content'))}\n" if "role" in value else _text(
-            value.get("text"))
+    if isinstance(value, dict):  # a chat message, or a part of one's content
+        if "role" in value:
+            return f"{value['role']}:{_text(value.get('content'))}\n"
+        return _text(value.get("text"))
     if isinstance(value, list):
         if value and isinstance(value[0], (str, list)):  # a batch of prompts: route by the first
             return _text(value[0])
@@ -73,14 +76,17 @@ class EmberIngress:
         self.prefix_chars = prefix_chars
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
-    async def forward(self, request: Request) -> StreamingResponse:
+    async def forward(self, request: Request) -> Response:
         body = await request.body()
         forwarded = ForwardedRequest(
             method=request.method, path=request.url.path, query_string=request.scope["query_string"],
             headers=list(request.scope["headers"]), body=body,
             prefix=routing_prefix(request.url.path, body, self.prefix_chars),
             replica=request.headers.get(REPLICA_HEADER))
-        messages, start = await self._start(forwarded)
+        try:
+            messages, start = await self._start(forwarded)
+        except RayActorError as e:
+            return unavailable(f"no Ember replica could take the request ({type(e).__name__})").response()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])}
         return StreamingResponse(_bodies(messages), status_code=start["status"], headers=headers)
 
