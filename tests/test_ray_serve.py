@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -50,26 +52,28 @@ def client(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _complete(client: openai.OpenAI, prompt: str) -> tuple[str, str]:
+def _complete(client: openai.OpenAI, prompt: str, **overrides) -> tuple[str, str]:
     """(the text, the replica that answered)"""
-    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, **GREEDY)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, **{**GREEDY, **overrides})
     return raw.parse().choices[0].text, raw.headers[REPLICA_HEADER]
 
 
-def _prefix_hits(url: str, replica: str) -> float:
+def _metric(url: str, replica: str, name: str) -> float:
+    """A replica's own metric, read through the ingress pinned to it."""
     response = httpx.get(url + "/metrics", headers={REPLICA_HEADER: replica}, timeout=30)
     assert response.headers[REPLICA_HEADER] == replica
-    return float(re.search(r'^ember:prefix_cache_hits_total\{[^}]*\} (\S+)$', response.text, re.MULTILINE).group(1))
+    return float(re.search(rf"^ember:{name}\{{[^}}]*\}} (\S+)$", response.text, re.MULTILINE).group(1))
 
 
-def _replicas(client: openai.OpenAI) -> set[str]:
-    """Distinct prompts hash to both replicas within a few tries."""
-    seen: set[str] = set()
+def _replicas(client: openai.OpenAI) -> dict[str, str]:
+    """Each replica and a prompt routed to it: distinct prompts hash to both within a few tries."""
+    seen: dict[str, str] = {}
     for i in range(24):
-        seen.add(_complete(client, f"{i} is a number and")[1])
+        prompt = f"{i} is a number and"
+        seen.setdefault(_complete(client, prompt)[1], prompt)
         if len(seen) == 2:
             return seen
-    raise AssertionError(f"only replicas {seen} answered 24 distinct prompts")
+    raise AssertionError(f"only replicas {set(seen)} answered 24 distinct prompts")
 
 
 def test_openai_client_through_the_ingress(client):
@@ -87,12 +91,12 @@ def test_openai_client_through_the_ingress(client):
 
 def test_shared_prefix_lands_on_one_replica(url, client):
     replicas = _replicas(client)
-    before = {r: _prefix_hits(url, r) for r in replicas}
+    before = {r: _metric(url, r, "prefix_cache_hits_total") for r in replicas}
     answered = {_complete(client, f"{SHARED}Question {i}: what is {i} plus {i}?")[1] for i in range(4)}
-    after = {r: _prefix_hits(url, r) for r in replicas}
+    after = {r: _metric(url, r, "prefix_cache_hits_total") for r in replicas}
     assert len(answered) == 1
     (home,) = answered
-    (other,) = replicas - answered
+    (other,) = set(replicas) - answered
     assert after[other] == before[other]
     assert after[home] - before[home] >= 3 * 16  # the later three each reuse at least one 16-token block
 
@@ -106,12 +110,21 @@ def test_routing_prefix_is_the_prompts_opening():
     assert routing_prefix("/v1/models", b"", 100) == routing_prefix("/v1/completions", b"[1,", 100) == ""
 
 
-def test_killing_a_replica_loses_no_new_request(url, client):
-    replicas = _replicas(client)
-    victim = min(replicas)
+def test_killing_a_replica_loses_no_request_that_had_not_answered(url, client):
+    prompts = _replicas(client)
+    victim = min(prompts)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
     assert len(names) == 1
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-    answered = [_complete(client, f"{i} is a number and") for i in range(12)]
+    with ThreadPoolExecutor(1) as pool:
+        # Running on the victim when it dies, with nothing sent back yet: the ingress retries it elsewhere.
+        running = pool.submit(_complete, client, prompts[victim], max_tokens=64, extra_body={"ignore_eos": True})
+        deadline = time.monotonic() + 60
+        while _metric(url, victim, "num_requests_running") < 1:
+            assert time.monotonic() < deadline and not running.done()
+            time.sleep(0.02)
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        text, replica = running.result()
+    assert text and replica != victim
+    answered = [_complete(client, f"{i} is a number and") for i in range(6)]  # sent after the kill
     assert all(text for text, _ in answered)
     assert victim not in {replica for _, replica in answered}
