@@ -1,9 +1,10 @@
 """The one HTTP entry point in front of the replicas: forwards every request, streams included.
 
 It parses nothing but the prompt's opening characters (the routing key) and never loads a model,
-so it needs no CPU or GPU of its own (`num_cpus=0`). A replica that dies before it sent anything
-back (killed, its node lost) is retried on another: such a request had not started, so it is not
-lost; one that died mid-answer ends the stream, as a dead `ember serve` would.
+so it needs no CPU or GPU of its own (`num_cpus=0`). Ray's router already avoids replicas it knows
+are dead; a request whose replica died after taking it but before sending anything back (killed,
+its node lost) is retried here on another: the client has received nothing, so the rerun costs
+only latency. A stream already under way ends with the connection, as with a dead `ember serve`.
 
 No `from __future__ import annotations` here: Serve re-wraps the route methods and FastAPI must see
 `Request` as a class, not a string, or it reads it as a query parameter (422). The helpers come
