@@ -11,7 +11,9 @@ the replicas' own `ember:prefix_cache_*` counters, each read through the ingress
     python benchmarks/ray_replicas.py                                              # the issue's target
     python benchmarks/ray_replicas.py --groups 2 --per-group 2 --output-len 4 --concurrency 2   # quick
 
-Needs `pip install -e .[ray]`. Writes benchmarks/results/ray-replicas-<model>-<date>.json.
+Each replica's torch runs one thread (Ray sets OMP_NUM_THREADS to an actor's `num_cpus`, and the
+engine core process inherits it); run it on a machine with at least 3 idle cores (two replicas plus
+Ray's HTTP proxy and Ember's ingress). Needs `pip install -e .[ray]`. Writes benchmarks/results/ray-replicas-<model>-<date>.json.
 """
 
 from __future__ import annotations
