@@ -128,3 +128,16 @@ def test_killing_a_replica_loses_no_request_that_had_not_answered(url, client):
     answered = [_complete(client, f"{i} is a number and") for i in range(6)]  # sent after the kill
     assert all(text for text, _ in answered)
     assert victim not in {replica for _, replica in answered}
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--num-replicas", "0"], "num_replicas must be >= 1"),
+    (["--num-replicas", "3", "--max-replicas", "2"], "max_replicas (2) must be >= num_replicas (3)"),
+    (["--prefix-chars", "0"], "prefix_chars must be >= 1"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+])
+def test_bad_flags_are_one_clear_error(flags, needle, capsys):
+    from ember.integrations.ray_serve.__main__ import main
+
+    assert main(flags) == 2  # checked before it joins or starts a Ray cluster
+    assert needle in capsys.readouterr().err
