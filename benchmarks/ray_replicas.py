@@ -42,7 +42,8 @@ from ember.integrations.ray_serve import build_application, parse  # noqa: E402
 from ember.integrations.ray_serve.replica import REPLICA_HEADER  # noqa: E402
 
 RUNS = {"1 replica": (1, True), "2 replicas, prefix routing": (2, True), "2 replicas, least loaded": (2, False)}
-_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+_WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu",
+          "nu", "xi", "omicron", "pi", "rho", "sigma"]
 
 
 def make_prompts(args: argparse.Namespace) -> list[str]:
