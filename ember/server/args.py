@@ -97,29 +97,38 @@ def _read_config(path: str) -> dict[str, Any]:
         raise ValueError(f"--config {path}: expected a mapping of flag names to values")
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_serve_args(parser)
+    argv, dests = mapping_to_argv(parser, config, f"--config {path}")
+    try:
+        parsed = vars(parser.parse_args(argv))
+    except argparse.ArgumentError as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    return {d: v.value if isinstance(v, _Default) else v for d, v in parsed.items() if d in dests}
+
+
+def mapping_to_argv(parser: argparse.ArgumentParser, config: dict[str, Any],
+                    source: str) -> tuple[list[str], list[str]]:
+    """`{flag_name: value}` (dashes or underscores) as the command line that gives those values (and
+    the destinations it sets), so a mapping (a YAML file, a Ray Serve application's args) gets the
+    parser's checks like typed flags."""
     flags = {opt: action for action in parser._actions for opt in action.option_strings}
     argv: list[str] = []
-    dests = []
+    dests: list[str] = []
     for key, value in config.items():
         flag = "--" + str(key).replace("_", "-")
         action = flags.get(flag)
         if action is None or flag == "--config":
-            raise ValueError(f"--config {path}: unknown option {key!r}")
+            raise ValueError(f"{source}: unknown option {key!r}")
         dests.append(action.dest)
         if action.nargs == 0:  # on/off flags
             if not isinstance(value, bool):
-                raise ValueError(f"--config {path}: {key} must be true or false, got {value!r}")
+                raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
             if isinstance(action, argparse.BooleanOptionalAction):
                 argv.append(flag if value else "--no-" + flag[2:])
             elif value:
                 argv.append(flag)
         elif value is not None:
             argv += [flag, str(value)]
-    try:
-        parsed = vars(parser.parse_args(argv))
-    except argparse.ArgumentError as e:
-        raise ValueError(f"--config {path}: {e}") from None
-    return {d: v.value if isinstance(v, _Default) else v for d, v in parsed.items() if d in dests}
+    return argv, dests
 
 
 def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettings]:
