@@ -23,6 +23,7 @@ from collections import deque
 
 from ember.config import EngineArgs, ModelConfig
 from ember.engine.block_manager import BlockManager
+from ember.engine.grammar import GrammarManager, advance
 from ember.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                    Logprobs, SchedulerStats)
 from ember.engine.request import Request, RequestStatus
@@ -74,6 +75,7 @@ class EngineCore:
                              f"({capacity} tokens); lower --max-model-len or raise --kv-cache-memory "
                              f"/ --gpu-memory-utilization")
         self.async_scheduling = _resolve_async_scheduling(args, runner_device.type)
+        self.grammar = GrammarManager(args, self.vocab_size)
         self.requests: dict[str, Request] = {}
         self._inflight: deque[tuple[ScheduledBatch, PendingStep]] = deque()
         self._pending: list[EngineCoreOutput] = []  # rejections, sent with the next step's outputs
@@ -106,6 +108,7 @@ class EngineCore:
         """End the tensor-parallel worker processes (nothing to do with one rank). Idempotent."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.stop()
+        self.grammar.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -113,10 +116,17 @@ class EngineCore:
         """Queue a request; one the core cannot run is answered at once (with the next outputs) by an
         error. The front end validates first, so this is a second line of defence."""
         problem = self._check(msg)
+        matcher = None
+        if problem is None and msg.sampling_params.structured_outputs is not None:
+            try:
+                matcher = self.grammar.matcher(msg.sampling_params.structured_outputs)
+            except ValueError as e:
+                problem = str(e)
         if problem is not None:
             self._pending.append(EngineCoreOutput(msg.request_id, [], finish_reason="abort", error=problem))
             return
         req = Request.from_message(msg, self.runner.device)
+        req.matcher = matcher
         self.requests[msg.request_id] = req
         self._num_host_sync += req.needs_host_tokens
         self.scheduler.add(req)
@@ -181,7 +191,7 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.tensor_parallel.check()
         try:
-            pending = self.runner.launch(batch)
+            pending = self.runner.launch(batch, self.grammar.start_masks)
         except Exception as e:
             outputs += self._failed(batch, e)
             return True
@@ -227,6 +237,11 @@ class EngineCore:
         out.new_token_ids, out.new_logprobs = [token], logprobs
         out.num_cached_tokens = max(req.num_cached_tokens, 0)
         status = req.check_stop(token, self.max_model_len)
+        if status is None and req.matcher is not None:
+            # A complete grammar allows only EOS next, so the request ends on EOS as any other does.
+            out.error = advance(req.matcher, token)
+            if out.error is not None:
+                status = RequestStatus.FINISHED_ABORTED
         if status is not None:
             self._finish(req, status)
             out.finish_reason, out.stop_reason = status.value, req.stop_reason

@@ -11,6 +11,8 @@ import ctypes
 import gc
 import logging
 from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +37,7 @@ from ember.runner.step_inputs import PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
 from ember.runner.warmup import warm_up_batches
 from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
-from ember.transfer import to_device, to_host
+from ember.transfer import array_to_device, to_device, to_host
 
 logger = logging.getLogger("ember")
 _DEFAULT_CPU_KV_BYTES = 4 << 30
@@ -287,8 +289,11 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> PendingStep:
-        """Start a step: every device operation is queued, nothing waits for the device."""
+    def launch(self, batch: ScheduledBatch,
+               start_masks: Callable[[list], Future[torch.Tensor] | None] | None = None) -> PendingStep:
+        """Start a step: every device operation is queued, nothing waits for the device. `start_masks`
+        starts filling the grammar bitmask of the sampling rows (their matchers in row order); it runs
+        while the forward is queued and computed, and is applied to the logits before sampling."""
         self.buffers.next_set()
         step = prepare_step(batch, self.buffers, self.block_size,
                             self.graphs.padded_size if self.graphs is not None else None)
@@ -298,9 +303,12 @@ class ModelRunner:
         inputs = self._upload(step.header)
         if step.inflight_rows:
             self._fill_inflight_tokens(inputs.input_ids, step.inflight_rows)
+        masks = start_masks([r.matcher for r in step.samplers]) if start_masks and step.samplers else None
         # Built before the forward so that its host-to-device copies overlap the GPU's work.
         sbatch = self._sampling_batch(step.samplers) if step.samplers else None
         hidden = self._forward(inputs)
+        if masks is not None:
+            sbatch.token_bitmask = array_to_device(masks.result().numpy(), self.device)
         prompt = [(rows, *(to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
         if sbatch is None:
             self._last_sampled = None

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ember.sampling.params import SamplingParams
+from ember.sampling.structured import StructuredOutputsParams, check_grammar
 
 # OpenAI's own limit; a larger n would let one request allocate millions of sequences.
 MAX_N = 128
@@ -22,6 +23,30 @@ MAX_N = 128
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(BaseModel):
@@ -46,6 +71,8 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -65,7 +92,32 @@ class _SamplingRequest(BaseModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint())
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """`response_format` or `structured_outputs` as checked parameters; a ValueError naming the
+        field (`response_format.json_schema.schema`, `structured_outputs.regex`, ...) when llguidance
+        cannot compile it."""
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.structured_outputs is not None:
+                raise ValueError("structured_outputs: give either response_format or structured_outputs, not both")
+            if self.response_format.type == "json_object":
+                params, field = StructuredOutputsParams(json_object=True), "response_format"
+            elif self.response_format.json_schema is None:
+                raise ValueError("response_format.json_schema: required when type is 'json_schema'")
+            else:
+                params = StructuredOutputsParams(json=self.response_format.json_schema.schema_)
+                field = "response_format.json_schema.schema"
+        elif self.structured_outputs is not None:
+            so = self.structured_outputs
+            params = StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                             json_object=so.json_object)
+            field = f"structured_outputs.{params.kind}"
+        else:
+            return None
+        check_grammar(params, field)
+        return params
 
 
 class CompletionRequest(_SamplingRequest):
