@@ -10,9 +10,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-from contextlib import contextmanager
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch

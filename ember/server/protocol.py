@@ -9,6 +9,7 @@ place the engine trusts; the models here only check types and shapes.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -146,8 +147,47 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates expect them: an assistant's tool-call arguments as a mapping
+    (templates write them with `tojson`), as in vLLM and transformers."""
+    dumped = [m.model_dump(exclude_none=True) for m in messages]
+    for m in dumped:
+        for call in m.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # the template gets the text as it came
+    return dumped
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     # None lets the answer run to the end of the context window, as vLLM does.
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -161,7 +201,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        return template_messages(self.messages)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the tool-choice grammar read them, unless tool_choice is none."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.function.model_dump(exclude_none=True) for t in self.tools]
 
 
 class TokenizeRequest(BaseModel):
@@ -228,9 +274,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -250,14 +309,42 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
 
     @model_serializer
     def _drop_unset(self) -> dict[str, str]:
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer
+    def _drop_unset(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out.update(id=self.id, type="function")
+        out["function"] = self.function
+        return out
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer
+    def _drop_unset(self) -> dict[str, Any]:
         # OpenAI sends only what changed: {"role": ...} first, then {"content": ...}, finally {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content),
+                                  ("reasoning_content", self.reasoning_content), ("tool_calls", self.tool_calls))
+                if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
