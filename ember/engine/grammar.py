@@ -30,10 +30,15 @@ MAX_COMPILED = 512  # distinct grammars kept compiled (LRU); one is tens of KiB 
 
 
 def _ll_tokenizer(args: EngineArgs, vocab_size: int) -> llguidance.LLTokenizer:
-    tokenizer = load_model_info(args).tokenizer
-    if tokenizer is None:
-        raise ValueError("structured_outputs: this model was loaded without a tokenizer")
-    return llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_ids)
+    """llguidance's vocabulary; a ValueError (the request's failure, never the core's) when the model
+    has no usable tokenizer."""
+    try:
+        tokenizer = load_model_info(args).tokenizer
+        if tokenizer is None:
+            raise ValueError("this model was loaded without a tokenizer")
+        return llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_ids)
+    except Exception as e:
+        raise ValueError(f"structured_outputs: no vocabulary for grammars ({e})") from e
 
 
 class GrammarManager:
