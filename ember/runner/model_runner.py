@@ -37,7 +37,7 @@ from ember.runner.step_inputs import PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
 from ember.runner.warmup import warm_up_batches
 from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
-from ember.transfer import array_to_device, to_device, to_host
+from ember.transfer import to_device, to_host
 
 logger = logging.getLogger("ember")
 _DEFAULT_CPU_KV_BYTES = 4 << 30
@@ -308,7 +308,7 @@ class ModelRunner:
         sbatch = self._sampling_batch(step.samplers) if step.samplers else None
         hidden = self._forward(inputs)
         if masks is not None:
-            sbatch.token_bitmask = array_to_device(masks.result().numpy(), self.device)
+            sbatch.token_bitmask = masks.result().to(self.device, non_blocking=True)  # pinned on CUDA hosts
         prompt = [(rows, *(to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
         if sbatch is None:
             self._last_sampled = None
