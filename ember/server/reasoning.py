@@ -26,8 +26,9 @@ REASONING_PARSERS = {"qwen3": ReasoningFormat(starts_inside=False),
                      "deepseek_r1": ReasoningFormat(starts_inside=True)}
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag` (held back)."""
+def partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`: text to hold back, since
+    the next delta may complete the tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n
@@ -63,8 +64,8 @@ class ReasoningParser:
         if self._state == "thinking":
             end = self._buffer.find(END)
             if end < 0:
-                keep = _partial_suffix(self._buffer, END)
-                reasoning, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                cut = len(self._buffer) - partial_tag_length(self._buffer, END)
+                reasoning, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return reasoning, ""
             reasoning, self._buffer, self._state = self._buffer[:end], self._buffer[end + len(END):], "answer"
             self._after_end = self._after_think = True

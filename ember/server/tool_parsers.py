@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.server.reasoning import partial_tag_length
+
 
 @dataclass
 class ToolCall:
@@ -172,13 +174,6 @@ def parser_for_template(template: str | None) -> str | None:
     return None
 
 
-def _partial_marker(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 @dataclass
 class ToolCallDelta:
     index: int
@@ -217,7 +212,7 @@ class ToolCallStream:
         if at >= 0:
             self._pending, self._region = "", text[at:]
             return text[:at], self._new_calls(self.fmt.calls(self._region, final=False) or [])
-        keep = _partial_marker(text, self.fmt.marker)
+        keep = partial_tag_length(text, self.fmt.marker)
         self._pending = text[len(text) - keep:]
         return text[:len(text) - keep], []
 
