@@ -24,8 +24,9 @@ MAX_TOKENS = 96
 @pytest.fixture(scope="module")
 def server():
     # The core in a thread: the grammar path is the same, and the wire form is checked on its own below.
+    # Async scheduling on, as on a GPU: constrained requests must make the core step one at a time.
     args = EngineArgs(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32",
-                      engine_process=False)
+                      engine_process=False, async_scheduling=True)
     with ServerThread(AsyncLLM(args, served_model_name=MODEL)) as s:
         yield s
 
@@ -171,3 +172,14 @@ def test_library_structured_outputs(default_llm):
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     assert outs[3].outputs[0].text in ("alpha", "beta")
+
+
+def test_dead_end_fails_the_request_not_the_engine(server, client):
+    """min_tokens holds EOS back after a complete choice, so no token can follow: the request ends with
+    an error naming structured output, and the engine goes on serving."""
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "Pick:", "max_tokens": 8, "min_tokens": 4,
+                                        "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.status_code == 500 and "structured output failed" in r.json()["error"]["message"], r.text
+    out = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=8,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert out.choices[0].text in ("yes", "no")
