@@ -20,10 +20,13 @@ import atexit
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
+
+import torch
 
 from ember.config import EngineArgs, ModelConfig
 from ember.engine.block_manager import BlockManager
-from ember.engine.grammar import GrammarManager, advance
+from ember.engine.grammar import GrammarManager, consume
 from ember.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                    Logprobs, SchedulerStats)
 from ember.engine.request import Request, RequestStatus
@@ -191,13 +194,27 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.tensor_parallel.check()
         try:
-            pending = self.runner.launch(batch, self.grammar.start_masks)
+            pending = self.runner.launch(batch, self._start_masks)
         except Exception as e:
             outputs += self._failed(batch, e)
             return True
         self.scheduler.advance(batch)
         self._inflight.append((batch, pending))
         return True
+
+    def _start_masks(self, requests: list[Request]) -> Future[torch.Tensor] | None:
+        """The grammar masks of a step being launched. Requests whose last token is still in flight
+        (sampled by the step before, under async scheduling) get it fed to their matcher first, in
+        the mask thread, once that step has finished."""
+        late = [r for r in requests if r.matcher is not None and r.num_inflight_tokens]
+        previous = self._inflight[-1][1] if late else None
+
+        def catch_up() -> None:
+            for req, token in zip(late, self.runner.sampled_tokens(previous, late)):
+                consume(req.matcher, token)
+                req.num_grammar_tokens += 1
+
+        return self.grammar.start_masks([r.matcher for r in requests], catch_up if late else None)
 
     def _collect(self) -> list[EngineCoreOutput]:
         batch, pending = self._inflight.popleft()
@@ -239,7 +256,13 @@ class EngineCore:
         status = req.check_stop(token, self.max_model_len)
         if status is None and req.matcher is not None:
             # A complete grammar allows only EOS next, so the request ends on EOS as any other does.
-            out.error = advance(req.matcher, token)
+            # The mask thread may have fed this token already (`_start_masks`); then this only reads
+            # the matcher's state (a matcher in error stays in error).
+            if req.num_grammar_tokens < req.num_output_tokens:
+                req.num_grammar_tokens += 1
+                out.error = consume(req.matcher, token)
+            elif req.matcher.is_error():
+                out.error = f"structured output failed: {req.matcher.get_error()}"
             if out.error is not None:
                 status = RequestStatus.FINISHED_ABORTED
         if status is not None:

@@ -8,15 +8,17 @@ request a copy of the compiled matcher (`LLMatcher.deep_copy`, far cheaper than 
 Masks: a step's bitmask (one bit per vocabulary entry, int32 words, llguidance's layout) is filled
 by llguidance's own thread pool (`LLExecutor`, no GIL) from a worker thread started before the
 model's forward, so on a GPU it overlaps the queued forward and on the CPU torch's kernels (which
-release the GIL too). The matcher of step N+1 needs step N's token, so constrained requests run one
-step at a time, as penalties do (`Request.needs_host_tokens`): the mask is then computed after the
-token arrives and while the next forward runs, and the GPU idles only for the host's scheduling,
-as with penalties.
+release the GIL too). Under async scheduling the mask of step N+1 needs step N's token while step N
+may still run: the worker first waits for step N's end (`before`, given by the core), feeds its
+tokens to the matchers, then fills the masks, all while the GPU finishes step N and runs N+1's
+forward; only sampling waits for the mask. So constrained requests keep two steps in flight instead
+of making the core step one at a time as penalties do.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -64,15 +66,19 @@ class GrammarManager:
             self._compiled.move_to_end(source)
         return compiled.deep_copy()
 
-    def start_masks(self, matchers: list[llguidance.LLMatcher | None]) -> Future[torch.Tensor] | None:
-        """Start filling one bitmask row per batch row (all ones where the row has no matcher); None
-        when no row is constrained."""
+    def start_masks(self, matchers: list[llguidance.LLMatcher | None],
+                    before: Callable[[], None] | None = None) -> Future[torch.Tensor] | None:
+        """Start filling one bitmask row per batch row (all ones where the row has no matcher), after
+        running `before` in the same worker thread; None when no row is constrained."""
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        return self._worker.submit(self._fill, rows, len(matchers))
+        return self._worker.submit(self._fill, rows, len(matchers), before)
 
-    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int) -> torch.Tensor:
+    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int,
+              before: Callable[[], None] | None) -> torch.Tensor:
+        if before is not None:
+            before()
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((num_rows, words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, num_rows)
@@ -82,9 +88,9 @@ class GrammarManager:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 
-def advance(matcher: llguidance.LLMatcher, token: int) -> str | None:
+def consume(matcher: llguidance.LLMatcher, token: int) -> str | None:
     """Feed a sampled token; the error text when the grammar cannot continue (a dead end, or a token
-    that slipped past the mask)."""
+    that slipped past the mask). A matcher in error stays so: feeding it again repeats the error."""
     if not matcher.consume_token(token) or matcher.is_error():
         return f"structured output failed: {matcher.get_error() or f'token {token} is not allowed'}"
     return None

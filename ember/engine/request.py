@@ -52,6 +52,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     stop_reason: int | None = None
     matcher: llguidance.LLMatcher | None = None  # its structured-output grammar's state
+    num_grammar_tokens: int = 0  # output tokens the matcher has consumed (it may run ahead of the host's list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -86,11 +87,12 @@ class Request:
     @property
     def needs_host_tokens(self) -> bool:
         """Its next step needs every earlier token on the host: penalties count the output tokens,
-        prompt logprobs are read back while computing, and a grammar's next mask follows the last token
-        (async scheduling waits for such requests)."""
+        and prompt logprobs are read back while computing (async scheduling waits for such requests). A
+        grammar's mask needs the last token too, but only on the host's side: the mask thread waits for it
+        while the next forward runs (`EngineCore._start_masks`)."""
         p = self.sampling_params
         return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-                or p.prompt_logprobs is not None or p.structured_outputs is not None)
+                or p.prompt_logprobs is not None)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
