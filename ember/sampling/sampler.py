@@ -205,12 +205,14 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
-    """Disallowed tokens (a 0 bit) to -inf; tokens past the mask's last word are disallowed too."""
+    """Disallowed tokens (a 0 bit) to -inf. The int32 words are read as little-endian bytes (token
+    32 * i + 8 * k + j is bit j of byte k of word i), so the unpacked mask takes one byte per token,
+    not four: 39 MB instead of 156 MB at 256 rows of a 152k vocabulary."""
     if bitmask is None:
         return logits
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[1]].bool()
-    return logits.masked_fill_(~allowed, float("-inf"))
+    bits = to_device([1 << j for j in range(8)], torch.uint8, logits.device)
+    allowed = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).flatten(1)[:, :logits.shape[1]]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
