@@ -10,6 +10,8 @@ import pytest
 
 from ember import AsyncLLM, EngineArgs
 from ember.model.files import load_model_info
+from ember.engine.grammar import GrammarManager
+from ember.sampling.structured import StructuredOutputsParams
 from ember.server.chat_answer import AnswerParser
 from ember.server.reasoning import REASONING_PARSERS, ReasoningParser, split_reasoning
 
@@ -88,10 +90,14 @@ def test_answer_parser_without_tools():
 
 # ---- through the server ---------------------------------------------------------------------
 
+# Qwen3's way: with enable_thinking false the template writes an empty think block itself.
 TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
 {{ m.content }}<|im_end|>
 {% endfor %}<|im_start|>assistant
-{% if enable_thinking %}Think first.
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
 {% endif %}"""
 
 
@@ -106,13 +112,13 @@ def server(tmp_path_factory):
 
 
 def test_server_reasoning_content_and_template_kwargs(server):
-    """A grammar makes the small model think in tags; the answer splits, streamed or not, and
-    chat_template_kwargs reach the template."""
+    """With thinking off (the template closed the think block), a grammar holds from the first token:
+    here it makes the small model write a think block, and the answer splits, streamed or not."""
     client = server.client(timeout=120)
     pattern = r"<think>[a-z ]{1,12}</think>[A-Z][a-z]{1,8}"
     kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 40,
               "extra_body": {"structured_outputs": {"regex": pattern},
-                             "chat_template_kwargs": {"enable_thinking": True}}}
+                             "chat_template_kwargs": {"enable_thinking": False}}}
     whole = client.chat.completions.create(**kwargs)
     message = whole.choices[0].message
     reasoning = message.model_extra["reasoning_content"]
@@ -123,6 +129,31 @@ def test_server_reasoning_content_and_template_kwargs(server):
         for key in streamed:
             streamed[key] += delta.get(key) or ""
     assert streamed == {"reasoning_content": reasoning, "content": message.content}
-    off = client.chat.completions.create(**{**kwargs, "extra_body": {"chat_template_kwargs": {}}, "max_tokens": 1})
-    assert whole.usage.prompt_tokens - off.usage.prompt_tokens == len(
-        load_model_info(EngineArgs()).tokenizer.encode("Think first.\n", add_special_tokens=False))
+    thinking = client.chat.completions.create(**{**kwargs, "extra_body": {"chat_template_kwargs": {}}, "max_tokens": 1})
+    assert whole.usage.prompt_tokens - thinking.usage.prompt_tokens == len(
+        load_model_info(EngineArgs()).tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+
+
+def test_server_constraint_waits_for_the_end_of_thinking(server):
+    """With thinking on, a choice constraint leaves the think block free: the small model never closes
+    it within the budget, so the answer runs to max_tokens instead of being one of the choices."""
+    client = server.client(timeout=120)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                         max_tokens=12, extra_body={"structured_outputs": {"choice": ["Yes", "No"]}})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12
+
+
+def test_think_first_grammar(tokenizer):
+    """The wrapped grammar: free text up to the first </think>, optional whitespace, then the
+    constraint, complete at its end; the constraint is enforced after the block."""
+    manager = GrammarManager(EngineArgs(), tokenizer.vocab_size)
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                           "required": ["a"]}, after_think=True)
+    for text, ok in [('<think>hmm {"b": 1} is it?</think>\n\n{"a": 42}', True),
+                     ('<think>x</think>{"b": 1}', False),
+                     ('<think>one</think> two </think>{"a": 1}', False)]:
+        matcher = manager.matcher(params)
+        accepted = all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+        assert accepted == ok and matcher.is_accepting() == ok, text
+    manager.shutdown()

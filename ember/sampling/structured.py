@@ -10,7 +10,7 @@ reaches the core. No torch here: the front end imports it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -22,19 +22,30 @@ from llguidance.gbnf_to_lark import any_to_lark
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+# A think block first (any text, up to the first </think>, which the lazy match stops at), then the
+# constraint. Whitespace between the two is free: models put newlines there.
+_THINK_FIRST = 'start: think WS? @answer\nthink[lazy]: /(?s:.*)<\\/think>/\nWS: /[ \\t\\r\\n]+/\n'
+
+
 @dataclass
 class StructuredOutputsParams:
     """Exactly one constraint: a JSON schema (`json`, a dict or its text), any JSON object
-    (`json_object`), a regular expression, a list of choices, or a Lark / GBNF grammar."""
+    (`json_object`), a regular expression, a list of choices, or a Lark / GBNF grammar.
+
+    `after_think` (Ember's): the constraint holds after a leading `<think>...</think>` block, which
+    is free text; the server sets it for reasoning models (`--reasoning-parser`)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    after_think: bool = False
 
     def __post_init__(self) -> None:
-        set_fields = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        set_fields = [name for name in _KINDS if getattr(self, name) not in (None, False)]
         if len(set_fields) != 1:
             raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
                              f"got {set_fields or 'none'}")
@@ -48,12 +59,22 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
 
 
 def grammar_source(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON form) for these parameters; a ValueError for a schema that is
     not a JSON object."""
+    source = _constraint_source(params)
+    if not params.after_think:
+        return source
+    # llguidance's sources are its JSON form, or Lark text as such (grammar_from_lark returns its input)
+    grammars = json.loads(source)["grammars"] if source.lstrip().startswith("{") else [{"lark_grammar": source}]
+    grammars[0]["name"] = "answer"
+    return json.dumps({"grammars": [{"name": "think_first", "lark_grammar": _THINK_FIRST}, *grammars]})
+
+
+def _constraint_source(params: StructuredOutputsParams) -> str:
     kind = params.kind
     try:
         if kind == "json":

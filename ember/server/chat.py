@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -60,8 +61,16 @@ async def create_chat_completion(request: Request, engine: AsyncLLM = Depends(re
     if tools is not None:
         extra["tools"] = [{"type": "function", "function": t} for t in tools]
     prompt = await asyncio.to_thread(render_chat, tokenizer, body.template_messages(), True, False, **extra)
+    if state.settings.reasoning_parser and params.structured_outputs is not None and _will_think(prompt["prompt"]):
+        params.structured_outputs = replace(params.structured_outputs, after_think=True)
     chat = _ChatCompletion(state, engine, body, params, tokenizer, prompt, mode)
     return await respond(request, chat.gen, body.stream, chat.chunks, chat.response)
+
+
+def _will_think(prompt: str) -> bool:
+    """Whether the answer starts with reasoning: unless the template closed the think block itself
+    (Qwen3 with enable_thinking false writes an empty one), constraints hold after `</think>`."""
+    return not prompt.rstrip().endswith("</think>")
 
 
 def _tool_mode(body: ChatCompletionRequest, state: ServerState, tokenizer: Tokenizer) -> ToolMode | None:
