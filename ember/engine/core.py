@@ -71,6 +71,7 @@ class EngineCore:
         self.runner.warm_up_kernels()
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.grammar = GrammarManager(args, self.vocab_size)  # before anything below may call shutdown()
         capacity = num_blocks * cache_config.block_size
         if capacity < self.max_model_len:
             self.shutdown()  # otherwise a request within the context window could never be scheduled
@@ -78,7 +79,6 @@ class EngineCore:
                              f"({capacity} tokens); lower --max-model-len or raise --kv-cache-memory "
                              f"/ --gpu-memory-utilization")
         self.async_scheduling = _resolve_async_scheduling(args, runner_device.type)
-        self.grammar = GrammarManager(args, self.vocab_size)
         self.requests: dict[str, Request] = {}
         self._inflight: deque[tuple[ScheduledBatch, PendingStep]] = deque()
         self._pending: list[EngineCoreOutput] = []  # rejections, sent with the next step's outputs
