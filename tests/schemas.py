@@ -14,8 +14,8 @@ SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
                                                 "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
     {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["zip"]},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer"},
-                                                                                "name": NAME},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999}, "name": NAME},
                                                "required": ["id", "name"]}}, "required": ["user"]},
     {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]}},
      "required": ["value"]},
