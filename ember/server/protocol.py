@@ -3,7 +3,7 @@
 Field names, defaults and shapes follow OpenAI's API (plus vLLM's sampling extensions such as
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`), so the official clients work unchanged.
 Unknown request fields are ignored, as vLLM does, because clients send parameters Ember has no
-use for (`logit_bias`, `parallel_tool_calls`, ...). Range checks live in `SamplingParams`, the one
+use for (`logit_bias`, `best_of`, ...). Range checks live in `SamplingParams`, the one
 place the engine trusts; the models here only check types and shapes.
 """
 
