@@ -16,6 +16,7 @@ _EXPORTS = {
     "LLMEngine": "ember.engine.engine",
     "EngineArgs": "ember.config",
     "SamplingParams": "ember.sampling.params",
+    "StructuredOutputsParams": "ember.sampling.structured",
     "RequestOutput": "ember.engine.output",
     "CompletionOutput": "ember.engine.output",
 }

@@ -20,9 +20,13 @@ import atexit
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
+
+import torch
 
 from ember.config import EngineArgs, ModelConfig
 from ember.engine.block_manager import BlockManager
+from ember.engine.grammar import GrammarManager, consume
 from ember.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                    Logprobs, SchedulerStats)
 from ember.engine.request import Request, RequestStatus
@@ -68,6 +72,7 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                           sliding_window=_shared_window(files.model_config))
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.grammar = GrammarManager(args, self.vocab_size)  # before anything below may call shutdown()
         capacity = num_blocks * cache_config.block_size
         if capacity < self.max_model_len:
             self.shutdown()  # otherwise a request within the context window could never be scheduled
@@ -107,6 +112,7 @@ class EngineCore:
         """End the tensor-parallel worker processes (nothing to do with one rank). Idempotent."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.stop()
+        self.grammar.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -114,10 +120,17 @@ class EngineCore:
         """Queue a request; one the core cannot run is answered at once (with the next outputs) by an
         error. The front end validates first, so this is a second line of defence."""
         problem = self._check(msg)
+        matcher = None
+        if problem is None and msg.sampling_params.structured_outputs is not None:
+            try:
+                matcher = self.grammar.matcher(msg.sampling_params.structured_outputs)
+            except ValueError as e:
+                problem = str(e)
         if problem is not None:
             self._pending.append(EngineCoreOutput(msg.request_id, [], finish_reason="abort", error=problem))
             return
         req = Request.from_message(msg, self.runner.device)
+        req.matcher = matcher
         self.requests[msg.request_id] = req
         self._num_host_sync += req.needs_host_tokens
         self.scheduler.add(req)
@@ -182,13 +195,27 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.tensor_parallel.check()
         try:
-            pending = self.runner.launch(batch)
+            pending = self.runner.launch(batch, self._start_masks)
         except Exception as e:
             outputs += self._failed(batch, e)
             return True
         self.scheduler.advance(batch)
         self._inflight.append((batch, pending))
         return True
+
+    def _start_masks(self, requests: list[Request]) -> Future[torch.Tensor] | None:
+        """The grammar masks of a step being launched. Requests whose last token is still in flight
+        (sampled by the step before, under async scheduling) get it fed to their matcher first, in
+        the mask thread, once that step has finished."""
+        late = [r for r in requests if r.matcher is not None and r.num_inflight_tokens]
+        previous = self._inflight[-1][1] if late else None
+
+        def catch_up() -> None:
+            for req, token in zip(late, self.runner.sampled_tokens(previous, late)):
+                consume(req.matcher, token)
+                req.num_grammar_tokens += 1
+
+        return self.grammar.start_masks([r.matcher for r in requests], catch_up if late else None)
 
     def _collect(self) -> list[EngineCoreOutput]:
         batch, pending = self._inflight.popleft()
@@ -228,6 +255,17 @@ class EngineCore:
         out.new_token_ids, out.new_logprobs = [token], logprobs
         out.num_cached_tokens = max(req.num_cached_tokens, 0)
         status = req.check_stop(token, self.max_model_len)
+        if status is None and req.matcher is not None:
+            # A complete grammar allows only EOS next, so the request ends on EOS as any other does.
+            # The mask thread may have fed this token already (`_start_masks`); then this only reads
+            # the matcher's state (a matcher in error stays in error).
+            if req.num_grammar_tokens < req.num_output_tokens:
+                req.num_grammar_tokens += 1
+                out.error = consume(req.matcher, token)
+            elif req.matcher.is_error():
+                out.error = f"structured output failed: {req.matcher.get_error()}"
+            if out.error is not None:
+                status = RequestStatus.FINISHED_ABORTED
         if status is not None:
             self._finish(req, status)
             out.finish_reason, out.stop_reason = status.value, req.stop_reason

@@ -18,6 +18,7 @@ from ember.engine.messages import EngineCoreReady, EngineCoreRequest
 from ember.engine.output import RequestState, child_request_id
 from ember.model.files import ModelInfo
 from ember.sampling.params import SamplingParams
+from ember.sampling.structured import check_grammar
 from ember.tokenizer import Tokenizer
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -85,6 +86,8 @@ class Processor:
         """Tokenize and validate, touching no engine state (any thread may call it); a ValueError naming
         the field when the request can never run."""
         params = params or self.default_sampling_params()
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
         n_prompt = len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from ember.engine.messages import EngineCoreRequest
@@ -50,6 +51,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     stop_reason: int | None = None
+    matcher: llguidance.LLMatcher | None = None  # its structured-output grammar's state
+    num_grammar_tokens: int = 0  # output tokens the matcher has consumed (it may run ahead of the host's list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -83,8 +86,10 @@ class Request:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Its next step needs every earlier token on the host: penalties count the output tokens, and
-        prompt logprobs are read back while computing (async scheduling waits for such requests)."""
+        """Its next step needs every earlier token on the host: penalties count the output tokens,
+        and prompt logprobs are read back while computing (async scheduling waits for such requests). A
+        grammar's mask needs the last token too, but only on the host's side: the mask thread waits for it
+        while the next forward runs (`EngineCore._start_masks`)."""
         p = self.sampling_params
         return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
                 or p.prompt_logprobs is not None)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -287,8 +289,11 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> PendingStep:
-        """Start a step: every device operation is queued, nothing waits for the device."""
+    def launch(self, batch: ScheduledBatch,
+               start_masks: Callable[[list[Request]], Future[torch.Tensor] | None] | None = None) -> PendingStep:
+        """Start a step: every device operation is queued, nothing waits for the device. `start_masks`
+        starts filling the grammar bitmask of the sampling rows (given in row order); it runs while
+        the forward is queued and computed, and is applied to the logits before sampling."""
         self.buffers.next_set()
         step = prepare_step(batch, self.buffers, self.block_size,
                             self.graphs.padded_size if self.graphs is not None else None)
@@ -298,9 +303,15 @@ class ModelRunner:
         inputs = self._upload(step.header)
         if step.inflight_rows:
             self._fill_inflight_tokens(inputs.input_ids, step.inflight_rows)
-        # Built before the forward so that its host-to-device copies overlap the GPU's work.
-        sbatch = self._sampling_batch(step.samplers) if step.samplers else None
-        hidden = self._forward(inputs)
+        masks = start_masks(step.samplers) if start_masks and step.samplers else None
+        try:
+            # Built before the forward so that its host-to-device copies overlap the GPU's work.
+            sbatch = self._sampling_batch(step.samplers) if step.samplers else None
+            hidden = self._forward(inputs)
+        finally:  # also on failure: the mask thread must be done with the matchers before anyone else
+            bitmask = masks.result() if masks is not None else None
+        if bitmask is not None:
+            sbatch.token_bitmask = bitmask.to(self.device, non_blocking=True)  # pinned on CUDA hosts
         prompt = [(rows, *(to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
         if sbatch is None:
             self._last_sampled = None
@@ -342,6 +353,15 @@ class ModelRunner:
             raise RuntimeError("a step needs a token that the previous step did not sample") from None
         dst = to_device([t for t, _ in rows], torch.int64, self.device)
         input_ids[dst] = sampled[to_device(src, torch.int64, self.device)]
+
+    @staticmethod
+    def sampled_tokens(pending: PendingStep, requests: list[Request]) -> list[int]:
+        """What a launched step sampled for some of its requests, once its device work is done (waits for
+        that step only, not for any launched after it; `wait` still collects it as usual)."""
+        if pending.events is not None:
+            pending.events[1].synchronize()
+        row = {r: i for i, r in enumerate(pending.requests)}
+        return [int(pending.sampled[row[r]]) for r in requests]
 
     def wait(self, pending: PendingStep) -> StepResult:
         """The step's results, once the device has finished it."""

@@ -5,6 +5,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from ember.sampling.structured import StructuredOutputsParams
+
 # Below this a temperature is treated as zero: dividing logits by it would overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Larger top-logprob counts cost a full-vocab top-k per step for little practical use.
@@ -62,6 +64,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (vLLM's name): the output must match a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -128,6 +132,9 @@ class SamplingParams:
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
                 setattr(self, name, value)
+
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

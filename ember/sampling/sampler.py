@@ -47,12 +47,15 @@ class SamplingBatch:
     # (row indices, token ids) to set to -inf because the row has not reached min_tokens.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None  # None when no row asked for logprobs
+    # [N, ceil(V / 32)] int32: bit j of word i allows token 32 * i + j (grammar masks; all ones for free rows).
+    # Set by the model runner after the forward is queued, since it is computed meanwhile.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def argmax_only(self) -> bool:
         """Every row takes its largest raw logit and reports nothing else: the logits themselves are not needed."""
         return (self.all_greedy and self.penalties is None and self.min_tokens_mask is None
-                and self.max_num_logprobs is None)
+                and self.max_num_logprobs is None and self.token_bitmask is None)
 
     @classmethod
     def build(
@@ -199,6 +202,17 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         rows, ids = batch.min_tokens_mask
         logits[rows, ids] = float("-inf")
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """Disallowed tokens (a 0 bit) to -inf. The int32 words are read as little-endian bytes (token
+    32 * i + 8 * k + j is bit j of byte k of word i), so the unpacked mask takes one byte per token,
+    not four: 39 MB instead of 156 MB at 256 rows of a 152k vocabulary."""
+    if bitmask is None:
+        return logits
+    bits = to_device([1 << j for j in range(8)], torch.uint8, logits.device)
+    allowed = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).flatten(1)[:, :logits.shape[1]]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -351,6 +365,7 @@ class Sampler:
         )
         logits = apply_min_tokens(logits, batch)
         logits = apply_penalties(logits, batch)
+        logits = apply_token_bitmask(logits, batch.token_bitmask)
 
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)

@@ -14,6 +14,8 @@ from typing import Any
 import yaml
 
 from ember.config import DEFAULT_MODEL, EngineArgs
+from ember.server.reasoning import REASONING_PARSERS
+from ember.server.tool_parsers import TOOL_PARSERS
 
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -28,6 +30,8 @@ class ServerSettings:
     log_requests: bool = False
     log_request_text: bool = False  # prompts, outputs and error messages in the logs
     shutdown_timeout: float = 30.0
+    tool_call_parser: str | None = None  # None: picked from the chat template, when it teaches one
+    reasoning_parser: str | None = None
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -67,6 +71,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="uvicorn's own log level (Ember's: $EMBER_LOGGING_LEVEL)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM/SIGINT")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls appear in the model's answers (default: from the chat template)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="move the answer's <think>...</think> part into reasoning_content")
     EngineArgs.add_cli_args(parser)
     for action in parser._actions:
         if action.default is not argparse.SUPPRESS:
@@ -146,7 +154,8 @@ def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettin
                               api_key=ns.api_key or os.environ.get("EMBER_API_KEY") or None,
                               max_body_bytes=ns.max_request_body_bytes, log_requests=ns.log_requests,
                               log_request_text=ns.log_request_text,
-                              shutdown_timeout=ns.shutdown_timeout)
+                              shutdown_timeout=ns.shutdown_timeout, tool_call_parser=ns.tool_call_parser,
+                              reasoning_parser=ns.reasoning_parser)
     return args, settings
 
 

@@ -16,7 +16,7 @@ from ember.server.chat import render_chat
 from ember.server.errors import bad_request
 from ember.server.plumbing import check_api_key, read_body, ready_engine, require_tokenizer
 from ember.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                   TokenizeResponse)
+                                   TokenizeResponse, template_messages)
 from ember.server.state import get_state
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
@@ -37,7 +37,7 @@ async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of 'prompt' or 'messages'", "prompt")
     if body.messages is not None:
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = template_messages(body.messages)
         add_special = bool(body.add_special_tokens)
         ids = (await asyncio.to_thread(render_chat, tokenizer, messages, body.add_generation_prompt,
                                        add_special))["prompt_token_ids"]

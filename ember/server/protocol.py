@@ -3,18 +3,20 @@
 Field names, defaults and shapes follow OpenAI's API (plus vLLM's sampling extensions such as
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`), so the official clients work unchanged.
 Unknown request fields are ignored, as vLLM does, because clients send parameters Ember has no
-use for (`logit_bias`, `parallel_tool_calls`, ...). Range checks live in `SamplingParams`, the one
+use for (`logit_bias`, `best_of`, ...). Range checks live in `SamplingParams`, the one
 place the engine trusts; the models here only check types and shapes.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ember.sampling.params import SamplingParams
+from ember.sampling.structured import StructuredOutputsParams, check_grammar
 
 # OpenAI's own limit; a larger n would let one request allocate millions of sequences.
 MAX_N = 128
@@ -22,6 +24,30 @@ MAX_N = 128
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(BaseModel):
@@ -46,6 +72,8 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -65,7 +93,32 @@ class _SamplingRequest(BaseModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint())
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """`response_format` or `structured_outputs` as checked parameters; a ValueError naming the
+        field (`response_format.json_schema.schema`, `structured_outputs.regex`, ...) when llguidance
+        cannot compile it."""
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.structured_outputs is not None:
+                raise ValueError("structured_outputs: give either response_format or structured_outputs, not both")
+            if self.response_format.type == "json_object":
+                params, field = StructuredOutputsParams(json_object=True), "response_format"
+            elif self.response_format.json_schema is None:
+                raise ValueError("response_format.json_schema: required when type is 'json_schema'")
+            else:
+                params = StructuredOutputsParams(json=self.response_format.json_schema.schema_)
+                field = "response_format.json_schema.schema"
+        elif self.structured_outputs is not None:
+            so = self.structured_outputs
+            params = StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                             json_object=so.json_object)
+            field = f"structured_outputs.{params.kind}"
+        else:
+            return None
+        check_grammar(params, field)
+        return params
 
 
 class CompletionRequest(_SamplingRequest):
@@ -94,8 +147,47 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates expect them: an assistant's tool-call arguments as a mapping
+    (templates write them with `tojson`), as in vLLM and transformers."""
+    dumped = [m.model_dump(exclude_none=True) for m in messages]
+    for m in dumped:
+        for call in m.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # the template gets the text as it came
+    return dumped
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     # None lets the answer run to the end of the context window, as vLLM does.
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -109,7 +201,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        return template_messages(self.messages)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the tool-choice grammar read them, unless tool_choice is none."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.function.model_dump(exclude_none=True) for t in self.tools]
 
 
 class TokenizeRequest(BaseModel):
@@ -176,9 +274,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -198,14 +309,42 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
 
     @model_serializer
     def _drop_unset(self) -> dict[str, str]:
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer
+    def _drop_unset(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out.update(id=self.id, type="function")
+        out["function"] = self.function
+        return out
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer
+    def _drop_unset(self) -> dict[str, Any]:
         # OpenAI sends only what changed: {"role": ...} first, then {"content": ...}, finally {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content),
+                                  ("reasoning_content", self.reasoning_content), ("tool_calls", self.tool_calls))
+                if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,0 +1,96 @@
+"""The engine core's side of structured output: llguidance matchers and the per-step token masks.
+
+`GrammarManager` builds llguidance's view of the vocabulary once (from the model's tokenizer.json or
+GGUF vocabulary, 0.27 s for the default model, in a worker thread started with the core so that no
+request waits for it unless it comes first), compiles each distinct grammar once and hands every
+request a copy of the compiled matcher (`LLMatcher.deep_copy`, far cheaper than compiling).
+
+Masks: a step's bitmask (one bit per vocabulary entry, int32 words, llguidance's layout) is filled
+by llguidance's own thread pool (`LLExecutor`, no GIL) from a worker thread started before the
+model's forward, so on a GPU it overlaps the queued forward and on the CPU torch's kernels (which
+release the GIL too). Under async scheduling the mask of step N+1 needs step N's token while step N
+may still run: the worker first waits for step N's end (`before`, given by the core), feeds its
+tokens to the matchers, then fills the masks, all while the GPU finishes step N and runs N+1's
+forward; only sampling waits for the mask. So constrained requests keep two steps in flight instead
+of making the core step one at a time as penalties do.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import torch
+
+from ember.config import EngineArgs
+from ember.model.files import load_model_info
+from ember.sampling.structured import StructuredOutputsParams, grammar_source
+
+MAX_COMPILED = 512  # distinct grammars kept compiled (LRU); one is tens of KiB to a few MiB
+
+
+def _ll_tokenizer(args: EngineArgs, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's vocabulary; a ValueError (the request's failure, never the core's) when the model
+    has no usable tokenizer."""
+    try:
+        tokenizer = load_model_info(args).tokenizer
+        if tokenizer is None:
+            raise ValueError("this model was loaded without a tokenizer")
+        return llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_ids)
+    except Exception as e:
+        raise ValueError(f"structured_outputs: no vocabulary for grammars ({e})") from e
+
+
+class GrammarManager:
+    def __init__(self, args: EngineArgs, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ember-grammar")
+        self._tokenizer: Future[llguidance.LLTokenizer] = self._worker.submit(_ll_tokenizer, args, vocab_size)
+        self._executor = llguidance.LLExecutor()
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher for a request; a ValueError when its grammar cannot be compiled."""
+        source = grammar_source(params)
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self._tokenizer.result(), source, log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"structured_outputs.{params.kind}: {compiled.get_error()}")
+            self._compiled[source] = compiled
+            if len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(source)
+        return compiled.deep_copy()
+
+    def start_masks(self, matchers: list[llguidance.LLMatcher | None],
+                    before: Callable[[], None] | None = None) -> Future[torch.Tensor] | None:
+        """Start filling one bitmask row per batch row (all ones where the row has no matcher), after
+        running `before` in the same worker thread; None when no row is constrained."""
+        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        return self._worker.submit(self._fill, rows, len(matchers), before)
+
+    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int,
+              before: Callable[[], None] | None) -> torch.Tensor:
+        if before is not None:
+            before()
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((num_rows, words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, num_rows)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def consume(matcher: llguidance.LLMatcher, token: int) -> str | None:
+    """Feed a sampled token; the error text when the grammar cannot continue (a dead end, or a token
+    that slipped past the mask). A matcher in error stays so: feeding it again repeats the error."""
+    if not matcher.consume_token(token) or matcher.is_error():
+        return f"structured output failed: {matcher.get_error() or f'token {token} is not allowed'}"
+    return None
