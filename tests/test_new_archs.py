@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file, save_file
 
-from conftest import DEVICE, WINDOWED_ARCHS, make_checkpoint
+from conftest import DEVICE, WINDOWED_ARCHS, add_bpe_vocab, gguf_writer, make_checkpoint
 from ember import LLM, SamplingParams
 from ember.model.attention import AttentionMetadata, paged_attention
 from test_hf_equality import TOP, assert_output_matches, hf_greedy
@@ -201,16 +201,9 @@ def _write_gguf_twin(src: Path, path: Path, twin: Path) -> None:
     cfg = json.loads((src / "config.json").read_text())
     gemma = cfg["model_type"].startswith("gemma")
     arch = {"gemma2": "gemma2", "gemma3_text": "gemma3"}.get(cfg["model_type"], "llama")
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w = gguf_writer(path, arch, cfg)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_sliding_window(cfg["sliding_window"])
     rope = cfg["rope_parameters"].get("full_attention", cfg["rope_parameters"])
@@ -222,14 +215,8 @@ def _write_gguf_twin(src: Path, path: Path, twin: Path) -> None:
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
     if cfg.get("final_logit_softcapping") is not None:
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-    tok = json.loads((src / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda item: item[1])
-    specials = {t["content"] for t in tok["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
+    add_bpe_vocab(w, src)
     w.add_tokenizer_pre("gpt-2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_chat_template(GEMMA2_TEMPLATE if arch == "gemma2" else GEMMA3_TEMPLATE)

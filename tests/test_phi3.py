@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
-from conftest import DEVICE, inproc_core, make_checkpoint
+from conftest import DEVICE, add_bpe_vocab, gguf_writer, inproc_core, make_checkpoint
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
 from test_hf_equality import PROMPTS, TOP, assert_output_matches, hf_greedy
@@ -180,14 +180,7 @@ def _write_gguf(hf_dir: Path, gguf_path: Path, twin_dir: Path) -> None:
     cfg = json.loads((hf_dir / "config.json").read_text())
     rope = cfg["rope_parameters"]
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    w = gguf.GGUFWriter(str(gguf_path), "phi3")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w = gguf_writer(gguf_path, "phi3", cfg)
     w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_sliding_window(0)
@@ -198,14 +191,7 @@ def _write_gguf(hf_dir: Path, gguf_path: Path, twin_dir: Path) -> None:
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))))
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok["added_tokens"]}
-    pad = [f"[PAD{i}]" for i in range(len(vocab), cfg["vocab_size"])]  # as the converter fills the rows
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([t for t, _ in vocab] + pad)
-    w.add_token_types([3 if t in specials else 1 for t, _ in vocab] + [4] * len(pad))
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    add_bpe_vocab(w, hf_dir, pad_to=cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_chat_template(PHI3_TEMPLATE)
