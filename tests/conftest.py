@@ -183,3 +183,25 @@ def default_llm():
 
     # In this process: tests/test_screened_argmax.py looks inside its core.
     return LLM(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32", engine_process=False)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    """The default model's tokenizer, as the front end builds it."""
+    from ember import EngineArgs
+    from ember.model.files import load_model_info
+
+    return load_model_info(EngineArgs()).tokenizer
+
+
+def token_pieces(tokenizer, text: str) -> list[str]:
+    """The text as a detokenizer streams it: one piece per token."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces, prev = [], ""
+    for i in range(1, len(ids) + 1):
+        now = tokenizer.decode(ids[:i])
+        pieces.append(now[len(prev):])
+        prev = now
+    assert "".join(pieces) == text
+    return pieces
+

@@ -15,7 +15,7 @@ from ember.sampling.structured import StructuredOutputsParams
 from ember.server.chat_answer import AnswerParser
 from ember.server.reasoning import REASONING_PARSERS, ReasoningParser, split_reasoning
 
-from conftest import DEVICE
+from conftest import DEVICE, token_pieces
 from test_server import MODEL, ServerThread
 
 CASES = [  # (parser, answer, reasoning, content)
@@ -33,19 +33,8 @@ CASES = [  # (parser, answer, reasoning, content)
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_model_info(EngineArgs()).tokenizer
-
-
-def _pieces_by_token(tokenizer, text: str) -> list[str]:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    pieces, prev = [], ""
-    for i in range(1, len(ids) + 1):
-        now = tokenizer.decode(ids[:i])
-        pieces.append(now[len(prev):])
-        prev = now
-    assert "".join(pieces) == text
-    return pieces
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 def _stream(name: str, pieces: list[str]) -> tuple[str | None, str]:
@@ -62,7 +51,7 @@ def _stream(name: str, pieces: list[str]) -> tuple[str | None, str]:
 @pytest.mark.parametrize("name, text, reasoning, content", CASES)
 def test_whole_token_and_chunk_streams_agree(name, text, reasoning, content, tokenizer):
     assert split_reasoning(REASONING_PARSERS[name], text) == (reasoning, content)
-    pieces = _pieces_by_token(tokenizer, text)
+    pieces = token_pieces(tokenizer, text)
     assert _stream(name, pieces) == (reasoning, content)
     assert _stream(name, list(text)) == (reasoning, content)  # one character at a time
     rng = random.Random(1)
@@ -75,7 +64,7 @@ def test_whole_token_and_chunk_streams_agree(name, text, reasoning, content, tok
 def test_no_partial_tag_is_ever_shown(tokenizer):
     text = "<think>abc</think>def"
     for name in REASONING_PARSERS:
-        for pieces in (_pieces_by_token(tokenizer, text), list(text)):
+        for pieces in (token_pieces(tokenizer, text), list(text)):
             parser = ReasoningParser(REASONING_PARSERS[name])
             for piece in pieces:
                 reasoning, content = parser.feed(piece)

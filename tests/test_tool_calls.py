@@ -11,12 +11,11 @@ import jsonschema
 import pytest
 
 from ember import AsyncLLM, EngineArgs
-from ember.model.files import load_model_info
 from ember.server.chat_answer import AnswerParser, ToolMode
 from ember.server.reasoning import REASONING_PARSERS
 from ember.server.tool_parsers import TOOL_PARSERS, ToolCallStream, parse_tool_calls, parser_for_template
 
-from conftest import DEVICE
+from conftest import DEVICE, token_pieces
 from test_server import MODEL, ServerThread
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -64,20 +63,8 @@ EXPECTED = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", 
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_model_info(EngineArgs()).tokenizer
-
-
-def _token_pieces(tokenizer, text: str) -> list[str]:
-    """The text as a detokenizer streams it: one piece per token."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    pieces, prev = [], ""
-    for i in range(1, len(ids) + 1):
-        now = tokenizer.decode(ids[:i])
-        pieces.append(now[len(prev):])
-        prev = now
-    assert "".join(pieces) == text
-    return pieces
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 def _random_chunks(text: str, rng: random.Random) -> list[str]:
@@ -107,7 +94,7 @@ def test_formats_whole_and_streamed(fmt, tokenizer):
     whole_content, calls = parse_tool_calls(TOOL_PARSERS[fmt], text)
     assert whole_content == content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
-    assert _streamed(fmt, _token_pieces(tokenizer, text)) == (content, EXPECTED)
+    assert _streamed(fmt, token_pieces(tokenizer, text)) == (content, EXPECTED)
     rng = random.Random(0)
     for _ in range(5):
         assert _streamed(fmt, _random_chunks(text, rng)) == (content, EXPECTED)
@@ -117,7 +104,7 @@ def test_formats_whole_and_streamed(fmt, tokenizer):
 def test_plain_answers_stay_content(fmt, tokenizer):
     for text in ("The weather in Paris is mild.", "[1, 2] is a list; {not json}", "Use <tool for it"):
         assert parse_tool_calls(TOOL_PARSERS[fmt], text) == (text, [])
-        assert _streamed(fmt, _token_pieces(tokenizer, text)) == (text, [])
+        assert _streamed(fmt, token_pieces(tokenizer, text)) == (text, [])
 
 
 def test_parser_picked_from_template():
