@@ -75,11 +75,16 @@ _ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rop
 _CONFIG_TENSORS = {_ROPE_FREQS, *_ROPE_FACTORS.values()}
 
 
+@functools.cache
+def _layer_tensors(arch: str) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names -> HF's, for one architecture."""
+    return {**(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS), **_ARCH_LAYER_TENSORS.get(arch, {})}
+
+
 def _hf_tensor_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
-    layer_tensors = _GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS
-    layer_tensors = {**layer_tensors, **_ARCH_LAYER_TENSORS.get(arch, {})}
+    layer_tensors = _layer_tensors(arch)
     match = _LAYER_TENSOR_RE.fullmatch(name)
     if match is None or match[2] not in layer_tensors:
         return None
@@ -175,8 +180,7 @@ def _form(tensor: GGUFTensor, keep_quantized: bool) -> str:
 
 
 def _known_tensor_names(arch: str) -> str:
-    tables = {**(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS), **_ARCH_LAYER_TENSORS.get(arch, {})}
-    layer = (f"blk.N.{name}.weight" for name in tables)
+    layer = (f"blk.N.{name}.weight" for name in _layer_tensors(arch))
     return ", ".join([*_GLOBAL_TENSORS, *sorted(_CONFIG_TENSORS), *layer]) + " (and .bias of blk.N tensors)"
 
 
