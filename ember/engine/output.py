@@ -111,6 +111,13 @@ class _Sequence:
         count = bisect.bisect_left(self.text_ends, end)
         return count + 1 if end > 0 and count < len(self.text_ends) and self.text_ends[count] == end else count
 
+    def _logprobs_within(self, visible: int) -> list[dict[int, Logprob]] | None:
+        """The released tokens' logprobs; the list itself when all are released (no copy per output
+        of a long stream: only a content filter holds tokens back)."""
+        if self.logprobs is None or visible == len(self.logprobs):
+            return self.logprobs
+        return self.logprobs[:visible]
+
     def _keep_tokens(self, count: int) -> None:
         del self.token_ids[count:]
         if self.logprobs is not None:
@@ -129,7 +136,7 @@ class _Sequence:
         return CompletionOutput(
             index=self.index, text=text, token_ids=self.token_ids[:visible],
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=None if self.logprobs is None else self.logprobs[:visible], finish_reason=self.finish_reason,
+            logprobs=self._logprobs_within(visible), finish_reason=self.finish_reason,
             stop_reason=self.stop_reason, delta_text=delta_text, delta_token_ids=delta_tokens)
 
 
