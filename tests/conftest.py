@@ -205,3 +205,30 @@ def token_pieces(tokenizer, text: str) -> list[str]:
     assert "".join(pieces) == text
     return pieces
 
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a server subprocess to bind)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, url: str, timeout: float = 120.0, poll: float = 0.05) -> None:
+    """Wait until a server subprocess answers /health with 200; fails with its output if it exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "server did not become healthy"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(poll)
+

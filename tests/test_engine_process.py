@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import make_checkpoint
+from conftest import free_port, make_checkpoint
 from test_server_robustness import raw_post, wait_until
 from test_tensor_parallel import _alive, _descendants
 
@@ -195,11 +195,6 @@ def long_dir(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("long") / "llama", "llama", max_position_embeddings=8192)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _cmdline(pid: int) -> str:
     try:
@@ -214,7 +209,7 @@ class Serve:
     stall it). Use as a context manager: on exit every process it started is killed, whatever happened."""
 
     def __init__(self, model_dir: Path, log: Path, *flags: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {**os.environ, "EMBER_LOGGING_LEVEL": "WARNING"}

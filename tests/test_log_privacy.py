@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import httpx
@@ -25,8 +24,7 @@ import pytest
 
 from ember.logger import route_server_logs
 
-from conftest import make_checkpoint
-from test_server_robustness import _free_port
+from conftest import free_port, make_checkpoint, wait_healthy
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +33,7 @@ def model_dir(tmp_path_factory):
 
 
 def _serve(model_dir, level: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "EMBER_LOGGING_LEVEL": level, "PYTHONUNBUFFERED": "1"}
     env.pop("EMBER_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "ember.server.serve", str(model_dir), "--port", str(port),
@@ -43,16 +41,8 @@ def _serve(model_dir, level: str, *flags: str) -> tuple[subprocess.Popen, str]:
                              "--uvicorn-log-level", "trace" if level == "DEBUG" else level.lower(), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "server did not become healthy"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    wait_healthy(proc, url, poll=0.1)
+    return proc, url
 
 
 def _requests(url: str) -> tuple[dict[str, str], list[str]]:

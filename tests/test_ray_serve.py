@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +16,7 @@ from ember.integrations.ray_serve import build_application, parse
 from ember.integrations.ray_serve.ingress import routing_prefix
 from ember.integrations.ray_serve.replica import REPLICA_HEADER
 
-from conftest import default_gguf_path
+from conftest import default_gguf_path, free_port
 
 MODEL = "smollm2"
 GREEDY = {"temperature": 0, "max_tokens": 4}
@@ -25,17 +24,12 @@ GREEDY = {"temperature": 0, "max_tokens": 4}
 SHARED = "You are a terse assistant. Answer in one word. " * 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def url():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine_args, settings, options, _ = parse([
             default_gguf_path(), "--served-model-name", MODEL, "--device", "cpu", "--kv-cache-memory", "0.05", "--max-model-len", "512",

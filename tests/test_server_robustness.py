@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from conftest import make_checkpoint
+from conftest import free_port, make_checkpoint, wait_healthy
 from ember.engine.request import Request
 from test_server import ServerThread, tiny_engine
 
@@ -141,30 +141,17 @@ def test_request_failing_inside_the_engine_is_500_and_others_carry_on(inproc_ser
 
 # ---- SIGTERM to `ember serve` ---------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _start_serve(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "EMBER_LOGGING_LEVEL": "INFO"}
     env.pop("EMBER_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "ember.server.serve", str(model_dir), "--port", str(port),
                              "--kv-cache-memory", "0.05", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "server did not become healthy"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
+    wait_healthy(proc, url)
+    return proc, url
 
 
 def _stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, list[str], threading.Event]:
