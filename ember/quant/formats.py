@@ -6,7 +6,10 @@ GGUF block type we map (Q4_1's min, Q4_0's implicit 8, the K-quants' sub-block s
 so kernels need no per-source cases. Scales and zeros are float32: GGUF scale products such as
 `d * sc` need more mantissa than bf16 keeps, and float32 keeps GGUF decoding exact.
 
-fp8 weights are e4m3 with one float32 scale per output channel (`zeros` None, g = K).
+fp8 weights are e4m3 with one float32 scale per output channel (`zeros` None, g = K), or, as
+DeepSeek-V3 and Qwen3-FP8 checkpoints store them, one scale per 128x128 block: `block_rows` output
+rows share a row of `scales` (`scales[n // block_rows, k // group_size]`). `block_rows` is 1 for
+every other form.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class QuantizedWeight:
     zeros: torch.Tensor | None  # float32, shape of scales; None for symmetric formats
     group_size: int
     in_features: int          # K (int4 storage alone cannot tell an odd K from K + 1)
+    block_rows: int = 1       # output rows sharing one row of scales (128 for block-scaled fp8)
 
     @property
     def out_features(self) -> int:
@@ -47,9 +51,13 @@ class QuantizedWeight:
         slice. Columns must start on a group boundary (and, for int4, on a byte) so the slice keeps
         its own scales; the file's block size decides which splits are possible."""
         if dim == 0:
-            return QuantizedWeight(self.kind, *(None if t is None else t[start:start + length].clone()
-                                                for t in (self.qweight, self.scales, self.zeros)),
-                                   self.group_size, self.in_features)
+            if start % self.block_rows or (length % self.block_rows and start + length != self.out_features):
+                raise ValueError(f"cannot split a weight with scale blocks of {self.block_rows} rows at rows "
+                                 f"{start}:{start + length}; choose a tensor_parallel_size that splits on block boundaries")
+            rows = slice(start // self.block_rows, -(-(start + length) // self.block_rows))
+            return QuantizedWeight(self.kind, self.qweight[start:start + length].clone(), self.scales[rows].clone(),
+                                   None if self.zeros is None else self.zeros[rows].clone(),
+                                   self.group_size, self.in_features, self.block_rows)
         end = start + length
         if start % self.group_size or (end % self.group_size and end != self.in_features):
             raise ValueError(f"cannot split a {self.kind} weight with groups of {self.group_size} inputs at "
@@ -60,7 +68,7 @@ class QuantizedWeight:
         groups = slice(start // self.group_size, -(-end // self.group_size))
         return QuantizedWeight(self.kind, self.qweight[:, cols].contiguous(), self.scales[:, groups].contiguous(),
                                None if self.zeros is None else self.zeros[:, groups].contiguous(),
-                               self.group_size, length)
+                               self.group_size, length, self.block_rows)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
@@ -72,7 +80,7 @@ class QuantizedWeight:
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return QuantizedWeight(self.kind, self.qweight.to(device), self.scales.to(device),
                                None if self.zeros is None else self.zeros.to(device),
-                               self.group_size, self.in_features)
+                               self.group_size, self.in_features, self.block_rows)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -109,17 +117,19 @@ def codes(w: QuantizedWeight) -> torch.Tensor:
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The dense [N, K] weight: the reference every kernel is tested against."""
-    group_idx = torch.arange(w.in_features, device=w.qweight.device) // w.group_size
-    dense = codes(w).float() * w.scales[:, group_idx]
+    device = w.qweight.device
+    group_idx = torch.arange(w.in_features, device=device) // w.group_size
+    row_idx = torch.arange(w.out_features, device=device) // w.block_rows
+    dense = codes(w).float() * w.scales[row_idx][:, group_idx]
     if w.zeros is not None:
-        dense = dense + w.zeros[:, group_idx]
+        dense = dense + w.zeros[row_idx][:, group_idx]
     return dense.to(dtype)
 
 
 def same_format(parts: list[QuantizedWeight]) -> bool:
     """Whether the weights can be stacked into one: same codes, groups, K and symmetry."""
-    key = {(p.kind, p.group_size, p.in_features, p.zeros is None) for p in parts}
-    return len(key) == 1
+    key = {(p.kind, p.group_size, p.in_features, p.zeros is None, p.block_rows) for p in parts}
+    return len(key) == 1 and all(p.out_features % p.block_rows == 0 for p in parts[:-1])
 
 
 def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -130,4 +140,4 @@ def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
                          + ", ".join(f"{p.kind}/g{p.group_size}/K{p.in_features}" for p in parts))
     zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
     return QuantizedWeight(first.kind, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                           zeros, first.group_size, first.in_features)
+                           zeros, first.group_size, first.in_features, first.block_rows)
