@@ -30,8 +30,9 @@ _DTYPES = {  # name -> torch dtype attribute; resolved only when a torch dtype i
     "bf16": "bfloat16",
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-# None: a GGUF file keeps its own quantization ("gguf"), other checkpoints load unquantized ("none").
-QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8")
+# None: a GGUF file keeps its own quantization ("gguf"), an HF checkpoint its config.json's
+# quantization_config (awq, gptq, compressed-tensors, fp8), other checkpoints load unquantized ("none").
+QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
@@ -364,8 +365,8 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--chat-template", default=None, help="a Jinja2 chat template file or string")
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
-                       help="weight quantization applied at load (default: a GGUF file keeps its own, 'gguf'; "
-                            "other checkpoints load unquantized)")
+                       help="weight quantization applied at load (default: a GGUF file keeps its own, 'gguf', an "
+                            "HF checkpoint its config.json's quantization_config; others load unquantized)")
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="'fp8' stores keys and values as float8 e4m3: twice the KV capacity")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

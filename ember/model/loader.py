@@ -20,6 +20,8 @@ from ember.model.errors import ModelLoadError
 from ember.model.files import model_path, read_json
 from ember.model.gguf import load_gguf
 from ember.model.registry import model_class
+from ember.quant.checkpoints import checkpoint_format, quantized_weights
+from ember.quant.checkpoints.base import CheckpointFormat
 from ember.quant.formats import QuantizedWeight
 
 WeightIterator = Iterator[tuple[str, "torch.Tensor | QuantizedWeight | _LazyTensor"]]
@@ -32,6 +34,13 @@ class ModelFiles:
     checkpoint_dtype: str | None
     weights: Callable[[], WeightIterator] | None = None  # None: random weights (--load-format dummy)
     quantization: str = "none"  # resolved: "none", "gguf" (weights arrive quantized), or a mode to apply
+    prequantized: bool = False  # an HF checkpoint's quantization_config (quantization names its method)
+    fp8_weights: bool = False  # weights arrive as fp8 (on a GPU they need fp8 tensor cores; the CPU expands them)
+
+    @property
+    def quantize_at_load(self) -> bool:
+        """Whether the runner quantizes dense weights itself (`--quantization int8|int4|fp8`)."""
+        return self.quantization in ("int8", "int4", "fp8") and not self.prequantized
 
 
 def load_model_files(args: EngineArgs) -> ModelFiles:
@@ -40,13 +49,25 @@ def load_model_files(args: EngineArgs) -> ModelFiles:
         quantization = args.quantization or "gguf"
         files = _gguf_files(path, args.load_format == "dummy", keep_quantized=quantization == "gguf")
     else:
-        quantization = args.quantization or "none"
-        if quantization == "gguf":
-            raise ValueError("quantization 'gguf' needs a .gguf model file; use int8, int4 or fp8 to quantize "
-                             f"{path} at load")
         files = _hf_files(path, args.load_format)
+        quantization = _hf_quantization(args.quantization, files, path)
     files.quantization = quantization
     return files
+
+
+def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str:
+    """The checkpoint's own method when config.json declares one (an explicit --quantization must name
+    the same), else the requested load-time mode."""
+    if files.prequantized:
+        if requested not in (None, files.quantization):
+            raise ValueError(f"quantization {requested!r} conflicts with the checkpoint's quantization_config."
+                             f"quant_method {files.quantization!r} ({os.path.join(path, 'config.json')}); omit "
+                             "--quantization to load it as stored")
+        return files.quantization
+    if requested in ("gguf", "awq", "gptq", "compressed-tensors"):
+        raise ValueError(f"quantization {requested!r} needs a checkpoint stored that way ({path} has no "
+                         "quantization_config in config.json); use int8, int4 or fp8 to quantize it at load")
+    return requested or "none"
 
 
 def _gguf_files(path: str, dummy: bool, keep_quantized: bool) -> ModelFiles:
@@ -63,8 +84,18 @@ def _hf_files(path: str, load_format: str) -> ModelFiles:
     if cfg is None:
         raise ModelLoadError(config_file, "file not found")
     weights = None if load_format == "dummy" else _safetensors_weights(path)
+    fmt = checkpoint_format(cfg, config_file)
+    if fmt is not None and weights is not None:
+        weights = _assembled(weights, fmt, path)
     return ModelFiles(source=path, model_config=_model_config(cfg, config_file),
-                      checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"), weights=weights)
+                      checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"), weights=weights,
+                      quantization=fmt.method if fmt is not None else "none", prequantized=fmt is not None,
+                      fp8_weights=fmt is not None and fmt.fp8)
+
+
+def _assembled(weights: Callable[[], WeightIterator], fmt: CheckpointFormat,
+               path: str) -> Callable[[], WeightIterator]:
+    return lambda: quantized_weights(weights(), fmt, path)
 
 
 def _model_config(cfg: dict[str, Any], source: str) -> ModelConfig:
@@ -111,6 +142,7 @@ class _LazyTensor:
     def __init__(self, st_slice: Any) -> None:
         self._slice = st_slice
         self.shape = tuple(st_slice.get_shape())
+        self.dtype: str = st_slice.get_dtype()  # safetensors' name, e.g. "F8_E4M3"
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         return self._slice[(slice(None),) * dim + (slice(start, start + length),)]

@@ -10,6 +10,11 @@ fp8 weights are e4m3 with one float32 scale per output channel (`zeros` None, g 
 DeepSeek-V3 and Qwen3-FP8 checkpoints store them, one scale per 128x128 block: `block_rows` output
 rows share a row of `scales` (`scales[n // block_rows, k // group_size]`). `block_rows` is 1 for
 every other form.
+
+GPTQ's act-order (`desc_act`) checkpoints assign input columns to groups out of order. Sorting the
+columns by group makes the groups contiguous again; `in_perm` then records which input feature each
+stored column multiplies, and the layer gathers `x[:, in_perm]` before the matmul (as vLLM and
+exllama do), which keeps the file's values exact.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class QuantizedWeight:
     group_size: int
     in_features: int          # K (int4 storage alone cannot tell an odd K from K + 1)
     block_rows: int = 1       # output rows sharing one row of scales (128 for block-scaled fp8)
+    in_perm: torch.Tensor | None = None  # int64 [K]: stored column j multiplies input in_perm[j]; None: j
 
     @property
     def out_features(self) -> int:
@@ -57,7 +63,10 @@ class QuantizedWeight:
             rows = slice(start // self.block_rows, -(-(start + length) // self.block_rows))
             return QuantizedWeight(self.kind, self.qweight[start:start + length].clone(), self.scales[rows].clone(),
                                    None if self.zeros is None else self.zeros[rows].clone(),
-                                   self.group_size, self.in_features, self.block_rows)
+                                   self.group_size, self.in_features, self.block_rows, self.in_perm)
+        if self.in_perm is not None:
+            raise ValueError("cannot split an act-order (GPTQ desc_act) weight by input columns: its groups "
+                             "are spread over all of them; use tensor_parallel_size 1 or a checkpoint without desc_act")
         end = start + length
         if start % self.group_size or (end % self.group_size and end != self.in_features):
             raise ValueError(f"cannot split a {self.kind} weight with groups of {self.group_size} inputs at "
@@ -71,7 +80,7 @@ class QuantizedWeight:
                                self.group_size, length, self.block_rows)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return [t for t in (self.qweight, self.scales, self.zeros, self.in_perm) if t is not None]
 
     def nbytes(self) -> int:
         """Bytes held in memory: codes, scales and zeros."""
@@ -80,7 +89,8 @@ class QuantizedWeight:
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return QuantizedWeight(self.kind, self.qweight.to(device), self.scales.to(device),
                                None if self.zeros is None else self.zeros.to(device),
-                               self.group_size, self.in_features, self.block_rows)
+                               self.group_size, self.in_features, self.block_rows,
+                               None if self.in_perm is None else self.in_perm.to(device))
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -116,7 +126,7 @@ def codes(w: QuantizedWeight) -> torch.Tensor:
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense [N, K] weight: the reference every kernel is tested against."""
+    """The dense [N, K] weight in the codes' column order: the reference every kernel is tested against."""
     device = w.qweight.device
     group_idx = torch.arange(w.in_features, device=device) // w.group_size
     row_idx = torch.arange(w.out_features, device=device) // w.block_rows
@@ -126,10 +136,20 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
     return dense.to(dtype)
 
 
+def dense_weight(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense [N, K] weight as the layer applies it to x: columns in input order (see in_perm)."""
+    dense = dequantize(w, dtype)
+    if w.in_perm is None:
+        return dense
+    return torch.empty_like(dense).index_copy_(1, w.in_perm, dense)
+
+
 def same_format(parts: list[QuantizedWeight]) -> bool:
-    """Whether the weights can be stacked into one: same codes, groups, K and symmetry."""
-    key = {(p.kind, p.group_size, p.in_features, p.zeros is None, p.block_rows) for p in parts}
-    return len(key) == 1 and all(p.out_features % p.block_rows == 0 for p in parts[:-1])
+    """Whether the weights can be stacked into one: same codes, groups, K, symmetry and column order."""
+    key = {(p.kind, p.group_size, p.in_features, p.zeros is None, p.block_rows, p.in_perm is None) for p in parts}
+    perms = [p.in_perm for p in parts if p.in_perm is not None]
+    return (len(key) == 1 and all(p.out_features % p.block_rows == 0 for p in parts[:-1])
+            and all(torch.equal(perms[0], q) for q in perms[1:]))
 
 
 def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -140,4 +160,4 @@ def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
                          + ", ".join(f"{p.kind}/g{p.group_size}/K{p.in_features}" for p in parts))
     zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
     return QuantizedWeight(first.kind, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                           zeros, first.group_size, first.in_features, first.block_rows)
+                           zeros, first.group_size, first.in_features, first.block_rows, first.in_perm)

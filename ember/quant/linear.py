@@ -16,7 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.model.backend import use_triton
-from ember.quant.formats import FP8_DTYPE, FP8_MAX, QuantizedWeight, codes, concat_out, dequantize, same_format
+from ember.quant.formats import (
+    FP8_DTYPE,
+    FP8_MAX,
+    QuantizedWeight,
+    codes,
+    concat_out,
+    dense_weight,
+    dequantize,
+    same_format,
+)
 from ember.quant.quantize import quantize
 from ember.quant.screened_argmax import ScreenedArgmax
 
@@ -44,7 +53,8 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
     Group-wise int8 (GGUF Q8_0, Q5_K, Q6_K: in practice a model's embedding and LM head) has no CPU
     kernel; it is expanded once to a dense copy in the model dtype, which keeps the file's values
     exactly. Re-quantizing it per channel would save memory but perturbs the logits enough to flip
-    near-tied greedy choices of small models.
+    near-tied greedy choices of small models. fp8 weights from a checkpoint are expanded the same way:
+    the CPU has no fp8 matmul.
     """
     if w.kind == "int8" and w.in_features % 16 == 0 and w.zeros is None and w.group_size == w.in_features:
         return "int8pack", (w.qweight, w.scales[:, 0].to(_CPU_ACT_DTYPE))  # K in 16s, or the kernel crashes
@@ -57,8 +67,8 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
         if _padded_k(w) != w.in_features:
             q = F.pad(q, (0, _padded_k(w) - w.in_features))
         return "int4pack", (torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero)
-    if w.kind == "int8":
-        return "dense", (dequantize(w, dtype),)
+    if w.kind in ("int8", "fp8"):
+        return "dense", (dense_weight(w, dtype),)
     return "dequantize", ()
 
 
@@ -95,6 +105,11 @@ class QuantLinear(nn.Module):
                 cpu: tuple[str, tuple[torch.Tensor, ...]]) -> torch.Tensor:
         if not isinstance(w, QuantizedWeight):
             return F.linear(x, w)
+        layout, tensors = cpu
+        if layout == "dense":
+            return F.linear(x, tensors[0])
+        if w.in_perm is not None:  # the codes' columns are in act-order (GPTQ desc_act)
+            x = x.index_select(1, w.in_perm)
         if w.kind == "fp8":
             return _fp8_matmul(x, w)
         if use_triton(x):
@@ -103,7 +118,6 @@ class QuantLinear(nn.Module):
             if x.shape[0] <= GPU_FUSED_MAX_ROWS[w.kind]:
                 return quant_matmul(x, w)
             return F.linear(x, dequantize_kernel(w, x.dtype))
-        layout, tensors = cpu
         if layout == "int8pack":
             return torch._weight_int8pack_mm(x.to(_CPU_ACT_DTYPE), *tensors).to(x.dtype)
         if layout == "int4pack":
@@ -113,8 +127,6 @@ class QuantLinear(nn.Module):
             if x.shape[0] >= CPU_EXPAND_MIN_ROWS and w.out_features % _PACK_BLOCK_N == 0 and _int4pack_is_blocked():
                 return torch.mm(padded, _expand_int4pack_t(*tensors, w.group_size)).to(x.dtype)
             return torch._weight_int4pack_mm_for_cpu(padded, tensors[0], w.group_size, tensors[1]).to(x.dtype)
-        if layout == "dense":
-            return F.linear(x, tensors[0])
         return F.linear(x, dequantize(w, x.dtype))
 
     def cpu_dense_weight(self) -> torch.Tensor | None:
@@ -166,7 +178,8 @@ def _padded_k(w: QuantizedWeight) -> int:
 
 def _shape_only(w: QuantizedWeight) -> QuantizedWeight:
     empty = torch.empty(w.out_features, 0)
-    return QuantizedWeight(w.kind, empty.to(w.qweight.dtype), empty, None, w.group_size, w.in_features)
+    return QuantizedWeight(w.kind, empty.to(w.qweight.dtype), empty, None, w.group_size, w.in_features,
+                           w.block_rows, w.in_perm)
 
 
 def _device(p: QuantizedWeight | torch.Tensor) -> torch.device:

@@ -28,7 +28,6 @@ from ember.model.loader import ModelFiles
 from ember.model.registry import model_class
 from ember.quant.formats import FP8_DTYPE
 from ember.quant.linear import QuantEmbedding, QuantLinear
-from ember.quant.quantize import QUANTIZERS
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache
@@ -137,14 +136,14 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype), _skip_weight_init():
             self.model = model_class(cfg, files.source)(cfg, max_positions)
         self.quantization = files.quantization
-        if self.quantization == "fp8":
-            _check_fp8_support(self.device)
+        if (files.quantize_at_load and self.quantization == "fp8") or (files.fp8_weights and device.type != "cpu"):
+            _check_fp8_support(self.device)  # a checkpoint's fp8 weights are expanded on the CPU
         with torch.no_grad():
             if files.weights is None:
                 self.model.init_dummy_weights(config.seed)
             else:
                 self.model.load_weights(files.weights(), files.source)
-            if self.quantization in QUANTIZERS:
+            if files.quantize_at_load:
                 self.model.quantize(self.quantization)
         self.model.eval()
         _return_freed_memory_to_os()
