@@ -28,8 +28,8 @@ from ember.quant.formats import QuantizedWeight, dense_weight
 from ember.quant.linear import QuantLinear
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROMPTS = ["The quick brown fox jumps", "Paris is the capital of", "def add(a, b):\n"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["The quick brown fox jumps", "def add(a, b):\n"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: word nibble i holds column AWQ_ORDER[i] of its 8
 
 
