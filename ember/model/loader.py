@@ -20,10 +20,11 @@ from ember.model.errors import ModelLoadError
 from ember.model.files import model_path, read_json
 from ember.model.gguf import load_gguf
 from ember.model.registry import model_class
-from ember.quant.checkpoints import checkpoint_format, quantized_weights
+from ember.quant.checkpoints import METHODS, checkpoint_format, quantized_weights
 from ember.quant.checkpoints.base import CheckpointFormat
 from ember.quant.formats import QuantizedWeight
 
+LOAD_TIME_MODES = ("int8", "int4", "fp8")  # --quantization modes that quantize dense weights at load
 WeightIterator = Iterator[tuple[str, "torch.Tensor | QuantizedWeight | _LazyTensor"]]
 
 
@@ -40,7 +41,7 @@ class ModelFiles:
     @property
     def quantize_at_load(self) -> bool:
         """Whether the runner quantizes dense weights itself (`--quantization int8|int4|fp8`)."""
-        return self.quantization in ("int8", "int4", "fp8") and not self.prequantized
+        return self.quantization in LOAD_TIME_MODES and not self.prequantized
 
 
 def load_model_files(args: EngineArgs) -> ModelFiles:
@@ -64,7 +65,10 @@ def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str
                              f"quant_method {files.quantization!r} ({os.path.join(path, 'config.json')}); omit "
                              "--quantization to load it as stored")
         return files.quantization
-    if requested in ("gguf", "awq", "gptq", "compressed-tensors"):
+    if requested == "gguf":
+        raise ValueError(f"quantization 'gguf' needs a .gguf model file; use int8, int4 or fp8 to quantize {path} "
+                         "at load")
+    if requested in METHODS and requested not in LOAD_TIME_MODES:
         raise ValueError(f"quantization {requested!r} needs a checkpoint stored that way ({path} has no "
                          "quantization_config in config.json); use int8, int4 or fp8 to quantize it at load")
     return requested or "none"
