@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from ember import LLM, EngineArgs, SamplingParams
 from ember.model.errors import ModelLoadError
-from ember.model.loader import load_model_files
+from ember.model.loader import ModelFiles, load_model_files
 from ember.quant.checkpoints import gptq
 from ember.quant.formats import QuantizedWeight, dense_weight
 from ember.quant.linear import QuantLinear
@@ -165,6 +165,21 @@ def _ct_config(fmt: str, weights: dict, ignore=("lm_head",)) -> dict:
                 "weights": {"dynamic": False, "observer": "minmax", "actorder": None, **weights}}}}
 
 
+def _ct_mixed_config() -> dict:
+    """W4A16 for every Linear, W8A16 for down_proj through a more specific pattern, o_proj ignored."""
+    config = _ct_config("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": 16}, ignore=("lm_head", "re:.*o_proj"))
+    w8 = {**config["config_groups"]["group_0"], "targets": ["re:.*down_proj$"],
+          "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
+    return {**config, "config_groups": {**config["config_groups"], "group_1": w8}}
+
+
+def _mixed_pack(module: str, w: torch.Tensor):
+    bits, group = (8, -1) if "down_proj" in module else (4, 16)
+    iq = int_quantize(w, bits, group, True, torch.bfloat16)
+    return pack_compressed(iq, bits, True), iq.reference()
+
+
 def _gptq_config(bits, group, desc_act, sym, fmt="gptq") -> dict:
     return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
             "checkpoint_format": fmt, "damp_percent": 0.01, "true_sequential": True}
@@ -189,6 +204,7 @@ CASES = {c.name: c for c in [
         "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 16},
         ignore=("lm_head", "re:.*down_proj$")), 4, 16, False, lambda iq: pack_compressed(iq, 4, False),
         scale_dtype=torch.bfloat16, dense_modules=("down_proj",)),
+    Case("ct-mixed-w4-w8", _ct_mixed_config(), "int4", _mixed_pack, dense_modules=("o_proj",)),
     _int_case("ct-w8a16-asym-channel", _ct_config("pack-quantized", {
         "num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}),
         8, -1, False, lambda iq: pack_compressed(iq, 8, False), scale_dtype=torch.bfloat16),
@@ -243,7 +259,7 @@ def write_case(case: Case, base: Path, root: Path) -> tuple[Path, Path, dict[str
     return quant_dir, dense_dir, references
 
 
-def loaded_weights(path: Path, **kwargs) -> dict:
+def loaded_weights(path: Path, **kwargs) -> tuple[ModelFiles, dict]:
     files = load_model_files(EngineArgs(model=str(path), **kwargs))
     return files, dict(files.weights())
 
@@ -255,11 +271,11 @@ def test_loaded_weights_equal_the_dequantized_reference(name, bases, tmp_path):
     files, weights = loaded_weights(quant_dir)
     assert files.prequantized and files.quantization == case.config["quant_method"]
     assert not files.quantize_at_load
-    for name, reference in references.items():
-        w = weights[name]
-        assert isinstance(w, QuantizedWeight), name
-        assert w.kind == case.kind
-        assert torch.equal(dense_weight(w), reference), name
+    for tensor_name, reference in references.items():
+        w = weights[tensor_name]
+        assert isinstance(w, QuantizedWeight), tensor_name
+        assert w.kind == ("int8" if case.name == "ct-mixed-w4-w8" and "down_proj" in tensor_name else case.kind)
+        assert torch.equal(dense_weight(w), reference), tensor_name
     for module in case.dense_modules:  # ignored modules load as the plain tensors they are
         assert all(not isinstance(w, QuantizedWeight) for n, w in weights.items() if f".{module}." in n)
     if "block" in case.name:

@@ -60,21 +60,25 @@ class CompressedTensorsFormat(CheckpointFormat):
         return _packed_weight(scheme, parts)
 
     def scheme(self, module: str) -> Scheme:
-        if any(_matches(module, t) for t in self.ignore):
+        """The group targeting `module`; as vLLM resolves overlaps, a target naming the module wins over
+        a matching "re:" pattern, which wins over the class name "Linear"."""
+        if any(_match_rank(module, t) is not None for t in self.ignore):
             raise ValueError("stored quantized, but quantization_config.ignore lists it")
-        for scheme in self.schemes:
-            if any(_matches(module, t) for t in scheme.targets):
-                return scheme
-        raise ValueError("stored quantized, but no quantization_config.config_groups entry targets it")
+        matches = [(rank, i) for i, scheme in enumerate(self.schemes) for t in scheme.targets
+                   if (rank := _match_rank(module, t)) is not None]
+        if not matches:
+            raise ValueError("stored quantized, but no quantization_config.config_groups entry targets it")
+        return self.schemes[min(matches)[1]]
 
 
-def _matches(module: str, target: str) -> bool:
-    """compressed-tensors' target rules for linear layers: the class name, an "re:" pattern, or the name."""
-    if target == "Linear":
-        return True
+def _match_rank(module: str, target: str) -> int | None:
+    """How specifically `target` names the linear layer `module` (0: by name, 1: by an "re:" pattern,
+    2: by class), None when it does not."""
+    if target == module:
+        return 0
     if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    return module == target
+        return 1 if re.match(target[3:], module) else None
+    return 2 if target == "Linear" else None
 
 
 def _packed_weight(scheme: Scheme, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
