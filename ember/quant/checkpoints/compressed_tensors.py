@@ -60,8 +60,8 @@ class CompressedTensorsFormat(CheckpointFormat):
         return _packed_weight(scheme, parts)
 
     def scheme(self, module: str) -> Scheme:
-        """The group targeting `module`; as vLLM resolves overlaps, a target naming the module wins over
-        a matching "re:" pattern, which wins over the class name "Linear"."""
+        """The group targeting `module`; as vLLM resolves overlaps, the first group whose target names
+        the module or matches it with an "re:" pattern, else the first targeting the class "Linear"."""
         if any(_match_rank(module, t) is not None for t in self.ignore):
             raise ValueError("stored quantized, but quantization_config.ignore lists it")
         matches = [(rank, i) for i, scheme in enumerate(self.schemes) for t in scheme.targets
@@ -72,13 +72,13 @@ class CompressedTensorsFormat(CheckpointFormat):
 
 
 def _match_rank(module: str, target: str) -> int | None:
-    """How specifically `target` names the linear layer `module` (0: by name, 1: by an "re:" pattern,
-    2: by class), None when it does not."""
+    """How `target` selects the linear layer `module`: 0 by its name or an "re:" pattern, 1 by the
+    class name; None when it does not."""
+    if target.startswith("re:"):
+        return 0 if re.match(target[3:], module) else None
     if target == module:
         return 0
-    if target.startswith("re:"):
-        return 1 if re.match(target[3:], module) else None
-    return 2 if target == "Linear" else None
+    return 1 if target == "Linear" else None
 
 
 def _packed_weight(scheme: Scheme, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
