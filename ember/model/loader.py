@@ -23,8 +23,8 @@ from ember.model.registry import model_class
 from ember.quant.checkpoints import METHODS, checkpoint_format, quantized_weights
 from ember.quant.checkpoints.base import CheckpointFormat
 from ember.quant.formats import QuantizedWeight
+from ember.quant.quantize import QUANTIZERS
 
-LOAD_TIME_MODES = ("int8", "int4", "fp8")  # --quantization modes that quantize dense weights at load
 WeightIterator = Iterator[tuple[str, "torch.Tensor | QuantizedWeight | _LazyTensor"]]
 
 
@@ -41,7 +41,7 @@ class ModelFiles:
     @property
     def quantize_at_load(self) -> bool:
         """Whether the runner quantizes dense weights itself (`--quantization int8|int4|fp8`)."""
-        return self.quantization in LOAD_TIME_MODES and not self.prequantized
+        return self.quantization in QUANTIZERS and not self.prequantized
 
 
 def load_model_files(args: EngineArgs) -> ModelFiles:
@@ -68,7 +68,7 @@ def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str
     if requested == "gguf":
         raise ValueError(f"quantization 'gguf' needs a .gguf model file; use int8, int4 or fp8 to quantize {path} "
                          "at load")
-    if requested in METHODS and requested not in LOAD_TIME_MODES:
+    if requested in METHODS and requested not in QUANTIZERS:
         raise ValueError(f"quantization {requested!r} needs a checkpoint stored that way ({path} has no "
                          "quantization_config in config.json); use int8, int4 or fp8 to quantize it at load")
     return requested or "none"

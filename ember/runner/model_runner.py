@@ -83,11 +83,16 @@ def _return_freed_memory_to_os() -> None:
         pass
 
 
-def _check_fp8_support(device: torch.device) -> None:
-    """fp8 weights need fp8 tensor cores (Ada/Hopper and newer); fp8 KV needs only the fp8 dtype."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError("quantization 'fp8' needs a CUDA GPU with fp8 tensor cores (compute capability 8.9+, "
-                         "e.g. L4, H100, H200); use int8 or int4 on this device")
+def _check_fp8_support(device: torch.device, files: ModelFiles) -> None:
+    """fp8 weights need fp8 tensor cores (Ada/Hopper and newer); fp8 KV needs only the fp8 dtype. A
+    checkpoint's own fp8 weights also load on the CPU, which expands them to dense once."""
+    if files.quantize_at_load and files.quantization == "fp8":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("quantization 'fp8' needs a CUDA GPU with fp8 tensor cores (compute capability 8.9+, "
+                             "e.g. L4, H100, H200); use int8 or int4 on this device")
+    elif files.fp8_weights and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"{files.source} stores fp8 weights ({files.quantization}); they need a GPU with fp8 tensor "
+                         "cores (compute capability 8.9+, e.g. L4, H100, H200), or --device cpu")
 
 
 @contextmanager
@@ -136,8 +141,7 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype), _skip_weight_init():
             self.model = model_class(cfg, files.source)(cfg, max_positions)
         self.quantization = files.quantization
-        if (files.quantize_at_load and self.quantization == "fp8") or (files.fp8_weights and device.type != "cpu"):
-            _check_fp8_support(self.device)  # a checkpoint's fp8 weights are expanded on the CPU
+        _check_fp8_support(self.device, files)
         with torch.no_grad():
             if files.weights is None:
                 self.model.init_dummy_weights(config.seed)
