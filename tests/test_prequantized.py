@@ -350,6 +350,8 @@ def _with_config(bases, tmp_path, qcfg: dict) -> Path:
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"quantization_config.bits = 3 .*4, 8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      r"checkpoint_format = 'marlin'.*'gptq', 'gptq_v2'"),
+    ({**_ct_config("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}),
+      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, r"kv_cache_scheme: calibrated"),
     ({"quant_method": "bitsandbytes"}, r"quant_method = 'bitsandbytes' .*awq, gptq, compressed-tensors, fp8"),
     (_ct_config("int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"}),
      r"config_groups.group_0.format = 'int-quantized' .*pack-quantized, float-quantized"),

@@ -133,6 +133,9 @@ def read(qcfg: dict[str, Any], source: str) -> CompressedTensorsFormat:
     if qcfg.get("sparsity_config"):
         raise ModelLoadError(source, "quantization_config.sparsity_config: sparse compressed-tensors checkpoints "
                                      "are not supported")
+    if qcfg.get("kv_cache_scheme"):
+        raise ModelLoadError(source, "quantization_config.kv_cache_scheme: calibrated KV cache scales are not read "
+                                     "(--kv-cache-dtype fp8 quantizes the cache with unit scales instead)")
     groups = qcfg.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ModelLoadError(source, "quantization_config.config_groups: expected at least one group")
