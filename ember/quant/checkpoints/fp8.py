@@ -29,10 +29,11 @@ class FP8Format(CheckpointFormat):
         return (suffix == "weight" and is_fp8) or suffix in (*_SCALES, "input_scale")
 
     def assemble(self, module: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
-        weight = parts["weight"]
-        if self.block is None:
-            return fp8_weight(weight, parts["weight_scale"], None)
-        return fp8_weight(weight, parts["weight_scale_inv"], self.block)
+        """Either scale name is read in either layout: some block-scaled files call theirs `weight_scale`."""
+        scale = next((parts[name] for name in _SCALES if name in parts), None)
+        if scale is None:
+            raise KeyError(_SCALES[0] if self.block is not None else _SCALES[1])
+        return fp8_weight(parts["weight"], scale, self.block)
 
 
 def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> QuantizedWeight:
