@@ -219,6 +219,9 @@ CASES = {c.name: c for c in [
                                   "weight_block_size": [128, 128]}, (128, 128), "weight_scale_inv"),
     _fp8_case("hf-fp8-block32", {"quant_method": "fp8", "activation_scheme": "dynamic",
                                  "weight_block_size": [32, 32]}, (32, 32), "weight_scale_inv"),
+    # some block-scaled files name the block scales weight_scale
+    _fp8_case("hf-fp8-block32-weight-scale", {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                              "weight_block_size": [32, 32]}, (32, 32)),
 ]}
 
 
