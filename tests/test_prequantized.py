@@ -384,3 +384,16 @@ def test_missing_part_is_a_clear_error(bases, tmp_path):
     with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.up_proj' has no tensor "
                                              r"model.layers.1.mlp.up_proj.scales"):
         loaded_weights(quant_dir)
+
+
+@pytest.mark.parametrize("name,gate_up_parts", [("gptq4-sym-v1", 1), ("gptq4-asym-act-order-v2", 2),
+                                                ("ct-fp8-block", 1)])
+def test_loaded_projections_fuse_when_their_formats_agree(name, gate_up_parts, bases, tmp_path):
+    """q/k/v share a format (and, with act-order, a column order) and fuse into one matmul; gate and
+    up fuse too unless their column orders differ (here they do for the act-order file)."""
+    quant_dir, _, _ = write_case(CASES[name], bases["llama"], tmp_path)
+    _, weights = loaded_weights(quant_dir)
+    layer = "model.layers.0"
+    qkv = QuantLinear([weights[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"], None, torch.float32)
+    gate_up = QuantLinear([weights[f"{layer}.mlp.{p}_proj.weight"] for p in ("gate", "up")], None, torch.float32)
+    assert (len(qkv.parts), len(gate_up.parts)) == (1, gate_up_parts)
