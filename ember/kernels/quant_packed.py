@@ -1,0 +1,343 @@
+"""int4/int8 weight-only matmul for decode over a layout the weight is given once, at load.
+
+A decode step multiplies a few activation rows by every weight, so it costs the time to stream the
+weights. The first kernel (quant_matmul.py) reads the file's [N, K] codes and turns each into a float
+with an int-to-float instruction, which Hopper issues at 16 per clock per SM (the CUDA guide's
+throughput table): 4.2 G conversions/ms on an H200 against the 8.6 G int4 codes/ms its 4.3 TB/s
+deliver, which is why int4 ran at under half of int8's speed (quant-gemm-cuda-2026-12-02.json).
+`PackedQuantWeight` lays the same codes out so that a code costs two cheap instructions:
+
+* Codes are int32 words, [K_pad / E, N] (E = 32 / bits codes a word), N contiguous: a thread's
+  16-byte load is 4 words of 4 neighbouring output columns and a warp reads 512 contiguous bytes.
+* Inside each tile of TILE_K = E * SLOT inputs (SLOT = 16 words down K), code i of word j holds input
+  k0 + i * SLOT + j. Code i of a [SLOT, BLOCK_N] block of words therefore pairs with the contiguous
+  activations x[k0 + i * SLOT:][:SLOT]: no shuffle pairs weights with activations.
+* A code becomes an exact float by OR-ing its bit field into the mantissa of 2^23 (one LOP3) and one
+  FMA that scales the field down and subtracts 2^23 (`_code`). int8 codes are stored biased by 128,
+  so every code is an unsigned field.
+* Scales and zeros stay float32 (as in QuantizedWeight) but transposed to [groups, N], and apply
+  once per group and tile: sum_k (q s + z) x = s sum_k q x + z sum_k x.
+
+Two variants read the layout. "fma": one activation row per program, products on the FMA units into
+a [SLOT, BLOCK_N] accumulator that is reduced across K once, at the end; for one or two rows.
+"dot": a tensor-core tl.dot per code slot (K = SLOT = 16, tl.dot's minimum) over BLOCK_M >= 16 rows.
+With split-K each program writes an fp32 partial; the last program of an output tile to finish (an
+atomic counter, reset by that program so CUDA graph replays find it zero) sums the partials in
+split order: deterministic, and no second kernel launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ember.kernels.paged import dot_dtype, dot_precision, num_sms
+from ember.quant.formats import QuantizedWeight, unpack_int4
+
+SLOT = 16  # words down K per code slot: tl.dot's minimum K, and a group size every supported form divides
+_BITS = {"int4": 4, "int8": 8}
+_BIAS = {"int4": 0, "int8": 128}  # int8 codes are stored as q + 128
+_PACK_ROWS = 4096  # output rows packed at a time, bounding the int64 scratch to 4096 x K_pad x 8 bytes
+_MAX_SPLIT_K = 32
+_PROGRAMS_PER_SM = 4  # what the default split aims for: enough loads in flight to cover HBM latency
+_COUNTERS = 1 << 18  # split-K tile counters per device (1 MiB): M = 64 one-row programs over N = 262144
+_DEQUANT_BLOCK_N = 64
+CONFIG_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_packed_configs.json")
+
+
+@dataclass(frozen=True)
+class PackedQuantWeight:
+    """A QuantizedWeight's codes, scales and zeros in the kernel's layout (see the module docstring);
+    made by `pack_weight`, the same weight exactly."""
+
+    kind: str                   # "int4" or "int8"
+    qweight: torch.Tensor       # int32 [K_pad / (32 / bits), N]
+    scales: torch.Tensor        # float32 [num_groups, N]
+    zeros: torch.Tensor | None  # float32 [num_groups, N]
+    group_size: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[0]
+
+    @property
+    def bits(self) -> int:
+        return _BITS[self.kind]
+
+    @property
+    def tile_k(self) -> int:
+        return _tile_k(self.kind)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+
+
+def packable(w: QuantizedWeight) -> bool:
+    """int4/int8 weights whose groups each cover whole code slots (every group size that is a
+    multiple of 16, per-channel scales, every GGUF form); others keep to quant_matmul."""
+    return (w.kind in _BITS and w.block_rows == 1
+            and (w.group_size % SLOT == 0 or w.num_groups == 1))
+
+
+def _tile_k(kind: str) -> int:
+    return 32 // _BITS[kind] * SLOT
+
+
+def pack_weight(w: QuantizedWeight) -> PackedQuantWeight:
+    """The weight in the packed kernel's layout, made once at load (on the weight's device)."""
+    if not packable(w):
+        raise ValueError(f"cannot pack a {w.kind} weight with groups of {w.group_size} (block_rows "
+                         f"{w.block_rows}) for the packed kernel")
+    bits, k, tile_k = _BITS[w.kind], w.in_features, _tile_k(w.kind)
+    per_word, k_pad = 32 // bits, triton.cdiv(w.in_features, tile_k) * tile_k
+    shifts = torch.arange(per_word, device=w.qweight.device).view(1, 1, per_word, 1) * bits
+    chunks = [torch.empty(k_pad // per_word, 0, dtype=torch.int32, device=w.qweight.device)]
+    for start in range(0, w.out_features, _PACK_ROWS):
+        rows = w.qweight[start:start + _PACK_ROWS]
+        u = (unpack_int4(rows, k) if w.kind == "int4" else rows).to(torch.int64) + _BIAS[w.kind]
+        u = F.pad(u, (0, k_pad - k)).view(rows.shape[0], k_pad // tile_k, per_word, SLOT)
+        words = (u << shifts).sum(dim=2)  # [rows, tiles, SLOT]: input t * tile_k + i * SLOT + j in field i
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+        chunks.append(words.view(rows.shape[0], -1).t())
+    return PackedQuantWeight(w.kind, torch.cat(chunks, dim=1).contiguous(), w.scales.t().contiguous(),
+                             None if w.zeros is None else w.zeros.t().contiguous(), w.group_size, k)
+
+
+class PackedConfig(NamedTuple):
+    variant: str  # "fma" (block_m 1) or "dot" (block_m >= 16)
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _table(path: str) -> dict[tuple[str, int, int], list[tuple[int, PackedConfig]]]:
+    """The measured configs (benchmarks/quant_gemm.py writes them): per (kind, N, K), (M, config)
+    sorted by M. A missing or unreadable file leaves every shape to the heuristic."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)["entries"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    table: dict[tuple[str, int, int], list[tuple[int, PackedConfig]]] = {}
+    for e in entries:
+        table.setdefault((e["kind"], e["n"], e["k"]), []).append((e["m"], PackedConfig(**e["config"])))
+    return {key: sorted(rows) for key, rows in table.items()}
+
+
+def choose_packed_config(m: int, n: int, k: int, kind: str, sms: int,
+                         table_path: str = CONFIG_TABLE) -> PackedConfig:
+    """The table's entry for the smallest tuned M at or above m (else the largest tuned M), or the
+    heuristic: one-row FMA programs for M <= 2, 16-row tensor-core tiles above, and split-K until
+    about _PROGRAMS_PER_SM programs per SM."""
+    rows = _table(table_path).get((kind, n, k))
+    if rows:
+        return next((cfg for tuned_m, cfg in rows if tuned_m >= m), rows[-1][1])
+    if m <= 2:
+        variant, block_m, block_n = "fma", 1, 128
+    else:
+        variant, block_m, block_n = "dot", min(64, max(16, triton.next_power_of_2(m))), 64
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, _tile_k(kind))
+    split_k = max(1, min(triton.cdiv(_PROGRAMS_PER_SM * sms, tiles), k_tiles, _MAX_SPLIT_K))
+    return PackedConfig(variant, block_m, block_n, split_k, 4, 2)
+
+
+@triton.jit
+def _code(words, I: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr):
+    """Field I of every word as an exact fp32 code (the stored value minus BIAS).
+
+    The field is OR-ed into the mantissa of 2^23 (fields that would reach bit 23 are first shifted
+    down by 16), which reads as 2^23 + u * 2^SHIFT; one FMA scales by 2^-SHIFT and subtracts
+    2^(23 - SHIFT) + BIAS, both steps exact."""
+    HIGH: tl.constexpr = I * BITS + BITS > 23
+    SHIFT: tl.constexpr = I * BITS - 16 * HIGH
+    field = ((words >> (16 * HIGH)) & (((1 << BITS) - 1) << SHIFT)) | 0x4B000000
+    return field.to(tl.float32, bitcast=True) * (2.0 ** -SHIFT) - (2.0 ** (23 - SHIFT) + BIAS)
+
+
+@triton.jit
+def _packed_matmul_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K, num_groups, tiles_per_split, num_tiles, stride_xm, stride_om,
+    GROUP: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, SLOTS_PER_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] output tile over K tiles [pid_k * tiles_per_split, ...)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    TILE_K: tl.constexpr = PER_WORD * SLOT_K
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, SLOT_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([SLOT_K, BLOCK_N], tl.float32)
+    t_start = pid_k * tiles_per_split
+    for t in range(t_start, tl.minimum(t_start + tiles_per_split, num_tiles)):
+        words = tl.load(q_ptr + (t * SLOT_K + offs_j)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=n_mask[None, :], other=0)
+        for b in tl.static_range(PER_WORD // SLOTS_PER_GROUP):
+            if USE_DOT:
+                part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                x_sum = tl.zeros([BLOCK_M], tl.float32)
+            else:
+                part = tl.zeros([SLOT_K, BLOCK_N], tl.float32)
+                x_sum = tl.zeros([SLOT_K], tl.float32)
+            for e in tl.static_range(SLOTS_PER_GROUP):
+                offs_k = t * TILE_K + (b * SLOTS_PER_GROUP + e) * SLOT_K + offs_j
+                q = _code(words, b * SLOTS_PER_GROUP + e, BITS, BIAS)
+                if USE_DOT:
+                    x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                                mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+                    part = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), part, input_precision=PRECISION)
+                    if HAS_ZEROS:
+                        x_sum += tl.sum(x.to(tl.float32), axis=1)
+                else:
+                    x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k, mask=offs_k < K,
+                                other=0.0).to(tl.float32)
+                    part += q * x[:, None]
+                    if HAS_ZEROS:
+                        x_sum += x
+            # A block wholly in K's padding has zero activations; clamping keeps its scale load in bounds.
+            group = tl.minimum((t * TILE_K + b * SLOTS_PER_GROUP * SLOT_K) // GROUP, num_groups - 1)
+            acc += part * tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)[None, :]
+            if HAS_ZEROS:
+                acc += x_sum[:, None] * tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0)[None, :]
+    if USE_DOT:
+        result = acc
+    else:
+        result = tl.sum(acc, axis=0)[None, :]
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        splits = tl.num_programs(2)
+        parts = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(parts + pid_k.to(tl.int64) * M * N, result, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter says so
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        is_last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
+        if is_last:
+            result = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for split in range(splits):
+                result += tl.load(parts + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)
+    else:
+        is_last = True
+    if is_last:
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """Split-K tile counters, zero between kernels (the last program of a tile resets its counter).
+    Made on the first call, which runs before CUDA graph capture (the warm-up pass)."""
+    return torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _slots_per_group(w: PackedQuantWeight) -> int:
+    """Code slots of a tile that share one group's scale: all of them when groups cover whole tiles
+    (or there is one group), g / 16 when tiles hold whole groups, else one (a group of 48, say)."""
+    per_word = 32 // w.bits
+    if w.num_groups == 1 or w.group_size % w.tile_k == 0:
+        return per_word
+    if w.tile_k % w.group_size == 0:
+        return w.group_size // SLOT
+    return 1
+
+
+def packed_matmul(x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | None = None,
+                  config: PackedConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) -> [M, N] in x.dtype. `config` overrides choose_packed_config."""
+    m, k = x.shape
+    n = w.out_features
+    if k != w.in_features or x.stride(1) != 1:
+        raise ValueError(f"packed_matmul: x {tuple(x.shape)} must be [M, {w.in_features}] with a contiguous last dim")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or choose_packed_config(m, n, k, w.kind, num_sms(x.device))
+    if (cfg.variant == "fma") != (cfg.block_m == 1) or cfg.variant not in ("fma", "dot"):
+        raise ValueError(f"packed_matmul: config {cfg} must be 'fma' with block_m 1 or 'dot' with block_m >= 16")
+    num_tiles = w.qweight.shape[0] // SLOT
+    grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    tiles_per_split = triton.cdiv(num_tiles, max(1, cfg.split_k))
+    split_k = triton.cdiv(num_tiles, tiles_per_split)
+    if grid_m * grid_n > _COUNTERS:
+        tiles_per_split, split_k = num_tiles, 1
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    zeros = w.zeros if w.zeros is not None else w.scales
+    _packed_matmul_kernel[(grid_m, grid_n, split_k)](
+        x, w.qweight, w.scales, zeros, bias if bias is not None else out, out, part, _counters(x.device),
+        m, n, k, w.num_groups, tiles_per_split, num_tiles, x.stride(0), out.stride(0),
+        GROUP=w.group_size, BITS=w.bits, BIAS=_BIAS[w.kind], SLOTS_PER_GROUP=_slots_per_group(w),
+        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        USE_DOT=cfg.variant == "dot", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SLOT_K=SLOT,
+        DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _dequantize_packed_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups,
+                              GROUP: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
+                              HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_K: tl.constexpr):
+    """Tile pid(0) of K, columns pid(1) * BLOCK_N.., of W^T [K, N]: q * scale, then + zero."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, SLOT_K)
+    n_mask = offs_n < N
+    words = tl.load(q_ptr + (t * SLOT_K + offs_j)[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=n_mask[None, :], other=0)
+    for i in tl.static_range(PER_WORD):
+        offs_k = t * PER_WORD * SLOT_K + i * SLOT_K + offs_j
+        group = offs_k[:, None] // GROUP
+        mask = (offs_k[:, None] < K) & n_mask[None, :]
+        g_mask = mask & (group < num_groups)
+        w = _code(words, i, BITS, BIAS) * tl.load(s_ptr + group * N + offs_n[None, :], mask=g_mask, other=0.0)
+        if HAS_ZEROS:
+            w += tl.load(z_ptr + group * N + offs_n[None, :], mask=g_mask, other=0.0)
+        tl.store(out_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_packed_t(w: PackedQuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W^T [K, N] dense, equal to formats.dequantize(w).T bit for bit (multiply and add round
+    separately, as PyTorch's do), for batches where dequantize + cuBLAS beats the fused kernel.
+    Transposed because the packed codes run along N: rows of W^T are written whole."""
+    n, k = w.out_features, w.in_features
+    out = torch.empty(k, n, dtype=dtype, device=w.qweight.device)
+    if out.numel() == 0:
+        return out
+    zeros = w.zeros if w.zeros is not None else w.scales
+    _dequantize_packed_kernel[(w.qweight.shape[0] // SLOT, triton.cdiv(n, _DEQUANT_BLOCK_N))](
+        w.qweight, w.scales, zeros, out, n, k, w.num_groups,
+        GROUP=w.group_size, BITS=w.bits, BIAS=_BIAS[w.kind], HAS_ZEROS=w.zeros is not None,
+        BLOCK_N=_DEQUANT_BLOCK_N, SLOT_K=SLOT, num_warps=4, enable_fp_fusion=False,
+    )
+    return out
