@@ -173,15 +173,42 @@ def _code(words, I: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _slots(part, x_sum, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_xm,
+           FIRST: tl.constexpr, COUNT: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
+           HAS_ZEROS: tl.constexpr, USE_DOT: tl.constexpr, SLOT_K: tl.constexpr,
+           DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Add code slots FIRST.. FIRST + COUNT of tile t, unscaled, to `part` ([SLOT_K, BLOCK_N] per-lane
+    products for "fma", [BLOCK_M, BLOCK_N] for "dot"), and their activations to `x_sum` (the zero
+    term's factor; with HAS_ZEROS only)."""
+    TILE_K: tl.constexpr = 32 // BITS * SLOT_K
+    for e in tl.static_range(COUNT):
+        offs_k = t * TILE_K + (FIRST + e) * SLOT_K + offs_j
+        q = _code(words, FIRST + e, BITS, BIAS)
+        if USE_DOT:
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+            part = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), part, input_precision=PRECISION)
+            if HAS_ZEROS:
+                x_sum += tl.sum(x.to(tl.float32), axis=1)
+        else:
+            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            part += q * x[:, None]
+            if HAS_ZEROS:
+                x_sum += x
+    return part, x_sum
+
+
+@triton.jit
 def _packed_matmul_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, num_groups, tiles_per_split, num_tiles, stride_xm, stride_om,
     GROUP: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, SLOTS_PER_GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_K: tl.constexpr,
+    ONE_GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] output tile over K tiles [pid_k * tiles_per_split, ...)."""
+    """One [BLOCK_M, BLOCK_N] output tile over K tiles [pid_k * tiles_per_split, ...). ONE_GROUP
+    (per-channel scales): products accumulate unscaled and the scale applies once, at the end."""
     PER_WORD: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = PER_WORD * SLOT_K
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -190,41 +217,34 @@ def _packed_matmul_kernel(
     offs_j = tl.arange(0, SLOT_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    row = pid_m.to(tl.int64)  # the "fma" variant's one activation row
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        x_total = tl.zeros([BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([SLOT_K, BLOCK_N], tl.float32)
+        x_total = tl.zeros([SLOT_K], tl.float32)
     t_start = pid_k * tiles_per_split
     for t in range(t_start, tl.minimum(t_start + tiles_per_split, num_tiles)):
         words = tl.load(q_ptr + (t * SLOT_K + offs_j)[:, None].to(tl.int64) * N + offs_n[None, :],
                         mask=n_mask[None, :], other=0)
-        for b in tl.static_range(PER_WORD // SLOTS_PER_GROUP):
-            if USE_DOT:
-                part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                x_sum = tl.zeros([BLOCK_M], tl.float32)
-            else:
-                part = tl.zeros([SLOT_K, BLOCK_N], tl.float32)
-                x_sum = tl.zeros([SLOT_K], tl.float32)
-            for e in tl.static_range(SLOTS_PER_GROUP):
-                offs_k = t * TILE_K + (b * SLOTS_PER_GROUP + e) * SLOT_K + offs_j
-                q = _code(words, b * SLOTS_PER_GROUP + e, BITS, BIAS)
-                if USE_DOT:
-                    x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                                mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-                    part = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), part, input_precision=PRECISION)
-                    if HAS_ZEROS:
-                        x_sum += tl.sum(x.to(tl.float32), axis=1)
-                else:
-                    x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k, mask=offs_k < K,
-                                other=0.0).to(tl.float32)
-                    part += q * x[:, None]
-                    if HAS_ZEROS:
-                        x_sum += x
-            # A block wholly in K's padding has zero activations; clamping keeps its scale load in bounds.
-            group = tl.minimum((t * TILE_K + b * SLOTS_PER_GROUP * SLOT_K) // GROUP, num_groups - 1)
-            acc += part * tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)[None, :]
-            if HAS_ZEROS:
-                acc += x_sum[:, None] * tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0)[None, :]
+        if ONE_GROUP:
+            acc, x_total = _slots(acc, x_total, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_xm,
+                                  0, PER_WORD, BITS, BIAS, HAS_ZEROS, USE_DOT, SLOT_K, DOT_DTYPE, PRECISION)
+        else:
+            for b in tl.static_range(PER_WORD // SLOTS_PER_GROUP):
+                part, x_sum = _slots(tl.zeros_like(acc), tl.zeros_like(x_total), words, x_ptr, offs_m, m_mask,
+                                     offs_j, row, t, K, stride_xm, b * SLOTS_PER_GROUP, SLOTS_PER_GROUP,
+                                     BITS, BIAS, HAS_ZEROS, USE_DOT, SLOT_K, DOT_DTYPE, PRECISION)
+                # A block wholly in K's padding has zero activations; clamping keeps its loads in bounds.
+                group = tl.minimum((t * TILE_K + b * SLOTS_PER_GROUP * SLOT_K) // GROUP, num_groups - 1)
+                acc += part * tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)[None, :]
+                if HAS_ZEROS:
+                    acc += x_sum[:, None] * tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0)[None, :]
+    if ONE_GROUP:
+        acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if HAS_ZEROS:
+            acc += x_total[:, None] * tl.load(z_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if USE_DOT:
         result = acc
     else:
@@ -295,7 +315,7 @@ def packed_matmul(x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | No
         x, w.qweight, w.scales, zeros, bias if bias is not None else out, out, part, _counters(x.device),
         m, n, k, w.num_groups, tiles_per_split, num_tiles, x.stride(0), out.stride(0),
         GROUP=w.group_size, BITS=w.bits, BIAS=_BIAS[w.kind], SLOTS_PER_GROUP=_slots_per_group(w),
-        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        ONE_GROUP=w.num_groups == 1, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         USE_DOT=cfg.variant == "dot", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SLOT_K=SLOT,
         DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
