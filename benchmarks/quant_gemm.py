@@ -36,7 +36,7 @@ from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # no
 from ember.kernels.paged import num_sms  # noqa: E402
 from ember.kernels.quant_matmul import dequantize_kernel, quant_matmul  # noqa: E402
 from ember.kernels.quant_packed import (  # noqa: E402
-    CONFIG_TABLE, PackedConfig, PackedQuantWeight, choose_packed_config, dequantize_packed_t, pack_weight,
+    CONFIG_TABLE, PackedConfig, PackedQuantWeight, choose_packed_config, dequantize_packed, pack_weight,
     packed_matmul,
 )
 from ember.quant.formats import QuantizedWeight  # noqa: E402
@@ -133,7 +133,7 @@ class Case:
     dense: list[torch.Tensor]
     old: list[QuantizedWeight]
     packed: list[PackedQuantWeight]
-    reference_t: torch.Tensor  # float32 W^T
+    reference_t: torch.Tensor  # float32 W^T (x @ it is the product)
 
     @property
     def packed_bytes(self) -> int:
@@ -153,7 +153,7 @@ def make_cases(args: argparse.Namespace, gen: torch.Generator) -> list[Case]:
             cases.append(Case(name, n, k, kind, dense_copies,
                               copies(functools.partial(clone_quantized, qw), nbytes(qw.tensors())),
                               copies(functools.partial(clone_packed, packed), nbytes(packed.tensors())),
-                              dequantize_packed_t(packed, torch.float32)))
+                              dequantize_packed(packed, torch.float32).t()))
     return cases
 
 
@@ -168,7 +168,7 @@ def baselines(case: Case, m: int, x: torch.Tensor, expected: torch.Tensor, timer
         "old_fused": timer(f"{label} old", lambda w: quant_matmul(x, w), case.old, expected, force=True),
         "old_deq": timer(f"{label} old deq", lambda w: F.linear(x, dequantize_kernel(w, x.dtype)), case.old,
                          expected, force=True),
-        "packed_deq": timer(f"{label} packed deq", lambda w: x @ dequantize_packed_t(w, x.dtype), case.packed,
+        "packed_deq": timer(f"{label} packed deq", lambda w: F.linear(x, dequantize_packed(w, x.dtype)), case.packed,
                             expected, force=True),
     }
 

@@ -28,7 +28,7 @@ from ember.kernels import (  # noqa: E402
     QuantMatmulConfig, choose_quant_matmul_config, dequantize_kernel, quant_matmul, quant_matmul_ref,
 )
 from ember.kernels.quant_packed import (  # noqa: E402
-    PackedConfig, choose_packed_config, dequantize_packed_t, pack_weight, packable, packed_matmul,
+    PackedConfig, choose_packed_config, dequantize_packed, pack_weight, packable, packed_matmul,
 )
 from ember.model.gguf_blocks import quantized as gguf_quantized  # noqa: E402
 from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4  # noqa: E402
@@ -225,9 +225,9 @@ def test_packed_layout_keeps_the_weight_exactly(kind: str, zeros: bool, group: i
     """Packing is lossless: the packed codes dequantize to formats.dequantize bit for bit."""
     w = make_weight(kind, 37, k, group or k, zeros, _gen("layout", kind, zeros, group, k))
     packed = pack_weight(w)
-    assert packed.qweight.dtype == torch.int32 and packed.qweight.shape[1] == 37
-    assert packed.qweight.shape[0] * (32 // packed.bits) % packed.tile_k == 0
-    assert torch.equal(dequantize_packed_t(packed), dequantize(w).T)
+    assert packed.qweight.dtype == torch.int32 and packed.qweight.shape[0] == 37
+    assert packed.qweight.shape[1] * (32 // packed.bits) % packed.tile_k == 0
+    assert torch.equal(dequantize_packed(packed), dequantize(w))
 
 
 def _random_q4_k(rows: int, cols: int, gen: torch.Generator) -> np.ndarray:
@@ -288,7 +288,7 @@ def test_packed_config_table_and_heuristic(tmp_path: pathlib.Path) -> None:
 
 
 def test_gpu_matmul_takes_the_packed_kernel_then_cublas() -> None:
-    """QuantLinear's GPU dispatch: the packed layout up to PACKED_MAX_ROWS, its dequantized W^T above;
+    """QuantLinear's GPU dispatch: the packed layout up to PACKED_MAX_ROWS, its dequantized weight + cuBLAS above;
     a weight the layout does not take (groups of 8) keeps to quant_matmul."""
     gen = _gen("dispatch")
     w = make_weight("int4", 24, 256, 32, True, gen)

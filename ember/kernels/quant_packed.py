@@ -59,7 +59,7 @@ class PackedQuantWeight:
     made by `pack_weight`, the same weight exactly."""
 
     kind: str                   # "int4" or "int8"
-    qweight: torch.Tensor       # int32 [K_pad / (32 / bits), N]
+    qweight: torch.Tensor       # int32 [N, K_pad / (32 / bits)]
     scales: torch.Tensor        # float32 [num_groups, N]
     zeros: torch.Tensor | None  # float32 [num_groups, N]
     group_size: int
@@ -67,7 +67,7 @@ class PackedQuantWeight:
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[1]
+        return self.qweight.shape[0]
 
     @property
     def num_groups(self) -> int:
@@ -104,15 +104,15 @@ def pack_weight(w: QuantizedWeight) -> PackedQuantWeight:
     bits, k, tile_k = _BITS[w.kind], w.in_features, _tile_k(w.kind)
     per_word, k_pad = 32 // bits, triton.cdiv(w.in_features, tile_k) * tile_k
     shifts = torch.arange(per_word, device=w.qweight.device).view(1, 1, per_word, 1) * bits
-    chunks = [torch.empty(k_pad // per_word, 0, dtype=torch.int32, device=w.qweight.device)]
+    chunks = [torch.empty(0, k_pad // per_word, dtype=torch.int32, device=w.qweight.device)]
     for start in range(0, w.out_features, _PACK_ROWS):
         rows = w.qweight[start:start + _PACK_ROWS]
         u = (unpack_int4(rows, k) if w.kind == "int4" else rows).to(torch.int64) + _BIAS[w.kind]
         u = F.pad(u, (0, k_pad - k)).view(rows.shape[0], k_pad // tile_k, per_word, SLOT)
         words = (u << shifts).sum(dim=2)  # [rows, tiles, SLOT]: input t * tile_k + i * SLOT + j in field i
-        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-        chunks.append(words.view(rows.shape[0], -1).t())
-    return PackedQuantWeight(w.kind, torch.cat(chunks, dim=1).contiguous(), w.scales.t().contiguous(),
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+        chunks.append(words.view(rows.shape[0], -1).to(torch.int32))
+    return PackedQuantWeight(w.kind, torch.cat(chunks), w.scales.t().contiguous(),
                              None if w.zeros is None else w.zeros.t().contiguous(), w.group_size, k)
 
 
@@ -173,11 +173,31 @@ def _code(words, I: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _per_n(a, v, USE_DOT: tl.constexpr):
+    """a times v[n] along its output-column axis (1 for "dot" [M, N], 0 for "fma" [N, SLOT])."""
+    if USE_DOT:
+        out = a * v[None, :]
+    else:
+        out = a * v[:, None]
+    return out
+
+
+@triton.jit
+def _outer(x, v, USE_DOT: tl.constexpr):
+    """x (per activation row or lane) times v[n], shaped like the accumulator."""
+    if USE_DOT:
+        out = x[:, None] * v[None, :]
+    else:
+        out = v[:, None] * x[None, :]
+    return out
+
+
+@triton.jit
 def _slots(part, x_sum, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_xm,
            FIRST: tl.constexpr, COUNT: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
-           HAS_ZEROS: tl.constexpr, USE_DOT: tl.constexpr, SLOT_K: tl.constexpr,
+           HAS_ZEROS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, SLOT_K: tl.constexpr,
            DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """Add code slots FIRST.. FIRST + COUNT of tile t, unscaled, to `part` ([SLOT_K, BLOCK_N] per-lane
+    """Add code slots FIRST.. FIRST + COUNT of tile t, unscaled, to `part` ([BLOCK_N, SLOT_K] per-lane
     products for "fma", [BLOCK_M, BLOCK_N] for "dot"), and their activations to `x_sum` (the zero
     term's factor; with HAS_ZEROS only)."""
     TILE_K: tl.constexpr = 32 // BITS * SLOT_K
@@ -185,14 +205,20 @@ def _slots(part, x_sum, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_
         offs_k = t * TILE_K + (FIRST + e) * SLOT_K + offs_j
         q = _code(words, FIRST + e, BITS, BIAS)
         if USE_DOT:
-            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                        mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-            part = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), part, input_precision=PRECISION)
+            x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+            part = tl.dot(x.to(DOT_DTYPE), tl.trans(q.to(DOT_DTYPE)), part, input_precision=PRECISION)
             if HAS_ZEROS:
                 x_sum += tl.sum(x.to(tl.float32), axis=1)
         else:
-            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            part += q * x[:, None]
+            if EVEN_K:
+                x = tl.load(x_ptr + row * stride_xm + offs_k).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            part += q * x[None, :]
             if HAS_ZEROS:
                 x_sum += x
     return part, x_sum
@@ -201,14 +227,15 @@ def _slots(part, x_sum, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_
 @triton.jit
 def _packed_matmul_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, num_groups, tiles_per_split, num_tiles, stride_xm, stride_om,
+    M, N, K, num_groups, tiles_per_split, num_tiles, row_words, stride_xm, stride_om,
     GROUP: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, SLOTS_PER_GROUP: tl.constexpr,
     ONE_GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLOT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile over K tiles [pid_k * tiles_per_split, ...). ONE_GROUP
-    (per-channel scales): products accumulate unscaled and the scale applies once, at the end."""
+    (per-channel scales): products accumulate unscaled and the scale applies once, at the end.
+    EVEN_K (K a whole number of tiles, as in every Llama-3.1-8B layer): activation loads unmasked."""
     PER_WORD: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = PER_WORD * SLOT_K
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -222,33 +249,44 @@ def _packed_matmul_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         x_total = tl.zeros([BLOCK_M], tl.float32)
     else:
-        acc = tl.zeros([SLOT_K, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_N, SLOT_K], tl.float32)
         x_total = tl.zeros([SLOT_K], tl.float32)
     t_start = pid_k * tiles_per_split
-    for t in range(t_start, tl.minimum(t_start + tiles_per_split, num_tiles)):
-        words = tl.load(q_ptr + (t * SLOT_K + offs_j)[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=n_mask[None, :], other=0)
+    t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
+    word_ptrs = q_ptr + offs_n[:, None].to(tl.int64) * row_words + offs_j[None, :]
+    if not USE_DOT:
+        # The FMA variant loads each tile's words one iteration ahead, so two loads per program are in
+        # flight: its loads feed no tl.dot, so Triton's pipeliner leaves them alone. (Compiled for
+        # sm_90: 128 registers against 96, 5.4 instructions per int4 code either way.)
+        next_words = tl.load(word_ptrs + t_start * SLOT_K, mask=n_mask[:, None], other=0)
+    for t in range(t_start, t_end):
+        if USE_DOT:
+            words = tl.load(word_ptrs + t * SLOT_K, mask=n_mask[:, None], other=0)
+        else:
+            words = next_words
+            # (the last iteration reloads its own tile, which is in cache, rather than masking)
+            next_words = tl.load(word_ptrs + tl.minimum(t + 1, t_end - 1) * SLOT_K, mask=n_mask[:, None], other=0)
         if ONE_GROUP:
             acc, x_total = _slots(acc, x_total, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_xm,
-                                  0, PER_WORD, BITS, BIAS, HAS_ZEROS, USE_DOT, SLOT_K, DOT_DTYPE, PRECISION)
+                                  0, PER_WORD, BITS, BIAS, HAS_ZEROS, USE_DOT, EVEN_K, SLOT_K, DOT_DTYPE, PRECISION)
         else:
             for b in tl.static_range(PER_WORD // SLOTS_PER_GROUP):
                 part, x_sum = _slots(tl.zeros_like(acc), tl.zeros_like(x_total), words, x_ptr, offs_m, m_mask,
                                      offs_j, row, t, K, stride_xm, b * SLOTS_PER_GROUP, SLOTS_PER_GROUP,
-                                     BITS, BIAS, HAS_ZEROS, USE_DOT, SLOT_K, DOT_DTYPE, PRECISION)
+                                     BITS, BIAS, HAS_ZEROS, USE_DOT, EVEN_K, SLOT_K, DOT_DTYPE, PRECISION)
                 # A block wholly in K's padding has zero activations; clamping keeps its loads in bounds.
                 group = tl.minimum((t * TILE_K + b * SLOTS_PER_GROUP * SLOT_K) // GROUP, num_groups - 1)
-                acc += part * tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)[None, :]
+                acc += _per_n(part, tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0), USE_DOT)
                 if HAS_ZEROS:
-                    acc += x_sum[:, None] * tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0)[None, :]
+                    acc += _outer(x_sum, tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0), USE_DOT)
     if ONE_GROUP:
-        acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        acc = _per_n(acc, tl.load(s_ptr + offs_n, mask=n_mask, other=0.0), USE_DOT)
         if HAS_ZEROS:
-            acc += x_total[:, None] * tl.load(z_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+            acc += _outer(x_total, tl.load(z_ptr + offs_n, mask=n_mask, other=0.0), USE_DOT)
     if USE_DOT:
         result = acc
     else:
-        result = tl.sum(acc, axis=0)[None, :]
+        result = tl.sum(acc, axis=1)[None, :]
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
@@ -303,7 +341,7 @@ def packed_matmul(x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | No
     cfg = config or choose_packed_config(m, n, k, w.kind, num_sms(x.device))
     if (cfg.variant == "fma") != (cfg.block_m == 1) or cfg.variant not in ("fma", "dot"):
         raise ValueError(f"packed_matmul: config {cfg} must be 'fma' with block_m 1 or 'dot' with block_m >= 16")
-    num_tiles = w.qweight.shape[0] // SLOT
+    num_tiles = w.qweight.shape[1] // SLOT
     grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     tiles_per_split = triton.cdiv(num_tiles, max(1, cfg.split_k))
     split_k = triton.cdiv(num_tiles, tiles_per_split)
@@ -313,10 +351,10 @@ def packed_matmul(x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | No
     zeros = w.zeros if w.zeros is not None else w.scales
     _packed_matmul_kernel[(grid_m, grid_n, split_k)](
         x, w.qweight, w.scales, zeros, bias if bias is not None else out, out, part, _counters(x.device),
-        m, n, k, w.num_groups, tiles_per_split, num_tiles, x.stride(0), out.stride(0),
+        m, n, k, w.num_groups, tiles_per_split, num_tiles, w.qweight.shape[1], x.stride(0), out.stride(0),
         GROUP=w.group_size, BITS=w.bits, BIAS=_BIAS[w.kind], SLOTS_PER_GROUP=_slots_per_group(w),
         ONE_GROUP=w.num_groups == 1, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        USE_DOT=cfg.variant == "dot", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SLOT_K=SLOT,
+        USE_DOT=cfg.variant == "dot", EVEN_K=k % w.tile_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SLOT_K=SLOT,
         DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -324,39 +362,38 @@ def packed_matmul(x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | No
 
 
 @triton.jit
-def _dequantize_packed_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups,
+def _dequantize_packed_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups, row_words,
                               GROUP: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
                               HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_K: tl.constexpr):
-    """Tile pid(0) of K, columns pid(1) * BLOCK_N.., of W^T [K, N]: q * scale, then + zero."""
+    """Rows pid(0) * BLOCK_N.., K tile pid(1) of the dense W [N, K]: q * scale, then + zero."""
     PER_WORD: tl.constexpr = 32 // BITS
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.program_id(1)
     offs_j = tl.arange(0, SLOT_K)
     n_mask = offs_n < N
-    words = tl.load(q_ptr + (t * SLOT_K + offs_j)[:, None].to(tl.int64) * N + offs_n[None, :],
-                    mask=n_mask[None, :], other=0)
+    words = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * row_words + (t * SLOT_K + offs_j)[None, :],
+                    mask=n_mask[:, None], other=0)
     for i in tl.static_range(PER_WORD):
         offs_k = t * PER_WORD * SLOT_K + i * SLOT_K + offs_j
-        group = offs_k[:, None] // GROUP
-        mask = (offs_k[:, None] < K) & n_mask[None, :]
+        group = offs_k[None, :] // GROUP
+        mask = n_mask[:, None] & (offs_k[None, :] < K)
         g_mask = mask & (group < num_groups)
-        w = _code(words, i, BITS, BIAS) * tl.load(s_ptr + group * N + offs_n[None, :], mask=g_mask, other=0.0)
+        w = _code(words, i, BITS, BIAS) * tl.load(s_ptr + group * N + offs_n[:, None], mask=g_mask, other=0.0)
         if HAS_ZEROS:
-            w += tl.load(z_ptr + group * N + offs_n[None, :], mask=g_mask, other=0.0)
-        tl.store(out_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+            w += tl.load(z_ptr + group * N + offs_n[:, None], mask=g_mask, other=0.0)
+        tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def dequantize_packed_t(w: PackedQuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """W^T [K, N] dense, equal to formats.dequantize(w).T bit for bit (multiply and add round
-    separately, as PyTorch's do), for batches where dequantize + cuBLAS beats the fused kernel.
-    Transposed because the packed codes run along N: rows of W^T are written whole."""
+def dequantize_packed(w: PackedQuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense [N, K] weight, equal to formats.dequantize bit for bit (multiply and add round
+    separately, as PyTorch's do), for batches where dequantize + cuBLAS beats the fused kernel."""
     n, k = w.out_features, w.in_features
-    out = torch.empty(k, n, dtype=dtype, device=w.qweight.device)
+    out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
     if out.numel() == 0:
         return out
     zeros = w.zeros if w.zeros is not None else w.scales
-    _dequantize_packed_kernel[(w.qweight.shape[0] // SLOT, triton.cdiv(n, _DEQUANT_BLOCK_N))](
-        w.qweight, w.scales, zeros, out, n, k, w.num_groups,
+    _dequantize_packed_kernel[(triton.cdiv(n, _DEQUANT_BLOCK_N), w.qweight.shape[1] // SLOT)](
+        w.qweight, w.scales, zeros, out, n, k, w.num_groups, w.qweight.shape[1],
         GROUP=w.group_size, BITS=w.bits, BIAS=_BIAS[w.kind], HAS_ZEROS=w.zeros is not None,
         BLOCK_N=_DEQUANT_BLOCK_N, SLOT_K=SLOT, num_warps=4, enable_fp_fusion=False,
     )

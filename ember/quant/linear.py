@@ -81,12 +81,12 @@ def gpu_matmul(x: torch.Tensor, w: QuantizedWeight, packed: PackedQuantWeight | 
     """x @ W^T through Triton: the packed kernel up to PACKED_MAX_ROWS rows, dequantize + cuBLAS above;
     weights without a packed layout take quant_matmul up to GPU_FUSED_MAX_ROWS."""
     from ember.kernels import dequantize_kernel, quant_matmul
-    from ember.kernels.quant_packed import dequantize_packed_t, packed_matmul
+    from ember.kernels.quant_packed import dequantize_packed, packed_matmul
 
     if packed is not None:
         if x.shape[0] <= PACKED_MAX_ROWS:
             return packed_matmul(x, packed)
-        return x @ dequantize_packed_t(packed, x.dtype)
+        return F.linear(x, dequantize_packed(packed, x.dtype))
     if x.shape[0] <= GPU_FUSED_MAX_ROWS[w.kind]:
         return quant_matmul(x, w)
     return F.linear(x, dequantize_kernel(w, x.dtype))
