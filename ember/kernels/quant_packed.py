@@ -191,9 +191,10 @@ def _per_n(a, v, USE_DOT: tl.constexpr):
 
 @triton.jit
 def _outer(x, v, USE_DOT: tl.constexpr):
-    """x (per activation row or lane) times v[n], shaped like the accumulator."""
+    """x (activation sums per row, [BLOCK_M, BLOCK_N], or per lane, [SLOT]) times v[n], shaped like
+    the accumulator."""
     if USE_DOT:
-        out = x[:, None] * v[None, :]
+        out = x * v[None, :]
     else:
         out = v[:, None] * x[None, :]
     return out
@@ -206,7 +207,7 @@ def _slots(part, x_sum, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_
            DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """Add code slots FIRST.. FIRST + COUNT of tile t, unscaled, to `part` ([BLOCK_N, SLOT_K] per-lane
     products for "fma", [BLOCK_M, BLOCK_N] for "dot"), and their activations to `x_sum` (the zero
-    term's factor; with HAS_ZEROS only)."""
+    term's factor, [SLOT_K] per lane or [BLOCK_M, BLOCK_N] per row; with HAS_ZEROS only)."""
     TILE_K: tl.constexpr = 32 // BITS * SLOT_K
     for e in tl.static_range(COUNT):
         offs_k = t * TILE_K + (FIRST + e) * SLOT_K + offs_j
@@ -218,8 +219,9 @@ def _slots(part, x_sum, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_
             else:
                 x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
             part = tl.dot(x.to(DOT_DTYPE), tl.trans(q.to(DOT_DTYPE)), part, input_precision=PRECISION)
-            if HAS_ZEROS:
-                x_sum += tl.sum(x.to(tl.float32), axis=1)
+            if HAS_ZEROS:  # row sums, already broadcast over N, from the tensor cores rather than shuffles
+                ones = tl.full([SLOT_K, part.shape[1]], 1.0, DOT_DTYPE)
+                x_sum = tl.dot(x.to(DOT_DTYPE), ones, x_sum, input_precision=PRECISION)
         else:
             if EVEN_K:
                 x = tl.load(x_ptr + row * stride_xm + offs_k).to(tl.float32)
@@ -254,7 +256,7 @@ def _packed_matmul_kernel(
     row = pid_m.to(tl.int64)  # the "fma" variant's one activation row
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        x_total = tl.zeros([BLOCK_M], tl.float32)
+        x_total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, SLOT_K], tl.float32)
         x_total = tl.zeros([SLOT_K], tl.float32)
