@@ -254,7 +254,8 @@ def table_entries(results: list[dict]) -> list[dict]:
 
 
 def summary(results: list[dict]) -> dict:
-    """Per kind and M: the linear layers of one 8B decoder layer summed, x 32 layers (no LM head)."""
+    """Per kind and M: the linear layers of one 8B decoder layer summed, x 32 layers (no LM head); the
+    largest M where the packed kernel beats dequantize + cuBLAS is PACKED_MAX_ROWS's measurement."""
     out = {}
     for kind in sorted({r["kind"] for r in results}):
         for m in sorted({r["m"] for r in results}):
@@ -262,7 +263,9 @@ def summary(results: list[dict]) -> dict:
             if len(rows) != len(SHAPES_8B) or any(r["packed_best"] is None or r["us"]["bf16"] is None for r in rows):
                 continue
             best = sum(r["packed_best"]["us"] for r in rows)
+            deq = None if any(r["us"]["packed_deq"] is None for r in rows) else sum(r["us"]["packed_deq"] for r in rows)
             out[f"{kind}/M={m}"] = {"packed_ms_32_layers": round(best * 32 / 1e3, 3),
+                                    "dequant_cublas_ms_32_layers": None if deq is None else round(deq * 32 / 1e3, 3),
                                     "bf16_ms_32_layers": round(sum(r["us"]["bf16"] for r in rows) * 32 / 1e3, 3),
                                     "packed_gbps": round(sum(r["packed_weight_bytes"] for r in rows) / best / 1e3)}
     return out
@@ -299,8 +302,9 @@ def main() -> None:
     results = run(args, timer, write)
     print_results(results)
     for key, row in summary(results).items():
-        print(f"{key:>10}: packed {row['packed_ms_32_layers']} ms per token of linear layers (bf16 "
-              f"{row['bf16_ms_32_layers']} ms), {row['packed_gbps']} GB/s of {PEAK_GBPS:.0f}")
+        print(f"{key:>10}: packed {row['packed_ms_32_layers']} ms per token of linear layers (dequantize + cuBLAS "
+              f"{row['dequant_cublas_ms_32_layers']} ms, bf16 {row['bf16_ms_32_layers']} ms), "
+              f"{row['packed_gbps']} GB/s of {PEAK_GBPS:.0f}")
     print(f"{len(timer.errors)} failures, {timer.skipped} configs skipped at the time limit; "
           f"{time.monotonic() - timer.start:.0f} s; wrote {args.out}" + (f" and {args.table}" if args.table else ""))
 
