@@ -19,10 +19,11 @@ deliver, which is why int4 ran at under half of int8's speed (quant-gemm-cuda-20
 * Scales and zeros stay float32 (as in QuantizedWeight) but transposed to [groups, N], and apply
   once per group and tile: sum_k (q s + z) x = s sum_k q x + z sum_k x (per-channel: once per program).
 
-Compiled for sm_90 (Triton 3.9, checked through ptxas and cuobjdump without a GPU), the "fma" loop
-spends 5.4 instructions per int4 code (2.1 FFMA, 1.1 LOP3, no I2F): issue-bound at about 3 TB/s
-of int4 weights on an H200, above the first kernel's 0.44 TB/s; int8 codes cost about the same per
-code and twice the bytes, so int8 can reach bandwidth.
+Compiled for sm_90 (Triton 3.6, the H200's, and 3.9, through ptxas and cuobjdump without a GPU),
+the "fma" loop spends 5.4-5.6 instructions per int4 code (2.1 FFMA, 1.1-2 LOP3, no I2F) and the
+"dot" loop 5.0-5.7: issue-bound at about 3 TB/s of int4 weights on an H200, against the first
+kernel's measured 0.44 TB/s; int8 codes cost about the same per code at twice the bytes, so int8
+can reach bandwidth.
 
 Two variants read the layout. "fma": one activation row per program, products on the FMA units into
 a [BLOCK_N, SLOT] accumulator that is reduced across K once, at the end; for one or a few rows.
