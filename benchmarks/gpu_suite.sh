@@ -40,7 +40,7 @@ stage_kernels() {
   EMBER_KERNEL_TEST_FULL=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 \
     | tail -3 | tee "$OUT/quant-kernels-full-cuda-$D.log"
 }
-stage_quantgemm() { timeout 300 python3 benchmarks/quant_gemm.py --out "$OUT/quant-gemm-cuda-$D.json" 2>&1 | tail -40; }
+stage_quantgemm() { timeout 280 python3 benchmarks/quant_gemm.py --out "$OUT/quant-gemm-cuda-$D.json" 2>&1 | tail -80; }
 stage_smoke() {
   timeout 150 python3 benchmarks/quality.py --modes none gguf int8 int4 fp8 --max-windows 4 \
     --out "$OUT/quality-smollm2-4layer-cuda-$D.json" 2>&1 | grep -v INFO | tail -8

@@ -1,4 +1,5 @@
-"""quant_matmul and dequantize_kernel against float64 products of the dequantized weight.
+"""quant_matmul, the packed kernel and the dequantize kernels against float64 products of the
+dequantized weight (and GGUF's 4-bit blocks against gguf-py's decoding).
 
 Without a GPU the kernels run in Triton's interpreter on tiny, deliberately ragged shapes (odd K,
 partial groups and tiles); on a GPU the same tests run compiled, and EMBER_KERNEL_TEST_FULL=1
@@ -8,11 +9,16 @@ switches to serving-sized shapes (M in {1, 16, 256}, N = K = 4096, group 128).
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import pathlib
 import zlib
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
 # The interpreter is chosen when the kernels are decorated, so this must precede the import below.
 if not torch.cuda.is_available():
@@ -21,7 +27,12 @@ if not torch.cuda.is_available():
 from ember.kernels import (  # noqa: E402
     QuantMatmulConfig, choose_quant_matmul_config, dequantize_kernel, quant_matmul, quant_matmul_ref,
 )
+from ember.kernels.quant_packed import (  # noqa: E402
+    PackedConfig, choose_packed_config, dequantize_packed, pack_weight, packable, packed_matmul,
+)
+from ember.model.gguf_blocks import quantized as gguf_quantized  # noqa: E402
 from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4  # noqa: E402
+from ember.quant.linear import PACKED_MAX_ROWS, gpu_matmul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = os.environ.get("EMBER_KERNEL_TEST_FULL") == "1"
@@ -167,3 +178,126 @@ def test_fp8_weights_are_rejected() -> None:
     w = QuantizedWeight("fp8", torch.zeros(4, 16, dtype=torch.float8_e4m3fn), torch.ones(4, 1), None, 16, 16)
     with pytest.raises(ValueError, match="int8 or int4"):
         quant_matmul(torch.zeros(1, 16), w)
+
+
+# The packed layout and kernel (ember/kernels/quant_packed.py). Each case is (kind, group, zeros,
+# dtype, (M, N, K), config): M = 1, 3, 16 and 64, every group size the layout takes (16-multiples,
+# one that does not divide the tile, per-channel), odd N and K, split-K on and off, both variants.
+PACKED_CASES = [
+    ("int4", 128, True, torch.bfloat16, (1, 48, 256), PackedConfig("fma", 1, 16, 1, 4, 1)),
+    ("int4", 32, True, torch.float32, (1, 33, 300), PackedConfig("fma", 1, 32, 3, 4, 1)),
+    ("int4", 64, False, torch.float16, (3, 17, 129), PackedConfig("fma", 1, 16, 2, 4, 1)),
+    ("int4", PER_CHANNEL, False, torch.float32, (16, 20, 200), PackedConfig("dot", 16, 16, 2, 4, 1)),
+    ("int4", 16, True, torch.bfloat16, (3, 24, 256), PackedConfig("dot", 16, 32, 1, 4, 1)),
+    ("int4", 48, True, torch.float32, (64, 17, 130), PackedConfig("dot", 64, 16, 2, 4, 1)),
+    ("int8", PER_CHANNEL, False, torch.bfloat16, (1, 40, 256), PackedConfig("fma", 1, 16, 4, 4, 1)),
+    ("int8", 32, False, torch.float32, (3, 17, 129), PackedConfig("fma", 1, 16, 1, 4, 1)),
+    ("int8", 128, True, torch.float16, (16, 33, 200), PackedConfig("dot", 16, 32, 3, 4, 1)),
+    ("int8", 64, True, torch.float32, (64, 20, 130), PackedConfig("dot", 64, 16, 1, 4, 1)),
+    ("int8", 16, False, torch.float32, (1, 17, 72), None),
+    ("int4", 128, True, torch.float32, (3, 40, 256), None),
+]
+
+
+def _packed_id(case: tuple) -> str:
+    kind, group, zeros, dtype, shape, cfg = case
+    variant = f"{cfg.variant}-split{cfg.split_k}" if cfg else "auto"
+    return f"{kind}-g{group or 'K'}-{'zeros' if zeros else 'sym'}-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-{variant}"
+
+
+@pytest.mark.skipif(FULL, reason="tiny ragged shapes: the FULL run covers serving sizes")
+@pytest.mark.parametrize("kind,group,zeros,dtype,shape,config", PACKED_CASES, ids=map(_packed_id, PACKED_CASES))
+def test_packed_matmul_matches_float64(kind: str, group: int, zeros: bool, dtype: torch.dtype,
+                                       shape: tuple[int, int, int], config: PackedConfig | None) -> None:
+    m, n, k = shape
+    gen = _gen("packed", kind, group, zeros, shape)
+    w = make_weight(kind, n, k, group or k, zeros, gen)
+    x = make_input(m, k, dtype, gen)
+    bias = torch.randn(n, generator=gen).to(dtype=dtype, device=DEVICE) if m == 3 else None
+    out = packed_matmul(x, pack_weight(w), bias, config=config)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.double(), expected_f64(x, w, bias), **MATMUL_TOL[dtype])
+
+
+@pytest.mark.parametrize("kind,zeros,group,k", [("int4", True, 32, 301), ("int4", False, 128, 256),
+                                                 ("int8", False, PER_CHANNEL, 129), ("int8", True, 16, 200)])
+def test_packed_layout_keeps_the_weight_exactly(kind: str, zeros: bool, group: int, k: int) -> None:
+    """Packing is lossless: the packed codes dequantize to formats.dequantize bit for bit."""
+    w = make_weight(kind, 37, k, group or k, zeros, _gen("layout", kind, zeros, group, k))
+    packed = pack_weight(w)
+    assert packed.qweight.dtype == torch.int32 and packed.qweight.shape[0] == 37
+    assert packed.qweight.shape[1] * (32 // packed.bits) % packed.tile_k == 0
+    assert torch.equal(dequantize_packed(packed), dequantize(w))
+
+
+def _random_q4_k(rows: int, cols: int, gen: torch.Generator) -> np.ndarray:
+    """Random Q4_K blocks (gguf-py has no Q4_K quantizer): random codes, sub-block scales and mins,
+    with the two fp16 super-block factors set to finite values."""
+    block_bytes, block_size = gguf.GGML_QUANT_SIZES[QType.Q4_K][1], gguf.GGML_QUANT_SIZES[QType.Q4_K][0]
+    blocks = torch.randint(0, 256, (rows, cols // block_size, block_bytes), generator=gen, dtype=torch.uint8).numpy()
+    factors = (0.5 + torch.rand(rows, cols // block_size, 2, generator=gen)).numpy() * np.array([0.01, 0.02])
+    blocks[:, :, :4] = factors.astype(np.float16).view(np.uint8).reshape(rows, cols // block_size, 4)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q4_K])
+def test_packed_matmul_reads_gguf_q4_forms(qtype: QType) -> None:
+    """GGUF's 4-bit blocks arrive as int4 group 32 with zeros; the packed kernel multiplies by
+    exactly what gguf-py decodes."""
+    gen = _gen("gguf", qtype.name)
+    rows, cols = 24, 512
+    if qtype == QType.Q4_K:
+        raw = _random_q4_k(rows, cols, gen)
+    else:
+        raw = gguf.quants.quantize(torch.randn(rows, cols, generator=gen).numpy(), qtype)
+    w = gguf_quantized(raw, qtype, (rows, cols)).to(DEVICE)
+    assert (w.kind, w.group_size, w.zeros is not None) == ("int4", 32, True)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, cols)).double().to(DEVICE)
+    x = make_input(2, cols, torch.float32, gen)
+    out = packed_matmul(x, pack_weight(w), config=PackedConfig("fma", 1, 16, 4, 4, 1))
+    torch.testing.assert_close(out.double(), x.double() @ reference.T, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_split_k_is_deterministic_and_leaves_counters_zero() -> None:
+    """The last split of each tile sums the partials in split order and resets its counter, so a
+    second call (a CUDA graph replay) gives the same bits; a counter left non-zero would make every
+    split of the second call think another is last, and no output would be written."""
+    gen = _gen("determinism")
+    w = pack_weight(make_weight("int4", 40, 512, 64, True, gen))
+    x = make_input(2, 512, torch.float32, gen)
+    cfg = PackedConfig("fma", 1, 16, 4, 4, 1)
+    first = packed_matmul(x, w, config=cfg)
+    assert torch.equal(packed_matmul(x, w, config=cfg), first)
+
+
+def test_packed_config_table_and_heuristic(tmp_path: pathlib.Path) -> None:
+    """A table entry serves every M up to its own (the smallest tuned M at or above); shapes absent
+    from the table get the heuristic: one-row FMA programs for decode, filling the SMs with split-K."""
+    tuned = PackedConfig("dot", 16, 64, 2, 4, 3)
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"entries": [
+        {"kind": "int4", "n": 4096, "k": 4096, "m": 1, "config": PackedConfig("fma", 1, 128, 8, 4, 2)._asdict()},
+        {"kind": "int4", "n": 4096, "k": 4096, "m": 16, "config": tuned._asdict()}]}))
+    assert choose_packed_config(1, 4096, 4096, "int4", 132, str(table)).variant == "fma"
+    assert choose_packed_config(4, 4096, 4096, "int4", 132, str(table)) == tuned
+    assert choose_packed_config(64, 4096, 4096, "int4", 132, str(table)) == tuned
+    for n, k in [(1024, 4096), (6144, 4096), (4096, 14336)]:
+        cfg = choose_packed_config(1, n, k, "int8", 132, str(table))
+        assert cfg.variant == "fma" and -(-n // cfg.block_n) * cfg.split_k >= 132
+    assert choose_packed_config(16, 4096, 4096, "int8", 132, str(tmp_path / "missing.json")).variant == "dot"
+
+
+def test_gpu_matmul_takes_the_packed_kernel_then_cublas() -> None:
+    """QuantLinear's GPU dispatch: the packed layout up to PACKED_MAX_ROWS, its dequantized weight + cuBLAS above;
+    a weight the layout does not take (groups of 8) keeps to quant_matmul."""
+    gen = _gen("dispatch")
+    w = make_weight("int4", 24, 256, 32, True, gen)
+    for m in (2, PACKED_MAX_ROWS + 1):
+        x = make_input(m, 256, torch.float32, gen)
+        torch.testing.assert_close(gpu_matmul(x, w, pack_weight(w)).double(), expected_f64(x, w, None),
+                                   **MATMUL_TOL[torch.float32])
+    odd = make_weight("int8", 24, 64, 8, False, gen)
+    assert not packable(odd)
+    x = make_input(1, 64, torch.float32, gen)
+    torch.testing.assert_close(gpu_matmul(x, odd, None).double(), expected_f64(x, odd, None),
+                               **MATMUL_TOL[torch.float32])

@@ -10,6 +10,7 @@ which the GPU path switches is measured (benchmarks/quant_gemm.py), not guessed.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +30,16 @@ from ember.quant.formats import (
 from ember.quant.quantize import quantize
 from ember.quant.screened_argmax import ScreenedArgmax
 
+if TYPE_CHECKING:
+    from ember.kernels.quant_packed import PackedQuantWeight
+
 # Rows at and below which the fused dequantizing GEMM beats dequantize + cuBLAS on an H200
 # (benchmarks/results/quant-gemm-cuda-2026-12-02.json: int8 crosses between 64 and 128 rows, int4,
 # whose dequantize pass is slower, between 128 and 256).
 GPU_FUSED_MAX_ROWS = {"int8": 64, "int4": 128}
+# Rows at and below which the packed kernel runs (the rows benchmarks/quant_gemm.py tunes it for);
+# above, the packed codes are dequantized for cuBLAS.
+PACKED_MAX_ROWS = 64
 _TINYGEMM_GROUPS = (32, 64, 128, 256)
 _CPU_ACT_DTYPE = torch.bfloat16
 # Rows at and above which a packed int4 weight is expanded to bf16 for oneDNN's GEMM instead of
@@ -72,6 +79,29 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
     return "dequantize", ()
 
 
+def _gpu_layout(w: QuantizedWeight) -> PackedQuantWeight | None:
+    """The packed decode layout (ember/kernels/quant_packed.py), made once at load for int4/int8
+    weights it covers; it replaces the file's codes, so the weight's memory stays the same."""
+    from ember.kernels.quant_packed import pack_weight, packable
+
+    return pack_weight(w) if packable(w) else None
+
+
+def gpu_matmul(x: torch.Tensor, w: QuantizedWeight, packed: PackedQuantWeight | None) -> torch.Tensor:
+    """x @ W^T through Triton: the packed kernel up to PACKED_MAX_ROWS rows, dequantize + cuBLAS above;
+    weights without a packed layout take quant_matmul up to GPU_FUSED_MAX_ROWS."""
+    from ember.kernels import dequantize_kernel, quant_matmul
+    from ember.kernels.quant_packed import dequantize_packed, packed_matmul
+
+    if packed is not None:
+        if x.shape[0] <= PACKED_MAX_ROWS:
+            return packed_matmul(x, packed)
+        return F.linear(x, dequantize_packed(packed, x.dtype))
+    if x.shape[0] <= GPU_FUSED_MAX_ROWS[w.kind]:
+        return quant_matmul(x, w)
+    return F.linear(x, dequantize_kernel(w, x.dtype))
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T + b with W quantized. `parts` of different formats (GGUF files mix types inside a
     fused q/k/v) run one matmul each and concatenate; parts of one format are fused into one."""
@@ -86,23 +116,26 @@ class QuantLinear(nn.Module):
         on_cpu = _device(parts[0]).type == "cpu"
         self._cpu = [_cpu_layout(p, dtype) if isinstance(p, QuantizedWeight) and on_cpu else ("gpu", ())
                      for p in parts]
+        self._gpu = [_gpu_layout(p) if isinstance(p, QuantizedWeight) and _device(p).type == "cuda" else None
+                     for p in parts]
         # A packed copy replaces the codes it was made from: keep only their shape.
-        self.parts = [_shape_only(p) if layout in ("int4pack", "dense") else p
-                      for p, (layout, _) in zip(parts, self._cpu)]
+        self.parts = [_shape_only(p) if layout in ("int4pack", "dense") or gpu is not None else p
+                      for p, (layout, _), gpu in zip(parts, self._cpu, self._gpu)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if len(self.parts) == 1:
-            y = self._matmul(x, self.parts[0], self._cpu[0])
+            y = self._matmul(x, self.parts[0], self._cpu[0], self._gpu[0])
         else:
-            y = torch.cat([self._matmul(x, p, cpu) for p, cpu in zip(self.parts, self._cpu)], dim=-1)
+            y = torch.cat([self._matmul(x, p, cpu, gpu) for p, cpu, gpu in zip(self.parts, self._cpu, self._gpu)],
+                          dim=-1)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
     def _matmul(self, x: torch.Tensor, w: QuantizedWeight | torch.Tensor,
-                cpu: tuple[str, tuple[torch.Tensor, ...]]) -> torch.Tensor:
+                cpu: tuple[str, tuple[torch.Tensor, ...]], gpu: PackedQuantWeight | None) -> torch.Tensor:
         if not isinstance(w, QuantizedWeight):
             return F.linear(x, w)
         layout, tensors = cpu
@@ -113,11 +146,7 @@ class QuantLinear(nn.Module):
         if w.kind == "fp8":
             return _fp8_matmul(x, w)
         if use_triton(x):
-            from ember.kernels import dequantize_kernel, quant_matmul
-
-            if x.shape[0] <= GPU_FUSED_MAX_ROWS[w.kind]:
-                return quant_matmul(x, w)
-            return F.linear(x, dequantize_kernel(w, x.dtype))
+            return gpu_matmul(x, w, gpu)
         if layout == "int8pack":
             return torch._weight_int8pack_mm(x.to(_CPU_ACT_DTYPE), *tensors).to(x.dtype)
         if layout == "int4pack":
@@ -139,7 +168,8 @@ class QuantLinear(nn.Module):
         """Every tensor the weight occupies (codes, scales, zeros, dense parts, CPU-packed copies), for
         memory accounting."""
         tensors = [t for p in self.parts for t in (p.tensors() if isinstance(p, QuantizedWeight) else [p])]
-        return tensors + [t for _, packed in self._cpu for t in packed]
+        return (tensors + [t for _, packed in self._cpu for t in packed]
+                + [t for packed in self._gpu if packed is not None for t in packed.tensors()])
 
 
 def _unpack_int4pack_t(packed: torch.Tensor) -> torch.Tensor:
