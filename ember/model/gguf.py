@@ -34,12 +34,14 @@ from ember.model.gguf_blocks import (
 )
 from ember.model.gguf_reader import GGUFFile, GGUFTensor
 from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
+from ember.quant.experts import QuantizedExperts
 from ember.quant.formats import QuantizedWeight
 
 logger = logging.getLogger("ember")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
 
 _GLOBAL_TENSORS = {
@@ -65,8 +67,13 @@ _LAYER_TENSORS = {
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
                         "post_attention_norm": "post_attention_layernorm",
                         "post_ffw_norm": "post_feedforward_layernorm"}
-# Where an architecture's tensor differs from the table above: Phi-3's ffn_up holds gate and up stacked.
-_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Mixture-of-experts layers: the router and each projection stacked over experts (3-D, ember/model/moe.py).
+_MOE_LAYER_TENSORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                      "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+# Where an architecture's tensor differs from the table above: Phi-3's ffn_up holds gate and up stacked;
+# llama files with `expert_count` are Mixtral.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "qwen3moe": _MOE_LAYER_TENSORS,
+                       "llama": _MOE_LAYER_TENSORS}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's llama3 rope scaling, precomputed per frequency; HF derives it from config instead.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -126,12 +133,14 @@ class GGUFModel:
     def add_bos_token(self) -> bool:
         return self.vocab.add_bos_token
 
-    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight |
+                                                                      QuantizedExperts]]:
         """Yield (HF name, weight) one tensor at a time, so peak memory stays near one tensor
         beyond the memory-mapped file.
 
         Weights are float32 arrays, except that with keep_quantized every 2-D block-quantized
-        tensor comes as the QuantizedWeight that dequantizes to exactly that array.
+        tensor comes as the QuantizedWeight that dequantizes to exactly that array (stacked experts
+        as QuantizedExperts).
         """
         logger.info("%s: %s", os.path.basename(self.path), self._type_summary(keep_quantized))
         arch = self.hf_config["model_type"]
@@ -156,7 +165,7 @@ class GGUFModel:
                 # cost 1.8 s of the default model's 2.2 s load on a busy machine).
                 data, n_head = _unpermute(data.reshape(shape[0], -1), n_head), None
             if keep_quantized and _keeps_quantized(tensor):
-                weight = quantized(data, tensor.tensor_type, shape)
+                weight = _quantized(data, tensor.tensor_type, shape)
             else:
                 weight = dequantize(data, tensor.tensor_type, shape)
             if n_head is not None:
@@ -185,8 +194,22 @@ def _known_tensor_names(arch: str) -> str:
 
 
 def _keeps_quantized(tensor: GGUFTensor) -> bool:
-    """Matrices of a type with an exact QuantizedWeight form stay quantized (vectors are small)."""
-    return tensor.tensor_type in QUANTIZED_TYPES and len(_numpy_shape(tensor)) == 2
+    """Matrices of a type with an exact QuantizedWeight form stay quantized (vectors are small), and so do
+    stacked experts; a MoE router never does (it is small, and decides which experts run at all)."""
+    if tensor.tensor_type not in QUANTIZED_TYPES or ".ffn_gate_inp." in tensor.name:
+        return False
+    return len(_numpy_shape(tensor)) == (3 if tensor.name.endswith("_exps.weight") else 2)
+
+
+def _quantized(data: np.ndarray, qtype, shape: tuple[int, ...]) -> QuantizedWeight | QuantizedExperts:
+    """A matrix's QuantizedWeight; stacked experts [E, N, K] as the rows of one [E * N, K] matrix, which
+    every block type stores exactly as it stores E matrices one after another."""
+    if len(shape) == 2:
+        return quantized(data, qtype, shape)
+    e, n, k = shape
+    w = quantized(data, qtype, (e * n, k))
+    return QuantizedExperts(w.kind, w.qweight.view(e, n, -1), w.scales.view(e, n, -1),
+                            None if w.zeros is None else w.zeros.view(e, n, -1), w.group_size, w.in_features)
 
 
 def _numpy_shape(tensor: GGUFTensor) -> tuple[int, ...]:
@@ -257,7 +280,23 @@ def _hf_config(
         "eos_token_id": eos_id,
         "torch_dtype": "float32",
         **_sliding_window_config(meta, arch),
+        **_moe_config(meta, arch, tensor_names),  # last: a llama file with experts (and a window) is Mixtral
     }
+
+
+def _moe_config(meta: GGUFMetadata, arch: str, tensor_names: set[str]) -> dict:
+    """The HF config keys of a mixture of experts. llama.cpp renormalises the top-k weights of both
+    (Qwen3-MoE's released models set norm_topk_prob too), and a layer without a router is dense."""
+    experts = meta.get(f"{arch}.expert_count")
+    if not experts:
+        return {}
+    top_k = meta.require(f"{arch}.expert_used_count")
+    if arch == "llama":  # Mixtral, whose feed_forward_length is one expert's
+        return {"architectures": ["MixtralForCausalLM"], "num_local_experts": experts, "num_experts_per_tok": top_k}
+    layers = meta.require(f"{arch}.block_count")
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
+            "moe_intermediate_size": meta.require(f"{arch}.expert_feed_forward_length"),
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]}
 
 
 # llama.cpp's fixed Gemma facts (llama-model.cpp): every 2nd (Gemma 2) / 6th (Gemma 3) layer is global,

@@ -25,6 +25,7 @@ from ember.engine.request import Request
 from ember.engine.scheduler import ScheduledBatch
 from ember.model.attention import AttentionMetadata
 from ember.model.loader import ModelFiles
+from ember.model.moe import FusedExperts
 from ember.model.registry import model_class
 from ember.quant.formats import FP8_DTYPE
 from ember.quant.linear import QuantEmbedding, QuantLinear
@@ -253,7 +254,7 @@ class ModelRunner:
         embedding and LM head counted once)."""
         tensors = {id(p): p for p in self.model.parameters()}
         for module in self.model.modules():
-            if isinstance(module, (QuantLinear, QuantEmbedding)):
+            if isinstance(module, (QuantLinear, QuantEmbedding, FusedExperts)):
                 tensors.update((id(t), t) for t in module.weight_tensors())
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
