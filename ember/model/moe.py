@@ -122,22 +122,30 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert (a stable sort of the flattened choices), one gate/up and one down
-        matmul per expert that any token chose, summed into each token's row in expert order as
-        transformers sums them. Quantized experts are dequantized one routed expert at a time."""
+        matmul per expert that any token chose; quantized experts are dequantized one routed expert at a
+        time. Each token's k results are then added in ascending expert order, the order in which
+        transformers accumulates them, so float32 results agree bit for bit where the matmuls do."""
+        ids, slot = ids.sort(dim=1)
+        weights = weights.gather(1, slot)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         tokens = order // ids.shape[1]
-        scales = weights.flatten()[order]
-        out = torch.zeros_like(x)
+        scales = weights.flatten()[order, None]
+        results = x.new_empty(flat.shape[0], x.shape[1])  # one row per (token, choice), grouped by expert
         start = 0
         for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
             if n == 0:
                 continue
-            rows, scale = tokens[start:start + n], scales[start:start + n, None]
-            gate, up = F.linear(x[rows], _expert(self.w13, e, x.dtype)).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, _expert(self.w2, e, x.dtype))
-            out.index_add_(0, rows, (y * scale).to(out.dtype))
+            rows = slice(start, start + n)
+            gate, up = F.linear(x[tokens[rows]], _expert(self.w13, e, x.dtype)).chunk(2, dim=-1)
+            results[rows] = F.linear(F.silu(gate) * up, _expert(self.w2, e, x.dtype)) * scales[rows]
             start += n
+        per_token = torch.empty_like(results)
+        per_token[order] = results
+        per_token = per_token.view(*ids.shape, -1)
+        out = per_token[:, 0].clone()
+        for j in range(1, ids.shape[1]):
+            out += per_token[:, j]
         return out
 
     # ---- loading --------------------------------------------------------------------------
