@@ -31,7 +31,7 @@ from test_new_archs import (
 )
 from test_tensor_parallel import _assert_same
 
-from ember import LLM
+from ember import LLM, SamplingParams
 from ember.config import ModelConfig
 from ember.model.moe import FusedExperts, SparseMoeBlock, route
 from ember.model.sharding import ShardLayout
@@ -323,3 +323,30 @@ def test_gguf_with_quantized_experts_matches_its_dequantized_twin(gguf_twins, ar
 def test_tp2_gguf_quantized_experts(gguf_twins):
     """Quantized experts split: gate/up by rows, down by whole Q8_0 blocks of columns."""
     _assert_same(str(gguf_twins["qwen3-moe"][0]))
+
+
+# --- the GPU path (fused Triton MoE kernels; through the interpreter on CPU) ------------------------
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_triton_path_matches_torch_path(moe_checkpoints, monkeypatch, quantization):
+    """The engine with every Triton kernel (the fused MoE's routing and grouped GEMMs included) gives
+    the PyTorch path's tokens, dense and with int8 experts. (With int8, the PyTorch path's other linear
+    layers round activations to bf16 on CPU: logprobs then differ by ~2e-3.)"""
+    pytest.importorskip("ember.kernels.fused_moe", reason="the fused MoE kernels come with the kernels branch")
+    from ember.model import backend
+
+    prompts, params = PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+
+    def run() -> list:
+        llm = LLM(str(moe_checkpoints["qwen3-moe-step2"]), device=DEVICE, dtype="float32", engine_process=False,
+                  kv_cache_memory=0.01, max_num_batched_tokens=16, quantization=quantization)
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    torch_outs = run()
+    monkeypatch.setattr(backend, "FORCE_TRITON", True)
+    for a, b in zip(torch_outs, run()):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in la.items()} == pytest.approx({t: v.logprob for t, v in lb.items()},
+                                                                           abs=1e-2 if quantization else 1e-3)
