@@ -42,8 +42,8 @@ class MoeConfig:
     num_experts: int
     top_k: int
     intermediate_size: int  # one expert's
-    renormalize: bool  # the top-k softmax weights divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
-    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead (Qwen3-MoE: mlp_only_layers, decoder_sparse_step)
+    renormalize: bool  # top-k softmax weights divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # dense-MLP layers (Qwen3-MoE: mlp_only_layers, decoder_sparse_step)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Each token's MLP output is the sum over its top-k experts (by a softmax over all
 top-k weights renormalised to sum to one where the model says so) of weight * down(silu(gate) * up).
 
 Every expert of a layer lives in one of two stacked tensors, the fused MoE kernels' operands
-(ember/kernels/fused_moe.py, moe_routing.py): `w13` [E, 2I, H] holds each expert's gate rows then its up rows, `w2`
+(ember/kernels/fused_moe.py): `w13` [E, 2I, H] holds each expert's gate rows then its up rows, `w2`
 [E, H, I] its down projection; either dense or `QuantizedExperts`. Under tensor parallelism each rank
 holds rows start..start+I/n of every expert's gate and up and the same columns of its down
 projection, so its output is a partial sum, all-reduced by the decoder layer like a dense MLP's.
