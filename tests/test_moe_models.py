@@ -35,7 +35,13 @@ from ember import LLM, SamplingParams
 from ember.config import ModelConfig
 from ember.model.moe import FusedExperts, SparseMoeBlock, route
 from ember.model.sharding import ShardLayout
-from ember.quant.experts import QuantizedExperts, dequantize_experts
+from ember.quant.experts import (
+    QuantizedExperts,
+    dequantize_experts,
+    quantize_experts,
+    stack_experts,
+)
+from ember.quant.quantize import quantize_int4
 
 ARCHS = ("qwen3-moe", "qwen3-moe-step2", "mixtral")
 
@@ -138,9 +144,7 @@ def test_grouped_experts_match_a_per_token_reference(kind, routing):
     if routing == "unused-experts":  # only experts 1, 2 and 6 receive tokens
         logits[:, [0, 3, 4, 5, 7]] -= 100
     weights, ids = route(logits, k, renormalize=True)
-    layout = ShardLayout(rank=0, size=1, head_dim=16, num_heads=4, num_kv_heads=2, kv_head_start=0,
-                         intermediate_size=256, vocab_size=64, vocab_per_rank=64, moe_intermediate_size=inter)
-    module = FusedExperts(experts, hidden, layout, layer=0)
+    module = FusedExperts(experts, hidden, _layout(inter), layer=0)
     module.w13.data.copy_(w13)
     module.w2.data.copy_(w2)
     if kind is not None:
@@ -151,6 +155,59 @@ def test_grouped_experts_match_a_per_token_reference(kind, routing):
     torch.testing.assert_close(got.double(), _reference(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
     if routing == "unused-experts":
         assert set(ids.flatten().tolist()) == {1, 2, 6}
+
+
+def _layout(inter: int, rank: int = 0, size: int = 1) -> ShardLayout:
+    return ShardLayout(rank=rank, size=size, head_dim=16, num_heads=4, num_kv_heads=2, kv_head_start=0,
+                       intermediate_size=256, vocab_size=64, vocab_per_rank=64, moe_intermediate_size=inter // size)
+
+
+def _dense(w) -> torch.Tensor:
+    return dequantize_experts(w) if isinstance(w, QuantizedExperts) else w.data
+
+
+@pytest.mark.parametrize("rank,size", [(0, 1), (1, 2)])
+@pytest.mark.parametrize("form", ["per-expert", "stacked", "gate_up", "quantized", "quantized-mixed"])
+def test_expert_tensors_load_in_every_form(form, rank, size):
+    """Every layout a checkpoint may use lands in the same w13 / w2 (this rank's slice of each expert):
+    stacked quantized gate and up of one format stay quantized, of two formats they are decoded."""
+    torch.manual_seed(0)
+    experts, hidden, inter = 4, 64, 64
+    gate, up, down = torch.randn(experts, inter, hidden), torch.randn(experts, inter, hidden), \
+        torch.randn(experts, hidden, inter)
+    name = "model.layers.0.mlp.experts."
+    if form == "per-expert":
+        tensors = {f"{name}{e}.{p}.weight": w[e] for e in range(experts)
+                   for p, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))}
+    elif form == "stacked":
+        tensors = {name + "gate_proj.weight": gate, name + "up_proj.weight": up, name + "down_proj.weight": down}
+    elif form == "gate_up":  # transformers' in-memory names
+        tensors = {name + "gate_up_proj": torch.cat([gate, up], dim=1), name + "down_proj": down}
+    else:
+        # down in groups of 32 inputs, so that two ranks split it on group boundaries
+        q = [quantize_experts(w, kind) for w, kind in zip((gate, up), ("int4", "int4" if form == "quantized" else "int8"))]
+        q.append(stack_experts([quantize_int4(w, group_size=32) for w in down]))
+        gate, up, down = (dequantize_experts(w) for w in q)
+        tensors = dict(zip((name + "gate_proj.weight", name + "up_proj.weight", name + "down_proj.weight"), q))
+    module = FusedExperts(experts, hidden, _layout(inter, rank, size), layer=0)
+    for n, t in tensors.items():
+        module.load(n, t, "ckpt")
+    module.finish_loading("ckpt")
+    assert isinstance(module.w13, QuantizedExperts) == (form == "quantized")
+    assert isinstance(module.w2, QuantizedExperts) == form.startswith("quantized")
+    rows = slice(rank * inter // size, (rank + 1) * inter // size)
+    torch.testing.assert_close(_dense(module.w13), torch.cat([gate[:, rows], up[:, rows]], dim=1))
+    torch.testing.assert_close(_dense(module.w2), down[:, :, rows])
+
+
+def test_missing_expert_is_named():
+    module = FusedExperts(4, 64, _layout(32), layer=3)
+    for e in (0, 1, 3):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            module.load(f"model.layers.3.mlp.experts.{e}.{p}.weight", torch.zeros(64 if p == "down_proj" else 32,
+                                                                                   32 if p == "down_proj" else 64), "x")
+    with pytest.raises(ValueError, match=r"missing the gate projection of experts \[2\] in layer 3"):
+        module.finish_loading("x")
 
 
 def test_route_renormalises_only_when_asked():
