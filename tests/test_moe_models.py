@@ -44,6 +44,8 @@ from ember.quant.experts import (
 from ember.quant.quantize import quantize_int4
 
 ARCHS = ("qwen3-moe", "qwen3-moe-step2", "mixtral")
+MOE_LAYERS = {"qwen3-moe": [True, False, True], "qwen3-moe-step2": [False, True, False, True],
+              "mixtral": [True, True]}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,8 @@ def test_matches_transformers(moe_checkpoints, references, arch, scenario):
     if scenario == "preempted":  # 14 blocks of 8 hold about two of these sequences at once
         args["kv_cache_memory"] = 14 * _block_bytes(_config(path), 8) / 2**30
     llm = LLM(str(path), device=DEVICE, dtype="float32", engine_process=False, **{"kv_cache_memory": 0.02, **args})
+    # transformers' rule: a layer is sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
+    assert _moe_layers(llm) == MOE_LAYERS[arch]
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     if scenario == "preempted":
         assert llm.llm_engine.scheduler_stats().num_preemptions > 0
@@ -95,14 +99,6 @@ def test_matches_transformers(moe_checkpoints, references, arch, scenario):
 
 def _moe_layers(llm: LLM) -> list[bool]:
     return [isinstance(layer.mlp, SparseMoeBlock) for layer in inproc_core(llm).runner.model.model.layers]
-
-
-def test_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step(moe_checkpoints):
-    """transformers' rule: a layer is sparse unless listed in mlp_only_layers or (i + 1) % step != 0."""
-    layers = {arch: _moe_layers(LLM(str(moe_checkpoints[arch]), device=DEVICE, dtype="float32",
-                                    engine_process=False, kv_cache_memory=0.01)) for arch in ARCHS}
-    assert layers == {"qwen3-moe": [True, False, True], "qwen3-moe-step2": [False, True, False, True],
-                      "mixtral": [True, True]}
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -221,6 +217,9 @@ def test_route_renormalises_only_when_asked():
     torch.testing.assert_close(weights, logits[:, :2].softmax(-1))
 
 
+FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+
 def test_load_time_quantization_quantizes_the_experts(moe_checkpoints):
     """int8 experts (and linear layers; the router stays float): the first token of every prompt is the
     float model's, its top-5 logprobs within 0.25 (per-channel int8 with bf16 activations on CPU moved
@@ -232,7 +231,7 @@ def test_load_time_quantization_quantizes_the_experts(moe_checkpoints):
         moe = inproc_core(llm).runner.model.model.layers[0].mlp
         assert isinstance(moe.experts.w13, QuantizedExperts) == isinstance(moe.experts.w2, QuantizedExperts) == bool(q)
         assert moe.gate.weight.dtype == torch.float32
-        outs[q] = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        outs[q] = [o.outputs[0] for o in llm.generate(PROMPTS, FIRST_TOKEN, use_tqdm=False)]
     for ref, got in zip(outs[None], outs["int8"]):
         assert got.token_ids[0] == ref.token_ids[0]
         assert {t: v.logprob for t, v in got.logprobs[0].items()} == pytest.approx(
@@ -242,7 +241,8 @@ def test_load_time_quantization_quantizes_the_experts(moe_checkpoints):
 def test_dummy_weights_run(moe_checkpoints):
     llm = LLM(str(moe_checkpoints["mixtral"]), device=DEVICE, dtype="float32", engine_process=False,
               kv_cache_memory=0.01, load_format="dummy")
-    assert len(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)[1].outputs[0].token_ids) == NUM_TOKENS
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:2], params, use_tqdm=False)[1].outputs[0].token_ids) == 4
 
 
 # --- tensor parallelism -----------------------------------------------------------------------
@@ -353,6 +353,9 @@ def gguf_twins(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     return twins
 
 
+TWIN_PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+
 @pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
 def test_gguf_with_quantized_experts_matches_its_dequantized_twin(gguf_twins, arch):
     path, twin = gguf_twins[arch]
@@ -364,12 +367,12 @@ def test_gguf_with_quantized_experts_matches_its_dequantized_twin(gguf_twins, ar
         twin_config = ModelConfig.from_hf_config(_config(twin))
         assert (runner.model.config.architecture, runner.model.config.moe) == (twin_config.architecture,
                                                                              twin_config.moe)
-        assert _moe_layers(llm) == ([True, False, True] if arch == "qwen3-moe" else [True, True])
+        assert _moe_layers(llm) == MOE_LAYERS[arch]
         experts = runner.model.model.layers[0].mlp.experts
         assert isinstance(experts.w13, QuantizedExperts) == (model == path)
         if model == path:
             assert (experts.w13.kind, experts.w2.kind, experts.w2.group_size) == ("int4", "int8", 32)
-        outputs.append(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        outputs.append(llm.generate(PROMPTS[::2], TWIN_PARAMS, use_tqdm=False))
     for gguf_out, twin_out in zip(*outputs):
         assert gguf_out.outputs[0].token_ids == twin_out.outputs[0].token_ids
         for a, b in zip(gguf_out.outputs[0].logprobs, twin_out.outputs[0].logprobs):
