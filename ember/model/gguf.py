@@ -67,13 +67,12 @@ _LAYER_TENSORS = {
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
                         "post_attention_norm": "post_attention_layernorm",
                         "post_ffw_norm": "post_feedforward_layernorm"}
-# Mixture-of-experts layers: the router and each projection stacked over experts (3-D, ember/model/moe.py).
+# Where an architecture's tensor differs from the table above: Phi-3's ffn_up holds gate and up stacked.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Files with `{arch}.expert_count` (qwen3moe; llama: Mixtral): the router and each projection stacked over
+# experts (3-D, ember/model/moe.py).
 _MOE_LAYER_TENSORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
                       "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
-# Where an architecture's tensor differs from the table above: Phi-3's ffn_up holds gate and up stacked;
-# llama files with `expert_count` are Mixtral.
-_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "qwen3moe": _MOE_LAYER_TENSORS,
-                       "llama": _MOE_LAYER_TENSORS}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's llama3 rope scaling, precomputed per frequency; HF derives it from config instead.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -83,15 +82,16 @@ _CONFIG_TENSORS = {_ROPE_FREQS, *_ROPE_FACTORS.values()}
 
 
 @functools.cache
-def _layer_tensors(arch: str) -> dict[str, str]:
-    """llama.cpp's per-layer tensor names -> HF's, for one architecture."""
-    return {**(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS), **_ARCH_LAYER_TENSORS.get(arch, {})}
+def _layer_tensors(arch: str, experts: bool = False) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names -> HF's, for one architecture (with experts or without)."""
+    return {**(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS), **_ARCH_LAYER_TENSORS.get(arch, {}),
+            **(_MOE_LAYER_TENSORS if experts else {})}
 
 
-def _hf_tensor_name(name: str, arch: str) -> str | None:
+def _hf_tensor_name(name: str, arch: str, experts: bool) -> str | None:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
-    layer_tensors = _layer_tensors(arch)
+    layer_tensors = _layer_tensors(arch, experts)
     match = _LAYER_TENSOR_RE.fullmatch(name)
     if match is None or match[2] not in layer_tensors:
         return None
@@ -144,6 +144,7 @@ class GGUFModel:
         """
         logger.info("%s: %s", os.path.basename(self.path), self._type_summary(keep_quantized))
         arch = self.hf_config["model_type"]
+        experts = _has_experts(self.hf_config)
         permuted_heads = {}
         if arch == "llama":
             permuted_heads = {
@@ -153,7 +154,7 @@ class GGUFModel:
         for tensor in self._reader.tensors:
             if tensor.name in _CONFIG_TENSORS:
                 continue
-            hf_name = _hf_tensor_name(tensor.name, arch)
+            hf_name = _hf_tensor_name(tensor.name, arch, experts)
             assert hf_name is not None, "load_gguf validated every tensor name"
             shape, data = _numpy_shape(tensor), tensor.data
             self._reader.populate(tensor)
@@ -188,8 +189,12 @@ def _form(tensor: GGUFTensor, keep_quantized: bool) -> str:
     return "float" if tensor.tensor_type in FLOAT_TYPES else "decoded to float"
 
 
-def _known_tensor_names(arch: str) -> str:
-    layer = (f"blk.N.{name}.weight" for name in _layer_tensors(arch))
+def _has_experts(hf_config: dict) -> bool:
+    return bool(hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+
+
+def _known_tensor_names(arch: str, experts: bool) -> str:
+    layer = (f"blk.N.{name}.weight" for name in _layer_tensors(arch, experts))
     return ", ".join([*_GLOBAL_TENSORS, *sorted(_CONFIG_TENSORS), *layer]) + " (and .bias of blk.N tensors)"
 
 
@@ -237,12 +242,13 @@ def load_gguf(path: str) -> GGUFModel:
             path, f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
         )
     names = {tensor.name for tensor in reader.tensors}
+    experts = bool(meta.get(f"{arch}.expert_count"))
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
-        if _hf_tensor_name(tensor.name, arch) is None:
+        if _hf_tensor_name(tensor.name, arch, experts) is None:
             raise ModelLoadError(path, f"unexpected tensor {tensor.name!r} for architecture {arch!r} "
-                                       f"(supported: {_known_tensor_names(arch)})")
+                                       f"(supported: {_known_tensor_names(arch, experts)})")
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise ModelLoadError(path, f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name} "
                                        f"(supported: {supported_names()})")
