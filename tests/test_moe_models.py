@@ -80,8 +80,10 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("arch", ARCHS)
+# (qwen3-moe-step2 differs from qwen3-moe in which layers are sparse and in top-3 renormalised routing,
+# neither of which preemption touches: it runs batched only, to keep the file's CI time down)
+@pytest.mark.parametrize("arch,scenario", [(arch, scenario) for arch in ARCHS for scenario in SCENARIOS
+                                           if (arch, scenario) != ("qwen3-moe-step2", "preempted")])
 def test_matches_transformers(moe_checkpoints, references, arch, scenario):
     path = moe_checkpoints[arch]
     args = dict(SCENARIOS[scenario])
