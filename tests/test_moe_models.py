@@ -143,6 +143,7 @@ def test_grouped_experts_match_a_per_token_reference(kind, routing):
         logits[:, [0, 3, 4, 5, 7]] -= 100
     weights, ids = route(logits, k, renormalize=True)
     module = FusedExperts(experts, hidden, _layout(inter), layer=0)
+    module.materialize()
     module.w13.data.copy_(w13)
     module.w2.data.copy_(w2)
     if kind is not None:
@@ -193,6 +194,7 @@ def test_expert_tensors_load_in_every_form(form, rank, size):
     module.finish_loading("ckpt")
     assert isinstance(module.w13, QuantizedExperts) == (form == "quantized")
     assert isinstance(module.w2, QuantizedExperts) == form.startswith("quantized")
+    assert not any(p.is_meta for p in module.parameters())  # allocated where float data was written
     rows = slice(rank * inter // size, (rank + 1) * inter // size)
     torch.testing.assert_close(_dense(module.w13), torch.cat([gate[:, rows], up[:, rows]], dim=1))
     torch.testing.assert_close(_dense(module.w2), down[:, :, rows])
@@ -372,6 +374,7 @@ def test_gguf_with_quantized_experts_matches_its_dequantized_twin(gguf_twins, ar
         assert _moe_layers(llm) == MOE_LAYERS[arch]
         experts = runner.model.model.layers[0].mlp.experts
         assert isinstance(experts.w13, QuantizedExperts) == (model == path)
+        assert not any(p.is_meta for p in runner.model.parameters())  # no expert left unallocated
         if model == path:
             assert (experts.w13.kind, experts.w2.kind, experts.w2.group_size) == ("int4", "int8", 32)
         outputs.append(llm.generate(PROMPTS[::2], TWIN_PARAMS, use_tqdm=False))

@@ -334,6 +334,8 @@ class CausalLM(nn.Module):
 
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights for benchmarking an architecture without its checkpoint."""
+        for experts in self._experts():
+            experts.materialize()
         gen = None
         for name, param in self.named_parameters():
             if gen is None:

@@ -107,10 +107,23 @@ class FusedExperts(nn.Module):
         self.inter = inter
         self.start = layout.rank * inter  # this rank's first intermediate row of each expert
         self.split = layout.size > 1
-        self.w13: torch.Tensor | QuantizedExperts = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
-        self.w2: torch.Tensor | QuantizedExperts = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        # The dense experts are allocated only when something is written to them (`materialize`): a GGUF
+        # file's quantized experts replace them unwritten, and Qwen3-30B-A3B's would take 58 GB beside its
+        # 17 GB of Q4_K experts. The device is the one the model is built on (under torch.device(...)).
+        self._device = torch.empty(0).device
+        self.w13: torch.Tensor | QuantizedExperts = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden_size, device="meta"))
+        self.w2: torch.Tensor | QuantizedExperts = nn.Parameter(torch.empty(num_experts, hidden_size, inter,
+                                                                            device="meta"))
         self._filled: dict[str, set[int]] = {part: set() for part in _PARTS}
         self._quantized: dict[str, QuantizedExperts] = {}
+
+    def materialize(self) -> None:
+        """Allocate the dense experts not allocated yet (random init, float checkpoints, mixed formats)."""
+        for attr in ("w13", "w2"):
+            w = getattr(self, attr)
+            if isinstance(w, nn.Parameter) and w.is_meta:
+                setattr(self, attr, nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=self._device)))
 
     @staticmethod
     def owns(name: str) -> bool:
@@ -175,12 +188,13 @@ class FusedExperts(nn.Module):
             if expert is not None or (tensor.num_experts, tensor.out_features, tensor.in_features) != tuple(dest.shape):
                 raise ModelLoadError(source, f"quantized tensor {name!r} does not hold every expert in the "
                                              f"expected shape {tuple(dest.shape)}")
-            self._quantized[part] = tensor.to(dest.device)
+            self._quantized[part] = tensor.to(self._device)
         else:
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                                              f"{tuple(dest.shape)}")
-            dest.copy_(tensor)
+            self.materialize()
+            self._dest(part, expert).copy_(tensor)
         self._filled[part].update(range(self.num_experts) if expert is None else (expert,))
 
     def _dest(self, part: str, expert: int | None) -> torch.Tensor:
@@ -201,6 +215,7 @@ class FusedExperts(nn.Module):
         else:
             for part, w in ((p, self._quantized.get(p)) for p in ("gate", "up")):
                 if w is not None:
+                    self.materialize()
                     self._dest(part, None).copy_(dequantize_experts(w, self.w13.dtype))
         if "down" in self._quantized:
             self._install("w2", self._quantized["down"])
