@@ -22,12 +22,18 @@
 #                --no-async-scheduling}
 #   quant        int4/int8 latency (8B), fp8-weight throughput (8B), fp8-KV throughput (0.6B)
 #   parity       bf16 greedy agreement with HF
+#   moe          offline throughput, Qwen3-30B-A3B shape (61 GB of bf16 experts), with HF continuous batching on 64 of
+#                the requests
+#   moelat       batch-1 TTFT / TPOT with a 512-token prompt, Qwen3-30B-A3B and Mixtral-8x7B shapes
+#   moehf        the same shapes' one 512 + 256-token request through Ember and HF generate (throughput.py): the
+#                batch-1 ratio to HF
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 D=$(date +%F)
 Q=benchmarks/configs/qwen3-0.6b
 L=benchmarks/configs/llama-3.1-8b
 G=benchmarks/configs/gemma-3-1b
+MOE="benchmarks/configs/qwen3-30b-a3b benchmarks/configs/mixtral-8x7b"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 log() { echo "=== $* ($(date +%T))"; }
 quiet() { grep -vE "Processed|it/s"; }
@@ -115,6 +121,17 @@ stage_quant() {
 stage_parity() {
   timeout 200 python3 benchmarks/hf_parity.py --device cuda --dtype bfloat16 \
     --out "$OUT/hf-parity-cuda-bfloat16-$D.json" 2>&1 | tail -9
+}
+stage_moe() {
+  limit=570 tput --model benchmarks/configs/qwen3-30b-a3b --hf --hf-num-seqs 64 \
+    --out "$OUT/throughput-qwen3-30b-a3b-cuda-$D.json"
+}
+stage_moelat() { for m in $MOE; do lat --model $m --out "$OUT/latency-$(basename $m)-cuda-$D.json"; done; }
+stage_moehf() {
+  for m in $MOE; do
+    limit=280 tput --model $m --num-seqs 1 --min-input 512 --max-input 512 --min-output 256 --max-output 256 \
+      --hf --hf-mode generate --out "$OUT/batch1-$(basename $m)-cuda-$D.json"
+  done
 }
 for s in "$@"; do log "$s"; "stage_$s"; done
 log done

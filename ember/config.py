@@ -37,6 +37,17 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: E gated experts, each token's MLP the weighted sum of its top-k."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # one expert's
+    renormalize: bool  # top-k softmax weights divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # dense-MLP layers (Qwen3-MoE: mlp_only_layers, decoder_sparse_step)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters, in Hugging Face `config.json` terms."""
 
@@ -73,6 +84,10 @@ class ModelConfig:
             return None
         return self.sliding_window
     partial_rotary_factor: float = 1.0  # the share of each head that is rotated (Phi-4-mini: 0.75)
+    moe: MoeConfig | None = None  # mixture-of-experts models (Qwen3-MoE, Mixtral)
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -107,7 +122,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch in ("Qwen3ForCausalLM", *_GEMMA3),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA3),
             gemma_norms=gemma,
             hidden_act="gelu_pytorch_tanh" if gemma else "silu",
             query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
@@ -119,6 +134,7 @@ class ModelConfig:
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
             partial_rotary_factor=_partial_rotary_factor(cfg),
+            moe=_moe(arch, cfg),
         )
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
@@ -140,6 +156,34 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Leading channels of each head that RoPE rotates; the rest pass through (HF's rounding)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
+    """Qwen3-MoE and Mixtral route each token to its top-k experts by a softmax over all of them.
+    What they do not share is refused by name: shared experts (Qwen2-MoE's), other activations, and
+    Qwen3-MoE's sliding window (off in every released checkpoint)."""
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return None
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if cfg.get(key):
+            raise ValueError(f"{key}: shared experts are not supported for {arch}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} experts (silu only)")
+    if arch == "MixtralForCausalLM":
+        num_experts, inter, renormalize, dense = cfg["num_local_experts"], cfg["intermediate_size"], True, ()
+    else:
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"use_sliding_window is not supported for {arch}")
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        inter, renormalize = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
+        step, only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(cfg["num_hidden_layers"])
+                      if i in only or num_experts == 0 or (i + 1) % step)  # transformers' rule
+    top_k = cfg["num_experts_per_tok"]
+    if num_experts and not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
+    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter, renormalize=renormalize,
+                     dense_layers=dense)
 
 
 def _rope_type(scaling: dict[str, Any] | None) -> str:
@@ -194,7 +238,7 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
     **{arch: _GEMMA3_DEFAULTS for arch in _GEMMA3},
 }
 # architectures whose `sliding_window` is used (Qwen2 configs carry one that is off unless use_sliding_window)
-_SLIDING = ("MistralForCausalLM", "Phi3ForCausalLM", *_GEMMA_DEFAULTS)
+_SLIDING = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", *_GEMMA_DEFAULTS)
 
 
 def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[str, ...] | None:

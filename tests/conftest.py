@@ -81,6 +81,17 @@ MORE_ARCHS = {
     "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
         pad_token_id=0, partial_rotary_factor=0.75, tie_word_embeddings=True, original_max_position_embeddings=32,
         rope_scaling=_longrope(12, 32))),
+    # Mixtures of experts (tests/test_moe_models.py): 8 experts of 32 rows, 2 per token. Qwen3-MoE's
+    # layer 1 is dense (mlp_only_layers) with top-k weights as softmax gives them; the second has every
+    # other layer dense (decoder_sparse_step) and renormalised weights. Mixtral: a window of 8 keys.
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3-moe-step2": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_hidden_layers=4, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        decoder_sparse_step=2, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8)),
 }
 
 
@@ -145,7 +156,7 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
     # decoding is decided by clear margins rather than by rounding noise.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # 3-D: transformers' stacked experts
                 p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
             elif "Gemma" in model_cls and name.endswith("norm.weight"):
                 # Gemma scales by 1 + w (w starts at 0): make w matter, keeping 1 + w >= 0.5 so the

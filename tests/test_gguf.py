@@ -294,7 +294,8 @@ def test_garbage_and_truncated_files(tmp_path, tiny: tuple[str, dict]) -> None:
 def test_unsupported_architecture(tmp_path) -> None:
     path = str(tmp_path / "gpt2.gguf")
     _write_tiny(path, arch="gpt2")
-    _assert_load_error(path, r"unsupported architecture 'gpt2' \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3\)")
+    _assert_load_error(path, r"unsupported architecture 'gpt2' \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
+                             r"qwen3moe\)")
 
 
 def test_unsupported_tensor_type(tmp_path) -> None:

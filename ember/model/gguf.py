@@ -34,12 +34,14 @@ from ember.model.gguf_blocks import (
 )
 from ember.model.gguf_reader import GGUFFile, GGUFTensor
 from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
+from ember.quant.experts import QuantizedExperts
 from ember.quant.formats import QuantizedWeight
 
 logger = logging.getLogger("ember")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
 
 _GLOBAL_TENSORS = {
@@ -67,6 +69,10 @@ _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm
                         "post_ffw_norm": "post_feedforward_layernorm"}
 # Where an architecture's tensor differs from the table above: Phi-3's ffn_up holds gate and up stacked.
 _ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Files with `{arch}.expert_count` (qwen3moe; llama: Mixtral): the router and each projection stacked over
+# experts (3-D, ember/model/moe.py).
+_MOE_LAYER_TENSORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                      "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's llama3 rope scaling, precomputed per frequency; HF derives it from config instead.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -76,15 +82,16 @@ _CONFIG_TENSORS = {_ROPE_FREQS, *_ROPE_FACTORS.values()}
 
 
 @functools.cache
-def _layer_tensors(arch: str) -> dict[str, str]:
-    """llama.cpp's per-layer tensor names -> HF's, for one architecture."""
-    return {**(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS), **_ARCH_LAYER_TENSORS.get(arch, {})}
+def _layer_tensors(arch: str, experts: bool = False) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names -> HF's, for one architecture (with experts or without)."""
+    return {**(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS), **_ARCH_LAYER_TENSORS.get(arch, {}),
+            **(_MOE_LAYER_TENSORS if experts else {})}
 
 
-def _hf_tensor_name(name: str, arch: str) -> str | None:
+def _hf_tensor_name(name: str, arch: str, experts: bool) -> str | None:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
-    layer_tensors = _layer_tensors(arch)
+    layer_tensors = _layer_tensors(arch, experts)
     match = _LAYER_TENSOR_RE.fullmatch(name)
     if match is None or match[2] not in layer_tensors:
         return None
@@ -126,15 +133,18 @@ class GGUFModel:
     def add_bos_token(self) -> bool:
         return self.vocab.add_bos_token
 
-    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight |
+                                                                      QuantizedExperts]]:
         """Yield (HF name, weight) one tensor at a time, so peak memory stays near one tensor
         beyond the memory-mapped file.
 
         Weights are float32 arrays, except that with keep_quantized every 2-D block-quantized
-        tensor comes as the QuantizedWeight that dequantizes to exactly that array.
+        tensor comes as the QuantizedWeight that dequantizes to exactly that array (stacked experts
+        as QuantizedExperts).
         """
         logger.info("%s: %s", os.path.basename(self.path), self._type_summary(keep_quantized))
         arch = self.hf_config["model_type"]
+        experts = _has_experts(self.hf_config)
         permuted_heads = {}
         if arch == "llama":
             permuted_heads = {
@@ -144,7 +154,7 @@ class GGUFModel:
         for tensor in self._reader.tensors:
             if tensor.name in _CONFIG_TENSORS:
                 continue
-            hf_name = _hf_tensor_name(tensor.name, arch)
+            hf_name = _hf_tensor_name(tensor.name, arch, experts)
             assert hf_name is not None, "load_gguf validated every tensor name"
             shape, data = _numpy_shape(tensor), tensor.data
             self._reader.populate(tensor)
@@ -156,7 +166,7 @@ class GGUFModel:
                 # cost 1.8 s of the default model's 2.2 s load on a busy machine).
                 data, n_head = _unpermute(data.reshape(shape[0], -1), n_head), None
             if keep_quantized and _keeps_quantized(tensor):
-                weight = quantized(data, tensor.tensor_type, shape)
+                weight = _quantized(data, tensor.tensor_type, shape)
             else:
                 weight = dequantize(data, tensor.tensor_type, shape)
             if n_head is not None:
@@ -179,14 +189,32 @@ def _form(tensor: GGUFTensor, keep_quantized: bool) -> str:
     return "float" if tensor.tensor_type in FLOAT_TYPES else "decoded to float"
 
 
-def _known_tensor_names(arch: str) -> str:
-    layer = (f"blk.N.{name}.weight" for name in _layer_tensors(arch))
+def _has_experts(hf_config: dict) -> bool:
+    return bool(hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+
+
+def _known_tensor_names(arch: str, experts: bool) -> str:
+    layer = (f"blk.N.{name}.weight" for name in _layer_tensors(arch, experts))
     return ", ".join([*_GLOBAL_TENSORS, *sorted(_CONFIG_TENSORS), *layer]) + " (and .bias of blk.N tensors)"
 
 
 def _keeps_quantized(tensor: GGUFTensor) -> bool:
-    """Matrices of a type with an exact QuantizedWeight form stay quantized (vectors are small)."""
-    return tensor.tensor_type in QUANTIZED_TYPES and len(_numpy_shape(tensor)) == 2
+    """Matrices of a type with an exact QuantizedWeight form stay quantized (vectors are small), and so do
+    stacked experts; a MoE router never does (it is small, and decides which experts run at all)."""
+    if tensor.tensor_type not in QUANTIZED_TYPES or ".ffn_gate_inp." in tensor.name:
+        return False
+    return len(_numpy_shape(tensor)) == (3 if tensor.name.endswith("_exps.weight") else 2)
+
+
+def _quantized(data: np.ndarray, qtype, shape: tuple[int, ...]) -> QuantizedWeight | QuantizedExperts:
+    """A matrix's QuantizedWeight; stacked experts [E, N, K] as the rows of one [E * N, K] matrix, which
+    every block type stores exactly as it stores E matrices one after another."""
+    if len(shape) == 2:
+        return quantized(data, qtype, shape)
+    e, n, k = shape
+    w = quantized(data, qtype, (e * n, k))
+    return QuantizedExperts(w.kind, w.qweight.view(e, n, -1), w.scales.view(e, n, -1),
+                            None if w.zeros is None else w.zeros.view(e, n, -1), w.group_size, w.in_features)
 
 
 def _numpy_shape(tensor: GGUFTensor) -> tuple[int, ...]:
@@ -214,12 +242,13 @@ def load_gguf(path: str) -> GGUFModel:
             path, f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
         )
     names = {tensor.name for tensor in reader.tensors}
+    experts = bool(meta.get(f"{arch}.expert_count"))
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
-        if _hf_tensor_name(tensor.name, arch) is None:
+        if _hf_tensor_name(tensor.name, arch, experts) is None:
             raise ModelLoadError(path, f"unexpected tensor {tensor.name!r} for architecture {arch!r} "
-                                       f"(supported: {_known_tensor_names(arch)})")
+                                       f"(supported: {_known_tensor_names(arch, experts)})")
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise ModelLoadError(path, f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name} "
                                        f"(supported: {supported_names()})")
@@ -257,7 +286,23 @@ def _hf_config(
         "eos_token_id": eos_id,
         "torch_dtype": "float32",
         **_sliding_window_config(meta, arch),
+        **_moe_config(meta, arch, tensor_names),  # last: a llama file with experts (and a window) is Mixtral
     }
+
+
+def _moe_config(meta: GGUFMetadata, arch: str, tensor_names: set[str]) -> dict:
+    """The HF config keys of a mixture of experts. llama.cpp renormalises the top-k weights of both
+    (Qwen3-MoE's released models set norm_topk_prob too), and a layer without a router is dense."""
+    experts = meta.get(f"{arch}.expert_count")
+    if not experts:
+        return {}
+    top_k = meta.require(f"{arch}.expert_used_count")
+    if arch == "llama":  # Mixtral, whose feed_forward_length is one expert's
+        return {"architectures": ["MixtralForCausalLM"], "num_local_experts": experts, "num_experts_per_tok": top_k}
+    layers = meta.require(f"{arch}.block_count")
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
+            "moe_intermediate_size": meta.require(f"{arch}.expert_feed_forward_length"),
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]}
 
 
 # llama.cpp's fixed Gemma facts (llama-model.cpp): every 2nd (Gemma 2) / 6th (Gemma 3) layer is global,

@@ -22,7 +22,8 @@ from ember.config import ModelConfig
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
 from ember.model.errors import ModelLoadError
-from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
+from ember.model.layers import Embedding, GemmaRMSNorm, RMSNorm, RotaryEmbedding
+from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
 from ember.model.sharding import ShardLayout, read_shard
 from ember.quant.formats import QuantizedWeight
 from ember.quant.linear import QuantEmbedding, QuantLinear, quantize_module
@@ -86,7 +87,7 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         self.sandwich = cfg.gemma_norms
-        self.mlp = GatedMLP(cfg.hidden_size, layout.intermediate_size, cfg.hidden_act)
+        self.mlp = make_mlp(cfg, layout, layer)  # a dense MLP or a mixture of experts (ember/model/moe.py)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +218,21 @@ class CausalLM(nn.Module):
                 if isinstance(child, (nn.Linear, nn.Embedding)):
                     child_kind = "int8" if kind == "int4" and child is head else kind
                     setattr(parent, name, quantize_module(child, child_kind, dtype, tied=self.lm_head is None))
+        for experts in self._experts():
+            experts.quantize(kind)
+
+    def _experts(self) -> list[FusedExperts]:
+        return [m for m in self.modules() if isinstance(m, FusedExperts)]
+
+    def _experts_of(self, name: str, source: str) -> FusedExperts:
+        try:
+            experts = self.get_submodule(FusedExperts.module_name(name))
+        except AttributeError:
+            experts = None
+        if not isinstance(experts, FusedExperts):
+            raise ModelLoadError(source, f"unexpected tensor {name!r} for {self.config.architecture} (no experts "
+                                         "in that layer)")
+        return experts
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -234,7 +250,7 @@ class CausalLM(nn.Module):
         Quantized tensors (GGUF kept quantized) are collected per layer and replace that layer by its
         quantized form once the whole checkpoint has been read. Under tensor parallelism each tensor
         is cut to this rank's slice as it is read."""
-        params = dict(self.named_parameters())
+        params = {name: p for name, p in self.named_parameters() if not FusedExperts.owns(name)}
         filled: dict[str, int] = {}
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
         for name, tensor in self._unstacked(weights, source):
@@ -242,6 +258,10 @@ class CausalLM(nn.Module):
                 name = _language_model_name(name)
             if name is None or name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and
                                                                         name == "lm_head.weight"):
+                continue
+            name = moe_tensor_name(name)
+            if FusedExperts.owns(name):
+                self._experts_of(name, source).load(name, tensor, source)
                 continue
             tensor = read_shard(tensor, self.layout.shard(name))
             target, offset, size, shard = name, 0, None, 0
@@ -272,6 +292,8 @@ class CausalLM(nn.Module):
                 raise ModelLoadError(source, f"checkpoint is missing weights for {name!r}")
         for name, shards in quantized.items():
             self._install_quantized(name, shards, params[name])
+        for experts in self._experts():
+            experts.finish_loading(source)
 
     def _unstacked(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                    source: str) -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
@@ -312,6 +334,8 @@ class CausalLM(nn.Module):
 
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights for benchmarking an architecture without its checkpoint."""
+        for experts in self._experts():
+            experts.materialize()
         gen = None
         for name, param in self.named_parameters():
             if gen is None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -76,7 +77,7 @@ def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str
 
 def _gguf_files(path: str, dummy: bool, keep_quantized: bool) -> ModelFiles:
     g = load_gguf(path)
-    weights = None if dummy else lambda: ((name, t if isinstance(t, QuantizedWeight) else torch.from_numpy(t))
+    weights = None if dummy else lambda: ((name, torch.from_numpy(t) if isinstance(t, np.ndarray) else t)
                                           for name, t in g.tensors(keep_quantized=keep_quantized))
     return ModelFiles(source=path, model_config=_model_config(g.hf_config, path), checkpoint_dtype=None,
                       weights=weights)

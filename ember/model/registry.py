@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",  # its language model; the vision tower is not loaded
+    "Qwen3MoeForCausalLM",  # mixtures of experts: ember/model/moe.py
+    "MixtralForCausalLM",
 )
 
 

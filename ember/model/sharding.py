@@ -1,7 +1,9 @@
 """Which slice of each checkpoint tensor a tensor-parallel rank holds (Megatron-style layout).
 
 Column-parallel (output features split): q/k/v, gate/up, the embedding and LM head rows (vocab).
-Row-parallel (input features split, outputs summed across ranks): o_proj and down_proj. Query
+Row-parallel (input features split, outputs summed across ranks): o_proj and down_proj. Experts of
+a mixture-of-experts MLP split like a dense MLP, each one along its own intermediate dimension, so
+every rank holds a slice of every expert (ember.model.moe cuts them); the router is whole. Query
 heads split evenly; KV heads split too, or, with fewer KV heads than ranks, each rank keeps the one
 KV head its query heads read (replicated). Norms and everything else are whole on every rank.
 
@@ -39,6 +41,7 @@ class ShardLayout:
     intermediate_size: int  # MLP width on this rank
     vocab_size: int         # the whole vocabulary
     vocab_per_rank: int     # embedding / LM head rows per rank (the last rank's may be partly padding)
+    moe_intermediate_size: int = 0  # each expert's intermediate rows on this rank (0: no experts)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, size: int) -> "ShardLayout":
@@ -50,7 +53,8 @@ class ShardLayout:
             local_kv, kv_start = 1, rank // (size // kv_heads)
         return cls(rank=rank, size=size, head_dim=cfg.head_dim, num_heads=heads // size, num_kv_heads=local_kv,
                    kv_head_start=kv_start, intermediate_size=cfg.intermediate_size // size,
-                   vocab_size=cfg.vocab_size, vocab_per_rank=-(-cfg.vocab_size // size))
+                   vocab_size=cfg.vocab_size, vocab_per_rank=-(-cfg.vocab_size // size),
+                   moe_intermediate_size=cfg.moe.intermediate_size // size if cfg.moe else 0)
 
     @property
     def vocab_start(self) -> int:
@@ -91,6 +95,8 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         problems.append(f"num_key_value_heads ({kv_heads}; fewer KV heads than ranks must divide the ranks)")
     if cfg.intermediate_size % size:
         problems.append(f"intermediate_size ({cfg.intermediate_size})")
+    if cfg.moe is not None and cfg.moe.intermediate_size % size:
+        problems.append(f"the experts' intermediate size ({cfg.moe.intermediate_size})")
     if problems:
         raise ValueError(f"tensor_parallel_size {size} does not divide this model's " + ", ".join(problems))
 

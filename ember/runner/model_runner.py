@@ -25,6 +25,7 @@ from ember.engine.request import Request
 from ember.engine.scheduler import ScheduledBatch
 from ember.model.attention import AttentionMetadata
 from ember.model.loader import ModelFiles
+from ember.model.moe import FusedExperts
 from ember.model.registry import model_class
 from ember.quant.formats import FP8_DTYPE
 from ember.quant.linear import QuantEmbedding, QuantLinear
@@ -75,8 +76,12 @@ class _StepInputs:
 
 def _return_freed_memory_to_os() -> None:
     """Loading builds float layers, then replaces them (quantized GGUF, --quantization); glibc keeps the
-    freed heap, about 250 MiB of idle RSS for the default model, unless asked to give it back."""
+    freed heap, about 250 MiB of idle RSS for the default model, unless asked to give it back. On CUDA
+    the caching allocator keeps them too, and the KV sizing would count them as in use (a GGUF
+    Qwen3-30B-A3B's float expert tensors, replaced by quantized ones, are 58 GB)."""
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
@@ -256,7 +261,7 @@ class ModelRunner:
         embedding and LM head counted once)."""
         tensors = {id(p): p for p in self.model.parameters()}
         for module in self.model.modules():
-            if isinstance(module, (QuantLinear, QuantEmbedding)):
+            if isinstance(module, (QuantLinear, QuantEmbedding, FusedExperts)):
                 tensors.update((id(t), t) for t in module.weight_tensors())
         return sum(t.numel() * t.element_size() for t in tensors.values())
 

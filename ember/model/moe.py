@@ -1,0 +1,245 @@
+"""The mixture-of-experts MLP of Qwen3-MoE and Mixtral: a router and E gated experts in two tensors.
+
+Each token's MLP output is the sum over its top-k experts (by a softmax over all of them, the
+top-k weights renormalised to sum to one where the model says so) of weight * down(silu(gate) * up).
+
+Every expert of a layer lives in one of two stacked tensors, the fused MoE kernels' operands
+(ember/kernels/fused_moe.py): `w13` [E, 2I, H] holds each expert's gate rows then its up rows, `w2`
+[E, H, I] its down projection; either dense or `QuantizedExperts`. Under tensor parallelism each rank
+holds rows start..start+I/n of every expert's gate and up and the same columns of its down
+projection, so its output is a partial sum, all-reduced by the decoder layer like a dense MLP's.
+
+Checkpoints store experts one tensor each (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
+`block_sparse_moe.experts.{e}.w1.weight`), stacked over experts (transformers' in-memory
+`mlp.experts.gate_up_proj` / `down_proj`) or, from GGUF, as 3-D `ffn_*_exps` tensors that may be
+quantized; `FusedExperts.load` takes every form, cutting each to this rank's slice as it is read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.model.backend import use_triton
+from ember.model.errors import ModelLoadError
+from ember.model.layers import GatedMLP
+from ember.model.sharding import ShardLayout, read_shard
+from ember.quant.experts import QuantizedExperts, dequantize_experts, quantize_experts
+from ember.quant.formats import dequantize, same_format
+
+_EXPERTS = ".mlp.experts."
+# Mixtral's checkpoint names -> Qwen3-MoE's, which the model's parameters use
+_MIXTRAL_NAMES = {".block_sparse_moe.gate.": ".mlp.gate.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                  ".w2.": ".down_proj."}
+_PARTS = ("gate", "up", "down")
+
+
+def moe_tensor_name(name: str) -> str:
+    """A checkpoint tensor's name in the model's terms: Mixtral's `block_sparse_moe` ones renamed."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.experts.", _EXPERTS)
+    for old, new in _MIXTRAL_NAMES.items():
+        name = name.replace(old, new)
+    return name
+
+
+def make_mlp(cfg: ModelConfig, layout: ShardLayout, layer: int) -> nn.Module:
+    if cfg.layer_is_moe(layer):
+        return SparseMoeBlock(cfg, layout, layer)
+    return GatedMLP(cfg.hidden_size, layout.intermediate_size, cfg.hidden_act)
+
+
+class Router(nn.Module):
+    """Not an nn.Linear, so `--quantization` leaves it whole: routing decides which experts run at all."""
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight).float()
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [M, k], expert ids [M, k]) as transformers computes them."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, layer: int) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.gate = Router(moe.num_experts, cfg.hidden_size)
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, layout, layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the experts' outputs, [M, H] in x's dtype."""
+        logits = self.gate(x)
+        if use_triton(x):
+            from ember.kernels import fused_moe, moe_route
+
+            weights, ids = moe_route(logits, self.top_k, self.renormalize)
+            return fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        return self.experts(x, *route(logits, self.top_k, self.renormalize))
+
+
+def _expert(w: torch.Tensor | QuantizedExperts, e: int, dtype: torch.dtype) -> torch.Tensor:
+    return w[e] if isinstance(w, torch.Tensor) else dequantize(w.expert(e), dtype)
+
+
+class FusedExperts(nn.Module):
+    """Every expert of one layer (this rank's slice of each), and the PyTorch path over them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, layout: ShardLayout, layer: int) -> None:
+        super().__init__()
+        inter = layout.moe_intermediate_size
+        self.num_experts = num_experts
+        self.layer = layer
+        self.inter = inter
+        self.start = layout.rank * inter  # this rank's first intermediate row of each expert
+        self.split = layout.size > 1
+        # The dense experts are allocated only when something is written to them (`materialize`): a GGUF
+        # file's quantized experts replace them unwritten, and Qwen3-30B-A3B's would take 58 GB beside its
+        # 17 GB of Q4_K experts. The device is the one the model is built on (under torch.device(...)).
+        self._device = torch.empty(0).device
+        self.w13: torch.Tensor | QuantizedExperts = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden_size, device="meta"))
+        self.w2: torch.Tensor | QuantizedExperts = nn.Parameter(torch.empty(num_experts, hidden_size, inter,
+                                                                            device="meta"))
+        self._filled: dict[str, set[int]] = {part: set() for part in _PARTS}
+        self._quantized: dict[str, QuantizedExperts] = {}
+
+    def materialize(self) -> None:
+        """Allocate the dense experts not allocated yet (random init, float checkpoints, mixed formats)."""
+        for attr in ("w13", "w2"):
+            w = getattr(self, attr)
+            if isinstance(w, nn.Parameter) and w.is_meta:
+                setattr(self, attr, nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=self._device)))
+
+    @staticmethod
+    def owns(name: str) -> bool:
+        return _EXPERTS in name
+
+    @staticmethod
+    def module_name(name: str) -> str:
+        return name[:name.index(_EXPERTS) + len(_EXPERTS) - 1]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Tokens grouped by expert (a stable sort of the flattened choices), one gate/up and one down
+        matmul per expert that any token chose; quantized experts are dequantized one routed expert at a
+        time. Each token's k results are then added in ascending expert order, the order in which
+        transformers accumulates them, so float32 results agree bit for bit where the matmuls do."""
+        ids, slot = ids.sort(dim=1)
+        weights = weights.gather(1, slot)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        tokens = order // ids.shape[1]
+        scales = weights.flatten()[order, None]
+        results = x.new_empty(flat.shape[0], x.shape[1])  # one row per (token, choice), grouped by expert
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+            if n == 0:
+                continue
+            rows = slice(start, start + n)
+            gate, up = F.linear(x[tokens[rows]], _expert(self.w13, e, x.dtype)).chunk(2, dim=-1)
+            results[rows] = F.linear(F.silu(gate) * up, _expert(self.w2, e, x.dtype)) * scales[rows]
+            start += n
+        per_token = torch.empty_like(results)
+        per_token[order] = results
+        per_token = per_token.view(*ids.shape, -1)
+        out = per_token[:, 0].clone()
+        for j in range(1, ids.shape[1]):
+            out += per_token[:, j]
+        return out
+
+    # ---- loading --------------------------------------------------------------------------
+
+    def load(self, name: str, tensor, source: str) -> None:
+        """One checkpoint tensor of these experts: one expert's gate, up or down projection, the same
+        stacked over experts (3-D; GGUF's may be quantized), or transformers' stacked gate_up."""
+        key = name[name.index(_EXPERTS) + len(_EXPERTS):].removesuffix(".weight").split(".")
+        expert = int(key[0]) if len(key) == 2 and key[0].isdigit() else None
+        proj = key[-1]
+        if proj == "gate_up_proj" and len(key) == 1:
+            half = tensor.shape[1] // 2
+            for part, offset in (("gate", 0), ("up", half)):
+                self._load_part(name, part, None, tensor.narrow(1, offset + self.start, self.inter), source)
+            return
+        part = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}.get(proj)
+        if part is None or len(key) > 2 or (len(key) == 2 and (expert is None or expert >= self.num_experts)):
+            raise ModelLoadError(source, f"unexpected tensor {name!r}")
+        dim = (1 if part == "down" else 0) + (1 if expert is None and not isinstance(tensor, QuantizedExperts) else 0)
+        self._load_part(name, part, expert, read_shard(tensor, (dim, self.start, self.inter) if self.split else None),
+                        source)
+
+    def _load_part(self, name: str, part: str, expert: int | None, tensor, source: str) -> None:
+        """Copy this rank's slice into place (rows of gate/up, columns of down), or keep it aside when quantized."""
+        dest = self._dest(part, expert)
+        if isinstance(tensor, QuantizedExperts):
+            if expert is not None or (tensor.num_experts, tensor.out_features, tensor.in_features) != tuple(dest.shape):
+                raise ModelLoadError(source, f"quantized tensor {name!r} does not hold every expert in the "
+                                             f"expected shape {tuple(dest.shape)}")
+            self._quantized[part] = tensor.to(self._device)
+        else:
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                                             f"{tuple(dest.shape)}")
+            self.materialize()
+            self._dest(part, expert).copy_(tensor)
+        self._filled[part].update(range(self.num_experts) if expert is None else (expert,))
+
+    def _dest(self, part: str, expert: int | None) -> torch.Tensor:
+        w = self.w2.data if part == "down" else self.w13.data.narrow(1, 0 if part == "gate" else self.inter, self.inter)
+        return w if expert is None else w[expert]
+
+    def finish_loading(self, source: str) -> None:
+        """Check that every expert's three projections arrived, and install quantized ones: w13 stays
+        quantized when gate and up arrived in one quantized format, else both are dequantized into it."""
+        for part, filled in self._filled.items():
+            if len(filled) != self.num_experts:
+                missing = sorted(set(range(self.num_experts)) - filled)
+                raise ModelLoadError(source, f"checkpoint is missing the {part} projection of experts {missing} "
+                                             f"in layer {self.layer}")
+        gate, up = self._quantized.get("gate"), self._quantized.get("up")
+        if gate is not None and up is not None and same_format([gate.expert(0), up.expert(0)]):
+            self._install("w13", _concat_rows(gate, up))
+        else:
+            for part, w in ((p, self._quantized.get(p)) for p in ("gate", "up")):
+                if w is not None:
+                    self.materialize()
+                    self._dest(part, None).copy_(dequantize_experts(w, self.w13.dtype))
+        if "down" in self._quantized:
+            self._install("w2", self._quantized["down"])
+        self._quantized.clear()
+
+    def _install(self, attr: str, w: QuantizedExperts) -> None:
+        delattr(self, attr)  # the dense parameter
+        setattr(self, attr, w)
+
+    def quantize(self, kind: str) -> None:
+        """`--quantization`: dense experts to the load-time quantized form, one tensor at a time."""
+        for attr in ("w13", "w2"):
+            w = getattr(self, attr)
+            if isinstance(w, torch.Tensor):
+                self._install(attr, quantize_experts(w.data, kind))
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The quantized experts' codes, scales and zeros (dense ones are parameters), for memory accounting."""
+        return [t for w in (self.w13, self.w2) if isinstance(w, QuantizedExperts)
+                for t in (w.qweight, w.scales, w.zeros) if t is not None]
+
+
+def _concat_rows(a: QuantizedExperts, b: QuantizedExperts) -> QuantizedExperts:
+    """Each expert's rows of a, then its rows of b (one format: groups run along K, so this is exact)."""
+    zeros = None if a.zeros is None else torch.cat([a.zeros, b.zeros], dim=1)
+    return QuantizedExperts(a.kind, torch.cat([a.qweight, b.qweight], dim=1), torch.cat([a.scales, b.scales], dim=1),
+                            zeros, a.group_size, a.in_features)
