@@ -102,6 +102,19 @@ def test_int4_cpu_packing_equals_pytorchs(n: int, k: int) -> None:
     assert torch.equal(scale_zero, expected)
 
 
+@pytest.mark.parametrize("k, zeros", [(64, False), (64, True), (100, False)])
+def test_int8_dense_cpu_copy_equals_the_reference_dequantize(k: int, zeros: bool) -> None:
+    """Grouped int8 expanded for the CPU (numpy for whole groups, the reference otherwise): bit for bit
+    `dequantize`, in float32 and bf16."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-128, 128, (48, k), dtype=torch.int8, generator=gen)
+    scales = torch.rand(48, -(-k // 32), generator=gen)
+    w = QuantizedWeight("int8", q, scales, torch.randn(scales.shape, generator=gen) if zeros else None, 32, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        layout, (dense,) = linear._cpu_layout(w, dtype)
+        assert layout == "dense" and torch.equal(dense, dequantize(w, dtype))
+
+
 @pytest.mark.parametrize("k", [96, 100])
 def test_int4_many_rows_expand_to_bf16_and_match_the_kernel(k: int) -> None:
     """From CPU_EXPAND_MIN_ROWS rows on, int4 weights are expanded to bf16 for a dense GEMM; the

@@ -58,8 +58,23 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
         scale_zero[..., 1] = (zeros + 8 * w.scales).t()
         return "int4pack", (_int4pack(w), scale_zero)
     if w.kind == "int8":
-        return "dense", (dequantize(w, dtype),)
+        return "dense", (_dense(w, dtype),)
     return "dequantize", ()
+
+
+def _dense(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize(w, dtype)`, for whole groups in one numpy pass that writes only the result: the
+    reference gathers a scale per element and allocates three weight-sized temporaries, 0.29 s of CPU
+    time (over half of it page faults) for the default model's 49152x576 Q8_0 embedding."""
+    if w.block_rows != 1 or w.in_features % w.group_size:
+        return dequantize(w, dtype)
+    n, groups = w.scales.shape
+    out = torch.empty(n, w.in_features)
+    dense = out.numpy().reshape(n, groups, w.group_size)
+    np.multiply(w.qweight.numpy().reshape(dense.shape), w.scales.numpy()[:, :, None], out=dense, dtype=np.float32)
+    if w.zeros is not None:
+        dense += w.zeros.numpy()[:, :, None]
+    return out.to(dtype)
 
 
 def _int4pack(w: QuantizedWeight) -> torch.Tensor:
