@@ -141,8 +141,8 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
     def decode(rows: slice) -> None:
         chunk = blocks[rows]
         # Blocks hold an even number of elements, so packing block by block packs the row.
-        if fmt.packed is not None:
-            qweight[rows] = fmt.packed(chunk)
+        if fmt.write is not None:
+            fmt.write(chunk, qweight[rows])
         elif int4:
             codes = fmt.codes(chunk)
             np.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=qweight[rows])
