@@ -158,16 +158,21 @@ def _q6_k_codes(b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
     Built in place in one output array (`out`, int8 [blocks, 256], when given), quarter by quarter:
     1.2x faster end to end than combining whole unpacked arrays (Q6_K holds a Q4_K_M file's
-    embedding and output)."""
+    embedding and output). The high pairs are shifted as one contiguous copy (numpy's loops over
+    32-byte rows of the strided field cost ~10% more CPU for the whole decode)."""
     n = len(b)
-    low, high = b[:, :128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
+    low = b[:, :128].reshape(n, 2, 64)
     q = np.empty((n, 256), dtype=np.int8) if out is None else out
     q = q.view(np.uint8).reshape(n, 2, 2, 64)  # [block, half, nibble, 64]
     np.bitwise_and(low, 0x0F, out=q[:, :, 0])
     np.right_shift(low, 4, out=q[:, :, 1])
+    high = np.ascontiguousarray(b[:, 128:192])
+    high_up, pair = high << 4, np.empty_like(high)
     quarters = q.reshape(n, 2, 4, 32)  # element 32s + l of a half is quarters[:, :, s, l]
     for s in range(4):
-        quarters[:, :, s] |= (high << 4 >> 2 * s if s < 2 else high >> 2 * s - 4) & 0x30
+        np.right_shift(high_up if s < 2 else high, 2 * s if s < 2 else 2 * s - 4, out=pair)
+        pair &= 0x30
+        quarters[:, :, s] |= pair.reshape(n, 2, 32)
     q -= 32  # wraps to the int8 codes q - 32
     return q.reshape(n, 256).view(np.int8)
 
