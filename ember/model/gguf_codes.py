@@ -120,17 +120,26 @@ def _mxfp4_affine(b: np.ndarray) -> Affine:
 
 # --- 256-element super-blocks -------------------------------------------------------------------
 
+_SIX_BITS, _LOW_FOUR, _TOP_TWO = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x30303030)
+
+
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unpack the 12-byte field of 8 six-bit scales and 8 six-bit mins used by Q4_K and Q5_K.
 
     Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; for sub-blocks 4-7 the
     low 4 bits sit in bytes 8-11 (scale low nibble, min high nibble) and the top 2 bits are the
-    spare high bits of bytes 0-3 (scales) and 4-7 (mins).
+    spare high bits of bytes 0-3 (scales) and 4-7 (mins). Worked on as three 32-bit words per block
+    (four fields at once): numpy's loops over 4-byte rows made the byte-wise version 1.9x slower.
     """
-    lo_sc, lo_min, extra = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    scales = np.concatenate([lo_sc & 0x3F, (extra & 0x0F) | ((lo_sc >> 6) << 4)], axis=1)
-    mins = np.concatenate([lo_min & 0x3F, (extra >> 4) | ((lo_min >> 6) << 4)], axis=1)
-    return scales.astype(np.float32), mins.astype(np.float32)
+    words = packed.view(np.uint32)  # [blocks, 3]: scales 0-3, mins 0-3, low nibbles of 4-7
+    low_sc, low_min, extra = words[:, 0], words[:, 1], words[:, 2]
+    fields = np.empty((len(words), 4), dtype=np.uint32)  # scales 0-3, 4-7, mins 0-3, 4-7
+    np.bitwise_and(low_sc, _SIX_BITS, out=fields[:, 0])
+    np.bitwise_or(extra & _LOW_FOUR, (low_sc >> np.uint32(2)) & _TOP_TWO, out=fields[:, 1])
+    np.bitwise_and(low_min, _SIX_BITS, out=fields[:, 2])
+    np.bitwise_or((extra >> np.uint32(4)) & _LOW_FOUR, (low_min >> np.uint32(2)) & _TOP_TWO, out=fields[:, 3])
+    both = fields.view(np.uint8).astype(np.float32)
+    return both[:, :8], both[:, 8:]
 
 
 def _k_affine(b: np.ndarray) -> Affine:
