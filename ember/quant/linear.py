@@ -67,9 +67,9 @@ def _dense(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     n, groups = w.scales.shape
     out = torch.empty(n, w.in_features)
     dense = out.numpy().reshape(n, groups, w.group_size)
-    np.multiply(w.qweight.numpy().reshape(dense.shape), w.scales.numpy()[:, :, None], out=dense, dtype=np.float32)
+    np.multiply(w.qweight.numpy().reshape(dense.shape), w.scales.float().numpy()[:, :, None], out=dense, dtype=np.float32)
     if w.zeros is not None:
-        dense += w.zeros.numpy()[:, :, None]
+        dense += w.zeros.float().numpy()[:, :, None]
     return out.to(dtype)
 
 
@@ -77,10 +77,10 @@ def _scale_zero(w: QuantizedWeight) -> torch.Tensor:
     """tinygemm's (scale, zero + 8 * scale) pairs, bf16 [K / group_size, N, 2], built in float32 by numpy
     with one cast at the end: each torch op on these 30-60k-element arrays took 1-2 ms of CPU time on
     this project's shared 2-core VM (its thread pool waking), 0.45 s of the default model's packing."""
-    scales = w.scales.numpy().T
+    scales = w.scales.float().numpy().T
     pairs = np.empty((*scales.shape, 2), dtype=np.float32)
     pairs[..., 0] = scales
-    np.add(np.float32(0) if w.zeros is None else w.zeros.numpy().T, scales * np.float32(8), out=pairs[..., 1])
+    np.add(np.float32(0) if w.zeros is None else w.zeros.float().numpy().T, scales * np.float32(8), out=pairs[..., 1])
     return torch.from_numpy(pairs).to(_CPU_ACT_DTYPE)
 
 
