@@ -88,6 +88,33 @@ def test_int4_packed_codes_unpack_for_the_expanded_path() -> None:
     assert torch.equal(linear._unpack_int4pack_t(torch._convert_weight_to_int4pack_for_cpu(q, 1)).t(), q.byte())
 
 
+@pytest.mark.parametrize("n, k", [(192, 96), (144, 96), (64, 100)])
+def test_int4_cpu_packing_equals_pytorchs(n: int, k: int) -> None:
+    """The numpy packing (whole 64-row blocks, K in whole groups) and the fallback to PyTorch's packing
+    (other shapes) both give exactly the bytes torch._convert_weight_to_int4pack_for_cpu writes, and the
+    (scale, zero) pairs are the bf16 roundings of scale and zero + 8 * scale."""
+    gen = torch.Generator().manual_seed(4)
+    w = quantize_int4(torch.randn(n, k, generator=gen), group_size=32)
+    layout, (packed, scale_zero) = linear._cpu_layout(w, torch.float32)
+    q = torch.nn.functional.pad(codes(w).to(torch.int32), (0, -k % 32))
+    assert layout == "int4pack" and torch.equal(packed, torch._convert_weight_to_int4pack_for_cpu(q, 1))
+    expected = torch.stack([w.scales.t(), (w.zeros + 8 * w.scales).t()], dim=-1).to(torch.bfloat16)
+    assert torch.equal(scale_zero, expected)
+
+
+@pytest.mark.parametrize("k, zeros", [(64, False), (64, True), (100, False)])
+def test_int8_dense_cpu_copy_equals_the_reference_dequantize(k: int, zeros: bool) -> None:
+    """Grouped int8 expanded for the CPU (numpy for whole groups, the reference otherwise): bit for bit
+    `dequantize`, in float32 and bf16."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-128, 128, (48, k), dtype=torch.int8, generator=gen)
+    scales = torch.rand(48, -(-k // 32), generator=gen)
+    w = QuantizedWeight("int8", q, scales, torch.randn(scales.shape, generator=gen) if zeros else None, 32, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        layout, (dense,) = linear._cpu_layout(w, dtype)
+        assert layout == "dense" and torch.equal(dense, dequantize(w, dtype))
+
+
 @pytest.mark.parametrize("k", [96, 100])
 def test_int4_many_rows_expand_to_bf16_and_match_the_kernel(k: int) -> None:
     """From CPU_EXPAND_MIN_ROWS rows on, int4 weights are expanded to bf16 for a dense GEMM; the

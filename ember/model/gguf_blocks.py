@@ -27,12 +27,15 @@ from ember.model.gguf_codes import BLOCK_CODES, BlockCodes
 from ember.model.gguf_grids import GRID_CODES
 from ember.quant.formats import QuantizedWeight
 
-# Blocks decoded at once: Q4_K chunks of 4096 blocks (590 KB in, 512 KB of codes out) keep the
-# intermediates in cache; 65536-block chunks (the earlier size) took 2.4x the CPU time for Q4_K and
-# 2.1x for Q6_K on a 4096x4096 tensor, 1024-block chunks 1.1x.
-_BLOCKS_PER_CHUNK = 1 << 12
+# Blocks decoded at once: chunks of a few thousand blocks keep the intermediates in cache (65536-block
+# chunks took 2.4x the CPU time of 4096 for Q4_K and 2.1x for Q6_K on a 4096x4096 tensor, 1024-block
+# chunks 1.1x). 2048 rather than 4096 keeps each temporary (Q6_K's codes: 512 KB) below the sizes glibc
+# keeps mapping and unmapping afresh: a first decode of the 1.5B-parameter Q4_K_M file then faulted in
+# 344k pages in every run (the outputs) against 506-834k, 0.57-0.67 s of system time against 0.76-1.33.
+_BLOCKS_PER_CHUNK = 1 << 11
 _pools: dict[int, ThreadPoolExecutor] = {}
 
+_TORCH_DTYPES = {np.uint8: torch.uint8, np.int8: torch.int8, np.float32: torch.float32}
 _CODES: dict[QType, BlockCodes] = BLOCK_CODES | GRID_CODES
 FLOAT_TYPES = frozenset({QType.F32, QType.F16, QType.BF16})
 QUANTIZED_TYPES = frozenset(_CODES)  # types that can stay quantized
@@ -62,6 +65,13 @@ def _stored_blocks(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> np.
     if shape[-1] % block_size or data.size != math.prod(shape) // block_size * block_bytes:
         raise ValueError(f"{data.size} bytes of {qtype.name} do not hold a tensor of shape {shape}")
     return data.reshape(-1, block_bytes)
+
+
+def _empty(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """An output array in memory from torch's allocator. numpy asks the kernel for transparent huge
+    pages on arrays of 4 MB and more, and on this project's VM the compaction that forces took the
+    1.5B-parameter Q4_K_M file's first decode from 0.9-1.1 to 2.8 s of system time (user time 1.4 s)."""
+    return torch.empty(shape, dtype=_TORCH_DTYPES[dtype]).numpy()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -97,13 +107,14 @@ def _dense(blocks: np.ndarray, fmt: BlockCodes, out: np.ndarray) -> None:
 def dequantize(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> np.ndarray:
     """Decode a tensor's stored bytes (see _stored_blocks) into a float32 array of the given numpy shape."""
     blocks = _stored_blocks(raw, qtype, shape)
-    if qtype == QType.F32:
-        return blocks.view(np.float32).reshape(shape).copy()
-    if qtype == QType.F16:
-        return blocks.view(np.float16).astype(np.float32).reshape(shape)
-    if qtype == QType.BF16:
-        return (blocks.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
-    out = np.empty((len(blocks), gguf.GGML_QUANT_SIZES[qtype][0]), dtype=np.float32)
+    if qtype in FLOAT_TYPES:
+        out = _empty(shape, np.float32)
+        if qtype == QType.BF16:  # the top half of a float32
+            np.left_shift(blocks.view(np.uint16).reshape(shape), 16, out=out.view(np.uint32), dtype=np.uint32)
+        else:
+            np.copyto(out, blocks.view(np.float32 if qtype == QType.F32 else np.float16).reshape(shape))
+        return out
+    out = _empty((len(blocks), gguf.GGML_QUANT_SIZES[qtype][0]), np.float32)
 
     def decode(rows: slice) -> None:
         _dense(blocks[rows], _CODES[qtype], out[rows])
@@ -125,15 +136,15 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
     blocks = _stored_blocks(raw, qtype, shape)
     n, block_size = len(blocks), gguf.GGML_QUANT_SIZES[qtype][0]
     int4 = fmt.kind == "int4"
-    qweight = np.empty((n, block_size // 2 if int4 else block_size), dtype=np.uint8 if int4 else np.int8)
-    scales = np.empty((n, block_size // fmt.group_size), dtype=np.float32)
-    zeros = np.empty_like(scales) if fmt.has_zeros else None
+    qweight = _empty((n, block_size // 2 if int4 else block_size), np.uint8 if int4 else np.int8)
+    scales = _empty((n, block_size // fmt.group_size), np.float32)
+    zeros = _empty(scales.shape, np.float32) if fmt.has_zeros else None
 
     def decode(rows: slice) -> None:
         chunk = blocks[rows]
         # Blocks hold an even number of elements, so packing block by block packs the row.
-        if fmt.packed is not None:
-            qweight[rows] = fmt.packed(chunk)
+        if fmt.write is not None:
+            fmt.write(chunk, qweight[rows])
         elif int4:
             codes = fmt.codes(chunk)
             np.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=qweight[rows])
