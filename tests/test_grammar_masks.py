@@ -1,0 +1,64 @@
+"""The core's grammar side (`GrammarManager`): the per-process vocabulary cache and a step's bitmask, whose
+constrained rows are llguidance's own masks and whose free rows allow every token."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from schemas import SCHEMAS
+
+from ember.config import EngineArgs
+from ember.engine import grammar
+from ember.engine.grammar import GrammarManager
+from ember.model.files import load_model_info
+from ember.sampling.structured import StructuredOutputsParams
+
+
+@pytest.fixture(scope="module")
+def manager(default_tokenizer):
+    m = GrammarManager(EngineArgs(), default_tokenizer.vocab_size)
+    yield m
+    m.shutdown()
+
+
+def test_vocabulary_is_built_once_per_tokenizer_file(tmp_path, default_tokenizer):
+    load_model_info(EngineArgs()).tokenizer.tok.save(str(tmp_path / "tokenizer.json"))
+    args, vocab = EngineArgs(tokenizer=str(tmp_path)), default_tokenizer.vocab_size
+    first = grammar._ll_tokenizer(args, vocab)
+    assert grammar._ll_tokenizer(args, vocab) is first
+    assert grammar._ll_tokenizer(args, vocab + 32) is not first  # another logits width: another vocabulary
+    stat = os.stat(tmp_path / "tokenizer.json")
+    os.utime(tmp_path / "tokenizer.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file changed
+    assert grammar._ll_tokenizer(args, vocab) is not first
+
+
+def test_missing_tokenizer_is_the_requests_error_not_cached(tmp_path):
+    args = EngineArgs(tokenizer=str(tmp_path))  # no tokenizer.json there
+    for _ in range(2):
+        with pytest.raises(ValueError, match="structured_outputs: no vocabulary"):
+            grammar._ll_tokenizer(args, 100)
+
+
+def test_step_bitmask_rows(manager, default_tokenizer):
+    """Free rows allow everything; constrained rows, fresh, part-way, finished or failed, hold exactly
+    what the matcher's own mask says."""
+    fresh = manager.matcher(StructuredOutputsParams(json=SCHEMAS[0]))
+    partway = manager.matcher(StructuredOutputsParams(json=SCHEMAS[0]))
+    for token in default_tokenizer.encode('{"', add_special_tokens=False):
+        assert partway.consume_token(token)
+    done = manager.matcher(StructuredOutputsParams(choice=["yes", "no"]))
+    for token in default_tokenizer.encode("yes", add_special_tokens=False):
+        assert done.consume_token(token)
+    failed = manager.matcher(StructuredOutputsParams(choice=["yes", "no"]))
+    failed.consume_token(default_tokenizer.encode("maybe", add_special_tokens=False)[0])
+    assert done.is_accepting() and failed.is_error()
+    rows = [None, fresh, None, partway, done, failed, None]
+    bitmask = manager.start_masks(rows).result().numpy()
+    words = bitmask.shape[1]
+    for row, matcher in enumerate(rows):
+        expected = (np.full(words, -1, np.int32) if matcher is None
+                    else np.frombuffer(matcher.compute_bitmask(), np.int32)[:words])
+        assert np.array_equal(bitmask[row], expected), row
+    assert manager.start_masks([None, None]) is None
