@@ -120,7 +120,7 @@ def bench_masks(args: EngineArgs, vocab_size: int, counts: list[int], steps: int
         matchers = [manager.matcher(StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)])) for i in range(n)]
         times = []
         for _ in range(steps):
-            if deadline.left() < 30:
+            if deadline.left() < 10:
                 break
             start = time.perf_counter()
             bitmask = manager.start_masks(matchers).result()
@@ -281,10 +281,11 @@ def main() -> None:
             load_model_info(EngineArgs()).tokenizer.tok.save(os.path.join(scratch, "tokenizer.json"))
         args, llm = _engine(a.mode, tokenizer_dir, requests)
         vocab = llm.llm_engine.ready.vocab_size
-        results["compile"] = bench_compile(args, vocab, SCHEMAS[:3] if a.tiny else SCHEMAS)
-        results["masks"] = bench_masks(args, vocab, counts, 3 if a.tiny else 32, deadline)
+        # The target first: under the time limit, a slow start leaves the shorter measurements out.
         results["throughput"] = bench_throughput(llm, _prompts(a.mode, llm, requests), max_tokens, repeats, deadline)
         llm.llm_engine.shutdown()
+        results["masks"] = bench_masks(args, vocab, counts, 3 if a.tiny else 32, deadline)
+        results["compile"] = bench_compile(args, vocab, SCHEMAS[:3] if a.tiny else SCHEMAS)
     deadline.cancel()
     _table(results)
     write_json(out, results)
