@@ -13,6 +13,7 @@ from ember.config import EngineArgs
 from ember.engine import grammar
 from ember.engine.grammar import GrammarManager
 from ember.model.files import load_model_info
+from ember.runner.step_timer import StepTimer
 from ember.sampling.structured import StructuredOutputsParams
 
 
@@ -62,3 +63,23 @@ def test_step_bitmask_rows(manager, default_tokenizer):
                     else np.frombuffer(matcher.compute_bitmask(), np.int32)[:words])
         assert np.array_equal(bitmask[row], expected), row
     assert manager.start_masks([None, None]) is None
+
+
+class _At:
+    """A completed CUDA event's stand-in: a time in ms on the GPU's clock."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, later: _At) -> float:
+        return later.ms - self.ms
+
+
+def test_step_timer_counts_the_gpus_wait_for_masks():
+    """Idle between steps, busy within them, and the part of busy spent waiting for the masks (zero when
+    they came before the forward ended)."""
+    timer = StepTimer()
+    timer.finished(_At(0), _At(10), (_At(6), _At(8.5)))  # the masks came 2.5 ms after the forward
+    timer.finished(_At(12), _At(20), (_At(15), _At(15)))  # ready in time
+    timer.finished(_At(20), _At(25))  # no constrained request
+    assert (timer.busy_s, timer.idle_s, timer.mask_wait_s) == pytest.approx((0.023, 0.002, 0.0025))

@@ -370,7 +370,8 @@ class ModelRunner:
         if pending.events is not None:
             pending.events[1].synchronize()
         row = {r: i for i, r in enumerate(pending.requests)}
-        return [int(pending.sampled[row[r]]) for r in requests]
+        sampled = pending.sampled.tolist()  # one conversion, not a tensor index per request (256 of them)
+        return [sampled[row[r]] for r in requests]
 
     def wait(self, pending: PendingStep) -> StepResult:
         """The step's results, once the device has finished it."""
