@@ -12,7 +12,6 @@ from schemas import SCHEMAS
 from ember.config import EngineArgs
 from ember.engine import grammar
 from ember.engine.grammar import GrammarManager
-from ember.model.files import load_model_info
 from ember.runner.step_timer import StepTimer
 from ember.sampling.structured import StructuredOutputsParams
 
@@ -25,7 +24,7 @@ def manager(default_tokenizer):
 
 
 def test_vocabulary_is_built_once_per_tokenizer_file(tmp_path, default_tokenizer):
-    load_model_info(EngineArgs()).tokenizer.tok.save(str(tmp_path / "tokenizer.json"))
+    default_tokenizer.tok.save(str(tmp_path / "tokenizer.json"))
     args, vocab = EngineArgs(tokenizer=str(tmp_path)), default_tokenizer.vocab_size
     first = grammar._ll_tokenizer(args, vocab)
     assert grammar._ll_tokenizer(args, vocab) is first
