@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,12 +63,12 @@ TEMPERATURE = 0.6  # both runs sample, so both compute full logits
 
 
 class Deadline:
-    """The run's time limit: phases ask how much is left; at the limit a watchdog writes the results
-    so far and ends the process (exit 124), whatever is running."""
+    """The run's time limit: phases ask how much is left; at the limit a watchdog reports what was
+    measured so far (`report`) and ends the process (exit 124), whatever is running."""
 
-    def __init__(self, seconds: float, results: dict[str, Any], out: str) -> None:
+    def __init__(self, seconds: float, report: Callable[[], None]) -> None:
         self.end = time.monotonic() + seconds
-        self._results, self._out = results, out
+        self._report = report
         self._timer = threading.Timer(seconds, self._expire)
         self._timer.daemon = True
         self._timer.start()
@@ -76,9 +77,8 @@ class Deadline:
         return self.end - time.monotonic()
 
     def _expire(self) -> None:
-        self._results["stopped_by_time_limit"] = True
-        write_json(self._out, self._results)
-        print(f"time limit reached; wrote the partial results to {self._out}", flush=True)
+        print("time limit reached: the results so far", flush=True)
+        self._report()
         os._exit(124)
 
     def cancel(self) -> None:
@@ -167,14 +167,16 @@ def _free(lengths: list[int]) -> list[SamplingParams]:
             for i, n in enumerate(lengths)]
 
 
-def bench_throughput(llm: LLM, prompts: list[Any], max_tokens: int, repeats: int, deadline: Deadline
-                     ) -> dict[str, Any]:
+def bench_throughput(llm: LLM, prompts: list[Any], max_tokens: int, repeats: int, deadline: Deadline,
+                     out: dict[str, Any]) -> None:
     """Pairs of runs: the constrained requests, then the same requests unconstrained at the lengths
-    they reached. A pair is started only when the last one would fit in the time left."""
+    they reached, written into `out` as each pair ends (so that the time limit keeps them). A pair is
+    started only when the last one would fit in the time left."""
     warm = min(4, len(prompts))  # compiles the sampler's kernels and fills the allocator's caches
     _run(llm, prompts[:warm], _constrained(warm, 8))
     _run(llm, prompts[:warm], _free([8] * warm))
     pairs: list[dict[str, Any]] = []
+    out["pairs"] = pairs
     pair_s = 0.0
     while len(pairs) < repeats and deadline.left() > 1.5 * pair_s + 5:
         start = time.monotonic()
@@ -186,16 +188,18 @@ def bench_throughput(llm: LLM, prompts: list[Any], max_tokens: int, repeats: int
         free, _ = _run(llm, prompts, _free(lengths))
         ratio = round(constrained["output_tok_per_s"] / free["output_tok_per_s"], 3)
         pairs.append({"json_schema": constrained, "unconstrained": free, "ratio": ratio})
+        out.update(_summary(pairs))
         pair_s = time.monotonic() - start
-    if not pairs:
-        return {"pairs": []}
-    best = max(pairs, key=lambda p: p["ratio"])
-    return {"pairs": pairs, "ratio_median": round(statistics.median(p["ratio"] for p in pairs), 3),
-            "ratio_min": min(p["ratio"] for p in pairs), "ratio_max": best["ratio"],
-            "json_schema_tok_per_s_median": round(statistics.median(p["json_schema"]["output_tok_per_s"]
-                                                                    for p in pairs), 1),
-            "unconstrained_tok_per_s_median": round(statistics.median(p["unconstrained"]["output_tok_per_s"]
-                                                                      for p in pairs), 1)}
+
+
+def _summary(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    def median(values: Any) -> float:
+        return round(statistics.median(values), 3)
+
+    return {"ratio_median": median(p["ratio"] for p in pairs), "ratio_min": min(p["ratio"] for p in pairs),
+            "ratio_max": max(p["ratio"] for p in pairs),
+            "json_schema_tok_per_s_median": median(p["json_schema"]["output_tok_per_s"] for p in pairs),
+            "unconstrained_tok_per_s_median": median(p["unconstrained"]["output_tok_per_s"] for p in pairs)}
 
 
 def _is_json(text: str) -> bool:
@@ -247,6 +251,9 @@ def _table(results: dict[str, Any]) -> None:
     t = results.get("throughput", {})
     if "ratio_median" in t:
         rows.append(("json_schema / unconstrained, median of runs", t["ratio_median"]))
+    if not rows:
+        print("nothing measured yet")
+        return
     width = max(len(label) for label, _ in rows) + 2
     for label, value in rows:
         print(f"{label:<{width}} {value:>16}")
@@ -273,8 +280,15 @@ def main() -> None:
     counts = [1, 4] if a.tiny else [1, 16, 64, 256]
     out = a.out or os.path.join(RESULTS_DIR, f"structured-{a.mode}{'-tiny' if a.tiny else ''}-{today()}.json")
     results: dict[str, Any] = {"mode": a.mode, "date": today(), "machine": machine_info(),
-                               "command": " ".join(sys.argv), "requests": requests, "max_tokens": max_tokens}
-    deadline = Deadline(a.time_limit or (210 if h200 else 900), results, out)
+                               "command": " ".join(sys.argv), "requests": requests, "max_tokens": max_tokens,
+                               "stopped_by_time_limit": True}
+
+    def report() -> None:
+        _table(results)
+        write_json(out, results)
+        print(f"wrote {out}", flush=True)
+
+    deadline = Deadline(a.time_limit or (210 if h200 else 900), report)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_dir = a.tokenizer or scratch
         if a.tokenizer is None:
@@ -282,14 +296,14 @@ def main() -> None:
         args, llm = _engine(a.mode, tokenizer_dir, requests)
         vocab = llm.llm_engine.ready.vocab_size
         # The target first: under the time limit, a slow start leaves the shorter measurements out.
-        results["throughput"] = bench_throughput(llm, _prompts(a.mode, llm, requests), max_tokens, repeats, deadline)
+        results["throughput"] = {}
+        bench_throughput(llm, _prompts(a.mode, llm, requests), max_tokens, repeats, deadline, results["throughput"])
         llm.llm_engine.shutdown()
         results["masks"] = bench_masks(args, vocab, counts, 3 if a.tiny else 32, deadline)
         results["compile"] = bench_compile(args, vocab, SCHEMAS[:3] if a.tiny else SCHEMAS)
     deadline.cancel()
-    _table(results)
-    write_json(out, results)
-    print(f"wrote {out}")
+    results["stopped_by_time_limit"] = False
+    report()
 
 
 if __name__ == "__main__":
