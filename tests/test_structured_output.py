@@ -9,11 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
-import torch
 
 from ember import AsyncLLM, EngineArgs, SamplingParams
 from ember.engine.messages import EngineCoreRequest, decode_input, encode
-from ember.sampling.sampler import apply_token_bitmask
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
 
 from conftest import DEVICE
@@ -142,21 +140,6 @@ def test_bad_constraints_are_400_naming_the_field(server, body, param):
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and error["message"].startswith(param), error
-
-
-def test_bitmask_applies_bit_by_bit():
-    """The sampler's unpacking against a per-token reference, on random masks and a vocabulary that
-    does not fill the last word."""
-    gen = torch.Generator().manual_seed(0)
-    vocab = 32 * 7 + 5
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 8), dtype=torch.int32, generator=gen)
-    logits = torch.randn(3, vocab, generator=gen)
-    expected = logits.clone()
-    for row in range(3):
-        for token in range(vocab):
-            if not (int(bitmask[row, token // 32]) >> (token % 32)) & 1:
-                expected[row, token] = float("-inf")
-    assert torch.equal(apply_token_bitmask(logits, bitmask), expected)
 
 
 def test_constraint_crosses_the_wire():

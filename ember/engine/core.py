@@ -186,7 +186,7 @@ class EngineCore:
             kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps, gpu_busy_s=timer.busy_s if timer else 0.0,
-            gpu_idle_s=timer.idle_s if timer else 0.0)
+            gpu_idle_s=timer.idle_s if timer else 0.0, gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0)
 
     def _launch(self, outputs: list[EngineCoreOutput]) -> bool:
         batch = self.scheduler.schedule()

@@ -84,6 +84,7 @@ class SchedulerStats(_Message):
     num_steps: int  # steps that ran the model
     gpu_busy_s: float = 0.0  # CUDA: time the GPU spent in steps' work
     gpu_idle_s: float = 0.0  # CUDA: time the GPU waited for the host between steps
+    gpu_mask_wait_s: float = 0.0  # CUDA: time the GPU waited inside steps for grammar masks
 
 
 class EngineCoreOutputs(_Message):

@@ -63,6 +63,7 @@ class PendingStep:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # ids, values, ranks on the host
     prompt_logprobs: list[tuple[PromptRows, torch.Tensor, torch.Tensor, torch.Tensor]]
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # start, end of its device work (CUDA)
+    mask_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # forward's end, masks' arrival (CUDA)
 
 
 @dataclass
@@ -312,12 +313,17 @@ class ModelRunner:
         if step.inflight_rows:
             self._fill_inflight_tokens(inputs.input_ids, step.inflight_rows)
         masks = start_masks(step.samplers) if start_masks and step.samplers else None
+        timed = start is not None and masks is not None
         try:
             # Built before the forward so that its host-to-device copies overlap the GPU's work.
             sbatch = self._sampling_batch(step.samplers) if step.samplers else None
             hidden = self._forward(inputs)
+            # A masked step samples from the full logits: queue them before waiting for the masks.
+            logits = self.model.compute_logits(hidden[inputs.logits_indices]) if masks is not None else None
+            forward_end = StepTimer.record() if timed else None
         finally:  # also on failure: the mask thread must be done with the matchers before anyone else
             bitmask = masks.result() if masks is not None else None
+        mask_wait = (forward_end, StepTimer.record()) if timed else None
         if bitmask is not None:
             sbatch.token_bitmask = bitmask.to(self.device, non_blocking=True)  # pinned on CUDA hosts
         prompt = [(rows, *(to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
@@ -327,11 +333,14 @@ class ModelRunner:
         if sbatch.argmax_only:
             out = SamplerOutput(self.model.greedy_tokens(hidden[inputs.logits_indices]), None, None)
         else:
-            out = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), sbatch)
+            if logits is None:
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            out = self.sampler(logits, sbatch)
         self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(step.samplers)})
         logprobs = None if out.logprobs is None else (
             to_host(out.logprob_token_ids), to_host(out.logprobs), to_host(out.sampled_ranks))
-        return PendingStep(step.samplers, to_host(out.sampled_token_ids), logprobs, prompt, self._end_events(start))
+        return PendingStep(step.samplers, to_host(out.sampled_token_ids), logprobs, prompt, self._end_events(start),
+                           mask_wait)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         return SamplingBatch.build(
@@ -369,13 +378,14 @@ class ModelRunner:
         if pending.events is not None:
             pending.events[1].synchronize()
         row = {r: i for i, r in enumerate(pending.requests)}
-        return [int(pending.sampled[row[r]]) for r in requests]
+        sampled = pending.sampled.tolist()  # one conversion, not a tensor index per request (256 of them)
+        return [sampled[row[r]] for r in requests]
 
     def wait(self, pending: PendingStep) -> StepResult:
         """The step's results, once the device has finished it."""
         if pending.events is not None:
             pending.events[1].synchronize()
-            self.timer.finished(*pending.events)
+            self.timer.finished(*pending.events, pending.mask_wait)
         if pending.sampled is None:
             return StepResult([], [], [], self._prompt_results(pending))
         reqs = pending.requests
