@@ -18,20 +18,25 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ember.kernels.fused_moe import fused_moe, fused_moe_ref, grouped_gemm, weight_kind  # noqa: E402
-from ember.kernels.moe_align import max_padded_slots, moe_align_block_size  # noqa: E402
-from ember.kernels.moe_config import (  # noqa: E402
-    GemmTiles, MoeConfig, choose_moe_config, default_moe_config, lookup, problem_key,
+from ember.kernels.fused_moe import fused_moe, fused_moe_ref, grouped_gemm, weight_kind
+from ember.kernels.moe_align import max_padded_slots, moe_align_block_size
+from ember.kernels.moe_config import (
+    GemmTiles,
+    MoeConfig,
+    choose_moe_config,
+    default_moe_config,
+    lookup,
+    problem_key,
 )
-from ember.kernels.moe_routing import moe_route, moe_route_ref  # noqa: E402
-from ember.quant.experts import QuantizedExperts, quantize_experts  # noqa: E402
-from ember.quant.formats import pack_int4  # noqa: E402
+from ember.kernels.moe_routing import moe_route, moe_route_ref
+from ember.quant.experts import QuantizedExperts, quantize_experts
+from ember.quant.formats import pack_int4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Outputs are O(1); bf16/fp16 round the activations, the intermediate and the output.
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3),
-       torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
+TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 5e-3, "rtol": 5e-3},
+       torch.bfloat16: {"atol": 4e-2, "rtol": 4e-2}}
 # Small tiles: several N tiles, K tiles and sorted-slot blocks even on these tiny shapes.
 SMALL_TILES = MoeConfig(16, GemmTiles(16, 16, 2, 1), GemmTiles(16, 32, 2, 1))
 
