@@ -137,7 +137,7 @@ def _check_alignment(topk_ids: torch.Tensor, e: int, block_m: int) -> None:
 
 
 @pytest.mark.parametrize("m,e,k,block_m", [(13, 7, 3, 4), (1, 8, 2, 16), (30, 128, 8, 16), (40, 4, 2, 64),
-                                           (300, 8, 2, 16)])
+                                           (600, 8, 2, 16)])
 def test_alignment_groups_slots_by_expert(m: int, e: int, k: int, block_m: int) -> None:
     gen = _gen("align", m, e, k)
     _check_alignment(_routing(m, e, k, gen)[1], e, block_m)
@@ -178,10 +178,12 @@ def _check_fused(hidden: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torc
 
 
 # (weight kind, activation dtype, M, E, k, H, I, config): M = 1 (most experts get nothing), ragged
-# H and I, each quantized form with groups that split K into several tiles.
+# H and I, each quantized form with groups that split K into several tiles, and one batch whose
+# slots span several alignment chunks.
 CASES = [
     (torch.float32, torch.float32, 1, 8, 2, 64, 48, None),
     (torch.float32, torch.float32, 9, 6, 2, 40, 24, SMALL_TILES),
+    (torch.float32, torch.float32, 9, 128, 8, 32, 16, None),  # 72 slots: the three-kernel alignment
     (torch.bfloat16, torch.bfloat16, 5, 8, 3, 64, 32, None),
     (torch.float16, torch.float16, 17, 4, 2, 32, 48, SMALL_TILES),
     ("int8-channel", torch.float32, 6, 5, 2, 64, 48, SMALL_TILES),

@@ -10,9 +10,12 @@ GPU. So a CUDA graph captured for one batch size replays for any routing. Three 
   1. per chunk of slots: a count per expert, and each slot's rank among its chunk's slots of the
      same expert (a cumulative sum over a one-hot [chunk, E] tile);
   2. one program: per expert, the slots of earlier chunks (turning the counts into offsets), the
-     padded run lengths and their starts, the block -> expert map and the padded total;
+     padded run lengths and their starts, the block -> expert map, the padded total, and the
+     padding sentinel written over the whole sorted buffer;
   3. per chunk: each slot's place = its expert's start + the chunk's offset + its rank.
-Places are thus in slot order within an expert: the layout is deterministic.
+When all slots fit one chunk (decode: up to 64 slots at E=128, 1024 at E=8) one program does all
+three, since at that size each launch costs more than its work.
+Places are in slot order within an expert: the layout is deterministic.
 """
 
 from __future__ import annotations
@@ -41,21 +44,65 @@ def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
+def _chunk_ranks(ids_ptr, chunk, num_slots, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """A chunk's slots, their one-hot [CHUNK, BLOCK_E] experts, and each slot's rank among the
+    chunk's earlier slots of the same expert."""
+    slots = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=BLOCK_E)  # padding matches no expert
+    onehot = (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+    ranks = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    return slots, onehot, ranks
+
+
+@triton.jit
+def _write_layout(counts, sorted_ptr, expert_ids_ptr, total_ptr, E, num_slots, num_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TILE: tl.constexpr):
+    """From the slots per expert: the padded total, each block's expert (-1 past the total), every
+    place of the sorted ids set to the padding sentinel; returns each expert's first place."""
+    e_mask = tl.arange(0, BLOCK_E) < E
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(total_ptr, total)
+    for b0 in range(0, num_blocks, BLOCK_TILE):
+        blocks = b0 + tl.arange(0, BLOCK_TILE)
+        first_slot = blocks * BLOCK_M
+        # The expert whose run holds first_slot is the number of runs that end at or before it.
+        expert = tl.sum(((ends[None, :] <= first_slot[:, None]) & e_mask[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.where(first_slot < total, expert, -1), mask=blocks < num_blocks)
+        places = first_slot[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ptr + places, tl.zeros([BLOCK_TILE, BLOCK_M], tl.int32) + num_slots,
+                 mask=(blocks < num_blocks)[:, None])
+    return ends - padded
+
+
+@triton.jit
+def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, num_slots, E, num_blocks,
+                              BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                              BLOCK_TILE: tl.constexpr):
+    """All three steps in one program when every slot fits one chunk (decode): one launch, not three."""
+    slots, onehot, ranks = _chunk_ranks(ids_ptr, 0, num_slots, CHUNK, BLOCK_E)
+    starts = _write_layout(tl.sum(onehot, axis=0), sorted_ptr, expert_ids_ptr, total_ptr, E, num_slots,
+                           num_blocks, BLOCK_M, BLOCK_E, BLOCK_TILE)
+    tl.debug_barrier()  # the sentinel fill above lands before the slots overwrite it
+    place = tl.sum(onehot * starts[None, :], axis=1) + ranks
+    tl.store(sorted_ptr + place, slots, mask=slots < num_slots)
+
+
+@triton.jit
 def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_slots, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
-    slots = chunk * CHUNK + tl.arange(0, CHUNK)
+    slots, onehot, ranks = _chunk_ranks(ids_ptr, chunk, num_slots, CHUNK, BLOCK_E)
     experts = tl.arange(0, BLOCK_E)
-    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=BLOCK_E)  # padding matches no expert
-    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-    before_or_self = tl.cumsum(onehot, axis=0)
-    tl.store(ranks_ptr + slots, tl.sum(before_or_self * onehot, axis=1) - 1, mask=slots < num_slots)
+    tl.store(ranks_ptr + slots, ranks, mask=slots < num_slots)
     tl.store(counts_ptr + chunk * E + experts, tl.sum(onehot, axis=0), mask=experts < E)
 
 
 @triton.jit
-def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, total_ptr, num_chunks, E, num_blocks,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_TILE: tl.constexpr,
+def _offsets_kernel(counts_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, num_slots, num_chunks, E,
+                    num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_TILE: tl.constexpr,
                     BLOCK_TILE: tl.constexpr):
+    """Turns each chunk's counts into the slots of earlier chunks per expert, then the layout."""
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < E
     running = tl.zeros([BLOCK_E], tl.int32)
@@ -66,17 +113,9 @@ def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, total_ptr, num_chunk
         counts = tl.load(ptrs, mask=mask, other=0)
         tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + running[None, :], mask=mask)
         running += tl.sum(counts, axis=0)
-    padded = (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(starts_ptr + experts, ends - padded, mask=e_mask)
-    total = tl.sum(padded, axis=0)
-    tl.store(total_ptr, total)
-    for b0 in range(0, num_blocks, BLOCK_TILE):
-        blocks = b0 + tl.arange(0, BLOCK_TILE)
-        first_slot = blocks * BLOCK_M
-        # The expert whose run holds first_slot is the number of runs that end at or before it.
-        expert = tl.sum(((ends[None, :] <= first_slot[:, None]) & e_mask[None, :]).to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + blocks, tl.where(first_slot < total, expert, -1), mask=blocks < num_blocks)
+    starts = _write_layout(running, sorted_ptr, expert_ids_ptr, total_ptr, E, num_slots, num_blocks,
+                           BLOCK_M, BLOCK_E, BLOCK_TILE)
+    tl.store(starts_ptr + experts, starts, mask=e_mask)
 
 
 @triton.jit
@@ -96,22 +135,24 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         raise ValueError(f"topk_ids must be int32 [M, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     ids = topk_ids.contiguous().view(-1)
     num_slots, device = ids.numel(), ids.device
-    padded = max_padded_slots(num_slots, num_experts, block_m)
-    num_blocks = padded // block_m
-    sorted_ids = torch.full((padded,), num_slots, dtype=torch.int32, device=device)
+    num_blocks = max_padded_slots(num_slots, num_experts, block_m) // block_m
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
     chunk = max(16, min(1024, _TILE_ELEMENTS // block_e, triton.next_power_of_2(max(num_slots, 1))))
+    block_tile = max(1, _TILE_ELEMENTS // 2 // max(block_e, block_m))
+    layout = dict(BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_TILE=block_tile)
+    if num_slots <= chunk:
+        _align_one_program_kernel[(1,)](ids, sorted_ids, expert_ids, total, num_slots, num_experts, num_blocks,
+                                        CHUNK=chunk, **layout)
+        return MoeAlignment(sorted_ids, expert_ids, total, block_m)
     num_chunks = triton.cdiv(num_slots, chunk)
     counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
     ranks = torch.empty(num_slots, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    if num_slots:
-        _count_kernel[(num_chunks,)](ids, counts, ranks, num_slots, num_experts, CHUNK=chunk, BLOCK_E=block_e)
-    tile = max(16, _TILE_ELEMENTS // 2 // block_e)
-    _offsets_kernel[(1,)](counts, starts, expert_ids, total, num_chunks, num_experts, num_blocks,
-                          BLOCK_M=block_m, BLOCK_E=block_e, CHUNK_TILE=tile, BLOCK_TILE=tile)
-    if num_slots:
-        _scatter_kernel[(num_chunks,)](ids, ranks, counts, starts, sorted_ids, num_slots, num_experts, CHUNK=chunk)
+    _count_kernel[(num_chunks,)](ids, counts, ranks, num_slots, num_experts, CHUNK=chunk, BLOCK_E=block_e)
+    _offsets_kernel[(1,)](counts, starts, sorted_ids, expert_ids, total, num_slots, num_chunks, num_experts,
+                          num_blocks, CHUNK_TILE=max(1, _TILE_ELEMENTS // 2 // block_e), **layout)
+    _scatter_kernel[(num_chunks,)](ids, ranks, counts, starts, sorted_ids, num_slots, num_experts, CHUNK=chunk)
     return MoeAlignment(sorted_ids, expert_ids, total, block_m)
