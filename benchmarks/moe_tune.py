@@ -30,18 +30,19 @@ from benchmarks.moe_kernel import KINDS, SHAPES, MoeShape, bench_us, make_batch,
 from ember.kernels.fused_moe import Experts, fused_moe, grouped_gemm, weight_kind  # noqa: E402
 from ember.kernels.moe_align import moe_align_block_size  # noqa: E402
 from ember.kernels.moe_config import (  # noqa: E402
-    TABLE_PATH, GemmTiles, MoeConfig, default_moe_config, device_key, problem_key,
+    TABLE_PATH, GemmTiles, MoeConfig, default_moe_config, device_key, fit_tiles, problem_key,
 )
+from ember.quant.experts import QuantizedExperts  # noqa: E402
 
 TUNE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-# (BLOCK_N, BLOCK_K, warps, stages). Few rows per block: the weight stream dominates, so long K
-# tiles and deep pipelines; many rows: square-ish compute tiles.
-SMALL_M_TILES = [GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 4),
-                 GemmTiles(32, 256, 4, 3), GemmTiles(64, 256, 4, 3), GemmTiles(128, 128, 4, 3),
-                 GemmTiles(128, 128, 8, 3), GemmTiles(16, 256, 4, 4)]
+# (BLOCK_N, BLOCK_K, warps, stages), six each: a cold GPU machine compiles every one per BLOCK_M
+# (about a second each), which bounds the search more than the timing does. Few rows per block:
+# the weight stream dominates, so long K tiles, narrow N tiles (more programs) and deep pipelines;
+# many rows: square-ish compute tiles.
+SMALL_M_TILES = [GemmTiles(16, 256, 4, 4), GemmTiles(32, 128, 4, 4), GemmTiles(32, 256, 4, 3),
+                 GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 4), GemmTiles(128, 128, 8, 3)]
 LARGE_M_TILES = [GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 3),
-                 GemmTiles(128, 64, 8, 3), GemmTiles(64, 128, 4, 3), GemmTiles(128, 128, 8, 3),
-                 GemmTiles(256, 64, 8, 3)]
+                 GemmTiles(128, 64, 8, 3), GemmTiles(64, 128, 4, 3), GemmTiles(128, 128, 8, 3)]
 
 
 def block_m_candidates(m: int, shape: MoeShape) -> list[int]:
@@ -58,8 +59,13 @@ def time_tiles(fn, tiles: GemmTiles, rep_ms: int) -> float | None:
         return None
 
 
-def best_tiles(fn, candidates: list[GemmTiles], rep_ms: int) -> tuple[GemmTiles, float] | None:
-    timed = [(t, us) for t in candidates if (us := time_tiles(fn, t, rep_ms)) is not None]
+def best_tiles(fn, candidates: list[GemmTiles], n: int, k: int, w: Experts,
+               rep_ms: int) -> tuple[GemmTiles, float] | None:
+    """The fastest candidate, each fitted to the problem as the runtime will fit it (K tiles inside
+    a quantization group)."""
+    group = w.group_size if isinstance(w, QuantizedExperts) else None
+    fitted = list(dict.fromkeys(fit_tiles(t, n, k, group) for t in candidates))
+    timed = [(t, us) for t in fitted if (us := time_tiles(fn, t, rep_ms)) is not None]
     return min(timed, key=lambda r: r[1]) if timed else None
 
 
@@ -77,8 +83,10 @@ def tune_point(shape: MoeShape, w13: Experts, w2: Experts, m: int, rep_ms: int, 
             break
         align = moe_align_block_size(ids, shape.num_experts, block_m)
         cands = SMALL_M_TILES if block_m <= 32 else LARGE_M_TILES
-        up = best_tiles(lambda t, a=align: grouped_gemm(hidden, w13, act, a, t, shape.top_k), cands, rep_ms)
-        down = best_tiles(lambda t, a=align: grouped_gemm(act, w2, y, a, t, 1, route_w), cands, rep_ms)
+        up = best_tiles(lambda t, a=align: grouped_gemm(hidden, w13, act, a, t, shape.top_k), cands,
+                        shape.inter, shape.hidden, w13, rep_ms)
+        down = best_tiles(lambda t, a=align: grouped_gemm(act, w2, y, a, t, 1, route_w), cands,
+                          shape.hidden, shape.inter, w2, rep_ms)
         if up is None or down is None:
             continue
         if best is None or up[1] + down[1] < best[1]:

@@ -14,6 +14,9 @@ dequantize tile by tile inside the K loop, through the same `dequant_tile` as qu
 multiply in the activations' dtype on tensor cores; the codes stay quantized in HBM, which is what
 decode's bandwidth-bound GEMMs gain from. Under tensor parallelism each rank passes its slice of
 the intermediate dimension and gets a partial sum to all-reduce.
+
+Arguments that follow the batch size (slot and block counts) are not specialized on, so one
+compiled kernel serves every batch size: CUDA-graph capture at many sizes compiles nothing new.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, num_groups, stride_
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
 def _grouped_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, route_w_ptr, sorted_ptr, expert_ids_ptr, total_ptr,
     num_slots, N, K, num_groups, num_m_blocks,

@@ -76,7 +76,7 @@ def _write_layout(counts, sorted_ptr, expert_ids_ptr, total_ptr, E, num_slots, n
     return ends - padded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, num_slots, E, num_blocks,
                               BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                               BLOCK_TILE: tl.constexpr):
@@ -89,7 +89,7 @@ def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, nu
     tl.store(sorted_ptr + place, slots, mask=slots < num_slots)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_slots, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
     slots, onehot, ranks = _chunk_ranks(ids_ptr, chunk, num_slots, CHUNK, BLOCK_E)
@@ -98,7 +98,7 @@ def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_slots, E, CHUNK: tl.conste
     tl.store(counts_ptr + chunk * E + experts, tl.sum(onehot, axis=0), mask=experts < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_chunks", "num_blocks"])
 def _offsets_kernel(counts_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, num_slots, num_chunks, E,
                     num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_TILE: tl.constexpr,
                     BLOCK_TILE: tl.constexpr):
@@ -118,7 +118,7 @@ def _offsets_kernel(counts_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, total_pt
     tl.store(starts_ptr + experts, starts, mask=e_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _scatter_kernel(ids_ptr, ranks_ptr, offsets_ptr, starts_ptr, sorted_ptr, num_slots, E, CHUNK: tl.constexpr):
     chunk = tl.program_id(0)
     slots = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -142,7 +142,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     block_e = triton.next_power_of_2(num_experts)
     chunk = max(16, min(1024, _TILE_ELEMENTS // block_e, triton.next_power_of_2(max(num_slots, 1))))
     block_tile = max(1, _TILE_ELEMENTS // 2 // max(block_e, block_m))
-    layout = dict(BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_TILE=block_tile)
+    layout = {"BLOCK_M": block_m, "BLOCK_E": block_e, "BLOCK_TILE": block_tile}
     if num_slots <= chunk:
         _align_one_program_kernel[(1,)](ids, sorted_ids, expert_ids, total, num_slots, num_experts, num_blocks,
                                         CHUNK=chunk, **layout)

@@ -83,7 +83,7 @@ def lookup(device: str, key: str, m: int, table: dict | None = None) -> MoeConfi
     return MoeConfig.from_json(entries[str(size)])
 
 
-def _fit(tiles: GemmTiles, n: int, k: int, group_size: int | None) -> GemmTiles:
+def fit_tiles(tiles: GemmTiles, n: int, k: int, group_size: int | None) -> GemmTiles:
     """Tiles no larger than the problem (rounded up to 16, the tl.dot minimum); a K tile inside one
     group when the group is a power of two, so a tile needs one scale per row."""
     block_k = tiles.block_k
@@ -101,4 +101,5 @@ def choose_moe_config(m: int, top_k: int, num_experts: int, hidden: int, inter: 
     if cfg is None:
         cfg = default_moe_config(m * top_k, num_experts)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(m * top_k)))
-    return MoeConfig(block_m, _fit(cfg.gate_up, inter, hidden, groups[0]), _fit(cfg.down, hidden, inter, groups[1]))
+    return MoeConfig(block_m, fit_tiles(cfg.gate_up, inter, hidden, groups[0]),
+                     fit_tiles(cfg.down, hidden, inter, groups[1]))

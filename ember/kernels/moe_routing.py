@@ -15,7 +15,7 @@ import triton.language as tl
 _TILE_ELEMENTS = 4096  # tokens x experts per program: a [BLOCK_T, E] tile held in registers
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, stride_lm,
                       TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
