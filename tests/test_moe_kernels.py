@@ -208,14 +208,15 @@ def test_fused_moe_matches_reference(kind, dtype: torch.dtype, m: int, e: int, k
     _check_fused(_randn(m, h, gen=gen, dtype=dtype), w13, w2, weights, ids, config, TOL[dtype])
 
 
-@pytest.mark.parametrize("kind", [torch.float32, "int4-g16"])
-def test_fused_moe_all_tokens_to_one_expert(kind) -> None:
-    """Every token's first choice is expert 2 (several full blocks of one expert); no token picks expert 0."""
+@pytest.mark.parametrize("kind,k", [(torch.float32, 1), ("int4-g16", 2)])
+def test_fused_moe_all_tokens_to_one_expert(kind, k: int) -> None:
+    """Every token's first choice is expert 2 (several full blocks of one expert; with k = 1 the only
+    expert used, and no sum over k); no token picks expert 0."""
     gen = _gen("one-expert", kind)
-    m, e, k, h, inter = 35, 4, 2, 32, 32
+    m, e, h, inter = 35, 4, 32, 32
     w13, w2 = _experts(kind, e, h, inter, gen)
     weights, _ = _routing(m, e, k, gen)
-    ids = torch.tensor([[2, 3 if t % 2 else 1] for t in range(m)], dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([[2, 3 if t % 2 else 1][:k] for t in range(m)], dtype=torch.int32, device=DEVICE)
     _check_fused(_randn(m, h, gen=gen), w13, w2, weights, ids, SMALL_TILES, TOL[torch.float32])
 
 
