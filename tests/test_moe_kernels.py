@@ -8,6 +8,7 @@ and tiles that split N, K and the sorted slots into several blocks.
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 
@@ -266,3 +267,20 @@ def test_weight_kind_names() -> None:
     assert weight_kind(torch.zeros(1, 2, 2, dtype=torch.bfloat16)) == "bfloat16"
     assert weight_kind(_experts("int4-g16", 2, 32, 16, gen)[0]) == "int4-g16"
     assert weight_kind(_experts("fp8-channel", 2, 32, 16, gen)[0]) == "fp8-channel"
+
+
+def test_tuner_merges_into_the_table(tmp_path) -> None:
+    """benchmarks/moe_tune.py adds its winners without dropping other GPUs' or problems' entries,
+    and what it writes reads back through the runtime lookup."""
+    from benchmarks.moe_tune import merge_table
+
+    path = tmp_path / "table.json"
+    old = default_moe_config(8, 8).to_json()
+    path.write_text(json.dumps({"GPU A": {"E=8,H=64,I=32,bfloat16": {"1": old}}}))
+    new = MoeConfig(32, GemmTiles(32, 128, 4, 4), GemmTiles(64, 64, 4, 3))
+    merge_table(str(path), "GPU B", {"E=8,H=64,I=32,bfloat16": {"16": new.to_json()}})
+    merge_table(str(path), "GPU A", {"E=8,H=64,I=32,bfloat16": {"256": new.to_json()}})
+    table = json.loads(path.read_text())
+    assert lookup("GPU A", "E=8,H=64,I=32,bfloat16", 1, table) == MoeConfig.from_json(old)
+    assert lookup("GPU A", "E=8,H=64,I=32,bfloat16", 2, table) == new
+    assert lookup("GPU B", "E=8,H=64,I=32,bfloat16", 1, table) == new
