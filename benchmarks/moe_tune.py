@@ -109,11 +109,10 @@ def merge_table(path: str, device: str, entries: dict[str, dict[str, Any]]) -> N
         table = {}
     for key, sizes in entries.items():
         table.setdefault(device, {}).setdefault(key, {}).update(sizes)
-    for problems in table.values():
-        for key, sizes in problems.items():
-            problems[key] = dict(sorted(sizes.items(), key=lambda kv: int(kv[0])))
+    table = {dev: {key: dict(sorted(sizes.items(), key=lambda kv: int(kv[0])))
+                   for key, sizes in sorted(problems.items())} for dev, problems in sorted(table.items())}
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
+        json.dump(table, f, indent=1)
         f.write("\n")
 
 
