@@ -74,7 +74,7 @@ def choose_quant_matmul_config(m: int, n: int, k: int, group_size: int, num_sms:
 
 
 @triton.jit
-def _dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups,
+def dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups,
                   stride_qn, stride_sn, stride_zn,
                   GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
                   UNIFORM_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -94,7 +94,7 @@ def _dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_group
         q = tl.interleave(packed & 0xF, packed >> 4).to(tl.float32)
     else:
         q = tl.load(q_ptr + rows * stride_qn + offs_k[None, :],
-                    mask=n_mask[:, None] & (offs_k[None, :] < K), other=0).to(tl.float32)
+                    mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
     if UNIFORM_GROUP:
         group = k0 // GROUP
         g_mask = n_mask[:, None]
@@ -131,7 +131,7 @@ def _quant_matmul_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-        w = _dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups,
+        w = dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups,
                           stride_qn, stride_sn, stride_zn, GROUP, INT4, HAS_ZEROS, UNIFORM_GROUP, BLOCK_K)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
 
@@ -230,7 +230,7 @@ def _dequantize_kernel(q_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, num_groups,
     k0 = tl.program_id(1) * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    w = _dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups,
+    w = dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups,
                       stride_qn, stride_sn, stride_zn, GROUP, INT4, HAS_ZEROS, False, BLOCK_K)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (offs_k[None, :] < K))

@@ -1,0 +1,260 @@
+"""Fused mixture-of-experts MLP: two grouped GEMMs over the slots sorted by expert, then a sum over k.
+
+    act[s] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)     one kernel, two accumulators
+    y[s]   = topk_weights[s] * (act[s] @ w2[e].T)                  one kernel
+    out[t] = sum_j y[t * k + j]                                    a fixed-order sum, no atomics
+
+for each slot s = t * k + j routed to expert e = topk_ids[t, j]. `moe_align_block_size` gives every
+BLOCK_M block of sorted slots one expert, so a program multiplies that expert's weight tile with
+the block's rows: at batch 1 only the k chosen experts' weights are read, at large batch each
+expert's weights once per N tile. Nothing is read back to the host, so CUDA graphs capture it.
+
+Quantized experts (`QuantizedExperts`: int8, int4 with groups and zeros, fp8 per channel)
+dequantize tile by tile inside the K loop, through the same `dequant_tile` as quant_matmul, then
+multiply in the activations' dtype on tensor cores; the codes stay quantized in HBM, which is what
+decode's bandwidth-bound GEMMs gain from. Under tensor parallelism each rank passes its slice of
+the intermediate dimension and gets a partial sum to all-reduce.
+
+Arguments that follow the batch size (slot and block counts) are not specialized on, so one
+compiled kernel serves every batch size: CUDA-graph capture at many sizes compiles nothing new.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.moe_align import MoeAlignment, moe_align_block_size
+from ember.kernels.moe_config import GemmTiles, MoeConfig, choose_moe_config
+from ember.kernels.paged import dot_dtype, dot_precision
+from ember.kernels.quant_matmul import dequant_tile
+from ember.quant.experts import QuantizedExperts, dequantize_experts
+from ember.quant.formats import KINDS
+
+Experts = torch.Tensor | QuantizedExperts
+_GROUP_M = 8  # M blocks that run side by side over the same N tile, sharing it in L2 at large batch
+_SUM_BLOCK = 1024
+
+
+@triton.jit
+def _tile_coords(num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """Program -> (M block, N tile), GROUP_M M blocks at a time walking the N tiles together."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n_blocks
+    first_m = pid // per_group * GROUP_M
+    group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, num_groups, stride_wn, stride_sn, stride_zn,
+                 QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 UNIFORM_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One expert's weight rows offs_n, columns [k0, k0 + BLOCK_K), as [BLOCK_N, BLOCK_K]."""
+    if QUANT:
+        w = dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, num_groups, stride_wn, stride_sn, stride_zn,
+                          GROUP, INT4, HAS_ZEROS, UNIFORM_GROUP, BLOCK_K)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    return w
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
+def _grouped_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, route_w_ptr, sorted_ptr, expert_ids_ptr, total_ptr,
+    num_slots, N, K, num_groups, num_m_blocks,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_om,
+    SLOTS_PER_ROW: tl.constexpr, GATED: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    UNIFORM_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[s, n] for one block of sorted slots and one N tile. x row of slot s: s // SLOTS_PER_ROW
+    (top_k for gate_up, whose x is the tokens' hidden states; 1 for down). GATED: weight rows n and
+    N + n are gate and up, out = silu(gate) * up; else out = topk_weight[s] * (x @ w.T)."""
+    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slots < num_slots
+    x_rows = x_ptr + (slots // SLOTS_PER_ROW).to(tl.int64)[:, None] * stride_xm
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_ptr += expert * stride_we
+    s_ptr += expert * stride_se
+    z_ptr += expert * stride_ze
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(DOT_DTYPE)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, num_groups, stride_wn, stride_sn, stride_zn,
+                         QUANT, GROUP, INT4, HAS_ZEROS, UNIFORM_GROUP, BLOCK_K)
+        acc = tl.dot(x, tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+        if GATED:
+            w_up = _weight_tile(w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k0, K, num_groups,
+                                stride_wn, stride_sn, stride_zn, QUANT, GROUP, INT4, HAS_ZEROS, UNIFORM_GROUP, BLOCK_K)
+            acc_up = tl.dot(x, tl.trans(w_up.to(DOT_DTYPE)), acc_up, input_precision=PRECISION)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    else:
+        acc = acc * tl.load(route_w_ptr + slots, mask=m_mask, other=0.0)[:, None]
+    out = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_topk_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = y[t * k] + ... + y[t * k + k - 1] in fp32, in that order, rounded once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class _Operand(NamedTuple):
+    """An expert weight as the GEMM kernel takes it: codes or values, scales, zeros and their strides."""
+    w: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    quant: bool
+    group: int
+    int4: bool
+    has_zeros: bool
+    num_groups: int
+
+
+def _operand(w: Experts) -> _Operand:
+    if isinstance(w, QuantizedExperts):
+        zeros = w.zeros if w.zeros is not None else w.scales
+        return _Operand(w.qweight, w.scales, zeros, True, w.group_size, w.kind == "int4", w.zeros is not None,
+                        w.scales.shape[2])
+    return _Operand(w, w, w, False, 1, False, False, 1)
+
+
+def weight_kind(w: Experts) -> str:
+    """The config table's name for a weight's storage: dtype, or quantized kind and group size."""
+    if isinstance(w, QuantizedExperts):
+        return f"{w.kind}-{'channel' if w.group_size >= w.in_features else f'g{w.group_size}'}"
+    return str(w.dtype).removeprefix("torch.")
+
+
+def _shape(w: Experts) -> tuple[int, int, int]:
+    if isinstance(w, QuantizedExperts):
+        if w.kind not in KINDS:
+            raise ValueError(f"fused_moe takes {', '.join(KINDS)} experts, not {w.kind}")
+        parts = [w.qweight, w.scales] + ([w.zeros] if w.zeros is not None else [])
+        if any(t.stride(2) != 1 for t in parts):
+            raise ValueError("quantized experts need a contiguous last dimension")
+        return w.num_experts, w.out_features, w.in_features
+    if w.dim() != 3 or w.stride(2) != 1:
+        raise ValueError(f"dense experts must be [E, N, K] with a contiguous last dim, got {tuple(w.shape)}")
+    return tuple(w.shape)
+
+
+def _check(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> tuple[int, int]:
+    """(E, I) after checking every shape against hidden [M, H]."""
+    if hidden.dim() != 2 or hidden.stride(1) != 1:
+        raise ValueError(f"hidden must be [M, H] with a contiguous last dim, got {tuple(hidden.shape)}")
+    m, h = hidden.shape
+    e, two_i, h13 = _shape(w13)
+    e2, h2, inter = _shape(w2)
+    if two_i % 2 or h13 != h or (e2, h2, inter) != (e, h, two_i // 2):
+        raise ValueError(f"w13 [E, 2I, H] and w2 [E, H, I] disagree with each other or with hidden [M, {h}]: "
+                         f"w13 {(e, two_i, h13)}, w2 {(e2, h2, inter)}")
+    if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 or topk_ids.shape[0] != m:
+        raise ValueError(f"topk_ids must be int32 [{m}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must be float32 {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    return e, inter
+
+
+def grouped_gemm(x: torch.Tensor, w: Experts, out: torch.Tensor, align: MoeAlignment, tiles: GemmTiles,
+                 slots_per_row: int, route_weights: torch.Tensor | None = None) -> None:
+    """out[s] for every sorted slot s: silu-and-mul of the gate and up halves of w (route_weights
+    None), else route_weights[s] times the product."""
+    op = _operand(w)
+    gated = route_weights is None
+    n = out.shape[1]
+    k = x.shape[1]
+    num_slots = out.shape[0]
+    num_m_blocks = align.expert_ids.numel()
+    grid = (num_m_blocks * triton.cdiv(n, tiles.block_n),)
+    _grouped_gemm_kernel[grid](
+        x, op.w, op.scales, op.zeros, out, out if gated else route_weights,
+        align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        num_slots, n, k, op.num_groups, num_m_blocks,
+        x.stride(0), op.w.stride(0), op.w.stride(1), op.scales.stride(0), op.scales.stride(1),
+        op.zeros.stride(0), op.zeros.stride(1), out.stride(0),
+        SLOTS_PER_ROW=slots_per_row, GATED=gated,
+        QUANT=op.quant, GROUP=op.group, INT4=op.int4, HAS_ZEROS=op.has_zeros,
+        UNIFORM_GROUP=op.group % tiles.block_k == 0 or op.group >= k,
+        BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=_GROUP_M,
+        DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def sum_topk(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """y [M * k, H] -> [M, H], summing each token's k rows."""
+    m, h = y.shape[0] // top_k, y.shape[1]
+    if top_k == 1:
+        return y
+    out = torch.empty(m, h, dtype=y.dtype, device=y.device)
+    block = min(_SUM_BLOCK, triton.next_power_of_2(h))
+    _sum_topk_kernel[(m, triton.cdiv(h, block))](y, out, h, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out
+
+
+def moe_config_for(hidden: torch.Tensor, w13: Experts, w2: Experts, top_k: int) -> MoeConfig:
+    e, two_i, h = _shape(w13)
+    groups = tuple(w.group_size if isinstance(w, QuantizedExperts) else None for w in (w13, w2))
+    return choose_moe_config(hidden.shape[0], top_k, e, h, two_i // 2, weight_kind(w13), hidden.device, groups)
+
+
+def fused_moe(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) -> [M, H] in hidden's dtype.
+
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]: dense or QuantizedExperts. `config`
+    overrides the tuned table (for tuning and tests). The intermediate activations are rounded to
+    hidden's dtype, as the dense MLP rounds them; each token's k results are summed in fp32."""
+    e, inter = _check(hidden, w13, w2, topk_weights, topk_ids)
+    m, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    if m == 0:
+        return torch.empty_like(hidden)
+    cfg = config or moe_config_for(hidden, w13, w2, top_k)
+    align = moe_align_block_size(topk_ids, e, cfg.block_m)
+    act = torch.empty(m * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    grouped_gemm(hidden, w13, act, align, cfg.gate_up, top_k)
+    y = torch.empty(m * top_k, h, dtype=hidden.dtype, device=hidden.device)
+    grouped_gemm(act, w2, y, align, cfg.down, 1, topk_weights.contiguous().view(-1))
+    return sum_topk(y, top_k)
+
+
+def fused_moe_ref(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same MoE in float32 torch, one expert at a time over the tokens routed to it."""
+    dense13 = dequantize_experts(w13) if isinstance(w13, QuantizedExperts) else w13.float()
+    dense2 = dequantize_experts(w2) if isinstance(w2, QuantizedExperts) else w2.float()
+    x = hidden.float()
+    out = torch.zeros_like(x)
+    for e in range(dense13.shape[0]):
+        tokens, j = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = (x[tokens] @ dense13[e].T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ dense2[e].T
+        out.index_add_(0, tokens, y * topk_weights[tokens, j, None])
+    return out.to(hidden.dtype)

@@ -1,0 +1,105 @@
+"""Tile sizes of the fused MoE GEMMs: a tuned table per GPU and problem, a heuristic otherwise.
+
+`benchmarks/moe_tune.py` measures configs on the GPU and writes moe_configs.json, keyed by device
+name, then the problem ("E=128,H=2048,I=768,bfloat16"), then batch sizes M; a batch takes the
+entry of the smallest tuned M at or above it (the largest tuned M beyond them). Anything missing
+falls back to `default_moe_config`, so a new GPU, shape or tensor-parallel slice still runs.
+
+The two GEMMs share BLOCK_M (the alignment pads each expert's slots to it) and tune their N/K
+tiles, warps and stages apart: gate_up is [slots, H] x [H, 2I] with two accumulators, down is
+[slots, I] x [I, H].
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_configs.json")
+
+
+class GemmTiles(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+class MoeConfig(NamedTuple):
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+    def to_json(self) -> dict:
+        return {"block_m": self.block_m, "gate_up": list(self.gate_up), "down": list(self.down)}
+
+    @staticmethod
+    def from_json(d: dict) -> MoeConfig:
+        return MoeConfig(int(d["block_m"]), GemmTiles(*d["gate_up"]), GemmTiles(*d["down"]))
+
+
+def problem_key(num_experts: int, hidden: int, inter: int, kind: str) -> str:
+    """`kind` is the weights' torch dtype name (bfloat16) or their quantized form (int4-g128, fp8-channel)."""
+    return f"E={num_experts},H={hidden},I={inter},{kind}"
+
+
+def device_key(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+@functools.lru_cache(maxsize=1)
+def load_table(path: str = TABLE_PATH) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def default_moe_config(num_slots: int, num_experts: int) -> MoeConfig:
+    """By slots per expert. Up to 16 (decode) every expert's weights are read for a block or two of
+    rows, so the smallest tensor-core BLOCK_M and long K tiles keep many loads in flight; with more
+    rows per expert the GEMMs turn compute-bound and take larger tiles. Three stages fit the
+    gate_up kernel's two weight tiles in shared memory of GPUs smaller than Hopper."""
+    per_expert = num_slots / num_experts
+    if per_expert <= 16:
+        return MoeConfig(16, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 4))
+    if per_expert <= 64:
+        return MoeConfig(32, GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 3))
+    return MoeConfig(64, GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 8, 3))
+
+
+def lookup(device: str, key: str, m: int, table: dict | None = None) -> MoeConfig | None:
+    entries = (load_table() if table is None else table).get(device, {}).get(key)
+    if not entries:
+        return None
+    sizes = sorted(int(s) for s in entries)
+    size = next((s for s in sizes if s >= m), sizes[-1])
+    return MoeConfig.from_json(entries[str(size)])
+
+
+def fit_tiles(tiles: GemmTiles, n: int, k: int, group_size: int | None) -> GemmTiles:
+    """Tiles no larger than the problem (rounded up to 16, the tl.dot minimum); a K tile inside one
+    group when the group is a power of two, so a tile needs one scale per row."""
+    block_k = tiles.block_k
+    if group_size is not None and group_size < k and group_size >= 16 and group_size & (group_size - 1) == 0:
+        block_k = min(block_k, group_size)
+    return tiles._replace(block_n=min(tiles.block_n, max(16, triton.next_power_of_2(n))),
+                          block_k=min(block_k, max(16, triton.next_power_of_2(k))))
+
+
+def choose_moe_config(m: int, top_k: int, num_experts: int, hidden: int, inter: int, kind: str,
+                      device: torch.device, groups: tuple[int | None, int | None] = (None, None)) -> MoeConfig:
+    """The tuned entry for this GPU and problem, else the heuristic; fitted to the problem either way.
+    `groups`: the gate_up and down weights' quantization group sizes (None for dense)."""
+    cfg = lookup(device_key(device), problem_key(num_experts, hidden, inter, kind), m)
+    if cfg is None:
+        cfg = default_moe_config(m * top_k, num_experts)
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(m * top_k)))
+    return MoeConfig(block_m, fit_tiles(cfg.gate_up, inter, hidden, groups[0]),
+                     fit_tiles(cfg.down, hidden, inter, groups[1]))
