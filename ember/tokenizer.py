@@ -13,8 +13,6 @@ from typing import Any
 
 import tokenizers
 
-from ember.chat_template import render_chat
-
 
 class Tokenizer:
     def __init__(self, tok: tokenizers.Tokenizer, *, bos_token: str | None, eos_token: str | None,
@@ -60,6 +58,10 @@ class Tokenizer:
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("chat_template: this model has no chat template; pass one with --chat-template")
+        # Imported on first use: the engine core builds a Tokenizer (the grammar's vocabulary) but renders
+        # no template, and Jinja2's import cost its start-up 65 ms of CPU.
+        from ember.chat_template import render_chat
+
         return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token, eos_token=self.eos_token, **extra)
 

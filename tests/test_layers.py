@@ -45,3 +45,16 @@ def test_rotary_is_hf_bit_for_bit_and_follows_each_steps_positions() -> None:
             cos, sin = rotary.cos[positions][:, None], rotary.sin[positions][:, None]
             assert torch.equal(q_rot, hf_rotary(q, cos, sin))
             assert torch.equal(k_rot, hf_rotary(k, cos, sin))
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 32])  # every channel (one pass), a partial rotary (two)
+def test_rotate_qk_on_the_fused_qkv_columns_equals_rotating_q_and_k(rotary_dim: int | None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    rotary = RotaryEmbedding(64, 256, 10000.0, None, rotary_dim)
+    positions = torch.tensor([0, 17, 255])
+    qkv = torch.randn(3, (9 + 3 + 3) * 64, generator=gen)
+    qk = qkv[:, : 12 * 64].view(3, 12, 64)  # a strided view, as Attention.forward passes it
+    q_rot, k_rot = rotary.rotate_qk(positions, qk, 9)
+    q_ref, k_ref = rotary(positions, qk[:, :9].clone(), qk[:, 9:].clone())
+    assert q_rot.shape == (3, 9, 64) and k_rot.shape == (3, 3, 64)
+    assert torch.equal(q_rot, q_ref) and torch.equal(k_rot, k_ref)

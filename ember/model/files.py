@@ -16,7 +16,6 @@ from typing import Any
 
 import tokenizers
 
-from ember.chat_template import load_chat_template
 from ember.config import DEFAULT_MODEL, EngineArgs
 from ember.model.errors import ModelLoadError
 from ember.model.gguf_tokenizer import GGUFVocab, open_gguf
@@ -69,6 +68,9 @@ def load_model_info(args: EngineArgs) -> ModelInfo:
     if args.tokenizer is not None:
         info.tokenizer = load_hf_tokenizer(args.tokenizer, info.eos_token_ids)
     if args.chat_template is not None and info.tokenizer is not None:
+        # Imported here, as in Tokenizer.apply_chat_template: the engine core never needs Jinja2.
+        from ember.chat_template import load_chat_template
+
         info.tokenizer.chat_template = load_chat_template(args.chat_template)
     return info
 

@@ -59,13 +59,13 @@ class Attention(nn.Module):
         self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.q_norm is None:
+            q, k = self.rotary.rotate_qk(positions, qk, self.num_heads)
+        else:
+            q, k = self.rotary(positions, self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:]))
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale,
                             v_scale=self.v_scale, sliding_window=self.sliding_window,
