@@ -31,7 +31,7 @@ _DTYPES = {  # name -> torch dtype attribute; resolved only when a torch dtype i
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # None: a GGUF file keeps its own quantization ("gguf"), other checkpoints load unquantized ("none").
-QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "ptpc_fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
@@ -365,7 +365,8 @@ class EngineArgs:
         g.add_argument("--chat-template", default=None, help="a Jinja2 chat template file or string")
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
                        help="weight quantization applied at load (default: a GGUF file keeps its own, 'gguf'; "
-                            "other checkpoints load unquantized)")
+                            "other checkpoints load unquantized). 'fp8' is W8A8 with 128x128 weight blocks and "
+                            "1x128 activation groups; 'ptpc_fp8' one scale per weight row and per token")
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="'fp8' stores keys and values as float8 e4m3: twice the KV capacity")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

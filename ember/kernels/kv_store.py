@@ -6,31 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.quant.formats import FP8_DTYPE, FP8_MAX
+from ember.kernels.e4m3 import quantize_e4m3
+from ember.quant.formats import FP8_DTYPE
 from ember.quant.kv_scale import check_kv_scales, quantize_kv
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def _quantize_e4m3(x, scale, ROUND_IN_FP32: tl.constexpr):
-    """x / scale saturated to +-448, ready for the store's cast to e4m3 (round to nearest even).
-
-    ROUND_IN_FP32 (the interpreter only, whose fp32 -> fp8 cast rounds ties away from zero and can
-    halve a value on a mantissa carry) rounds onto the e4m3 grid first, so the cast is exact: e4m3
-    values lie 2^(e-3) apart in [2^e, 2^(e+1)) for e >= -6 and 2^-9 apart below 2^-6; adding
-    2^(max(e, -6) + 20) moves |x| to where fp32's own spacing is exactly that, so fp32's
-    round-to-nearest-even addition rounds and the subtraction is exact. The GPU's cast rounds
-    correctly by itself."""
-    x = tl.clamp(x.to(tl.float32) / scale, -_FP8_MAX, _FP8_MAX)
-    if ROUND_IN_FP32:
-        ax = tl.abs(x)
-        exponent = ax.to(tl.int32, bitcast=True) >> 23
-        magic = ((tl.maximum(exponent, 127 - 6) + 20) << 23).to(tl.float32, bitcast=True)
-        r = (ax + magic) - magic
-        # The sign bit rather than x < 0, so -0.0 stays -0.0 as in PyTorch's cast.
-        x = tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)
-    return x
 
 
 @triton.jit
@@ -52,8 +30,8 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     if FP8:
-        k = _quantize_e4m3(k, k_scale, ROUND_IN_FP32)
-        v = _quantize_e4m3(v, v_scale, ROUND_IN_FP32)
+        k = quantize_e4m3(k, k_scale, ROUND_IN_FP32)
+        v = quantize_e4m3(v, v_scale, ROUND_IN_FP32)
     dst = slot * stride_cs + heads * stride_ch + dims
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)

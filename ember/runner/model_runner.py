@@ -84,11 +84,15 @@ def _return_freed_memory_to_os() -> None:
         pass
 
 
-def _check_fp8_support(device: torch.device) -> None:
-    """fp8 weights need fp8 tensor cores (Ada/Hopper and newer); fp8 KV needs only the fp8 dtype."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError("quantization 'fp8' needs a CUDA GPU with fp8 tensor cores (compute capability 8.9+, "
-                         "e.g. L4, H100, H200); use int8 or int4 on this device")
+def _check_fp8_support(device: torch.device, method: str) -> None:
+    """fp8 weights need fp8 tensor cores (Ada/Hopper and newer); fp8 KV needs only the fp8 dtype. On
+    CPU fp8 runs as an exact emulation (for measuring quality), slowly."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"quantization {method!r} needs a CUDA GPU with fp8 tensor cores (compute capability "
+                         "8.9+, e.g. L4, H100, H200); use int8 or int4 on this device")
+    if device.type == "cpu":
+        logger.warning("quantization %r on CPU is an exact emulation of the GPU's fp8 arithmetic, several times "
+                       "slower than int8", method)
 
 
 @contextmanager
@@ -137,8 +141,8 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype), _skip_weight_init():
             self.model = model_class(cfg, files.source)(cfg, max_positions)
         self.quantization = files.quantization
-        if self.quantization == "fp8":
-            _check_fp8_support(self.device)
+        if self.quantization in ("fp8", "ptpc_fp8"):
+            _check_fp8_support(self.device, self.quantization)
         with torch.no_grad():
             if files.weights is None:
                 self.model.init_dummy_weights(config.seed)
