@@ -29,8 +29,8 @@ from ember.kernels.paged import (
     attend_tile,
     check_paged_args,
     check_window_args,
-    dot_dtype,
     dot_precision,
+    kv_dot_dtype,
     num_sms,
     score_scales,
 )
@@ -194,7 +194,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
         WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
-        DOT_DTYPE=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if num_splits > 1:

@@ -30,8 +30,8 @@ from ember.kernels.paged import (
     attend_tile,
     check_paged_args,
     check_window_args,
-    dot_dtype,
     dot_precision,
+    kv_dot_dtype,
     score_scales,
 )
 
@@ -175,7 +175,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d,
         WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
-        DOT_DTYPE=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4, num_stages=num_stages,
     )
     return out
