@@ -1,6 +1,7 @@
 """fp8 W8A8: block-scaled weight quantization, the per-token-group activation quantizer and the
 block-scaled fp8 GEMM against float64 references, and the quantized linear layer's GPU path
-against its CPU emulation.
+against its CPU emulation. fp8 KV caches with per-head scales: the store and attention kernels
+against the PyTorch path and the float32 references.
 
 Without a GPU the kernels run in Triton's interpreter: e4m3 loads, stores and fp32 conversions
 work there (its fp32 -> e4m3 cast is made exact by `quantize_e4m3`'s ROUND_IN_FP32), but its numpy
@@ -10,6 +11,7 @@ dot there; on a GPU the same tests run the fp8 tensor-core dot.
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 
@@ -21,14 +23,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ember.kernels import (  # noqa: E402
-    Fp8MatmulConfig, choose_fp8_matmul_config, fp8_block_matmul, fp8_block_matmul_ref, quantize_fp8_groups,
+    Fp8MatmulConfig, choose_fp8_matmul_config, fp8_block_matmul, fp8_block_matmul_ref, paged_decode_attention,
+    paged_decode_attention_ref, paged_prefill_attention_ref, quantize_fp8_groups, store_kv,
 )
 from ember.model import backend  # noqa: E402
+from ember.model.attention import AttentionMetadata, paged_attention  # noqa: E402
+from ember.model.attention import store_kv as model_store_kv  # noqa: E402
 from ember.quant.formats import FP8_DTYPE, QuantizedWeight, dequantize  # noqa: E402
 from ember.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
+from ember.quant.kv_scale import quantize_kv  # noqa: E402
 from ember.quant.quantize import (  # noqa: E402
     quantize, quantize_fp8, quantize_fp8_activations, quantize_fp8_per_channel,
 )
+from test_kernels import fp8_attention_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -193,3 +200,78 @@ def test_embedding_rows_read_their_block_scales() -> None:
     ids = torch.tensor([0, 127, 128, 299, 5])
     out = QuantEmbedding(w, torch.float32, tied=False)(ids)
     assert torch.equal(out, dequantize(w)[ids])
+
+
+# ---------------------------------------------------------------- fp8 KV cache with per-head scales
+
+def head_scales(num_kv_heads: int, lo: float, hi: float) -> torch.Tensor:
+    """Scales a decade apart across heads, so a head read with its neighbour's scale shows."""
+    return torch.logspace(math.log10(lo), math.log10(hi), num_kv_heads, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_head_scales_store_and_attend_like_the_torch_path(dtype: torch.dtype, monkeypatch) -> None:
+    """A step of decodes and prefill chunks over fp8 caches with one k and one v scale per KV head,
+    through the kernels (store, decode, prefill) and through the PyTorch path: the same cache bits,
+    the same attention; and both match the float32 references over the values the caches stand for."""
+    head_dim = 64
+    meta, cpu = fp8_attention_batch(dtype, 16, 2, head_dim, torch.Generator().manual_seed(4))
+    hk = cpu["k"].shape[1]
+    scales = {"k_scale": head_scales(hk, 0.002, 0.05), "v_scale": head_scales(hk, 0.03, 0.001)}
+    # each head's cached values span its own scale's range, as calibrated per-head scales would see
+    for name, s in (("k_cache", scales["k_scale"]), ("v_cache", scales["v_scale"])):
+        cpu[name] = quantize_kv(cpu[name].float() * s[:, None] * 100, FP8_DTYPE, s)
+    for name, s in (("k", scales["k_scale"]), ("v", scales["v_scale"])):
+        cpu[name] = (cpu[name].float() * s[:, None] * 100).to(dtype)
+
+    def step(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = {name: x.to(device, copy=True) for name, x in cpu.items()}
+        m = AttentionMetadata(**{f: x.to(device) if isinstance(x, torch.Tensor) else x
+                                 for f, x in vars(meta).items()})
+        s = {name: x.to(device) for name, x in scales.items()}
+        model_store_kv(t["k"], t["v"], t["k_cache"], t["v_cache"], m.slot_mapping, **s)
+        out = paged_attention(t["q"], t["k_cache"], t["v_cache"], m, head_dim ** -0.5, **s)
+        return out.cpu(), t["k_cache"].cpu(), t["v_cache"].cpu()
+
+    torch_out, torch_k, torch_v = step("cpu")
+    monkeypatch.setattr(backend, "FORCE_TRITON", True)
+    kernel_out, kernel_k, kernel_v = step(DEVICE)
+    assert bits_equal(torch_k, kernel_k) and bits_equal(torch_v, kernel_v)
+    # outputs are O(v): bf16 rounds q, the probabilities and the output
+    tol = {torch.float32: 2e-4, torch.bfloat16: 2e-2}[dtype] * torch_out.float().abs().max().item()
+    torch.testing.assert_close(kernel_out.float(), torch_out.float(), atol=tol, rtol=0)
+
+    nd = meta.num_decodes
+    decode_ref = paged_decode_attention_ref(cpu["q"][:nd].float(), torch_k, torch_v, meta.block_tables[:nd],
+                                            meta.seq_lens[:nd], head_dim ** -0.5, **scales)
+    prefill_ref = paged_prefill_attention_ref(cpu["q"].float(), torch_k, torch_v, meta.block_tables[nd:],
+                                              meta.seq_lens[nd:], meta.query_start_loc[nd:], meta.max_query_len,
+                                              head_dim ** -0.5, **scales)
+    torch.testing.assert_close(kernel_out[:nd].float(), decode_ref, atol=tol, rtol=0)
+    torch.testing.assert_close(kernel_out[nd:].float(), prefill_ref[nd:], atol=tol, rtol=0)
+
+
+def test_equal_per_head_scales_read_as_the_layer_scale() -> None:
+    meta, cpu = fp8_attention_batch(torch.bfloat16, 16, 2, 64, torch.Generator().manual_seed(5))
+    hk = cpu["k"].shape[1]
+    t = {name: x.to(DEVICE) for name, x in cpu.items()}
+    tables, lens = meta.block_tables[:2].to(DEVICE), meta.seq_lens[:2].to(DEVICE)
+    layer = paged_decode_attention(t["q"][:2], t["k_cache"], t["v_cache"], tables, lens, 0.125, k_scale=0.02,
+                                   v_scale=0.5)
+    per_head = paged_decode_attention(t["q"][:2], t["k_cache"], t["v_cache"], tables, lens, 0.125,
+                                      k_scale=torch.full((hk,), 0.02, device=DEVICE),
+                                      v_scale=torch.full((hk,), 0.5, device=DEVICE))
+    torch.testing.assert_close(per_head, layer, atol=1e-2, rtol=1e-2)
+
+
+def test_per_head_scales_are_checked() -> None:
+    k8 = torch.zeros(2, 16, 4, 64, dtype=FP8_DTYPE, device=DEVICE)
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=DEVICE)
+    tables, lens = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE)
+    four = torch.ones(4, device=DEVICE)
+    with pytest.raises(TypeError, match="both float32 tensors"):
+        paged_decode_attention(q, k8, k8, tables, lens, 0.125, k_scale=four, v_scale=1.0)
+    with pytest.raises(ValueError, match="each of the 4 KV heads"):
+        paged_decode_attention(q, k8, k8, tables, lens, 0.125, k_scale=four[:3], v_scale=four[:3])
+    with pytest.raises(ValueError, match="only to fp8 caches"):
+        store_kv(q, q, q.new_zeros(2, 16, 4, 64), q.new_zeros(2, 16, 4, 64), lens, k_scale=four, v_scale=four)

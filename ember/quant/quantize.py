@@ -60,9 +60,10 @@ def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK) -> QuantizedWeight:
     n, k = w.shape
     rows, cols = -(-n // block), -(-k // block)
     padded = F.pad(w.float(), (0, cols * block - k, 0, rows * block - n))
-    scales = fp8_scale(padded.view(rows, block, cols, block).abs().amax(dim=(1, 3)))
-    expanded = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
-    return QuantizedWeight("fp8", to_e4m3(w, expanded), scales, None, block, k, block_rows=block)
+    tiles = padded.view(rows, block, cols, block)
+    scales = fp8_scale(tiles.abs().amax(dim=(1, 3)))
+    q = to_e4m3(tiles, scales[:, None, :, None]).view(rows * block, cols * block)[:n, :k].contiguous()
+    return QuantizedWeight("fp8", q, scales, None, block, k, block_rows=block)
 
 
 def quantize_fp8_per_channel(w: torch.Tensor) -> QuantizedWeight:
