@@ -6,9 +6,10 @@ activations through cuBLAS's row-wise `torch._scaled_mm` (`ptpc_fp8`), block-sca
 with 1x128 activation groups through the Triton block GEMM and through cuBLAS's blockwise
 `torch._scaled_mm` where this PyTorch/cuBLAS supports it. Each path's result is checked against the
 float64 product once per shape. For M <= 16 it also sweeps the Triton GEMM's tile and split-K
-choices. It prints the crossover for `ember.quant.linear.FP8_BLOCK_SCALED_MM_MIN_ROWS` (the smallest M
-from which blockwise `_scaled_mm` beats the Triton GEMM on every shape, at that M and every larger
-one) and the best small-M configs for the kernel's tile table.
+choices, for M >= 256 its tiles. It prints the crossover for
+`ember.quant.linear.FP8_BLOCK_SCALED_MM_MIN_ROWS` (the smallest M from which blockwise `_scaled_mm`
+beats the Triton GEMM on every shape, at that M and every larger one) and the best configs for the
+kernel's tile table.
 
     python benchmarks/fp8_gemm.py --out benchmarks/results/fp8-gemm-cuda-<date>.json
 """
@@ -34,9 +35,16 @@ from ember.quant.quantize import quantize_fp8, quantize_fp8_per_channel  # noqa:
 # (name, N, K) of Llama-3.1-8B's linear layers (q/k/v and gate/up fused as Ember runs them)
 SHAPES_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 ROWS = [1, 4, 16, 64, 256, 1024, 4096]
-SWEEP_ROWS = (1, 16)
-SWEEP = [Fp8MatmulConfig(16, bn, sk, w, st) for bn in (32, 64, 128) for sk in (1, 2, 4, 8)
-         for w, st in ((4, 4), (4, 6))]
+SMALL_SWEEP = [Fp8MatmulConfig(16, bn, sk, w, st) for bn in (32, 64, 128) for sk in (1, 2, 4, 8)
+               for w, st in ((4, 4), (4, 6))]
+LARGE_SWEEP = [Fp8MatmulConfig(bm, bn, 1, w, st) for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4),
+                                                                   (128, 128, 8), (128, 256, 8))
+               for st in (3, 4)]
+
+
+def sweep_configs(m: int) -> list[Fp8MatmulConfig]:
+    """Tile candidates for the rows the kernel's table distinguishes: decode sizes and large batches."""
+    return SMALL_SWEEP if m <= 16 else LARGE_SWEEP if m >= 256 else []
 PATHS = ("bf16", "ptpc_scaled_mm", "block_triton", "block_scaled_mm")
 
 
@@ -127,9 +135,9 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, "us": time_paths(x, dense, weights, scaled_mm_ok),
                    "default_config": choose_fp8_matmul_config(m, n, k, 128, 132)._asdict()}
-            if args.sweep and m in SWEEP_ROWS and time.monotonic() - start < args.time_limit:
+            if args.sweep and sweep_configs(m) and time.monotonic() - start < args.time_limit:
                 best = min(((bench_us(lambda c=c, x=x, w=weights["block"]: block_triton(x, w, c)), c)
-                            for c in SWEEP), key=lambda r: r[0])
+                            for c in sweep_configs(m)), key=lambda r: r[0])
                 row["triton_best"] = {"us": round(best[0], 2), "config": best[1]._asdict()}
             rows_out.append(row)
             cells = " ".join(f"{'-' if row['us'][c] is None else round(row['us'][c], 1):>16}" for c in PATHS)

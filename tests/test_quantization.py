@@ -20,7 +20,7 @@ from ember import LLM
 from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4, unpack_int4
 from ember.quant import linear
 from ember.quant.linear import QuantLinear
-from ember.quant.quantize import quantize_fp8, quantize_int4, quantize_int8
+from ember.quant.quantize import quantize_fp8_per_channel, quantize_int4, quantize_int8
 
 TEXT = Path(quality.TEXT_PATH).read_text(encoding="utf-8")
 FP8_OK = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
@@ -51,7 +51,7 @@ def test_quantizers_bound_their_error(k: int) -> None:
     assert q4.scales.shape == (24, groups) and codes(q4).max() <= 15
     step = q4.scales.repeat_interleave(128, dim=1)[:, :k]
     assert ((dequantize(q4) - w).abs() <= step / 2 + 1e-6).all()
-    f8 = quantize_fp8(w)
+    f8 = quantize_fp8_per_channel(w)  # block-scaled fp8: tests/test_fp8.py
     assert f8.qweight.dtype == torch.float8_e4m3fn
     # e4m3 keeps 3 mantissa bits: relative error at most 2^-4 above the subnormal range
     big = w.abs() > 2 ** -6 * f8.scales
@@ -116,7 +116,7 @@ def test_quant_linear_fuses_equal_formats_and_keeps_mixed_ones_apart() -> None:
     torch.testing.assert_close(mixed(x), expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
 
 
-@pytest.mark.skipif(FP8_OK, reason="this GPU has fp8 tensor cores")
+@pytest.mark.skipif(DEVICE != "cuda" or FP8_OK, reason="needs a GPU without fp8 tensor cores (CPU emulates fp8)")
 def test_fp8_weights_need_an_fp8_gpu(llama_dir) -> None:
     with pytest.raises(ValueError, match="quantization 'fp8' needs a CUDA GPU"):
         LLM(str(llama_dir), quantization="fp8", device=DEVICE, kv_cache_memory=0.01)
