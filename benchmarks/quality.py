@@ -1,6 +1,6 @@
 """Quality under quantization: perplexity on a fixed text, and greedy agreement with the unquantized model.
 
-Quantized weights (int8, int4, fp8, or a GGUF file's own blocks) and an fp8 KV cache buy memory and
+Quantized weights (int8, int4, fp8 block-scaled or per-channel `ptpc_fp8`, or a GGUF file's own blocks) and an fp8 KV cache buy memory and
 speed with accuracy; throughput and latency measure what they buy, this measures what they cost, on one
 fixed text so that modes, commits and machines compare. Each mode loads the model anew, with
 `quantization` set to the mode ("none" is the float model, and on a GGUF file means dequantized) and
@@ -56,7 +56,7 @@ from ember.model.files import load_model_info, resolve_model  # noqa: E402
 from ember.model.loader import load_model_files  # noqa: E402
 from ember.tokenizer import Tokenizer  # noqa: E402
 
-MODES = ("none", "int8", "int4", "fp8", "gguf")
+MODES = ("none", "int8", "int4", "fp8", "ptpc_fp8", "gguf")
 TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quality.txt")
 
 

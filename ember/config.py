@@ -32,7 +32,7 @@ _DTYPES = {  # name -> torch dtype attribute; resolved only when a torch dtype i
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # None: a GGUF file keeps its own quantization ("gguf"), an HF checkpoint its config.json's
 # quantization_config (awq, gptq, compressed-tensors, fp8), other checkpoints load unquantized ("none").
-QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors", "ptpc_fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
@@ -90,7 +90,7 @@ class ModelConfig:
         return self.moe is not None and layer not in self.moe.dense_layers
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else ""
         if arch in _GEMMA_DEFAULTS:
@@ -410,7 +410,9 @@ class EngineArgs:
         g.add_argument("--chat-template", default=None, help="a Jinja2 chat template file or string")
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
                        help="weight quantization applied at load (default: a GGUF file keeps its own, 'gguf', an "
-                            "HF checkpoint its config.json's quantization_config; others load unquantized)")
+                            "HF checkpoint its config.json's quantization_config; others load unquantized). 'fp8' "
+                            "is W8A8 with 128x128 weight blocks and 1x128 activation groups; 'ptpc_fp8' one scale "
+                            "per weight row and per token")
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="'fp8' stores keys and values as float8 e4m3: twice the KV capacity")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -426,7 +428,7 @@ class EngineArgs:
                             "they appear, with finish_reason 'content_filter'")
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)} - {"model"}
         kwargs = {k: v for k, v in vars(ns).items() if k in names}
         model = getattr(ns, "model_flag", None) or getattr(ns, "model", None)

@@ -295,9 +295,11 @@ def _greedy(path: Path, tp: int = 1) -> list[list[int]]:
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("name", ["awq-qwen2", "gptq4-asym-act-order-v2", "ct-w4a16-asym-ignore", "hf-fp8-block32"])
+@pytest.mark.parametrize("name", ["awq-qwen2", "gptq4-asym-act-order-v2", "ct-w4a16-asym-ignore"])
 def test_greedy_tokens_equal_the_dequantized_float_model(name, bases, tmp_path):
-    """fp8 included: on the CPU a checkpoint's fp8 weights are expanded to dense once at load."""
+    """Weight-only formats. fp8 checkpoints run W8A8 (activations quantized per token group, on the
+    CPU an exact emulation of the GPU), so their tokens follow the fp8 arithmetic, not the float
+    model's: their weights' exactness is checked above and the W8A8 path in tests/test_fp8.py."""
     case = CASES[name]
     quant_dir, dense_dir, _ = write_case(case, bases[case.arch], tmp_path)
     assert _greedy(quant_dir) == _greedy(dense_dir)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from ember.quant.kv_scale import dequantize_kv
+from ember.quant.kv_scale import KVScale, dequantize_kv
 
 
 def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, *,
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `seq_len` keys and values of one sequence, [seq_len, Hk, D] each; an fp8 cache's
     are dequantized to float32, so the kernels are held to exactly the values the cache stands for."""
     blocks = block_table[: -(-seq_len // k_cache.shape[1])].long()

@@ -29,11 +29,13 @@ from ember.kernels.paged import (
     attend_tile,
     check_paged_args,
     check_window_args,
-    dot_dtype,
     dot_precision,
+    kv_dot_dtype,
     num_sms,
-    score_scales,
+    head_scales,
+    kernel_scales,
 )
+from ember.quant.kv_scale import KVScale
 
 # Measured on an H200 (bf16, D=128): these reach 3.3-4.3 TB/s; BLOCK_N=128 or 8 warps were no better.
 _BLOCK_N = 64              # context tokens per K/V tile
@@ -48,19 +50,20 @@ _WAVES = 2
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    qk_scale, v_scale, cap, window,
+    qk_scale, k_scale, v_scale, cap, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     group, head_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr, HEAD_SCALES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    qk_scale, v_scale = head_scales(qk_scale, k_scale, v_scale, kv_head, HEAD_SCALES)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, BLOCK_D)
@@ -145,15 +148,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                           max_seq_len: int | None = None, *, k_scale: float = 1.0,
-                           v_scale: float = 1.0, sliding_window: int | None = None,
+                           max_seq_len: int | None = None, *, k_scale: KVScale = 1.0,
+                           v_scale: KVScale = 1.0, sliding_window: int | None = None,
                            logits_soft_cap: float | None = None) -> torch.Tensor:
     """q [B, Hq, D] attends to its sequence's `seq_lens[b]` cached tokens -> out [B, Hq, D]; with
     `sliding_window` only to the last that many, and with `logits_soft_cap` its scaled scores s
     become cap * tanh(s / cap) first (Gemma 2), both as in HF transformers.
 
     An fp8 cache's keys read as float(stored) * k_scale and its values as float(stored) * v_scale
-    (host floats; other caches need 1.0), both products running in q's dtype.
+    (host floats for the layer, or float32 tensors [Hk] of one scale per KV head; other caches need
+    1.0), the products running in q's dtype (fp16 for bf16 queries, see `kv_dot_dtype`).
 
     Never reads device values on the host, so it can be captured in a CUDA graph: the split
     count comes from `num_splits`, else from `max_seq_len` (a host int the caller knows), else
@@ -181,11 +185,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_max = part_sum = out  # unused: the kernel writes the final output directly
     block_d = triton.next_power_of_2(head_dim)
-    qk_scale, cap = score_scales(scale, k_scale, logits_soft_cap)
+    qk_scale, cap, k_scale, v_scale, per_head = kernel_scales(scale, k_scale, v_scale, logits_soft_cap)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_acc, part_max, part_sum,
-        qk_scale, v_scale, cap, sliding_window or 0,
+        qk_scale, k_scale, v_scale, cap, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -193,8 +197,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         group, head_dim,
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-        WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
-        DOT_DTYPE=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None, HEAD_SCALES=per_head,
+        DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if num_splits > 1:
@@ -210,8 +214,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                out: torch.Tensor | None = None, num_splits: int | None = None,
-                               max_seq_len: int | None = None, *, k_scale: float = 1.0,
-                               v_scale: float = 1.0, sliding_window: int | None = None,
+                               max_seq_len: int | None = None, *, k_scale: KVScale = 1.0,
+                               v_scale: KVScale = 1.0, sliding_window: int | None = None,
                                logits_soft_cap: float | None = None) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):

@@ -6,31 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.quant.formats import FP8_DTYPE, FP8_MAX
-from ember.quant.kv_scale import check_kv_scales, quantize_kv
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def _quantize_e4m3(x, scale, ROUND_IN_FP32: tl.constexpr):
-    """x / scale saturated to +-448, ready for the store's cast to e4m3 (round to nearest even).
-
-    ROUND_IN_FP32 (the interpreter only, whose fp32 -> fp8 cast rounds ties away from zero and can
-    halve a value on a mantissa carry) rounds onto the e4m3 grid first, so the cast is exact: e4m3
-    values lie 2^(e-3) apart in [2^e, 2^(e+1)) for e >= -6 and 2^-9 apart below 2^-6; adding
-    2^(max(e, -6) + 20) moves |x| to where fp32's own spacing is exactly that, so fp32's
-    round-to-nearest-even addition rounds and the subtraction is exact. The GPU's cast rounds
-    correctly by itself."""
-    x = tl.clamp(x.to(tl.float32) / scale, -_FP8_MAX, _FP8_MAX)
-    if ROUND_IN_FP32:
-        ax = tl.abs(x)
-        exponent = ax.to(tl.int32, bitcast=True) >> 23
-        magic = ((tl.maximum(exponent, 127 - 6) + 20) << 23).to(tl.float32, bitcast=True)
-        r = (ax + magic) - magic
-        # The sign bit rather than x < 0, so -0.0 stays -0.0 as in PyTorch's cast.
-        x = tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)
-    return x
+from ember.kernels.e4m3 import quantize_e4m3
+from ember.quant.formats import FP8_DTYPE
+from ember.quant.kv_scale import KVScale, check_kv_scales, quantize_kv
 
 
 @triton.jit
@@ -40,7 +18,8 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cs, stride_ch,
     num_kv_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, HEAD_SCALES: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -51,21 +30,25 @@ def _store_kv_kernel(
     mask = (heads < num_kv_heads) & (dims < head_dim)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    if HEAD_SCALES:
+        k_scale = tl.load(k_scale + heads, mask=heads < num_kv_heads, other=1.0)
+        v_scale = tl.load(v_scale + heads, mask=heads < num_kv_heads, other=1.0)
     if FP8:
-        k = _quantize_e4m3(k, k_scale, ROUND_IN_FP32)
-        v = _quantize_e4m3(v, v_scale, ROUND_IN_FP32)
+        k = quantize_e4m3(k, k_scale, ROUND_IN_FP32)
+        v = quantize_e4m3(v, v_scale, ROUND_IN_FP32)
     dst = slot * stride_cs + heads * stride_ch + dims
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+             slot_mapping: torch.Tensor, *, k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> None:
     """Write k, v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at `slot_mapping` [T].
 
     k and v may be strided views (e.g. slices of a fused qkv projection) as long as the head
     dimension is contiguous; slot -1 skips the token so padded batches need no host-side filtering.
-    fp8 caches store clamp(x / scale, -448, 448) (see `quantize_kv`); other caches need scales of 1.0.
+    fp8 caches store clamp(x / scale, -448, 448) with the layer's scales or each KV head's (see
+    `quantize_kv`); other caches need scales of 1.0.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if k.stride(2) != 1 or v.stride(2) != 1:
@@ -74,7 +57,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("store_kv: k_cache and v_cache must be contiguous")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"store_kv: k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
-    check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale, num_kv_heads)
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
@@ -84,12 +67,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(1), k_cache.stride(2),
         num_kv_heads, head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=k_cache.dtype == FP8_DTYPE, ROUND_IN_FP32=triton.knobs.runtime.interpret,
+        FP8=k_cache.dtype == FP8_DTYPE, HEAD_SCALES=isinstance(k_scale, torch.Tensor), ROUND_IN_FP32=triton.knobs.runtime.interpret,
     )
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 slot_mapping: torch.Tensor, *, k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = quantize_kv(k[keep], k_cache.dtype, k_scale)

@@ -11,14 +11,14 @@ import triton
 import triton.language as tl
 
 from ember.quant.formats import FP8_DTYPE
-from ember.quant.kv_scale import check_kv_scales
+from ember.quant.kv_scale import KVScale, check_kv_scales
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _LOG2E = 1.4426950408889634
 
 
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     k_scale: float, v_scale: float) -> None:
+                     k_scale: KVScale, v_scale: KVScale) -> None:
     """q [*, Hq, D] against caches [num_blocks, block_size, Hk, D]. fp8 caches are read into q's
     dtype, so only they may differ from it."""
     num_heads, head_dim = q.shape[-2:]
@@ -35,7 +35,7 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE):
         raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype "
                          "unless the caches are fp8")
-    check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale, num_kv_heads)
 
 
 def check_window_args(sliding_window: int | None, logits_soft_cap: float | None) -> None:
@@ -53,6 +53,28 @@ def score_scales(scale: float, k_scale: float, logits_soft_cap: float | None) ->
     if logits_soft_cap is None:
         return scale * k_scale * _LOG2E, 1.0
     return scale * k_scale * 2 * _LOG2E / logits_soft_cap, logits_soft_cap * _LOG2E
+
+
+def kernel_scales(scale: float, k_scale: KVScale, v_scale: KVScale,
+                  logits_soft_cap: float | None) -> tuple[float, float, KVScale, KVScale, bool]:
+    """(qk_scale, cap, k_scale, v_scale, HEAD_SCALES) as the attention kernels take them: a layer's
+    k_scale is folded into qk_scale on the host, per-head scales stay tensors that each program reads
+    once at its KV head (`head_scales`)."""
+    per_head = isinstance(k_scale, torch.Tensor)
+    qk_scale, cap = score_scales(scale, 1.0 if per_head else k_scale, logits_soft_cap)
+    return qk_scale, cap, k_scale if per_head else 1.0, v_scale, per_head
+
+
+@triton.jit
+def head_scales(qk_scale, k_scale, v_scale, kv_head, HEAD_SCALES: tl.constexpr):
+    """The program's (qk_scale, v_scale): with HEAD_SCALES its KV head's k scale joins qk_scale and its
+    v scale replaces the layer's."""
+    qk = qk_scale
+    vs = v_scale
+    if HEAD_SCALES:
+        qk = qk_scale * tl.load(k_scale + kv_head)
+        vs = tl.load(v_scale + kv_head)
+    return qk, vs
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,6 +95,18 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     if dtype == torch.bfloat16 and triton.knobs.runtime.interpret:
         return tl.float32
     return _TL_DTYPES[dtype]
+
+
+def kv_dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tl.dtype:
+    """The attention kernels' product type. An fp8 cache read by bf16 queries multiplies in fp16:
+    Hopper converts a pair of e4m3 values to fp16 in one instruction (cvt.rn.f16x2.e4m3x2) and has
+    none to bf16, for which Triton goes e4m3 -> fp16 -> fp32 -> bf16, on every K and V element of
+    every tile, which made fp8 caches slower than bf16 ones (0.83x the 0.6B shape's throughput).
+    e4m3 values and the softmax probabilities are exact or finer in fp16; queries are rounded to
+    fp16's 11-bit mantissa (finer than bf16's) and must stay below its 65504."""
+    if cache_dtype == FP8_DTYPE and q_dtype == torch.bfloat16:
+        return tl.float16
+    return dot_dtype(q_dtype)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -30,10 +30,12 @@ from ember.kernels.paged import (
     attend_tile,
     check_paged_args,
     check_window_args,
-    dot_dtype,
     dot_precision,
-    score_scales,
+    kv_dot_dtype,
+    head_scales,
+    kernel_scales,
 )
+from ember.quant.kv_scale import KVScale
 
 _NUM_STAGES = 3
 
@@ -41,18 +43,19 @@ _NUM_STAGES = 3
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    qk_scale, v_scale, cap, window,
+    qk_scale, k_scale, v_scale, cap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, head_dim,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr, HEAD_SCALES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
+    qk_scale, v_scale = head_scales(qk_scale, k_scale, v_scale, kv_head, HEAD_SCALES)
 
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
@@ -136,8 +139,8 @@ def _tiling(block_m: int, dtype: torch.dtype, block_d: int) -> tuple[int, int]:
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                            out: torch.Tensor | None = None, *, k_scale: float = 1.0,
-                            v_scale: float = 1.0, sliding_window: int | None = None,
+                            out: torch.Tensor | None = None, *, k_scale: KVScale = 1.0,
+                            v_scale: KVScale = 1.0, sliding_window: int | None = None,
                             logits_soft_cap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D] holds each sequence's chunk at positions seq_lens[b] - q_len .. seq_lens[b] - 1;
     each query attends causally over its whole cached context (with `sliding_window`, over its last
@@ -147,7 +150,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     The chunk's own keys and values must already be in the cache. `max_query_len` is a host int
     (the scheduler knows it) that sizes the grid; blocks past a sequence's chunk exit at once.
     An fp8 cache's keys read as float(stored) * k_scale and its values as float(stored) * v_scale
-    (host floats; other caches need 1.0), both products running in q's dtype.
+    (host floats for the layer, or float32 tensors [Hk] of one scale per KV head; other caches need
+    1.0), the products running in q's dtype (fp16 for bf16 queries, see `kv_dot_dtype`).
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -162,20 +166,20 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m = _block_m(max_query_len, group)
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
-    qk_scale, cap = score_scales(scale, k_scale, logits_soft_cap)
+    qk_scale, cap, k_scale, v_scale, per_head = kernel_scales(scale, k_scale, v_scale, logits_soft_cap)
     block_d = triton.next_power_of_2(head_dim)
     block_n, num_stages = _tiling(block_m, q.dtype, block_d)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        qk_scale, v_scale, cap, sliding_window or 0,
+        qk_scale, k_scale, v_scale, cap, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), head_dim,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d,
-        WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
-        DOT_DTYPE=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None, HEAD_SCALES=per_head,
+        DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4, num_stages=num_stages,
     )
     return out
@@ -184,8 +188,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                 query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                                out: torch.Tensor | None = None, *, k_scale: float = 1.0,
-                                v_scale: float = 1.0, sliding_window: int | None = None,
+                                out: torch.Tensor | None = None, *, k_scale: KVScale = 1.0,
+                                v_scale: KVScale = 1.0, sliding_window: int | None = None,
                                 logits_soft_cap: float | None = None) -> torch.Tensor:
     result = torch.empty_like(q) if out is None else out
     for b in range(seq_lens.shape[0]):

@@ -5,8 +5,9 @@ written into their cache slots, then every query attends to its sequence's cache
 itself, found through its block table. On CPU, one-token queries share one padded SDPA call and
 each prefill chunk gets its own, with a causal mask offset by the chunk's cached context.
 
-Caches are either in the model's dtype or fp8 (e4m3fn) with one float scale per layer for keys and
-one for values: a stored value is x / scale saturated to +-448, and reads as float(stored) * scale.
+Caches are either in the model's dtype or fp8 (e4m3fn) with scales for keys and for values, one per
+layer or one per KV head: a stored value is x / scale saturated to +-448, and reads as
+float(stored) * scale.
 The scaling rules (check_kv_scales, quantize_kv, dequantize_kv) are ember.quant.kv_scale's, shared
 with the kernels' references.
 """
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from ember.model.backend import use_triton
 from ember.quant.formats import FP8_DTYPE
-from ember.quant.kv_scale import check_kv_scales, dequantize_kv, quantize_kv
+from ember.quant.kv_scale import KVScale, check_kv_scales, dequantize_kv, quantize_kv
 
 # The Triton kernels are imported inside the functions that call them, so CPU-only paths never import Triton.
 
@@ -50,21 +51,21 @@ def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+             slot_mapping: torch.Tensor, *, k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> None:
     """k, v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]; the scales as in `quantize_kv`."""
     if use_triton(k):
         from ember.kernels import store_kv as store_kv_kernel
 
         store_kv_kernel(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
-    check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
     _copy_to_slots(k_cache, slot_mapping, quantize_kv(k, k_cache.dtype, k_scale))
     _copy_to_slots(v_cache, slot_mapping, quantize_kv(v, v_cache.dtype, v_scale))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, *, k_scale: float = 1.0,
-                    v_scale: float = 1.0, sliding_window: int | None = None,
+                    meta: AttentionMetadata, scale: float, *, k_scale: KVScale = 1.0,
+                    v_scale: KVScale = 1.0, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Keys/values for the new tokens must already be stored; fp8
     caches are read through their scales (see `dequantize_kv`).
@@ -75,7 +76,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty_like(q)
         _triton_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale, sliding_window, logits_soft_cap)
         return out
-    check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
     if meta.num_decodes == q.shape[0]:  # one-token queries only: their SDPA output is the result, no copy
         return _torch_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window, logits_soft_cap)
     out = torch.empty_like(q)
@@ -84,7 +85,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor, k_scale: float, v_scale: float,
+                      scale: float, out: torch.Tensor, k_scale: KVScale, v_scale: KVScale,
                       sliding_window: int | None, logits_soft_cap: float | None) -> None:
     """Each layer passes its own window and cap, constant from step to step, so one captured CUDA
     graph replays every layer's kernels with the right ones."""
@@ -177,7 +178,7 @@ def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, out: torch.Tensor, k_scale: float, v_scale: float,
+                     scale: float, out: torch.Tensor, k_scale: KVScale, v_scale: KVScale,
                      window: int | None = None, soft_cap: float | None = None) -> None:
     """fp8 caches are dequantized to q's dtype block by block as they are gathered, never whole. With a
     window, a sequence's blocks wholly before it are not gathered (a 4096-key window on a 32k context

@@ -63,9 +63,11 @@ def stack_experts(weights: list[QuantizedWeight]) -> QuantizedExperts:
                             torch.stack([w.scales for w in weights]), zeros, first.group_size, first.in_features)
 
 
-def quantize_experts(w: torch.Tensor, kind: str) -> QuantizedExperts:
-    """[E, N, K] dense experts -> the load-time quantized form of `kind` (`--quantization`)."""
-    return stack_experts([quantize(w[e], kind) for e in range(w.shape[0])])
+def quantize_experts(w: torch.Tensor, method: str) -> QuantizedExperts:
+    """[E, N, K] dense experts -> the load-time quantized form of `method` (`--quantization`). The
+    stacked form has one row of scales per output row, so fp8 experts take per-channel scales."""
+    method = "ptpc_fp8" if method == "fp8" else method
+    return stack_experts([quantize(w[e], method) for e in range(w.shape[0])])
 
 
 def dequantize_experts(w: QuantizedExperts, dtype: torch.dtype = torch.float32) -> torch.Tensor:

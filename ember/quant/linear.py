@@ -2,9 +2,11 @@
 
 The matmul reads the quantized form on every path: on CUDA, a Triton GEMM that dequantizes in
 its inner loop for small batches (decode, bound by weight bandwidth), dequantize-then-cuBLAS for
-large ones (compute-bound, where the dequantize pass is amortised), and `torch._scaled_mm` for
-fp8; on CPU, PyTorch's packed int8/int4 CPU operators where the format fits them. The size at
-which the GPU path switches is measured (benchmarks/quant_gemm.py), not guessed.
+large ones (compute-bound, where the dequantize pass is amortised), and for fp8 (W8A8) activations
+quantized per token and group then a Triton block-scaled fp8 GEMM or `torch._scaled_mm`; on CPU,
+PyTorch's packed int8/int4 CPU operators where the format fits them, and an exact emulation of
+fp8. The sizes at which the GPU paths switch are measured (benchmarks/quant_gemm.py,
+benchmarks/fp8_gemm.py), not guessed.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from torch import nn
 
 from ember.model.backend import use_triton
 from ember.quant.formats import (
-    FP8_DTYPE,
-    FP8_MAX,
     QuantizedWeight,
     codes,
     concat_out,
@@ -28,7 +28,7 @@ from ember.quant.formats import (
     dequantize,
     same_format,
 )
-from ember.quant.quantize import quantize
+from ember.quant.quantize import quantize, quantize_fp8_activations
 from ember.quant.screened_argmax import ScreenedArgmax
 
 if TYPE_CHECKING:
@@ -43,6 +43,10 @@ GPU_FUSED_MAX_ROWS = {"int8": 64, "int4": 128}
 PACKED_MAX_ROWS = 64
 _TINYGEMM_GROUPS = (32, 64, 128, 256)
 _CPU_ACT_DTYPE = torch.bfloat16
+# Rows from which cuBLAS's blockwise-scaled `torch._scaled_mm` (1x128 activation, 128x128 weight
+# scales) replaces the Triton block-scaled fp8 GEMM; None: Triton at every size. Set from
+# benchmarks/fp8_gemm.py on the H200 (it prints the crossover it measured).
+FP8_BLOCK_SCALED_MM_MIN_ROWS: int | None = None
 # Rows at and above which a packed int4 weight is expanded to bf16 for oneDNN's GEMM instead of
 # running the int4 kernel, which is compute-bound from a few rows on (it reaches ~70 GMAC/s on this
 # project's 2-core AVX-512 EPYC, bf16 GEMM ~150). Summed over one SmolLM2-135M layer in isolation:
@@ -61,8 +65,8 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
     Group-wise int8 (GGUF Q8_0, Q5_K, Q6_K: in practice a model's embedding and LM head) has no CPU
     kernel; it is expanded once to a dense copy in the model dtype, which keeps the file's values
     exactly. Re-quantizing it per channel would save memory but perturbs the logits enough to flip
-    near-tied greedy choices of small models. fp8 weights from a checkpoint are expanded the same way:
-    the CPU has no fp8 matmul.
+    near-tied greedy choices of small models. The CPU has no fp8 matmul: fp8 weights (load-time or a
+    checkpoint's) run `_fp8_emulated`, the GPU's W8A8 arithmetic reproduced exactly.
     """
     if w.kind == "int8" and w.in_features % 16 == 0 and w.zeros is None and w.group_size == w.in_features:
         return "int8pack", (w.qweight, w.scales[:, 0].to(_CPU_ACT_DTYPE))  # K in 16s, or the kernel crashes
@@ -70,8 +74,10 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
         # tinygemm computes (q - 8) * scale + zero, so zero = our zero term + 8 * scale. It needs whole
         # groups: a ragged last group is padded, and forward pads x with zeros to match.
         return "int4pack", (_int4pack(w), _scale_zero(w))
-    if w.kind in ("int8", "fp8"):
+    if w.kind == "int8":
         return "dense", (_dense(w, dtype),)
+    if w.kind == "fp8":  # no CPU fp8 GEMM: `_fp8_emulated` multiplies the dequantized weight, exact in fp32
+        return "fp8emulated", (dequantize(w, torch.float32),)
     return "dequantize", ()
 
 
@@ -193,7 +199,7 @@ class QuantLinear(nn.Module):
         if w.in_perm is not None:  # the codes' columns are in act-order (GPTQ desc_act)
             x = x.index_select(1, w.in_perm)
         if w.kind == "fp8":
-            return _fp8_matmul(x, w)
+            return _fp8_matmul(x, w) if use_triton(x) else _fp8_emulated(x, w, *cpu[1])
         if use_triton(x):
             return gpu_matmul(x, w, gpu)
         if layout == "int8pack":
@@ -266,11 +272,37 @@ def _device(p: QuantizedWeight | torch.Tensor) -> torch.device:
 
 
 def _fp8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """W8A8: each row of x gets its own scale (dynamic per-token), the weight one per channel. The
-    model runner refuses fp8 weights on devices without fp8 tensor cores, at load."""
-    x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
-    xq = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scale, scale_b=w.scales.t(), out_dtype=x.dtype)
+    """W8A8: x gets dynamic scales per token and group of the weight's group size (128 inputs for a
+    block-scaled weight, all K for a per-channel one). Per-channel weights go to cuBLAS's row-wise
+    `torch._scaled_mm`; block-scaled ones to the Triton block GEMM, or from
+    FP8_BLOCK_SCALED_MM_MIN_ROWS rows to cuBLAS's blockwise one. The model runner refuses fp8 weights
+    on CUDA devices without fp8 tensor cores, at load."""
+    from ember.kernels import fp8_block_matmul, quantize_fp8_groups
+
+    x = x.contiguous()
+    if w.block_rows == 1 and w.group_size == w.in_features:
+        xq, x_scales = quantize_fp8_groups(x, w.group_size)
+        return torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.t(), out_dtype=x.dtype)
+    if _block_scaled_mm_fits(x.shape[0], w):
+        xq, x_scales = quantize_fp8_groups(x, w.group_size, column_major_scales=True)
+        return torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.t(), out_dtype=x.dtype)
+    xq, x_scales = quantize_fp8_groups(x, w.group_size)
+    return fp8_block_matmul(xq, x_scales, w, x.dtype)
+
+
+def _block_scaled_mm_fits(rows: int, w: QuantizedWeight) -> bool:
+    """cuBLAS's blockwise scaling takes 128x128 weight blocks over whole blocks only."""
+    return (FP8_BLOCK_SCALED_MM_MIN_ROWS is not None and rows >= FP8_BLOCK_SCALED_MM_MIN_ROWS
+            and w.group_size == w.block_rows == 128 and w.in_features % 128 == 0 and w.out_features % 128 == 0)
+
+
+def _fp8_emulated(x: torch.Tensor, w: QuantizedWeight, dense: torch.Tensor) -> torch.Tensor:
+    """fp8 on CPU, exactly as the GPU computes it up to fp32 summation order: x's e4m3 codes and scales
+    (per token and group) times the dequantized weight, both exact in fp32. For measuring quality
+    (benchmarks/quality.py) and tests; each step dequantizes x, so it is slow."""
+    xq, x_scales = quantize_fp8_activations(x, w.group_size)
+    groups = torch.arange(w.in_features, device=x.device) // w.group_size
+    return F.linear(xq.float() * x_scales[:, groups], dense).to(x.dtype)
 
 
 class QuantEmbedding(nn.Module):
@@ -287,8 +319,9 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight_q
-        rows = QuantizedWeight(w.kind, w.qweight[ids], w.scales[ids],
-                               None if w.zeros is None else w.zeros[ids], w.group_size, w.in_features)
+        scale_rows = ids // w.block_rows
+        rows = QuantizedWeight(w.kind, w.qweight[ids], w.scales[scale_rows],
+                               None if w.zeros is None else w.zeros[scale_rows], w.group_size, w.in_features)
         return dequantize(rows, self.dtype)
 
     def attend(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,9 +338,9 @@ class QuantEmbedding(nn.Module):
         return self.weight_q.tensors() + head + (self.screen.tensors() if self.screen is not None else [])
 
 
-def quantize_module(module: nn.Module, kind: str, dtype: torch.dtype, tied: bool) -> nn.Module:
+def quantize_module(module: nn.Module, method: str, dtype: torch.dtype, tied: bool) -> nn.Module:
     """The quantized replacement of a dense nn.Linear or nn.Embedding (its float weight is dropped);
-    a `tied` embedding also serves as the LM head."""
+    a `tied` embedding also serves as the LM head. `method` is a `--quantization` method."""
     if isinstance(module, nn.Embedding):
-        return QuantEmbedding(quantize(module.weight.data, kind), dtype, tied)
-    return QuantLinear([quantize(module.weight.data, kind)], module.bias, dtype)
+        return QuantEmbedding(quantize(module.weight.data, method), dtype, tied)
+    return QuantLinear([quantize(module.weight.data, method)], module.bias, dtype)

@@ -90,15 +90,19 @@ def _return_freed_memory_to_os() -> None:
 
 
 def _check_fp8_support(device: torch.device, files: ModelFiles) -> None:
-    """fp8 weights need fp8 tensor cores (Ada/Hopper and newer); fp8 KV needs only the fp8 dtype. A
-    checkpoint's own fp8 weights also load on the CPU, which expands them to dense once."""
-    if files.quantize_at_load and files.quantization == "fp8":
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-            raise ValueError("quantization 'fp8' needs a CUDA GPU with fp8 tensor cores (compute capability 8.9+, "
-                             "e.g. L4, H100, H200); use int8 or int4 on this device")
-    elif files.fp8_weights and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"{files.source} stores fp8 weights ({files.quantization}); they need a GPU with fp8 tensor "
-                         "cores (compute capability 8.9+, e.g. L4, H100, H200), or --device cpu")
+    """fp8 weights (load-time `fp8` / `ptpc_fp8`, or a checkpoint's own) need fp8 tensor cores on a GPU
+    (Ada/Hopper and newer); fp8 KV needs only the fp8 dtype. On CPU fp8 weights run as an exact
+    emulation of the GPU's W8A8 arithmetic (what the GPU computes, for measuring quality), slowly."""
+    fp8 = files.fp8_weights or (files.quantize_at_load and files.quantization in ("fp8", "ptpc_fp8"))
+    if not fp8:
+        return
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"{files.source}: quantization {files.quantization!r} needs a CUDA GPU with fp8 tensor cores "
+                         "(compute capability 8.9+, e.g. L4, H100, H200); use int8 or int4 on this device, or "
+                         "--device cpu")
+    if device.type == "cpu":
+        logger.warning("quantization %r on CPU is an exact emulation of the GPU's fp8 arithmetic, several times "
+                       "slower than int8", files.quantization)
 
 
 @contextmanager

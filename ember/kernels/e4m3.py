@@ -1,0 +1,32 @@
+"""Rounding to float8 e4m3 inside Triton kernels, shared by the fp8 KV-cache writes and the fp8
+activation quantization."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ember.quant.formats import FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def quantize_e4m3(x, scale, ROUND_IN_FP32: tl.constexpr):
+    """x / scale saturated to +-448, ready for the store's cast to e4m3 (round to nearest even).
+
+    ROUND_IN_FP32 (the interpreter only, whose fp32 -> fp8 cast rounds ties away from zero and can
+    halve a value on a mantissa carry) rounds onto the e4m3 grid first, so the cast is exact: e4m3
+    values lie 2^(e-3) apart in [2^e, 2^(e+1)) for e >= -6 and 2^-9 apart below 2^-6; adding
+    2^(max(e, -6) + 20) moves |x| to where fp32's own spacing is exactly that, so fp32's
+    round-to-nearest-even addition rounds and the subtraction is exact. The GPU's cast rounds
+    correctly by itself."""
+    x = tl.clamp(x.to(tl.float32) / scale, -_FP8_MAX, _FP8_MAX)
+    if ROUND_IN_FP32:
+        ax = tl.abs(x)
+        exponent = ax.to(tl.int32, bitcast=True) >> 23
+        magic = ((tl.maximum(exponent, 127 - 6) + 20) << 23).to(tl.float32, bitcast=True)
+        r = (ax + magic) - magic
+        # The sign bit rather than x < 0, so -0.0 stays -0.0 as in PyTorch's cast.
+        x = tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)
+    return x

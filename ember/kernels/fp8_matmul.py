@@ -1,0 +1,175 @@
+"""W8A8 fp8: activations quantized per token and group of inputs, and a GEMM over block-scaled
+e4m3 weights.
+
+`quantize_fp8_groups` gives each row of x one float32 scale per `group_size` inputs (128 for
+block-scaled weights, K for per-channel ones) and writes its e4m3 codes, in one pass over x.
+
+`fp8_block_matmul` multiplies those codes by e4m3 weight codes on fp8 tensor cores, one K tile per
+scale group: each tile's fp32 product is scaled by its row's activation scale and its columns'
+weight scales before it joins the accumulator (the DeepSeek-V3 recipe), so the tile product runs
+on raw codes and the scales cost two vector loads per K tile. With few rows (decode) the M x N
+tiles alone cannot fill 132 SMs, so K is split across programs, whose fp32 partial products are
+then summed in a fixed order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.e4m3 import quantize_e4m3
+from ember.kernels.paged import num_sms
+from ember.quant.formats import FP8_DTYPE, FP8_MAX, QuantizedWeight, dequantize
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_TINY = tl.constexpr(torch.finfo(torch.float32).tiny)
+_MIN_GROUPS_PER_SPLIT = 4  # a split shorter than this spends more on its partial sum than it saves
+_MAX_SPLIT_K = 8
+_WAVES = 2  # programs per SM that split-K aims for
+
+
+class Fp8MatmulConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (max M, BLOCK_M, BLOCK_N, num_warps, num_stages), first row whose max M covers M wins; BLOCK_K is
+# the weight's group (128). Starting points from vLLM's untuned defaults for block fp8 on Hopper;
+# benchmarks/fp8_gemm.py times each row at every M it covers.
+_TILES = (
+    (16, 16, 64, 4, 4),
+    (64, 64, 64, 4, 4),
+    (256, 64, 128, 4, 3),
+    (None, 128, 128, 8, 3),
+)
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / _FP8_MAX, _TINY)
+    tl.store(q_ptr + row * stride_qm + cols, quantize_e4m3(x, scale, ROUND_IN_FP32).to(q_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
+
+
+def quantize_fp8_groups(x: torch.Tensor, group_size: int,
+                        column_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> e4m3 codes [M, K] and float32 scales [M, ceil(K / group_size)], bit for bit
+    `ember.quant.quantize.quantize_fp8_activations`. `column_major_scales` lays the scales out with
+    stride (1, M), as cuBLAS's blockwise `torch._scaled_mm` reads them."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("quantize_fp8_groups: x needs a contiguous last dimension")
+    groups = triton.cdiv(k, group_size)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scales = (torch.empty(groups, m, dtype=torch.float32, device=x.device).t() if column_major_scales
+              else torch.empty(m, groups, dtype=torch.float32, device=x.device))
+    if m:
+        block = triton.next_power_of_2(group_size)
+        _quantize_groups_kernel[(m, groups)](
+            x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+            GROUP=group_size, BLOCK=block, ROUND_IN_FP32=triton.knobs.runtime.interpret,
+            num_warps=max(1, min(16, block // 256)),
+        )
+    return q, scales
+
+
+@triton.jit
+def _fp8_block_matmul_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr,
+    M, N, K, groups_per_split,
+    stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsg, stride_os, stride_om,
+    BLOCK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows_a = offs_m.to(tl.int64)
+    rows_b = offs_n.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = split * groups_per_split
+    last = tl.minimum(first + groups_per_split, tl.cdiv(K, BLOCK_K))
+    for g in range(first, last):
+        k = g * BLOCK_K + offs_k
+        k_mask = k < K
+        a = tl.load(a_ptr + rows_a[:, None] * stride_am + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + rows_b[None, :] * stride_bn + k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        a_scale = tl.load(a_scale_ptr + rows_a * stride_asm + g * stride_asg, mask=m_mask, other=0.0)
+        b_scale = tl.load(b_scale_ptr + (offs_n // BLOCK_ROWS) * stride_bsn + g * stride_bsg, mask=n_mask, other=0.0)
+        if UPCAST:  # the interpreter's numpy dot would multiply fp8's raw bytes; e4m3 -> fp32 is exact
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    out = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def choose_fp8_matmul_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> Fp8MatmulConfig:
+    """Tiles by M, then split-K until the M x N tiles give about _WAVES programs per SM, each split
+    keeping at least _MIN_GROUPS_PER_SPLIT K groups."""
+    _, block_m, block_n, warps, stages = next(t for t in _TILES if t[0] is None or m <= t[0])
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    groups = triton.cdiv(k, group_size)
+    split = min(_MAX_SPLIT_K, triton.cdiv(_WAVES * num_sms, tiles), max(1, groups // _MIN_GROUPS_PER_SPLIT))
+    return Fp8MatmulConfig(block_m, block_n, max(1, split), warps, stages)
+
+
+def _check_weight(w: QuantizedWeight) -> None:
+    g = w.group_size
+    if w.kind != "fp8" or g < 16 or g & (g - 1):
+        raise ValueError(f"fp8_block_matmul takes fp8 weights with a power-of-two group of 16 or more inputs, "
+                         f"got {w.kind} with groups of {g}")
+
+
+def fp8_block_matmul(xq: torch.Tensor, x_scales: torch.Tensor, w: QuantizedWeight, out_dtype: torch.dtype,
+                     config: Fp8MatmulConfig | None = None) -> torch.Tensor:
+    """xq [M, K] e4m3 with scales [M, K / g] (`quantize_fp8_groups` with the weight's g) times W^T,
+    W e4m3 [N, K] with scales [N / block_rows, K / g] -> [M, N] in `out_dtype`."""
+    _check_weight(w)
+    m, k = xq.shape
+    n = w.out_features
+    if k != w.in_features:
+        raise ValueError(f"fp8_block_matmul: x has {k} inputs, the weight {w.in_features}")
+    cfg = config or choose_fp8_matmul_config(m, n, k, w.group_size, num_sms(xq.device))
+    groups = triton.cdiv(k, w.group_size)
+    per_split = triton.cdiv(groups, cfg.split_k)
+    split = triton.cdiv(groups, per_split)
+    out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=xq.device)
+    if m == 0:
+        return out.sum(0).to(out_dtype)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    _fp8_block_matmul_kernel[grid](
+        xq, x_scales, w.qweight, w.scales, out,
+        m, n, k, per_split,
+        xq.stride(0), x_scales.stride(0), x_scales.stride(1), w.qweight.stride(0), w.scales.stride(0),
+        w.scales.stride(1), out.stride(0), out.stride(1),
+        BLOCK_ROWS=w.block_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=w.group_size,
+        UPCAST=triton.knobs.runtime.interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out[0] if split == 1 else out.sum(0).to(out_dtype)
+
+
+def fp8_block_matmul_ref(xq: torch.Tensor, x_scales: torch.Tensor, w: QuantizedWeight,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """The float64 product of the dequantized activations and weight."""
+    cols = torch.arange(xq.shape[1], device=xq.device) // w.group_size
+    x = xq.double() * x_scales.double()[:, cols]
+    return (x @ dequantize(w, torch.float64).t()).to(out_dtype)
