@@ -151,13 +151,10 @@ class GGUFModel:
                 "attn_q": self.hf_config["num_attention_heads"],
                 "attn_k": self.hf_config["num_key_value_heads"],
             }
-        for tensor in self._reader.tensors:
-            if tensor.name in _CONFIG_TENSORS:
-                continue
+        for tensor in self._reader.populated([t for t in self._reader.tensors if t.name not in _CONFIG_TENSORS]):
             hf_name = _hf_tensor_name(tensor.name, arch, experts)
             assert hf_name is not None, "load_gguf validated every tensor name"
             shape, data = _numpy_shape(tensor), tensor.data
-            self._reader.populate(tensor)
             match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
             n_head = permuted_heads.get(match[2]) if match is not None else None
             if n_head is not None and len(shape) == 2:
