@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,18 @@ def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int],
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).cpu()
     return tokens, logprobs
+
+
+def hf_references(checkpoints: dict[str, Path], prompts: list[dict], num_tokens: int
+                  ) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    """HF's greedy tokens and logprobs (float32) for every checkpoint and token-id prompt."""
+    from transformers import AutoModelForCausalLM
+
+    refs = {}
+    for arch, path in checkpoints.items():
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(DEVICE)
+        refs[arch] = [hf_greedy(hf, p["prompt_token_ids"], num_tokens) for p in prompts]
+    return refs
 
 
 def assert_matches_hf(llm: LLM, hf_model, prompts: list[str], chat: bool = False) -> None:

@@ -21,7 +21,7 @@ import torch
 from conftest import DEVICE, add_bpe_vocab, gguf_writer, inproc_core, make_checkpoint
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file, save_file
-from test_hf_equality import assert_output_matches, hf_greedy
+from test_hf_equality import assert_output_matches, hf_references
 from test_new_archs import (
     GREEDY,
     NUM_TOKENS,
@@ -56,13 +56,7 @@ def moe_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def references(moe_checkpoints) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
-    from transformers import AutoModelForCausalLM
-
-    refs = {}
-    for arch in ARCHS:
-        hf = AutoModelForCausalLM.from_pretrained(str(moe_checkpoints[arch]), dtype=torch.float32).to(DEVICE)
-        refs[arch] = [hf_greedy(hf, p["prompt_token_ids"], NUM_TOKENS) for p in PROMPTS]
-    return refs
+    return hf_references({arch: moe_checkpoints[arch] for arch in ARCHS}, PROMPTS, NUM_TOKENS)
 
 
 def _config(path: Path) -> dict:

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from conftest import DEVICE, WINDOWED_ARCHS, add_bpe_vocab, gguf_writer, make_checkpoint
 from ember import LLM, SamplingParams
 from ember.model.attention import AttentionMetadata, paged_attention
-from test_hf_equality import TOP, assert_output_matches, hf_greedy
+from test_hf_equality import TOP, assert_output_matches, hf_greedy, hf_references
 
 ARCHS = tuple(WINDOWED_ARCHS)
 NUM_TOKENS = 24
@@ -44,13 +44,7 @@ PROMPTS = _prompts()
 
 @pytest.fixture(scope="module")
 def references(checkpoints) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
-    from transformers import AutoModelForCausalLM
-
-    refs = {}
-    for arch in ARCHS:
-        hf = AutoModelForCausalLM.from_pretrained(str(checkpoints[arch]), dtype=torch.float32).to(DEVICE)
-        refs[arch] = [hf_greedy(hf, p["prompt_token_ids"], NUM_TOKENS) for p in PROMPTS]
-    return refs
+    return hf_references({arch: checkpoints[arch] for arch in ARCHS}, PROMPTS, NUM_TOKENS)
 
 
 def _block_bytes(arch: str, block_size: int) -> int:

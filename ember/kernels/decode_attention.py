@@ -30,10 +30,10 @@ from ember.kernels.paged import (
     check_paged_args,
     check_window_args,
     dot_precision,
-    kv_dot_dtype,
-    num_sms,
     head_scales,
     kernel_scales,
+    kv_dot_dtype,
+    num_sms,
 )
 from ember.quant.kv_scale import KVScale
 

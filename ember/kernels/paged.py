@@ -77,7 +77,7 @@ def head_scales(qk_scale, k_scale, v_scale, kv_head, HEAD_SCALES: tl.constexpr):
     return qk, vs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """The GPU's SM count, which the decode-attention split and split-K aim to fill; off CUDA (the
     interpreter) an H100/H200's 132, so tests choose the grids the GPU would."""

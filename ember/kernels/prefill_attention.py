@@ -31,9 +31,9 @@ from ember.kernels.paged import (
     check_paged_args,
     check_window_args,
     dot_precision,
-    kv_dot_dtype,
     head_scales,
     kernel_scales,
+    kv_dot_dtype,
 )
 from ember.quant.kv_scale import KVScale
 

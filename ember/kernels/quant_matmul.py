@@ -168,6 +168,14 @@ def _check_weight(w: QuantizedWeight) -> None:
         raise ValueError("qweight, scales and zeros need a contiguous last dimension")
 
 
+def matmul_output(op: str, x: torch.Tensor, in_features: int, out_features: int) -> torch.Tensor:
+    """Check that x is [M, in_features] with a contiguous last dim (the kernels' pointer arithmetic
+    assumes it) and allocate the [M, out_features] result in x's dtype."""
+    if x.shape[1] != in_features or x.stride(1) != 1:
+        raise ValueError(f"{op}: x {tuple(x.shape)} must be [M, {in_features}] with a contiguous last dim")
+    return torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+
+
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                  config: QuantMatmulConfig | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize(w).T (+ bias) -> [M, N] in x.dtype, reading only w's codes and scales.
@@ -179,9 +187,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     _check_weight(w)
     m, k = x.shape
     n = w.out_features
-    if k != w.in_features or x.stride(1) != 1:
-        raise ValueError(f"quant_matmul: x {tuple(x.shape)} must be [M, {w.in_features}] with a contiguous last dim")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = matmul_output("quant_matmul", x, w.in_features, n)
     if m == 0 or n == 0:
         return out
     cfg = config or choose_quant_matmul_config(m, n, k, w.group_size, num_sms(x.device))

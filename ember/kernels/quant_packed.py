@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.paged import dot_dtype, dot_precision, num_sms
+from ember.kernels.quant_matmul import matmul_output
 from ember.quant.formats import QuantizedWeight, unpack_int4
 
 SLOT = 16  # words down K per code slot: tl.dot's minimum K, and a group size every supported form divides
@@ -343,9 +344,7 @@ def packed_matmul(x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | No
     """x [M, K] @ W.T (+ bias) -> [M, N] in x.dtype. `config` overrides choose_packed_config."""
     m, k = x.shape
     n = w.out_features
-    if k != w.in_features or x.stride(1) != 1:
-        raise ValueError(f"packed_matmul: x {tuple(x.shape)} must be [M, {w.in_features}] with a contiguous last dim")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = matmul_output("packed_matmul", x, w.in_features, n)
     if m == 0 or n == 0:
         return out
     cfg = config or choose_packed_config(m, n, k, w.kind, num_sms(x.device))
