@@ -20,8 +20,12 @@
 #                at $FRACTIONS of its rate); needs the openai package besides the server's
 #   tputvariants offline throughput, Qwen3-0.6B shape, {in-process, --engine-process} x {--async-scheduling,
 #                --no-async-scheduling}
-#   quant        int4/int8 latency (8B), fp8-weight throughput (8B), fp8-KV throughput (0.6B)
+#   quant        int4/int8/fp8 latency (8B), fp8-weight throughput (8B), fp8-KV throughput (0.6B)
 #   parity       bf16 greedy agreement with HF
+#   structured   benchmarks/structured.py --mode h200: 256 JSON-schema requests vs the same unconstrained at matched
+#                lengths, mask time and GPU mask wait per step ($TOKENIZER: a directory with tokenizer.json)
+#   fp8gemm      benchmarks/fp8_gemm.py (per-channel vs block-scaled fp8 GEMMs per batch size; prints the
+#                cuBLAS-blockwise crossover) and benchmarks/fp8_kv_attention.py (bf16 vs fp8 caches)
 #   moe          offline throughput, Qwen3-30B-A3B shape (61 GB of bf16 experts), with HF continuous batching on 64 of
 #                the requests
 #   moelat       batch-1 TTFT / TPOT with a 512-token prompt, Qwen3-30B-A3B and Mixtral-8x7B shapes
@@ -115,12 +119,21 @@ stage_tputvariants() {  # each run prints the GPU's busy and idle seconds betwee
 stage_quant() {
   lat --quantization int4 --out "$OUT/latency-llama-3.1-8b-int4-cuda-$D.json"
   lat --quantization int8 --out "$OUT/latency-llama-3.1-8b-int8-cuda-$D.json"
+  lat --quantization fp8 --out "$OUT/latency-llama-3.1-8b-fp8-cuda-$D.json"
   tput --model $L --quantization fp8 --out "$OUT/throughput-llama-3.1-8b-fp8-cuda-$D.json"
   tput --model $Q --kv-cache-dtype fp8 --out "$OUT/throughput-qwen3-0.6b-fp8kv-cuda-$D.json"
 }
 stage_parity() {
   timeout 200 python3 benchmarks/hf_parity.py --device cuda --dtype bfloat16 \
     --out "$OUT/hf-parity-cuda-bfloat16-$D.json" 2>&1 | tail -9
+}
+stage_structured() {
+  timeout 240 python3 benchmarks/structured.py --mode h200 ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
+    --out "$OUT/structured-h200-$D.json" 2>&1 | grep -v INFO | tail -30
+}
+stage_fp8gemm() {
+  timeout 240 python3 benchmarks/fp8_gemm.py --time-limit 150 --out "$OUT/fp8-gemm-cuda-$D.json" 2>&1 | tail -40
+  timeout 90 python3 benchmarks/fp8_kv_attention.py --out "$OUT/fp8-kv-attention-cuda-$D.json" 2>&1 | tail -20
 }
 stage_moe() {
   limit=570 tput --model benchmarks/configs/qwen3-30b-a3b --hf --hf-num-seqs 64 \
