@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,20 @@ MORE_ARCHS = {
         intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8)),
 }
 
+
+
+def write_gguf_and_twin(w, src: Path, twin: Path, decoded: dict) -> None:
+    """Write the GGUF file `w` holds, and make `twin`: a copy of the HF checkpoint `src` whose weights are
+    `decoded` (numpy arrays: what the file's tensors dequantize to), the reference a load of the file
+    must equal."""
+    from safetensors.numpy import save_file
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    shutil.copytree(src, twin)
+    save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
 
 
 def gguf_writer(path: Path, arch: str, cfg: dict):

@@ -27,15 +27,13 @@ from ember.kernels import (  # noqa: E402
     paged_decode_attention_ref, paged_prefill_attention_ref, quantize_fp8_groups, store_kv,
 )
 from ember.model import backend  # noqa: E402
-from ember.model.attention import AttentionMetadata, paged_attention  # noqa: E402
-from ember.model.attention import store_kv as model_store_kv  # noqa: E402
 from ember.quant.formats import FP8_DTYPE, QuantizedWeight, dequantize  # noqa: E402
 from ember.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from ember.quant.kv_scale import quantize_kv  # noqa: E402
 from ember.quant.quantize import (  # noqa: E402
     quantize, quantize_fp8, quantize_fp8_activations, quantize_fp8_per_channel,
 )
-from test_kernels import fp8_attention_batch  # noqa: E402
+from test_kernels import fp8_attention_batch, store_and_attend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -224,18 +222,9 @@ def test_per_head_scales_store_and_attend_like_the_torch_path(dtype: torch.dtype
     for name, s in (("k", scales["k_scale"]), ("v", scales["v_scale"])):
         cpu[name] = (cpu[name].float() * s[:, None] * 100).to(dtype)
 
-    def step(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t = {name: x.to(device, copy=True) for name, x in cpu.items()}
-        m = AttentionMetadata(**{f: x.to(device) if isinstance(x, torch.Tensor) else x
-                                 for f, x in vars(meta).items()})
-        s = {name: x.to(device) for name, x in scales.items()}
-        model_store_kv(t["k"], t["v"], t["k_cache"], t["v_cache"], m.slot_mapping, **s)
-        out = paged_attention(t["q"], t["k_cache"], t["v_cache"], m, head_dim ** -0.5, **s)
-        return out.cpu(), t["k_cache"].cpu(), t["v_cache"].cpu()
-
-    torch_out, torch_k, torch_v = step("cpu")
+    torch_out, torch_k, torch_v = store_and_attend(meta, cpu, "cpu", scales)
     monkeypatch.setattr(backend, "FORCE_TRITON", True)
-    kernel_out, kernel_k, kernel_v = step(DEVICE)
+    kernel_out, kernel_k, kernel_v = store_and_attend(meta, cpu, DEVICE, scales)
     assert bits_equal(torch_k, kernel_k) and bits_equal(torch_v, kernel_v)
     # outputs are O(v): bf16 rounds q, the probabilities and the output
     tol = {torch.float32: 2e-4, torch.bfloat16: 2e-2}[dtype] * torch_out.float().abs().max().item()

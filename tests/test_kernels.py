@@ -352,6 +352,19 @@ def fp8_attention_batch(dtype: torch.dtype, block_size: int, group: int, head_di
     return meta, tensors
 
 
+def store_and_attend(meta: AttentionMetadata, cpu: dict[str, torch.Tensor], device: str, scales: dict
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step through ember.model.attention on `device` (PyTorch ops on CPU tensors, the kernels on
+    CUDA or when forced): store the new k/v into copies of the caches, attend; returns (out, k_cache,
+    v_cache) on CPU. Each call writes its own caches."""
+    t = {name: x.to(device, copy=True) for name, x in cpu.items()}
+    m = AttentionMetadata(**{f: x.to(device) if isinstance(x, torch.Tensor) else x for f, x in vars(meta).items()})
+    s = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in scales.items()}
+    model_store_kv(t["k"], t["v"], t["k_cache"], t["v_cache"], m.slot_mapping, **s)
+    out = paged_attention(t["q"], t["k_cache"], t["v_cache"], m, t["q"].shape[-1] ** -0.5, **s)
+    return out.cpu(), t["k_cache"].cpu(), t["v_cache"].cpu()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_model_attention_torch_path_on_fp8_cache_matches_kernels(dtype: torch.dtype, monkeypatch) -> None:
     """ember.model.attention on CPU tensors (PyTorch ops) against the same step through the kernels
@@ -359,17 +372,9 @@ def test_model_attention_torch_path_on_fp8_cache_matches_kernels(dtype: torch.dt
     head_dim = 64
     meta, cpu = fp8_attention_batch(dtype, 16, 2, head_dim, torch.Generator().manual_seed(3))
 
-    def step(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t = {name: x.to(device, copy=True) for name, x in cpu.items()}  # each step writes its own caches
-        m = AttentionMetadata(**{f: x.to(device) if isinstance(x, torch.Tensor) else x
-                                 for f, x in vars(meta).items()})
-        model_store_kv(t["k"], t["v"], t["k_cache"], t["v_cache"], m.slot_mapping, **FP8_SCALES)
-        out = paged_attention(t["q"], t["k_cache"], t["v_cache"], m, head_dim ** -0.5, **FP8_SCALES)
-        return out.cpu(), t["k_cache"].cpu(), t["v_cache"].cpu()
-
-    torch_out, torch_k, torch_v = step("cpu")
+    torch_out, torch_k, torch_v = store_and_attend(meta, cpu, "cpu", FP8_SCALES)
     monkeypatch.setattr(backend, "FORCE_TRITON", True)
-    kernel_out, kernel_k, kernel_v = step(DEVICE)
+    kernel_out, kernel_k, kernel_v = store_and_attend(meta, cpu, DEVICE, FP8_SCALES)
 
     assert fp8_bits_equal(torch_k, kernel_k) and fp8_bits_equal(torch_v, kernel_v)
     assert not fp8_bits_equal(torch_k, cpu["k_cache"])  # the new tokens did land

@@ -18,9 +18,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, add_bpe_vocab, gguf_writer, inproc_core, make_checkpoint
+from conftest import DEVICE, add_bpe_vocab, gguf_writer, inproc_core, make_checkpoint, write_gguf_and_twin
 from gguf import GGMLQuantizationType as QType
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 from test_hf_equality import assert_output_matches, hf_references
 from test_new_archs import (
     GREEDY,
@@ -329,12 +329,7 @@ def _write_moe_gguf(src: Path, path: Path, twin: Path) -> None:
         stored = _llamacpp_permute(weight, heads) if mixtral and heads else weight
         w.add_tensor(gguf_name, stored)
         decoded[name] = _llamacpp_unpermute(stored, heads) if mixtral and heads else stored
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    shutil.copytree(src, twin)
-    save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
+    write_gguf_and_twin(w, src, twin, decoded)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file, save_file
 
-from conftest import DEVICE, WINDOWED_ARCHS, add_bpe_vocab, gguf_writer, make_checkpoint
+from conftest import DEVICE, WINDOWED_ARCHS, add_bpe_vocab, gguf_writer, make_checkpoint, write_gguf_and_twin
 from ember import LLM, SamplingParams
 from ember.model.attention import AttentionMetadata, paged_attention
 from test_hf_equality import TOP, assert_output_matches, hf_greedy, hf_references
@@ -237,12 +237,7 @@ def _write_gguf_twin(src: Path, path: Path, twin: Path) -> None:
         if not gemma and heads is not None:
             value = _llamacpp_unpermute(value, heads)
         decoded[name] = value
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    shutil.copytree(src, twin)
-    save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
+    write_gguf_and_twin(w, src, twin, decoded)
 
 
 @pytest.mark.parametrize("arch", tuple(_GGUF_COMPATIBLE))  # Phi-3's twin: tests/test_phi3.py

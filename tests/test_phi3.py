@@ -7,7 +7,6 @@ as GGUF files (llama.cpp's `phi3` layout) give the tokens of their safetensors t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import gguf
@@ -15,9 +14,9 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
-from conftest import DEVICE, add_bpe_vocab, gguf_writer, inproc_core, make_checkpoint
+from conftest import DEVICE, add_bpe_vocab, gguf_writer, inproc_core, make_checkpoint, write_gguf_and_twin
 from gguf import GGMLQuantizationType as QType
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_hf_equality import PROMPTS, TOP, assert_output_matches, hf_greedy
 
 from ember import LLM, SamplingParams
@@ -202,13 +201,8 @@ def _write_gguf(hf_dir: Path, gguf_path: Path, twin_dir: Path) -> None:
         values = tensor.numpy().astype(np.float32)
         stored = values if qtype == QType.F32 else gguf.quants.quantize(values, qtype)
         w.add_tensor(gname, stored, raw_dtype=None if qtype == QType.F32 else qtype)
-        twin[name] = torch.from_numpy(np.array(gguf.quants.dequantize(stored, qtype) if qtype != QType.F32 else values))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    shutil.copytree(hf_dir, twin_dir)
-    save_file(twin, twin_dir / "model.safetensors", metadata={"format": "pt"})
+        twin[name] = np.array(gguf.quants.dequantize(stored, qtype) if qtype != QType.F32 else values)
+    write_gguf_and_twin(w, hf_dir, twin_dir, twin)
 
 
 # Phi-3-mini-like dequantized to float32; Phi-4-mini-like with its Q8_0 tensors kept quantized (int8).

@@ -190,20 +190,28 @@ def test_cli_url_mode_retries_connection_failures_then_writes_errors(tmp_path):
     assert "2 retries" in done.stderr
 
 
+def _job_with_output(model_dir, tmp_path, lines: list[str], concurrency: int, written: int, **popen
+                     ) -> tuple[list[str], Path, subprocess.Popen]:
+    """Start `ember run-batch` on `lines` in a subprocess and return (its command, the output path, the
+    process) once it has written `written` result lines."""
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "ember.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
+           str(model_dir), *ENGINE_FLAGS, "--max-concurrency", str(concurrency), "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
+    deadline = time.monotonic() + 180
+    while not (out.exists() and out.read_text().count("\n") >= written):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no output before the deadline"
+        time.sleep(0.02)
+    return cmd, out, proc
+
+
 def test_kill_9_mid_run_then_rerun_answers_every_line_once(model_dir, tmp_path):
     ids = [f"req-{i:03d}" for i in range(12)]
     lines = [line(cid, CHAT if i % 2 else COMPLETIONS,
                   (chat_body if i % 2 else completion_body)(f"request {i}", max_tokens=32)) for i, cid in enumerate(ids)]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "ember.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
-           str(model_dir), *ENGINE_FLAGS, "--max-concurrency", "2", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not (out.exists() and out.read_text().count("\n") >= 2):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no output before the deadline"
-        time.sleep(0.02)
+    cmd, out, proc = _job_with_output(model_dir, tmp_path, lines, concurrency=2, written=2, start_new_session=True)
     os.killpg(proc.pid, signal.SIGKILL)  # the job and its engine core process, as the OOM killer would
     proc.wait(30)
     first = read_records(out)
@@ -298,17 +306,8 @@ def test_llm_run_batch_shares_the_engine_and_resumes(model_dir, tmp_path, expect
 
 def test_engine_death_stops_the_job_and_a_rerun_finishes_it(model_dir, tmp_path):
     ids = [f"req-{i:03d}" for i in range(8)]
-    (tmp_path / "in.jsonl").write_text("\n".join(line(cid, COMPLETIONS, completion_body(cid, max_tokens=32))
-                                                 for cid in ids) + "\n")
-    out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "ember.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
-           str(model_dir), *ENGINE_FLAGS, "--max-concurrency", "1", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not (out.exists() and out.read_text().count("\n") >= 1):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no output before the deadline"
-        time.sleep(0.02)
+    lines = [line(cid, COMPLETIONS, completion_body(cid, max_tokens=32)) for cid in ids]
+    cmd, out, proc = _job_with_output(model_dir, tmp_path, lines, concurrency=1, written=1, text=True)
     [core] = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()  # the engine core process
     os.kill(int(core), signal.SIGKILL)
     _, stderr = proc.communicate(timeout=60)
