@@ -162,7 +162,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, k_scale: float, v_scale: float, window: int | None,
+                  scale: float, k_scale: KVScale, v_scale: KVScale, window: int | None,
                   soft_cap: float | None) -> torch.Tensor:
     """The one-token queries q [nd, Hq, D] -> [nd, Hq, D], in one SDPA call over their gathered blocks."""
     block_size = k_cache.shape[1]
