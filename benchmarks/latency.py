@@ -2,6 +2,8 @@
 
 The design doc's setting: Llama-3.1-8B architecture with random bf16 weights, a 512-token prompt,
 256 output tokens; the roofline is weight bytes / memory bandwidth (about 3.7 ms per token on an H200).
+`--profile-steps N` adds a kernel profile of N decode steps (torch.profiler, in-process engine): GPU time
+per step by kernel, beside the step's roofline, for explaining a miss.
 
     python benchmarks/latency.py --model benchmarks/configs/llama-3.1-8b --load-format dummy
     python benchmarks/latency.py --device cpu --input-len 128 --output-len 32     # the default model on CPU
@@ -21,9 +23,9 @@ import torch
 if not __package__:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from ember import LLM, SamplingParams  # noqa: E402
-from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from ember import LLM, SamplingParams
+from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 
 
 def _sync(device: torch.device) -> None:
@@ -51,6 +53,39 @@ def measure(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, list[f
     return ttft, steps
 
 
+def kernel_profile(llm: LLM, prompt: list[int], steps: int, weight_bytes: int) -> dict:
+    """Device time per decode step by kernel (CPU: by operator, self time) over `steps` steps of one
+    request; the prefill step runs before the profile starts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    device = torch.device(engine.ready.device)
+    engine.add_request(None, {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    engine.step()
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+        _sync(device)
+    events = [e for e in prof.key_averages() if (e.device_time_total if on_gpu else e.self_cpu_time_total) > 0]
+    spent = {e.key: (e.device_time_total if on_gpu else e.self_cpu_time_total) / steps for e in events}
+    calls = {e.key: e.count / steps for e in events}
+    top = sorted(spent, key=spent.get, reverse=True)[:20]
+    total = sum(spent.values())
+    return {"steps": steps, "device_us_per_step": round(total, 1),
+            "roofline_us_per_step_at_4_3_tb_s": round(weight_bytes / 4.3e6, 1) if on_gpu else None,
+            "kernels": [{"name": k[:160], "us_per_step": round(spent[k], 2), "calls_per_step": round(calls[k], 2),
+                         "share": round(spent[k] / total, 4)} for k in top]}
+
+
+def print_profile(p: dict) -> None:
+    print(f"kernel profile: {p['device_us_per_step']} us of device time per decode step "
+          f"(roofline {p['roofline_us_per_step_at_4_3_tb_s']} us)")
+    for k in p["kernels"][:12]:
+        print(f"{k['us_per_step']:>10.1f} us {100 * k['share']:>5.1f}% {k['calls_per_step']:>6.1f}x  {k['name'][:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -67,8 +102,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many decode steps by kernel (in-process)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.profile_steps and args.engine_process:
+        ap.error("--profile-steps profiles this process: leave out --engine-process")
+    if args.profile_steps:
+        args.engine_process = False
 
     machine = machine_info()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
@@ -99,6 +139,10 @@ def main() -> None:
         "async_scheduling": ready.async_scheduling,
         "engine_process": bool(args.engine_process),
     }
+    if args.profile_steps:
+        results["profile"] = kernel_profile(llm, [rng.randrange(vocab) for _ in range(args.input_len)],
+                                            args.profile_steps, ready.weight_bytes)
+        print_profile(results["profile"])
     print(f"{'input':>6} {'output':>6} {'TTFT ms':>9} {'TPOT ms':>9} {'weights GiB':>12}")
     print(f"{args.input_len:>6} {args.output_len:>6} {results['ttft_ms']:>9.2f} {results['tpot_ms']:>9.3f} "
           f"{weight_gib:>12.2f}")
