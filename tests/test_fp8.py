@@ -11,6 +11,7 @@ dot there; on a GPU the same tests run the fp8 tensor-core dot.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import zlib
@@ -130,8 +131,13 @@ def test_block_matmul_matches_float64_reference(m: int, n: int, k: int, block_ro
     out = fp8_block_matmul(xq, x_scales, w, dtype)
     ref = fp8_block_matmul_ref(xq, x_scales, w, torch.float64)
     assert out.shape == (m, n) and out.dtype == dtype
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype] * ref.abs().max().item()
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+    # Each output within a fraction of the sum of its products' magnitudes: the interpreter adds in
+    # float32; Hopper's fp8 tensor cores keep ~14 mantissa bits while adding up one K group (DeepSeek-V3
+    # report, 3.3.2), which left 2.2e-4 of the largest output on the H200 against 1e-5 here.
+    rel = {torch.float32: 2 ** -10 if DEVICE == "cuda" else 1e-5, torch.bfloat16: 1e-2}[dtype]
+    abs_w = dataclasses.replace(w, qweight=w.qweight.float().abs().to(FP8_DTYPE))
+    magnitude = fp8_block_matmul_ref(xq.float().abs().to(FP8_DTYPE), x_scales, abs_w, torch.float64)
+    assert ((out.double() - ref).abs() <= rel * magnitude).all()
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 3])

@@ -58,7 +58,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride
     cols = group * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / _FP8_MAX, _TINY)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), _FP8_MAX), _TINY)  # IEEE, as PyTorch's
     tl.store(q_ptr + row * stride_qm + cols, quantize_e4m3(x, scale, ROUND_IN_FP32).to(q_ptr.dtype.element_ty),
              mask=mask)
     tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
