@@ -47,7 +47,10 @@ class Attention(nn.Module):
         self.sliding_window = cfg.layer_window(layer)
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # a row-parallel bias is added once: rank 0 holds it, the others zeros (see ShardLayout.summed_once)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # gpt-oss: this rank's heads' sink logits, float32 whatever the model dtype (the kernels' operand)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if cfg.attention_sinks else None
         self.q_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.rotary = rotary
@@ -69,7 +72,7 @@ class Attention(nn.Module):
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale,
                             v_scale=self.v_scale, sliding_window=self.sliding_window,
-                            logits_soft_cap=self.logits_soft_cap)
+                            logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
