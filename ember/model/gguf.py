@@ -163,7 +163,7 @@ class GGUFModel:
                 # cost 1.8 s of the default model's 2.2 s load on a busy machine).
                 data, n_head = _unpermute(data.reshape(shape[0], -1), n_head), None
             if keep_quantized and _keeps_quantized(tensor):
-                weight = _quantized(data, tensor.tensor_type, shape)
+                weight = quantized_tensor(data, tensor.tensor_type, shape)
             else:
                 weight = dequantize(data, tensor.tensor_type, shape)
             if n_head is not None:
@@ -203,7 +203,7 @@ def _keeps_quantized(tensor: GGUFTensor) -> bool:
     return len(_numpy_shape(tensor)) == (3 if tensor.name.endswith("_exps.weight") else 2)
 
 
-def _quantized(data: np.ndarray, qtype, shape: tuple[int, ...]) -> QuantizedWeight | QuantizedExperts:
+def quantized_tensor(data: np.ndarray, qtype, shape: tuple[int, ...]) -> QuantizedWeight | QuantizedExperts:
     """A matrix's QuantizedWeight; stacked experts [E, N, K] as the rows of one [E * N, K] matrix, which
     every block type stores exactly as it stores E matrices one after another."""
     if len(shape) == 2:

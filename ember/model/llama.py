@@ -21,6 +21,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
+from ember.model import gpt_oss
 from ember.model.errors import ModelLoadError
 from ember.model.layers import Embedding, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
@@ -256,6 +257,8 @@ class CausalLM(nn.Module):
         params = {name: p for name, p in self.named_parameters() if not FusedExperts.owns(name)}
         filled: dict[str, int] = {}
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
+        if self.config.architecture == gpt_oss.ARCHITECTURE:
+            weights = gpt_oss.checkpoint_tensors(weights, source)
         for name, tensor in self._unstacked(weights, source):
             if self.config.architecture == "Gemma3ForConditionalGeneration":
                 name = _language_model_name(name)
@@ -267,6 +270,8 @@ class CausalLM(nn.Module):
                 self._experts_of(name, source).load(name, tensor, source)
                 continue
             tensor = read_shard(tensor, self.layout.shard(name))
+            if self.layout.rank and ShardLayout.summed_once(name):
+                tensor = torch.zeros_like(tensor)
             target, offset, size, shard = name, 0, None, 0
             for ckpt, (fused, index) in _FUSED.items():
                 if f".{ckpt}." in name:

@@ -1,0 +1,208 @@
+"""gpt-oss (GptOssForCausalLM) against transformers, from bf16/float32 safetensors and from OpenAI's
+MXFP4 expert format.
+
+The tiny checkpoint (tests/conftest.py "gpt-oss") alternates sliding (8 keys) and full layers, has
+attention sinks, q/k/v/o biases, YaRN rope, and 4 experts with biases and a clamped SwiGLU whose limit
+(1.0) the activations cross; its biases and sinks are redrawn large so that each of them moves the
+logits. Every context outgrows the window. Greedy tokens equal transformers' in float32 with top-5
+logprobs within 2e-3: alone, batched with chunked prefill, from the prefix cache, under preemption.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE, inproc_core, make_checkpoint
+from safetensors.torch import load_file, save_file
+from test_hf_equality import assert_output_matches, hf_references
+from test_new_archs import GREEDY, NUM_TOKENS, PROMPTS, SCENARIOS
+
+from ember import LLM
+from ember.config import ModelConfig
+from ember.model.layers import RotaryEmbedding
+from ember.model.moe import SparseMoeBlock
+from ember.quant.experts import QuantizedExperts, dequantize_experts
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = make_checkpoint(tmp_path_factory.mktemp("gpt-oss") / "gpt-oss", "gpt-oss")
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if name.endswith(("_bias", ".bias")) or name.endswith(".sinks"):
+            tensors[name] = torch.randn(t.shape, generator=gen) * (1.0 if name.endswith(".sinks") else 0.3)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint) -> list[tuple[list[int], torch.Tensor]]:
+    return hf_references({"gpt-oss": checkpoint}, PROMPTS, NUM_TOKENS)["gpt-oss"]
+
+
+def _block_bytes(block_size: int) -> int:
+    return 2 * 3 * block_size * 2 * 16 * 4  # K+V, layers, block, KV heads, head_dim, float32
+
+
+def _llm(path: Path, **args) -> LLM:
+    return LLM(str(path), device=DEVICE, dtype="float32", engine_process=False, **{"kv_cache_memory": 0.02, **args})
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_matches_transformers(checkpoint, references, scenario):
+    args = dict(SCENARIOS[scenario])
+    if scenario == "preempted":  # 14 blocks of 8 hold about two of these sequences at once
+        args["kv_cache_memory"] = 14 * _block_bytes(8) / 2**30
+    llm = _llm(checkpoint, **args)
+    model = inproc_core(llm).runner.model
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [8, None, 8]
+    assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers)
+    if scenario == "alone":
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+    else:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    if scenario == "prefix-cached":  # again: the prompts' full blocks now come from the cache
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert max(o.num_cached_tokens for o in outs) >= 36
+    if scenario == "preempted":
+        assert llm.llm_engine.scheduler_stats().num_preemptions > 0
+    for prompt, out, (tokens, logprobs) in zip(PROMPTS, outs, references):
+        assert_output_matches(out.outputs[0], tokens, logprobs, prompt)
+
+
+def test_sinks_change_the_output(checkpoint, references, tmp_path):
+    """The references depend on the sinks: with every sink at -inf (no sink) the tokens differ."""
+    d = shutil.copytree(checkpoint, tmp_path / "no-sinks")
+    tensors = load_file(d / "model.safetensors")
+    save_file({n: torch.full_like(t, -1e4) if n.endswith(".sinks") else t for n, t in tensors.items()},
+              d / "model.safetensors", metadata={"format": "pt"})
+    outs = _llm(d).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] != [tokens for tokens, _ in references]
+
+
+def test_yarn_table_is_transformers():
+    """cos/sin of YaRN (with and without truncation, and an explicit attention_factor) bit for bit as
+    transformers' rotary embedding computes them."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    for rope in ({"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+                 {"factor": 8.0},
+                 {"factor": 4.0, "attention_factor": 1.25, "beta_fast": 16.0, "beta_slow": 2.0}):
+        params = {"rope_type": "yarn", "rope_theta": 150000.0, "original_max_position_embeddings": 64, **rope}
+        hf_cfg = GptOssConfig(head_dim=16, hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
+                              rope_parameters=params)
+        positions = torch.arange(300)[None]
+        cos, sin = GptOssRotaryEmbedding(hf_cfg)(torch.zeros(1, dtype=torch.float32), positions)
+        cfg = ModelConfig.from_hf_config({**hf_cfg.to_dict(), "architectures": ["GptOssForCausalLM"]})
+        ours = RotaryEmbedding(16, 300, cfg.rope_theta, cfg.rope_scaling)
+        assert torch.equal(ours.cos[:, :8], cos[0]) and torch.equal(ours.sin[:, :8], sin[0]), rope
+
+
+def test_tp2_matches_tp1(checkpoint):
+    """Heads (and their sinks) and every expert's intermediate rows split over two ranks; the o_proj and
+    down biases are added by rank 0 alone."""
+    from test_tensor_parallel import _assert_same
+
+    _assert_same(str(checkpoint))
+
+
+# --- MXFP4 experts (quantization_config.quant_method = "mxfp4") ------------------------------------
+
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, N, K] float -> (blocks uint8 [E, N, K/32, 16], scales uint8 [E, N, K/32], the value they
+    hold) in OpenAI's published layout (transformers' integrations/mxfp4.py decodes it): a shared
+    power-of-two per 32 inputs (e8m0, bias 127), each value the nearest e2m1 code, element 2j in the
+    low and 2j + 1 in the high nibble of byte j."""
+    e, n, k = w.shape
+    groups = w.reshape(e, n, k // 32, 32)
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=1e-30))) - 2  # amax / 2^e in [4, 8)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - FP4_VALUES).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    value = FP4_VALUES[codes.long()] * torch.exp2(exponent)[..., None]
+    return blocks, (exponent + 127).to(torch.uint8), value.reshape(e, n, k)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(checkpoint, tmp_path_factory) -> tuple[Path, Path]:
+    """The checkpoint with MXFP4 experts, and its twin holding what they decode to (transformers' layout)."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    mxfp4, twin = shutil.copytree(checkpoint, root / "mxfp4"), shutil.copytree(checkpoint, root / "twin")
+    tensors = load_file(checkpoint / "model.safetensors")
+    packed, decoded = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales, value = _pack_mxfp4(t.transpose(1, 2).contiguous())  # stored [E, out, in]
+            packed |= {f"{name}_blocks": blocks.reshape(*blocks.shape[:2], -1, 16), f"{name}_scales": scales}
+            decoded[name] = value.transpose(1, 2).contiguous()
+        else:
+            packed[name] = decoded[name] = t
+    save_file(packed, mxfp4 / "model.safetensors", metadata={"format": "pt"})
+    save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
+    (mxfp4 / "config.json").write_text(json.dumps({**_config(checkpoint), "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}))
+    return mxfp4, twin
+
+
+def test_mxfp4_decodes_as_transformers(mxfp4_pair):
+    """Ember's MXFP4 decode (the GGUF MXFP4 decoder after re-laying the blocks out) equals
+    transformers' own dequantization of the same tensors, which equals the packer's values."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ember.model.gpt_oss import mxfp4_experts
+
+    mxfp4, twin = mxfp4_pair
+    packed, decoded = load_file(mxfp4 / "model.safetensors"), load_file(twin / "model.safetensors")
+    for proj in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.{proj}"
+        blocks, scales = packed[f"{name}_blocks"], packed[f"{name}_scales"]
+        hf = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+        assert torch.equal(hf, decoded[name])
+        ours = mxfp4_experts(blocks, scales)
+        assert (ours.kind, ours.group_size) == ("int8", 32)
+        assert torch.equal(dequantize_experts(ours), hf.transpose(1, 2))
+
+
+def test_mxfp4_checkpoint_matches_its_decoded_twin(mxfp4_pair):
+    """Loaded weights equal the decoded reference exactly (gate and up de-interleaved, kept quantized),
+    and the model gives the twin's tokens and logprobs."""
+    mxfp4, twin = mxfp4_pair
+    decoded = load_file(twin / "model.safetensors")
+    outputs = []
+    for path in (mxfp4, twin):
+        llm = _llm(path, block_size=8, max_num_batched_tokens=16)
+        experts = inproc_core(llm).runner.model.model.layers[2].mlp.experts
+        assert isinstance(experts.w13, QuantizedExperts) == isinstance(experts.w2, QuantizedExperts) == (path == mxfp4)
+        w13 = dequantize_experts(experts.w13) if path == mxfp4 else experts.w13.data
+        gate_up = decoded["model.layers.2.mlp.experts.gate_up_proj"]
+        assert torch.equal(w13, torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2))
+        outputs.append(llm.generate(PROMPTS[::2], GREEDY, use_tqdm=False))
+    for a, b in zip(*outputs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in x.items()} == pytest.approx({t: v.logprob for t, v in y.items()},
+                                                                          abs=1e-5)
+
+
+def test_mxfp4_unpaired_blocks_are_named(mxfp4_pair, tmp_path):
+    mxfp4, _ = mxfp4_pair
+    d = shutil.copytree(mxfp4, tmp_path / "broken")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj_blocks has no model.layers.0.mlp.experts.down_proj_scales"):
+        _llm(d)
