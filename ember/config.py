@@ -32,7 +32,7 @@ _DTYPES = {  # name -> torch dtype attribute; resolved only when a torch dtype i
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # None: a GGUF file keeps its own quantization ("gguf"), an HF checkpoint its config.json's
 # quantization_config (awq, gptq, compressed-tensors, fp8), other checkpoints load unquantized ("none").
-QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors", "ptpc_fp8")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors", "ptpc_fp8", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
