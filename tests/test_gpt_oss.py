@@ -14,9 +14,12 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, inproc_core, make_checkpoint
+from conftest import DEVICE, add_bpe_vocab, gguf_writer, inproc_core, make_checkpoint, write_gguf_and_twin
+from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
 from test_hf_equality import assert_output_matches, hf_references
 from test_new_archs import GREEDY, NUM_TOKENS, PROMPTS, SCENARIOS
@@ -34,7 +37,11 @@ def _config(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    path = make_checkpoint(tmp_path_factory.mktemp("gpt-oss") / "gpt-oss", "gpt-oss")
+    return _checkpoint(tmp_path_factory.mktemp("gpt-oss") / "gpt-oss")
+
+
+def _checkpoint(path: Path, **overrides) -> Path:
+    path = make_checkpoint(path, "gpt-oss", **overrides)
     tensors = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
     for name, t in tensors.items():
@@ -206,3 +213,105 @@ def test_mxfp4_unpaired_blocks_are_named(mxfp4_pair, tmp_path):
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="down_proj_blocks has no model.layers.0.mlp.experts.down_proj_scales"):
         _llm(d)
+
+
+# --- GGUF: llama.cpp's gpt-oss architecture --------------------------------------------------------
+
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+               "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+               "mlp.router.bias": "ffn_gate_inp.bias",
+               **{f"self_attn.{p}_proj.{s}": f"attn_{g}.{s}" for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
+                  for s in ("weight", "bias")}}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+# experts as llama.cpp's converter writes OpenAI's checkpoints: MXFP4 (down here in Q8_0, a second format)
+_EXPERT_TYPES = {"ffn_gate_exps": QType.MXFP4, "ffn_up_exps": QType.MXFP4, "ffn_down_exps": QType.Q8_0}
+
+
+def _quantized(w, name: str, weight: np.ndarray) -> np.ndarray:
+    """Write an expert tensor [E, N, K] quantized; return what it decodes to."""
+    qtype = _EXPERT_TYPES[name.split(".")[2]]
+    data = gguf.quants.quantize(weight, qtype)
+    w.add_tensor(name, data, raw_dtype=qtype)
+    return gguf.quants.dequantize(data, qtype).reshape(weight.shape)
+
+
+def _write_gguf(src: Path, path: Path, twin: Path) -> None:
+    """The checkpoint as llama.cpp's converter writes gpt-oss (gate_up split into gate and up, experts
+    transposed to [E, out, in], quantized); at twin the HF checkpoint of what the file decodes to."""
+    cfg = _config(src)
+    rope = cfg["rope_parameters"]
+    w = gguf_writer(path, "gpt-oss", cfg)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    add_bpe_vocab(w, src)
+    w.add_tokenizer_pre("gpt-2")
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    decoded = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        weight = t.float().numpy()
+        if name in _GGUF_GLOBAL:
+            w.add_tensor(_GGUF_GLOBAL[name], weight)
+            decoded[name] = weight
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        blk = f"blk.{layer}"
+        if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate and up interleaved
+            gate = _quantized(w, f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(weight[..., 0::2].transpose(0, 2, 1)))
+            up = _quantized(w, f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(weight[..., 1::2].transpose(0, 2, 1)))
+            decoded[name] = np.stack([gate, up], axis=-1).transpose(0, 2, 1, 3).reshape(weight.shape).copy()
+        elif rest == "mlp.experts.down_proj":  # [E, I, H]
+            down = _quantized(w, f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(weight.transpose(0, 2, 1)))
+            decoded[name] = down.transpose(0, 2, 1).copy()
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            w.add_tensor(f"{blk}.ffn_gate_exps.bias", np.ascontiguousarray(weight[:, 0::2]))
+            w.add_tensor(f"{blk}.ffn_up_exps.bias", np.ascontiguousarray(weight[:, 1::2]))
+            decoded[name] = weight
+        elif rest == "mlp.experts.down_proj_bias":
+            w.add_tensor(f"{blk}.ffn_down_exps.bias", weight)
+            decoded[name] = weight
+        else:
+            w.add_tensor(f"{blk}.{_GGUF_LAYER[rest]}", weight)
+            decoded[name] = weight
+    write_gguf_and_twin(w, src, twin, decoded)
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """Experts of 32 rows and 64 inputs: whole MXFP4 / Q8_0 blocks of 32. The SwiGLU limit is the
+    released models' 7.0, which llama.cpp fixes (a GGUF file does not carry it)."""
+    root = tmp_path_factory.mktemp("gpt-oss-gguf")
+    pair = root / "gpt-oss.gguf", root / "twin"
+    _write_gguf(_checkpoint(root / "src", swiglu_limit=7.0), *pair)
+    return pair
+
+
+def test_gguf_matches_its_dequantized_twin(gguf_pair):
+    path, twin = gguf_pair
+    outputs = []
+    for model in (path, twin):
+        llm = _llm(model, block_size=8, max_num_batched_tokens=16)
+        model_config = inproc_core(llm).runner.model.config
+        twin_config = ModelConfig.from_hf_config(_config(twin))
+        for key in ("architecture", "moe", "layer_types", "sliding_window", "rope_theta", "rope_scaling",
+                    "attention_sinks", "o_proj_bias", "attention_bias"):
+            assert getattr(model_config, key) == getattr(twin_config, key), key
+        experts = inproc_core(llm).runner.model.model.layers[1].mlp.experts
+        if model == path:  # MXFP4 gate/up and Q8_0 down both kept as exact int8 codes per 32
+            assert (experts.w13.kind, experts.w13.group_size, experts.w2.kind) == ("int8", 32, "int8")
+        outputs.append(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    for a, b in zip(*outputs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in x.items()} == pytest.approx({t: v.logprob for t, v in y.items()},
+                                                                          abs=1e-5)

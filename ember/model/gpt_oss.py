@@ -31,6 +31,7 @@ from ember.quant.experts import QuantizedExperts
 ARCHITECTURE = "GptOssForCausalLM"
 _EXPERTS = ".mlp.experts."
 _MXFP4_BLOCK = 32
+_HF_EXPERTS = ("gate_up_proj", "down_proj")  # and their _bias, _blocks, _scales
 
 
 def checkpoint_tensors(weights: Iterable[tuple[str, Any]], source: str) -> Iterator[tuple[str, Any]]:
@@ -38,11 +39,12 @@ def checkpoint_tensors(weights: Iterable[tuple[str, Any]], source: str) -> Itera
     An MXFP4 weight's blocks and scales may come in either order (or from different shards)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        if name.endswith(".router.weight") or name.endswith(".router.bias"):
+        kind = name.rpartition(".")[2]
+        if name.endswith((".router.weight", ".router.bias")):
             yield name.replace(".mlp.router.", ".mlp.gate."), tensor
-        elif _EXPERTS not in name:
+        elif _EXPERTS not in name or not kind.startswith(_HF_EXPERTS):  # other tensors, or Ember's names (GGUF)
             yield name, tensor
-        elif name.endswith(("_blocks", "_scales")):
+        elif kind.endswith(("_blocks", "_scales")):
             base, _, part = name.rpartition("_")
             parts = pending.setdefault(base, {})
             parts[part] = _read(tensor)
@@ -51,7 +53,7 @@ def checkpoint_tensors(weights: Iterable[tuple[str, Any]], source: str) -> Itera
                 yield from _experts(base, mxfp4_experts(parts["blocks"], parts["scales"], base), source)
         else:
             tensor = _read(tensor)
-            yield from _experts(name, tensor if name.endswith("_bias") else tensor.transpose(1, 2), source)
+            yield from _experts(name, tensor if kind.endswith("_bias") else tensor.transpose(1, 2), source)
     for base, parts in pending.items():
         raise ModelLoadError(source, f"MXFP4 tensor {base}_{next(iter(parts))} has no "
                                      f"{base}_{'scales' if 'blocks' in parts else 'blocks'}")
