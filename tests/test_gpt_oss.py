@@ -18,7 +18,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, add_bpe_vocab, gguf_writer, inproc_core, make_checkpoint, write_gguf_and_twin
+from conftest import (
+    DEVICE,
+    add_bpe_vocab,
+    gguf_writer,
+    inproc_core,
+    make_checkpoint,
+    write_gguf_and_twin,
+)
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
 from test_hf_equality import assert_output_matches, hf_references
@@ -45,7 +52,7 @@ def _checkpoint(path: Path, **overrides) -> Path:
     tensors = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
     for name, t in tensors.items():
-        if name.endswith(("_bias", ".bias")) or name.endswith(".sinks"):
+        if name.endswith(("_bias", ".bias", ".sinks")):
             tensors[name] = torch.randn(t.shape, generator=gen) * (1.0 if name.endswith(".sinks") else 0.3)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path

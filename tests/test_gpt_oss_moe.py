@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_kernels import DEVICE, SMALL_TILES, TOL, _experts, _gen, _randn, _routing
+from test_moe_kernels import SMALL_TILES, TOL, _experts, _gen, _randn, _routing
 
 from ember.kernels.fused_moe import fused_moe, fused_moe_ref
 from ember.model.moe import FusedExperts

@@ -20,8 +20,8 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
-from ember.model.attention import AttentionMetadata, paged_attention, store_kv
 from ember.model import gpt_oss
+from ember.model.attention import AttentionMetadata, paged_attention, store_kv
 from ember.model.errors import ModelLoadError
 from ember.model.layers import Embedding, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
