@@ -130,3 +130,36 @@ def test_bad_sinks_are_a_clear_error():
     with pytest.raises(ValueError, match="sinks must be a contiguous float32 tensor"):
         paged_decode_attention(q, k_cache, v_cache, tables, as_int32([5]), 1.0,
                                sinks=torch.zeros(NUM_HEADS + 1, device=DEVICE))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (gpu_suite.sh's kernels stage)")
+def test_sinks_replay_in_a_cuda_graph():
+    """As the runner captures decode: a sliding layer and a full one, each with its own sinks, replayed
+    after the sequence lengths and the sinks changed in place (the sinks are read on the device)."""
+    gen = torch.Generator().manual_seed(4)
+    capacity = [40, 133, 7]
+    k_cache, v_cache, tables = paged_kv(capacity, BLOCK, HEAD_DIM, torch.float32, gen)
+    q = randn(len(capacity), NUM_HEADS, HEAD_DIM, gen=gen)
+    lens = as_int32(capacity)
+    layers = [(16, _sinks(gen)), (None, _sinks(gen))]
+    outs = [torch.empty_like(q) for _ in layers]
+
+    def step() -> None:
+        for (window, sinks), out in zip(layers, outs):
+            paged_decode_attention(q, k_cache, v_cache, tables, lens, HEAD_DIM ** -0.5, out=out, max_seq_len=256,
+                                   sliding_window=window, sinks=sinks)
+
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_lens = [33, 120, 5]
+    lens.copy_(as_int32(new_lens))
+    for _, sinks in layers:
+        sinks.copy_(_sinks(gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    for (window, sinks), out in zip(layers, outs):
+        for b, n in enumerate(new_lens):
+            _check(out[b:b + 1], sink_ref(q[b:b + 1], k_cache, v_cache, tables[b], n, HEAD_DIM ** -0.5, window,
+                                          sinks))
