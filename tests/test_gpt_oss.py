@@ -348,3 +348,11 @@ def test_triton_path_matches_torch_path(checkpoint, mxfp4_pair, monkeypatch, mod
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert {t: v.logprob for t, v in la.items()} == pytest.approx({t: v.logprob for t, v in lb.items()},
                                                                            abs=1e-3)
+
+
+def test_dummy_weights_run(checkpoint):
+    """--load-format dummy (the benchmark configs' path) fills sinks and expert biases too."""
+    llm = _llm(checkpoint, kv_cache_memory=0.01, load_format="dummy")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:2], params, use_tqdm=False)[1].outputs[0].token_ids) == 4
+    assert not any(p.is_meta for p in inproc_core(llm).runner.model.parameters())
