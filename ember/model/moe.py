@@ -1,7 +1,9 @@
-"""The mixture-of-experts MLP of Qwen3-MoE and Mixtral: a router and E gated experts in two tensors.
+"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral and gpt-oss: a router and E gated experts in two tensors.
 
 Each token's MLP output is the sum over its top-k experts (by a softmax over all of them, the
 top-k weights renormalised to sum to one where the model says so) of weight * down(silu(gate) * up).
+gpt-oss adds biases to the router and to each expert's gate/up and down, and replaces silu(gate) * up
+by its clamped SwiGLU (`gated_activation`).
 
 Every expert of a layer lives in one of two stacked tensors, the fused MoE kernels' operands
 (ember/kernels/fused_moe.py): `w13` [E, 2I, H] holds each expert's gate rows then its up rows, `w2`
