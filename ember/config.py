@@ -32,7 +32,7 @@ _DTYPES = {  # name -> torch dtype attribute; resolved only when a torch dtype i
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # None: a GGUF file keeps its own quantization ("gguf"), an HF checkpoint its config.json's
 # quantization_config (awq, gptq, compressed-tensors, fp8), other checkpoints load unquantized ("none").
-QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors", "ptpc_fp8")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors", "ptpc_fp8", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
@@ -45,6 +45,10 @@ class MoeConfig:
     intermediate_size: int  # one expert's
     renormalize: bool  # top-k softmax weights divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
     dense_layers: tuple[int, ...] = ()  # dense-MLP layers (Qwen3-MoE: mlp_only_layers, decoder_sparse_step)
+    bias: bool = False  # router and experts with biases (gpt-oss)
+    # gpt-oss's clamped SwiGLU (alpha, limit): (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit); None: silu(gate) * up
+    swiglu: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class ModelConfig:
     rope_local_scaling: dict[str, Any] | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    o_proj_bias: bool = False  # gpt-oss: attention_bias covers the output projection too
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head in every softmax denominator
 
     def layer_window(self, layer: int) -> int | None:
         if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
@@ -117,11 +123,11 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=_resolve_longrope(rope_scaling, cfg),
+            rope_theta=float(rope_theta or _DEFAULT_THETA.get(arch, 10000.0)),
+            rope_scaling=_resolve_yarn(_resolve_longrope(rope_scaling, cfg), cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", _GPT_OSS))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA3),
             gemma_norms=gemma,
             hidden_act="gelu_pytorch_tanh" if gemma else "silu",
@@ -135,6 +141,8 @@ class ModelConfig:
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
             partial_rotary_factor=_partial_rotary_factor(cfg),
             moe=_moe(arch, cfg),
+            o_proj_bias=arch == _GPT_OSS and bool(cfg.get("attention_bias", True)),
+            attention_sinks=arch == _GPT_OSS,
         )
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
@@ -162,6 +170,8 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
     """Qwen3-MoE and Mixtral route each token to its top-k experts by a softmax over all of them.
     What they do not share is refused by name: shared experts (Qwen2-MoE's), other activations, and
     Qwen3-MoE's sliding window (off in every released checkpoint)."""
+    if arch == _GPT_OSS:
+        return _gpt_oss_moe(cfg)
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         return None
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
@@ -184,6 +194,40 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
         raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
     return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter, renormalize=renormalize,
                      dense_layers=dense)
+
+
+def _gpt_oss_moe(cfg: dict[str, Any]) -> MoeConfig:
+    """gpt-oss takes the softmax of the top-k router logits, which is the softmax over all experts
+    renormalised over the top k; its config's hidden_act is unused (the experts' clamped SwiGLU is fixed)."""
+    num_experts, top_k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
+    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=cfg["intermediate_size"],
+                     renormalize=True, bias=True,
+                     swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))))
+
+
+def _resolve_yarn(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """YaRN (gpt-oss) with its defaults resolved as transformers' `_compute_yarn_parameters` resolves
+    them: factor from the two lengths when absent, beta_fast 32 / beta_slow 1, truncate on, and the
+    cos/sin scale (attention_factor) from mscale / mscale_all_dim, else 0.1 ln(factor) + 1."""
+    if _rope_type(scaling) != "yarn":
+        return scaling
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_scaling: yarn needs original_max_position_embeddings")
+    factor = float(scaling.get("factor") or cfg["max_position_embeddings"] / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(original),
+            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
+            "truncate": bool(scaling.get("truncate", True)), "attention_factor": float(attention_factor)}
 
 
 def _rope_type(scaling: dict[str, Any] | None) -> str:
@@ -237,8 +281,10 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     **{arch: _GEMMA3_DEFAULTS for arch in _GEMMA3},
 }
+_GPT_OSS = "GptOssForCausalLM"
+_DEFAULT_THETA = {_GPT_OSS: 150_000.0}  # transformers' config defaults where config.json gives none
 # architectures whose `sliding_window` is used (Qwen2 configs carry one that is off unless use_sliding_window)
-_SLIDING = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", *_GEMMA_DEFAULTS)
+_SLIDING = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", _GPT_OSS, *_GEMMA_DEFAULTS)
 
 
 def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[str, ...] | None:
@@ -248,7 +294,7 @@ def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[str, ...] | None:
         return None
     if cfg.get("layer_types"):
         return tuple(cfg["layer_types"])
-    period = cfg.get("sliding_window_pattern") if arch in _GEMMA_DEFAULTS else None
+    period = cfg.get("sliding_window_pattern") if arch in _GEMMA_DEFAULTS else 2 if arch == _GPT_OSS else None
     return tuple("sliding_attention" if period is None or (i + 1) % period else "full_attention"
                  for i in range(cfg["num_hidden_layers"]))
 

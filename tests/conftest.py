@@ -93,6 +93,13 @@ MORE_ARCHS = {
         decoder_sparse_step=2, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8)),
+    # gpt-oss (tests/test_gpt_oss.py): sliding (8 keys) and full layers alternating, attention sinks, 4 biased
+    # experts of 32 rows, 2 per token, a SwiGLU limit low enough to clamp, YaRN over a 64-token pre-training length
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, num_hidden_layers=3, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, swiglu_limit=1.0, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
 }
 
 

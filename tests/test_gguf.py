@@ -295,7 +295,7 @@ def test_unsupported_architecture(tmp_path) -> None:
     path = str(tmp_path / "gpt2.gguf")
     _write_tiny(path, arch="gpt2")
     _assert_load_error(path, r"unsupported architecture 'gpt2' \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
-                             r"qwen3moe\)")
+                             r"qwen3moe, gpt-oss\)")
 
 
 def test_unsupported_tensor_type(tmp_path) -> None:

@@ -22,10 +22,11 @@ def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: to
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   context_len: int, *, sliding_window: int | None = None,
-                  logits_soft_cap: float | None = None) -> torch.Tensor:
+                  logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 attention of queries [Q, Hq, D] at positions context_len.. over keys [S, Hk, D],
     each query at p seeing keys j with p - sliding_window < j <= p (no lower bound without a
-    window); scores capped to cap * tanh(s / cap) with `logits_soft_cap`."""
+    window); scores capped to cap * tanh(s / cap) with `logits_soft_cap`; `sinks` [Hq]: one more
+    logit per head in each row's softmax, whose probability is dropped (it has no value)."""
     group = q.shape[1] // k.shape[1]
     qf = q.float().transpose(0, 1)                                 # [Hq, Q, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
@@ -39,4 +40,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if sliding_window is not None:
         visible &= k_pos > q_pos[:, None] - sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
-    return (scores.softmax(-1) @ vf).transpose(0, 1)               # [Q, Hq, D]
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return (probs @ vf).transpose(0, 1)                            # [Q, Hq, D]

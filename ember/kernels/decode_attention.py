@@ -28,9 +28,11 @@ from ember.kernels.attention_ref import attention_ref, gather_context
 from ember.kernels.paged import (
     attend_tile,
     check_paged_args,
+    check_sinks,
     check_window_args,
     dot_precision,
     head_scales,
+    init_softmax,
     kernel_scales,
     kv_dot_dtype,
     num_sms,
@@ -48,7 +50,7 @@ _WAVES = 2
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     qk_scale, k_scale, v_scale, cap, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -57,7 +59,7 @@ def _decode_kernel(
     group, head_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr, HEAD_SCALES: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr, HEAD_SCALES: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -83,8 +85,8 @@ def _decode_kernel(
     start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    # the sink joins the first split's partial result only, so the merge counts it once
+    m_i, l_i = init_softmax(sinks_ptr, q_heads, row_mask, split == 0, GROUP_PAD, HAS_SINKS)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # The query sits at position seq_len - 1, so the causal mask reduces to the split's end.
@@ -150,10 +152,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            max_seq_len: int | None = None, *, k_scale: KVScale = 1.0,
                            v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None) -> torch.Tensor:
+                           logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] attends to its sequence's `seq_lens[b]` cached tokens -> out [B, Hq, D]; with
     `sliding_window` only to the last that many, and with `logits_soft_cap` its scaled scores s
-    become cap * tanh(s / cap) first (Gemma 2), both as in HF transformers.
+    become cap * tanh(s / cap) first (Gemma 2), both as in HF transformers. `sinks` (float32 [Hq],
+    gpt-oss) adds exp(sinks[h]) to every softmax denominator of head h.
 
     An fp8 cache's keys read as float(stored) * k_scale and its values as float(stored) * v_scale
     (host floats for the layer, or float32 tensors [Hk] of one scale per KV head; other caches need
@@ -169,6 +172,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_args(q, k_cache, v_cache, k_scale, v_scale)
     check_window_args(sliding_window, logits_soft_cap)
+    check_sinks(sinks, num_heads)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -187,7 +191,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = triton.next_power_of_2(head_dim)
     qk_scale, cap, k_scale, v_scale, per_head = kernel_scales(scale, k_scale, v_scale, logits_soft_cap)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
+        q, k_cache, v_cache, block_tables, seq_lens, q if sinks is None else sinks,
         out, part_acc, part_max, part_sum,
         qk_scale, k_scale, v_scale, cap, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -198,6 +202,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
         WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None, HEAD_SCALES=per_head,
+        HAS_SINKS=sinks is not None,
         DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
@@ -216,12 +221,12 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                out: torch.Tensor | None = None, num_splits: int | None = None,
                                max_seq_len: int | None = None, *, k_scale: KVScale = 1.0,
                                v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                               logits_soft_cap: float | None = None) -> torch.Tensor:
+                               logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
         k, v = gather_context(k_cache, v_cache, block_tables[b], int(seq_lens[b]), k_scale=k_scale, v_scale=v_scale)
         outs.append(attention_ref(q[b:b + 1], k, v, scale, context_len=int(seq_lens[b]) - 1,
-                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap))
+                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks))
     result = torch.cat(outs).to(q.dtype)
     if out is not None:
         out.copy_(result)

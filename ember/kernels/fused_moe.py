@@ -66,10 +66,10 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, num_groups, stride_
 
 @triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
 def _grouped_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, route_w_ptr, sorted_ptr, expert_ids_ptr, total_ptr,
-    num_slots, N, K, num_groups, num_m_blocks,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_om,
-    SLOTS_PER_ROW: tl.constexpr, GATED: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, route_w_ptr, sorted_ptr, expert_ids_ptr, total_ptr, bias_ptr,
+    num_slots, N, K, num_groups, num_m_blocks, alpha, limit,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_om, stride_be,
+    SLOTS_PER_ROW: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
     UNIFORM_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -77,7 +77,10 @@ def _grouped_gemm_kernel(
 ):
     """out[s, n] for one block of sorted slots and one N tile. x row of slot s: s // SLOTS_PER_ROW
     (top_k for gate_up, whose x is the tokens' hidden states; 1 for down). GATED: weight rows n and
-    N + n are gate and up, out = silu(gate) * up; else out = topk_weight[s] * (x @ w.T)."""
+    N + n are gate and up, out = silu(gate) * up; else out = topk_weight[s] * (x @ w.T).
+    HAS_BIAS adds the expert's bias row (gate's then up's, or down's) to the products first; SWIGLU
+    replaces silu(gate) * up by gpt-oss's (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g =
+    min(gate, limit). Both are constexpr: without them the kernel is the one compiled before them."""
     pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -102,8 +105,17 @@ def _grouped_gemm_kernel(
             w_up = _weight_tile(w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k0, K, num_groups,
                                 stride_wn, stride_sn, stride_zn, QUANT, GROUP, INT4, HAS_ZEROS, UNIFORM_GROUP, BLOCK_K)
             acc_up = tl.dot(x, tl.trans(w_up.to(DOT_DTYPE)), acc_up, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_be
+        acc += tl.load(bias_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if SWIGLU:
+            gate = tl.minimum(acc, limit)
+            acc = (tl.minimum(tl.maximum(acc_up, -limit), limit) + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     else:
         acc = acc * tl.load(route_w_ptr + slots, mask=m_mask, other=0.0)[:, None]
     out = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -182,10 +194,12 @@ def _check(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.
 
 
 def grouped_gemm(x: torch.Tensor, w: Experts, out: torch.Tensor, align: MoeAlignment, tiles: GemmTiles,
-                 slots_per_row: int, route_weights: torch.Tensor | None = None) -> None:
-    """out[s] for every sorted slot s: silu-and-mul of the gate and up halves of w (route_weights
-    None), else route_weights[s] times the product."""
+                 slots_per_row: int, route_weights: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 swiglu: tuple[float, float] | None = None) -> None:
+    """out[s] for every sorted slot s: silu-and-mul (or `swiglu`) of the gate and up halves of w
+    (route_weights None), else route_weights[s] times the product; `bias` [E, N] joins the product."""
     op = _operand(w)
+    alpha, limit = swiglu or (0.0, 0.0)
     gated = route_weights is None
     n = out.shape[1]
     k = x.shape[1]
@@ -194,11 +208,11 @@ def grouped_gemm(x: torch.Tensor, w: Experts, out: torch.Tensor, align: MoeAlign
     grid = (num_m_blocks * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
         x, op.w, op.scales, op.zeros, out, out if gated else route_weights,
-        align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
-        num_slots, n, k, op.num_groups, num_m_blocks,
+        align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, out if bias is None else bias,
+        num_slots, n, k, op.num_groups, num_m_blocks, alpha, limit,
         x.stride(0), op.w.stride(0), op.w.stride(1), op.scales.stride(0), op.scales.stride(1),
-        op.zeros.stride(0), op.zeros.stride(1), out.stride(0),
-        SLOTS_PER_ROW=slots_per_row, GATED=gated,
+        op.zeros.stride(0), op.zeros.stride(1), out.stride(0), 0 if bias is None else bias.stride(0),
+        SLOTS_PER_ROW=slots_per_row, GATED=gated, HAS_BIAS=bias is not None, SWIGLU=swiglu is not None,
         QUANT=op.quant, GROUP=op.group, INT4=op.int4, HAS_ZEROS=op.has_zeros,
         UNIFORM_GROUP=op.group % tiles.block_k == 0 or op.group >= k,
         BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=_GROUP_M,
@@ -225,13 +239,17 @@ def moe_config_for(hidden: torch.Tensor, w13: Experts, w2: Experts, top_k: int) 
 
 
 def fused_moe(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoeConfig | None = None, *, b13: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) -> [M, H] in hidden's dtype.
 
     w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]: dense or QuantizedExperts. `config`
     overrides the tuned table (for tuning and tests). The intermediate activations are rounded to
-    hidden's dtype, as the dense MLP rounds them; each token's k results are summed in fp32."""
+    hidden's dtype, as the dense MLP rounds them; each token's k results are summed in fp32.
+    gpt-oss: biases b13 [E, 2I] and b2 [E, H] (added before the routing weight), and `swiglu` =
+    (alpha, limit) for its clamped SwiGLU in place of silu(gate) * up."""
     e, inter = _check(hidden, w13, w2, topk_weights, topk_ids)
+    _check_biases(b13, b2, e, inter, hidden.shape[1])
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     if m == 0:
@@ -239,14 +257,21 @@ def fused_moe(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: tor
     cfg = config or moe_config_for(hidden, w13, w2, top_k)
     align = moe_align_block_size(topk_ids, e, cfg.block_m)
     act = torch.empty(m * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    grouped_gemm(hidden, w13, act, align, cfg.gate_up, top_k)
+    grouped_gemm(hidden, w13, act, align, cfg.gate_up, top_k, bias=b13, swiglu=swiglu)
     y = torch.empty(m * top_k, h, dtype=hidden.dtype, device=hidden.device)
-    grouped_gemm(act, w2, y, align, cfg.down, 1, topk_weights.contiguous().view(-1))
+    grouped_gemm(act, w2, y, align, cfg.down, 1, topk_weights.contiguous().view(-1), bias=b2)
     return sum_topk(y, top_k)
 
 
+def _check_biases(b13: torch.Tensor | None, b2: torch.Tensor | None, e: int, inter: int, h: int) -> None:
+    for name, b, shape in (("b13", b13, (e, 2 * inter)), ("b2", b2, (e, h))):
+        if b is not None and (tuple(b.shape) != shape or b.stride(1) != 1):
+            raise ValueError(f"{name} must be {shape} with a contiguous last dim, got {tuple(b.shape)}")
+
+
 def fused_moe_ref(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """The same MoE in float32 torch, one expert at a time over the tokens routed to it."""
     dense13 = dequantize_experts(w13) if isinstance(w13, QuantizedExperts) else w13.float()
     dense2 = dequantize_experts(w2) if isinstance(w2, QuantizedExperts) else w2.float()
@@ -254,7 +279,14 @@ def fused_moe_ref(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights:
     out = torch.zeros_like(x)
     for e in range(dense13.shape[0]):
         tokens, j = (topk_ids == e).nonzero(as_tuple=True)
-        gate, up = (x[tokens] @ dense13[e].T).chunk(2, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up) @ dense2[e].T
+        gate_up = x[tokens] @ dense13[e].T + (0.0 if b13 is None else b13[e].float())
+        gate, up = gate_up.chunk(2, dim=-1)
+        if swiglu is None:
+            act = torch.nn.functional.silu(gate) * up
+        else:
+            alpha, limit = swiglu
+            gate = gate.clamp(max=limit)
+            act = (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
+        y = act @ dense2[e].T + (0.0 if b2 is None else b2[e].float())
         out.index_add_(0, tokens, y * topk_weights[tokens, j, None])
     return out.to(hidden.dtype)

@@ -77,6 +77,27 @@ def head_scales(qk_scale, k_scale, v_scale, kv_head, HEAD_SCALES: tl.constexpr):
     return qk, vs
 
 
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be a contiguous float32 tensor [{num_heads}] (one per query head), got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
+
+
+@triton.jit
+def init_softmax(sinks_ptr, heads, head_mask, start, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The online softmax's running max and denominator before any key: -inf and 0, or with sinks, in
+    the program that holds a row's first keys (`start`), the head's sink logit in log2 units and its
+    exp2(0) = 1: the sink joins the denominator without adding to the accumulator. Padding rows (never
+    stored) read a sink of 0."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m = tl.where(start, sink, m)
+        l = tl.where(start, 1.0, l)
+    return m, l
+
+
 @functools.cache
 def num_sms(device: torch.device) -> int:
     """The GPU's SM count, which the decode-attention split and split-K aim to fill; off CUDA (the

@@ -29,9 +29,11 @@ from ember.kernels.attention_ref import attention_ref, gather_context
 from ember.kernels.paged import (
     attend_tile,
     check_paged_args,
+    check_sinks,
     check_window_args,
     dot_precision,
     head_scales,
+    init_softmax,
     kernel_scales,
     kv_dot_dtype,
 )
@@ -42,14 +44,14 @@ _NUM_STAGES = 3
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr, out_ptr,
     qk_scale, k_scale, v_scale, cap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, head_dim,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr, HEAD_SCALES: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr, HEAD_SCALES: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -77,8 +79,7 @@ def _prefill_kernel(
                 mask=io_mask, other=0.0).to(DOT_DTYPE)
     q_pos = context_len + q_idx
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = init_softmax(sinks_ptr, heads, row_mask, True, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Every row sees positions <= context_len + first_q, so whole tiles up to there skip the causal
@@ -141,11 +142,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                             out: torch.Tensor | None = None, *, k_scale: KVScale = 1.0,
                             v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                            logits_soft_cap: float | None = None) -> torch.Tensor:
+                            logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] holds each sequence's chunk at positions seq_lens[b] - q_len .. seq_lens[b] - 1;
     each query attends causally over its whole cached context (with `sliding_window`, over its last
     that many positions, itself included) -> out [T, Hq, D]; `logits_soft_cap` caps the scaled
-    scores s to cap * tanh(s / cap) first (Gemma 2).
+    scores s to cap * tanh(s / cap) first (Gemma 2); `sinks` (float32 [Hq], gpt-oss) adds exp(sinks[h])
+    to every softmax denominator of head h.
 
     The chunk's own keys and values must already be in the cache. `max_query_len` is a host int
     (the scheduler knows it) that sizes the grid; blocks past a sequence's chunk exit at once.
@@ -157,6 +159,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_paged_args(q, k_cache, v_cache, k_scale, v_scale)
     check_window_args(sliding_window, logits_soft_cap)
+    check_sinks(sinks, num_heads)
     if out is None:
         out = torch.empty_like(q)
     batch = seq_lens.shape[0]
@@ -170,7 +173,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_d = triton.next_power_of_2(head_dim)
     block_n, num_stages = _tiling(block_m, q.dtype, block_d)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q if sinks is None else sinks, out,
         qk_scale, k_scale, v_scale, cap, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -179,6 +182,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d,
         WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None, HEAD_SCALES=per_head,
+        HAS_SINKS=sinks is not None,
         DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4, num_stages=num_stages,
     )
@@ -190,7 +194,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                                 out: torch.Tensor | None = None, *, k_scale: KVScale = 1.0,
                                 v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                                logits_soft_cap: float | None = None) -> torch.Tensor:
+                                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     result = torch.empty_like(q) if out is None else out
     for b in range(seq_lens.shape[0]):
         start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
@@ -198,5 +202,6 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             continue
         k, v = gather_context(k_cache, v_cache, block_tables[b], seq_len, k_scale=k_scale, v_scale=v_scale)
         result[start:end] = attention_ref(q[start:end], k, v, scale, context_len=seq_len - (end - start),
-                                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                          sinks=sinks)
     return result

@@ -43,6 +43,15 @@ class AttentionMetadata:
                                                                                          repr=False)
 
 
+@dataclass(frozen=True)
+class Masking:
+    """A layer's departures from plain causal softmax attention (see `paged_attention`)."""
+
+    window: int | None = None
+    soft_cap: float | None = None
+    sinks: torch.Tensor | None = None
+
+
 def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
     """index_copy_ has no CPU kernel for fp8, so fp8 caches are written through their raw bytes."""
     if cache.dtype == FP8_DTYPE:
@@ -66,41 +75,45 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *, k_scale: KVScale = 1.0,
                     v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+                    logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Keys/values for the new tokens must already be stored; fp8
     caches are read through their scales (see `dequantize_kv`).
 
     sliding_window: a query at position p sees only keys j with p - sliding_window < j <= p.
-    logits_soft_cap: scaled scores s become cap * tanh(s / cap) before masking and softmax (Gemma 2)."""
+    logits_soft_cap: scaled scores s become cap * tanh(s / cap) before masking and softmax (Gemma 2).
+    sinks: float32 [Hq], one logit per query head that joins every softmax denominator without a value
+    (gpt-oss): out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))."""
+    masking = Masking(sliding_window, logits_soft_cap, sinks)
     if use_triton(q):
         out = torch.empty_like(q)
-        _triton_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale, sliding_window, logits_soft_cap)
+        _triton_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale, masking)
         return out
     check_kv_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
     if meta.num_decodes == q.shape[0]:  # one-token queries only: their SDPA output is the result, no copy
-        return _torch_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window, logits_soft_cap)
+        return _torch_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, masking)
     out = torch.empty_like(q)
-    _torch_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale, sliding_window, logits_soft_cap)
+    _torch_attention(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale, masking)
     return out
 
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, k_scale: KVScale, v_scale: KVScale,
-                      sliding_window: int | None, logits_soft_cap: float | None) -> None:
-    """Each layer passes its own window and cap, constant from step to step, so one captured CUDA
-    graph replays every layer's kernels with the right ones."""
+                      masking: Masking) -> None:
+    """Each layer passes its own window, cap and sinks (a tensor the kernels read on the device),
+    constant from step to step, so one captured CUDA graph replays every layer's kernels with the
+    right ones."""
     from ember.kernels import paged_decode_attention, paged_prefill_attention
 
     nd = meta.num_decodes
-    masking = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": sliding_window,
-               "logits_soft_cap": logits_soft_cap}
+    kwargs = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": masking.window,
+              "logits_soft_cap": masking.soft_cap, "sinks": masking.sinks}
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                               out=out[:nd], max_seq_len=meta.max_seq_len, **masking)
+                               out=out[:nd], max_seq_len=meta.max_seq_len, **kwargs)
     if meta.max_query_len:
         # Prefill rows index the full q/out through their own query_start_loc entries.
         paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                                meta.query_start_loc[nd:], meta.max_query_len, scale, out=out, **masking)
+                                meta.query_start_loc[nd:], meta.max_query_len, scale, out=out, **kwargs)
 
 
 def _first_block(first_query_pos: int, window: int | None, block_size: int) -> int:
@@ -140,33 +153,41 @@ def _decode_plan(meta: AttentionMetadata, block_size: int,
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            soft_cap: float | None, causal: bool = False) -> torch.Tensor:
+            masking: Masking, causal: bool = False) -> torch.Tensor:
     """q [B, Hq, Q, D], k/v [B, Hk, S, D], mask broadcastable to [B, 1, Q, S] (True: visible).
 
-    SDPA has no soft cap, so a capped layer takes the explicit path, ordered as transformers' eager
-    attention: scores, scale, cap, mask, softmax in float32."""
-    if soft_cap is None:
+    SDPA has neither soft cap nor sinks, so such a layer takes the explicit path, ordered as
+    transformers' eager attention: scores, scale, cap, mask, the sink column, softmax in float32."""
+    soft_cap, sinks = masking.soft_cap, masking.sinks
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=True)
     b, hq, nq, d = q.shape
     hk = k.shape[1]
     q5 = q.view(b, hk, hq // hk, nq, d)  # query heads grouped by their KV head
     scores = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     if causal:
         mask = torch.ones(nq, k.shape[2], dtype=torch.bool, device=q.device).tril_()[None, None]
     if mask is not None:
         scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink = sinks.to(scores.dtype).view(1, hk, hq // hk, 1, 1).expand(b, -1, -1, nq, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     return torch.matmul(probs, v.unsqueeze(2)).view(b, hq, nq, d)
 
 
 def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, k_scale: KVScale, v_scale: KVScale, window: int | None,
-                  soft_cap: float | None) -> torch.Tensor:
+                  scale: float, k_scale: KVScale, v_scale: KVScale, masking: Masking) -> torch.Tensor:
     """The one-token queries q [nd, Hq, D] -> [nd, Hq, D], in one SDPA call over their gathered blocks."""
     block_size = k_cache.shape[1]
     nd = meta.num_decodes
+    window = masking.window
     if window not in meta.cpu_decode:
         meta.cpu_decode[window] = _decode_plan(meta, block_size, window)
     ids, keys, mask = meta.cpu_decode[window]
@@ -174,19 +195,20 @@ def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # index_select on the flat block list: 1.6x (one sequence) to 12x (16) faster than k_cache[tables]
     k = dequantize_kv(k_cache.index_select(0, ids).view(shape)[:, :keys], k_scale, q.dtype).transpose(1, 2)
     v = dequantize_kv(v_cache.index_select(0, ids).view(shape)[:, :keys], v_scale, q.dtype).transpose(1, 2)
-    return _attend(q.unsqueeze(2), k, v, mask, scale, soft_cap).squeeze(2)
+    return _attend(q.unsqueeze(2), k, v, mask, scale, masking).squeeze(2)
 
 
 def _torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, out: torch.Tensor, k_scale: KVScale, v_scale: KVScale,
-                     window: int | None = None, soft_cap: float | None = None) -> None:
+                     masking: Masking) -> None:
     """fp8 caches are dequantized to q's dtype block by block as they are gathered, never whole. With a
     window, a sequence's blocks wholly before it are not gathered (a 4096-key window on a 32k context
     reads an eighth of the keys)."""
     block_size = k_cache.shape[1]
     nd = meta.num_decodes
+    window = masking.window
     if nd:
-        out[:nd] = _torch_decode(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale, window, soft_cap)
+        out[:nd] = _torch_decode(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale, masking)
     for i in range(nd, len(meta.seq_lens_host)):
         start, end = meta.query_start_host[i], meta.query_start_host[i + 1]
         q_len, seq_len = end - start, meta.seq_lens_host[i]
@@ -201,12 +223,12 @@ def _torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         qc = q[start:end].transpose(0, 1)[None]  # [1, Hq, Q, D]
         k, v = k[None], v[None]
         if ctx == 0 and window is None:
-            o = _attend(qc, k, v, None, scale, soft_cap, causal=True)
+            o = _attend(qc, k, v, None, scale, masking, causal=True)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + ctx
             pos = torch.arange(keys, device=q.device)[None, :] + first * block_size
             mask = pos <= rows
             if window is not None:
                 mask &= pos > rows - window
-            o = _attend(qc, k, v, mask[None, None], scale, soft_cap)
+            o = _attend(qc, k, v, mask[None, None], scale, masking)
         out[start:end] = o[0].transpose(0, 1)

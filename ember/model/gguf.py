@@ -41,7 +41,7 @@ logger = logging.getLogger("ember")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
 
 _GLOBAL_TENSORS = {
@@ -67,8 +67,11 @@ _LAYER_TENSORS = {
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
                         "post_attention_norm": "post_attention_layernorm",
                         "post_ffw_norm": "post_feedforward_layernorm"}
-# Where an architecture's tensor differs from the table above: Phi-3's ffn_up holds gate and up stacked.
-_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Where an architecture's tensor differs from the table above: Phi-3's ffn_up holds gate and up stacked;
+# gpt-oss's norm before the MLP is post_attention_norm, and its attention sinks are one vector per layer.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
+                       "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}}
+_UNSUFFIXED = {"self_attn.sinks"}  # HF names without .weight
 # Files with `{arch}.expert_count` (qwen3moe; llama: Mixtral): the router and each projection stacked over
 # experts (3-D, ember/model/moe.py).
 _MOE_LAYER_TENSORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
@@ -95,7 +98,8 @@ def _hf_tensor_name(name: str, arch: str, experts: bool) -> str | None:
     match = _LAYER_TENSOR_RE.fullmatch(name)
     if match is None or match[2] not in layer_tensors:
         return None
-    return f"model.layers.{match[1]}.{layer_tensors[match[2]]}.{match[3]}"
+    hf = layer_tensors[match[2]]
+    return f"model.layers.{match[1]}.{hf}" + ("" if hf in _UNSUFFIXED else f".{match[3]}")
 
 
 def _unshift_norm(w: np.ndarray) -> np.ndarray:
@@ -163,7 +167,7 @@ class GGUFModel:
                 # cost 1.8 s of the default model's 2.2 s load on a busy machine).
                 data, n_head = _unpermute(data.reshape(shape[0], -1), n_head), None
             if keep_quantized and _keeps_quantized(tensor):
-                weight = _quantized(data, tensor.tensor_type, shape)
+                weight = quantized_tensor(data, tensor.tensor_type, shape)
             else:
                 weight = dequantize(data, tensor.tensor_type, shape)
             if n_head is not None:
@@ -203,7 +207,7 @@ def _keeps_quantized(tensor: GGUFTensor) -> bool:
     return len(_numpy_shape(tensor)) == (3 if tensor.name.endswith("_exps.weight") else 2)
 
 
-def _quantized(data: np.ndarray, qtype, shape: tuple[int, ...]) -> QuantizedWeight | QuantizedExperts:
+def quantized_tensor(data: np.ndarray, qtype, shape: tuple[int, ...]) -> QuantizedWeight | QuantizedExperts:
     """A matrix's QuantizedWeight; stacked experts [E, N, K] as the rows of one [E * N, K] matrix, which
     every block type stores exactly as it stores E matrices one after another."""
     if len(shape) == 2:
@@ -296,6 +300,9 @@ def _moe_config(meta: GGUFMetadata, arch: str, tensor_names: set[str]) -> dict:
     top_k = meta.require(f"{arch}.expert_used_count")
     if arch == "llama":  # Mixtral, whose feed_forward_length is one expert's
         return {"architectures": ["MixtralForCausalLM"], "num_local_experts": experts, "num_experts_per_tok": top_k}
+    if arch == "gpt-oss":  # every layer sparse; transformers' intermediate_size is one expert's
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k,
+                "intermediate_size": meta.require(f"{arch}.expert_feed_forward_length")}
     layers = meta.require(f"{arch}.block_count")
     return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
             "moe_intermediate_size": meta.require(f"{arch}.expert_feed_forward_length"),
@@ -316,6 +323,10 @@ def _sliding_window_config(meta: GGUFMetadata, arch: str) -> dict:
     window = meta.get(f"{arch}.attention.sliding_window")
     if arch == "phi3":  # _phi3_config reads its window
         return {}
+    if arch == "gpt-oss":  # llama.cpp's fixed pattern: even layers slide, odd ones are global
+        layers = meta.require(f"{arch}.block_count")
+        return {"sliding_window": window,
+                "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]}
     if arch not in _GEMMA:
         return {} if window is None else {"architectures": ["MistralForCausalLM"], "sliding_window": window}
     hidden = meta.require(f"{arch}.embedding_length")
@@ -369,5 +380,8 @@ def _rope_scaling(meta: GGUFMetadata, arch: str) -> dict | None:
             "original_max_position_embeddings": meta.require(
                 f"{arch}.rope.scaling.original_context_length"
             ),
+            # gpt-oss's config.json (which the file does not carry) turns truncation off; transformers'
+            # default, and so other models', is on
+            "truncate": arch != "gpt-oss",
         }
     raise ModelLoadError(meta.path, f"unsupported rope scaling type {kind!r}")

@@ -85,6 +85,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         return inv_freq / float(scaling["factor"])
     if rope_type == "longrope":
         return _longrope_inv_freq(head_dim, theta, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -99,7 +101,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} (supported: default, linear, llama3, "
-                     "longrope)")
+                     "longrope, yarn)")
 
 
 def _longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -110,6 +112,28 @@ def _longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -
     if ext.numel() != rotary_dim // 2:
         raise ValueError(f"rope_scaling: {which} has {ext.numel()} values, expected rotary_dim / 2 = {rotary_dim // 2}")
     return 1.0 / (ext * theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
+def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (gpt-oss): frequencies rotating fewer than beta_slow times over the pre-training length are
+    interpolated (divided by factor), those rotating more than beta_fast times kept, a linear ramp
+    between; transformers' `_compute_yarn_parameters` operation for operation, so the float32 table is
+    its table. `scaling` comes resolved by ember.config (every default filled in)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    extrapolation = 1 - ramp
+    return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
 class RotaryEmbedding(nn.Module):
@@ -130,8 +154,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inv_freq(self.rotary_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        # LongRoPE scales cos and sin (so each attention logit) by its attention_factor, as HF does.
-        scale = float(scaling["attention_factor"]) if (scaling or {}).get("rope_type") == "longrope" else 1.0
+        # LongRoPE and YaRN scale cos and sin (so each attention logit) by their attention_factor, as HF does.
+        scale = float(scaling["attention_factor"]) if (scaling or {}).get("rope_type") in ("longrope", "yarn") else 1.0
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
         half = self.rotary_dim // 2

@@ -20,6 +20,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from ember.model import gpt_oss
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
 from ember.model.errors import ModelLoadError
 from ember.model.layers import Embedding, GemmaRMSNorm, RMSNorm, RotaryEmbedding
@@ -47,7 +48,10 @@ class Attention(nn.Module):
         self.sliding_window = cfg.layer_window(layer)
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # a row-parallel bias is added once: rank 0 holds it, the others zeros (see ShardLayout.summed_once)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # gpt-oss: this rank's heads' sink logits, float32 whatever the model dtype (the kernels' operand)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if cfg.attention_sinks else None
         self.q_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.rotary = rotary
@@ -69,7 +73,7 @@ class Attention(nn.Module):
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale,
                             v_scale=self.v_scale, sliding_window=self.sliding_window,
-                            logits_soft_cap=self.logits_soft_cap)
+                            logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
@@ -253,6 +257,8 @@ class CausalLM(nn.Module):
         params = {name: p for name, p in self.named_parameters() if not FusedExperts.owns(name)}
         filled: dict[str, int] = {}
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
+        if self.config.architecture == gpt_oss.ARCHITECTURE:
+            weights = gpt_oss.checkpoint_tensors(weights, source)
         for name, tensor in self._unstacked(weights, source):
             if self.config.architecture == "Gemma3ForConditionalGeneration":
                 name = _language_model_name(name)
@@ -264,6 +270,8 @@ class CausalLM(nn.Module):
                 self._experts_of(name, source).load(name, tensor, source)
                 continue
             tensor = read_shard(tensor, self.layout.shard(name))
+            if self.layout.rank and ShardLayout.summed_once(name):
+                tensor = torch.zeros_like(tensor)
             target, offset, size, shard = name, 0, None, 0
             for ckpt, (fused, index) in _FUSED.items():
                 if f".{ckpt}." in name:

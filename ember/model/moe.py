@@ -1,7 +1,9 @@
-"""The mixture-of-experts MLP of Qwen3-MoE and Mixtral: a router and E gated experts in two tensors.
+"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral and gpt-oss: a router and E gated experts in two tensors.
 
 Each token's MLP output is the sum over its top-k experts (by a softmax over all of them, the
 top-k weights renormalised to sum to one where the model says so) of weight * down(silu(gate) * up).
+gpt-oss adds biases to the router and to each expert's gate/up and down, and replaces silu(gate) * up
+by its clamped SwiGLU (`gated_activation`).
 
 Every expert of a layer lives in one of two stacked tensors, the fused MoE kernels' operands
 (ember/kernels/fused_moe.py): `w13` [E, 2I, H] holds each expert's gate rows then its up rows, `w2`
@@ -34,6 +36,7 @@ _EXPERTS = ".mlp.experts."
 _MIXTRAL_NAMES = {".block_sparse_moe.gate.": ".mlp.gate.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
                   ".w2.": ".down_proj."}
 _PARTS = ("gate", "up", "down")
+_BIASES = ("gate_bias", "up_bias", "down_bias")
 
 
 def moe_tensor_name(name: str) -> str:
@@ -55,12 +58,13 @@ def make_mlp(cfg: ModelConfig, layout: ShardLayout, layer: int) -> nn.Module:
 class Router(nn.Module):
     """Not an nn.Linear, so `--quantization` leaves it whole: routing decides which experts run at all."""
 
-    def __init__(self, num_experts: int, hidden_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight).float()
+        return F.linear(x, self.weight, self.bias).float()
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +82,8 @@ class SparseMoeBlock(nn.Module):
         moe = cfg.moe
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
-        self.gate = Router(moe.num_experts, cfg.hidden_size)
-        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, layout, layer)
+        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.bias)
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, layout, layer, moe.bias, moe.swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the experts' outputs, [M, H] in x's dtype."""
@@ -88,7 +92,9 @@ class SparseMoeBlock(nn.Module):
             from ember.kernels import fused_moe, moe_route
 
             weights, ids = moe_route(logits, self.top_k, self.renormalize)
-            return fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+            experts = self.experts
+            return fused_moe(x, experts.w13, experts.w2, weights, ids, b13=experts.b13, b2=experts.b2,
+                             swiglu=experts.swiglu)
         return self.experts(x, *route(logits, self.top_k, self.renormalize))
 
 
@@ -96,10 +102,20 @@ def _expert(w: torch.Tensor | QuantizedExperts, e: int, dtype: torch.dtype) -> t
     return w[e] if isinstance(w, torch.Tensor) else dequantize(w.expert(e), dtype)
 
 
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, swiglu: tuple[float, float] | None) -> torch.Tensor:
+    """silu(gate) * up, or gpt-oss's clamped SwiGLU in transformers' order of operations."""
+    if swiglu is None:
+        return F.silu(gate) * up
+    alpha, limit = swiglu
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class FusedExperts(nn.Module):
     """Every expert of one layer (this rank's slice of each), and the PyTorch path over them."""
 
-    def __init__(self, num_experts: int, hidden_size: int, layout: ShardLayout, layer: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, layout: ShardLayout, layer: int, bias: bool = False,
+                 swiglu: tuple[float, float] | None = None) -> None:
         super().__init__()
         inter = layout.moe_intermediate_size
         self.num_experts = num_experts
@@ -107,6 +123,12 @@ class FusedExperts(nn.Module):
         self.inter = inter
         self.start = layout.rank * inter  # this rank's first intermediate row of each expert
         self.split = layout.size > 1
+        self.rank = layout.rank
+        self.swiglu = swiglu
+        # gpt-oss's biases: b13 [E, 2I] beside w13's rows; b2 [E, H] is added by rank 0 only (the ranks'
+        # outputs are summed), the others hold zeros
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         # The dense experts are allocated only when something is written to them (`materialize`): a GGUF
         # file's quantized experts replace them unwritten, and Qwen3-30B-A3B's would take 58 GB beside its
         # 17 GB of Q4_K experts. The device is the one the model is built on (under torch.device(...)).
@@ -115,7 +137,7 @@ class FusedExperts(nn.Module):
             torch.empty(num_experts, 2 * inter, hidden_size, device="meta"))
         self.w2: torch.Tensor | QuantizedExperts = nn.Parameter(torch.empty(num_experts, hidden_size, inter,
                                                                             device="meta"))
-        self._filled: dict[str, set[int]] = {part: set() for part in _PARTS}
+        self._filled: dict[str, set[int]] = {part: set() for part in _PARTS + (_BIASES if bias else ())}
         self._quantized: dict[str, QuantizedExperts] = {}
 
     def materialize(self) -> None:
@@ -150,8 +172,10 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            gate, up = F.linear(x[tokens[rows]], _expert(self.w13, e, x.dtype)).chunk(2, dim=-1)
-            results[rows] = F.linear(F.silu(gate) * up, _expert(self.w2, e, x.dtype)) * scales[rows]
+            b13, b2 = (None, None) if self.b13 is None else (self.b13[e], self.b2[e])
+            gate, up = F.linear(x[tokens[rows]], _expert(self.w13, e, x.dtype), b13).chunk(2, dim=-1)
+            act = gated_activation(gate, up, self.swiglu)
+            results[rows] = F.linear(act, _expert(self.w2, e, x.dtype), b2) * scales[rows]
             start += n
         per_token = torch.empty_like(results)
         per_token[order] = results
@@ -166,6 +190,9 @@ class FusedExperts(nn.Module):
     def load(self, name: str, tensor, source: str) -> None:
         """One checkpoint tensor of these experts: one expert's gate, up or down projection, the same
         stacked over experts (3-D; GGUF's may be quantized), or transformers' stacked gate_up."""
+        if name.endswith(".bias"):
+            self._load_bias(name, tensor, source)
+            return
         key = name[name.index(_EXPERTS) + len(_EXPERTS):].removesuffix(".weight").split(".")
         expert = int(key[0]) if len(key) == 2 and key[0].isdigit() else None
         proj = key[-1]
@@ -180,6 +207,24 @@ class FusedExperts(nn.Module):
         dim = (1 if part == "down" else 0) + (1 if expert is None and not isinstance(tensor, QuantizedExperts) else 0)
         self._load_part(name, part, expert, read_shard(tensor, (dim, self.start, self.inter) if self.split else None),
                         source)
+
+    def _load_bias(self, name: str, tensor, source: str) -> None:
+        """Every expert's bias of one projection, stacked: [E, I] for gate and up, [E, H] for down."""
+        part = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}.get(name.split(".")[-2])
+        if self.b13 is None or part is None or not name.endswith(f"{_EXPERTS}{name.split('.')[-2]}.bias"):
+            raise ModelLoadError(source, f"unexpected tensor {name!r}")
+        if part == "down":
+            dest = self.b2.data
+            tensor = read_shard(tensor, None)
+            if self.rank:
+                tensor = torch.zeros_like(tensor)
+        else:
+            dest = self.b13.data.narrow(1, 0 if part == "gate" else self.inter, self.inter)
+            tensor = read_shard(tensor, (1, self.start, self.inter) if self.split else None)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        self._filled[f"{part}_bias"].update(range(self.num_experts))
 
     def _load_part(self, name: str, part: str, expert: int | None, tensor, source: str) -> None:
         """Copy this rank's slice into place (rows of gate/up, columns of down), or keep it aside when quantized."""
@@ -207,7 +252,8 @@ class FusedExperts(nn.Module):
         for part, filled in self._filled.items():
             if len(filled) != self.num_experts:
                 missing = sorted(set(range(self.num_experts)) - filled)
-                raise ModelLoadError(source, f"checkpoint is missing the {part} projection of experts {missing} "
+                what = part.replace("_", " ") if part in _BIASES else f"{part} projection"
+                raise ModelLoadError(source, f"checkpoint is missing the {what} of experts {missing} "
                                              f"in layer {self.layer}")
         gate, up = self._quantized.get("gate"), self._quantized.get("up")
         if gate is not None and up is not None and same_format([gate.expert(0), up.expert(0)]):

@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",  # its language model; the vision tower is not loaded
     "Qwen3MoeForCausalLM",  # mixtures of experts: ember/model/moe.py
     "MixtralForCausalLM",
+    "GptOssForCausalLM",  # attention sinks, biased MoE with a clamped SwiGLU, MXFP4 experts: ember/model/gpt_oss.py
 )
 
 

@@ -74,8 +74,12 @@ class ShardLayout:
             return 0, self.rank * q, q
         if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             return 0, self.kv_head_start * self.head_dim, kv
+        if self.summed_once(name):
+            return None
         if ".self_attn.o_proj." in name:
             return 1, self.rank * q, q
+        if name.endswith(".self_attn.sinks"):
+            return 0, self.rank * self.num_heads, self.num_heads
         if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
             return 0, self.rank * inter, inter
         if ".mlp.down_proj." in name:
@@ -83,6 +87,12 @@ class ShardLayout:
         if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             return 0, self.vocab_start, self.vocab_rows
         return None
+
+    @staticmethod
+    def summed_once(name: str) -> bool:
+        """A row-parallel layer's bias (gpt-oss's o_proj): the ranks' outputs are summed, so only rank 0
+        adds it and the others hold zeros."""
+        return name.endswith(".self_attn.o_proj.bias")
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:

@@ -1,4 +1,4 @@
-"""Pre-quantized Hugging Face checkpoints (AWQ, GPTQ, compressed-tensors, fp8) read straight into
+"""Pre-quantized Hugging Face checkpoints (AWQ, GPTQ, compressed-tensors, fp8; gpt-oss's MXFP4 experts) read straight into
 Ember's QuantizedWeight, without re-quantizing: each format's dequantization maps exactly onto
 Ember's affine form (see packing.py), so the model computes with the file's own weights.
 
@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from ember.model.errors import ModelLoadError
-from ember.quant.checkpoints import awq, compressed_tensors, fp8, gptq
+from ember.quant.checkpoints import awq, compressed_tensors, fp8, gptq, mxfp4
 from ember.quant.checkpoints.base import CheckpointFormat, FormatReader
 from ember.quant.formats import FP8_DTYPE, QuantizedWeight
 
 READERS: dict[str, FormatReader] = {"awq": awq.read, "gptq": gptq.read, "compressed-tensors": compressed_tensors.read,
-                                    "fp8": fp8.read}
+                                    "fp8": fp8.read, "mxfp4": mxfp4.read}
 METHODS = tuple(READERS)
 
 
