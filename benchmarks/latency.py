@@ -24,6 +24,7 @@ if not __package__:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.step_profile import print_profile, profile_steps
 from ember import LLM, SamplingParams
 from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 
@@ -54,36 +55,19 @@ def measure(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, list[f
 
 
 def kernel_profile(llm: LLM, prompt: list[int], steps: int, weight_bytes: int) -> dict:
-    """Device time per decode step by kernel (CPU: by operator, self time) over `steps` steps of one
-    request; the prefill step runs before the profile starts."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Device time per decode step by kernel over `steps` steps of one request (the prefill step runs
+    before the profile starts), beside the step's roofline at the H200's 4.3 TB/s."""
     engine = llm.llm_engine
     device = torch.device(engine.ready.device)
     engine.add_request(None, {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
     engine.step()
-    on_gpu = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
-        while engine.has_unfinished_requests():
-            engine.step()
-        _sync(device)
-    events = [e for e in prof.key_averages() if (e.device_time_total if on_gpu else e.self_cpu_time_total) > 0]
-    spent = {e.key: (e.device_time_total if on_gpu else e.self_cpu_time_total) / steps for e in events}
-    calls = {e.key: e.count / steps for e in events}
-    top = sorted(spent, key=spent.get, reverse=True)[:20]
-    total = sum(spent.values())
-    return {"steps": steps, "device_us_per_step": round(total, 1),
-            "roofline_us_per_step_at_4_3_tb_s": round(weight_bytes / 4.3e6, 1) if on_gpu else None,
-            "kernels": [{"name": k[:160], "us_per_step": round(spent[k], 2), "calls_per_step": round(calls[k], 2),
-                         "share": round(spent[k] / total, 4)} for k in top]}
-
-
-def print_profile(p: dict) -> None:
-    print(f"kernel profile: {p['device_us_per_step']} us of device time per decode step "
-          f"(roofline {p['roofline_us_per_step_at_4_3_tb_s']} us)")
-    for k in p["kernels"][:12]:
-        print(f"{k['us_per_step']:>10.1f} us {100 * k['share']:>5.1f}% {k['calls_per_step']:>6.1f}x  {k['name'][:90]}")
+    result = profile_steps(engine.step, steps, device)
+    if device.type == "cuda":
+        result["roofline_us_per_step"] = round(weight_bytes / 4.3e6, 1)  # every weight read once: MoE reads fewer
+    while engine.has_unfinished_requests():
+        engine.step()
+    return result
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if not __package__:  # run as a script: make `benchmarks.common` and the test schemas importable
@@ -53,6 +54,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from schemas import SCHEMAS
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.step_profile import print_profile, profile_steps
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.config import EngineArgs
 from ember.engine.grammar import GrammarManager
@@ -195,6 +197,21 @@ def bench_throughput(llm: LLM, prompts: list[Any], max_tokens: int, repeats: int
         pair_s = time.monotonic() - start
 
 
+def profile_decode(llm: LLM, prompts: list[Any], params: list[SamplingParams], steps: int) -> dict[str, Any]:
+    """`steps` decode steps of the whole batch under the profiler, once every request has its first
+    token (prefill outside the window); the requests are then aborted."""
+    engine = llm.llm_engine
+    ids = [f"profile-{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, prompt, p)
+    started: set[str] = set()
+    while len(started) < len(ids) and engine.has_unfinished_requests():
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    result = profile_steps(engine.step, steps, torch.device(engine.ready.device))
+    engine.abort_request(ids)
+    return result
+
+
 def _summary(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     def median(values: Any) -> float:
         return round(statistics.median(values), 3)
@@ -213,8 +230,9 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def _engine(mode: str, tokenizer_dir: str, concurrency: int) -> tuple[EngineArgs, LLM]:
-    common = {"max_model_len": 2048, "max_num_seqs": concurrency, "enable_prefix_caching": False}
+def _engine(mode: str, tokenizer_dir: str, concurrency: int, in_process: bool) -> tuple[EngineArgs, LLM]:
+    common = {"max_model_len": 2048, "max_num_seqs": concurrency, "enable_prefix_caching": False,
+              **({"engine_process": False} if in_process else {})}
     if mode == "h200":
         kwargs = {"model": QWEN3_CONFIG, "load_format": "dummy", "tokenizer": tokenizer_dir, "device": "cuda",
                   "dtype": "bfloat16", **common}
@@ -274,6 +292,8 @@ def main() -> None:
     p.add_argument("--tokenizer", default=None,
                    help="h200 mode: an HF directory with tokenizer.json for the grammars (default: the default "
                         "model's vocabulary, written out)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="then profile this many decode steps of each kind by kernel (runs the engine in-process)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/structured-<mode>-<date>.json)")
     a = p.parse_args()
     h200 = a.mode == "h200"
@@ -298,11 +318,18 @@ def main() -> None:
             default = load_model_info(EngineArgs()).tokenizer
             default.tok.save(os.path.join(scratch, "tokenizer.json"))
             write_json(os.path.join(scratch, "tokenizer_config.json"), {"eos_token": default.eos_token})
-        args, llm = _engine(a.mode, tokenizer_dir, requests)
+        args, llm = _engine(a.mode, tokenizer_dir, requests, in_process=a.profile_steps > 0)
         vocab = llm.llm_engine.ready.vocab_size
         # The target first: under the time limit, a slow start leaves the shorter measurements out.
         results["throughput"] = {}
-        bench_throughput(llm, _prompts(a.mode, llm, requests), max_tokens, repeats, deadline, results["throughput"])
+        prompts = _prompts(a.mode, llm, requests)
+        bench_throughput(llm, prompts, max_tokens, repeats, deadline, results["throughput"])
+        if a.profile_steps:
+            results["profile"] = {
+                "json_schema": profile_decode(llm, prompts, _constrained(requests, max_tokens), a.profile_steps),
+                "unconstrained": profile_decode(llm, prompts, _free([max_tokens] * requests), a.profile_steps)}
+            for name, p in results["profile"].items():
+                print_profile(p, f"{name} decode steps")
         llm.llm_engine.shutdown()
         results["masks"] = bench_masks(args, vocab, counts, 3 if a.tiny else 32, deadline)
         results["compile"] = bench_compile(args, vocab, SCHEMAS[:3] if a.tiny else SCHEMAS)
