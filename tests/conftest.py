@@ -118,6 +118,16 @@ def write_gguf_and_twin(w, src: Path, twin: Path, decoded: dict) -> None:
     save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
 
 
+def assert_same_outputs(first: list, second: list, abs: float) -> None:
+    """Two runs' RequestOutputs: the same tokens, and logprobs (of the same candidates) within `abs`."""
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in la.items()} == pytest.approx({t: v.logprob for t, v in lb.items()},
+                                                                           abs=abs)
+
+
 def gguf_writer(path: Path, arch: str, cfg: dict):
     """A gguf.GGUFWriter holding the hyper-parameters every architecture's file carries, from config.json."""
     import gguf

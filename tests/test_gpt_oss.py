@@ -21,6 +21,7 @@ import torch
 from conftest import (
     DEVICE,
     add_bpe_vocab,
+    assert_same_outputs,
     gguf_writer,
     inproc_core,
     make_checkpoint,
@@ -343,11 +344,7 @@ def test_triton_path_matches_torch_path(checkpoint, mxfp4_pair, monkeypatch, mod
 
     torch_outs = run()
     monkeypatch.setattr(backend, "FORCE_TRITON", True)
-    for a, b in zip(torch_outs, run()):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in la.items()} == pytest.approx({t: v.logprob for t, v in lb.items()},
-                                                                           abs=1e-3)
+    assert_same_outputs(torch_outs, run(), abs=1e-3)
 
 
 def test_dummy_weights_run(checkpoint):

@@ -18,7 +18,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, add_bpe_vocab, gguf_writer, inproc_core, make_checkpoint, write_gguf_and_twin
+from conftest import (
+    DEVICE,
+    add_bpe_vocab,
+    assert_same_outputs,
+    gguf_writer,
+    inproc_core,
+    make_checkpoint,
+    write_gguf_and_twin,
+)
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
 from test_hf_equality import assert_output_matches, hf_references
@@ -400,8 +408,4 @@ def test_triton_path_matches_torch_path(moe_checkpoints, gguf_twins, monkeypatch
 
     torch_outs = run()
     monkeypatch.setattr(backend, "FORCE_TRITON", True)
-    for a, b in zip(torch_outs, run()):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in la.items()} == pytest.approx({t: v.logprob for t, v in lb.items()},
-                                                                           abs=1e-3)
+    assert_same_outputs(torch_outs, run(), abs=1e-3)
