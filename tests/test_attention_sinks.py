@@ -43,7 +43,7 @@ def sink_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tabl
     if window is not None:
         visible &= pos[None, :] > q_pos - window
     weights = scores.masked_fill(~visible, float("-inf")).exp()
-    denominator = weights.sum(-1, keepdim=True) + sinks.double().exp()[:, None, None]
+    denominator = weights.sum(-1, keepdim=True) + sinks.cpu().double().exp()[:, None, None]
     return torch.einsum("hqs,shd->qhd", weights / denominator, v)
 
 

@@ -8,8 +8,8 @@ block-scaled weights, K for per-channel ones) and writes its e4m3 codes, in one 
 scale group: each tile's fp32 product is scaled by its row's activation scale and its columns'
 weight scales before it joins the accumulator (the DeepSeek-V3 recipe), so the tile product runs
 on raw codes and the scales cost two vector loads per K tile. With few rows (decode) the M x N
-tiles alone cannot fill 132 SMs, so K is split across programs, whose fp32 partial products are
-then summed in a fixed order.
+tiles alone cannot fill 132 SMs, so K is split across programs, whose fp32 partial products the
+tile's last program sums in a fixed order (`ember.kernels.split_k`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ember.kernels.e4m3 import quantize_e4m3
 from ember.kernels.paged import num_sms
+from ember.kernels.split_k import MAX_TILES, sum_splits, tile_counters
 from ember.quant.formats import FP8_DTYPE, FP8_MAX, QuantizedWeight, dequantize
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -88,11 +89,11 @@ def quantize_fp8_groups(x: torch.Tensor, group_size: int,
 
 @triton.jit
 def _fp8_block_matmul_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, groups_per_split,
-    stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsg, stride_os, stride_om,
+    stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsg, stride_om,
     BLOCK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -118,8 +119,14 @@ def _fp8_block_matmul_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
-    out = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        acc, is_last = sum_splits(acc, part_ptr, count_ptr, offs_m, offs_n, out_mask, M, N)
+    else:
+        is_last = True
+    if is_last:
+        out = out_ptr + rows_a[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def choose_fp8_matmul_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> Fp8MatmulConfig:
@@ -152,19 +159,23 @@ def fp8_block_matmul(xq: torch.Tensor, x_scales: torch.Tensor, w: QuantizedWeigh
     groups = triton.cdiv(k, w.group_size)
     per_split = triton.cdiv(groups, cfg.split_k)
     split = triton.cdiv(groups, per_split)
-    out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=xq.device)
-    if m == 0:
-        return out.sum(0).to(out_dtype)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    if grid[0] * grid[1] > MAX_TILES:
+        per_split, split = groups, 1
+        grid = (grid[0], grid[1], 1)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     _fp8_block_matmul_kernel[grid](
-        xq, x_scales, w.qweight, w.scales, out,
+        xq, x_scales, w.qweight, w.scales, out, part, tile_counters(xq.device),
         m, n, k, per_split,
         xq.stride(0), x_scales.stride(0), x_scales.stride(1), w.qweight.stride(0), w.scales.stride(0),
-        w.scales.stride(1), out.stride(0), out.stride(1),
+        w.scales.stride(1), out.stride(0),
         BLOCK_ROWS=w.block_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=w.group_size,
-        UPCAST=triton.knobs.runtime.interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT=split > 1, UPCAST=triton.knobs.runtime.interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out[0] if split == 1 else out.sum(0).to(out_dtype)
+    return out
 
 
 def fp8_block_matmul_ref(xq: torch.Tensor, x_scales: torch.Tensor, w: QuantizedWeight,

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from ember.kernels.paged import dot_dtype, dot_precision, num_sms
 from ember.kernels.quant_matmul import matmul_output
+from ember.kernels.split_k import MAX_TILES, sum_splits, tile_counters
 from ember.quant.formats import QuantizedWeight, unpack_int4
 
 SLOT = 16  # words down K per code slot: tl.dot's minimum K, and a group size every supported form divides
@@ -57,7 +58,6 @@ _BIAS = {"int4": 0, "int8": 128}  # int8 codes are stored as q + 128
 _PACK_ROWS = 4096  # output rows packed at a time, bounding the int64 scratch to 4096 x K_pad x 8 bytes
 _MAX_SPLIT_K = 32
 _PROGRAMS_PER_SM = 4  # what the default split aims for: enough loads in flight to cover HBM latency
-_COUNTERS = 1 << 18  # split-K tile counters per device (1 MiB): M = 64 one-row programs over N = 262144
 _DEQUANT_BLOCK_N = 64
 CONFIG_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_packed_configs.json")
 
@@ -301,17 +301,7 @@ def _packed_matmul_kernel(
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
-        splits = tl.num_programs(2)
-        parts = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(parts + pid_k.to(tl.int64) * M * N, result, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the counter says so
-        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
-        is_last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
-        if is_last:
-            result = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for split in range(splits):
-                result += tl.load(parts + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(counter, 0)
+        result, is_last = sum_splits(result, part_ptr, count_ptr, offs_m, offs_n, out_mask, M, N)
     else:
         is_last = True
     if is_last:
@@ -319,13 +309,6 @@ def _packed_matmul_kernel(
             result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out, result.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    """Split-K tile counters, zero between kernels (the last program of a tile resets its counter).
-    Made on the first call, which runs before CUDA graph capture (the warm-up pass)."""
-    return torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
 
 
 def _slots_per_group(w: PackedQuantWeight) -> int:
@@ -354,12 +337,12 @@ def packed_matmul(x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | No
     grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     tiles_per_split = triton.cdiv(num_tiles, max(1, cfg.split_k))
     split_k = triton.cdiv(num_tiles, tiles_per_split)
-    if grid_m * grid_n > _COUNTERS:
+    if grid_m * grid_n > MAX_TILES:
         tiles_per_split, split_k = num_tiles, 1
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     zeros = w.zeros if w.zeros is not None else w.scales
     _packed_matmul_kernel[(grid_m, grid_n, split_k)](
-        x, w.qweight, w.scales, zeros, bias if bias is not None else out, out, part, _counters(x.device),
+        x, w.qweight, w.scales, zeros, bias if bias is not None else out, out, part, tile_counters(x.device),
         m, n, k, w.num_groups, tiles_per_split, num_tiles, w.qweight.shape[1], x.stride(0), out.stride(0),
         GROUP=w.group_size, BITS=w.bits, BIAS=_BIAS[w.kind], SLOTS_PER_GROUP=_slots_per_group(w),
         ONE_GROUP=w.num_groups == 1, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
