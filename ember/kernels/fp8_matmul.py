@@ -159,15 +159,14 @@ def fp8_block_matmul(xq: torch.Tensor, x_scales: torch.Tensor, w: QuantizedWeigh
     groups = triton.cdiv(k, w.group_size)
     per_split = triton.cdiv(groups, cfg.split_k)
     split = triton.cdiv(groups, per_split)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
-    if grid[0] * grid[1] > MAX_TILES:
+    grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    if grid_m * grid_n > MAX_TILES:  # more tiles than split-K counters: no split
         per_split, split = groups, 1
-        grid = (grid[0], grid[1], 1)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
     part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
-    _fp8_block_matmul_kernel[grid](
+    _fp8_block_matmul_kernel[(grid_m, grid_n, split)](
         xq, x_scales, w.qweight, w.scales, out, part, tile_counters(xq.device),
         m, n, k, per_split,
         xq.stride(0), x_scales.stride(0), x_scales.stride(1), w.qweight.stride(0), w.scales.stride(0),
