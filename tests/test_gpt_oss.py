@@ -29,8 +29,8 @@ from conftest import (
 )
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
-from test_hf_equality import assert_output_matches, hf_references
-from test_new_archs import GREEDY, NUM_TOKENS, PROMPTS, SCENARIOS
+from test_hf_equality import hf_references
+from test_new_archs import GREEDY, NUM_TOKENS, PROMPTS, SCENARIOS, assert_scenario_matches
 
 from ember import LLM, SamplingParams
 from ember.config import ModelConfig
@@ -81,17 +81,7 @@ def test_matches_transformers(checkpoint, references, scenario):
     model = inproc_core(llm).runner.model
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == [8, None, 8]
     assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers)
-    if scenario == "alone":
-        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
-    else:
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    if scenario == "prefix-cached":  # again: the prompts' full blocks now come from the cache
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert max(o.num_cached_tokens for o in outs) >= 36
-    if scenario == "preempted":
-        assert llm.llm_engine.scheduler_stats().num_preemptions > 0
-    for prompt, out, (tokens, logprobs) in zip(PROMPTS, outs, references):
-        assert_output_matches(out.outputs[0], tokens, logprobs, prompt)
+    assert_scenario_matches(llm, scenario, references)
 
 
 def test_sinks_change_the_output(checkpoint, references, tmp_path):

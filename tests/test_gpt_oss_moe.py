@@ -72,16 +72,14 @@ def test_torch_expert_path_and_tensor_parallel_halves():
     the per-token reference; two ranks' halves (rank 1 holding no down bias) sum to it."""
     gen = _gen("gpt-oss-torch")
     e, h, inter, m, k = 4, 32, 32, 11, 2
-    gate, up, down = (_randn(e, inter, h, gen=gen, scale=0.3), _randn(e, inter, h, gen=gen, scale=0.3),
-                      _randn(e, h, inter, gen=gen, scale=0.2))
-    gate_b, up_b, down_b = _randn(e, inter, gen=gen), _randn(e, inter, gen=gen), _randn(e, h, gen=gen)
+    gate, up, down, gate_b, up_b, down_b, x = (t.cpu() for t in (
+        _randn(e, inter, h, gen=gen, scale=0.3), _randn(e, inter, h, gen=gen, scale=0.3),
+        _randn(e, h, inter, gen=gen, scale=0.2), _randn(e, inter, gen=gen), _randn(e, inter, gen=gen),
+        _randn(e, h, gen=gen), _randn(m, h, gen=gen, scale=2.0)))
+    weights, ids = (t.cpu() for t in _routing(m, e, k, gen))
     name = "model.layers.0.mlp.experts."
     tensors = {name + "gate_proj.weight": gate, name + "up_proj.weight": up, name + "down_proj.weight": down,
                name + "gate_proj.bias": gate_b, name + "up_proj.bias": up_b, name + "down_proj.bias": down_b}
-    tensors = {name: t.cpu() for name, t in tensors.items()}
-    x = _randn(m, h, gen=gen, scale=2.0).cpu()
-    weights, ids = (t.cpu() for t in _routing(m, e, k, gen))
-    gate, up, down, gate_b, up_b, down_b = (t.cpu() for t in (gate, up, down, gate_b, up_b, down_b))
     ref = per_token_reference(x, torch.cat([gate, up], 1), down, torch.cat([gate_b, up_b], 1), down_b, weights, ids)
     whole = _load(FusedExperts(e, h, _layout(inter), 0, bias=True, swiglu=SWIGLU), tensors)
     torch.testing.assert_close(whole(x, weights, ids).double(), ref, atol=1e-5, rtol=1e-5)

@@ -69,6 +69,12 @@ def test_matches_transformers_beyond_the_window(checkpoints, references, arch, s
         args["kv_cache_memory"] = 14 * _block_bytes(arch, 8) / 2**30
     llm = LLM(str(checkpoints[arch]), device=DEVICE, dtype="float32", engine_process=False,
               **{"kv_cache_memory": 0.02, **args})
+    assert_scenario_matches(llm, scenario, references[arch])
+
+
+def assert_scenario_matches(llm: LLM, scenario: str, references: list) -> None:
+    """PROMPTS through `llm` as the scenario runs them (one at a time, batched, twice for the prefix
+    cache), its mechanism seen to act, and every output equal to the references."""
     if scenario == "alone":
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
     else:
@@ -80,7 +86,7 @@ def test_matches_transformers_beyond_the_window(checkpoints, references, arch, s
         assert max(o.num_cached_tokens for o in outs) >= 36
     if scenario == "preempted":
         assert llm.llm_engine.scheduler_stats().num_preemptions > 0
-    for prompt, out, (tokens, logprobs) in zip(PROMPTS, outs, references[arch]):
+    for prompt, out, (tokens, logprobs) in zip(PROMPTS, outs, references):
         assert_output_matches(out.outputs[0], tokens, logprobs, prompt)
 
 
