@@ -211,8 +211,9 @@ class EngineCore:
         previous = self._inflight[-1][1] if late else None
 
         def catch_up() -> None:
-            for req, token in zip(late, self.runner.sampled_tokens(previous, late)):
-                consume(req.matcher, token)
+            self.grammar.consume_all([(req.matcher, token)
+                                      for req, token in zip(late, self.runner.sampled_tokens(previous, late))])
+            for req in late:
                 req.num_grammar_tokens += 1
 
         return self.grammar.start_masks([r.matcher for r in requests], catch_up if late else None)
