@@ -71,17 +71,19 @@ def test_preemption_equals_alone(llama_dir, prompts, greedy, alone, prefix_cachi
 
 def test_kernel_warm_up_batches_run_through_the_runner(llama_dir):
     """The start-up warm-up (CUDA only) feeds these batches to the runner: every prefill tile height next
-    to a decode, over cached context. Here they run on the CPU path: each samples one token per row."""
+    to a decode, over cached context, and the row counts between the decode graphs and the full batch. Here they run on the CPU path: each samples one token per row."""
     from conftest import inproc_core
     from ember.runner.warmup import warm_up_batches
 
     llm = LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05, engine_process=False)
     runner = inproc_core(llm).runner
-    batches = warm_up_batches(16, runner.kv_cache.num_blocks, 256, 2048)
-    assert [b.num_new_tokens for b in batches] == [[1, n] for n in (2, 3, 5, 9, 17, 33, 65, 129)]
-    alone = warm_up_batches(16, runner.kv_cache.num_blocks, 1, 40)  # one sequence a step, 40 tokens a step
+    batches = warm_up_batches(16, runner.kv_cache.num_blocks, 256, 2048, 512)
+    # then fresh prefills of 2^k + 1 tokens in all from 256 on below the step's budget, cut at max_model_len
+    assert [b.num_new_tokens for b in batches] == [[1, n] for n in (2, 3, 5, 9, 17, 33, 65, 129)] + [
+        [257], [512, 1], [512, 512, 1]]
+    alone = warm_up_batches(16, runner.kv_cache.num_blocks, 1, 40, 512)  # one sequence a step, 40 tokens a step
     assert [b.num_new_tokens for b in alone] == [[2], [3], [5], [9], [17], [33]]
     for batch in batches + alone:
         result = runner.wait(runner.launch(batch))
         assert len(result.token_ids) == len(batch) and all(0 <= t < 512 for t in result.token_ids)
-    assert warm_up_batches(16, 3, 256, 2048) == []  # a pool too small for the first batch: no warm-up
+    assert warm_up_batches(16, 3, 256, 2048, 512) == []  # a pool too small for the first batch: no warm-up

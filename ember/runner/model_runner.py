@@ -195,7 +195,7 @@ class ModelRunner:
             return
         sc = self.scheduler_config
         for batch in warm_up_batches(self.block_size, self.kv_cache.num_blocks, sc.max_num_seqs,
-                                     sc.max_num_batched_tokens):
+                                     sc.max_num_batched_tokens, sc.max_model_len):
             self.wait(self.launch(batch))
         self._last_sampled = None
         self.timer = StepTimer()
