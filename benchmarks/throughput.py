@@ -8,6 +8,10 @@ generate with ignore_eos so each request produces exactly its length. That draw 
     python benchmarks/throughput.py                                  # the design doc's workload
     python benchmarks/throughput.py --device cpu --num-seqs 16 --min-input 64 --max-input 256 \\
         --min-output 32 --max-output 128 --concurrency 16 --hf      # a CPU-sized run against transformers
+
+`--profile-steps N` adds, after the timed run, a kernel profile (benchmarks/step_profile.py) of N decode
+steps with the batch full (`--concurrency` requests, all past their prefill), for explaining a
+throughput miss by kernel (in-process engine).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
+from benchmarks.step_profile import print_profile, profile_steps  # noqa: E402
 from ember import LLM, SamplingParams  # noqa: E402
 from ember.bench.workloads import nano_vllm_requests  # noqa: E402
 from ember.config import DEFAULT_MODEL, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS  # noqa: E402
@@ -34,6 +39,7 @@ from ember.model.files import resolve_model  # noqa: E402
 
 TEMPERATURE = 0.6
 WARMUP_PROMPT_LEN, WARMUP_TOKENS = 32, 4
+PROFILE_PROMPT_LEN = 128
 
 
 @dataclass
@@ -154,10 +160,31 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
         with Timer() as sub_timer:
             sub_generated = _generate(llm, subset)
         ember["same_requests_as_hf"] = result(subset, sub_generated, sub_timer)
+    if args.profile_steps:
+        ember["profile"] = full_batch_profile(llm, concurrency, args.profile_steps)
+        print_profile(ember["profile"], f"kernel profile at {concurrency} decoding requests")
     engine.shutdown()
     del llm
     gc.collect()  # the HF peer shares this process's memory
     return ember, resolved, workload
+
+
+def full_batch_profile(llm: LLM, batch: int, steps: int) -> dict[str, Any]:
+    """Device time per step by kernel over `steps` decode steps of `batch` requests, profiled once every
+    request is past its prefill (128-token prompts); the requests are then aborted."""
+    engine = llm.llm_engine
+    vocab = engine.ready.vocab_size
+    ids = [engine.add_request(None, {"prompt_token_ids": [(7 * r + i) % vocab for i in range(PROFILE_PROMPT_LEN)]},
+                              SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=4 * steps + 64))
+           for r in range(batch)]
+    prefill_steps = -(-batch * PROFILE_PROMPT_LEN // engine.ready.max_num_batched_tokens)
+    for _ in range(prefill_steps + 2):  # + 2: the last prefill's step and one in flight under async scheduling
+        engine.step()
+    result = profile_steps(engine.step, steps, torch.device(engine.ready.device))
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return result
 
 
 # ---- HF transformers peer -------------------------------------------------------------------------
@@ -355,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-num-seqs", type=int, default=None, help="run HF on the first N requests only (default: all)")
     p.add_argument("--hf-mode", choices=("auto", "cb", "generate"), default="auto",
                    help="cb: transformers' continuous batching; generate: static batches (auto: cb if available)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many decode steps of a full batch by kernel (in-process engine)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/throughput-<model>-<device>-"
                                                "<date>.json); a PNG chart goes next to it if matplotlib is installed")
     args = p.parse_args(argv)
@@ -364,6 +393,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-input + --max-output must fit in --max-model-len")
     if args.num_seqs < 1 or (args.hf_num_seqs is not None and args.hf_num_seqs < 1):
         p.error("--num-seqs and --hf-num-seqs must be positive")
+    if args.profile_steps and args.engine_process:
+        p.error("--profile-steps profiles this process: leave out --engine-process")
+    if args.profile_steps:
+        args.engine_process = False
     return args
 
 
