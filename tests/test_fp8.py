@@ -199,6 +199,22 @@ def test_gpu_path_matches_cpu_emulation(monkeypatch) -> None:
     torch.testing.assert_close(on_device.cpu(), emulated, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's blockwise _scaled_mm (gpu_suite.sh runs this on the H200)")
+@pytest.mark.parametrize("rows", [128, 129, 200, 257])
+def test_blockwise_scaled_mm_rows_match_the_triton_gemm(rows: int) -> None:
+    """From FP8_BLOCK_SCALED_MM_MIN_ROWS rows a block-scaled layer runs cuBLAS's blockwise GEMM, its rows
+    padded for cuBLAS; any row count gives the Triton block GEMM's result within fp32 summation order."""
+    from ember.quant import linear
+
+    gen = _gen("blockwise", rows)
+    w = quantize_fp8(torch.randn(384, 512, generator=gen) * 0.05).to(DEVICE)
+    x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    assert linear._block_scaled_mm_fits(rows, w)
+    xq, x_scales = quantize_fp8_groups(x, w.group_size)
+    triton = fp8_block_matmul(xq, x_scales, w, torch.float32)
+    torch.testing.assert_close(QuantLinear([w], None, torch.bfloat16)(x).float(), triton, atol=2e-2, rtol=1e-2)
+
+
 def test_embedding_rows_read_their_block_scales() -> None:
     """Looking up rows of a block-scaled embedding uses row // 128's scales."""
     dense = torch.randn(300, 64, generator=_gen("embed")) * torch.linspace(0.1, 10, 300)[:, None]

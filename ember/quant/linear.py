@@ -45,8 +45,10 @@ _TINYGEMM_GROUPS = (32, 64, 128, 256)
 _CPU_ACT_DTYPE = torch.bfloat16
 # Rows from which cuBLAS's blockwise-scaled `torch._scaled_mm` (1x128 activation, 128x128 weight
 # scales) replaces the Triton block-scaled fp8 GEMM; None: Triton at every size. Set from
-# benchmarks/fp8_gemm.py on the H200 (it prints the crossover it measured).
-FP8_BLOCK_SCALED_MM_MIN_ROWS: int | None = None
+# benchmarks/fp8_gemm.py on the H200 (fp8-gemm-cuda-2026-12-03.json): from 128 rows cuBLAS wins on
+# every 8B shape (256 rows, gate_up: 69.8 us against Triton's 120.3 and bf16's 105.8).
+FP8_BLOCK_SCALED_MM_MIN_ROWS: int | None = 128
+_SCALED_MM_ROW_MULTIPLE = 16
 # Rows at and above which a packed int4 weight is expanded to bf16 for oneDNN's GEMM instead of
 # running the int4 kernel, which is compute-bound from a few rows on (it reaches ~70 GMAC/s on this
 # project's 2-core AVX-512 EPYC, bf16 GEMM ~150). Summed over one SmolLM2-135M layer in isolation:
@@ -284,10 +286,23 @@ def _fp8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         xq, x_scales = quantize_fp8_groups(x, w.group_size)
         return torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.t(), out_dtype=x.dtype)
     if _block_scaled_mm_fits(x.shape[0], w):
-        xq, x_scales = quantize_fp8_groups(x, w.group_size, column_major_scales=True)
-        return torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.t(), out_dtype=x.dtype)
+        return _blockwise_scaled_mm(x, w)
     xq, x_scales = quantize_fp8_groups(x, w.group_size)
     return fp8_block_matmul(xq, x_scales, w, x.dtype)
+
+
+def _blockwise_scaled_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """cuBLAS's blockwise-scaled GEMM, x's rows padded to a multiple of 16: on the H200 (CUDA 13) cuBLAS has
+    no algorithm for some row counts (1 row; the offline workload's ragged batches failed too), and every
+    multiple of 16 benchmarks/fp8_gemm.py tried ran."""
+    from ember.kernels import quantize_fp8_groups
+
+    rows = x.shape[0]
+    pad = -rows % _SCALED_MM_ROW_MULTIPLE
+    padded = F.pad(x, (0, 0, 0, pad)) if pad else x  # F.pad copies even when it adds nothing: 0.29 ms a 256-row 8B step
+    xq, x_scales = quantize_fp8_groups(padded, w.group_size, column_major_scales=True)
+    out = torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.t(), out_dtype=x.dtype)
+    return out[:rows]
 
 
 def _block_scaled_mm_fits(rows: int, w: QuantizedWeight) -> bool:
