@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-#define MT 4 /* activation rows per tile: each weight chunk is dequantized once per tile */
+#define MT 8 /* activation rows per tile: each weight chunk is dequantized once per tile */
 #define NR 4 /* output rows per block */
 
 typedef struct {
@@ -48,9 +48,9 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
                                                            int mt) {
     const int64_t K = a->K, G = K / a->group, chunks = a->group / 32;
     const __m512i lowmask = _mm512_set1_epi32(0x0F);
-    __m512 lo_acc[NR][MT], hi_acc[NR][MT];
+    __m512 acc[NR][MT];
     for (int r = 0; r < nr; r++)
-        for (int m = 0; m < mt; m++) lo_acc[r][m] = hi_acc[r][m] = _mm512_setzero_ps();
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512 s[NR], z[NR];
         for (int r = 0; r < nr; r++) {
@@ -70,15 +70,14 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
                 const float *xm = a->x + (m0 + m) * K + k;
                 __m512 xl = _mm512_loadu_ps(xm), xh = _mm512_loadu_ps(xm + 16);
                 for (int r = 0; r < nr; r++) {
-                    lo_acc[r][m] = _mm512_fmadd_ps(wl[r], xl, lo_acc[r][m]);
-                    hi_acc[r][m] = _mm512_fmadd_ps(wh[r], xh, hi_acc[r][m]);
+                    acc[r][m] = _mm512_fmadd_ps(wh[r], xh, _mm512_fmadd_ps(wl[r], xl, acc[r][m]));
                 }
             }
         }
     }
     for (int r = 0; r < nr; r++)
         for (int m = 0; m < mt; m++)
-            a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[r][m], hi_acc[r][m]));
+            a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
@@ -143,25 +142,32 @@ SCALAR_TILE(q4_tile, q4_weight)
 SCALAR_TILE(q8_tile, q8_weight)
 #endif
 
+/* Activation rows m0 .. M in tiles of MT, then a tile each of 4, 2 and 1 rows for the rest: every
+ * tile size a constant. */
+#define M_TILES(tile, a, n, nr, m0)                                              \
+    do {                                                                         \
+        int64_t m_ = (m0);                                                       \
+        for (; m_ + MT <= (a)->M; m_ += MT) tile((a), (n), (nr), m_, MT);        \
+        if (m_ + 4 <= (a)->M) { tile((a), (n), (nr), m_, 4); m_ += 4; }          \
+        if (m_ + 2 <= (a)->M) { tile((a), (n), (nr), m_, 2); m_ += 2; }          \
+        if (m_ < (a)->M) tile((a), (n), (nr), m_, 1);                            \
+    } while (0)
+
 /* Output rows n0 .. n0 + nr (nr <= NR) against every activation row: one activation row takes all
- * NR weight rows at once, more take them two at a time in tiles of MT activation rows (the weight
- * rows stay in L1 across the tiles). */
-#define ROW_BLOCK(tile, a, n0, nr)                                                   \
-    do {                                                                             \
-        if ((nr) == NR && (a)->M == 1) {                                             \
-            tile((a), (n0), NR, 0, 1);                                               \
-            break;                                                                   \
-        }                                                                            \
-        for (int64_t n = (n0); n < (n0) + (nr); n += 2) {                            \
-            int64_t m0 = 0;                                                          \
-            if (n + 1 < (n0) + (nr)) {                                               \
-                for (; m0 + MT <= (a)->M; m0 += MT) tile((a), n, 2, m0, MT);         \
-                for (; m0 < (a)->M; m0++) tile((a), n, 2, m0, 1);                    \
-            } else {                                                                 \
-                for (; m0 + MT <= (a)->M; m0 += MT) tile((a), n, 1, m0, MT);         \
-                for (; m0 < (a)->M; m0++) tile((a), n, 1, m0, 1);                    \
-            }                                                                        \
-        }                                                                            \
+ * NR weight rows at once, more take them two at a time (the weight rows stay in L1 across the
+ * activation tiles). */
+#define ROW_BLOCK(tile, a, n0, nr)                                               \
+    do {                                                                         \
+        if ((nr) == NR && (a)->M == 1) {                                         \
+            tile((a), (n0), NR, 0, 1);                                           \
+            break;                                                               \
+        }                                                                        \
+        for (int64_t n = (n0); n < (n0) + (nr); n += 2) {                        \
+            if (n + 1 < (n0) + (nr))                                             \
+                M_TILES(tile, a, n, 2, 0);                                       \
+            else                                                                 \
+                M_TILES(tile, a, n, 1, 0);                                       \
+        }                                                                        \
     } while (0)
 
 static void gemv(const gemv_args *a, int bits, int threads) {
@@ -227,58 +233,82 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* dequantize_q4_bf16(codes, scales, zeros, out, N, K, group, threads): out bf16 [N, K] */
-static PyObject *dequantize_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+#ifdef __AVX512F__
+static inline __m512 affine512(__m512 q, __m512 s, __m512 z, int has_zero) {
+    __m512 w = _mm512_mul_ps(q, s);
+    return has_zero ? _mm512_add_ps(w, z) : w;
+}
+
+/* bf16_round on 16 lanes, stored as 16 halves */
+static inline void store_bf16(uint16_t *o, __m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(r));
+}
+
+static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zero, uint16_t *o) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+    store_bf16(o, affine512(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), vs, vz, has_zero));
+    store_bf16(o + 16, affine512(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs, vz, has_zero));
+}
+
+static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero, float *o) {
+    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    _mm512_storeu_ps(o, affine512(q, _mm512_set1_ps(s), _mm512_set1_ps(z), has_zero));
+}
+#else
+static inline float affine(float q, float s, float z, int has_zero) {
+    float w = q * s;
+    return has_zero ? w + z : w;
+}
+
+static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zero, uint16_t *o) {
+    for (int j = 0; j < 16; j++) {
+        o[j] = bf16_round(affine((float)(p[j] & 0x0F), s, z, has_zero));
+        o[j + 16] = bf16_round(affine((float)(p[j] >> 4), s, z, has_zero));
+    }
+}
+
+static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero, float *o) {
+    for (int j = 0; j < 16; j++) o[j] = affine((float)p[j], s, z, has_zero);
+}
+#endif
+
+/* dequantize_q{4_bf16,8_f32}(codes, scales, zeros, out, N, K, group, threads): out [N, K], bf16 for
+ * int4 (what oneDNN's fast GEMM takes), float32 for int8 */
+static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[8];
-    if (parse(args, nargs, 8, "dequantize_q4_bf16", v, NULL, 0) < 0) return NULL;
-    const uint8_t *codes = PTR(v[0]);
+    if (parse(args, nargs, 8, name, v, NULL, 0) < 0) return NULL;
     const float *scales = PTR(v[1]), *zeros = PTR(v[2]);
-    uint16_t *out = PTR(v[3]);
-    const int64_t N = v[4], K = v[5], group = v[6], G = K / group;
+    const int64_t N = v[4], K = v[5], group = v[6], G = K / group, run = bits == 4 ? 32 : 16;
+    const int has_zero = zeros != NULL;
     Py_BEGIN_ALLOW_THREADS
     int64_t n;
 #pragma omp parallel for num_threads((int)v[7]) schedule(static)
     for (n = 0; n < N; n++) {
-        const uint8_t *row = codes + n * (K / 2);
-        uint16_t *o = out + n * K;
-        for (int64_t k = 0; k < K; k += 32) {
-            float s = scales[n * G + k / group], z = zeros ? zeros[n * G + k / group] : 0.f;
-            for (int j = 0; j < 16; j++) {
-                uint8_t b = row[k / 2 + j];
-                float lo = (float)(b & 0x0F) * s, hi = (float)(b >> 4) * s;
-                if (zeros) {
-                    lo += z;
-                    hi += z;
-                }
-                o[k + j] = bf16_round(lo);
-                o[k + 16 + j] = bf16_round(hi);
-            }
+        for (int64_t k = 0; k < K; k += run) {
+            float s = scales[n * G + k / group], z = has_zero ? zeros[n * G + k / group] : 0.f;
+            if (bits == 4)
+                q4_expand_run((const uint8_t *)PTR(v[0]) + (n * K + k) / 2, s, z, has_zero, (uint16_t *)PTR(v[3]) + n * K + k);
+            else
+                q8_expand_run((const int8_t *)PTR(v[0]) + n * K + k, s, z, has_zero, (float *)PTR(v[3]) + n * K + k);
         }
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* dequantize_q8_f32(codes, scales, zeros, out, N, K, group, threads): out float32 [N, K] */
+static PyObject *dequantize_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return expand_entry(args, nargs, 4, "dequantize_q4_bf16");
+}
+
 static PyObject *dequantize_q8_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[8];
-    if (parse(args, nargs, 8, "dequantize_q8_f32", v, NULL, 0) < 0) return NULL;
-    const int8_t *codes = PTR(v[0]);
-    const float *scales = PTR(v[1]), *zeros = PTR(v[2]);
-    float *out = PTR(v[3]);
-    const int64_t N = v[4], K = v[5], group = v[6], G = K / group;
-    Py_BEGIN_ALLOW_THREADS
-    int64_t n;
-#pragma omp parallel for num_threads((int)v[7]) schedule(static)
-    for (n = 0; n < N; n++) {
-        for (int64_t k = 0; k < K; k++) {
-            float w = (float)codes[n * K + k] * scales[n * G + k / group];
-            if (zeros) w += zeros[n * G + k / group];
-            out[n * K + k] = w;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    return expand_entry(args, nargs, 8, "dequantize_q8_f32");
 }
 
 /* ---- paged decode attention ---- */
