@@ -11,7 +11,8 @@
  *     nibble of byte j and input j + 16 in the high one (GGUF's Q4_0/Q4_1 order), so one 16-byte
  *     load, a zero-extension, an and and a shift give two vectors of 16 codes.
  *   int8 codes: int8 [N, K], row-major.
- *   scales, zeros: float32 [N, K / group]; w = q * scale + zero (zeros may be absent).
+ *   scales, zeros: float32 [N, ceil(K / group)]; w = q * scale + zero (zeros may be absent); the last
+ *     group may be shorter (K a multiple of the run, not of the group).
  *
  * AVX-512 code sits under __AVX512F__; the #else branches compute the same sums in plain C so the
  * module builds (and is tested) anywhere.
@@ -29,10 +30,12 @@
 #define MT 8 /* activation rows per tile: each weight chunk is dequantized once per tile */
 #define NR 4 /* output rows per block */
 
+static inline int64_t groups(int64_t K, int64_t group) { return (K + group - 1) / group; }
+
 typedef struct {
     const float *x;      /* [M, K] */
     const void *codes;
-    const float *scales; /* [N, G] */
+    const float *scales; /* [N, G], G = ceil(K / group) */
     const float *zeros;  /* [N, G] or NULL */
     float *y;            /* [M, N] */
     int64_t M, K, N, group;
@@ -46,7 +49,7 @@ typedef struct {
 #ifdef __AVX512F__
 static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
                                                            int mt) {
-    const int64_t K = a->K, G = K / a->group, chunks = a->group / 32;
+    const int64_t K = a->K, G = groups(a->K, a->group);
     const __m512i lowmask = _mm512_set1_epi32(0x0F);
     __m512 acc[NR][MT];
     for (int r = 0; r < nr; r++)
@@ -57,8 +60,8 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
             s[r] = _mm512_set1_ps(a->scales[(n0 + r) * G + g]);
             z[r] = a->zeros ? _mm512_set1_ps(a->zeros[(n0 + r) * G + g]) : _mm512_setzero_ps();
         }
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t k = (g * chunks + c) * 32;
+        const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
+        for (int64_t k = g * a->group; k < end; k += 32) {
             __m512 wl[NR], wh[NR];
             for (int r = 0; r < nr; r++) {
                 const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
@@ -82,7 +85,7 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
 
 static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
                                                            int mt) {
-    const int64_t K = a->K, G = K / a->group, chunks = a->group / 16;
+    const int64_t K = a->K, G = groups(a->K, a->group);
     __m512 acc[NR][MT];
     for (int r = 0; r < nr; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
@@ -92,8 +95,8 @@ static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, in
             s[r] = _mm512_set1_ps(a->scales[(n0 + r) * G + g]);
             z[r] = a->zeros ? _mm512_set1_ps(a->zeros[(n0 + r) * G + g]) : _mm512_setzero_ps();
         }
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t k = (g * chunks + c) * 16;
+        const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
+        for (int64_t k = g * a->group; k < end; k += 16) {
             __m512 w[NR];
             for (int r = 0; r < nr; r++) {
                 const int8_t *p = (const int8_t *)a->codes + (n0 + r) * K + k;
@@ -116,14 +119,14 @@ static inline uint8_t q4_code(const uint8_t *run, int64_t j) {
 }
 
 static inline float q4_weight(const gemv_args *a, int64_t n, int64_t k) {
-    const int64_t G = a->K / a->group;
+    const int64_t G = groups(a->K, a->group);
     const uint8_t *run = (const uint8_t *)a->codes + n * (a->K / 2) + (k / 32) * 16;
     float w = (float)q4_code(run, k % 32) * a->scales[n * G + k / a->group];
     return a->zeros ? w + a->zeros[n * G + k / a->group] : w;
 }
 
 static inline float q8_weight(const gemv_args *a, int64_t n, int64_t k) {
-    const int64_t G = a->K / a->group;
+    const int64_t G = groups(a->K, a->group);
     float w = (float)((const int8_t *)a->codes)[n * a->K + k] * a->scales[n * G + k / a->group];
     return a->zeros ? w + a->zeros[n * G + k / a->group] : w;
 }
@@ -285,7 +288,7 @@ static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits,
     int64_t v[8];
     if (parse(args, nargs, 8, name, v, NULL, 0) < 0) return NULL;
     const float *scales = PTR(v[1]), *zeros = PTR(v[2]);
-    const int64_t N = v[4], K = v[5], group = v[6], G = K / group, run = bits == 4 ? 32 : 16;
+    const int64_t N = v[4], K = v[5], group = v[6], G = groups(K, group), run = bits == 4 ? 32 : 16;
     const int has_zero = zeros != NULL;
     Py_BEGIN_ALLOW_THREADS
     int64_t n;

@@ -65,7 +65,7 @@ def _module() -> ModuleType:
 class NativeWeight:
     """A quantized weight in the layout the GEMVs read: int4 codes as 16-byte runs of 32 inputs (input
     j in the low nibble of byte j, j + 16 in the high one), int8 codes row-major as stored; float32
-    scales (and zeros) [N, K / group_size]; w = q * scale + zero."""
+    scales (and zeros) [N, ceil(K / group_size)]; w = q * scale + zero."""
 
     kind: str                  # "int4" or "int8"
     codes: torch.Tensor        # uint8 [N, K / 2] (int4) or int8 [N, K]
@@ -83,12 +83,13 @@ class NativeWeight:
 
 
 def fits(w: QuantizedWeight) -> bool:
-    """Whether the kernels cover the weight: int4 or int8 on CPU, whole groups that are runs of the
-    kernel's vector step (int8 per channel included), one scale row per output row."""
+    """Whether the kernels cover the weight: int4 or int8 on CPU, groups and K in runs of the kernel's
+    vector step (int8 per channel included; a shorter last group too, as `quantize_int4` makes for a K
+    below its group size), one scale row per output row."""
     chunk = _CHUNK.get(w.kind)
     return (chunk is not None and w.qweight.device.type == "cpu" and w.block_rows == 1
-            and w.group_size % chunk == 0 and w.in_features % w.group_size == 0
-            and w.scales.shape == (w.out_features, w.in_features // w.group_size))
+            and w.group_size % chunk == 0 and w.in_features % chunk == 0
+            and w.scales.shape == (w.out_features, -(-w.in_features // w.group_size)))
 
 
 def native_weight(w: QuantizedWeight) -> NativeWeight:
@@ -96,8 +97,8 @@ def native_weight(w: QuantizedWeight) -> NativeWeight:
     replace the file's); int8 codes, scales and zeros are shared with `w` when already float32 and
     contiguous, so a tied LM head costs nothing beside its embedding."""
     if not fits(w):
-        raise ValueError(f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} "
-                         "does not fit the CPU native kernels")
+        raise ValueError(f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
+                         f"{w.block_rows}) does not fit the CPU native kernels")
     codes = _relayout_int4(w.qweight, w.in_features) if w.kind == "int4" else w.qweight.contiguous()
     zeros = None if w.zeros is None else w.zeros.float().contiguous()
     return NativeWeight(w.kind, codes, w.scales.float().contiguous(), zeros, w.group_size, w.in_features)
