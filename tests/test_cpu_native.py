@@ -25,18 +25,21 @@ from ember.quant.quantize import quantize
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the PyTorch paths are tested elsewhere")
 
 
-@pytest.fixture(scope="module", params=["native", "plain-c"])
-def kernels(request):
-    """The kernels ops.py calls: the -march=native build, or one without AVX-512 (its #else code)."""
-    if request.param == "native":
-        yield ops._kernels()
-        return
+@pytest.fixture(scope="module")
+def plain_c():
+    """The kernels built without AVX-512: their #else code."""
     module = build.load(build.build(("-mno-avx512f",)))
     assert module.simd() == "scalar"
-    patch = pytest.MonkeyPatch()
-    patch.setattr(ops, "_kernels", lambda: module)
-    yield module
-    patch.undo()
+    return module
+
+
+@pytest.fixture(params=["native", "plain-c"])
+def kernels(request, monkeypatch):
+    """The kernels ops.py calls, for one test: the -march=native build or the plain-C one."""
+    if request.param == "plain-c":
+        module = request.getfixturevalue("plain_c")
+        monkeypatch.setattr(ops, "_kernels", lambda: module)
+    return ops._kernels()
 
 
 def _weight(kind: str, n: int, k: int, group: int, zeros: bool, seed: int = 0) -> QuantizedWeight:
