@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from conftest import DEVICE, inproc_core
+
 from ember import LLM, SamplingParams
 from ember.quant.screened_argmax import ScreenedArgmax
 

@@ -65,7 +65,8 @@ def _cpu_flags() -> str:
 
 def _compiler_version(cc: str) -> str:
     try:
-        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        done = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise BuildError(f"C compiler {cc!r} cannot run: {e}") from e
     if done.returncode != 0:
@@ -96,7 +97,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
     os.close(fd)
     cmd = [cc, *FLAGS, *extra_flags, f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", tmp, "-lm"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise BuildError(f"{' '.join(cmd)} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
