@@ -101,6 +101,8 @@ def _native_matmul(x: torch.Tensor, w: native.NativeWeight) -> torch.Tensor:
     if x.shape[0] >= NATIVE_EXPAND_MIN_ROWS[w.kind]:
         dense = native.dequantize(w)
         return F.linear(x.to(dense.dtype), dense).to(x.dtype)
+    if x.dtype == torch.float32:
+        return native.matmul(x, w)
     return native.matmul(x.float(), w).to(x.dtype)
 
 
