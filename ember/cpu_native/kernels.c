@@ -181,8 +181,14 @@ SCALAR_TILE(q8_tile, q8_weight)
         }                                                                        \
     } while (0)
 
+/* Below this many multiply-adds a call runs on the calling thread alone, as PyTorch's own grain size
+ * keeps small ops: forking costs a few microseconds, and on a busy machine a parallel region waits for
+ * whichever of its threads was descheduled. */
+#define PARALLEL_MIN_WORK (1 << 18)
+
 static void gemv(const gemv_args *a, int bits, int threads) {
     const int64_t blocks = (a->N + NR - 1) / NR;
+    if (a->M * a->N * a->K < PARALLEL_MIN_WORK) threads = 1;
     int64_t b;
     if (bits == 4) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -473,9 +479,13 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *const *args, P
         PyErr_SetString(PyExc_ValueError, "paged_decode_attention: group, head dim or block size too large");
         return NULL;
     }
+    int threads = (int)v[17];
+    int64_t work = 0;
+    for (int64_t s = 0; s < nd; s++) work += a.seq_lens[s];
+    if (work * a.Hq * a.D < PARALLEL_MIN_WORK) threads = 1;
     Py_BEGIN_ALLOW_THREADS
     int64_t i;
-#pragma omp parallel for num_threads((int)v[17]) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (i = 0; i < nd * a.Hk; i++) attend_one(&a, i / a.Hk, i % a.Hk);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
