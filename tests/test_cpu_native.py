@@ -42,8 +42,9 @@ def kernels(request, monkeypatch):
     return ops._kernels()
 
 
-def _weight(kind: str, n: int, k: int, group: int, zeros: bool, seed: int = 0) -> QuantizedWeight:
-    """Random codes, scales and zeros (a whole number of groups)."""
+def _weight(kind: str, n: int, k: int, group: int, zeros: bool, seed: int = 0, half: bool = False) -> QuantizedWeight:
+    """Random codes, scales and zeros (a whole number of groups); `half`: scales and zeros that float16
+    holds exactly, as GGUF Q4_0/Q4_1 store them."""
     gen = torch.Generator().manual_seed(seed)
     if kind == "int4":
         qweight = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
@@ -51,6 +52,8 @@ def _weight(kind: str, n: int, k: int, group: int, zeros: bool, seed: int = 0) -
         qweight = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
     zero = torch.randn(n, k // group, generator=gen) * 0.1 if zeros else None
+    if half:
+        scales, zero = scales.half().float(), None if zero is None else zero.half().float()
     return QuantizedWeight(kind, qweight, scales, zero, group, k)
 
 
@@ -68,9 +71,12 @@ def _check_matmul(x: torch.Tensor, w: QuantizedWeight) -> None:
                                              ("int8", None)])
 def test_gemv_matches_float64_reference(kernels, kind: str, group: int | None, zeros: bool) -> None:
     """M covers one row (the 4-row block), the 8-row tile and every remainder tile; N = 70 and 33
-    leave 2 and 1 rows past the blocks of 4; K holds several groups. group None: per-channel int8."""
+    leave 2 and 1 rows past the blocks of 4; K holds several groups. group None: per-channel int8.
+    The second weight's scales and zeros are float16 values, which int4 keeps as float16."""
     for (n, k), seed in zip([(70, 384), (33, 256)], range(2)):
-        w = _weight(kind, n, k, group or k, zeros, seed)
+        w = _weight(kind, n, k, group or k, zeros, seed, half=seed == 1)
+        half = ops.native_weight(w).scales.dtype == torch.float16
+        assert half == (kind == "int4" and seed == 1)
         for m in (1, 3, 8, 13, 17):
             _check_matmul(torch.randn(m, k, generator=torch.Generator().manual_seed(m)), w)
 
@@ -90,10 +96,20 @@ def test_gemv_and_expansion_with_a_shorter_last_group(kernels, kind: str, k: int
 @pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int4", 128), ("int8", 16), ("int8", 96)])
 @pytest.mark.parametrize("zeros", [True, False])
 def test_expansion_equals_dequantize(kernels, kind: str, group: int, zeros: bool) -> None:
-    w = _weight(kind, 37, 384 if group != 96 else 96, group, zeros)
+    w = _weight(kind, 37, 384 if group != 96 else 96, group, zeros, half=group == 32)
     dense = ops.dequantize(ops.native_weight(w))
     expected = dequantize(w).to(torch.bfloat16 if kind == "int4" else torch.float32)
     assert dense.dtype == expected.dtype and torch.equal(dense, expected)
+
+
+def test_float16_parameters_convert_exactly(kernels) -> None:
+    """float16 scales and zeros at the edges of the format: subnormals, signs, the largest value."""
+    values = torch.tensor([2.0 ** -24, 3 * 2.0 ** -20, 1e-5, -0.5, 65504.0, -2.0 ** -14, 0.0, 1.0]).half().float()
+    w = _weight("int4", 8, 256, 32, True)
+    w = QuantizedWeight("int4", w.qweight, values.repeat(8, 1), -values.flip(0).repeat(8, 1), 32, 256)
+    native = ops.native_weight(w)
+    assert native.scales.dtype == torch.float16
+    assert torch.equal(ops.dequantize(native), dequantize(w).bfloat16())
 
 
 def test_fits_and_clear_errors() -> None:
@@ -169,6 +185,9 @@ def test_native_layouts_do_not_grow_memory() -> None:
     w4 = _weight("int4", 64, 128, 32, True)
     layer = QuantLinear([w4], None, torch.float32)
     assert sum(t.numel() * t.element_size() for t in layer.weight_tensors()) == w4.nbytes()
+    w4 = _weight("int4", 64, 128, 32, True, half=True)  # float16 scales and zeros: half their bytes
+    layer = QuantLinear([w4], None, torch.float32)
+    assert sum(t.numel() * t.element_size() for t in layer.weight_tensors()) == w4.nbytes() - 64 * 4 * 2 * 2
     w8 = _weight("int8", 96, 64, 32, False)
     emb = QuantEmbedding(w8, torch.float32, tied=True)
     assert emb.screen is None

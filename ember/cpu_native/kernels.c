@@ -11,7 +11,7 @@
  *     nibble of byte j and input j + 16 in the high one (GGUF's Q4_0/Q4_1 order), so one 16-byte
  *     load, a zero-extension, an and and a shift give two vectors of 16 codes.
  *   int8 codes: int8 [N, K], row-major.
- *   scales, zeros: float32 [N, ceil(K / group)]; w = q * scale + zero (zeros may be absent); the last
+ *   scales, zeros: float32 or float16 [N, ceil(K / group)]; w = q * scale + zero (zeros may be absent); the last
  *     group may be shorter (K a multiple of the run, not of the group).
  *
  * AVX-512 code sits under __AVX512F__; the #else branches compute the same sums in plain C so the
@@ -38,13 +38,45 @@
 
 static inline int64_t groups(int64_t K, int64_t group) { return (K + group - 1) / group; }
 
+/* A float16's value (exact in float32) */
+static inline float half_to_float(uint16_t h) {
+#ifdef __AVX512F__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
+    if (exp == 0x1F) {
+        u = sign | 0x7F800000 | (man << 13);
+    } else if (exp) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    } else {
+        u = sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* Element i of a float32 (half 0) or float16 (half 1) array */
+static inline float param(const void *p, int64_t i, int half) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
 typedef struct {
     const float *x;      /* [M, K] */
     const void *codes;
-    const float *scales; /* [N, G], G = ceil(K / group) */
-    const float *zeros;  /* [N, G] or NULL */
+    const void *scales;  /* [N, G], G = ceil(K / group), float32 or (half) float16 */
+    const void *zeros;   /* [N, G] like scales, or NULL */
     float *y;            /* [M, N] */
     int64_t M, K, N, group;
+    int half;
 } gemv_args;
 
 /* Each weight chunk is dequantized in registers (w = q * scale + zero: one FMA per 16 codes) and
@@ -63,8 +95,8 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
     for (int64_t g = 0; g < G; g++) {
         __m512 s[NR], z[NR];
         for (int r = 0; r < nr; r++) {
-            s[r] = _mm512_set1_ps(a->scales[(n0 + r) * G + g]);
-            z[r] = a->zeros ? _mm512_set1_ps(a->zeros[(n0 + r) * G + g]) : _mm512_setzero_ps();
+            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
+            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
         }
         const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
         for (int64_t k = g * a->group; k < end; k += 32) {
@@ -99,8 +131,8 @@ static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, in
     for (int64_t g = 0; g < G; g++) {
         __m512 s[NR], z[NR];
         for (int r = 0; r < nr; r++) {
-            s[r] = _mm512_set1_ps(a->scales[(n0 + r) * G + g]);
-            z[r] = a->zeros ? _mm512_set1_ps(a->zeros[(n0 + r) * G + g]) : _mm512_setzero_ps();
+            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
+            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
         }
         const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
         for (int64_t k = g * a->group; k < end; k += 16) {
@@ -129,14 +161,14 @@ static inline uint8_t q4_code(const uint8_t *run, int64_t j) {
 static inline float q4_weight(const gemv_args *a, int64_t n, int64_t k) {
     const int64_t G = groups(a->K, a->group);
     const uint8_t *run = (const uint8_t *)a->codes + n * (a->K / 2) + (k / 32) * 16;
-    float w = (float)q4_code(run, k % 32) * a->scales[n * G + k / a->group];
-    return a->zeros ? w + a->zeros[n * G + k / a->group] : w;
+    float w = (float)q4_code(run, k % 32) * param(a->scales, n * G + k / a->group, a->half);
+    return a->zeros ? w + param(a->zeros, n * G + k / a->group, a->half) : w;
 }
 
 static inline float q8_weight(const gemv_args *a, int64_t n, int64_t k) {
     const int64_t G = groups(a->K, a->group);
-    float w = (float)((const int8_t *)a->codes)[n * a->K + k] * a->scales[n * G + k / a->group];
-    return a->zeros ? w + a->zeros[n * G + k / a->group] : w;
+    float w = (float)((const int8_t *)a->codes)[n * a->K + k] * param(a->scales, n * G + k / a->group, a->half);
+    return a->zeros ? w + param(a->zeros, n * G + k / a->group, a->half) : w;
 }
 
 #define SCALAR_TILE(name, weight)                                                           \
@@ -221,11 +253,12 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const
 
 #define PTR(v) ((void *)(intptr_t)(v))
 
-/* gemv_q{4,8}(x, codes, scales, zeros, y, M, K, N, group, threads): y = x @ W^T */
+/* gemv_q{4,8}(x, codes, scales, zeros, y, M, K, N, group, threads, half): y = x @ W^T; half: scales and
+ * zeros are float16 */
 static PyObject *gemv_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
-    int64_t v[10];
-    if (parse(args, nargs, 10, name, v, NULL, 0) < 0) return NULL;
-    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], v[7], v[8]};
+    int64_t v[11];
+    if (parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
+    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], v[7], v[8], (int)v[10]};
     Py_BEGIN_ALLOW_THREADS
     gemv(&a, bits, (int)v[9]);
     Py_END_ALLOW_THREADS
@@ -296,12 +329,13 @@ static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero
 }
 #endif
 
-/* dequantize_q{4_bf16,8_f32}(codes, scales, zeros, out, N, K, group, threads): out [N, K], bf16 for
- * int4 (what oneDNN's fast GEMM takes), float32 for int8 */
+/* dequantize_q{4_bf16,8_f32}(codes, scales, zeros, out, N, K, group, threads, half): out [N, K], bf16
+ * for int4 (what oneDNN's fast GEMM takes), float32 for int8 */
 static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
-    int64_t v[8];
-    if (parse(args, nargs, 8, name, v, NULL, 0) < 0) return NULL;
-    const float *scales = PTR(v[1]), *zeros = PTR(v[2]);
+    int64_t v[9];
+    if (parse(args, nargs, 9, name, v, NULL, 0) < 0) return NULL;
+    const void *scales = PTR(v[1]), *zeros = PTR(v[2]);
+    const int half = (int)v[8];
     const int64_t N = v[4], K = v[5], group = v[6], G = groups(K, group), run = bits == 4 ? 32 : 16;
     const int has_zero = zeros != NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -309,7 +343,7 @@ static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits,
 #pragma omp parallel for num_threads((int)v[7]) schedule(static)
     for (n = 0; n < N; n++) {
         for (int64_t k = 0; k < K; k += run) {
-            float s = scales[n * G + k / group], z = has_zero ? zeros[n * G + k / group] : 0.f;
+            float s = param(scales, n * G + k / group, half), z = has_zero ? param(zeros, n * G + k / group, half) : 0.f;
             if (bits == 4)
                 q4_expand_run((const uint8_t *)PTR(v[0]) + (n * K + k) / 2, s, z, has_zero, (uint16_t *)PTR(v[3]) + n * K + k);
             else

@@ -64,8 +64,9 @@ def _module() -> ModuleType:
 @dataclass
 class NativeWeight:
     """A quantized weight in the layout the GEMVs read: int4 codes as 16-byte runs of 32 inputs (input
-    j in the low nibble of byte j, j + 16 in the high one), int8 codes row-major as stored; float32
-    scales (and zeros) [N, ceil(K / group_size)]; w = q * scale + zero."""
+    j in the low nibble of byte j, j + 16 in the high one), int8 codes row-major as stored; scales (and
+    zeros) [N, ceil(K / group_size)], float16 where that holds them exactly, else float32;
+    w = q * scale + zero."""
 
     kind: str                  # "int4" or "int8"
     codes: torch.Tensor        # uint8 [N, K / 2] (int4) or int8 [N, K]
@@ -99,9 +100,24 @@ def native_weight(w: QuantizedWeight) -> NativeWeight:
     if not fits(w):
         raise ValueError(f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
                          f"{w.block_rows}) does not fit the CPU native kernels")
-    codes = _relayout_int4(w.qweight, w.in_features) if w.kind == "int4" else w.qweight.contiguous()
-    zeros = None if w.zeros is None else w.zeros.float().contiguous()
-    return NativeWeight(w.kind, codes, w.scales.float().contiguous(), zeros, w.group_size, w.in_features)
+    if w.kind == "int8":
+        zeros = None if w.zeros is None else w.zeros.float().contiguous()
+        return NativeWeight(w.kind, w.qweight.contiguous(), w.scales.float().contiguous(), zeros, w.group_size,
+                            w.in_features)
+    scales, zeros = _compact_params(w.scales, w.zeros)
+    return NativeWeight(w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features)
+
+
+def _compact_params(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """int4 scales and zeros as float16 when that is exact (GGUF Q4_0/Q4_1 store float16 d and m): for
+    Q4_1 groups of 32 they are a third of the bytes a step reads in float32 (8 of 24 per group), and
+    PyTorch's int4 kernel reads them as bf16 pairs (4 bytes). K-quants' d * sc products stay float32."""
+    parts = [t.float().contiguous().numpy() for t in (scales, zeros) if t is not None]
+    halves = [p.astype(np.float16) for p in parts]
+    if not all(np.array_equal(h.astype(np.float32), p) for h, p in zip(halves, parts)):
+        return scales.float().contiguous(), None if zeros is None else zeros.float().contiguous()
+    tensors = [torch.from_numpy(h) for h in halves]
+    return tensors[0], tensors[1] if zeros is not None else None
 
 
 def _relayout_int4(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -138,7 +154,7 @@ def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     kernels = _module()
     fn = kernels.gemv_q4 if w.kind == "int4" else kernels.gemv_q8
     fn(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), y.data_ptr(), x.shape[0],
-       w.in_features, w.out_features, w.group_size, torch.get_num_threads())
+       w.in_features, w.out_features, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
     return y
 
 
@@ -153,7 +169,7 @@ def dequantize(w: NativeWeight) -> torch.Tensor:
         out = torch.empty(n, k)
         fn = _module().dequantize_q8_f32
     fn(w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), n, k, w.group_size,
-       torch.get_num_threads())
+       torch.get_num_threads(), w.scales.dtype == torch.float16)
     return out
 
 
