@@ -62,8 +62,8 @@ def best_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 def _int4(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
     codes = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
-    return QuantizedWeight("int4", codes, torch.rand(n, k // 32, generator=gen) * 0.01,
-                           torch.randn(n, k // 32, generator=gen) * 0.01, 32, k)
+    return QuantizedWeight("int4", codes, (torch.rand(n, k // 32, generator=gen) * 0.01).half().float(),
+                           (torch.randn(n, k // 32, generator=gen) * 0.01).half().float(), 32, k)
 
 
 def _layers(native: bool, gen: torch.Generator) -> list[QuantLinear]:

@@ -136,7 +136,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> None:
-    if t.device.type != "cpu" or t.dtype != dtype:
+    if not t.is_cpu or t.dtype != dtype:
         raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
     if shape is not None and tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
@@ -145,7 +145,7 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
 def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     """x float32 [M, K] -> x @ W^T, float32 [M, N]. Called ~120 times per decode step, so the checks
     come first in one cheap test (the whole wrapper costs ~3 us over the kernel's call)."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features or x.device.type != "cpu":
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features or not x.is_cpu:
         _check("x", x, torch.float32)
         raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
     if not x.is_contiguous():

@@ -205,8 +205,12 @@ class QuantLinear(nn.Module):
                       for p, (layout, _), gpu in zip(parts, self._cpu, self._gpu)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the decoder's [tokens, features]: no reshapes (2 µs a call of a ~25 µs CPU decode GEMV)
+            return self._forward_2d(x)
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
+        return self._forward_2d(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+
+    def _forward_2d(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:
             y = self._matmul(x, self.parts[0], self._cpu[0], self._gpu[0], self._native[0])
         else:
@@ -214,7 +218,7 @@ class QuantLinear(nn.Module):
                            for layouts in zip(self.parts, self._cpu, self._gpu, self._native)], dim=-1)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y
 
     def _matmul(self, x: torch.Tensor, w: QuantizedWeight | torch.Tensor,
                 cpu: tuple[str, tuple[torch.Tensor, ...]], gpu: PackedQuantWeight | None,
