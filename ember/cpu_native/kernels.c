@@ -27,6 +27,9 @@
 #include <immintrin.h>
 #endif
 
+/* the tile loops, fully unrolled so their accumulators live in registers (without it GCC 12 kept
+ * some tiles' accumulators on the stack) */
+#define UNROLL _Pragma("GCC unroll 8")
 #define MT 8 /* activation rows per tile: each weight chunk is dequantized once per tile */
 #define NR 4 /* output rows per block */
 /* Codes are prefetched this far ahead of the loads: from DRAM, without it the GEMVs of one decode
@@ -90,10 +93,13 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
     const int64_t K = a->K, G = groups(a->K, a->group);
     const __m512i lowmask = _mm512_set1_epi32(0x0F);
     __m512 acc[NR][MT];
+    UNROLL
     for (int r = 0; r < nr; r++)
+        UNROLL
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512 s[NR], z[NR];
+        UNROLL
         for (int r = 0; r < nr; r++) {
             s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
             z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
@@ -101,6 +107,7 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
         const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
         for (int64_t k = g * a->group; k < end; k += 32) {
             __m512 wl[NR], wh[NR];
+            UNROLL
             for (int r = 0; r < nr; r++) {
                 const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
@@ -108,16 +115,20 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
                 wl[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lowmask)), s[r], z[r]);
                 wh[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[r], z[r]);
             }
+            UNROLL
             for (int m = 0; m < mt; m++) {
                 const float *xm = a->x + (m0 + m) * K + k;
                 __m512 xl = _mm512_loadu_ps(xm), xh = _mm512_loadu_ps(xm + 16);
+                UNROLL
                 for (int r = 0; r < nr; r++) {
                     acc[r][m] = _mm512_fmadd_ps(wh[r], xh, _mm512_fmadd_ps(wl[r], xl, acc[r][m]));
                 }
             }
         }
     }
+    UNROLL
     for (int r = 0; r < nr; r++)
+        UNROLL
         for (int m = 0; m < mt; m++)
             a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
@@ -126,10 +137,13 @@ static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, in
                                                            int mt) {
     const int64_t K = a->K, G = groups(a->K, a->group);
     __m512 acc[NR][MT];
+    UNROLL
     for (int r = 0; r < nr; r++)
+        UNROLL
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512 s[NR], z[NR];
+        UNROLL
         for (int r = 0; r < nr; r++) {
             s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
             z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
@@ -137,19 +151,24 @@ static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, in
         const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
         for (int64_t k = g * a->group; k < end; k += 16) {
             __m512 w[NR];
+            UNROLL
             for (int r = 0; r < nr; r++) {
                 const int8_t *p = (const int8_t *)a->codes + (n0 + r) * K + k;
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
                 w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))),
                                        s[r], z[r]);
             }
+            UNROLL
             for (int m = 0; m < mt; m++) {
                 __m512 xv = _mm512_loadu_ps(a->x + (m0 + m) * K + k);
+                UNROLL
                 for (int r = 0; r < nr; r++) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
             }
         }
     }
+    UNROLL
     for (int r = 0; r < nr; r++)
+        UNROLL
         for (int m = 0; m < mt; m++)
             a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
