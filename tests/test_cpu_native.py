@@ -18,8 +18,14 @@ from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
 from ember.cpu_native import build, ops
+from ember.quant import linear
 from ember.quant.formats import QuantizedWeight, dense_weight, dequantize, pack_int4
-from ember.quant.linear import NATIVE_EXPAND_MIN_ROWS, QuantEmbedding, QuantLinear
+from ember.quant.linear import (
+    NATIVE_BF16_MIN_ROWS,
+    NATIVE_EXPAND_MIN_ROWS,
+    QuantEmbedding,
+    QuantLinear,
+)
 from ember.quant.quantize import quantize
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the PyTorch paths are tested elsewhere")
@@ -197,17 +203,33 @@ def test_native_layouts_do_not_grow_memory() -> None:
     assert torch.equal(emb.argmax(x), emb.attend(x).argmax(dim=1))
 
 
+@pytest.mark.parametrize("half", [False, True])
+def test_bf16_gemv_matches_bf16_rounded_reference(half: bool) -> None:
+    """int4 with x and the dequantized weights rounded to bf16, float32 sums (AVX512_BF16 CPUs)."""
+    if not ops.has_bf16():
+        pytest.skip("this CPU has no AVX512_BF16; the float32 GEMV serves every batch")
+    w = _weight("int4", 70, 384, 64, True, half=half)
+    for m in (16, 17, 27):
+        x = torch.randn(m, 384)
+        ref = x.bfloat16().double() @ dequantize(w).bfloat16().double().T
+        got = ops.matmul_bf16(x, ops.native_weight(w)).double()
+        bound = 2e-6 * math.sqrt(384) * (x.bfloat16().double().abs() @ dequantize(w).bfloat16().double().abs().T)
+        assert (got - ref).abs().le(bound + 1e-7).all()
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_quant_linear_expands_from_the_crossover(kind: str) -> None:
     """From NATIVE_EXPAND_MIN_ROWS rows the weight is expanded (int4 to bf16, with x rounded to bf16 for
-    oneDNN's GEMM; int8 to exact float32); below, the native GEMV runs on float32 x."""
+    oneDNN's GEMM; int8 to exact float32), int4 from NATIVE_BF16_MIN_ROWS runs the bf16 GEMV; below,
+    the native GEMV runs on float32 x."""
     w = _weight(kind, 48, 96, 32, True)
     layer = QuantLinear([w], None, torch.float32)
     dense = dequantize(w)
-    for rows in (NATIVE_EXPAND_MIN_ROWS[kind] - 1, NATIVE_EXPAND_MIN_ROWS[kind]):
+    for rows in (NATIVE_BF16_MIN_ROWS - 1, NATIVE_BF16_MIN_ROWS, NATIVE_EXPAND_MIN_ROWS[kind] - 1,
+                 NATIVE_EXPAND_MIN_ROWS[kind]):
         x = torch.randn(rows, 96)
         got = layer(x)
-        if kind == "int4" and rows >= NATIVE_EXPAND_MIN_ROWS[kind]:
+        if kind == "int4" and (rows >= NATIVE_EXPAND_MIN_ROWS[kind] or rows >= NATIVE_BF16_MIN_ROWS and ops.has_bf16()):
             expected = (x.bfloat16().float() @ dense.bfloat16().float().T)
             torch.testing.assert_close(got, expected, atol=2e-2 * expected.abs().max().item(), rtol=0)
             assert not torch.allclose(got, x @ dense.T, atol=1e-5, rtol=0)  # really the bf16 GEMM
@@ -265,7 +287,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
 def test_default_model_equals_its_float32_twin(monkeypatch) -> None:
     """Native kernels compute the Q4_1/Q8_0 weights exactly in float32 activations, so greedy tokens
     equal the same file loaded dense (quantization "none"), batched and alone. (The PyTorch path rounds
-    activations to bf16 for its int4 kernel and may differ on near ties: "def fibonacci(n):" does.)"""
+    activations to bf16 for its int4 kernel and may differ on near ties: "def fibonacci(n):" does.) The
+    prompts' joint prefill is over 16 rows: float32 is kept there too."""
+    monkeypatch.setitem(NATIVE_EXPAND_MIN_ROWS, "int4", 1 << 30)
+    monkeypatch.setattr(linear, "NATIVE_BF16_MIN_ROWS", 1 << 30)
     kwargs = {"kv_cache_memory": 0.05, "max_model_len": 256, "engine_process": False}
     dense = _generate(LLM(default_gguf_path(), quantization="none", **kwargs), PROMPTS, 24)
     llm = LLM(default_gguf_path(), **kwargs)
@@ -293,9 +318,10 @@ def test_tiny_quantized_llama_equals_its_float32_twin(tmp_path, monkeypatch, met
     float32 model holding the same values, batched and alone, logprobs within float32 noise. The
     PyTorch path (EMBER_CPU_NATIVE=0), whose int4/int8 kernels take bf16 activations, holds to the
     first 12 tokens (its first divergence on these prompts is at token 16) with logprobs within 0.05.
-    Prefills of 32 rows or more expand int4 weights for a bf16 GEMM (NATIVE_EXPAND_MIN_ROWS, tested
-    below); this comparison keeps every int4 matmul native."""
+    From 16 rows int4 matmuls round activations to bf16 (NATIVE_BF16_MIN_ROWS, NATIVE_EXPAND_MIN_ROWS,
+    tested above); this comparison keeps every int4 matmul in float32."""
     monkeypatch.setitem(NATIVE_EXPAND_MIN_ROWS, "int4", 1 << 30)
+    monkeypatch.setattr(linear, "NATIVE_BF16_MIN_ROWS", 1 << 30)
     path = make_checkpoint(tmp_path / "llama", "llama")
     twin = LLM(str(_dense_twin(path, tmp_path / "twin", method)), kv_cache_memory=0.02, max_model_len=256,
                engine_process=False)

@@ -158,6 +158,26 @@ def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     return y
 
 
+def has_bf16() -> bool:
+    """Whether `matmul_bf16` runs here (AVX512_BF16)."""
+    return available() and _module().has_bf16()
+
+
+def matmul_bf16(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
+    """`matmul` for int4 weights with x and the dequantized weights rounded to bf16 (float32 sums), as
+    PyTorch's int4 kernel computes: twice the multiply-adds per instruction, for compute-bound batches."""
+    if w.kind != "int4" or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"matmul_bf16 takes int4 weights and x [M, {w.in_features}], got {w.kind} and "
+                         f"{tuple(x.shape)}")
+    _check("x", x, torch.float32)
+    xb = x.to(torch.bfloat16).contiguous()
+    y = torch.empty(x.shape[0], w.out_features)
+    _module().gemv_q4_bf16x(xb.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), y.data_ptr(),
+                            x.shape[0], w.in_features, w.out_features, w.group_size, torch.get_num_threads(),
+                            w.scales.dtype == torch.float16)
+    return y
+
+
 def dequantize(w: NativeWeight) -> torch.Tensor:
     """The dense [N, K] weight: bf16 for int4 (what oneDNN's fast GEMM takes; equal to
     `formats.dequantize(...).to(bfloat16)`), float32 for int8 (exactly `formats.dequantize`)."""

@@ -63,6 +63,12 @@ _PACK_BLOCK_N = 64
 # 0.72 ms, 32 rows 1.31 / 0.90, 64 2.77 / 1.47, 128 6.0 / 2.2, 256 11.0 / 3.4. The 49152 x 576 Q8_0 head,
 # whose float32 expansion writes 113 MB: 16 rows 5.9 against 50 ms, 256 rows 104 / 148, 512 282 / 273.
 NATIVE_EXPAND_MIN_ROWS = {"int4": 32, "int8": 512}
+# Rows from which int4 GEMVs round x and the weights to bf16 (float32 sums, VDPBF16PS; as PyTorch's int4
+# kernel and the expansion above do) where the CPU has AVX512_BF16: the float32 kernel is compute-bound
+# there. One SmolLM2 layer's int4 weights (float16 scales), float32 against bf16 against expanded: 8 rows
+# 0.285 / 0.247 / 0.56 ms, 16 rows 0.54 / 0.445 / 0.61, 32 rows 1.24 / 0.88 / 0.78 (same machine, load
+# average 0.6). From 16 rows, every int4 matmul rounds activations to bf16 and below none does.
+NATIVE_BF16_MIN_ROWS = 16
 
 
 def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torch.Tensor, ...]]:
@@ -96,11 +102,14 @@ def _native_layout(w: QuantizedWeight) -> native.NativeWeight | None:
 
 
 def _native_matmul(x: torch.Tensor, w: native.NativeWeight) -> torch.Tensor:
-    """x @ W^T: the native GEMV below NATIVE_EXPAND_MIN_ROWS rows, above it the weight expanded (int4 to
-    bf16, int8 to exact float32) for oneDNN's GEMM."""
-    if x.shape[0] >= NATIVE_EXPAND_MIN_ROWS[w.kind]:
+    """x @ W^T: the native GEMV below NATIVE_EXPAND_MIN_ROWS rows (int4 from NATIVE_BF16_MIN_ROWS in bf16),
+    above it the weight expanded (int4 to bf16, int8 to exact float32) for oneDNN's GEMM."""
+    rows = x.shape[0]
+    if rows >= NATIVE_EXPAND_MIN_ROWS[w.kind]:
         dense = native.dequantize(w)
         return F.linear(x.to(dense.dtype), dense).to(x.dtype)
+    if rows >= NATIVE_BF16_MIN_ROWS and w.kind == "int4" and native.has_bf16():
+        return native.matmul_bf16(x.float(), w).to(x.dtype)
     if x.dtype == torch.float32:
         return native.matmul(x, w)
     return native.matmul(x.float(), w).to(x.dtype)
