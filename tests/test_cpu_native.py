@@ -28,7 +28,13 @@ from ember.quant.linear import (
 )
 from ember.quant.quantize import quantize
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the PyTorch paths are tested elsewhere")
+pytestmark = pytest.mark.skipif(ops.kernels() is None, reason="no C compiler: the PyTorch paths are tested elsewhere")
+
+
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    """The kernels in use even on CPUs without AVX-512 (where, unset, EMBER_CPU_NATIVE leaves them off)."""
+    monkeypatch.setenv("EMBER_CPU_NATIVE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +50,8 @@ def kernels(request, monkeypatch):
     """The kernels ops.py calls, for one test: the -march=native build or the plain-C one."""
     if request.param == "plain-c":
         module = request.getfixturevalue("plain_c")
-        monkeypatch.setattr(ops, "_kernels", lambda: module)
-    return ops._kernels()
+        monkeypatch.setattr(ops, "kernels", lambda: module)
+    return ops.kernels()
 
 
 def _weight(kind: str, n: int, k: int, group: int, zeros: bool, seed: int = 0, half: bool = False) -> QuantizedWeight:

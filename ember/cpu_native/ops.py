@@ -37,25 +37,33 @@ def load_kernels() -> ModuleType | None:
         return None
 
 
-_kernels = functools.cache(load_kernels)
+kernels = functools.cache(load_kernels)  # the loaded module (or None), built once per process
 
 
 @functools.cache
-def _note_disabled() -> None:
-    logger.info("EMBER_CPU_NATIVE=0: CPU native kernels disabled, using PyTorch ops")
+def _note(message: str) -> None:
+    logger.info(message)
 
 
 def available() -> bool:
-    """Whether the native kernels can run (read on every call, so EMBER_CPU_NATIVE applies to the
-    next model load)."""
-    if os.environ.get("EMBER_CPU_NATIVE", "1") == "0":
-        _note_disabled()
+    """Whether the native kernels run (EMBER_CPU_NATIVE is read on every call, so it applies to the next
+    model load): "0" never; unset, where they were built with AVX-512 (the plain-C build, for other CPUs,
+    is correct but not tuned, and PyTorch's own kernels are vectorized there); "1" whenever they build."""
+    flag = os.environ.get("EMBER_CPU_NATIVE", "")
+    if flag == "0":
+        _note("EMBER_CPU_NATIVE=0: CPU native kernels disabled, using PyTorch ops")
         return False
-    return _kernels() is not None
+    module = kernels()
+    if module is None:
+        return False
+    if flag != "1" and module.simd() != "avx512":
+        _note("CPU without AVX-512: using PyTorch ops (EMBER_CPU_NATIVE=1 runs the plain-C kernels)")
+        return False
+    return True
 
 
 def _module() -> ModuleType:
-    module = _kernels()
+    module = kernels()
     if module is None:  # only when a caller skipped available()
         raise RuntimeError("the CPU native kernels are not available (see ember.cpu_native.ops.available)")
     return module
