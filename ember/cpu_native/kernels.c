@@ -1,6 +1,6 @@
-/* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations, the dense
- * expansions of the same layouts for large batches, and paged decode attention read straight from
- * the KV cache.
+/* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations (int4 also over
+ * bf16 ones where the CPU has AVX512_BF16), the dense expansions of the same layouts for large
+ * batches, and paged decode attention read straight from the KV cache.
  *
  * Every function takes raw data pointers as Python ints plus sizes; ember/cpu_native/ops.py checks
  * shapes, dtypes and contiguity before calling. The compute runs without the GIL, on OpenMP threads
@@ -11,8 +11,8 @@
  *     nibble of byte j and input j + 16 in the high one (GGUF's Q4_0/Q4_1 order), so one 16-byte
  *     load, a zero-extension, an and and a shift give two vectors of 16 codes.
  *   int8 codes: int8 [N, K], row-major.
- *   scales, zeros: float32 or float16 [N, ceil(K / group)]; w = q * scale + zero (zeros may be absent); the last
- *     group may be shorter (K a multiple of the run, not of the group).
+ *   scales, zeros: float32 or float16 [N, ceil(K / group)]; w = q * scale + zero (zeros may be
+ *     absent); the last group may be shorter (K a multiple of the run, not of the group).
  *
  * AVX-512 code sits under __AVX512F__; the #else branches compute the same sums in plain C so the
  * module builds (and is tested) anywhere.
