@@ -130,7 +130,8 @@ def _compact_params(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[t
 
 def _relayout_int4(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
     """Ember's packing (input 2m low, 2m + 1 high nibble of byte m) -> runs of 32: byte j of a run holds
-    inputs j (low) and j + 16 (high). One numpy pass: 2.5 ms for the default model's 1536 x 576."""
+    inputs j (low) and j + 16 (high). One numpy pass: 0.6 ms for a 1536 x 576 weight (the default model
+    loads in 0.6 s with these layouts, 0.7 s with PyTorch's int4 packing)."""
     q = unpack_int4(qweight, in_features).numpy()
     n = q.shape[0]
     runs = q.reshape(n, in_features // 32, 2, 16)
