@@ -28,7 +28,16 @@ from ember.quant.linear import (
 )
 from ember.quant.quantize import quantize
 
-pytestmark = pytest.mark.skipif(ops.kernels() is None, reason="no C compiler: the PyTorch paths are tested elsewhere")
+
+def _has_compiler() -> bool:
+    try:
+        return bool(build.compiler())
+    except build.BuildError:
+        return False
+
+
+# Only a missing compiler skips: kernels that fail to build fail every test below.
+pytestmark = pytest.mark.skipif(not _has_compiler(), reason="no C compiler: the PyTorch paths are tested elsewhere")
 
 
 @pytest.fixture(autouse=True)
