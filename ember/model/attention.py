@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ember.cpu_native import ops as native
 from ember.model.backend import use_triton
 from ember.quant.formats import FP8_DTYPE
 from ember.quant.kv_scale import KVScale, check_kv_scales, dequantize_kv, quantize_kv
@@ -184,10 +185,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, k_scale: KVScale, v_scale: KVScale, masking: Masking) -> torch.Tensor:
-    """The one-token queries q [nd, Hq, D] -> [nd, Hq, D], in one SDPA call over their gathered blocks."""
+    """The one-token queries q [nd, Hq, D] -> [nd, Hq, D]: float32 caches are read in place by the native
+    kernel (ember/cpu_native: no gather, one pass); other caches are gathered for one SDPA call."""
     block_size = k_cache.shape[1]
     nd = meta.num_decodes
     window = masking.window
+    if k_cache.dtype == torch.float32 and native.attention_fits(q, k_cache) and native.available():
+        return native.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                             window=window, soft_cap=masking.soft_cap, sinks=masking.sinks)
     if window not in meta.cpu_decode:
         meta.cpu_decode[window] = _decode_plan(meta, block_size, window)
     ids, keys, mask = meta.cpu_decode[window]

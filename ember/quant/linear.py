@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.cpu_native import ops as native
 from ember.model.backend import use_triton
 from ember.quant.formats import (
     QuantizedWeight,
@@ -57,6 +58,19 @@ _SCALED_MM_ROW_MULTIPLE = 16
 # 128-token prompts were 3-10% slower expanded and 256 and 512 rows 16% and 38% faster.
 CPU_EXPAND_MIN_ROWS = 256
 _PACK_BLOCK_N = 64
+# Rows from which a weight in the native layout (ember/cpu_native) is expanded for oneDNN's GEMM (int4 to
+# bf16, int8 to float32) instead of running the native GEMV, which reaches ~180 GFLOP/s from 8 rows on
+# this project's 2-core AVX-512 EPYC (the machine shared, load average 0.4-0.6; minimum of 7). One
+# SmolLM2-135M layer's int4 weights (qkv, o, gate/up, down), native against expanded: 16 rows 0.60 against
+# 0.72 ms, 32 rows 1.31 / 0.90, 64 2.77 / 1.47, 128 6.0 / 2.2, 256 11.0 / 3.4. The 49152 x 576 Q8_0 head,
+# whose float32 expansion writes 113 MB: 16 rows 5.9 against 50 ms, 256 rows 104 / 148, 512 282 / 273.
+NATIVE_EXPAND_MIN_ROWS = {"int4": 32, "int8": 512}
+# Rows from which int4 GEMVs round x and the weights to bf16 (float32 sums, VDPBF16PS; as PyTorch's int4
+# kernel and the expansion above do) where the CPU has AVX512_BF16: the float32 kernel is compute-bound
+# there. One SmolLM2 layer's int4 weights (float16 scales), float32 against bf16 against expanded: 8 rows
+# 0.285 / 0.247 / 0.56 ms, 16 rows 0.54 / 0.445 / 0.61, 32 rows 1.24 / 0.88 / 0.78 (same machine, load
+# average 0.6). From 16 rows, every int4 matmul rounds activations to bf16 and below none does.
+NATIVE_BF16_MIN_ROWS = 16
 
 
 def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torch.Tensor, ...]]:
@@ -81,6 +95,26 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
     if w.kind == "fp8":  # no CPU fp8 GEMM: `_fp8_emulated` multiplies the dequantized weight, exact in fp32
         return "fp8emulated", (dequantize(w, torch.float32),)
     return "dequantize", ()
+
+
+def _native_layout(w: QuantizedWeight) -> native.NativeWeight | None:
+    """The native kernels' layout (ember/cpu_native) where they are built and cover the weight; it
+    replaces the packed or dense copies `_cpu_layout` would make (int8 codes are shared as they are)."""
+    return native.native_weight(w) if native.fits(w) and native.available() else None
+
+
+def _native_matmul(x: torch.Tensor, w: native.NativeWeight) -> torch.Tensor:
+    """x @ W^T: the native GEMV below NATIVE_EXPAND_MIN_ROWS rows (int4 from NATIVE_BF16_MIN_ROWS in bf16),
+    above it the weight expanded (int4 to bf16, int8 to exact float32) for oneDNN's GEMM."""
+    rows = x.shape[0]
+    if rows >= NATIVE_EXPAND_MIN_ROWS[w.kind]:
+        dense = native.dequantize(w)
+        return F.linear(x.to(dense.dtype), dense).to(x.dtype)
+    if rows >= NATIVE_BF16_MIN_ROWS and w.kind == "int4" and native.has_bf16():
+        return native.matmul_bf16(x.float(), w).to(x.dtype)
+    if x.dtype == torch.float32:
+        return native.matmul(x, w)
+    return native.matmul(x.float(), w).to(x.dtype)
 
 
 def _dense(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -171,28 +205,35 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.out_features = sum(p.out_features if isinstance(p, QuantizedWeight) else p.shape[0] for p in parts)
         on_cpu = _device(parts[0]).type == "cpu"
-        self._cpu = [_cpu_layout(p, dtype) if isinstance(p, QuantizedWeight) and on_cpu else ("gpu", ())
-                     for p in parts]
+        self._native = [_native_layout(p) if isinstance(p, QuantizedWeight) and on_cpu else None for p in parts]
+        self._cpu = [("native", ()) if nat is not None
+                     else _cpu_layout(p, dtype) if isinstance(p, QuantizedWeight) and on_cpu else ("gpu", ())
+                     for p, nat in zip(parts, self._native)]
         self._gpu = [_gpu_layout(p) if isinstance(p, QuantizedWeight) and _device(p).type == "cuda" else None
                      for p in parts]
         # A packed copy replaces the codes it was made from: keep only their shape.
-        self.parts = [_shape_only(p) if layout in ("int4pack", "dense") or gpu is not None else p
+        self.parts = [_shape_only(p) if layout in ("int4pack", "dense", "native") or gpu is not None else p
                       for p, (layout, _), gpu in zip(parts, self._cpu, self._gpu)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the decoder's [tokens, features]: no reshapes (2 µs a call of a ~25 µs CPU decode GEMV)
+            return self._forward_2d(x)
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
+        return self._forward_2d(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+
+    def _forward_2d(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:
-            y = self._matmul(x, self.parts[0], self._cpu[0], self._gpu[0])
+            y = self._matmul(x, self.parts[0], self._cpu[0], self._gpu[0], self._native[0])
         else:
-            y = torch.cat([self._matmul(x, p, cpu, gpu) for p, cpu, gpu in zip(self.parts, self._cpu, self._gpu)],
-                          dim=-1)
+            y = torch.cat([self._matmul(x, *layouts)
+                           for layouts in zip(self.parts, self._cpu, self._gpu, self._native)], dim=-1)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y
 
     def _matmul(self, x: torch.Tensor, w: QuantizedWeight | torch.Tensor,
-                cpu: tuple[str, tuple[torch.Tensor, ...]], gpu: PackedQuantWeight | None) -> torch.Tensor:
+                cpu: tuple[str, tuple[torch.Tensor, ...]], gpu: PackedQuantWeight | None,
+                nat: native.NativeWeight | None) -> torch.Tensor:
         if not isinstance(w, QuantizedWeight):
             return F.linear(x, w)
         layout, tensors = cpu
@@ -200,6 +241,8 @@ class QuantLinear(nn.Module):
             return F.linear(x, tensors[0])
         if w.in_perm is not None:  # the codes' columns are in act-order (GPTQ desc_act)
             x = x.index_select(1, w.in_perm)
+        if nat is not None:
+            return _native_matmul(x, nat)
         if w.kind == "fp8":
             return _fp8_matmul(x, w) if use_triton(x) else _fp8_emulated(x, w, *cpu[1])
         if use_triton(x):
@@ -226,7 +269,8 @@ class QuantLinear(nn.Module):
         memory accounting."""
         tensors = [t for p in self.parts for t in (p.tensors() if isinstance(p, QuantizedWeight) else [p])]
         return (tensors + [t for _, packed in self._cpu for t in packed]
-                + [t for packed in self._gpu if packed is not None for t in packed.tensors()])
+                + [t for packed in self._gpu if packed is not None for t in packed.tensors()]
+                + [t for nat in self._native if nat is not None for t in nat.tensors()])
 
 
 def _unpack_int4pack_t(packed: torch.Tensor) -> torch.Tensor:

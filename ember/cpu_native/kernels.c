@@ -1,0 +1,649 @@
+/* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations (int4 also over
+ * bf16 ones where the CPU has AVX512_BF16), the dense expansions of the same layouts for large
+ * batches, and paged decode attention read straight from the KV cache.
+ *
+ * Every function takes raw data pointers as Python ints plus sizes; ember/cpu_native/ops.py checks
+ * shapes, dtypes and contiguity before calling. The compute runs without the GIL, on OpenMP threads
+ * (the libgomp torch already loaded, so one thread pool serves both).
+ *
+ * Layouts (see ops.py):
+ *   int4 codes: uint8 [N, K / 2]; each run of 32 inputs is 16 bytes, input j of the run in the low
+ *     nibble of byte j and input j + 16 in the high one (GGUF's Q4_0/Q4_1 order), so one 16-byte
+ *     load, a zero-extension, an and and a shift give two vectors of 16 codes.
+ *   int8 codes: int8 [N, K], row-major.
+ *   scales, zeros: float32 or float16 [N, ceil(K / group)]; w = q * scale + zero (zeros may be
+ *     absent); the last group may be shorter (K a multiple of the run, not of the group).
+ *
+ * AVX-512 code sits under __AVX512F__; the #else branches compute the same sums in plain C so the
+ * module builds (and is tested) anywhere.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* the tile loops, fully unrolled so their accumulators live in registers (without it GCC 12 kept
+ * some tiles' accumulators on the stack) */
+#define UNROLL _Pragma("GCC unroll 8")
+#define MT 8 /* activation rows per tile: each weight chunk is dequantized once per tile */
+#define NR 4 /* output rows per block */
+/* Codes are prefetched this far ahead of the loads: from DRAM, without it the GEMVs of one decode
+ * step's weights (30 SmolLM2 layers, 66 MB) read 12 GB/s with two threads; 1-16 KB ahead measured
+ * 15-24 GB/s, 4 KB the best (the machine shared, so within noise of 8 KB). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+static inline int64_t groups(int64_t K, int64_t group) { return (K + group - 1) / group; }
+
+/* A float16's value (exact in float32) */
+static inline float half_to_float(uint16_t h) {
+#ifdef __AVX512F__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
+    if (exp == 0x1F) {
+        u = sign | 0x7F800000 | (man << 13);
+    } else if (exp) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    } else {
+        u = sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* Element i of a float32 (half 0) or float16 (half 1) array */
+static inline float param(const void *p, int64_t i, int half) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+typedef struct {
+    const float *x;      /* [M, K] */
+    const void *codes;
+    const void *scales;  /* [N, G], G = ceil(K / group), float32 or (half) float16 */
+    const void *zeros;   /* [N, G] like scales, or NULL */
+    float *y;            /* [M, N] */
+    int64_t M, K, N, group;
+    int half;
+} gemv_args;
+
+/* Each weight chunk is dequantized in registers (w = q * scale + zero: one FMA per 16 codes) and
+ * multiplied into `mt` activation rows at once; `nr` output rows run side by side so that even one
+ * activation row keeps 8 independent FMA chains in flight (a single row's chain of dependent FMAs
+ * capped a 1536 x 576 GEMV at 16 GB/s from cache). `nr` and `mt` are constants at every call site,
+ * so the accumulators stay in registers. */
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                           int mt) {
+    const int64_t K = a->K, G = groups(a->K, a->group);
+    const __m512i lowmask = _mm512_set1_epi32(0x0F);
+    __m512 acc[NR][MT];
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 s[NR], z[NR];
+        UNROLL
+        for (int r = 0; r < nr; r++) {
+            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
+            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
+        }
+        const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
+        for (int64_t k = g * a->group; k < end; k += 32) {
+            __m512 wl[NR], wh[NR];
+            UNROLL
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+                wl[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lowmask)), s[r], z[r]);
+                wh[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[r], z[r]);
+            }
+            UNROLL
+            for (int m = 0; m < mt; m++) {
+                const float *xm = a->x + (m0 + m) * K + k;
+                __m512 xl = _mm512_loadu_ps(xm), xh = _mm512_loadu_ps(xm + 16);
+                UNROLL
+                for (int r = 0; r < nr; r++) {
+                    acc[r][m] = _mm512_fmadd_ps(wh[r], xh, _mm512_fmadd_ps(wl[r], xl, acc[r][m]));
+                }
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++)
+            a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                           int mt) {
+    const int64_t K = a->K, G = groups(a->K, a->group);
+    __m512 acc[NR][MT];
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 s[NR], z[NR];
+        UNROLL
+        for (int r = 0; r < nr; r++) {
+            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
+            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
+        }
+        const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
+        for (int64_t k = g * a->group; k < end; k += 16) {
+            __m512 w[NR];
+            UNROLL
+            for (int r = 0; r < nr; r++) {
+                const int8_t *p = (const int8_t *)a->codes + (n0 + r) * K + k;
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))),
+                                       s[r], z[r]);
+            }
+            UNROLL
+            for (int m = 0; m < mt; m++) {
+                __m512 xv = _mm512_loadu_ps(a->x + (m0 + m) * K + k);
+                UNROLL
+                for (int r = 0; r < nr; r++) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++)
+            a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#else
+static inline uint8_t q4_code(const uint8_t *run, int64_t j) {
+    return j < 16 ? (run[j] & 0x0F) : (run[j - 16] >> 4);
+}
+
+static inline float q4_weight(const gemv_args *a, int64_t n, int64_t k) {
+    const int64_t G = groups(a->K, a->group);
+    const uint8_t *run = (const uint8_t *)a->codes + n * (a->K / 2) + (k / 32) * 16;
+    float w = (float)q4_code(run, k % 32) * param(a->scales, n * G + k / a->group, a->half);
+    return a->zeros ? w + param(a->zeros, n * G + k / a->group, a->half) : w;
+}
+
+static inline float q8_weight(const gemv_args *a, int64_t n, int64_t k) {
+    const int64_t G = groups(a->K, a->group);
+    float w = (float)((const int8_t *)a->codes)[n * a->K + k] * param(a->scales, n * G + k / a->group, a->half);
+    return a->zeros ? w + param(a->zeros, n * G + k / a->group, a->half) : w;
+}
+
+#define SCALAR_TILE(name, weight)                                                           \
+    static void name(const gemv_args *a, int64_t n0, int nr, int64_t m0, int mt) {          \
+        for (int r = 0; r < nr; r++)                                                        \
+            for (int m = 0; m < mt; m++) {                                                  \
+                const float *xm = a->x + (m0 + m) * a->K;                                   \
+                float acc = 0.f;                                                            \
+                for (int64_t k = 0; k < a->K; k++) acc += weight(a, n0 + r, k) * xm[k];     \
+                a->y[(m0 + m) * a->N + n0 + r] = acc;                                       \
+            }                                                                               \
+    }
+SCALAR_TILE(q4_tile, q4_weight)
+SCALAR_TILE(q8_tile, q8_weight)
+#endif
+
+#ifdef __AVX512BF16__
+/* int4 against bf16 activations (x rounded to bf16 by the caller, as PyTorch's int4 kernel rounds it):
+ * each chunk's weights are dequantized in float32, rounded to bf16 and multiplied by VDPBF16PS, 32
+ * multiply-adds an instruction, twice the float32 FMA's, for batches where the GEMV is compute-bound. */
+static inline __attribute__((always_inline)) void q4bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                             int mt) {
+    const int64_t K = a->K, G = groups(a->K, a->group);
+    const uint16_t *x = (const uint16_t *)a->x;
+    const __m512i lowmask = _mm512_set1_epi32(0x0F);
+    __m512 acc[NR][MT];
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 s[NR], z[NR];
+        UNROLL
+        for (int r = 0; r < nr; r++) {
+            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
+            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
+        }
+        const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
+        for (int64_t k = g * a->group; k < end; k += 32) {
+            __m512bh w[NR];
+            UNROLL
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+                __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lowmask)), s[r], z[r]);
+                __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[r], z[r]);
+                w[r] = _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0-15: inputs k..k+15, 16-31: k+16..k+31 */
+            }
+            UNROLL
+            for (int m = 0; m < mt; m++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
+                UNROLL
+                for (int r = 0; r < nr; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w[r], xv);
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++) a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#define HAS_BF16 1
+#else
+#define HAS_BF16 0
+#endif
+
+/* Activation rows m0 .. M in tiles of MT, then a tile each of 4, 2 and 1 rows for the rest: every
+ * tile size a constant. */
+#define M_TILES(tile, a, n, nr, m0)                                              \
+    do {                                                                         \
+        int64_t m_ = (m0);                                                       \
+        for (; m_ + MT <= (a)->M; m_ += MT) tile((a), (n), (nr), m_, MT);        \
+        if (m_ + 4 <= (a)->M) { tile((a), (n), (nr), m_, 4); m_ += 4; }          \
+        if (m_ + 2 <= (a)->M) { tile((a), (n), (nr), m_, 2); m_ += 2; }          \
+        if (m_ < (a)->M) tile((a), (n), (nr), m_, 1);                            \
+    } while (0)
+
+/* Output rows n0 .. n0 + nr (nr <= NR) against every activation row: one activation row takes all
+ * NR weight rows at once, more take them two at a time (the weight rows stay in L1 across the
+ * activation tiles). */
+#define ROW_BLOCK(tile, a, n0, nr)                                               \
+    do {                                                                         \
+        if ((nr) == NR && (a)->M == 1) {                                         \
+            tile((a), (n0), NR, 0, 1);                                           \
+            break;                                                               \
+        }                                                                        \
+        for (int64_t n = (n0); n < (n0) + (nr); n += 2) {                        \
+            if (n + 1 < (n0) + (nr))                                             \
+                M_TILES(tile, a, n, 2, 0);                                       \
+            else                                                                 \
+                M_TILES(tile, a, n, 1, 0);                                       \
+        }                                                                        \
+    } while (0)
+
+/* Below this many multiply-adds a call runs on the calling thread alone, as PyTorch's own grain size
+ * keeps small ops: forking costs a few microseconds, and on a busy machine a parallel region waits for
+ * whichever of its threads was descheduled. */
+#define PARALLEL_MIN_WORK (1 << 18)
+
+static void gemv(const gemv_args *a, int bits, int threads) {
+    const int64_t blocks = (a->N + NR - 1) / NR;
+    if (a->M * a->N * a->K < PARALLEL_MIN_WORK) threads = 1;
+    int64_t b;
+    if (bits == 4) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (b = 0; b < blocks; b++) ROW_BLOCK(q4_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
+#if HAS_BF16
+    } else if (bits == 16) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (b = 0; b < blocks; b++) ROW_BLOCK(q4bf_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
+#endif
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (b = 0; b < blocks; b++) ROW_BLOCK(q8_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
+    }
+}
+
+/* ---- argument parsing: every argument is a Python int (pointers, sizes) or float ---- */
+
+/* ints[i] = args[i] as an integer, or floats[i] where bit i of float_mask is set */
+static int parse(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *name, int64_t *ints,
+                 double *floats, uint32_t float_mask) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (float_mask >> i & 1) {
+            floats[i] = PyFloat_AsDouble(args[i]);
+        } else {
+            ints[i] = PyLong_AsLongLong(args[i]);
+        }
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+#define PTR(v) ((void *)(intptr_t)(v))
+
+/* gemv_q{4,8}(x, codes, scales, zeros, y, M, K, N, group, threads, half): y = x @ W^T; half: scales and
+ * zeros are float16 */
+static PyObject *gemv_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
+    int64_t v[11];
+    if (parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
+    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], v[7], v[8], (int)v[10]};
+    Py_BEGIN_ALLOW_THREADS
+    gemv(&a, bits, (int)v[9]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *gemv_q4(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_entry(args, nargs, 4, "gemv_q4");
+}
+
+static PyObject *gemv_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_entry(args, nargs, 8, "gemv_q8");
+}
+
+/* gemv_q4_bf16x: gemv_q4 with x bf16 [M, K]; only where the CPU has AVX512_BF16 (see has_bf16) */
+static PyObject *gemv_q4_bf16x(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!HAS_BF16) {
+        PyErr_SetString(PyExc_RuntimeError, "gemv_q4_bf16x: built without AVX512_BF16");
+        return NULL;
+    }
+    return gemv_entry(args, nargs, 16, "gemv_q4_bf16x");
+}
+
+static PyObject *has_bf16(PyObject *self, PyObject *unused) { return PyBool_FromLong(HAS_BF16); }
+
+/* ---- dense expansions, exactly `dequantize`: q * scale, then + zero, each rounded in float32 ---- */
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7FFF + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+#ifdef __AVX512F__
+static inline __m512 affine512(__m512 q, __m512 s, __m512 z, int has_zero) {
+    __m512 w = _mm512_mul_ps(q, s);
+    return has_zero ? _mm512_add_ps(w, z) : w;
+}
+
+/* bf16_round on 16 lanes, stored as 16 halves */
+static inline void store_bf16(uint16_t *o, __m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(r));
+}
+
+static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zero, uint16_t *o) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+    store_bf16(o, affine512(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), vs, vz, has_zero));
+    store_bf16(o + 16, affine512(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs, vz, has_zero));
+}
+
+static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero, float *o) {
+    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    _mm512_storeu_ps(o, affine512(q, _mm512_set1_ps(s), _mm512_set1_ps(z), has_zero));
+}
+#else
+static inline float affine(float q, float s, float z, int has_zero) {
+    float w = q * s;
+    return has_zero ? w + z : w;
+}
+
+static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zero, uint16_t *o) {
+    for (int j = 0; j < 16; j++) {
+        o[j] = bf16_round(affine((float)(p[j] & 0x0F), s, z, has_zero));
+        o[j + 16] = bf16_round(affine((float)(p[j] >> 4), s, z, has_zero));
+    }
+}
+
+static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero, float *o) {
+    for (int j = 0; j < 16; j++) o[j] = affine((float)p[j], s, z, has_zero);
+}
+#endif
+
+/* dequantize_q{4_bf16,8_f32}(codes, scales, zeros, out, N, K, group, threads, half): out [N, K], bf16
+ * for int4 (what oneDNN's fast GEMM takes), float32 for int8 */
+static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
+    int64_t v[9];
+    if (parse(args, nargs, 9, name, v, NULL, 0) < 0) return NULL;
+    const void *scales = PTR(v[1]), *zeros = PTR(v[2]);
+    const int half = (int)v[8];
+    const int64_t N = v[4], K = v[5], group = v[6], G = groups(K, group), run = bits == 4 ? 32 : 16;
+    const int has_zero = zeros != NULL;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t n;
+#pragma omp parallel for num_threads((int)v[7]) schedule(static)
+    for (n = 0; n < N; n++) {
+        for (int64_t k = 0; k < K; k += run) {
+            float s = param(scales, n * G + k / group, half), z = has_zero ? param(zeros, n * G + k / group, half) : 0.f;
+            if (bits == 4)
+                q4_expand_run((const uint8_t *)PTR(v[0]) + (n * K + k) / 2, s, z, has_zero, (uint16_t *)PTR(v[3]) + n * K + k);
+            else
+                q8_expand_run((const int8_t *)PTR(v[0]) + n * K + k, s, z, has_zero, (float *)PTR(v[3]) + n * K + k);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *dequantize_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return expand_entry(args, nargs, 4, "dequantize_q4_bf16");
+}
+
+static PyObject *dequantize_q8_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return expand_entry(args, nargs, 8, "dequantize_q8_f32");
+}
+
+/* ---- paged decode attention ---- */
+
+#define MAX_GROUP 64   /* query heads per KV head */
+#define MAX_ACC 8192   /* query heads per KV head times head dimension (32 KB of accumulators) */
+#define MAX_BLOCK 256  /* keys per cache block */
+
+typedef struct {
+    const float *q;          /* [nd, Hq, D], token stride q_stride */
+    const float *k, *v;      /* [blocks, block_size, Hk, D] */
+    const int32_t *tables;   /* [nd, table_stride] */
+    const int32_t *seq_lens; /* [nd] */
+    const float *sinks;      /* [Hq] or NULL */
+    float *out;              /* [nd, Hq, D] */
+    int64_t q_stride, table_stride, Hq, Hk, D, block_size, window;
+    float scale, cap;
+} attn_args;
+
+#ifdef __AVX512F__
+/* exp for x <= 0 (scores minus their running maximum): 2^n * p(r), r = x - n ln2, degree-6
+ * polynomial, within 2 ulp of expf; below -87 it flushes to 0. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    __m512 e = _mm512_scalef_ps(p, n);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LE_OQ), e, _mm512_setzero_ps());
+}
+
+static inline float dot(const float *a, const float *b, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < d) {
+        __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* p[i] = exp(s[i] - mx) for i < n */
+static inline void exp_shifted(float *p, const float *s, int64_t n, float mx) {
+    __m512 vm = _mm512_set1_ps(mx);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(p + i, m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vm)));
+    }
+}
+
+/* acc = acc * alpha + sum_j p[j] v_j, 64 columns at a time in registers (one pass over the keys per 64
+ * columns: 1.6x faster than a pass per 16 for head dim 64) */
+static inline void scale_add(float *acc, float alpha, const float *p, const float *v, int64_t n, int64_t vstride,
+                             int64_t d) {
+    for (int64_t i0 = 0; i0 < d; i0 += 64) {
+        __mmask16 m[4];
+        __m512 a[4];
+        UNROLL
+        for (int c = 0; c < 4; c++) {
+            int64_t left = d - i0 - 16 * c;
+            m[c] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            a[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m[c], acc + i0 + 16 * c), _mm512_set1_ps(alpha));
+        }
+        for (int64_t j = 0; j < n; j++) {
+            __m512 pj = _mm512_set1_ps(p[j]);
+            UNROLL
+            for (int c = 0; c < 4; c++)
+                a[c] = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[c], v + j * vstride + i0 + 16 * c), a[c]);
+        }
+        UNROLL
+        for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(acc + i0 + 16 * c, m[c], a[c]);
+    }
+}
+#else
+static inline float dot(const float *a, const float *b, int64_t d) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < d; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void exp_shifted(float *p, const float *s, int64_t n, float mx) {
+    for (int64_t i = 0; i < n; i++) p[i] = expf(s[i] - mx);
+}
+
+static inline void scale_add(float *acc, float alpha, const float *p, const float *v, int64_t n, int64_t vstride,
+                             int64_t d) {
+    for (int64_t i = 0; i < d; i++) {
+        float a = acc[i] * alpha;
+        for (int64_t j = 0; j < n; j++) a += p[j] * v[j * vstride + i];
+        acc[i] = a;
+    }
+}
+#endif
+
+/* One sequence's query heads of one KV head, online softmax over its blocks in order. */
+static void attend_one(const attn_args *a, int64_t s, int64_t h) {
+    const int64_t G = a->Hq / a->Hk, D = a->D, bs = a->block_size, row = a->Hk * D;
+    const int64_t len = a->seq_lens[s], pos = len - 1;
+    const int64_t first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+    const int32_t *table = a->tables + s * a->table_stride;
+    float acc[MAX_ACC], mx[MAX_GROUP], l[MAX_GROUP], sc[MAX_BLOCK], p[MAX_BLOCK];
+    const float *q = a->q + s * a->q_stride + h * G * D;
+    for (int64_t g = 0; g < G; g++) {
+        mx[g] = -INFINITY;
+        l[g] = 0.f;
+        memset(acc + g * D, 0, sizeof(float) * (size_t)D);
+    }
+    for (int64_t b = first / bs; b * bs < len; b++) {
+        int64_t j0 = b * bs < first ? first - b * bs : 0, j1 = len - b * bs < bs ? len - b * bs : bs, nj = j1 - j0;
+        const float *kb = a->k + ((int64_t)table[b] * bs + j0) * row + h * D;
+        const float *vb = a->v + ((int64_t)table[b] * bs + j0) * row + h * D;
+        for (int64_t g = 0; g < G; g++) {
+            float bmax = -INFINITY;
+            for (int64_t j = 0; j < nj; j++) {
+                float x = dot(q + g * D, kb + j * row, D) * a->scale;
+                if (a->cap > 0.f) x = a->cap * tanhf(x / a->cap);
+                sc[j] = x;
+                bmax = x > bmax ? x : bmax;
+            }
+            float m_new = bmax > mx[g] ? bmax : mx[g];
+            float alpha = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m_new);
+            exp_shifted(p, sc, nj, m_new);
+            float psum = 0.f;
+            for (int64_t j = 0; j < nj; j++) psum += p[j];
+            l[g] = l[g] * alpha + psum;
+            mx[g] = m_new;
+            scale_add(acc + g * D, alpha, p, vb, nj, row, D);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float norm = l[g], alpha = 1.f;
+        if (a->sinks) {
+            float sink = a->sinks[h * G + g], m_new = sink > mx[g] ? sink : mx[g];
+            alpha = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m_new);
+            norm = l[g] * alpha + expf(sink - m_new);
+        }
+        float f = norm > 0.f ? alpha / norm : 0.f;
+        float *o = a->out + (s * a->Hq + h * G + g) * D;
+        for (int64_t i = 0; i < D; i++) o[i] = acc[g * D + i] * f;
+    }
+}
+
+/* paged_decode_attention(q, q_stride, k_cache, v_cache, tables, table_stride, seq_lens, sinks, out,
+ *                        nd, Hq, Hk, D, block_size, window, scale, cap, threads)
+ * window 0: none; cap 0: none; sinks 0: none. */
+static PyObject *paged_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[18];
+    double f[18];
+    if (parse(args, nargs, 18, "paged_decode_attention", v, f, 1u << 15 | 1u << 16) < 0) return NULL;
+    attn_args a = {PTR(v[0]), PTR(v[2]), PTR(v[3]), PTR(v[4]), PTR(v[6]), PTR(v[7]), PTR(v[8]),
+                   v[1], v[5], v[10], v[11], v[12], v[13], v[14], (float)f[15], (float)f[16]};
+    const int64_t nd = v[9];
+    if (a.Hq / a.Hk > MAX_GROUP || a.Hq / a.Hk * a.D > MAX_ACC || a.block_size > MAX_BLOCK) {
+        PyErr_SetString(PyExc_ValueError, "paged_decode_attention: group, head dim or block size too large");
+        return NULL;
+    }
+    int threads = (int)v[17];
+    int64_t work = 0;
+    for (int64_t s = 0; s < nd; s++) work += a.seq_lens[s];
+    if (work * a.Hq * a.D < PARALLEL_MIN_WORK) threads = 1;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t i;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i = 0; i < nd * a.Hk; i++) attend_one(&a, i / a.Hk, i % a.Hk);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *simd(PyObject *self, PyObject *unused) {
+#ifdef __AVX512F__
+    return PyUnicode_FromString("avx512");
+#else
+    return PyUnicode_FromString("scalar");
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"gemv_q4", (PyCFunction)(void (*)(void))gemv_q4, METH_FASTCALL, "y = x @ W^T, int4 codes"},
+    {"gemv_q8", (PyCFunction)(void (*)(void))gemv_q8, METH_FASTCALL, "y = x @ W^T, int8 codes"},
+    {"dequantize_q4_bf16", (PyCFunction)(void (*)(void))dequantize_q4_bf16, METH_FASTCALL, "int4 -> bf16 [N, K]"},
+    {"dequantize_q8_f32", (PyCFunction)(void (*)(void))dequantize_q8_f32, METH_FASTCALL, "int8 -> float32 [N, K]"},
+    {"paged_decode_attention", (PyCFunction)(void (*)(void))paged_decode_attention, METH_FASTCALL,
+     "one-token queries against a paged KV cache"},
+    {"gemv_q4_bf16x", (PyCFunction)(void (*)(void))gemv_q4_bf16x, METH_FASTCALL, "y = x @ W^T, int4 codes, bf16 x"},
+    {"has_bf16", has_bf16, METH_NOARGS, "whether gemv_q4_bf16x was compiled (AVX512_BF16)"},
+    {"simd", simd, METH_NOARGS, "which code path was compiled: 'avx512' or 'scalar'"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ember_cpu_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__ember_cpu_kernels(void) { return PyModule_Create(&module); }

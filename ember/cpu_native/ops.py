@@ -1,0 +1,247 @@
+"""Typed wrappers around the native CPU kernels (kernels.c): shape and dtype checks with clear
+errors, output allocation, and the weight layout the GEMVs read.
+
+The kernels are built on first use (or at install by `python -m ember.cpu_native.build`) and cached;
+when there is no compiler, the build fails, or EMBER_CPU_NATIVE=0 is set, `available()` is False
+and callers keep their PyTorch paths. One log line says which.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from ember.quant.formats import QuantizedWeight, unpack_int4
+
+logger = logging.getLogger("ember")
+
+_CHUNK = {"int4": 32, "int8": 16}  # inputs per vector step of each kernel
+_MAX_GROUP_DIM = 8192  # kernels.c MAX_ACC: query heads per KV head times head dim
+_MAX_BLOCK = 256
+
+
+def load_kernels() -> ModuleType | None:
+    """Builds (or finds in the cache) and loads the kernels; None, with one warning, when that fails."""
+    from ember.cpu_native.build import BuildError, build, load
+
+    try:
+        return load(build())
+    except (BuildError, ImportError, OSError) as e:
+        logger.warning("CPU native kernels unavailable, using PyTorch ops instead: %s", e)
+        return None
+
+
+kernels = functools.cache(load_kernels)  # the loaded module (or None), built once per process
+
+
+@functools.cache
+def _note(message: str) -> None:
+    logger.info(message)
+
+
+def available() -> bool:
+    """Whether the native kernels run (EMBER_CPU_NATIVE is read on every call, so it applies to the next
+    model load): "0" never; unset, where they were built with AVX-512 (the plain-C build, for other CPUs,
+    is correct but not tuned, and PyTorch's own kernels are vectorized there); "1" whenever they build."""
+    flag = os.environ.get("EMBER_CPU_NATIVE", "")
+    if flag == "0":
+        _note("EMBER_CPU_NATIVE=0: CPU native kernels disabled, using PyTorch ops")
+        return False
+    module = kernels()
+    if module is None:
+        return False
+    if flag != "1" and module.simd() != "avx512":
+        _note("CPU without AVX-512: using PyTorch ops (EMBER_CPU_NATIVE=1 runs the plain-C kernels)")
+        return False
+    return True
+
+
+def _module() -> ModuleType:
+    module = kernels()
+    if module is None:  # only when a caller skipped available()
+        raise RuntimeError("the CPU native kernels are not available (see ember.cpu_native.ops.available)")
+    return module
+
+
+@dataclass
+class NativeWeight:
+    """A quantized weight in the layout the GEMVs read: int4 codes as 16-byte runs of 32 inputs (input
+    j in the low nibble of byte j, j + 16 in the high one), int8 codes row-major as stored; scales (and
+    zeros) [N, ceil(K / group_size)], float16 where that holds them exactly, else float32;
+    w = q * scale + zero."""
+
+    kind: str                  # "int4" or "int8"
+    codes: torch.Tensor        # uint8 [N, K / 2] (int4) or int8 [N, K]
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group_size: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scales, self.zeros) if t is not None]
+
+
+def fits(w: QuantizedWeight) -> bool:
+    """Whether the kernels cover the weight: int4 or int8 on CPU, groups and K in runs of the kernel's
+    vector step (int8 per channel included; a shorter last group too, as `quantize_int4` makes for a K
+    below its group size), one scale row per output row."""
+    chunk = _CHUNK.get(w.kind)
+    return (chunk is not None and w.qweight.device.type == "cpu" and w.block_rows == 1
+            and w.group_size % chunk == 0 and w.in_features % chunk == 0
+            and w.scales.shape == (w.out_features, -(-w.in_features // w.group_size)))
+
+
+def native_weight(w: QuantizedWeight) -> NativeWeight:
+    """The native layout of `w` (which must fit). int4 codes are re-laid out (the same bytes, which
+    replace the file's); int8 codes, scales and zeros are shared with `w` when already float32 and
+    contiguous, so a tied LM head costs nothing beside its embedding."""
+    if not fits(w):
+        raise ValueError(f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
+                         f"{w.block_rows}) does not fit the CPU native kernels")
+    if w.kind == "int8":
+        zeros = None if w.zeros is None else w.zeros.float().contiguous()
+        return NativeWeight(w.kind, w.qweight.contiguous(), w.scales.float().contiguous(), zeros, w.group_size,
+                            w.in_features)
+    scales, zeros = _compact_params(w.scales, w.zeros)
+    return NativeWeight(w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features)
+
+
+def _compact_params(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """int4 scales and zeros as float16 when that is exact (GGUF Q4_0/Q4_1 store float16 d and m): for
+    Q4_1 groups of 32 they are a third of the bytes a step reads in float32 (8 of 24 per group), and
+    PyTorch's int4 kernel reads them as bf16 pairs (4 bytes). K-quants' d * sc products stay float32."""
+    parts = [t.float().contiguous().numpy() for t in (scales, zeros) if t is not None]
+    halves = [p.astype(np.float16) for p in parts]
+    if not all(np.array_equal(h.astype(np.float32), p) for h, p in zip(halves, parts)):
+        return scales.float().contiguous(), None if zeros is None else zeros.float().contiguous()
+    tensors = [torch.from_numpy(h) for h in halves]
+    return tensors[0], tensors[1] if zeros is not None else None
+
+
+def _relayout_int4(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Ember's packing (input 2m low, 2m + 1 high nibble of byte m) -> runs of 32: byte j of a run holds
+    inputs j (low) and j + 16 (high). One numpy pass: 0.6 ms for a 1536 x 576 weight (the default model
+    loads in 0.6 s with these layouts, 0.7 s with PyTorch's int4 packing)."""
+    q = unpack_int4(qweight, in_features).numpy()
+    n = q.shape[0]
+    runs = q.reshape(n, in_features // 32, 2, 16)
+    out = np.empty((n, in_features // 32, 16), dtype=np.uint8)
+    np.bitwise_or(runs[:, :, 0], runs[:, :, 1] << 4, out=out)
+    return torch.from_numpy(out.reshape(n, in_features // 2))
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> None:
+    if not t.is_cpu or t.dtype != dtype:
+        raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
+    """x float32 [M, K] -> x @ W^T, float32 [M, N]. Called ~120 times per decode step, so the checks
+    come first in one cheap test (the whole wrapper costs ~3 us over the kernel's call)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features or not x.is_cpu:
+        _check("x", x, torch.float32)
+        raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], w.out_features)
+    kernels = _module()
+    fn = kernels.gemv_q4 if w.kind == "int4" else kernels.gemv_q8
+    fn(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), y.data_ptr(), x.shape[0],
+       w.in_features, w.out_features, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
+    return y
+
+
+def has_bf16() -> bool:
+    """Whether `matmul_bf16` runs here (AVX512_BF16)."""
+    return available() and _module().has_bf16()
+
+
+def matmul_bf16(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
+    """`matmul` for int4 weights with x and the dequantized weights rounded to bf16 (float32 sums), as
+    PyTorch's int4 kernel computes: twice the multiply-adds per instruction, for compute-bound batches."""
+    if w.kind != "int4" or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"matmul_bf16 takes int4 weights and x [M, {w.in_features}], got {w.kind} and "
+                         f"{tuple(x.shape)}")
+    _check("x", x, torch.float32)
+    xb = x.to(torch.bfloat16).contiguous()
+    y = torch.empty(x.shape[0], w.out_features)
+    _module().gemv_q4_bf16x(xb.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), y.data_ptr(),
+                            x.shape[0], w.in_features, w.out_features, w.group_size, torch.get_num_threads(),
+                            w.scales.dtype == torch.float16)
+    return y
+
+
+def dequantize(w: NativeWeight) -> torch.Tensor:
+    """The dense [N, K] weight: bf16 for int4 (what oneDNN's fast GEMM takes; equal to
+    `formats.dequantize(...).to(bfloat16)`), float32 for int8 (exactly `formats.dequantize`)."""
+    n, k = w.out_features, w.in_features
+    if w.kind == "int4":
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+        fn = _module().dequantize_q4_bf16
+    else:
+        out = torch.empty(n, k)
+        fn = _module().dequantize_q8_f32
+    fn(w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), n, k, w.group_size,
+       torch.get_num_threads(), w.scales.dtype == torch.float16)
+    return out
+
+
+def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` takes these: float32 queries and cache, sizes within its buffers."""
+    heads, dim = q.shape[1], q.shape[2]
+    return (q.dtype == k_cache.dtype == torch.float32 and heads % k_cache.shape[2] == 0
+            and heads // k_cache.shape[2] * dim <= _MAX_GROUP_DIM and k_cache.shape[1] <= _MAX_BLOCK)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           window: int | None = None, soft_cap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One-token queries q float32 [nd, Hq, D] (rows may be strided, heads contiguous) against float32
+    caches [num_blocks, block_size, Hk, D], as `ember.model.attention.paged_attention` defines it:
+    the query of sequence i sits at position seq_lens[i] - 1 and sees keys p - window < j <= p;
+    scores are scaled, then soft-capped (cap * tanh(s / cap)); sinks [Hq] join each softmax
+    denominator. block_tables int32 [>= nd, W] (rows may be strided), seq_lens int32 [>= nd]."""
+    nd, hq, d = q.shape
+    _check("q", q, torch.float32)
+    _check("k_cache", k_cache, torch.float32)
+    _check("v_cache", v_cache, torch.float32, tuple(k_cache.shape))
+    _check("block_tables", block_tables, torch.int32)
+    _check("seq_lens", seq_lens, torch.int32)
+    _, block_size, hk, dk = k_cache.shape
+    if dk != d or not attention_fits(q, k_cache):
+        raise ValueError(f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)}: head dims must match, "
+                         f"heads divide evenly, heads per KV head x head dim <= {_MAX_GROUP_DIM}, block <= {_MAX_BLOCK}")
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if block_tables.dim() != 2 or block_tables.shape[0] < nd or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [>= {nd}, W] with contiguous rows, got {tuple(block_tables.shape)}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] < nd or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be a contiguous [>= {nd}] tensor, got {tuple(seq_lens.shape)}")
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+        _check("sinks", sinks, torch.float32, (hq,))
+    out = torch.empty(nd, hq, d)
+    _module().paged_decode_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), _ptr(sinks), out.data_ptr(), nd, hq, hk, d, block_size,
+        window or 0, float(scale), float(soft_cap or 0.0), torch.get_num_threads())
+    return out
