@@ -107,7 +107,18 @@ def test_matmul_silu_matches_float64_reference(kernels, kind: str, group: int | 
         assert (got - ref).abs().le(bound).all(), (got - ref).abs().max()
 
 
-def test_quant_linear_fuses_silu_only_on_the_float32_gemv(monkeypatch) -> None:
+def test_matmul_silu_bf16_is_the_bf16_gemv_then_silu() -> None:
+    """From NATIVE_BF16_MIN_ROWS rows on AVX512_BF16 CPUs: the same GEMV sums as `matmul_bf16`."""
+    if not ops.has_bf16():
+        pytest.skip("this CPU has no AVX512_BF16; the float32 GEMV serves every batch")
+    nat = ops.native_weight(_weight("int4", 140, 256, 32, True, half=True))
+    for m in (16, 27):
+        x = torch.randn(m, 256)
+        gate, up = ops.matmul_bf16(x, nat).split(70, dim=-1)
+        torch.testing.assert_close(ops.matmul_silu(x, nat, bf16=True), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_quant_linear_fuses_silu_on_its_native_gemvs(monkeypatch) -> None:
     monkeypatch.setenv("EMBER_CPU_NATIVE", "1")
     layer = QuantLinear([_weight("int4", 64, 128, 32, False)], None, torch.float32)
     x = torch.randn(3, 128)
@@ -116,8 +127,10 @@ def test_quant_linear_fuses_silu_only_on_the_float32_gemv(monkeypatch) -> None:
     assert layer.native_silu_and_mul(x.double()) is None
     rows = torch.randn(linear.NATIVE_EXPAND_MIN_ROWS["int4"], 128)
     assert layer.native_silu_and_mul(rows) is None
-    if ops.has_bf16():
-        assert layer.native_silu_and_mul(torch.randn(NATIVE_BF16_MIN_ROWS, 128)) is None
+    if ops.has_bf16():  # from NATIVE_BF16_MIN_ROWS rows, the bf16 GEMV forward runs, then the activation
+        x = torch.randn(NATIVE_BF16_MIN_ROWS, 128)
+        gate, up = layer(x).split(32, dim=-1)
+        torch.testing.assert_close(layer.native_silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
 def _float32_matmuls(monkeypatch) -> None:
@@ -141,9 +154,9 @@ def _counting(monkeypatch) -> dict[str, int]:
     def counting(name: str):
         fn = getattr(ops, name)
 
-        def counted(*args):
+        def counted(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
-            return fn(*args)
+            return fn(*args, **kwargs)
         return counted
 
     for name in ("add_rms_norm", "rms_norm", "rotary_store", "matmul_silu"):

@@ -787,6 +787,15 @@ static PyObject *gemv_silu_q8(PyObject *self, PyObject *const *args, Py_ssize_t 
     return gemv_silu_entry(args, nargs, 8, "gemv_silu_q8");
 }
 
+/* gemv_silu_q4_bf16x: gemv_silu_q4 with x bf16 [M, K] (as gemv_q4_bf16x); only with AVX512_BF16 */
+static PyObject *gemv_silu_q4_bf16x(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!HAS_BF16) {
+        PyErr_SetString(PyExc_RuntimeError, "gemv_silu_q4_bf16x: built without AVX512_BF16");
+        return NULL;
+    }
+    return gemv_silu_entry(args, nargs, 16, "gemv_silu_q4_bf16x");
+}
+
 /* ==== end of the fused decode-layer ops ==== */
 
 static PyObject *simd(PyObject *self, PyObject *unused) {
@@ -812,6 +821,8 @@ static PyMethodDef methods[] = {
      "rotary on q and k in place, then k and v into their cache slots"},
     {"gemv_silu_q4", (PyCFunction)(void (*)(void))gemv_silu_q4, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int4"},
     {"gemv_silu_q8", (PyCFunction)(void (*)(void))gemv_silu_q8, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int8"},
+    {"gemv_silu_q4_bf16x", (PyCFunction)(void (*)(void))gemv_silu_q4_bf16x, METH_FASTCALL,
+     "silu(x @ G^T) * (x @ U^T), int4, bf16 x"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -311,15 +311,19 @@ def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                            torch.get_num_threads())
 
 
-def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
-    """silu(gate) * up for a fused gate/up weight (rows [0, I) gate, [I, 2I) up): `matmul` and the
-    activation in one call, float32 [M, K] -> [M, I]."""
+def matmul_silu(x: torch.Tensor, w: NativeWeight, bf16: bool = False) -> torch.Tensor:
+    """silu(gate) * up for a fused gate/up weight (rows [0, I) gate, [I, 2I) up): `matmul` (`bf16`:
+    `matmul_bf16`, int4 only) and the activation in one call, float32 [M, K] -> [M, I]."""
     if w.out_features % 2:
         raise ValueError(f"a gate/up weight has an even number of rows, got {w.out_features}")
+    if bf16 and w.kind != "int4":
+        raise ValueError(f"matmul_silu with bf16 activations takes int4 weights, got {w.kind}")
     _rows("x", x, w.in_features)
     size = w.out_features // 2
     out = torch.empty(x.shape[0], size)
-    fn = _module().gemv_silu_q4 if w.kind == "int4" else _module().gemv_silu_q8
-    fn(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), x.shape[0],
+    kernels = _module()
+    fn = kernels.gemv_silu_q8 if w.kind == "int8" else kernels.gemv_silu_q4_bf16x if bf16 else kernels.gemv_silu_q4
+    xp = x.to(torch.bfloat16) if bf16 else x
+    fn(xp.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), x.shape[0],
        w.in_features, size, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
     return out

@@ -265,13 +265,14 @@ class QuantLinear(nn.Module):
     def native_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this layer's output, for a fused gate/up projection (rows [0, I) gate,
         [I, 2I) up), in one native call (`ops.matmul_silu`) where the layer is one native weight
-        without bias or input permutation and x, float32 [M, K], takes the float32 GEMV; else None."""
+        without bias or input permutation and x, float32 [M, K], takes a native GEMV (float32 or
+        bf16, as `forward` would); else None."""
         nat = self._native[0]
         if (len(self.parts) != 1 or nat is None or self.bias is not None or self.parts[0].in_perm is not None
                 or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
-                or not _native_float32_rows(x.shape[0], nat)):
+                or x.shape[0] >= NATIVE_EXPAND_MIN_ROWS[nat.kind]):
             return None
-        return native.matmul_silu(x, nat)
+        return native.matmul_silu(x, nat, bf16=not _native_float32_rows(x.shape[0], nat))
 
     def cpu_dense_weight(self) -> torch.Tensor | None:
         """The whole weight when it is one part kept as a dense CPU copy, else None."""
