@@ -1,6 +1,7 @@
 /* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations (int4 also over
  * bf16 ones where the CPU has AVX512_BF16), the dense expansions of the same layouts for large
- * batches, and paged decode attention read straight from the KV cache.
+ * batches, paged decode attention read straight from the KV cache, and (the last section) the rest
+ * of a decode layer fused: residual add + RMSNorm, rotary + KV store, gate/up GEMV + SiLU.
  *
  * Every function takes raw data pointers as Python ints plus sizes; ember/cpu_native/ops.py checks
  * shapes, dtypes and contiguity before calling. The compute runs without the GIL, on OpenMP threads
