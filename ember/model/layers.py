@@ -19,7 +19,8 @@ from ember.quant.linear import QuantLinear
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm, optionally fused with the residual add that precedes it (one kernel on CUDA).
+    """RMSNorm, optionally fused with the residual add that precedes it (one kernel on CUDA, one native
+    call on CPU in float32: ember/cpu_native).
 
     With `residual`, returns (norm(x + residual), x + residual), the sum rounded to the model
     dtype first, exactly as HF computes `residual + hidden_states` and then normalises.
@@ -63,7 +64,8 @@ def _native_norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: to
             and native.available())
 
 
-def _native_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _native_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One native call for what the PyTorch path does in two or three ops (a decode step makes 61)."""
     if residual is None:
         return native.rms_norm(x, weight, eps)

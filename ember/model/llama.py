@@ -82,18 +82,18 @@ class Attention(nn.Module):
                             logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
-
     def _native_rotary_store(self, positions: torch.Tensor, qkv: torch.Tensor,
                              meta: AttentionMetadata) -> torch.Tensor | None:
         """On CPU with float32 activations and an unscaled float32 cache, every channel rotated and no QK
         norm: rotary on the query and key heads in place and the keys and values into their slots, one
-        native call (ember/cpu_native) for the PyTorch path's split, rotary ops and two index_copy_.
-        Returns the queries [T, Hq, D] (rows strided in qkv), or None where the PyTorch path runs."""
+        native call (ember/cpu_native) for the PyTorch path's split, rotary ops and two index_copy_
+        (decode and prefill rows alike). Returns the queries [T, Hq, D] (rows strided in qkv), or None
+        where the PyTorch path runs."""
         tables = self.rotary.full_tables(self.head_dim)
-        if (tables is None or self.q_norm is not None or qkv.dtype != torch.float32 or qkv.dim() != 2
-                or not qkv.is_cpu or self.k_cache is None or self.k_cache.dtype != torch.float32
-                or not isinstance(self.k_scale, float) or not isinstance(self.v_scale, float)
-                or self.k_scale != 1.0 or self.v_scale != 1.0 or tables[0].dtype != torch.float32
+        unscaled = type(self.k_scale) is float and type(self.v_scale) is float and self.k_scale == self.v_scale == 1.0
+        if (tables is None or self.q_norm is not None or not unscaled or not qkv.is_cpu or qkv.dim() != 2
+                or qkv.dtype != torch.float32 or tables[0].dtype != torch.float32
+                or self.k_cache is None or self.k_cache.dtype != torch.float32
                 or positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64
                 or not native.available()):
             return None
