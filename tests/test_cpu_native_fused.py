@@ -44,18 +44,21 @@ def test_add_rms_norm_matches_float64_reference(kernels, with_residual: bool, m:
     torch.testing.assert_close(out, F.rms_norm(total, (n,), w, eps), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("d", [32, 40])  # 40: half a head is not a whole vector
-def test_rotary_store_equals_the_pytorch_ops(kernels, d: int) -> None:
-    """GQA (6 query heads, 2 KV heads), several tokens with scattered slots, one of them -1 (padding:
-    nothing written), qkv rows strided: the rotation is RotaryEmbedding's CPU ops bit for bit (and the
-    float64 formula within rounding), the caches `store_kv`'s writes exactly."""
-    gen = torch.Generator().manual_seed(d)
-    hq, hk, t = 6, 2, 5
+# d 40: half a head is not a whole vector; 256 tokens: the parallel loop
+@pytest.mark.parametrize(("d", "t"), [(32, 5), (40, 5), (32, 256)])
+def test_rotary_store_equals_the_pytorch_ops(kernels, d: int, t: int) -> None:
+    """GQA (6 query heads, 2 KV heads), tokens with scattered slots, some -1 (padding: nothing written),
+    qkv rows strided: the rotation is RotaryEmbedding's CPU ops bit for bit (and the float64 formula
+    within rounding), the caches `store_kv`'s writes exactly."""
+    gen = torch.Generator().manual_seed(d + t)
+    hq, hk = 6, 2
     rotary = RotaryEmbedding(d, 64, 10000.0, None)
     qkv = torch.randn(t, (hq + 2 * hk) * d + 8, generator=gen)[:, :(hq + 2 * hk) * d]
-    positions = torch.tensor([0, 7, 63, 30, 2])
-    slots = torch.tensor([3, 17, -1, 0, 31])
-    k_cache, v_cache = torch.randn(8, 4, hk, d, generator=gen), torch.randn(8, 4, hk, d, generator=gen)
+    positions = torch.randint(0, 64, (t,), generator=gen)
+    positions[:2] = torch.tensor([0, 63])
+    slots = torch.randperm(80 * 4, generator=gen)[:t]
+    slots[2::3] = -1
+    k_cache, v_cache = torch.randn(80, 4, hk, d, generator=gen), torch.randn(80, 4, hk, d, generator=gen)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     heads = qkv.view(t, hq + 2 * hk, d)
     q_ref, k_ref = rotary.rotate_qk(positions, heads[:, :hq + hk], hq)
