@@ -22,7 +22,10 @@ def hf_rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [576, 4096])
-def test_rms_norm_is_hf_bit_for_bit(hidden: int, dtype: torch.dtype) -> None:
+def test_rms_norm_is_hf_bit_for_bit(hidden: int, dtype: torch.dtype, monkeypatch) -> None:
+    """The PyTorch path; the native one (float32 on AVX-512 CPUs) sums squares in its own order, tested
+    in tests/test_cpu_native_fused.py."""
+    monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
     gen = torch.Generator().manual_seed(hidden)
     norm = RMSNorm(hidden, 1e-5).to(dtype)
     norm.weight.data = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)

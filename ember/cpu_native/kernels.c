@@ -1,6 +1,7 @@
 /* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations (int4 also over
  * bf16 ones where the CPU has AVX512_BF16), the dense expansions of the same layouts for large
- * batches, and paged decode attention read straight from the KV cache.
+ * batches, paged decode attention read straight from the KV cache, and (the last section) the rest
+ * of a decode layer fused: residual add + RMSNorm, rotary + KV store, gate/up GEMV + SiLU.
  *
  * Every function takes raw data pointers as Python ints plus sizes; ember/cpu_native/ops.py checks
  * shapes, dtypes and contiguity before calling. The compute runs without the GIL, on OpenMP threads
@@ -623,6 +624,181 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *const *args, P
     Py_RETURN_NONE;
 }
 
+/* ==== fused decode-layer ops (float32): residual add + RMSNorm, rotary + KV store, gate/up + SiLU ====
+ * What a CPU decode layer runs between its GEMVs, each in one call instead of 3-6 PyTorch ops of
+ * ~6-12 us apiece (the data is a few KB: the ops' dispatch, not their arithmetic, was the cost). */
+
+/* Rows of an elementwise op run on the calling thread below this many elements (a decode step's few KB) */
+#define ROWS_PARALLEL_MIN (1 << 16)
+
+#ifdef __AVX512F__
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+#endif
+
+/* One row: sum = x + residual (when residual), out = sum * rsqrt(mean(sum^2) + eps) * w, float32 as
+ * F.rms_norm computes it (the sum of squares in another order). */
+static void add_rms_norm_row(const float *x, const float *res, const float *w, float *out, float *sum, int64_t n,
+                             float eps) {
+    const float *s = x;
+    if (res) {
+        for (int64_t i = 0; i < n; i++) sum[i] = x[i] + res[i];
+        s = sum;
+    }
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), s + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float ss = _mm512_reduce_add_ps(acc);
+#else
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += s[i] * s[i];
+#endif
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = s[i] * r * w[i];
+}
+
+/* add_rms_norm(x, residual, weight, out, sum, M, N, eps, threads): residual 0 normalises x alone (sum
+ * unused) */
+static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[9];
+    double f[9];
+    if (parse(args, nargs, 9, "add_rms_norm", v, f, 1u << 7) < 0) return NULL;
+    const float *x = PTR(v[0]), *res = PTR(v[1]), *w = PTR(v[2]);
+    float *out = PTR(v[3]), *sum = PTR(v[4]);
+    const int64_t M = v[5], N = v[6];
+    const float eps = (float)f[7];
+    const int threads = M * N < ROWS_PARALLEL_MIN ? 1 : (int)v[8];
+    Py_BEGIN_ALLOW_THREADS
+    int64_t m;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (m = 0; m < M; m++) add_rms_norm_row(x + m * N, res ? res + m * N : NULL, w, out + m * N, res ? sum + m * N : NULL, N,
+                         eps);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* One head in place, neox style: x[i] * cos[i] + x[i +- D/2] * sin_signed[i] (sin_signed: sin with its
+ * first half negated), a product then a sum, no FMA, so bit for bit RotaryEmbedding's CPU ops. */
+static void rotate_head(float *x, const float *c, const float *s, int64_t half) {
+#ifdef __AVX512F__
+    for (int64_t i = 0; i < half; i += 16) {
+        __mmask16 m = tail_mask(half - i);
+        __m512 a = _mm512_maskz_loadu_ps(m, x + i), b = _mm512_maskz_loadu_ps(m, x + half + i);
+        __m512 lo = _mm512_add_ps(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, c + i)),
+                                  _mm512_mul_ps(b, _mm512_maskz_loadu_ps(m, s + i)));
+        __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_maskz_loadu_ps(m, c + half + i)),
+                                  _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s + half + i)));
+        _mm512_mask_storeu_ps(x + i, m, lo);
+        _mm512_mask_storeu_ps(x + half + i, m, hi);
+    }
+#else
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[half + i];
+        x[i] = a * c[i] + b * s[i];
+        x[half + i] = b * c[half + i] + a * s[half + i];
+    }
+#endif
+}
+
+/* rotary_store(qkv, row_stride, positions, cos, sin_signed, table_rows, k_cache, v_cache, slots,
+ *              cache_slots, T, Hq, Hk, D, threads)
+ * qkv float32 [T, row_stride]: Hq query heads, Hk key heads, Hk value heads of D each from column 0.
+ * The query and key heads are rotated in place at positions (int64 [T], rows of the [table_rows, D]
+ * tables); then keys and values are copied to slot slots[t] of the [cache_slots, Hk, D] caches (-1:
+ * none). Positions and slots out of range raise before anything is written. */
+static PyObject *rotary_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[15];
+    if (parse(args, nargs, 15, "rotary_store", v, NULL, 0) < 0) return NULL;
+    float *qkv = PTR(v[0]), *kc = PTR(v[6]), *vc = PTR(v[7]);
+    const int64_t *pos = PTR(v[2]), *slots = PTR(v[8]);
+    const float *cos = PTR(v[3]), *sin = PTR(v[4]);
+    const int64_t stride = v[1], rows = v[5], cache_slots = v[9], T = v[10], Hq = v[11], Hk = v[12], D = v[13];
+    for (int64_t t = 0; t < T; t++) {
+        if (pos[t] < 0 || pos[t] >= rows || slots[t] < -1 || slots[t] >= cache_slots) {
+            PyErr_Format(PyExc_IndexError, "rotary_store: token %lld has position %lld (table of %lld) and slot "
+                         "%lld (cache of %lld)", (long long)t, (long long)pos[t], (long long)rows,
+                         (long long)slots[t], (long long)cache_slots);
+            return NULL;
+        }
+    }
+    const int threads = T * (Hq + 2 * Hk) * D < ROWS_PARALLEL_MIN ? 1 : (int)v[14];
+    const size_t kv_bytes = sizeof(float) * (size_t)(Hk * D);
+    Py_BEGIN_ALLOW_THREADS
+    int64_t t;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (t = 0; t < T; t++) {
+        float *row = qkv + t * stride;
+        for (int64_t h = 0; h < Hq + Hk; h++) rotate_head(row + h * D, cos + pos[t] * D, sin + pos[t] * D, D / 2);
+        if (slots[t] >= 0) {
+            memcpy(kc + slots[t] * Hk * D, row + Hq * D, kv_bytes);
+            memcpy(vc + slots[t] * Hk * D, row + (Hq + Hk) * D, kv_bytes);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* out[m, i] = silu(y[m, i]) * y[m, I + i], silu(g) = g / (1 + exp(-g)) computed as g * sigmoid(g) from
+ * e = exp(-|g|) (exp512's domain, and no overflow): sigmoid = 1 / (1 + e) for g >= 0, e / (1 + e) below */
+static void silu_mul_row(const float *y, float *out, int64_t I) {
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < I; i += 16) {
+        __mmask16 m = tail_mask(I - i);
+        __m512 g = _mm512_maskz_loadu_ps(m, y + i), u = _mm512_maskz_loadu_ps(m, y + I + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), one, e);
+        __m512 silu = _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu, u));
+    }
+#else
+    for (int64_t i = 0; i < I; i++) out[i] = y[i] / (1.f + expf(-y[i])) * y[I + i];
+#endif
+}
+
+/* gemv_silu_q{4,8}(x, codes, scales, zeros, out, M, K, I, group, threads, half): the fused gate/up GEMV
+ * (rows [0, I) gate, [I, 2I) up) into a scratch [M, 2I], then out [M, I] = silu(gate) * up */
+static PyObject *gemv_silu_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
+    int64_t v[11];
+    if (parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
+    const int64_t M = v[5], I = v[7];
+    float *y = malloc(sizeof(float) * (size_t)(M * 2 * I)), *out = PTR(v[4]);
+    if (!y) return PyErr_NoMemory();
+    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), y, M, v[6], 2 * I, v[8], (int)v[10]};
+    const int threads = M * I < ROWS_PARALLEL_MIN ? 1 : (int)v[9];
+    Py_BEGIN_ALLOW_THREADS
+    gemv(&a, bits, (int)v[9]);
+    int64_t m;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (m = 0; m < M; m++) silu_mul_row(y + m * 2 * I, out + m * I, I);
+    Py_END_ALLOW_THREADS
+    free(y);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gemv_silu_q4(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_silu_entry(args, nargs, 4, "gemv_silu_q4");
+}
+
+static PyObject *gemv_silu_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_silu_entry(args, nargs, 8, "gemv_silu_q8");
+}
+
+/* gemv_silu_q4_bf16x: gemv_silu_q4 with x bf16 [M, K] (as gemv_q4_bf16x); only with AVX512_BF16 */
+static PyObject *gemv_silu_q4_bf16x(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!HAS_BF16) {
+        PyErr_SetString(PyExc_RuntimeError, "gemv_silu_q4_bf16x: built without AVX512_BF16");
+        return NULL;
+    }
+    return gemv_silu_entry(args, nargs, 16, "gemv_silu_q4_bf16x");
+}
+
+/* ==== end of the fused decode-layer ops ==== */
+
 static PyObject *simd(PyObject *self, PyObject *unused) {
 #ifdef __AVX512F__
     return PyUnicode_FromString("avx512");
@@ -641,6 +817,13 @@ static PyMethodDef methods[] = {
     {"gemv_q4_bf16x", (PyCFunction)(void (*)(void))gemv_q4_bf16x, METH_FASTCALL, "y = x @ W^T, int4 codes, bf16 x"},
     {"has_bf16", has_bf16, METH_NOARGS, "whether gemv_q4_bf16x was compiled (AVX512_BF16)"},
     {"simd", simd, METH_NOARGS, "which code path was compiled: 'avx512' or 'scalar'"},
+    {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL, "residual add + RMSNorm"},
+    {"rotary_store", (PyCFunction)(void (*)(void))rotary_store, METH_FASTCALL,
+     "rotary on q and k in place, then k and v into their cache slots"},
+    {"gemv_silu_q4", (PyCFunction)(void (*)(void))gemv_silu_q4, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int4"},
+    {"gemv_silu_q8", (PyCFunction)(void (*)(void))gemv_silu_q8, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int8"},
+    {"gemv_silu_q4_bf16x", (PyCFunction)(void (*)(void))gemv_silu_q4_bf16x, METH_FASTCALL,
+     "silu(x @ G^T) * (x @ U^T), int4, bf16 x"},
     {NULL, NULL, 0, NULL},
 };
 

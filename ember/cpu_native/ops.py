@@ -245,3 +245,85 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), seq_lens.data_ptr(), _ptr(sinks), out.data_ptr(), nd, hq, hk, d, block_size,
         window or 0, float(scale), float(soft_cap or 0.0), torch.get_num_threads())
     return out
+
+
+# ---- fused decode-layer ops (kernels.c's last section): float32, rows contiguous ----
+
+
+def _rows(name: str, t: torch.Tensor, width: int) -> None:
+    if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != width or not t.is_cpu or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CPU float32 [M, {width}] tensor, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(x, weight) over the last dim of x float32 [M, N] (weight float32 [N])."""
+    _rows("x", x, weight.shape[0])
+    _check("weight", weight, torch.float32)
+    out = torch.empty_like(x)
+    _module().add_rms_norm(x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(), 0, x.shape[0], x.shape[1],
+                           float(eps), torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.rms_norm(x + residual, weight), x + residual) for float32 [M, N] x and residual, in one pass."""
+    _rows("x", x, weight.shape[0])
+    _rows("residual", residual, weight.shape[0])
+    _check("weight", weight, torch.float32)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} must match")
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    _module().add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), total.data_ptr(),
+                           x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
+    return out, total
+
+
+def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int) -> None:
+    """The fused QKV output qkv float32 [T, (Hq + 2 Hk) * D] (rows may be strided): its query and key
+    heads rotated in place, neox style, with the [max_positions, D] tables' rows at positions (int64 [T];
+    sin_signed is sin with its first half negated, as RotaryEmbedding keeps it), bit for bit
+    RotaryEmbedding's CPU ops; then keys and values written to the float32 caches [num_blocks,
+    block_size, Hk, D] at slot_mapping (int64 [T], -1: skipped), as `store_kv` does."""
+    _, _, hk, d = k_cache.shape
+    _check("k_cache", k_cache, torch.float32)
+    _check("v_cache", v_cache, torch.float32, tuple(k_cache.shape))
+    _check("cos", cos, torch.float32)
+    _check("sin_signed", sin_signed, torch.float32, tuple(cos.shape))
+    _check("positions", positions, torch.int64)
+    _check("slot_mapping", slot_mapping, torch.int64)
+    t = qkv.shape[0]
+    if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.shape[1] != (num_q_heads + 2 * hk) * d \
+            or qkv.stride(1) != 1 or not qkv.is_cpu:
+        raise ValueError(f"qkv must be a CPU float32 [T, {(num_q_heads + 2 * hk) * d}] tensor with contiguous rows, "
+                         f"got {qkv.dtype} {tuple(qkv.shape)}")
+    if cos.dim() != 2 or cos.shape[1] != d or d % 2 or positions.shape != (t,) or slot_mapping.shape != (t,):
+        raise ValueError(f"cos/sin_signed must be [P, {d}] (even), positions and slot_mapping [{t}]; got "
+                         f"{tuple(cos.shape)}, {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous()
+            and sin_signed.is_contiguous() and positions.is_contiguous() and slot_mapping.is_contiguous()):
+        raise ValueError("caches, tables, positions and slot_mapping must be contiguous")
+    _module().rotary_store(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
+                           sin_signed.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
+                           slot_mapping.data_ptr(), k_cache.shape[0] * k_cache.shape[1], t, num_q_heads, hk, d,
+                           torch.get_num_threads())
+
+
+def matmul_silu(x: torch.Tensor, w: NativeWeight, bf16: bool = False) -> torch.Tensor:
+    """silu(gate) * up for a fused gate/up weight (rows [0, I) gate, [I, 2I) up): `matmul` (`bf16`:
+    `matmul_bf16`, int4 only) and the activation in one call, float32 [M, K] -> [M, I]."""
+    if w.out_features % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows, got {w.out_features}")
+    if bf16 and w.kind != "int4":
+        raise ValueError(f"matmul_silu with bf16 activations takes int4 weights, got {w.kind}")
+    _rows("x", x, w.in_features)
+    size = w.out_features // 2
+    out = torch.empty(x.shape[0], size)
+    kernels = _module()
+    fn = kernels.gemv_silu_q8 if w.kind == "int8" else kernels.gemv_silu_q4_bf16x if bf16 else kernels.gemv_silu_q4
+    xp = x.to(torch.bfloat16) if bf16 else x
+    fn(xp.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), x.shape[0],
+       w.in_features, size, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
+    return out

@@ -13,11 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.cpu_native import ops as native
 from ember.model.backend import use_triton
+from ember.quant.linear import QuantLinear
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm, optionally fused with the residual add that precedes it (one kernel on CUDA).
+    """RMSNorm, optionally fused with the residual add that precedes it (one kernel on CUDA, one native
+    call on CPU in float32: ember/cpu_native).
 
     With `residual`, returns (norm(x + residual), x + residual), the sum rounded to the model
     dtype first, exactly as HF computes `residual + hidden_states` and then normalises.
@@ -35,6 +38,8 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if _native_norm_fits(x, residual, self.weight):
+            return _native_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             return self._norm(x), x
@@ -49,6 +54,22 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def _native_norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether the native residual add + norm (ember/cpu_native) takes these: contiguous float32 [M, N]
+    rows on CPU, a float32 weight; other dtypes round as HF does, through the PyTorch ops."""
+    return (x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.is_cpu and x.is_contiguous()
+            and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
+            and native.available())
+
+
+def _native_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One native call for what the PyTorch path does in two or three ops (a decode step makes 61)."""
+    if residual is None:
+        return native.rms_norm(x, weight, eps)
+    return native.add_rms_norm(x, residual, weight, eps)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -70,6 +91,8 @@ class GemmaRMSNorm(RMSNorm):
             if residual is None:
                 return rms_norm(x, weight, self.eps)
             return fused_add_rms_norm(x, residual, weight, self.eps)
+        if _native_norm_fits(x, residual, weight):
+            return _native_norm(x, residual, weight, self.eps)
         if residual is not None:
             x = x + residual
             return F.rms_norm(x.float(), weight.shape, weight, self.eps).to(x.dtype), x
@@ -181,6 +204,11 @@ class RotaryEmbedding(nn.Module):
         out = (qk * cos).add_(qk.roll(qk.shape[-1] // 2, dims=-1) * sin)
         return out[:, :num_q_heads], out[:, num_q_heads:]
 
+    def full_tables(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos and signed sin tables [max_positions, head_dim] when every channel of a head is rotated
+        (what the native fused rotary reads), else None."""
+        return (self.cos, self.sin_signed) if self.rotary_dim == head_dim else None
+
     def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if use_triton(q):
             from ember.kernels import apply_rotary
@@ -221,6 +249,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "silu" and isinstance(self.gate_up_proj, QuantLinear):
+            fused = self.gate_up_proj.native_silu_and_mul(x)  # CPU: GEMV and activation in one call
+            if fused is not None:
+                return self.down_proj(fused)
         gate_up = self.gate_up_proj(x)
         if self.act == "gelu_pytorch_tanh":
             gate, up = gate_up.split(self.intermediate_size, dim=-1)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.cpu_native import ops as native
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.model import gpt_oss
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
@@ -63,18 +64,41 @@ class Attention(nn.Module):
         self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
-            q, k = self.rotary.rotate_qk(positions, qk, self.num_heads)
-        else:
-            q, k = self.rotary(positions, self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:]))
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
+        qkv = self.qkv_proj(x)
+        q = self._native_rotary_store(positions, qkv, meta)
+        if q is None:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is None:
+                q, k = self.rotary.rotate_qk(positions, qk, self.num_heads)
+            else:
+                q, k = self.rotary(positions, self.q_norm(qk[:, :self.num_heads]),
+                                   self.k_norm(qk[:, self.num_heads:]))
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale,
+                     v_scale=self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale,
                             v_scale=self.v_scale, sliding_window=self.sliding_window,
                             logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+
+    def _native_rotary_store(self, positions: torch.Tensor, qkv: torch.Tensor,
+                             meta: AttentionMetadata) -> torch.Tensor | None:
+        """On CPU with float32 activations and an unscaled float32 cache, every channel rotated and no QK
+        norm: rotary on the query and key heads in place and the keys and values into their slots, one
+        native call (ember/cpu_native) for the PyTorch path's split, rotary ops and two index_copy_
+        (decode and prefill rows alike). Returns the queries [T, Hq, D] (rows strided in qkv), or None
+        where the PyTorch path runs."""
+        tables = self.rotary.full_tables(self.head_dim)
+        unscaled = type(self.k_scale) is float and type(self.v_scale) is float and self.k_scale == self.v_scale == 1.0
+        if (tables is None or self.q_norm is not None or not unscaled or not qkv.is_cpu or qkv.dim() != 2
+                or qkv.dtype != torch.float32 or tables[0].dtype != torch.float32
+                or self.k_cache is None or self.k_cache.dtype != torch.float32
+                or positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64
+                or not native.available()):
+            return None
+        native.rotary_store(qkv, positions, *tables, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads)
+        return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
 
 
 class DecoderLayer(nn.Module):

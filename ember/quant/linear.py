@@ -110,11 +110,17 @@ def _native_matmul(x: torch.Tensor, w: native.NativeWeight) -> torch.Tensor:
     if rows >= NATIVE_EXPAND_MIN_ROWS[w.kind]:
         dense = native.dequantize(w)
         return F.linear(x.to(dense.dtype), dense).to(x.dtype)
-    if rows >= NATIVE_BF16_MIN_ROWS and w.kind == "int4" and native.has_bf16():
+    if not _native_float32_rows(rows, w):
         return native.matmul_bf16(x.float(), w).to(x.dtype)
     if x.dtype == torch.float32:
         return native.matmul(x, w)
     return native.matmul(x.float(), w).to(x.dtype)
+
+
+def _native_float32_rows(rows: int, w: native.NativeWeight) -> bool:
+    """Whether `_native_matmul` runs the float32 GEMV for this many rows (not the bf16 one or an expansion)."""
+    return rows < NATIVE_EXPAND_MIN_ROWS[w.kind] and not (rows >= NATIVE_BF16_MIN_ROWS and w.kind == "int4"
+                                                          and native.has_bf16())
 
 
 def _dense(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -257,6 +263,18 @@ class QuantLinear(nn.Module):
                 return torch.mm(padded, _expand_int4pack_t(*tensors, w.group_size)).to(x.dtype)
             return torch._weight_int4pack_mm_for_cpu(padded, tensors[0], w.group_size, tensors[1]).to(x.dtype)
         return F.linear(x, dequantize(w, x.dtype))
+
+    def native_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this layer's output, for a fused gate/up projection (rows [0, I) gate,
+        [I, 2I) up), in one native call (`ops.matmul_silu`) where the layer is one native weight
+        without bias or input permutation and x, float32 [M, K], takes a native GEMV (float32 or
+        bf16, as `forward` would); else None."""
+        nat = self._native[0]
+        if (len(self.parts) != 1 or nat is None or self.bias is not None or self.parts[0].in_perm is not None
+                or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
+                or x.shape[0] >= NATIVE_EXPAND_MIN_ROWS[nat.kind]):
+            return None
+        return native.matmul_silu(x, nat, bf16=not _native_float32_rows(x.shape[0], nat))
 
     def cpu_dense_weight(self) -> torch.Tensor | None:
         """The whole weight when it is one part kept as a dense CPU copy, else None."""

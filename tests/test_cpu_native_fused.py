@@ -1,0 +1,211 @@
+"""The fused decode-layer kernels of ember/cpu_native (residual add + RMSNorm, rotary + KV store,
+gate/up GEMV + SiLU) against float64 references and the PyTorch ops they replace, in the AVX-512
+build and the plain-C one; and end to end, the fused path against the unfused native path and the
+PyTorch path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import test_cpu_native as base
+import torch
+import torch.nn.functional as F
+from conftest import default_gguf_path, make_checkpoint
+
+from ember import LLM
+from ember.cpu_native import ops
+from ember.model import layers, llama
+from ember.model.layers import RotaryEmbedding
+from ember.quant import linear
+from ember.quant.formats import dequantize
+from ember.quant.linear import NATIVE_BF16_MIN_ROWS, QuantLinear
+
+pytestmark = base.pytestmark
+# test_cpu_native's fixtures: the kernels on (autouse), and each kernel test run on both builds
+native_on, plain_c, kernels = base.native_on, base.plain_c, base.kernels
+_assert_same, _generate, _weight = base._assert_same, base._generate, base._weight
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(("m", "n"), [(1, 576), (5, 40), (300, 576)])  # 300 rows: the parallel loop
+def test_add_rms_norm_matches_float64_reference(kernels, with_residual: bool, m: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(m + n)
+    x, residual, w = torch.randn(m, n, generator=gen) * 3, torch.randn(m, n, generator=gen), torch.rand(n, generator=gen)
+    eps = 1e-5
+    if with_residual:
+        out, total = ops.add_rms_norm(x, residual, w, eps)
+        assert torch.equal(total, x + residual)  # the one float32 rounding the PyTorch path makes
+    else:
+        out, total = ops.rms_norm(x, w, eps), x
+    t = total.double()
+    ref = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, F.rms_norm(total, (n,), w, eps), atol=1e-5, rtol=1e-5)
+
+
+# d 40: half a head is not a whole vector; 256 tokens: the parallel loop
+@pytest.mark.parametrize(("d", "t"), [(32, 5), (40, 5), (32, 256)])
+def test_rotary_store_equals_the_pytorch_ops(kernels, d: int, t: int) -> None:
+    """GQA (6 query heads, 2 KV heads), tokens with scattered slots, some -1 (padding: nothing written),
+    qkv rows strided: the rotation is RotaryEmbedding's CPU ops bit for bit (and the float64 formula
+    within rounding), the caches `store_kv`'s writes exactly."""
+    gen = torch.Generator().manual_seed(d + t)
+    hq, hk = 6, 2
+    rotary = RotaryEmbedding(d, 64, 10000.0, None)
+    qkv = torch.randn(t, (hq + 2 * hk) * d + 8, generator=gen)[:, :(hq + 2 * hk) * d]
+    positions = torch.randint(0, 64, (t,), generator=gen)
+    positions[:2] = torch.tensor([0, 63])
+    slots = torch.randperm(80 * 4, generator=gen)[:t]
+    slots[2::3] = -1
+    k_cache, v_cache = torch.randn(80, 4, hk, d, generator=gen), torch.randn(80, 4, hk, d, generator=gen)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    heads = qkv.view(t, hq + 2 * hk, d)
+    q_ref, k_ref = rotary.rotate_qk(positions, heads[:, :hq + hk], hq)
+    v_ref = heads[:, hq + hk:].clone()
+    keep = slots >= 0
+    k_expected.view(-1, hk, d)[slots[keep]] = k_ref[keep]
+    v_expected.view(-1, hk, d)[slots[keep]] = v_ref[keep]
+    x64 = heads[:, :hq + hk].double()
+    rotated64 = x64 * rotary.cos[positions, None].double() + x64.roll(d // 2, -1) * rotary.sin_signed[positions, None].double()
+
+    ops.rotary_store(qkv, positions, rotary.cos, rotary.sin_signed, k_cache, v_cache, slots, hq)
+    assert torch.equal(heads[:, :hq], q_ref) and torch.equal(heads[:, hq:hq + hk], k_ref)
+    assert torch.equal(heads[:, hq + hk:], v_ref)
+    torch.testing.assert_close(heads[:, :hq + hk].double(), rotated64, atol=1e-6, rtol=1e-6)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
+def test_rotary_store_rejects_positions_and_slots_out_of_range() -> None:
+    rotary = RotaryEmbedding(16, 8, 10000.0, None)
+    cache = torch.zeros(2, 4, 1, 16)
+    qkv = torch.randn(1, 3 * 16)
+    for positions, slots, what in (([8], [0], "position 8"), ([0], [8], "slot 8"), ([-1], [0], "position -1")):
+        with pytest.raises(IndexError, match=what):
+            ops.rotary_store(qkv, torch.tensor(positions), rotary.cos, rotary.sin_signed, cache, cache.clone(),
+                             torch.tensor(slots), 1)
+    assert not cache.any()
+    with pytest.raises(ValueError, match="qkv must be"):
+        ops.rotary_store(torch.randn(1, 40), torch.tensor([0]), rotary.cos, rotary.sin_signed, cache, cache.clone(),
+                         torch.tensor([0]), 1)
+
+
+@pytest.mark.parametrize(("kind", "group", "half"), [("int4", 32, True), ("int4", 64, False), ("int8", 16, False),
+                                                     ("int8", None, False)])
+def test_matmul_silu_matches_float64_reference(kernels, kind: str, group: int | None, half: bool) -> None:
+    """I = 70 (not a whole number of vectors); M from one row to past a tile of 8."""
+    size, k = 70, 256
+    w = _weight(kind, 2 * size, k, group or k, True, half=half)
+    nat = ops.native_weight(w)
+    dense = dequantize(w).double()
+    for m in (1, 3, 9):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        y = x.double() @ dense.T
+        gate, up = y[:, :size], y[:, size:]
+        ref = F.silu(gate) * up
+        # the GEMV's float32 summation error, carried through silu (slope within [-0.1, 1.1]) and the product
+        err = 2e-6 * math.sqrt(k) * (x.double().abs() @ dense.abs().T)
+        bound = 1.1 * err[:, :size] * up.abs() + gate.abs() * err[:, size:] + 1e-6 * ref.abs() + 1e-6
+        got = ops.matmul_silu(x, nat).double()
+        assert (got - ref).abs().le(bound).all(), (got - ref).abs().max()
+
+
+def test_matmul_silu_bf16_is_the_bf16_gemv_then_silu() -> None:
+    """From NATIVE_BF16_MIN_ROWS rows on AVX512_BF16 CPUs: the same GEMV sums as `matmul_bf16`."""
+    if not ops.has_bf16():
+        pytest.skip("this CPU has no AVX512_BF16; the float32 GEMV serves every batch")
+    nat = ops.native_weight(_weight("int4", 140, 256, 32, True, half=True))
+    for m in (16, 27):
+        x = torch.randn(m, 256)
+        gate, up = ops.matmul_bf16(x, nat).split(70, dim=-1)
+        torch.testing.assert_close(ops.matmul_silu(x, nat, bf16=True), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_quant_linear_fuses_silu_on_its_native_gemvs(monkeypatch) -> None:
+    monkeypatch.setenv("EMBER_CPU_NATIVE", "1")
+    layer = QuantLinear([_weight("int4", 64, 128, 32, False)], None, torch.float32)
+    x = torch.randn(3, 128)
+    gate, up = layer(x).split(32, dim=-1)
+    torch.testing.assert_close(layer.native_silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    assert layer.native_silu_and_mul(x.double()) is None
+    rows = torch.randn(linear.NATIVE_EXPAND_MIN_ROWS["int4"], 128)
+    assert layer.native_silu_and_mul(rows) is None
+    if ops.has_bf16():  # from NATIVE_BF16_MIN_ROWS rows, the bf16 GEMV forward runs, then the activation
+        x = torch.randn(NATIVE_BF16_MIN_ROWS, 128)
+        gate, up = layer(x).split(32, dim=-1)
+        torch.testing.assert_close(layer.native_silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def _float32_matmuls(monkeypatch) -> None:
+    """Every int4 matmul in float32 (the joint prefills are over 16 rows): activations rounded to bf16
+    would turn float32 summation-order differences into bf16 rounding ones."""
+    monkeypatch.setitem(linear.NATIVE_EXPAND_MIN_ROWS, "int4", 1 << 30)
+    monkeypatch.setattr(linear, "NATIVE_BF16_MIN_ROWS", 1 << 30)
+
+
+def _unfused(monkeypatch) -> None:
+    """The native GEMVs and attention without the fused ops: today's PyTorch ops between them."""
+    monkeypatch.setattr(layers, "_native_norm_fits", lambda *args: False)
+    monkeypatch.setattr(llama.Attention, "_native_rotary_store", lambda *args: None)
+    monkeypatch.setattr(QuantLinear, "native_silu_and_mul", lambda *args: None)
+
+
+def _counting(monkeypatch) -> dict[str, int]:
+    """Calls of each fused op, so a test knows the fused path ran."""
+    calls: dict[str, int] = {}
+
+    def counting(name: str):
+        fn = getattr(ops, name)
+
+        def counted(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name in ("add_rms_norm", "rms_norm", "rotary_store", "matmul_silu"):
+        monkeypatch.setattr(ops, name, counting(name))
+    return calls
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
+
+
+def test_default_model_fused_equals_unfused_and_pytorch(monkeypatch) -> None:
+    """The default model's fused path against its unfused native path (the Q4_1/Q8_0 file, int4 matmuls
+    in float32), batched and alone; and, loaded dense (quantization "none": fused norms, rotary and stores around PyTorch
+    matmuls), against the PyTorch path."""
+    kwargs = {"kv_cache_memory": 0.05, "max_model_len": 256, "engine_process": False}
+    _float32_matmuls(monkeypatch)
+    calls = _counting(monkeypatch)
+    fused = LLM(default_gguf_path(), **kwargs)
+    got = _generate(fused, PROMPTS, 24) + _generate(fused, PROMPTS[1:2], 24)
+    dense = _generate(LLM(default_gguf_path(), quantization="none", **kwargs), PROMPTS, 16)
+    assert {"add_rms_norm", "rms_norm", "rotary_store", "matmul_silu"} <= calls.keys()
+    with monkeypatch.context() as m:
+        _unfused(m)
+        unfused = LLM(default_gguf_path(), **kwargs)
+        _assert_same(got, _generate(unfused, PROMPTS, 24) + _generate(unfused, PROMPTS[1:2], 24), 2e-3)
+    monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
+    _assert_same(dense, _generate(LLM(default_gguf_path(), quantization="none", **kwargs), PROMPTS, 16), 2e-3)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_tiny_quantized_llama_fused_equals_unfused_and_pytorch(tmp_path, monkeypatch, method: str) -> None:
+    """Load-time int4/int8 on a tiny random Llama (GQA): fused against unfused native, batched and alone,
+    40 tokens; against the PyTorch path (bf16 activations in its int4/int8 kernels) the first 12 tokens,
+    as tests/test_cpu_native.py holds the unfused path to it."""
+    path = make_checkpoint(tmp_path / "llama", "llama")
+    prompts = ["hello world", "the quick brown fox jumps", "a b c d e f g h i j k l m n o p q r s"]
+    kwargs = {"quantization": method, "kv_cache_memory": 0.02, "max_model_len": 256, "engine_process": False}
+    _float32_matmuls(monkeypatch)
+    calls = _counting(monkeypatch)
+    fused = LLM(str(path), **kwargs)
+    got = _generate(fused, prompts, 40) + _generate(fused, prompts[2:], 40)
+    assert {"add_rms_norm", "rotary_store", "matmul_silu"} <= calls.keys()
+    with monkeypatch.context() as m:
+        _unfused(m)
+        unfused = LLM(str(path), **kwargs)
+        _assert_same(got, _generate(unfused, prompts, 40) + _generate(unfused, prompts[2:], 40), 1e-3)
+    monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
+    fallback = _generate(LLM(str(path), **kwargs), prompts, 12)
+    _assert_same(fallback, [(tokens[:12], logprobs[:12]) for tokens, logprobs in got[:3]], 5e-2)
