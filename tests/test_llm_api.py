@@ -96,21 +96,6 @@ def test_eos_stops_unless_ignored(default_llm):
     assert len(ignored.token_ids) == n + 5 and ignored.finish_reason == "length"
 
 
-def test_prefix_cached_prompt_answers_as_the_whole_prompt(default_llm):
-    """A prompt whose first blocks (the chat template's system prompt) come from the prefix cache, filled by
-    an unrelated conversation, gets the greedy answer it gets when computed whole: the cached blocks and the
-    uncached tail take the same arithmetic (ember/quant/linear.py, NATIVE_EXPAND_MIN_ROWS)."""
-    question = [{"role": "user", "content": "What is the capital of France?"}]
-    params = SamplingParams(temperature=0, max_tokens=24)
-    assert default_llm.llm_engine.reset_prefix_cache()
-    whole = default_llm.chat(question, params, use_tqdm=False)[0].outputs[0]
-    assert default_llm.llm_engine.reset_prefix_cache()
-    default_llm.chat([{"role": "user", "content": "My name is Alice."}], params, use_tqdm=False)
-    cached = default_llm.chat(question, params, use_tqdm=False)[0]
-    assert cached.num_cached_tokens > 0
-    assert cached.outputs[0].token_ids == whole.token_ids and "Paris" in whole.text
-
-
 def test_logprobs_shape(llm):
     out = llm.generate(_ids(10), SamplingParams(temperature=0, max_tokens=6, logprobs=3), use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids)

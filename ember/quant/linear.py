@@ -64,13 +64,7 @@ _PACK_BLOCK_N = 64
 # SmolLM2-135M layer's int4 weights (qkv, o, gate/up, down), native against expanded: 16 rows 0.60 against
 # 0.72 ms, 32 rows 1.31 / 0.90, 64 2.77 / 1.47, 128 6.0 / 2.2, 256 11.0 / 3.4. The 49152 x 576 Q8_0 head,
 # whose float32 expansion writes 113 MB: 16 rows 5.9 against 50 ms, 256 rows 104 / 148, 512 282 / 273.
-# int4 expands from 256 rows, not from the 32 where expansion starts to win: then every prompt chunk of 16
-# to 255 rows runs the bf16 GEMV below, so a prompt whose first blocks come from the prefix cache gets the
-# same keys and values as when it is computed whole. Expanding from 32 rows, the default model answered
-# "What is the capital of France?" with 64 tokens of rambling after an unrelated chat had cached the
-# system prompt's blocks (computed expanded) and the question's tail ran the bf16 GEMV (tests/test_cli.py
-# then tests/test_llm_api.py); prompts of 128 tokens are ~1.6x slower to prefill than expanded.
-NATIVE_EXPAND_MIN_ROWS = {"int4": 256, "int8": 512}
+NATIVE_EXPAND_MIN_ROWS = {"int4": 32, "int8": 512}
 # Rows from which int4 GEMVs round x and the weights to bf16 (float32 sums, VDPBF16PS; as PyTorch's int4
 # kernel and the expansion above do) where the CPU has AVX512_BF16: the float32 kernel is compute-bound
 # there. One SmolLM2 layer's int4 weights (float16 scales), float32 against bf16 against expanded: 8 rows
