@@ -83,6 +83,10 @@ def test_stop_token_ids_and_min_tokens(llm):
 
 
 def test_eos_stops_unless_ignored(default_llm):
+    # From a cold prefix cache: on the CPU the int4 matmuls' arithmetic depends on a step's row count
+    # (ember/quant/linear.py), so a prompt whose system-prompt blocks another test's chat cached can take
+    # a different greedy path from the same prompt computed whole.
+    assert default_llm.llm_engine.reset_prefix_cache()
     conv = [{"role": "user", "content": "What is the capital of France?"}]
     stopped = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
     eos = default_llm.get_tokenizer().eos_token_ids
