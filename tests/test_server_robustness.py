@@ -129,12 +129,18 @@ def test_request_failing_inside_the_engine_is_500_and_others_carry_on(inproc_ser
     assert error["type"] == "internal_server_error" and "injected failure" in error["message"]
     assert results["good"].status_code == 200 and results["good"].json()["usage"]["completion_tokens"] == 400
 
-    # Streaming: the failure arrives as an error event, then the stream ends properly.
+    # Streaming: a failure after the stream started arrives as an error event, then the stream ends
+    # properly; one that reaches the server together with the first tokens (a fast engine's steps
+    # coalesce) is still answered before any byte was sent, so as a 500 error.
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": doomed, "max_tokens": 50, "ignore_eos": True, "stream": True}) as r:
-        assert r.status_code == 200
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and "injected failure" in json.loads(events[-2])["error"]["message"]
+        assert r.status_code in (200, 500)
+        if r.status_code == 500:
+            r.read()
+            assert "injected failure" in r.json()["error"]["message"]
+        else:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and "injected failure" in json.loads(events[-2])["error"]["message"]
     assert server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
     assert all_blocks_free(server.state.engine)
 
