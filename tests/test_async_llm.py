@@ -101,16 +101,23 @@ def test_validation_errors_raise_in_caller(engine):
     asyncio.run(main())
 
 
+async def _until(condition, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 def test_full_queue_rejects(llama_dir):
     eng = AsyncLLM(EngineArgs(model=str(llama_dir), kv_cache_memory=0.05, max_num_seqs=1), max_waiting_requests=2)
 
     async def main():
         long = SamplingParams(max_tokens=1000, ignore_eos=True)
         tasks = [asyncio.create_task(_collect(eng, _prompt(0), long))]
-        await asyncio.sleep(0.3)  # the first request runs (max_num_seqs=1) ...
+        await _until(lambda: eng.scheduler_stats is not None and eng.scheduler_stats.num_running == 1)
         tasks += [asyncio.create_task(_collect(eng, _prompt(i), long)) for i in (1, 2)]
-        await asyncio.sleep(0.1)  # ... and two wait
-        assert eng.num_waiting == 2
+        await asyncio.sleep(0)  # both send their requests: the first runs (max_num_seqs=1), two wait,
+        assert eng.num_waiting == 2  # counted at once, even if a step's stats from before they arrived come later
         with pytest.raises(QueueFullError):
             await _collect(eng, _prompt(9))
         for t in tasks:

@@ -69,7 +69,7 @@ class AsyncLLM(ModelFacts):
         self.output_processor = OutputProcessor()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # the output processor, the streams' flags and the client's socket
-        self._adds_since_stats = 0
+        self._num_sent = 0  # add-request messages sent to the core
         self._call_ids = itertools.count()
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._accepting = True
@@ -91,8 +91,12 @@ class AsyncLLM(ModelFacts):
 
     @property
     def num_waiting(self) -> int:
-        """Requests the core has not started yet, as of its last step (plus those sent since)."""
-        return (self.scheduler_stats.num_waiting if self.scheduler_stats else 0) + self._adds_since_stats
+        """Requests the core has not started yet, as of its last stats, plus those sent that those stats
+        had not yet counted (a step's outputs can arrive after later adds were sent)."""
+        stats = self.scheduler_stats
+        if stats is None:
+            return self._num_sent
+        return stats.num_waiting + self._num_sent - stats.num_requests_received
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -119,7 +123,7 @@ class AsyncLLM(ModelFacts):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.output_processor.add(processed.state)
             self._streams[request_id] = stream
-            self._adds_since_stats += len(processed.core_requests)
+            self._num_sent += len(processed.core_requests)
             for core_request in processed.core_requests:
                 self.client.send(core_request)
         finished = False
@@ -219,7 +223,6 @@ class AsyncLLM(ModelFacts):
             if processed.to_abort:
                 self.client.send(AbortRequests(processed.to_abort))
             self.scheduler_stats = message.stats
-            self._adds_since_stats = 0
             self._wake([s for state in processed.changed if (s := self._streams.get(state.request_id))])
         self.metrics.record_scheduler(message.stats)
         self.metrics.record_iteration(processed.stats)

@@ -85,6 +85,7 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []  # rejections, sent with the next step's outputs
         self._num_host_sync = 0  # unfinished requests that need one step at a time
         self._num_steps = 0
+        self._num_received = 0
         self.ready = self._ready_message(files.source, num_blocks, cache_config.block_size,
                                          args.tensor_parallel_size, time.monotonic() - start)
         logger.debug(self.ready.description)
@@ -119,6 +120,7 @@ class EngineCore:
     def add_request(self, msg: EngineCoreRequest) -> None:
         """Queue a request; one the core cannot run is answered at once (with the next outputs) by an
         error. The front end validates first, so this is a second line of defence."""
+        self._num_received += 1
         problem = self._check(msg)
         matcher = None
         if problem is None and msg.sampling_params.structured_outputs is not None:
@@ -185,7 +187,7 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self._num_steps, gpu_busy_s=timer.busy_s if timer else 0.0,
+            num_steps=self._num_steps, num_requests_received=self._num_received, gpu_busy_s=timer.busy_s if timer else 0.0,
             gpu_idle_s=timer.idle_s if timer else 0.0, gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0)
 
     def _launch(self, outputs: list[EngineCoreOutput]) -> bool:

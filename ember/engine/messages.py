@@ -82,6 +82,7 @@ class SchedulerStats(_Message):
     prefix_cache_hits: int  # tokens
     num_preemptions: int
     num_steps: int  # steps that ran the model
+    num_requests_received: int = 0  # add-request messages taken in, rejected ones too
     gpu_busy_s: float = 0.0  # CUDA: time the GPU spent in steps' work
     gpu_idle_s: float = 0.0  # CUDA: time the GPU waited for the host between steps
     gpu_mask_wait_s: float = 0.0  # CUDA: time the GPU waited inside steps for grammar masks
