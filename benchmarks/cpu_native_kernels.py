@@ -4,6 +4,8 @@ model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and 3 KV he
 - `gemv`: one decode step's int4 matmuls (30 layers of fused qkv 960x576, o 576x576, gate/up
   3072x576, down 576x1536, Q4_1-like groups of 32 with zeros) from DRAM, per row count: the native
   GEMV, and PyTorch's `_weight_int4pack_mm_for_cpu` with bf16 activations (the fallback);
+- `crossover`: one layer's int4 weights in cache, the native GEMV against the float32 expansion plus
+  oneDNN's GEMM (`--crossover-rows`), which sets `NATIVE_EXPAND_MIN_ROWS`;
 - `head`: the 49152 x 576 int8 (Q8_0-like) LM head: native GEMV against the bf16 `F.linear` the
   fallback's screen runs;
 - `attention`: decode attention over 30 layers' paged float32 caches (block 16, shuffled tables):
@@ -44,6 +46,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="activation rows (batch size)")
+    p.add_argument("--crossover-rows", type=int, nargs="*", default=[16, 32, 64, 128, 256, 512],
+                   help="activation rows for the GEMV-against-expansion comparison")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[256], help="keys per sequence for attention")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/cpu-native-kernels-<date>.json)")
@@ -82,6 +86,19 @@ def gemv(rows: list[int], repeats: int) -> list[dict[str, Any]]:
             row[f"{name}_ms"] = best_ms(lambda mods=mods, xs=xs: [mod(xs[k]) for mod, (_, k) in
                                                                   zip(mods, LAYER_SHAPES * LAYERS)], repeats)
         out.append(row)
+    return out
+
+
+def crossover(rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(3)
+    weights = [ops.native_weight(_int4(n, k, gen)) for n, k in LAYER_SHAPES]
+    out = []
+    for m in rows:
+        xs = [torch.randn(m, w.in_features, generator=gen) for w in weights]
+        out.append({"rows": m,
+                    "native_ms": best_ms(lambda xs=xs: [ops.matmul(x, w) for x, w in zip(xs, weights)], repeats),
+                    "expanded_ms": best_ms(lambda xs=xs: [F.linear(x, ops.dequantize(w)) for x, w in
+                                                          zip(xs, weights)], repeats)})
     return out
 
 
@@ -135,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the native kernels are not available (see the warning above)", file=sys.stderr)
         return 1
     results = {"loadavg_before": os.getloadavg(), "threads": torch.get_num_threads()}
-    for name, fn in (("gemv", lambda: gemv(args.rows, args.repeats)), ("head", lambda: head(args.rows, args.repeats)),
+    for name, fn in (("gemv", lambda: gemv(args.rows, args.repeats)),
+                     ("crossover", lambda: crossover(args.crossover_rows, args.repeats)), ("head", lambda: head(args.rows, args.repeats)),
                      ("attention", lambda: decode_attention(args.rows, args.seq_lens, args.repeats))):
         results[name] = fn()
         for row in results[name]:

@@ -18,10 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
 from ember.cpu_native import build, ops
-from ember.quant import linear
 from ember.quant.formats import QuantizedWeight, dense_weight, dequantize, pack_int4
 from ember.quant.linear import (
-    NATIVE_BF16_MIN_ROWS,
     NATIVE_EXPAND_MIN_ROWS,
     QuantEmbedding,
     QuantLinear,
@@ -110,8 +108,7 @@ def test_gemv_and_expansion_with_a_shorter_last_group(kernels, kind: str, k: int
                         group, k)
     for m in (1, 5, 9):
         _check_matmul(torch.randn(m, k), w)
-    expected = dequantize(w).to(torch.bfloat16 if kind == "int4" else torch.float32)
-    assert torch.equal(ops.dequantize(ops.native_weight(w)), expected)
+    assert torch.equal(ops.dequantize(ops.native_weight(w)), dequantize(w))
 
 
 @pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int4", 128), ("int8", 16), ("int8", 96)])
@@ -119,8 +116,7 @@ def test_gemv_and_expansion_with_a_shorter_last_group(kernels, kind: str, k: int
 def test_expansion_equals_dequantize(kernels, kind: str, group: int, zeros: bool) -> None:
     w = _weight(kind, 37, 384 if group != 96 else 96, group, zeros, half=group == 32)
     dense = ops.dequantize(ops.native_weight(w))
-    expected = dequantize(w).to(torch.bfloat16 if kind == "int4" else torch.float32)
-    assert dense.dtype == expected.dtype and torch.equal(dense, expected)
+    assert dense.dtype == torch.float32 and torch.equal(dense, dequantize(w))
 
 
 def test_float16_parameters_convert_exactly(kernels) -> None:
@@ -130,7 +126,7 @@ def test_float16_parameters_convert_exactly(kernels) -> None:
     w = QuantizedWeight("int4", w.qweight, values.repeat(8, 1), -values.flip(0).repeat(8, 1), 32, 256)
     native = ops.native_weight(w)
     assert native.scales.dtype == torch.float16
-    assert torch.equal(ops.dequantize(native), dequantize(w).bfloat16())
+    assert torch.equal(ops.dequantize(native), dequantize(w))
 
 
 def test_fits_and_clear_errors() -> None:
@@ -218,38 +214,24 @@ def test_native_layouts_do_not_grow_memory() -> None:
     assert torch.equal(emb.argmax(x), emb.attend(x).argmax(dim=1))
 
 
-@pytest.mark.parametrize("half", [False, True])
-def test_bf16_gemv_matches_bf16_rounded_reference(half: bool) -> None:
-    """int4 with x and the dequantized weights rounded to bf16, float32 sums (AVX512_BF16 CPUs)."""
-    if not ops.has_bf16():
-        pytest.skip("this CPU has no AVX512_BF16; the float32 GEMV serves every batch")
-    w = _weight("int4", 70, 384, 64, True, half=half)
-    for m in (16, 17, 27):
-        x = torch.randn(m, 384)
-        ref = x.bfloat16().double() @ dequantize(w).bfloat16().double().T
-        got = ops.matmul_bf16(x, ops.native_weight(w)).double()
-        bound = 2e-6 * math.sqrt(384) * (x.bfloat16().double().abs() @ dequantize(w).bfloat16().double().abs().T)
-        assert (got - ref).abs().le(bound + 1e-7).all()
-
-
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_quant_linear_expands_from_the_crossover(kind: str) -> None:
-    """From NATIVE_EXPAND_MIN_ROWS rows the weight is expanded (int4 to bf16, with x rounded to bf16 for
-    oneDNN's GEMM; int8 to exact float32), int4 from NATIVE_BF16_MIN_ROWS runs the bf16 GEMV; below,
-    the native GEMV runs on float32 x."""
+def test_quant_linear_is_float32_at_every_row_count(kind: str) -> None:
+    """Below NATIVE_EXPAND_MIN_ROWS the native GEMV runs, from it the weight is expanded to float32 for
+    oneDNN: either way x @ W^T in float32 (no bf16 rounding anywhere), and below the crossover each row's
+    result is bit for bit the same whatever the batch it comes in, so a prompt's tail computed after a
+    prefix-cache hit sees the numbers the whole prompt would."""
     w = _weight(kind, 48, 96, 32, True)
     layer = QuantLinear([w], None, torch.float32)
-    dense = dequantize(w)
-    for rows in (NATIVE_BF16_MIN_ROWS - 1, NATIVE_BF16_MIN_ROWS, NATIVE_EXPAND_MIN_ROWS[kind] - 1,
-                 NATIVE_EXPAND_MIN_ROWS[kind]):
-        x = torch.randn(rows, 96)
-        got = layer(x)
-        if kind == "int4" and (rows >= NATIVE_EXPAND_MIN_ROWS[kind] or rows >= NATIVE_BF16_MIN_ROWS and ops.has_bf16()):
-            expected = (x.bfloat16().float() @ dense.bfloat16().float().T)
-            torch.testing.assert_close(got, expected, atol=2e-2 * expected.abs().max().item(), rtol=0)
-            assert not torch.allclose(got, x @ dense.T, atol=1e-5, rtol=0)  # really the bf16 GEMM
-        else:
-            torch.testing.assert_close(got, x @ dense.T, atol=1e-4, rtol=1e-5)
+    dense = dequantize(w).double()
+    x = torch.randn(NATIVE_EXPAND_MIN_ROWS + 3, 96)
+    alone = torch.cat([layer(row[None]) for row in x[:NATIVE_EXPAND_MIN_ROWS]])
+    for rows in (1, 5, 16, NATIVE_EXPAND_MIN_ROWS - 1, NATIVE_EXPAND_MIN_ROWS + 3):
+        got = layer(x[:rows])
+        expected = x[:rows].double() @ dense.T
+        bound = 1e-6 * math.sqrt(96) * (x[:rows].double().abs() @ dense.abs().T)
+        assert (got.double() - expected).abs().le(bound + 1e-7).all(), rows
+        if rows < NATIVE_EXPAND_MIN_ROWS:
+            assert torch.equal(got, alone[:rows]), rows
 
 
 def test_one_openmp_runtime_after_a_native_call() -> None:
@@ -302,10 +284,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
 def test_default_model_equals_its_float32_twin(monkeypatch) -> None:
     """Native kernels compute the Q4_1/Q8_0 weights exactly in float32 activations, so greedy tokens
     equal the same file loaded dense (quantization "none"), batched and alone. (The PyTorch path rounds
-    activations to bf16 for its int4 kernel and may differ on near ties: "def fibonacci(n):" does.) The
-    prompts' joint prefill is over 16 rows: float32 is kept there too."""
-    monkeypatch.setitem(NATIVE_EXPAND_MIN_ROWS, "int4", 1 << 30)
-    monkeypatch.setattr(linear, "NATIVE_BF16_MIN_ROWS", 1 << 30)
+    activations to bf16 for its int4 kernel and may differ on near ties: "def fibonacci(n):" does.)"""
     kwargs = {"kv_cache_memory": 0.05, "max_model_len": 256, "engine_process": False}
     dense = _generate(LLM(default_gguf_path(), quantization="none", **kwargs), PROMPTS, 24)
     llm = LLM(default_gguf_path(), **kwargs)
@@ -332,11 +311,7 @@ def test_tiny_quantized_llama_equals_its_float32_twin(tmp_path, monkeypatch, met
     """Load-time int4/int8 on a tiny random Llama: with the native kernels, greedy tokens equal the
     float32 model holding the same values, batched and alone, logprobs within float32 noise. The
     PyTorch path (EMBER_CPU_NATIVE=0), whose int4/int8 kernels take bf16 activations, holds to the
-    first 12 tokens (its first divergence on these prompts is at token 16) with logprobs within 0.05.
-    From 16 rows int4 matmuls round activations to bf16 (NATIVE_BF16_MIN_ROWS, NATIVE_EXPAND_MIN_ROWS,
-    tested above); this comparison keeps every int4 matmul in float32."""
-    monkeypatch.setitem(NATIVE_EXPAND_MIN_ROWS, "int4", 1 << 30)
-    monkeypatch.setattr(linear, "NATIVE_BF16_MIN_ROWS", 1 << 30)
+    first 12 tokens (its first divergence on these prompts is at token 16) with logprobs within 0.05."""
     path = make_checkpoint(tmp_path / "llama", "llama")
     twin = LLM(str(_dense_twin(path, tmp_path / "twin", method)), kv_cache_memory=0.02, max_model_len=256,
                engine_process=False)

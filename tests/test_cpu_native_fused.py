@@ -19,7 +19,7 @@ from ember.model import layers, llama
 from ember.model.layers import RotaryEmbedding
 from ember.quant import linear
 from ember.quant.formats import dequantize
-from ember.quant.linear import NATIVE_BF16_MIN_ROWS, QuantLinear
+from ember.quant.linear import QuantLinear
 
 pytestmark = base.pytestmark
 # test_cpu_native's fixtures: the kernels on (autouse), and each kernel test run on both builds
@@ -110,17 +110,6 @@ def test_matmul_silu_matches_float64_reference(kernels, kind: str, group: int | 
         assert (got - ref).abs().le(bound).all(), (got - ref).abs().max()
 
 
-def test_matmul_silu_bf16_is_the_bf16_gemv_then_silu() -> None:
-    """From NATIVE_BF16_MIN_ROWS rows on AVX512_BF16 CPUs: the same GEMV sums as `matmul_bf16`."""
-    if not ops.has_bf16():
-        pytest.skip("this CPU has no AVX512_BF16; the float32 GEMV serves every batch")
-    nat = ops.native_weight(_weight("int4", 140, 256, 32, True, half=True))
-    for m in (16, 27):
-        x = torch.randn(m, 256)
-        gate, up = ops.matmul_bf16(x, nat).split(70, dim=-1)
-        torch.testing.assert_close(ops.matmul_silu(x, nat, bf16=True), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
-
-
 def test_quant_linear_fuses_silu_on_its_native_gemvs(monkeypatch) -> None:
     monkeypatch.setenv("EMBER_CPU_NATIVE", "1")
     layer = QuantLinear([_weight("int4", 64, 128, 32, False)], None, torch.float32)
@@ -128,19 +117,8 @@ def test_quant_linear_fuses_silu_on_its_native_gemvs(monkeypatch) -> None:
     gate, up = layer(x).split(32, dim=-1)
     torch.testing.assert_close(layer.native_silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
     assert layer.native_silu_and_mul(x.double()) is None
-    rows = torch.randn(linear.NATIVE_EXPAND_MIN_ROWS["int4"], 128)
+    rows = torch.randn(linear.NATIVE_EXPAND_MIN_ROWS, 128)
     assert layer.native_silu_and_mul(rows) is None
-    if ops.has_bf16():  # from NATIVE_BF16_MIN_ROWS rows, the bf16 GEMV forward runs, then the activation
-        x = torch.randn(NATIVE_BF16_MIN_ROWS, 128)
-        gate, up = layer(x).split(32, dim=-1)
-        torch.testing.assert_close(layer.native_silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
-
-
-def _float32_matmuls(monkeypatch) -> None:
-    """Every int4 matmul in float32 (the joint prefills are over 16 rows): activations rounded to bf16
-    would turn float32 summation-order differences into bf16 rounding ones."""
-    monkeypatch.setitem(linear.NATIVE_EXPAND_MIN_ROWS, "int4", 1 << 30)
-    monkeypatch.setattr(linear, "NATIVE_BF16_MIN_ROWS", 1 << 30)
 
 
 def _unfused(monkeypatch) -> None:
@@ -175,7 +153,6 @@ def test_default_model_fused_equals_unfused_and_pytorch(monkeypatch) -> None:
     in float32), batched and alone; and, loaded dense (quantization "none": fused norms, rotary and stores around PyTorch
     matmuls), against the PyTorch path."""
     kwargs = {"kv_cache_memory": 0.05, "max_model_len": 256, "engine_process": False}
-    _float32_matmuls(monkeypatch)
     calls = _counting(monkeypatch)
     fused = LLM(default_gguf_path(), **kwargs)
     got = _generate(fused, PROMPTS, 24) + _generate(fused, PROMPTS[1:2], 24)
@@ -197,7 +174,6 @@ def test_tiny_quantized_llama_fused_equals_unfused_and_pytorch(tmp_path, monkeyp
     path = make_checkpoint(tmp_path / "llama", "llama")
     prompts = ["hello world", "the quick brown fox jumps", "a b c d e f g h i j k l m n o p q r s"]
     kwargs = {"quantization": method, "kv_cache_memory": 0.02, "max_model_len": 256, "engine_process": False}
-    _float32_matmuls(monkeypatch)
     calls = _counting(monkeypatch)
     fused = LLM(str(path), **kwargs)
     got = _generate(fused, prompts, 40) + _generate(fused, prompts[2:], 40)

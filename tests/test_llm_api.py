@@ -83,10 +83,6 @@ def test_stop_token_ids_and_min_tokens(llm):
 
 
 def test_eos_stops_unless_ignored(default_llm):
-    # From a cold prefix cache: on the CPU the int4 matmuls' arithmetic depends on a step's row count
-    # (ember/quant/linear.py), so a prompt whose system-prompt blocks another test's chat cached can take
-    # a different greedy path from the same prompt computed whole.
-    assert default_llm.llm_engine.reset_prefix_cache()
     conv = [{"role": "user", "content": "What is the capital of France?"}]
     stopped = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
     eos = default_llm.get_tokenizer().eos_token_ids
@@ -98,6 +94,22 @@ def test_eos_stops_unless_ignored(default_llm):
                                use_tqdm=False)[0].outputs[0]
     assert ignored.token_ids[:n] == stopped.token_ids
     assert len(ignored.token_ids) == n + 5 and ignored.finish_reason == "length"
+
+
+def test_prefix_cached_prompt_answers_as_the_whole_prompt(default_llm):
+    """A prompt whose first blocks (the chat template's system prompt) come from the prefix cache, filled by
+    an unrelated conversation, gets the greedy answer it gets when computed whole: the cached blocks and the
+    uncached tail are computed in the same float32 arithmetic as the whole prompt (ember/quant/linear.py,
+    NATIVE_EXPAND_MIN_ROWS). With bf16 from 16 rows, the default model rambled for 64 tokens here."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    assert default_llm.llm_engine.reset_prefix_cache()
+    whole = default_llm.chat(question, params, use_tqdm=False)[0].outputs[0]
+    assert default_llm.llm_engine.reset_prefix_cache()
+    default_llm.chat([{"role": "user", "content": "My name is Alice."}], params, use_tqdm=False)
+    cached = default_llm.chat(question, params, use_tqdm=False)[0]
+    assert cached.num_cached_tokens > 0
+    assert cached.outputs[0].token_ids == whole.token_ids and "Paris" in whole.text
 
 
 def test_logprobs_shape(llm):

@@ -1,6 +1,5 @@
-/* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations (int4 also over
- * bf16 ones where the CPU has AVX512_BF16), the dense expansions of the same layouts for large
- * batches, paged decode attention read straight from the KV cache, and (the last section) the rest
+/* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations, the dense float32
+ * expansions of the same layouts for large batches, paged decode attention read straight from the KV cache, and (the last section) the rest
  * of a decode layer fused: residual add + RMSNorm, rotary + KV store, gate/up GEMV + SiLU.
  *
  * Every function takes raw data pointers as Python ints plus sizes; ember/cpu_native/ops.py checks
@@ -205,57 +204,6 @@ SCALAR_TILE(q4_tile, q4_weight)
 SCALAR_TILE(q8_tile, q8_weight)
 #endif
 
-#ifdef __AVX512BF16__
-/* int4 against bf16 activations (x rounded to bf16 by the caller, as PyTorch's int4 kernel rounds it):
- * each chunk's weights are dequantized in float32, rounded to bf16 and multiplied by VDPBF16PS, 32
- * multiply-adds an instruction, twice the float32 FMA's, for batches where the GEMV is compute-bound. */
-static inline __attribute__((always_inline)) void q4bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
-                                                             int mt) {
-    const int64_t K = a->K, G = groups(a->K, a->group);
-    const uint16_t *x = (const uint16_t *)a->x;
-    const __m512i lowmask = _mm512_set1_epi32(0x0F);
-    __m512 acc[NR][MT];
-    UNROLL
-    for (int r = 0; r < nr; r++)
-        UNROLL
-        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m512 s[NR], z[NR];
-        UNROLL
-        for (int r = 0; r < nr; r++) {
-            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
-            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
-        }
-        const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
-        for (int64_t k = g * a->group; k < end; k += 32) {
-            __m512bh w[NR];
-            UNROLL
-            for (int r = 0; r < nr; r++) {
-                const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
-                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-                __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lowmask)), s[r], z[r]);
-                __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[r], z[r]);
-                w[r] = _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0-15: inputs k..k+15, 16-31: k+16..k+31 */
-            }
-            UNROLL
-            for (int m = 0; m < mt; m++) {
-                __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
-                UNROLL
-                for (int r = 0; r < nr; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w[r], xv);
-            }
-        }
-    }
-    UNROLL
-    for (int r = 0; r < nr; r++)
-        UNROLL
-        for (int m = 0; m < mt; m++) a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
-#define HAS_BF16 1
-#else
-#define HAS_BF16 0
-#endif
-
 /* Activation rows m0 .. M in tiles of MT, then a tile each of 4, 2 and 1 rows for the rest: every
  * tile size a constant. */
 #define M_TILES(tile, a, n, nr, m0)                                              \
@@ -296,11 +244,6 @@ static void gemv(const gemv_args *a, int bits, int threads) {
     if (bits == 4) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (b = 0; b < blocks; b++) ROW_BLOCK(q4_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
-#if HAS_BF16
-    } else if (bits == 16) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (b = 0; b < blocks; b++) ROW_BLOCK(q4bf_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
-#endif
     } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (b = 0; b < blocks; b++) ROW_BLOCK(q8_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
@@ -349,26 +292,7 @@ static PyObject *gemv_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return gemv_entry(args, nargs, 8, "gemv_q8");
 }
 
-/* gemv_q4_bf16x: gemv_q4 with x bf16 [M, K]; only where the CPU has AVX512_BF16 (see has_bf16) */
-static PyObject *gemv_q4_bf16x(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!HAS_BF16) {
-        PyErr_SetString(PyExc_RuntimeError, "gemv_q4_bf16x: built without AVX512_BF16");
-        return NULL;
-    }
-    return gemv_entry(args, nargs, 16, "gemv_q4_bf16x");
-}
-
-static PyObject *has_bf16(PyObject *self, PyObject *unused) { return PyBool_FromLong(HAS_BF16); }
-
 /* ---- dense expansions, exactly `dequantize`: q * scale, then + zero, each rounded in float32 ---- */
-
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7FFF + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
 
 #ifdef __AVX512F__
 static inline __m512 affine512(__m512 q, __m512 s, __m512 z, int has_zero) {
@@ -376,22 +300,11 @@ static inline __m512 affine512(__m512 q, __m512 s, __m512 z, int has_zero) {
     return has_zero ? _mm512_add_ps(w, z) : w;
 }
 
-/* bf16_round on 16 lanes, stored as 16 halves */
-static inline void store_bf16(uint16_t *o, __m512 f) {
-    __m512i u = _mm512_castps_si512(f);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    r = _mm512_srli_epi32(r, 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(r));
-}
-
-static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zero, uint16_t *o) {
+static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zero, float *o) {
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
-    store_bf16(o, affine512(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), vs, vz, has_zero));
-    store_bf16(o + 16, affine512(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs, vz, has_zero));
+    _mm512_storeu_ps(o, affine512(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), vs, vz, has_zero));
+    _mm512_storeu_ps(o + 16, affine512(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs, vz, has_zero));
 }
 
 static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero, float *o) {
@@ -404,10 +317,10 @@ static inline float affine(float q, float s, float z, int has_zero) {
     return has_zero ? w + z : w;
 }
 
-static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zero, uint16_t *o) {
+static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zero, float *o) {
     for (int j = 0; j < 16; j++) {
-        o[j] = bf16_round(affine((float)(p[j] & 0x0F), s, z, has_zero));
-        o[j + 16] = bf16_round(affine((float)(p[j] >> 4), s, z, has_zero));
+        o[j] = affine((float)(p[j] & 0x0F), s, z, has_zero);
+        o[j + 16] = affine((float)(p[j] >> 4), s, z, has_zero);
     }
 }
 
@@ -416,8 +329,7 @@ static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero
 }
 #endif
 
-/* dequantize_q{4_bf16,8_f32}(codes, scales, zeros, out, N, K, group, threads, half): out [N, K], bf16
- * for int4 (what oneDNN's fast GEMM takes), float32 for int8 */
+/* dequantize_q{4,8}_f32(codes, scales, zeros, out, N, K, group, threads, half): out float32 [N, K] */
 static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[9];
     if (parse(args, nargs, 9, name, v, NULL, 0) < 0) return NULL;
@@ -431,18 +343,19 @@ static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits,
     for (n = 0; n < N; n++) {
         for (int64_t k = 0; k < K; k += run) {
             float s = param(scales, n * G + k / group, half), z = has_zero ? param(zeros, n * G + k / group, half) : 0.f;
+            float *o = (float *)PTR(v[3]) + n * K + k;
             if (bits == 4)
-                q4_expand_run((const uint8_t *)PTR(v[0]) + (n * K + k) / 2, s, z, has_zero, (uint16_t *)PTR(v[3]) + n * K + k);
+                q4_expand_run((const uint8_t *)PTR(v[0]) + (n * K + k) / 2, s, z, has_zero, o);
             else
-                q8_expand_run((const int8_t *)PTR(v[0]) + n * K + k, s, z, has_zero, (float *)PTR(v[3]) + n * K + k);
+                q8_expand_run((const int8_t *)PTR(v[0]) + n * K + k, s, z, has_zero, o);
         }
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static PyObject *dequantize_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    return expand_entry(args, nargs, 4, "dequantize_q4_bf16");
+static PyObject *dequantize_q4_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return expand_entry(args, nargs, 4, "dequantize_q4_f32");
 }
 
 static PyObject *dequantize_q8_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -788,15 +701,6 @@ static PyObject *gemv_silu_q8(PyObject *self, PyObject *const *args, Py_ssize_t 
     return gemv_silu_entry(args, nargs, 8, "gemv_silu_q8");
 }
 
-/* gemv_silu_q4_bf16x: gemv_silu_q4 with x bf16 [M, K] (as gemv_q4_bf16x); only with AVX512_BF16 */
-static PyObject *gemv_silu_q4_bf16x(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!HAS_BF16) {
-        PyErr_SetString(PyExc_RuntimeError, "gemv_silu_q4_bf16x: built without AVX512_BF16");
-        return NULL;
-    }
-    return gemv_silu_entry(args, nargs, 16, "gemv_silu_q4_bf16x");
-}
-
 /* ==== end of the fused decode-layer ops ==== */
 
 static PyObject *simd(PyObject *self, PyObject *unused) {
@@ -810,20 +714,16 @@ static PyObject *simd(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"gemv_q4", (PyCFunction)(void (*)(void))gemv_q4, METH_FASTCALL, "y = x @ W^T, int4 codes"},
     {"gemv_q8", (PyCFunction)(void (*)(void))gemv_q8, METH_FASTCALL, "y = x @ W^T, int8 codes"},
-    {"dequantize_q4_bf16", (PyCFunction)(void (*)(void))dequantize_q4_bf16, METH_FASTCALL, "int4 -> bf16 [N, K]"},
+    {"dequantize_q4_f32", (PyCFunction)(void (*)(void))dequantize_q4_f32, METH_FASTCALL, "int4 -> float32 [N, K]"},
     {"dequantize_q8_f32", (PyCFunction)(void (*)(void))dequantize_q8_f32, METH_FASTCALL, "int8 -> float32 [N, K]"},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))paged_decode_attention, METH_FASTCALL,
      "one-token queries against a paged KV cache"},
-    {"gemv_q4_bf16x", (PyCFunction)(void (*)(void))gemv_q4_bf16x, METH_FASTCALL, "y = x @ W^T, int4 codes, bf16 x"},
-    {"has_bf16", has_bf16, METH_NOARGS, "whether gemv_q4_bf16x was compiled (AVX512_BF16)"},
     {"simd", simd, METH_NOARGS, "which code path was compiled: 'avx512' or 'scalar'"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL, "residual add + RMSNorm"},
     {"rotary_store", (PyCFunction)(void (*)(void))rotary_store, METH_FASTCALL,
      "rotary on q and k in place, then k and v into their cache slots"},
     {"gemv_silu_q4", (PyCFunction)(void (*)(void))gemv_silu_q4, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int4"},
     {"gemv_silu_q8", (PyCFunction)(void (*)(void))gemv_silu_q8, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int8"},
-    {"gemv_silu_q4_bf16x", (PyCFunction)(void (*)(void))gemv_silu_q4_bf16x, METH_FASTCALL,
-     "silu(x @ G^T) * (x @ U^T), int4, bf16 x"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -167,38 +167,12 @@ def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     return y
 
 
-def has_bf16() -> bool:
-    """Whether `matmul_bf16` runs here (AVX512_BF16)."""
-    return available() and _module().has_bf16()
-
-
-def matmul_bf16(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
-    """`matmul` for int4 weights with x and the dequantized weights rounded to bf16 (float32 sums), as
-    PyTorch's int4 kernel computes: twice the multiply-adds per instruction, for compute-bound batches."""
-    if w.kind != "int4" or x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"matmul_bf16 takes int4 weights and x [M, {w.in_features}], got {w.kind} and "
-                         f"{tuple(x.shape)}")
-    _check("x", x, torch.float32)
-    xb = x.to(torch.bfloat16).contiguous()
-    y = torch.empty(x.shape[0], w.out_features)
-    _module().gemv_q4_bf16x(xb.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), y.data_ptr(),
-                            x.shape[0], w.in_features, w.out_features, w.group_size, torch.get_num_threads(),
-                            w.scales.dtype == torch.float16)
-    return y
-
-
 def dequantize(w: NativeWeight) -> torch.Tensor:
-    """The dense [N, K] weight: bf16 for int4 (what oneDNN's fast GEMM takes; equal to
-    `formats.dequantize(...).to(bfloat16)`), float32 for int8 (exactly `formats.dequantize`)."""
-    n, k = w.out_features, w.in_features
-    if w.kind == "int4":
-        out = torch.empty(n, k, dtype=torch.bfloat16)
-        fn = _module().dequantize_q4_bf16
-    else:
-        out = torch.empty(n, k)
-        fn = _module().dequantize_q8_f32
-    fn(w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), n, k, w.group_size,
-       torch.get_num_threads(), w.scales.dtype == torch.float16)
+    """The dense float32 [N, K] weight, exactly `formats.dequantize(...)` (q * scale, then + zero)."""
+    out = torch.empty(w.out_features, w.in_features)
+    fn = _module().dequantize_q4_f32 if w.kind == "int4" else _module().dequantize_q8_f32
+    fn(w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), w.out_features, w.in_features,
+       w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
     return out
 
 
@@ -280,6 +254,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return out, total
 
 
+def rotary_store_fits(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> bool:
+    """Whether `rotary_store` takes these: float32 [T, width] activations, tables and cache on CPU,
+    int64 positions and slots, and the kernels available (other cases keep the PyTorch ops)."""
+    return (qkv.is_cpu and qkv.dim() == 2 and qkv.dtype == cos.dtype == k_cache.dtype == torch.float32
+            and positions.dtype == slot_mapping.dtype == torch.int64 and available())
+
+
 def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int) -> None:
     """The fused QKV output qkv float32 [T, (Hq + 2 Hk) * D] (rows may be strided): its query and key
@@ -311,19 +293,16 @@ def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                            torch.get_num_threads())
 
 
-def matmul_silu(x: torch.Tensor, w: NativeWeight, bf16: bool = False) -> torch.Tensor:
-    """silu(gate) * up for a fused gate/up weight (rows [0, I) gate, [I, 2I) up): `matmul` (`bf16`:
-    `matmul_bf16`, int4 only) and the activation in one call, float32 [M, K] -> [M, I]."""
+def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
+    """silu(gate) * up for a fused gate/up weight (rows [0, I) gate, [I, 2I) up): `matmul` and the
+    activation in one call, float32 [M, K] -> [M, I]."""
     if w.out_features % 2:
         raise ValueError(f"a gate/up weight has an even number of rows, got {w.out_features}")
-    if bf16 and w.kind != "int4":
-        raise ValueError(f"matmul_silu with bf16 activations takes int4 weights, got {w.kind}")
     _rows("x", x, w.in_features)
     size = w.out_features // 2
     out = torch.empty(x.shape[0], size)
     kernels = _module()
-    fn = kernels.gemv_silu_q8 if w.kind == "int8" else kernels.gemv_silu_q4_bf16x if bf16 else kernels.gemv_silu_q4
-    xp = x.to(torch.bfloat16) if bf16 else x
-    fn(xp.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), x.shape[0],
+    fn = kernels.gemv_silu_q8 if w.kind == "int8" else kernels.gemv_silu_q4
+    fn(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), x.shape[0],
        w.in_features, size, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
     return out

@@ -91,11 +91,8 @@ class Attention(nn.Module):
         where the PyTorch path runs."""
         tables = self.rotary.full_tables(self.head_dim)
         unscaled = type(self.k_scale) is float and type(self.v_scale) is float and self.k_scale == self.v_scale == 1.0
-        if (tables is None or self.q_norm is not None or not unscaled or not qkv.is_cpu or qkv.dim() != 2
-                or qkv.dtype != torch.float32 or tables[0].dtype != torch.float32
-                or self.k_cache is None or self.k_cache.dtype != torch.float32
-                or positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64
-                or not native.available()):
+        if (tables is None or self.q_norm is not None or not unscaled or self.k_cache is None
+                or not native.rotary_store_fits(qkv, positions, tables[0], self.k_cache, meta.slot_mapping)):
             return None
         native.rotary_store(qkv, positions, *tables, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads)
         return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)

@@ -58,19 +58,15 @@ _SCALED_MM_ROW_MULTIPLE = 16
 # 128-token prompts were 3-10% slower expanded and 256 and 512 rows 16% and 38% faster.
 CPU_EXPAND_MIN_ROWS = 256
 _PACK_BLOCK_N = 64
-# Rows from which a weight in the native layout (ember/cpu_native) is expanded for oneDNN's GEMM (int4 to
-# bf16, int8 to float32) instead of running the native GEMV, which reaches ~180 GFLOP/s from 8 rows on
-# this project's 2-core AVX-512 EPYC (the machine shared, load average 0.4-0.6; minimum of 7). One
-# SmolLM2-135M layer's int4 weights (qkv, o, gate/up, down), native against expanded: 16 rows 0.60 against
-# 0.72 ms, 32 rows 1.31 / 0.90, 64 2.77 / 1.47, 128 6.0 / 2.2, 256 11.0 / 3.4. The 49152 x 576 Q8_0 head,
-# whose float32 expansion writes 113 MB: 16 rows 5.9 against 50 ms, 256 rows 104 / 148, 512 282 / 273.
-NATIVE_EXPAND_MIN_ROWS = {"int4": 32, "int8": 512}
-# Rows from which int4 GEMVs round x and the weights to bf16 (float32 sums, VDPBF16PS; as PyTorch's int4
-# kernel and the expansion above do) where the CPU has AVX512_BF16: the float32 kernel is compute-bound
-# there. One SmolLM2 layer's int4 weights (float16 scales), float32 against bf16 against expanded: 8 rows
-# 0.285 / 0.247 / 0.56 ms, 16 rows 0.54 / 0.445 / 0.61, 32 rows 1.24 / 0.88 / 0.78 (same machine, load
-# average 0.6). From 16 rows, every int4 matmul rounds activations to bf16 and below none does.
-NATIVE_BF16_MIN_ROWS = 16
+# Rows from which a weight in the native layout (ember/cpu_native) is expanded to float32 for oneDNN's
+# GEMM instead of running the native GEMV, which is at the two cores' float32 FMA peak (~180 GFLOP/s) from
+# 8 rows. `benchmarks/cpu_native_kernels.py` (crossover), one SmolLM2-135M layer's int4 weights in cache,
+# native against expanded, 2-core AVX-512 EPYC at load 0.4-0.9: 32 rows 1.03 / 1.87 ms, 128 3.9 / 5.4,
+# 256 8.5 / 9.9, 384 14.0 / 14.2, 512 19.5-20.2 / 18.2-19.0, 1024 46 / 36. The 49152 x 576 Q8_0 head,
+# whose expansion writes 113 MB: 256 rows 104 against 148 ms, 512 282 / 273. Both are float32, so the
+# crossover changes speed only: bf16 (twice the multiply-adds an instruction) was used from 16 rows
+# until a prompt whose first blocks came from the prefix cache answered differently from the whole one.
+NATIVE_EXPAND_MIN_ROWS = 512
 
 
 def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torch.Tensor, ...]]:
@@ -104,23 +100,14 @@ def _native_layout(w: QuantizedWeight) -> native.NativeWeight | None:
 
 
 def _native_matmul(x: torch.Tensor, w: native.NativeWeight) -> torch.Tensor:
-    """x @ W^T: the native GEMV below NATIVE_EXPAND_MIN_ROWS rows (int4 from NATIVE_BF16_MIN_ROWS in bf16),
-    above it the weight expanded (int4 to bf16, int8 to exact float32) for oneDNN's GEMM."""
-    rows = x.shape[0]
-    if rows >= NATIVE_EXPAND_MIN_ROWS[w.kind]:
-        dense = native.dequantize(w)
-        return F.linear(x.to(dense.dtype), dense).to(x.dtype)
-    if not _native_float32_rows(rows, w):
-        return native.matmul_bf16(x.float(), w).to(x.dtype)
+    """x @ W^T in float32 at every row count: the native GEMV below NATIVE_EXPAND_MIN_ROWS rows, above it
+    the weight expanded to exact float32 for oneDNN's GEMM. One arithmetic for every batch, so a prompt
+    whose first blocks come from the prefix cache answers as the whole prompt does."""
+    if x.shape[0] >= NATIVE_EXPAND_MIN_ROWS:
+        return F.linear(x.float(), native.dequantize(w)).to(x.dtype)
     if x.dtype == torch.float32:
         return native.matmul(x, w)
     return native.matmul(x.float(), w).to(x.dtype)
-
-
-def _native_float32_rows(rows: int, w: native.NativeWeight) -> bool:
-    """Whether `_native_matmul` runs the float32 GEMV for this many rows (not the bf16 one or an expansion)."""
-    return rows < NATIVE_EXPAND_MIN_ROWS[w.kind] and not (rows >= NATIVE_BF16_MIN_ROWS and w.kind == "int4"
-                                                          and native.has_bf16())
 
 
 def _dense(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -267,14 +254,14 @@ class QuantLinear(nn.Module):
     def native_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this layer's output, for a fused gate/up projection (rows [0, I) gate,
         [I, 2I) up), in one native call (`ops.matmul_silu`) where the layer is one native weight
-        without bias or input permutation and x, float32 [M, K], takes a native GEMV (float32 or
-        bf16, as `forward` would); else None."""
+        without bias or input permutation and x, float32 [M, K], takes the native GEMV (as `forward`
+        would); else None."""
         nat = self._native[0]
         if (len(self.parts) != 1 or nat is None or self.bias is not None or self.parts[0].in_perm is not None
                 or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
-                or x.shape[0] >= NATIVE_EXPAND_MIN_ROWS[nat.kind]):
+                or x.shape[0] >= NATIVE_EXPAND_MIN_ROWS):
             return None
-        return native.matmul_silu(x, nat, bf16=not _native_float32_rows(x.shape[0], nat))
+        return native.matmul_silu(x, nat)
 
     def cpu_dense_weight(self) -> torch.Tensor | None:
         """The whole weight when it is one part kept as a dense CPU copy, else None."""
