@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import default_gguf_path, inproc_core, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
 from ember.cpu_native import build, ops
-from ember.quant.formats import QuantizedWeight, dense_weight, dequantize, pack_int4
+from ember.quant import linear
+from ember.quant.formats import QuantizedWeight, codes, dense_weight, dequantize, pack_int4
 from ember.quant.linear import (
     NATIVE_EXPAND_MIN_ROWS,
     QuantEmbedding,
@@ -214,24 +216,74 @@ def test_native_layouts_do_not_grow_memory() -> None:
     assert torch.equal(emb.argmax(x), emb.attend(x).argmax(dim=1))
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_quant_linear_is_float32_at_every_row_count(kind: str) -> None:
-    """Below NATIVE_EXPAND_MIN_ROWS the native GEMV runs, from it the weight is expanded to float32 for
-    oneDNN: either way x @ W^T in float32 (no bf16 rounding anywhere), and below the crossover each row's
-    result is bit for bit the same whatever the batch it comes in, so a prompt's tail computed after a
-    prefix-cache hit sees the numbers the whole prompt would."""
+def _bf16_weight(w: QuantizedWeight) -> torch.Tensor:
+    """The weight bf16 arithmetic multiplies: q * scale + zero rounded once to float32 (an FMA), then to bf16."""
+    group = torch.arange(w.in_features) // w.group_size
+    dense = codes(w).double() * w.scales.double()[:, group]
+    if w.zeros is not None:
+        dense = dense + w.zeros.double()[:, group]
+    return dense.float().bfloat16()
+
+
+def _bf16_reference(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 arithmetic in float64: x and w rounded to bf16, exact sums (before the output's rounding), and
+    the sums' float32 error bound."""
+    xb, wb = x.bfloat16().double(), _bf16_weight(w).double()
+    return xb @ wb.T, 2e-6 * math.sqrt(w.in_features) * (xb.abs() @ wb.abs().T) + 1e-7
+
+
+def _within_output_rounding(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> bool:
+    """got is ref, give or take the float32 sums' error, rounded to bf16 (half an ulp, 2^-9 relative)."""
+    assert torch.equal(got, got.bfloat16().float())  # every output rounded to bf16
+    return bool(((got.double() - ref).abs() <= bound + ref.abs() * 2.0 ** -8).all())
+
+
+@pytest.mark.skipif(not ops.has_bf16(), reason="this CPU has no AVX512_BF16: int4 is float32 at every row count")
+@pytest.mark.parametrize("half", [False, True])
+def test_bf16_gemv_matches_bf16_reference(half: bool) -> None:
+    """int4 in bf16 arithmetic: x and the dequantized weights rounded to bf16, float32 sums, outputs
+    rounded to bf16; the gate/up + SiLU variant applies silu to those outputs; the expansion is
+    `dequantize(w)` rounded to bf16."""
+    w = _weight("int4", 70, 384, 64, True, half=half)
+    nat = ops.native_weight(w, bf16=True)
+    for m in (1, 3, 16, 17, 27):
+        x = torch.randn(m, 384)
+        got = ops.matmul(x, nat)
+        assert _within_output_rounding(got, *_bf16_reference(x, w))
+        gate, up = got.split(35, dim=-1)
+        torch.testing.assert_close(ops.matmul_silu(x, nat), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ops.dequantize(nat), _bf16_weight(w))
+
+
+@pytest.mark.parametrize("arithmetic", ["int4-bf16", "int4-float32", "int8-float32"])
+def test_quant_linear_keeps_one_arithmetic_at_every_row_count(monkeypatch, arithmetic: str) -> None:
+    """Below the crossover the native GEMV runs, from it the weight is expanded for oneDNN's GEMM: either
+    way the weight's one arithmetic (bf16 for int4 where the CPU has it, float32 otherwise). Below the
+    crossover each row's result is bit for bit the same whatever the batch it comes in; past it, the
+    same up to summation order. So a prompt's tail computed after a prefix-cache hit sees the numbers
+    the whole prompt would."""
+    kind, dtype = arithmetic.split("-")
+    if dtype == "bf16" and not ops.has_bf16():
+        pytest.skip("this CPU has no AVX512_BF16")
+    monkeypatch.setattr(linear, "CPU_INT4_BF16", dtype == "bf16")
     w = _weight(kind, 48, 96, 32, True)
     layer = QuantLinear([w], None, torch.float32)
-    dense = dequantize(w).double()
-    x = torch.randn(NATIVE_EXPAND_MIN_ROWS + 3, 96)
-    alone = torch.cat([layer(row[None]) for row in x[:NATIVE_EXPAND_MIN_ROWS]])
-    for rows in (1, 5, 16, NATIVE_EXPAND_MIN_ROWS - 1, NATIVE_EXPAND_MIN_ROWS + 3):
-        got = layer(x[:rows])
-        expected = x[:rows].double() @ dense.T
-        bound = 1e-6 * math.sqrt(96) * (x[:rows].double().abs() @ dense.abs().T)
-        assert (got.double() - expected).abs().le(bound + 1e-7).all(), rows
-        if rows < NATIVE_EXPAND_MIN_ROWS:
-            assert torch.equal(got, alone[:rows]), rows
+    crossover = NATIVE_EXPAND_MIN_ROWS[dtype]
+    x = torch.randn(crossover + 3, 96)
+    alone = torch.cat([layer(row[None]) for row in x])
+    for rows in (1, 5, 16, crossover - 1, crossover, crossover + 3):
+        got = layer(x[:rows]).double()
+        if dtype == "bf16":
+            ref, bound = _bf16_reference(x[:rows], w)
+            bound = bound + ref.abs() * 2.0 ** -8  # the sums' error, then the output's rounding
+        else:
+            dense = dequantize(w).double()
+            ref, bound = x[:rows].double() @ dense.T, 1e-6 * math.sqrt(96) * (x[:rows].double().abs() @ dense.abs().T)
+        assert (got - ref).abs().le(bound + 1e-7).all(), rows
+        if rows < crossover:
+            assert torch.equal(got, alone[:rows].double()), rows
+        else:  # oneDNN sums in its own order: apart by the sums' error (and, in bf16, a rounding)
+            assert (got - alone[:rows]).abs().le(2 * bound + 1e-7).all(), rows
 
 
 def test_one_openmp_runtime_after_a_native_call() -> None:
@@ -284,7 +336,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
 def test_default_model_equals_its_float32_twin(monkeypatch) -> None:
     """Native kernels compute the Q4_1/Q8_0 weights exactly in float32 activations, so greedy tokens
     equal the same file loaded dense (quantization "none"), batched and alone. (The PyTorch path rounds
-    activations to bf16 for its int4 kernel and may differ on near ties: "def fibonacci(n):" does.)"""
+    activations to bf16 for its int4 kernel and may differ on near ties: "def fibonacci(n):" does.) So
+    int4 runs in float32 here, not in the bf16 arithmetic CPUs with AVX512_BF16 use by default."""
+    monkeypatch.setattr(linear, "CPU_INT4_BF16", False)
     kwargs = {"kv_cache_memory": 0.05, "max_model_len": 256, "engine_process": False}
     dense = _generate(LLM(default_gguf_path(), quantization="none", **kwargs), PROMPTS, 24)
     llm = LLM(default_gguf_path(), **kwargs)
@@ -311,7 +365,9 @@ def test_tiny_quantized_llama_equals_its_float32_twin(tmp_path, monkeypatch, met
     """Load-time int4/int8 on a tiny random Llama: with the native kernels, greedy tokens equal the
     float32 model holding the same values, batched and alone, logprobs within float32 noise. The
     PyTorch path (EMBER_CPU_NATIVE=0), whose int4/int8 kernels take bf16 activations, holds to the
-    first 12 tokens (its first divergence on these prompts is at token 16) with logprobs within 0.05."""
+    first 12 tokens (its first divergence on these prompts is at token 16) with logprobs within 0.05.
+    int4 runs in float32 here (CPU_INT4_BF16), as on CPUs without AVX512_BF16."""
+    monkeypatch.setattr(linear, "CPU_INT4_BF16", False)
     path = make_checkpoint(tmp_path / "llama", "llama")
     twin = LLM(str(_dense_twin(path, tmp_path / "twin", method)), kv_cache_memory=0.02, max_model_len=256,
                engine_process=False)

@@ -1,5 +1,6 @@
-/* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations, the dense float32
- * expansions of the same layouts for large batches, paged decode attention read straight from the KV cache, and (the last section) the rest
+/* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations (int4 also in bf16
+ * arithmetic where the CPU has AVX512_BF16), the dense expansions of the same layouts for large
+ * batches, paged decode attention read straight from the KV cache, and (the last section) the rest
  * of a decode layer fused: residual add + RMSNorm, rotary + KV store, gate/up GEMV + SiLU.
  *
  * Every function takes raw data pointers as Python ints plus sizes; ember/cpu_native/ops.py checks
@@ -80,6 +81,7 @@ typedef struct {
     float *y;            /* [M, N] */
     int64_t M, K, N, group;
     int half;
+    const uint16_t *xb;  /* bits 16: x rounded to bf16 [M, K], made by `gemv` */
 } gemv_args;
 
 /* Each weight chunk is dequantized in registers (w = q * scale + zero: one FMA per 16 codes) and
@@ -204,6 +206,93 @@ SCALAR_TILE(q4_tile, q4_weight)
 SCALAR_TILE(q8_tile, q8_weight)
 #endif
 
+/* float32 -> bf16, round to nearest even (what VCVTNEPS2BF16 and PyTorch's conversion do) */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7FFF + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#ifdef __AVX512BF16__
+/* int4 in bf16 arithmetic, as oneDNN's bf16 GEMM computes the expanded weight (`dequantize_q4_bf16`)
+ * from 32 rows: x and w = q * scale + zero (one float32 FMA, then rounded to bf16) multiplied by
+ * VDPBF16PS, 32 multiply-adds an instruction, float32 sums, each output rounded to bf16 (by `gemv`).
+ * So every row count computes the same numbers up to summation order. */
+static inline __attribute__((always_inline)) void q4bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                             int mt) {
+    const int64_t K = a->K, G = groups(a->K, a->group);
+    const __m512i lowmask = _mm512_set1_epi32(0x0F);
+    __m512 acc[NR][MT];
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 s[NR], z[NR];
+        UNROLL
+        for (int r = 0; r < nr; r++) {
+            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
+            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
+        }
+        const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
+        for (int64_t k = g * a->group; k < end; k += 32) {
+            __m512bh w[NR];
+            UNROLL
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+                __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lowmask)), s[r], z[r]);
+                __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[r], z[r]);
+                w[r] = _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0-15: inputs k..k+15, 16-31: k+16..k+31 */
+            }
+            UNROLL
+            for (int m = 0; m < mt; m++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(a->xb + (m0 + m) * K + k));
+                UNROLL
+                for (int r = 0; r < nr; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w[r], xv);
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++)
+            a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+/* n floats rounded to bf16 (to nearest even) and back, or into bf16 halves: 16 at a time, then the tail */
+static void round_bf16(const float *in, float *out, uint16_t *halves, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(in + i));
+        if (halves)
+            _mm256_storeu_si256((__m256i *)(halves + i), (__m256i)h);
+        else
+            _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
+    }
+    for (; i < n; i++) {
+        uint16_t h = bf16_round(in[i]);
+        if (halves)
+            halves[i] = h;
+        else
+            out[i] = bf16_value(h);
+    }
+}
+#define HAS_BF16 1
+#else
+#define HAS_BF16 0
+#endif
+
 /* Activation rows m0 .. M in tiles of MT, then a tile each of 4, 2 and 1 rows for the rest: every
  * tile size a constant. */
 #define M_TILES(tile, a, n, nr, m0)                                              \
@@ -237,17 +326,31 @@ SCALAR_TILE(q8_tile, q8_weight)
  * whichever of its threads was descheduled. */
 #define PARALLEL_MIN_WORK (1 << 18)
 
-static void gemv(const gemv_args *a, int bits, int threads) {
+/* bits 4 / 8: int4 / int8 codes, float32 arithmetic; 16: int4 codes, bf16 arithmetic (q4bf_tile), x
+ * rounded to bf16 here first. Returns -1 when the bf16 copy of x cannot be allocated. */
+static int gemv(gemv_args *a, int bits, int threads) {
     const int64_t blocks = (a->N + NR - 1) / NR;
     if (a->M * a->N * a->K < PARALLEL_MIN_WORK) threads = 1;
     int64_t b;
     if (bits == 4) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (b = 0; b < blocks; b++) ROW_BLOCK(q4_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
-    } else {
+    } else if (bits == 8) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (b = 0; b < blocks; b++) ROW_BLOCK(q8_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
+    } else {
+#if HAS_BF16
+        uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(a->M * a->K));
+        if (!xb) return -1;
+        round_bf16(a->x, NULL, xb, a->M * a->K);
+        a->xb = xb;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (b = 0; b < blocks; b++) ROW_BLOCK(q4bf_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
+        free(xb);
+        round_bf16(a->y, a->y, NULL, a->M * a->N);
+#endif
     }
+    return 0;
 }
 
 /* ---- argument parsing: every argument is a Python int (pointers, sizes) or float ---- */
@@ -272,15 +375,26 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const
 
 #define PTR(v) ((void *)(intptr_t)(v))
 
+/* the bf16 variants (bits 16) exist only where the CPU has AVX512_BF16 (see has_bf16) */
+static int bf16_built(int bits, const char *name) {
+    if (bits == 16 && !HAS_BF16) {
+        PyErr_Format(PyExc_RuntimeError, "%s: built without AVX512_BF16", name);
+        return 0;
+    }
+    return 1;
+}
+
 /* gemv_q{4,8}(x, codes, scales, zeros, y, M, K, N, group, threads, half): y = x @ W^T; half: scales and
  * zeros are float16 */
 static PyObject *gemv_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[11];
-    if (parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
-    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], v[7], v[8], (int)v[10]};
+    if (!bf16_built(bits, name) || parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
+    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], v[7], v[8], (int)v[10], NULL};
+    int status;
     Py_BEGIN_ALLOW_THREADS
-    gemv(&a, bits, (int)v[9]);
+    status = gemv(&a, bits, (int)v[9]);
     Py_END_ALLOW_THREADS
+    if (status < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -291,6 +405,13 @@ static PyObject *gemv_q4(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 static PyObject *gemv_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return gemv_entry(args, nargs, 8, "gemv_q8");
 }
+
+/* gemv_q4_bf16: gemv_q4 in bf16 arithmetic (q4bf_tile), x float32 */
+static PyObject *gemv_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_entry(args, nargs, 16, "gemv_q4_bf16");
+}
+
+static PyObject *has_bf16(PyObject *self, PyObject *unused) { return PyBool_FromLong(HAS_BF16); }
 
 /* ---- dense expansions, exactly `dequantize`: q * scale, then + zero, each rounded in float32 ---- */
 
@@ -329,13 +450,26 @@ static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero
 }
 #endif
 
-/* dequantize_q{4,8}_f32(codes, scales, zeros, out, N, K, group, threads, half): out float32 [N, K] */
+#if HAS_BF16
+/* the weight q4bf_tile multiplies: q * scale + zero in one FMA (float32), rounded to bf16 (to nearest
+ * even), so oneDNN's GEMM over the expansion and the GEMV compute the same products */
+static inline void q4_expand_run_bf16(const uint8_t *p, float s, float z, uint16_t *o) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+    __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), vs, vz);
+    __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs, vz);
+    _mm512_storeu_si512((void *)o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+#endif
+
+/* dequantize_q{4,8}_f32(codes, scales, zeros, out, N, K, group, threads, half): out float32 [N, K];
+ * dequantize_q4_bf16 (bits 16): the same rounded to bf16, for oneDNN's bf16 GEMM */
 static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[9];
-    if (parse(args, nargs, 9, name, v, NULL, 0) < 0) return NULL;
+    if (!bf16_built(bits, name) || parse(args, nargs, 9, name, v, NULL, 0) < 0) return NULL;
     const void *scales = PTR(v[1]), *zeros = PTR(v[2]);
     const int half = (int)v[8];
-    const int64_t N = v[4], K = v[5], group = v[6], G = groups(K, group), run = bits == 4 ? 32 : 16;
+    const int64_t N = v[4], K = v[5], group = v[6], G = groups(K, group), run = bits == 8 ? 16 : 32;
     const int has_zero = zeros != NULL;
     Py_BEGIN_ALLOW_THREADS
     int64_t n;
@@ -346,8 +480,12 @@ static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits,
             float *o = (float *)PTR(v[3]) + n * K + k;
             if (bits == 4)
                 q4_expand_run((const uint8_t *)PTR(v[0]) + (n * K + k) / 2, s, z, has_zero, o);
-            else
+            else if (bits == 8)
                 q8_expand_run((const int8_t *)PTR(v[0]) + n * K + k, s, z, has_zero, o);
+#if HAS_BF16
+            else
+                q4_expand_run_bf16((const uint8_t *)PTR(v[0]) + (n * K + k) / 2, s, z, (uint16_t *)PTR(v[3]) + n * K + k);
+#endif
         }
     }
     Py_END_ALLOW_THREADS
@@ -356,6 +494,10 @@ static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits,
 
 static PyObject *dequantize_q4_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return expand_entry(args, nargs, 4, "dequantize_q4_f32");
+}
+
+static PyObject *dequantize_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return expand_entry(args, nargs, 16, "dequantize_q4_bf16");
 }
 
 static PyObject *dequantize_q8_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -677,19 +819,25 @@ static void silu_mul_row(const float *y, float *out, int64_t I) {
  * (rows [0, I) gate, [I, 2I) up) into a scratch [M, 2I], then out [M, I] = silu(gate) * up */
 static PyObject *gemv_silu_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[11];
-    if (parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
+    if (!bf16_built(bits, name) || parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
     const int64_t M = v[5], I = v[7];
+    /* a scratch per call: freed blocks this size come back from malloc's free lists (glibc raises its
+     * mmap threshold to a freed block's size), so this costs nanoseconds against a GEMV's microseconds */
     float *y = malloc(sizeof(float) * (size_t)(M * 2 * I)), *out = PTR(v[4]);
     if (!y) return PyErr_NoMemory();
-    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), y, M, v[6], 2 * I, v[8], (int)v[10]};
+    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), y, M, v[6], 2 * I, v[8], (int)v[10], NULL};
     const int threads = M * I < ROWS_PARALLEL_MIN ? 1 : (int)v[9];
+    int status;
     Py_BEGIN_ALLOW_THREADS
-    gemv(&a, bits, (int)v[9]);
+    status = gemv(&a, bits, (int)v[9]);
     int64_t m;
+    if (status == 0) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (m = 0; m < M; m++) silu_mul_row(y + m * 2 * I, out + m * I, I);
+        for (m = 0; m < M; m++) silu_mul_row(y + m * 2 * I, out + m * I, I);
+    }
     Py_END_ALLOW_THREADS
     free(y);
+    if (status < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -699,6 +847,10 @@ static PyObject *gemv_silu_q4(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 static PyObject *gemv_silu_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return gemv_silu_entry(args, nargs, 8, "gemv_silu_q8");
+}
+
+static PyObject *gemv_silu_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_silu_entry(args, nargs, 16, "gemv_silu_q4_bf16");
 }
 
 /* ==== end of the fused decode-layer ops ==== */
@@ -715,6 +867,9 @@ static PyMethodDef methods[] = {
     {"gemv_q4", (PyCFunction)(void (*)(void))gemv_q4, METH_FASTCALL, "y = x @ W^T, int4 codes"},
     {"gemv_q8", (PyCFunction)(void (*)(void))gemv_q8, METH_FASTCALL, "y = x @ W^T, int8 codes"},
     {"dequantize_q4_f32", (PyCFunction)(void (*)(void))dequantize_q4_f32, METH_FASTCALL, "int4 -> float32 [N, K]"},
+    {"dequantize_q4_bf16", (PyCFunction)(void (*)(void))dequantize_q4_bf16, METH_FASTCALL, "int4 -> bf16 [N, K]"},
+    {"gemv_q4_bf16", (PyCFunction)(void (*)(void))gemv_q4_bf16, METH_FASTCALL, "y = x @ W^T, int4, bf16 arithmetic"},
+    {"has_bf16", has_bf16, METH_NOARGS, "whether the bf16 variants were compiled (AVX512_BF16)"},
     {"dequantize_q8_f32", (PyCFunction)(void (*)(void))dequantize_q8_f32, METH_FASTCALL, "int8 -> float32 [N, K]"},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))paged_decode_attention, METH_FASTCALL,
      "one-token queries against a paged KV cache"},
@@ -724,6 +879,8 @@ static PyMethodDef methods[] = {
      "rotary on q and k in place, then k and v into their cache slots"},
     {"gemv_silu_q4", (PyCFunction)(void (*)(void))gemv_silu_q4, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int4"},
     {"gemv_silu_q8", (PyCFunction)(void (*)(void))gemv_silu_q8, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int8"},
+    {"gemv_silu_q4_bf16", (PyCFunction)(void (*)(void))gemv_silu_q4_bf16, METH_FASTCALL,
+     "silu(x @ G^T) * (x @ U^T), int4, bf16 arithmetic"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -74,7 +74,12 @@ class NativeWeight:
     """A quantized weight in the layout the GEMVs read: int4 codes as 16-byte runs of 32 inputs (input
     j in the low nibble of byte j, j + 16 in the high one), int8 codes row-major as stored; scales (and
     zeros) [N, ceil(K / group_size)], float16 where that holds them exactly, else float32;
-    w = q * scale + zero."""
+    w = q * scale + zero.
+
+    `bf16` (int4 only, CPUs with AVX512_BF16) fixes the weight's arithmetic at every row count: x and w
+    rounded to bf16, float32 sums, outputs rounded to bf16, as oneDNN's bf16 GEMM computes; else float32.
+    One arithmetic per weight, whatever the batch, is what lets a prompt's tail computed after a prefix-
+    cache hit see the numbers the whole prompt would."""
 
     kind: str                  # "int4" or "int8"
     codes: torch.Tensor        # uint8 [N, K / 2] (int4) or int8 [N, K]
@@ -82,6 +87,7 @@ class NativeWeight:
     zeros: torch.Tensor | None
     group_size: int
     in_features: int
+    bf16: bool = False
 
     @property
     def out_features(self) -> int:
@@ -101,19 +107,23 @@ def fits(w: QuantizedWeight) -> bool:
             and w.scales.shape == (w.out_features, -(-w.in_features // w.group_size)))
 
 
-def native_weight(w: QuantizedWeight) -> NativeWeight:
-    """The native layout of `w` (which must fit). int4 codes are re-laid out (the same bytes, which
-    replace the file's); int8 codes, scales and zeros are shared with `w` when already float32 and
-    contiguous, so a tied LM head costs nothing beside its embedding."""
+def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
+    """The native layout of `w` (which must fit), in bf16 arithmetic if asked (int4 where `has_bf16()`).
+    int4 codes are re-laid out (the same bytes, which replace the file's); int8 codes, scales and zeros
+    are shared with `w` when already float32 and contiguous, so a tied LM head costs nothing beside its
+    embedding."""
     if not fits(w):
         raise ValueError(f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
                          f"{w.block_rows}) does not fit the CPU native kernels")
+    if bf16 and (w.kind != "int4" or not has_bf16()):
+        raise ValueError(f"bf16 arithmetic needs an int4 weight (got {w.kind}) and a CPU with AVX512_BF16")
     if w.kind == "int8":
         zeros = None if w.zeros is None else w.zeros.float().contiguous()
         return NativeWeight(w.kind, w.qweight.contiguous(), w.scales.float().contiguous(), zeros, w.group_size,
                             w.in_features)
     scales, zeros = _compact_params(w.scales, w.zeros)
-    return NativeWeight(w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features)
+    return NativeWeight(w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features,
+                        bf16)
 
 
 def _compact_params(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -152,8 +162,9 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
 
 
 def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
-    """x float32 [M, K] -> x @ W^T, float32 [M, N]. Called ~120 times per decode step, so the checks
-    come first in one cheap test (the whole wrapper costs ~3 us over the kernel's call)."""
+    """x float32 [M, K] -> x @ W^T, float32 [M, N], in the weight's arithmetic (see NativeWeight). Called
+    ~120 times per decode step, so the checks come first in one cheap test (the whole wrapper costs ~3 us
+    over the kernel's call)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features or not x.is_cpu:
         _check("x", x, torch.float32)
         raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
@@ -161,16 +172,24 @@ def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
         x = x.contiguous()
     y = torch.empty(x.shape[0], w.out_features)
     kernels = _module()
-    fn = kernels.gemv_q4 if w.kind == "int4" else kernels.gemv_q8
+    fn = kernels.gemv_q8 if w.kind == "int8" else kernels.gemv_q4_bf16 if w.bf16 else kernels.gemv_q4
     fn(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), y.data_ptr(), x.shape[0],
        w.in_features, w.out_features, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
     return y
 
 
+def has_bf16() -> bool:
+    """Whether the kernels' bf16 arithmetic (`native_weight(..., bf16=True)`) was built: AVX512_BF16."""
+    return available() and _module().has_bf16()
+
+
 def dequantize(w: NativeWeight) -> torch.Tensor:
-    """The dense float32 [N, K] weight, exactly `formats.dequantize(...)` (q * scale, then + zero)."""
-    out = torch.empty(w.out_features, w.in_features)
-    fn = _module().dequantize_q4_f32 if w.kind == "int4" else _module().dequantize_q8_f32
+    """The dense [N, K] weight, exactly `formats.dequantize(...)` (q * scale, then + zero): float32, or
+    rounded to bf16 for a weight in bf16 arithmetic (oneDNN's bf16 GEMM then computes what `matmul` does)."""
+    out = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16 if w.bf16 else torch.float32)
+    kernels = _module()
+    fn = (kernels.dequantize_q8_f32 if w.kind == "int8" else kernels.dequantize_q4_bf16 if w.bf16
+          else kernels.dequantize_q4_f32)
     fn(w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), w.out_features, w.in_features,
        w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
     return out
@@ -302,7 +321,7 @@ def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     size = w.out_features // 2
     out = torch.empty(x.shape[0], size)
     kernels = _module()
-    fn = kernels.gemv_silu_q8 if w.kind == "int8" else kernels.gemv_silu_q4
+    fn = kernels.gemv_silu_q8 if w.kind == "int8" else kernels.gemv_silu_q4_bf16 if w.bf16 else kernels.gemv_silu_q4
     fn(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), x.shape[0],
        w.in_features, size, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
     return out

@@ -58,15 +58,23 @@ _SCALED_MM_ROW_MULTIPLE = 16
 # 128-token prompts were 3-10% slower expanded and 256 and 512 rows 16% and 38% faster.
 CPU_EXPAND_MIN_ROWS = 256
 _PACK_BLOCK_N = 64
-# Rows from which a weight in the native layout (ember/cpu_native) is expanded to float32 for oneDNN's
-# GEMM instead of running the native GEMV, which is at the two cores' float32 FMA peak (~180 GFLOP/s) from
-# 8 rows. `benchmarks/cpu_native_kernels.py` (crossover), one SmolLM2-135M layer's int4 weights in cache,
-# native against expanded, 2-core AVX-512 EPYC at load 0.4-0.9: 32 rows 1.03 / 1.87 ms, 128 3.9 / 5.4,
-# 256 8.5 / 9.9, 384 14.0 / 14.2, 512 19.5-20.2 / 18.2-19.0, 1024 46 / 36. The 49152 x 576 Q8_0 head,
-# whose expansion writes 113 MB: 256 rows 104 against 148 ms, 512 282 / 273. Both are float32, so the
-# crossover changes speed only: bf16 (twice the multiply-adds an instruction) was used from 16 rows
-# until a prompt whose first blocks came from the prefix cache answered differently from the whole one.
-NATIVE_EXPAND_MIN_ROWS = 512
+# int4 weights in the native layout take bf16 arithmetic (ember/cpu_native/ops.py, NativeWeight) where the
+# CPU has AVX512_BF16: float32 sums of bf16 products, each output rounded to bf16, at every row count.
+# False: float32 at every row count, as on other CPUs. Both are consistent from batch to batch; bf16
+# doubles the multiply-adds an instruction, which is what prefill and batched decode are bound by
+# (default model, `benchmarks/cpu.py`, 2026-12-03: float32 prompt processing 722 tok/s against 1,604-1,651
+# in bf16, 16 concurrent streams 268 against 392-401 tok/s). Until then int4 was float32 below 16 rows
+# and bf16 above, and a prompt whose first blocks came from the prefix cache answered differently from
+# the whole prompt (tests/test_llm_api.py keeps that case).
+CPU_INT4_BF16 = True
+# Rows from which a native weight is expanded for oneDNN's GEMM (`ops.dequantize`: bf16 or float32, the
+# weight's arithmetic) instead of running the native GEMV. `benchmarks/cpu_native_kernels.py`
+# (crossover), one SmolLM2-135M layer's int4 weights in cache, 2-core AVX-512 EPYC at load 0.4-0.9,
+# native against expanded: in bf16, 16 rows 0.445 / 0.61 ms, 32 rows 0.88 / 0.78; in float32 (the GEMV
+# at the two cores' FMA peak from 8 rows), 32 rows 1.03 / 1.87, 128 3.9 / 5.4, 256 8.5 / 9.9, 384
+# 14.0 / 14.2, 512 19.5-20.2 / 18.2-19.0, 1024 46 / 36. The 49152 x 576 Q8_0 head, whose float32
+# expansion writes 113 MB: 256 rows 104 against 148 ms, 512 282 / 273.
+NATIVE_EXPAND_MIN_ROWS = {"bf16": 32, "float32": 512}
 
 
 def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torch.Tensor, ...]]:
@@ -96,18 +104,24 @@ def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torc
 def _native_layout(w: QuantizedWeight) -> native.NativeWeight | None:
     """The native kernels' layout (ember/cpu_native) where they are built and cover the weight; it
     replaces the packed or dense copies `_cpu_layout` would make (int8 codes are shared as they are)."""
-    return native.native_weight(w) if native.fits(w) and native.available() else None
+    if not (native.fits(w) and native.available()):
+        return None
+    return native.native_weight(w, bf16=CPU_INT4_BF16 and w.kind == "int4" and native.has_bf16())
 
 
 def _native_matmul(x: torch.Tensor, w: native.NativeWeight) -> torch.Tensor:
-    """x @ W^T in float32 at every row count: the native GEMV below NATIVE_EXPAND_MIN_ROWS rows, above it
-    the weight expanded to exact float32 for oneDNN's GEMM. One arithmetic for every batch, so a prompt
-    whose first blocks come from the prefix cache answers as the whole prompt does."""
-    if x.shape[0] >= NATIVE_EXPAND_MIN_ROWS:
-        return F.linear(x.float(), native.dequantize(w)).to(x.dtype)
+    """x @ W^T in the weight's arithmetic (bf16 or float32) at every row count: the native GEMV below the
+    crossover, above it the weight expanded for oneDNN's GEMM."""
+    if x.shape[0] >= _expand_min_rows(w):
+        dense = native.dequantize(w)
+        return F.linear(x.to(dense.dtype), dense).to(x.dtype)
     if x.dtype == torch.float32:
         return native.matmul(x, w)
     return native.matmul(x.float(), w).to(x.dtype)
+
+
+def _expand_min_rows(w: native.NativeWeight) -> int:
+    return NATIVE_EXPAND_MIN_ROWS["bf16" if w.bf16 else "float32"]
 
 
 def _dense(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -259,7 +273,7 @@ class QuantLinear(nn.Module):
         nat = self._native[0]
         if (len(self.parts) != 1 or nat is None or self.bias is not None or self.parts[0].in_perm is not None
                 or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
-                or x.shape[0] >= NATIVE_EXPAND_MIN_ROWS):
+                or x.shape[0] >= _expand_min_rows(nat)):
             return None
         return native.matmul_silu(x, nat)
 
