@@ -128,8 +128,14 @@ def _float32_matmuls(monkeypatch) -> None:
     monkeypatch.setattr(linear, "CPU_INT4_BF16", False)
 
 
+def _layer_by_layer(monkeypatch) -> None:
+    """Decode steps through the layers' modules, each making its own native calls, not ops.decode_layer."""
+    monkeypatch.setattr(llama.DecoderLayer, "_native_decode", lambda *args: None)
+
+
 def _unfused(monkeypatch) -> None:
     """The native GEMVs and attention without the fused ops: today's PyTorch ops between them."""
+    _layer_by_layer(monkeypatch)
     monkeypatch.setattr(layers, "_native_norm_fits", lambda *args: False)
     monkeypatch.setattr(llama.Attention, "_native_rotary_store", lambda *args: None)
     monkeypatch.setattr(QuantLinear, "native_silu_and_mul", lambda *args: None)
@@ -147,7 +153,7 @@ def _counting(monkeypatch) -> dict[str, int]:
             return fn(*args, **kwargs)
         return counted
 
-    for name in ("add_rms_norm", "rms_norm", "rotary_store", "matmul_silu"):
+    for name in ("add_rms_norm", "rms_norm", "rotary_store", "matmul_silu", "decode_layer"):
         monkeypatch.setattr(ops, name, counting(name))
     return calls
 
@@ -194,3 +200,26 @@ def test_tiny_quantized_llama_fused_equals_unfused_and_pytorch(tmp_path, monkeyp
     monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
     fallback = _generate(LLM(str(path), **kwargs), prompts, 12)
     _assert_same(fallback, [(tokens[:12], logprobs[:12]) for tokens, logprobs in got[:3]], 5e-2)
+
+
+@pytest.mark.parametrize("model", ["default", "int4", "int8"])
+def test_decode_layer_equals_the_layers_modules_bit_for_bit(tmp_path, monkeypatch, model: str) -> None:
+    """ops.decode_layer runs a decode step's layer in one call with the kernels its modules call one by
+    one, in the same order and threads: the same tokens and logprobs exactly, batched and alone; for the
+    default model's Q4_1/Q8_0 file (int4 in bf16 arithmetic where the CPU has AVX512_BF16) and load-time
+    int4/int8 on a tiny random Llama (GQA)."""
+    if model == "default":
+        path, kwargs, prompts = default_gguf_path(), {"kv_cache_memory": 0.05}, PROMPTS
+    else:
+        path = str(make_checkpoint(tmp_path / "llama", "llama"))
+        kwargs = {"quantization": model, "kv_cache_memory": 0.02}
+        prompts = ["hello world", "the quick brown fox jumps", "a b c d e f g h i j k l m n o p q r s"]
+    kwargs |= {"max_model_len": 256, "engine_process": False}
+    calls = _counting(monkeypatch)
+    fused = LLM(path, **kwargs)
+    got = _generate(fused, prompts, 24) + _generate(fused, prompts[1:2], 24)
+    assert calls.get("decode_layer", 0) >= 2 * 23  # every layer of every decode step, two layers at least
+    with monkeypatch.context() as m:
+        _layer_by_layer(m)
+        modules = LLM(path, **kwargs)
+        assert got == _generate(modules, prompts, 24) + _generate(modules, prompts[1:2], 24)

@@ -357,7 +357,7 @@ static int gemv(gemv_args *a, int bits, int threads) {
 
 /* ints[i] = args[i] as an integer, or floats[i] where bit i of float_mask is set */
 static int parse(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *name, int64_t *ints,
-                 double *floats, uint32_t float_mask) {
+                 double *floats, uint64_t float_mask) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
         return -1;
@@ -653,6 +653,20 @@ static void attend_one(const attn_args *a, int64_t s, int64_t h) {
     }
 }
 
+static int attention_fits(const attn_args *a) {
+    return a->Hq / a->Hk <= MAX_GROUP && a->Hq / a->Hk * a->D <= MAX_ACC && a->block_size <= MAX_BLOCK;
+}
+
+/* nd one-token queries, parallel over (sequence, KV head) */
+static void attend(const attn_args *a, int64_t nd, int threads) {
+    int64_t work = 0;
+    for (int64_t s = 0; s < nd; s++) work += a->seq_lens[s];
+    if (work * a->Hq * a->D < PARALLEL_MIN_WORK) threads = 1;
+    int64_t i;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i = 0; i < nd * a->Hk; i++) attend_one(a, i / a->Hk, i % a->Hk);
+}
+
 /* paged_decode_attention(q, q_stride, k_cache, v_cache, tables, table_stride, seq_lens, sinks, out,
  *                        nd, Hq, Hk, D, block_size, window, scale, cap, threads)
  * window 0: none; cap 0: none; sinks 0: none. */
@@ -663,18 +677,12 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *const *args, P
     attn_args a = {PTR(v[0]), PTR(v[2]), PTR(v[3]), PTR(v[4]), PTR(v[6]), PTR(v[7]), PTR(v[8]),
                    v[1], v[5], v[10], v[11], v[12], v[13], v[14], (float)f[15], (float)f[16]};
     const int64_t nd = v[9];
-    if (a.Hq / a.Hk > MAX_GROUP || a.Hq / a.Hk * a.D > MAX_ACC || a.block_size > MAX_BLOCK) {
+    if (!attention_fits(&a)) {
         PyErr_SetString(PyExc_ValueError, "paged_decode_attention: group, head dim or block size too large");
         return NULL;
     }
-    int threads = (int)v[17];
-    int64_t work = 0;
-    for (int64_t s = 0; s < nd; s++) work += a.seq_lens[s];
-    if (work * a.Hq * a.D < PARALLEL_MIN_WORK) threads = 1;
     Py_BEGIN_ALLOW_THREADS
-    int64_t i;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (i = 0; i < nd * a.Hk; i++) attend_one(&a, i / a.Hk, i % a.Hk);
+    attend(&a, nd, (int)v[17]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -716,22 +724,23 @@ static void add_rms_norm_row(const float *x, const float *res, const float *w, f
     for (int64_t i = 0; i < n; i++) out[i] = s[i] * r * w[i];
 }
 
+static void norm_rows(const float *x, const float *res, const float *w, float *out, float *sum, int64_t M,
+                      int64_t N, float eps, int threads) {
+    if (M * N < ROWS_PARALLEL_MIN) threads = 1;
+    int64_t m;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (m = 0; m < M; m++)
+        add_rms_norm_row(x + m * N, res ? res + m * N : NULL, w, out + m * N, res ? sum + m * N : NULL, N, eps);
+}
+
 /* add_rms_norm(x, residual, weight, out, sum, M, N, eps, threads): residual 0 normalises x alone (sum
  * unused) */
 static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t v[9];
     double f[9];
     if (parse(args, nargs, 9, "add_rms_norm", v, f, 1u << 7) < 0) return NULL;
-    const float *x = PTR(v[0]), *res = PTR(v[1]), *w = PTR(v[2]);
-    float *out = PTR(v[3]), *sum = PTR(v[4]);
-    const int64_t M = v[5], N = v[6];
-    const float eps = (float)f[7];
-    const int threads = M * N < ROWS_PARALLEL_MIN ? 1 : (int)v[8];
     Py_BEGIN_ALLOW_THREADS
-    int64_t m;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (m = 0; m < M; m++) add_rms_norm_row(x + m * N, res ? res + m * N : NULL, w, out + m * N, res ? sum + m * N : NULL, N,
-                         eps);
+    norm_rows(PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], (float)f[7], (int)v[8]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -765,24 +774,11 @@ static void rotate_head(float *x, const float *c, const float *s, int64_t half) 
  * The query and key heads are rotated in place at positions (int64 [T], rows of the [table_rows, D]
  * tables); then keys and values are copied to slot slots[t] of the [cache_slots, Hk, D] caches (-1:
  * none). Positions and slots out of range raise before anything is written. */
-static PyObject *rotary_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[15];
-    if (parse(args, nargs, 15, "rotary_store", v, NULL, 0) < 0) return NULL;
-    float *qkv = PTR(v[0]), *kc = PTR(v[6]), *vc = PTR(v[7]);
-    const int64_t *pos = PTR(v[2]), *slots = PTR(v[8]);
-    const float *cos = PTR(v[3]), *sin = PTR(v[4]);
-    const int64_t stride = v[1], rows = v[5], cache_slots = v[9], T = v[10], Hq = v[11], Hk = v[12], D = v[13];
-    for (int64_t t = 0; t < T; t++) {
-        if (pos[t] < 0 || pos[t] >= rows || slots[t] < -1 || slots[t] >= cache_slots) {
-            PyErr_Format(PyExc_IndexError, "rotary_store: token %lld has position %lld (table of %lld) and slot "
-                         "%lld (cache of %lld)", (long long)t, (long long)pos[t], (long long)rows,
-                         (long long)slots[t], (long long)cache_slots);
-            return NULL;
-        }
-    }
-    const int threads = T * (Hq + 2 * Hk) * D < ROWS_PARALLEL_MIN ? 1 : (int)v[14];
+static void rotate_store_rows(float *qkv, int64_t stride, const int64_t *pos, const float *cos, const float *sin,
+                              float *kc, float *vc, const int64_t *slots, int64_t T, int64_t Hq, int64_t Hk, int64_t D,
+                              int threads) {
+    if (T * (Hq + 2 * Hk) * D < ROWS_PARALLEL_MIN) threads = 1;
     const size_t kv_bytes = sizeof(float) * (size_t)(Hk * D);
-    Py_BEGIN_ALLOW_THREADS
     int64_t t;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (t = 0; t < T; t++) {
@@ -793,6 +789,32 @@ static PyObject *rotary_store(PyObject *self, PyObject *const *args, Py_ssize_t 
             memcpy(vc + slots[t] * Hk * D, row + (Hq + Hk) * D, kv_bytes);
         }
     }
+}
+
+/* IndexError unless every position is a row of the tables and every slot one of the cache's (or -1) */
+static int check_positions(const char *name, const int64_t *pos, const int64_t *slots, int64_t T, int64_t rows,
+                           int64_t cache_slots) {
+    for (int64_t t = 0; t < T; t++) {
+        if (pos[t] < 0 || pos[t] >= rows || slots[t] < -1 || slots[t] >= cache_slots) {
+            PyErr_Format(PyExc_IndexError, "%s: token %lld has position %lld (table of %lld) and slot %lld (cache "
+                         "of %lld)", name, (long long)t, (long long)pos[t], (long long)rows, (long long)slots[t],
+                         (long long)cache_slots);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *rotary_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[15];
+    if (parse(args, nargs, 15, "rotary_store", v, NULL, 0) < 0) return NULL;
+    float *qkv = PTR(v[0]), *kc = PTR(v[6]), *vc = PTR(v[7]);
+    const int64_t *pos = PTR(v[2]), *slots = PTR(v[8]);
+    const float *cos = PTR(v[3]), *sin = PTR(v[4]);
+    const int64_t stride = v[1], T = v[10], Hq = v[11], Hk = v[12], D = v[13];
+    if (check_positions("rotary_store", pos, slots, T, v[5], v[9]) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rotate_store_rows(qkv, stride, pos, cos, sin, kc, vc, slots, T, Hq, Hk, D, (int)v[14]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -815,6 +837,17 @@ static void silu_mul_row(const float *y, float *out, int64_t I) {
 #endif
 }
 
+/* a->y [M, 2I] = x @ [G; U]^T (a->N = 2I), then out [M, I] = silu(gate) * up */
+static int gemv_silu(gemv_args *a, float *out, int bits, int threads) {
+    if (gemv(a, bits, threads) < 0) return -1;
+    const int64_t M = a->M, I = a->N / 2;
+    if (M * I < ROWS_PARALLEL_MIN) threads = 1;
+    int64_t m;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (m = 0; m < M; m++) silu_mul_row(a->y + m * 2 * I, out + m * I, I);
+    return 0;
+}
+
 /* gemv_silu_q{4,8}(x, codes, scales, zeros, out, M, K, I, group, threads, half): the fused gate/up GEMV
  * (rows [0, I) gate, [I, 2I) up) into a scratch [M, 2I], then out [M, I] = silu(gate) * up */
 static PyObject *gemv_silu_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
@@ -823,18 +856,12 @@ static PyObject *gemv_silu_entry(PyObject *const *args, Py_ssize_t nargs, int bi
     const int64_t M = v[5], I = v[7];
     /* a scratch per call: freed blocks this size come back from malloc's free lists (glibc raises its
      * mmap threshold to a freed block's size), so this costs nanoseconds against a GEMV's microseconds */
-    float *y = malloc(sizeof(float) * (size_t)(M * 2 * I)), *out = PTR(v[4]);
+    float *y = malloc(sizeof(float) * (size_t)(M * 2 * I));
     if (!y) return PyErr_NoMemory();
     gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), y, M, v[6], 2 * I, v[8], (int)v[10], NULL};
-    const int threads = M * I < ROWS_PARALLEL_MIN ? 1 : (int)v[9];
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = gemv(&a, bits, (int)v[9]);
-    int64_t m;
-    if (status == 0) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (m = 0; m < M; m++) silu_mul_row(y + m * 2 * I, out + m * I, I);
-    }
+    status = gemv_silu(&a, PTR(v[4]), bits, (int)v[9]);
     Py_END_ALLOW_THREADS
     free(y);
     if (status < 0) return PyErr_NoMemory();
@@ -851,6 +878,90 @@ static PyObject *gemv_silu_q8(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 static PyObject *gemv_silu_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return gemv_silu_entry(args, nargs, 16, "gemv_silu_q4_bf16");
+}
+
+/* ---- a whole decode layer in one call ---- */
+
+/* a weight as decode_layer takes it: 6 ints (codes, scales, zeros, group, half, bits: 4, 8 or 16) */
+typedef struct {
+    const void *codes, *scales, *zeros;
+    int64_t group;
+    int half, bits;
+} weight_ref;
+
+static weight_ref weight_at(const int64_t *v) {
+    weight_ref w = {PTR(v[0]), PTR(v[1]), PTR(v[2]), v[3], (int)v[4], (int)v[5]};
+    return w;
+}
+
+static gemv_args gemv_of(const weight_ref *w, const float *x, float *y, int64_t M, int64_t K, int64_t N) {
+    gemv_args a = {x, w->codes, w->scales, w->zeros, y, M, K, N, w->group, w->half, NULL};
+    return a;
+}
+
+/* decode_layer(x, residual, in_norm, post_norm, qkv[6], o[6], gate_up[6], down[6], positions, cos, sin_signed,
+ *              table_rows, k_cache, v_cache, cache_slots, slots, tables, table_stride, seq_lens, block_size,
+ *              window, M, H, Hq, Hk, D, I, threads, out, residual_out, eps, scale, cap)
+ * A Llama decoder layer for M one-token sequences, the calls a layer's modules make one by one, in the
+ * same order with the same kernels (so bit for bit their result): residual add + RMSNorm, QKV GEMV,
+ * rotary + KV store, paged attention, o GEMV, residual add + RMSNorm, gate/up GEMV + SiLU, down GEMV.
+ * residual 0: the first layer (x is the embedding, which becomes the residual). out [M, H] is the MLP
+ * output and residual_out [M, H] the residual stream, as DecoderLayer.forward returns them. */
+static PyObject *decode_layer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[53];
+    double f[53];
+    if (parse(args, nargs, 53, "decode_layer", v, f, 1ull << 50 | 1ull << 51 | 1ull << 52) < 0) return NULL;
+    const float *x = PTR(v[0]), *res = PTR(v[1]), *in_w = PTR(v[2]), *post_w = PTR(v[3]);
+    const weight_ref wqkv = weight_at(v + 4), wo = weight_at(v + 10), wgu = weight_at(v + 16), wd = weight_at(v + 22);
+    const int64_t *pos = PTR(v[28]), *slots = PTR(v[35]);
+    const float *cos = PTR(v[29]), *sin = PTR(v[30]);
+    float *kc = PTR(v[32]), *vc = PTR(v[33]), *out = PTR(v[48]), *res_out = PTR(v[49]);
+    const int64_t M = v[41], H = v[42], Hq = v[43], Hk = v[44], D = v[45], I = v[46];
+    const int threads = (int)v[47];
+    const float eps = (float)f[50];
+    const int64_t width = (Hq + 2 * Hk) * D;
+    const int any_bf16 = wqkv.bits == 16 || wo.bits == 16 || wgu.bits == 16 || wd.bits == 16;
+    if (!bf16_built(any_bf16 ? 16 : 0, "decode_layer")) return NULL;
+    attn_args at = {NULL, kc, vc, PTR(v[36]), PTR(v[38]), NULL, NULL, width, v[37], Hq, Hk, D, v[39], v[40],
+                    (float)f[51], (float)f[52]};
+    if (!attention_fits(&at)) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: group, head dim or block size too large");
+        return NULL;
+    }
+    if (check_positions("decode_layer", pos, slots, M, v[31], v[34]) < 0) return NULL;
+    /* scratch: normed x, qkv, attention output, o output, normed h, gate/up output, SiLU output */
+    const int64_t sizes[7] = {M * H, M * width, M * Hq * D, M * H, M * H, M * 2 * I, M * I};
+    int64_t total = 0;
+    for (int i = 0; i < 7; i++) total += sizes[i];
+    float *scratch = malloc(sizeof(float) * (size_t)total), *buf[7];
+    if (!scratch) return PyErr_NoMemory();
+    buf[0] = scratch;
+    for (int i = 1; i < 7; i++) buf[i] = buf[i - 1] + sizes[i - 1];
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (res) {
+        norm_rows(x, res, in_w, buf[0], res_out, M, H, eps, threads);
+    } else {
+        memcpy(res_out, x, sizeof(float) * (size_t)(M * H));
+        norm_rows(x, NULL, in_w, buf[0], NULL, M, H, eps, threads);
+    }
+    gemv_args a = gemv_of(&wqkv, buf[0], buf[1], M, H, width);
+    status |= gemv(&a, wqkv.bits, threads);
+    rotate_store_rows(buf[1], width, pos, cos, sin, kc, vc, slots, M, Hq, Hk, D, threads);
+    at.q = buf[1];
+    at.out = buf[2];
+    attend(&at, M, threads);
+    a = gemv_of(&wo, buf[2], buf[3], M, Hq * D, H);
+    status |= gemv(&a, wo.bits, threads);
+    norm_rows(buf[3], res_out, post_w, buf[4], res_out, M, H, eps, threads);
+    a = gemv_of(&wgu, buf[4], buf[5], M, H, 2 * I);
+    status |= gemv_silu(&a, buf[6], wgu.bits, threads);
+    a = gemv_of(&wd, buf[6], out, M, I, H);
+    status |= gemv(&a, wd.bits, threads);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    if (status < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
 }
 
 /* ==== end of the fused decode-layer ops ==== */
@@ -873,6 +984,8 @@ static PyMethodDef methods[] = {
     {"dequantize_q8_f32", (PyCFunction)(void (*)(void))dequantize_q8_f32, METH_FASTCALL, "int8 -> float32 [N, K]"},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))paged_decode_attention, METH_FASTCALL,
      "one-token queries against a paged KV cache"},
+    {"decode_layer", (PyCFunction)(void (*)(void))decode_layer, METH_FASTCALL,
+     "a Llama decoder layer for one-token sequences, in one call"},
     {"simd", simd, METH_NOARGS, "which code path was compiled: 'avx512' or 'scalar'"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL, "residual add + RMSNorm"},
     {"rotary_store", (PyCFunction)(void (*)(void))rotary_store, METH_FASTCALL,

@@ -325,3 +325,64 @@ def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     fn(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), x.shape[0],
        w.in_features, size, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
     return out
+
+
+def _weight_args(w: NativeWeight) -> tuple[int, ...]:
+    """A weight as `decode_layer` takes it: codes, scales, zeros, group, half, bits (16: bf16 arithmetic)."""
+    bits = 16 if w.bf16 else 4 if w.kind == "int4" else 8
+    return (w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), w.group_size,
+            int(w.scales.dtype == torch.float16), bits)
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """What `decode_layer` needs of a Llama decoder layer, gathered once at its first decode step: the
+    norms' float32 weights, the four projections as native weights, the attention's shape and masking."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: NativeWeight
+    o: NativeWeight
+    gate_up: NativeWeight
+    down: NativeWeight
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int
+    soft_cap: float
+
+
+def decode_layer_fits(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor | None, k_cache: torch.Tensor,
+                      positions: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Whether `decode_layer` takes this step's tensors: float32 contiguous [M, H] rows and residual on
+    CPU, a float32 cache whose blocks and head groups fit the attention kernel's buffers, int64 positions
+    and slots. (Rows past the weights' GEMV crossover are the caller's to exclude.)"""
+    return (x.dtype == k_cache.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.is_contiguous()
+            and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
+            and k_cache.shape[1] <= _MAX_BLOCK and w.num_q_heads // w.num_kv_heads * w.head_dim <= _MAX_GROUP_DIM
+            and positions.dtype == slot_mapping.dtype == torch.int64)
+
+
+def decode_layer(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                 cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama decoder layer (two RMSNorms, fused QKV with full neox rotary, no biases, SiLU gated MLP)
+    over x float32 [M, H], M one-token sequences, in one native call: the same kernels the layer's modules
+    call one by one (rms_norm/add_rms_norm, matmul, rotary_store, paged_decode_attention, matmul_silu), so
+    bit for bit their result, without ~8 Python wrappers and module calls per layer. residual None: the
+    first layer. Returns (MLP output, residual stream) as DecoderLayer.forward does."""
+    m, h = x.shape
+    out, residual_out = torch.empty(m, h), torch.empty(m, h)
+    block_size = k_cache.shape[1]
+    _module().decode_layer(
+        x.data_ptr(), _ptr(residual), w.in_norm.data_ptr(), w.post_norm.data_ptr(), *_weight_args(w.qkv),
+        *_weight_args(w.o), *_weight_args(w.gate_up), *_weight_args(w.down), positions.data_ptr(),
+        cos.data_ptr(), sin_signed.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.shape[0] * block_size, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), block_size, w.window, m, h, w.num_q_heads, w.num_kv_heads, w.head_dim,
+        w.gate_up.out_features // 2, torch.get_num_threads(), out.data_ptr(), residual_out.data_ptr(), w.eps,
+        w.scale, w.soft_cap)
+    return out, residual_out

@@ -24,11 +24,11 @@ from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.model import gpt_oss
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
 from ember.model.errors import ModelLoadError
-from ember.model.layers import Embedding, GemmaRMSNorm, RMSNorm, RotaryEmbedding
+from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
 from ember.model.sharding import ShardLayout, read_shard
 from ember.quant.formats import QuantizedWeight
-from ember.quant.linear import QuantEmbedding, QuantLinear, quantize_module
+from ember.quant.linear import QuantEmbedding, QuantLinear, native_expand_min_rows, quantize_module
 
 
 def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
@@ -113,10 +113,16 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         self.sandwich = cfg.gemma_norms
         self.mlp = make_mlp(cfg, layout, layer)  # a dense MLP or a mixture of experts (ember/model/moe.py)
+        # (weights, rows below every projection's GEMV crossover) for `_native_decode`; None: never; False:
+        # not decided yet (at the first step, once the weights are loaded and quantized)
+        self._native_plan: tuple[native.DecodeLayerWeights, int] | None | bool = False
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MLP output and the residual stream; the next norm adds them (fused)."""
+        fused = self._native_decode(positions, h, residual, meta)
+        if fused is not None:
+            return fused
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
@@ -127,6 +133,45 @@ class DecoderLayer(nn.Module):
             return all_reduce(self.mlp(h)), residual  # down_proj is row-parallel
         h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
         return self.post_feedforward_layernorm(all_reduce(self.mlp(h))), residual
+
+
+    def _native_decode(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A CPU decode step of a plain Llama layer on native weights: the whole layer in one native call
+        (ops.decode_layer), bit for bit the native calls its modules make one by one, without their ~70 us
+        of Python a layer. None where the modules run (prefill rows, other layers, other devices)."""
+        if self._native_plan is False:
+            self._native_plan = _native_decode_plan(self)
+        plan, attn = self._native_plan, self.self_attn
+        if (plan is None or meta.num_decodes != h.shape[0] or h.shape[0] >= plan[1] or attn.k_cache is None
+                or not native.decode_layer_fits(plan[0], h, residual, attn.k_cache, positions, meta.slot_mapping)):
+            return None
+        cos, sin_signed = attn.rotary.full_tables(attn.head_dim)
+        return native.decode_layer(plan[0], h, residual, positions, cos, sin_signed, attn.k_cache, attn.v_cache,
+                                   meta.slot_mapping, meta.block_tables, meta.seq_lens)
+
+
+def _native_decode_plan(layer: DecoderLayer) -> tuple[native.DecodeLayerWeights, int] | None:
+    """What `ops.decode_layer` needs of `layer`, where it computes exactly what the layer's modules do:
+    two plain RMSNorms, QKV and o projections without bias and with full neox rotary, no QK norm or sinks,
+    an unscaled cache, a SiLU gated MLP, every projection one native weight, one rank."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if (layer.sandwich or tp_size() != 1 or not native.available() or not isinstance(mlp, GatedMLP)
+            or mlp.act != "silu" or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms)
+            or norms[0].eps != norms[1].eps or attn.q_norm is not None or attn.sinks is not None
+            or attn.rotary.full_tables(attn.head_dim) is None or type(attn.k_scale) is not float
+            or type(attn.v_scale) is not float or attn.k_scale != 1.0 or attn.v_scale != 1.0):
+        return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    weights = [lin.native_gemv_weight() if isinstance(lin, QuantLinear) else None for lin in linears]
+    if any(w is None for w in weights):
+        return None
+    plan = native.DecodeLayerWeights(
+        norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous(), norms[0].eps, *weights,
+        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.sliding_window or 0,
+        attn.logits_soft_cap or 0.0)
+    return plan, min(native_expand_min_rows(w) for w in weights)
 
 
 class DecoderModel(nn.Module):

@@ -112,7 +112,7 @@ def _native_layout(w: QuantizedWeight) -> native.NativeWeight | None:
 def _native_matmul(x: torch.Tensor, w: native.NativeWeight) -> torch.Tensor:
     """x @ W^T in the weight's arithmetic (bf16 or float32) at every row count: the native GEMV below the
     crossover, above it the weight expanded for oneDNN's GEMM."""
-    if x.shape[0] >= _expand_min_rows(w):
+    if x.shape[0] >= native_expand_min_rows(w):
         dense = native.dequantize(w)
         return F.linear(x.to(dense.dtype), dense).to(x.dtype)
     if x.dtype == torch.float32:
@@ -120,7 +120,8 @@ def _native_matmul(x: torch.Tensor, w: native.NativeWeight) -> torch.Tensor:
     return native.matmul(x.float(), w).to(x.dtype)
 
 
-def _expand_min_rows(w: native.NativeWeight) -> int:
+def native_expand_min_rows(w: native.NativeWeight) -> int:
+    """Rows from which `w` is expanded for oneDNN; below, the native GEMV runs."""
     return NATIVE_EXPAND_MIN_ROWS["bf16" if w.bf16 else "float32"]
 
 
@@ -270,12 +271,18 @@ class QuantLinear(nn.Module):
         [I, 2I) up), in one native call (`ops.matmul_silu`) where the layer is one native weight
         without bias or input permutation and x, float32 [M, K], takes the native GEMV (as `forward`
         would); else None."""
-        nat = self._native[0]
-        if (len(self.parts) != 1 or nat is None or self.bias is not None or self.parts[0].in_perm is not None
-                or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
-                or x.shape[0] >= _expand_min_rows(nat)):
+        nat = self.native_gemv_weight()
+        if (nat is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
+                or x.shape[0] >= native_expand_min_rows(nat)):
             return None
         return native.matmul_silu(x, nat)
+
+    def native_gemv_weight(self) -> native.NativeWeight | None:
+        """The layer's one native weight when `forward` is exactly its GEMV (no bias, no input permutation,
+        one part), for callers that fuse it with other native ops (ops.decode_layer); else None."""
+        if len(self.parts) != 1 or self.bias is not None or self.parts[0].in_perm is not None:
+            return None
+        return self._native[0]
 
     def cpu_dense_weight(self) -> torch.Tensor | None:
         """The whole weight when it is one part kept as a dense CPU copy, else None."""
