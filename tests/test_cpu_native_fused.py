@@ -202,17 +202,19 @@ def test_tiny_quantized_llama_fused_equals_unfused_and_pytorch(tmp_path, monkeyp
     _assert_same(fallback, [(tokens[:12], logprobs[:12]) for tokens, logprobs in got[:3]], 5e-2)
 
 
-@pytest.mark.parametrize("model", ["default", "int4", "int8"])
-def test_decode_layer_equals_the_layers_modules_bit_for_bit(tmp_path, monkeypatch, model: str) -> None:
+@pytest.mark.parametrize(("arch", "method"), [("default", None), ("llama", "int4"), ("llama", "int8"),
+                                             ("mistral-sw", "int4"), ("phi3-sw", "int8")])
+def test_decode_layer_equals_the_layers_modules_bit_for_bit(tmp_path, monkeypatch, arch: str,
+                                                            method: str | None) -> None:
     """ops.decode_layer runs a decode step's layer in one call with the kernels its modules call one by
     one, in the same order and threads: the same tokens and logprobs exactly, batched and alone; for the
     default model's Q4_1/Q8_0 file (int4 in bf16 arithmetic where the CPU has AVX512_BF16) and load-time
-    int4/int8 on a tiny random Llama (GQA)."""
-    if model == "default":
+    int4/int8 on tiny random Llama-family models (GQA; 8-key sliding windows that the prompts outgrow)."""
+    if arch == "default":
         path, kwargs, prompts = default_gguf_path(), {"kv_cache_memory": 0.05}, PROMPTS
     else:
-        path = str(make_checkpoint(tmp_path / "llama", "llama"))
-        kwargs = {"quantization": model, "kv_cache_memory": 0.02}
+        path = str(make_checkpoint(tmp_path / arch, arch))
+        kwargs = {"quantization": method, "kv_cache_memory": 0.02}
         prompts = ["hello world", "the quick brown fox jumps", "a b c d e f g h i j k l m n o p q r s"]
     kwargs |= {"max_model_len": 256, "engine_process": False}
     calls = _counting(monkeypatch)
