@@ -23,6 +23,7 @@ from ember.cpu_native import ops as native
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.model import gpt_oss
 from ember.model.attention import AttentionMetadata, paged_attention, store_kv
+from ember.model.backend import use_triton
 from ember.model.errors import ModelLoadError
 from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
@@ -144,6 +145,7 @@ class DecoderLayer(nn.Module):
             self._native_plan = _native_decode_plan(self)
         plan, attn = self._native_plan, self.self_attn
         if (plan is None or meta.num_decodes != h.shape[0] or h.shape[0] >= plan[1] or attn.k_cache is None
+                or use_triton(h)
                 or not native.decode_layer_fits(plan[0], h, residual, attn.k_cache, positions, meta.slot_mapping)):
             return None
         cos, sin_signed = attn.rotary.full_tables(attn.head_dim)
@@ -157,13 +159,14 @@ def _native_decode_plan(layer: DecoderLayer) -> tuple[native.DecodeLayerWeights,
     an unscaled cache, a SiLU gated MLP, every projection one native weight, one rank."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if (layer.sandwich or tp_size() != 1 or not native.available() or not isinstance(mlp, GatedMLP)
+    if (layer.sandwich or tp_size() != 1 or not isinstance(mlp, GatedMLP)
             or mlp.act != "silu" or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms)
             or norms[0].eps != norms[1].eps or attn.q_norm is not None or attn.sinks is not None
             or attn.rotary.full_tables(attn.head_dim) is None or type(attn.k_scale) is not float
             or type(attn.v_scale) is not float or attn.k_scale != 1.0 or attn.v_scale != 1.0):
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    # native weights exist only on CPU where the kernels were built at load (so no GPU model builds them)
     weights = [lin.native_gemv_weight() if isinstance(lin, QuantLinear) else None for lin in linears]
     if any(w is None for w in weights):
         return None
