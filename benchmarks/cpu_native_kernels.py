@@ -4,8 +4,9 @@ model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and 3 KV he
 - `gemv`: one decode step's int4 matmuls (30 layers of fused qkv 960x576, o 576x576, gate/up
   3072x576, down 576x1536, Q4_1-like groups of 32 with zeros) from DRAM, per row count: the native
   GEMV, and PyTorch's `_weight_int4pack_mm_for_cpu` with bf16 activations (the fallback);
-- `crossover`: one layer's int4 weights in cache, the native GEMV against the float32 expansion plus
-  oneDNN's GEMM (`--crossover-rows`), which sets `NATIVE_EXPAND_MIN_ROWS`;
+- `crossover`: one layer's int4 weights in cache, the native GEMV against the expansion plus oneDNN's
+  GEMM (`--crossover-rows`), in float32 and (AVX512_BF16) bf16 arithmetic, which sets
+  `NATIVE_EXPAND_MIN_ROWS`;
 - `head`: the 49152 x 576 int8 (Q8_0-like) LM head: native GEMV against the bf16 `F.linear` the
   fallback's screen runs;
 - `attention`: decode attention over 30 layers' paged float32 caches (block 16, shuffled tables):
@@ -91,14 +92,19 @@ def gemv(rows: list[int], repeats: int) -> list[dict[str, Any]]:
 
 def crossover(rows: list[int], repeats: int) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(3)
-    weights = [ops.native_weight(_int4(n, k, gen)) for n, k in LAYER_SHAPES]
+    weights = [_int4(n, k, gen) for n, k in LAYER_SHAPES]
+    arithmetics = ["float32", "bf16"] if ops.has_bf16() else ["float32"]
     out = []
     for m in rows:
         xs = [torch.randn(m, w.in_features, generator=gen) for w in weights]
-        out.append({"rows": m,
-                    "native_ms": best_ms(lambda xs=xs: [ops.matmul(x, w) for x, w in zip(xs, weights)], repeats),
-                    "expanded_ms": best_ms(lambda xs=xs: [F.linear(x, ops.dequantize(w)) for x, w in
-                                                          zip(xs, weights)], repeats)})
+        for arithmetic in arithmetics:
+            nats = [ops.native_weight(w, bf16=arithmetic == "bf16") for w in weights]
+            out.append({"rows": m, "arithmetic": arithmetic,
+                        "native_ms": best_ms(lambda xs=xs, nats=nats: [ops.matmul(x, w) for x, w in zip(xs, nats)],
+                                             repeats),
+                        "expanded_ms": best_ms(lambda xs=xs, nats=nats: [
+                            F.linear(x.to(torch.bfloat16 if w.bf16 else torch.float32), ops.dequantize(w))
+                            for x, w in zip(xs, nats)], repeats)})
     return out
 
 

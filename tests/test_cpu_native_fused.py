@@ -225,3 +225,22 @@ def test_decode_layer_equals_the_layers_modules_bit_for_bit(tmp_path, monkeypatc
         _layer_by_layer(m)
         modules = LLM(path, **kwargs)
         assert got == _generate(modules, prompts, 24) + _generate(modules, prompts[1:2], 24)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_decode_layer_with_qwen3_qk_norm(tmp_path, monkeypatch, method: str) -> None:
+    """Qwen3's per-head QK RMSNorm inside ops.decode_layer: the kernels' RMSNorm where the modules use
+    PyTorch's, so the float32 sums differ in order only: the same tokens, logprobs within 1e-4 (int4 in
+    float32 here: in bf16, those last-bit differences would become bf16 roundings of the matmul outputs)."""
+    _float32_matmuls(monkeypatch)
+    path = str(make_checkpoint(tmp_path / "qwen3", "qwen3"))
+    prompts = ["hello world", "the quick brown fox jumps", "a b c d e f g h i j k l m n o p q r s"]
+    kwargs = {"quantization": method, "kv_cache_memory": 0.02, "max_model_len": 256, "engine_process": False}
+    calls = _counting(monkeypatch)
+    fused = LLM(path, **kwargs)
+    got = _generate(fused, prompts, 24) + _generate(fused, prompts[1:2], 24)
+    assert calls.get("decode_layer", 0) >= 2 * 23
+    with monkeypatch.context() as m:
+        _layer_by_layer(m)
+        modules = LLM(path, **kwargs)
+        _assert_same(got, _generate(modules, prompts, 24) + _generate(modules, prompts[1:2], 24), 1e-4)

@@ -774,16 +774,22 @@ static void rotate_head(float *x, const float *c, const float *s, int64_t half) 
  * The query and key heads are rotated in place at positions (int64 [T], rows of the [table_rows, D]
  * tables); then keys and values are copied to slot slots[t] of the [cache_slots, Hk, D] caches (-1:
  * none). Positions and slots out of range raise before anything is written. */
+/* Query and key heads: each RMS-normalised in place first where q_norm / k_norm (float32 [D]) are given
+ * (Qwen3's QK norm), then rotated; keys and values then copied to their slots. */
 static void rotate_store_rows(float *qkv, int64_t stride, const int64_t *pos, const float *cos, const float *sin,
                               float *kc, float *vc, const int64_t *slots, int64_t T, int64_t Hq, int64_t Hk, int64_t D,
-                              int threads) {
+                              const float *q_norm, const float *k_norm, float eps, int threads) {
     if (T * (Hq + 2 * Hk) * D < ROWS_PARALLEL_MIN) threads = 1;
     const size_t kv_bytes = sizeof(float) * (size_t)(Hk * D);
     int64_t t;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (t = 0; t < T; t++) {
         float *row = qkv + t * stride;
-        for (int64_t h = 0; h < Hq + Hk; h++) rotate_head(row + h * D, cos + pos[t] * D, sin + pos[t] * D, D / 2);
+        for (int64_t h = 0; h < Hq + Hk; h++) {
+            const float *w = h < Hq ? q_norm : k_norm;
+            if (w) add_rms_norm_row(row + h * D, NULL, w, row + h * D, NULL, D, eps);
+            rotate_head(row + h * D, cos + pos[t] * D, sin + pos[t] * D, D / 2);
+        }
         if (slots[t] >= 0) {
             memcpy(kc + slots[t] * Hk * D, row + Hq * D, kv_bytes);
             memcpy(vc + slots[t] * Hk * D, row + (Hq + Hk) * D, kv_bytes);
@@ -814,7 +820,7 @@ static PyObject *rotary_store(PyObject *self, PyObject *const *args, Py_ssize_t 
     const int64_t stride = v[1], T = v[10], Hq = v[11], Hk = v[12], D = v[13];
     if (check_positions("rotary_store", pos, slots, T, v[5], v[9]) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    rotate_store_rows(qkv, stride, pos, cos, sin, kc, vc, slots, T, Hq, Hk, D, (int)v[14]);
+    rotate_store_rows(qkv, stride, pos, cos, sin, kc, vc, slots, T, Hq, Hk, D, NULL, NULL, 0.f, (int)v[14]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -901,16 +907,20 @@ static gemv_args gemv_of(const weight_ref *w, const float *x, float *y, int64_t 
 
 /* decode_layer(x, residual, in_norm, post_norm, qkv[6], o[6], gate_up[6], down[6], positions, cos, sin_signed,
  *              table_rows, k_cache, v_cache, cache_slots, slots, tables, table_stride, seq_lens, block_size,
- *              window, M, H, Hq, Hk, D, I, threads, out, residual_out, eps, scale, cap)
+ *              window, M, H, Hq, Hk, D, I, threads, out, residual_out, q_norm, k_norm, eps, scale, cap,
+ *              qk_eps)
  * A Llama decoder layer for M one-token sequences, the calls a layer's modules make one by one, in the
  * same order with the same kernels (so bit for bit their result): residual add + RMSNorm, QKV GEMV,
  * rotary + KV store, paged attention, o GEMV, residual add + RMSNorm, gate/up GEMV + SiLU, down GEMV.
+ * q_norm / k_norm (0: none): Qwen3's per-head RMSNorm before rotary, which the modules compute with
+ * PyTorch's rms_norm (the same formula, its own summation order).
  * residual 0: the first layer (x is the embedding, which becomes the residual). out [M, H] is the MLP
  * output and residual_out [M, H] the residual stream, as DecoderLayer.forward returns them. */
 static PyObject *decode_layer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[53];
-    double f[53];
-    if (parse(args, nargs, 53, "decode_layer", v, f, 1ull << 50 | 1ull << 51 | 1ull << 52) < 0) return NULL;
+    int64_t v[56];
+    double f[56];
+    if (parse(args, nargs, 56, "decode_layer", v, f, 1ull << 52 | 1ull << 53 | 1ull << 54 | 1ull << 55) < 0)
+        return NULL;
     const float *x = PTR(v[0]), *res = PTR(v[1]), *in_w = PTR(v[2]), *post_w = PTR(v[3]);
     const weight_ref wqkv = weight_at(v + 4), wo = weight_at(v + 10), wgu = weight_at(v + 16), wd = weight_at(v + 22);
     const int64_t *pos = PTR(v[28]), *slots = PTR(v[35]);
@@ -918,12 +928,12 @@ static PyObject *decode_layer(PyObject *self, PyObject *const *args, Py_ssize_t 
     float *kc = PTR(v[32]), *vc = PTR(v[33]), *out = PTR(v[48]), *res_out = PTR(v[49]);
     const int64_t M = v[41], H = v[42], Hq = v[43], Hk = v[44], D = v[45], I = v[46];
     const int threads = (int)v[47];
-    const float eps = (float)f[50];
+    const float eps = (float)f[52], qk_eps = (float)f[55];
     const int64_t width = (Hq + 2 * Hk) * D;
     const int any_bf16 = wqkv.bits == 16 || wo.bits == 16 || wgu.bits == 16 || wd.bits == 16;
     if (!bf16_built(any_bf16 ? 16 : 0, "decode_layer")) return NULL;
     attn_args at = {NULL, kc, vc, PTR(v[36]), PTR(v[38]), NULL, NULL, width, v[37], Hq, Hk, D, v[39], v[40],
-                    (float)f[51], (float)f[52]};
+                    (float)f[53], (float)f[54]};
     if (!attention_fits(&at)) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: group, head dim or block size too large");
         return NULL;
@@ -947,7 +957,8 @@ static PyObject *decode_layer(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     gemv_args a = gemv_of(&wqkv, buf[0], buf[1], M, H, width);
     status |= gemv(&a, wqkv.bits, threads);
-    rotate_store_rows(buf[1], width, pos, cos, sin, kc, vc, slots, M, Hq, Hk, D, threads);
+    rotate_store_rows(buf[1], width, pos, cos, sin, kc, vc, slots, M, Hq, Hk, D, PTR(v[50]), PTR(v[51]), qk_eps,
+                      threads);
     at.q = buf[1];
     at.out = buf[2];
     attend(&at, M, threads);

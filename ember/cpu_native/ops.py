@@ -184,8 +184,9 @@ def has_bf16() -> bool:
 
 
 def dequantize(w: NativeWeight) -> torch.Tensor:
-    """The dense [N, K] weight, exactly `formats.dequantize(...)` (q * scale, then + zero): float32, or
-    rounded to bf16 for a weight in bf16 arithmetic (oneDNN's bf16 GEMM then computes what `matmul` does)."""
+    """The dense [N, K] weight: float32, exactly `formats.dequantize(...)` (q * scale, then + zero); for a
+    weight in bf16 arithmetic, q * scale + zero in one FMA rounded to bf16, the values the bf16 GEMV
+    multiplies, so oneDNN's bf16 GEMM over it computes what `matmul` does."""
     out = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16 if w.bf16 else torch.float32)
     kernels = _module()
     fn = (kernels.dequantize_q8_f32 if w.kind == "int8" else kernels.dequantize_q4_bf16 if w.bf16
@@ -352,6 +353,9 @@ class DecodeLayerWeights:
     scale: float
     window: int
     soft_cap: float
+    q_norm: torch.Tensor | None = None  # Qwen3's per-head RMSNorm weights, float32 [D]
+    k_norm: torch.Tensor | None = None
+    qk_norm_eps: float = 0.0
 
 
 def decode_layer_fits(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor | None, k_cache: torch.Tensor,
@@ -372,8 +376,10 @@ def decode_layer(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor 
     """A Llama decoder layer (two RMSNorms, fused QKV with full neox rotary, no biases, SiLU gated MLP)
     over x float32 [M, H], M one-token sequences, in one native call: the same kernels the layer's modules
     call one by one (rms_norm/add_rms_norm, matmul, rotary_store, paged_decode_attention, matmul_silu), so
-    bit for bit their result, without ~8 Python wrappers and module calls per layer. residual None: the
-    first layer. Returns (MLP output, residual stream) as DecoderLayer.forward does."""
+    bit for bit their result, without ~8 Python wrappers and module calls per layer. With Qwen3's QK norm
+    the heads are normalised by the kernels' RMSNorm where the modules use PyTorch's (the same formula,
+    float32 summation order apart). residual None: the first layer. Returns (MLP output, residual stream)
+    as DecoderLayer.forward does."""
     m, h = x.shape
     out, residual_out = torch.empty(m, h), torch.empty(m, h)
     block_size = k_cache.shape[1]
@@ -383,6 +389,6 @@ def decode_layer(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor 
         cos.data_ptr(), sin_signed.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.shape[0] * block_size, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), block_size, w.window, m, h, w.num_q_heads, w.num_kv_heads, w.head_dim,
-        w.gate_up.out_features // 2, torch.get_num_threads(), out.data_ptr(), residual_out.data_ptr(), w.eps,
-        w.scale, w.soft_cap)
+        w.gate_up.out_features // 2, torch.get_num_threads(), out.data_ptr(), residual_out.data_ptr(),
+        _ptr(w.q_norm), _ptr(w.k_norm), w.eps, w.scale, w.soft_cap, w.qk_norm_eps)
     return out, residual_out

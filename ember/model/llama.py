@@ -154,14 +154,14 @@ class DecoderLayer(nn.Module):
 
 
 def _native_decode_plan(layer: DecoderLayer) -> tuple[native.DecodeLayerWeights, int] | None:
-    """What `ops.decode_layer` needs of `layer`, where it computes exactly what the layer's modules do:
-    two plain RMSNorms, QKV and o projections without bias and with full neox rotary, no QK norm or sinks,
-    an unscaled cache, a SiLU gated MLP, every projection one native weight, one rank."""
+    """What `ops.decode_layer` needs of `layer`, where it computes what the layer's modules do: two plain
+    RMSNorms, QKV and o projections without bias and with full neox rotary, no QK norm but Qwen3's, no
+    sinks, an unscaled cache, a SiLU gated MLP, every projection one native weight, one rank."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if (layer.sandwich or tp_size() != 1 or not isinstance(mlp, GatedMLP)
             or mlp.act != "silu" or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms)
-            or norms[0].eps != norms[1].eps or attn.q_norm is not None or attn.sinks is not None
+            or norms[0].eps != norms[1].eps or attn.sinks is not None or not _plain_qk_norm(attn)
             or attn.rotary.full_tables(attn.head_dim) is None or type(attn.k_scale) is not float
             or type(attn.v_scale) is not float or attn.k_scale != 1.0 or attn.v_scale != 1.0):
         return None
@@ -170,11 +170,21 @@ def _native_decode_plan(layer: DecoderLayer) -> tuple[native.DecodeLayerWeights,
     weights = [lin.native_gemv_weight() if isinstance(lin, QuantLinear) else None for lin in linears]
     if any(w is None for w in weights):
         return None
+    qk_norms = [None if n is None else n.weight.detach().contiguous() for n in (attn.q_norm, attn.k_norm)]
     plan = native.DecodeLayerWeights(
         norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous(), norms[0].eps, *weights,
         attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.sliding_window or 0,
-        attn.logits_soft_cap or 0.0)
+        attn.logits_soft_cap or 0.0, *qk_norms, attn.q_norm.eps if attn.q_norm is not None else 0.0)
     return plan, min(native_expand_min_rows(w) for w in weights)
+
+
+def _plain_qk_norm(attn: Attention) -> bool:
+    """No QK norm, or Qwen3's: Llama-style RMSNorms over each head, float32, one eps."""
+    if attn.q_norm is None:
+        return True
+    norms = (attn.q_norm, attn.k_norm)
+    return (all(type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms)
+            and attn.q_norm.eps == attn.k_norm.eps)
 
 
 class DecoderModel(nn.Module):
