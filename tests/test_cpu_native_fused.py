@@ -6,12 +6,14 @@ PyTorch path."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import test_cpu_native as base
 import torch
 import torch.nn.functional as F
 from conftest import default_gguf_path, make_checkpoint
+from safetensors.torch import load_file, save_file
 
 from ember import LLM
 from ember.cpu_native import ops
@@ -202,18 +204,32 @@ def test_tiny_quantized_llama_fused_equals_unfused_and_pytorch(tmp_path, monkeyp
     _assert_same(fallback, [(tokens[:12], logprobs[:12]) for tokens, logprobs in got[:3]], 5e-2)
 
 
+def _with_random_biases(path: Path) -> Path:
+    """The checkpoint with its biases (Qwen2's q/k/v; transformers initialises them to zero) drawn at random,
+    so that a bias left out shows."""
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(t.shape, generator=gen) * 0.5
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
 @pytest.mark.parametrize(("arch", "method"), [("default", None), ("llama", "int4"), ("llama", "int8"),
-                                             ("mistral-sw", "int4"), ("phi3-sw", "int8")])
+                                             ("mistral-sw", "int4"), ("phi3-sw", "int8"), ("qwen2", "int4")])
 def test_decode_layer_equals_the_layers_modules_bit_for_bit(tmp_path, monkeypatch, arch: str,
                                                             method: str | None) -> None:
     """ops.decode_layer runs a decode step's layer in one call with the kernels its modules call one by
     one, in the same order and threads: the same tokens and logprobs exactly, batched and alone; for the
     default model's Q4_1/Q8_0 file (int4 in bf16 arithmetic where the CPU has AVX512_BF16) and load-time
-    int4/int8 on tiny random Llama-family models (GQA; 8-key sliding windows that the prompts outgrow)."""
+    int4/int8 on tiny random Llama-family models (GQA; 8-key sliding windows that the prompts outgrow;
+    Qwen2's QKV bias)."""
     if arch == "default":
         path, kwargs, prompts = default_gguf_path(), {"kv_cache_memory": 0.05}, PROMPTS
     else:
-        path = str(make_checkpoint(tmp_path / arch, arch))
+        path = str(_with_random_biases(make_checkpoint(tmp_path / arch, arch)))
         kwargs = {"quantization": method, "kv_cache_memory": 0.02}
         prompts = ["hello world", "the quick brown fox jumps", "a b c d e f g h i j k l m n o p q r s"]
     kwargs |= {"max_model_len": 256, "engine_process": False}

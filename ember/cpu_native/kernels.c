@@ -908,19 +908,21 @@ static gemv_args gemv_of(const weight_ref *w, const float *x, float *y, int64_t 
 /* decode_layer(x, residual, in_norm, post_norm, qkv[6], o[6], gate_up[6], down[6], positions, cos, sin_signed,
  *              table_rows, k_cache, v_cache, cache_slots, slots, tables, table_stride, seq_lens, block_size,
  *              window, M, H, Hq, Hk, D, I, threads, out, residual_out, q_norm, k_norm, eps, scale, cap,
- *              qk_eps)
+ *              qk_eps, qkv_bias)
  * A Llama decoder layer for M one-token sequences, the calls a layer's modules make one by one, in the
  * same order with the same kernels (so bit for bit their result): residual add + RMSNorm, QKV GEMV,
  * rotary + KV store, paged attention, o GEMV, residual add + RMSNorm, gate/up GEMV + SiLU, down GEMV.
+ * qkv_bias (0: none): Qwen2's, added to the QKV GEMV's output as QuantLinear adds it.
  * q_norm / k_norm (0: none): Qwen3's per-head RMSNorm before rotary, which the modules compute with
  * PyTorch's rms_norm (the same formula, its own summation order).
  * residual 0: the first layer (x is the embedding, which becomes the residual). out [M, H] is the MLP
  * output and residual_out [M, H] the residual stream, as DecoderLayer.forward returns them. */
 static PyObject *decode_layer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[56];
-    double f[56];
-    if (parse(args, nargs, 56, "decode_layer", v, f, 1ull << 52 | 1ull << 53 | 1ull << 54 | 1ull << 55) < 0)
+    int64_t v[57];
+    double f[57];
+    if (parse(args, nargs, 57, "decode_layer", v, f, 1ull << 52 | 1ull << 53 | 1ull << 54 | 1ull << 55) < 0)
         return NULL;
+    const float *qkv_bias = PTR(v[56]);
     const float *x = PTR(v[0]), *res = PTR(v[1]), *in_w = PTR(v[2]), *post_w = PTR(v[3]);
     const weight_ref wqkv = weight_at(v + 4), wo = weight_at(v + 10), wgu = weight_at(v + 16), wd = weight_at(v + 22);
     const int64_t *pos = PTR(v[28]), *slots = PTR(v[35]);
@@ -957,6 +959,8 @@ static PyObject *decode_layer(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     gemv_args a = gemv_of(&wqkv, buf[0], buf[1], M, H, width);
     status |= gemv(&a, wqkv.bits, threads);
+    if (qkv_bias)
+        for (int64_t i = 0; i < M * width; i++) buf[1][i] += qkv_bias[i % width];
     rotate_store_rows(buf[1], width, pos, cos, sin, kc, vc, slots, M, Hq, Hk, D, PTR(v[50]), PTR(v[51]), qk_eps,
                       threads);
     at.q = buf[1];

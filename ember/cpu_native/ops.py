@@ -356,6 +356,7 @@ class DecodeLayerWeights:
     q_norm: torch.Tensor | None = None  # Qwen3's per-head RMSNorm weights, float32 [D]
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 0.0
+    qkv_bias: torch.Tensor | None = None  # Qwen2's, float32 [(Hq + 2 Hk) D]
 
 
 def decode_layer_fits(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor | None, k_cache: torch.Tensor,
@@ -390,5 +391,5 @@ def decode_layer(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor 
         k_cache.shape[0] * block_size, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), block_size, w.window, m, h, w.num_q_heads, w.num_kv_heads, w.head_dim,
         w.gate_up.out_features // 2, torch.get_num_threads(), out.data_ptr(), residual_out.data_ptr(),
-        _ptr(w.q_norm), _ptr(w.k_norm), w.eps, w.scale, w.soft_cap, w.qk_norm_eps)
+        _ptr(w.q_norm), _ptr(w.k_norm), w.eps, w.scale, w.soft_cap, w.qk_norm_eps, _ptr(w.qkv_bias))
     return out, residual_out

@@ -155,8 +155,8 @@ class DecoderLayer(nn.Module):
 
 def _native_decode_plan(layer: DecoderLayer) -> tuple[native.DecodeLayerWeights, int] | None:
     """What `ops.decode_layer` needs of `layer`, where it computes what the layer's modules do: two plain
-    RMSNorms, QKV and o projections without bias and with full neox rotary, no QK norm but Qwen3's, no
-    sinks, an unscaled cache, a SiLU gated MLP, every projection one native weight, one rank."""
+    RMSNorms, full neox rotary, no bias but Qwen2's on QKV, no QK norm but Qwen3's, no sinks, an unscaled
+    cache, a SiLU gated MLP, every projection one native weight, one rank."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if (layer.sandwich or tp_size() != 1 or not isinstance(mlp, GatedMLP)
@@ -165,16 +165,19 @@ def _native_decode_plan(layer: DecoderLayer) -> tuple[native.DecodeLayerWeights,
             or attn.rotary.full_tables(attn.head_dim) is None or type(attn.k_scale) is not float
             or type(attn.v_scale) is not float or attn.k_scale != 1.0 or attn.v_scale != 1.0):
         return None
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     # native weights exist only on CPU where the kernels were built at load (so no GPU model builds them)
+    qkv = attn.qkv_proj.native_gemv_parts() if isinstance(attn.qkv_proj, QuantLinear) else None
+    linears = (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     weights = [lin.native_gemv_weight() if isinstance(lin, QuantLinear) else None for lin in linears]
-    if any(w is None for w in weights):
+    if qkv is None or any(w is None for w in weights):
         return None
+    weights.insert(0, qkv[0])
     qk_norms = [None if n is None else n.weight.detach().contiguous() for n in (attn.q_norm, attn.k_norm)]
     plan = native.DecodeLayerWeights(
         norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous(), norms[0].eps, *weights,
         attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.sliding_window or 0,
-        attn.logits_soft_cap or 0.0, *qk_norms, attn.q_norm.eps if attn.q_norm is not None else 0.0)
+        attn.logits_soft_cap or 0.0, *qk_norms, attn.q_norm.eps if attn.q_norm is not None else 0.0,
+        None if qkv[1] is None else qkv[1].contiguous())
     return plan, min(native_expand_min_rows(w) for w in weights)
 
 

@@ -280,9 +280,17 @@ class QuantLinear(nn.Module):
     def native_gemv_weight(self) -> native.NativeWeight | None:
         """The layer's one native weight when `forward` is exactly its GEMV (no bias, no input permutation,
         one part), for callers that fuse it with other native ops (ops.decode_layer); else None."""
-        if len(self.parts) != 1 or self.bias is not None or self.parts[0].in_perm is not None:
+        parts = self.native_gemv_parts()
+        return parts[0] if parts is not None and parts[1] is None else None
+
+    def native_gemv_parts(self) -> tuple[native.NativeWeight, torch.Tensor | None] | None:
+        """(native weight, float32 bias or None) when `forward` is exactly that GEMV plus the bias (one part,
+        no input permutation); else None."""
+        if len(self.parts) != 1 or self._native[0] is None or self.parts[0].in_perm is not None:
             return None
-        return self._native[0]
+        if self.bias is not None and self.bias.dtype != torch.float32:
+            return None
+        return self._native[0], None if self.bias is None else self.bias.detach()
 
     def cpu_dense_weight(self) -> torch.Tensor | None:
         """The whole weight when it is one part kept as a dense CPU copy, else None."""
