@@ -190,6 +190,8 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
         for name, p in model.named_parameters():
             if p.dim() >= 2:  # 3-D: transformers' stacked experts
                 p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+            elif name.endswith(".bias"):  # transformers initialises biases to zero: drawn, a dropped one shows
+                p.normal_(0.0, 0.1)
             elif "Gemma" in model_cls and name.endswith("norm.weight"):
                 # Gemma scales by 1 + w (w starts at 0): make w matter, keeping 1 + w >= 0.5 so the
                 # GGUF twin's stored 1 + w converts back exactly (see ember.model.gguf)
