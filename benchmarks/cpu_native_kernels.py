@@ -93,6 +93,7 @@ def gemv(rows: list[int], repeats: int) -> list[dict[str, Any]]:
 def crossover(rows: list[int], repeats: int) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(3)
     weights = [_int4(n, k, gen) for n, k in LAYER_SHAPES]
+    os.environ["EMBER_CPU_NATIVE"] = "1"  # `gemv` leaves the PyTorch path selected
     arithmetics = ["float32", "bf16"] if ops.has_bf16() else ["float32"]
     out = []
     for m in rows:

@@ -224,7 +224,7 @@ static inline float bf16_value(uint16_t h) {
 
 #ifdef __AVX512BF16__
 /* int4 in bf16 arithmetic, as oneDNN's bf16 GEMM computes the expanded weight (`dequantize_q4_bf16`)
- * from 32 rows: x and w = q * scale + zero (one float32 FMA, then rounded to bf16) multiplied by
+ * from 20 rows: x and w = q * scale + zero (one float32 FMA, then rounded to bf16) multiplied by
  * VDPBF16PS, 32 multiply-adds an instruction, float32 sums, each output rounded to bf16 (by `gemv`).
  * So every row count computes the same numbers up to summation order. */
 static inline __attribute__((always_inline)) void q4bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,

@@ -69,12 +69,13 @@ _PACK_BLOCK_N = 64
 CPU_INT4_BF16 = True
 # Rows from which a native weight is expanded for oneDNN's GEMM (`ops.dequantize`: bf16 or float32, the
 # weight's arithmetic) instead of running the native GEMV. `benchmarks/cpu_native_kernels.py`
-# (crossover), one SmolLM2-135M layer's int4 weights in cache, 2-core AVX-512 EPYC at load 0.4-0.9,
-# native against expanded: in bf16, 16 rows 0.445 / 0.61 ms, 32 rows 0.88 / 0.78; in float32 (the GEMV
-# at the two cores' FMA peak from 8 rows), 32 rows 1.03 / 1.87, 128 3.9 / 5.4, 256 8.5 / 9.9, 384
-# 14.0 / 14.2, 512 19.5-20.2 / 18.2-19.0, 1024 46 / 36. The 49152 x 576 Q8_0 head, whose float32
-# expansion writes 113 MB: 256 rows 104 against 148 ms, 512 282 / 273.
-NATIVE_EXPAND_MIN_ROWS = {"bf16": 32, "float32": 512}
+# (crossover), one SmolLM2-135M layer's int4 weights in cache, 2-core AVX-512 EPYC at load 0.8-1.4,
+# native against expanded: in bf16, 16 rows 0.36 / 0.41 ms, 20 rows 0.47-0.51 / 0.44, 24 rows 0.52-0.58
+# / 0.47, 32 rows 0.75 / 0.54, 128 2.8 / 1.3; in float32 (the GEMV at the two cores' FMA peak from 8
+# rows), 32 rows 0.98-1.03 / 1.86-1.87, 128 3.9-4.0 / 5.4, 256 8.5 / 9.9, 384 14.0 / 14.2, 512
+# 19.5-20.2 / 18.2-19.0, 1024 46 / 36. The 49152 x 576 Q8_0 head, whose float32 expansion writes
+# 113 MB: 256 rows 104 against 148 ms, 512 282 / 273.
+NATIVE_EXPAND_MIN_ROWS = {"bf16": 20, "float32": 512}
 
 
 def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torch.Tensor, ...]]:
