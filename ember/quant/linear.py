@@ -62,8 +62,8 @@ _PACK_BLOCK_N = 64
 # CPU has AVX512_BF16: float32 sums of bf16 products, each output rounded to bf16, at every row count.
 # False: float32 at every row count, as on other CPUs. Both are consistent from batch to batch; bf16
 # doubles the multiply-adds an instruction, which is what prefill and batched decode are bound by
-# (default model, `benchmarks/cpu.py`, 2026-12-03: float32 prompt processing 722 tok/s against 1,604-1,651
-# in bf16, 16 concurrent streams 268 against 392-401 tok/s). Until then int4 was float32 below 16 rows
+# (default model, `benchmarks/cpu.py`, 2026-12-03: float32 prompt processing 722 tok/s against 1,286-1,646
+# in bf16, 16 concurrent streams 268 against 332-414 tok/s). Until then int4 was float32 below 16 rows
 # and bf16 above, and a prompt whose first blocks came from the prefix cache answered differently from
 # the whole prompt (tests/test_llm_api.py keeps that case).
 CPU_INT4_BF16 = True
