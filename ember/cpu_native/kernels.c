@@ -90,10 +90,28 @@ typedef struct {
  * capped a 1536 x 576 GEMV at 16 GB/s from cache). `nr` and `mt` are constants at every call site,
  * so the accumulators stay in registers. */
 #ifdef __AVX512F__
+/* The scales and zeros of group g for output rows n0 .. n0 + nr, broadcast (zeros 0 where there are none) */
+static inline __attribute__((always_inline)) void group_params(const gemv_args *a, int64_t n0, int nr, int64_t G,
+                                                               int64_t g, __m512 *s, __m512 *z) {
+    UNROLL
+    for (int r = 0; r < nr; r++) {
+        s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
+        z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
+    }
+}
+
+/* The 32 weights of the int4 run at p, q * scale + zero in one FMA each: inputs 0-15 of the run in lo,
+ * 16-31 in hi. What both GEMVs multiply, and (rounded to bf16) what the bf16 expansion stores. */
+static inline __attribute__((always_inline)) void q4_run(const uint8_t *p, __m512 s, __m512 z, __m512 *lo,
+                                                         __m512 *hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), s, z);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, z);
+}
+
 static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
                                                            int mt) {
     const int64_t K = a->K, G = groups(a->K, a->group);
-    const __m512i lowmask = _mm512_set1_epi32(0x0F);
     __m512 acc[NR][MT];
     UNROLL
     for (int r = 0; r < nr; r++)
@@ -101,11 +119,7 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512 s[NR], z[NR];
-        UNROLL
-        for (int r = 0; r < nr; r++) {
-            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
-            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
-        }
+        group_params(a, n0, nr, G, g, s, z);
         const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
         for (int64_t k = g * a->group; k < end; k += 32) {
             __m512 wl[NR], wh[NR];
@@ -113,9 +127,7 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
             for (int r = 0; r < nr; r++) {
                 const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-                wl[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lowmask)), s[r], z[r]);
-                wh[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[r], z[r]);
+                q4_run(p, s[r], z[r], &wl[r], &wh[r]);
             }
             UNROLL
             for (int m = 0; m < mt; m++) {
@@ -145,11 +157,7 @@ static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, in
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512 s[NR], z[NR];
-        UNROLL
-        for (int r = 0; r < nr; r++) {
-            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
-            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
-        }
+        group_params(a, n0, nr, G, g, s, z);
         const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
         for (int64_t k = g * a->group; k < end; k += 16) {
             __m512 w[NR];
@@ -230,7 +238,6 @@ static inline float bf16_value(uint16_t h) {
 static inline __attribute__((always_inline)) void q4bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
                                                              int mt) {
     const int64_t K = a->K, G = groups(a->K, a->group);
-    const __m512i lowmask = _mm512_set1_epi32(0x0F);
     __m512 acc[NR][MT];
     UNROLL
     for (int r = 0; r < nr; r++)
@@ -238,11 +245,7 @@ static inline __attribute__((always_inline)) void q4bf_tile(const gemv_args *a, 
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512 s[NR], z[NR];
-        UNROLL
-        for (int r = 0; r < nr; r++) {
-            s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
-            z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
-        }
+        group_params(a, n0, nr, G, g, s, z);
         const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
         for (int64_t k = g * a->group; k < end; k += 32) {
             __m512bh w[NR];
@@ -250,9 +253,8 @@ static inline __attribute__((always_inline)) void q4bf_tile(const gemv_args *a, 
             for (int r = 0; r < nr; r++) {
                 const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-                __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lowmask)), s[r], z[r]);
-                __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[r], z[r]);
+                __m512 lo, hi;
+                q4_run(p, s[r], z[r], &lo, &hi);
                 w[r] = _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0-15: inputs k..k+15, 16-31: k+16..k+31 */
             }
             UNROLL
@@ -454,10 +456,8 @@ static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero
 /* the weight q4bf_tile multiplies: q * scale + zero in one FMA (float32), rounded to bf16 (to nearest
  * even), so oneDNN's GEMM over the expansion and the GEMV compute the same products */
 static inline void q4_expand_run_bf16(const uint8_t *p, float s, float z, uint16_t *o) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
-    __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), vs, vz);
-    __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs, vz);
+    __m512 lo, hi;
+    q4_run(p, _mm512_set1_ps(s), _mm512_set1_ps(z), &lo, &hi);
     _mm512_storeu_si512((void *)o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 #endif
