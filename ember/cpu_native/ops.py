@@ -198,9 +198,13 @@ def dequantize(w: NativeWeight) -> torch.Tensor:
 
 def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_decode_attention` takes these: float32 queries and cache, sizes within its buffers."""
-    heads, dim = q.shape[1], q.shape[2]
-    return (q.dtype == k_cache.dtype == torch.float32 and heads % k_cache.shape[2] == 0
-            and heads // k_cache.shape[2] * dim <= _MAX_GROUP_DIM and k_cache.shape[1] <= _MAX_BLOCK)
+    return (q.dtype == k_cache.dtype == torch.float32
+            and _attention_shape_fits(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]))
+
+
+def _attention_shape_fits(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """kernels.c's attention buffers: MAX_GROUP_DIM query heads per KV head times head dim, MAX_BLOCK keys."""
+    return heads % kv_heads == 0 and heads // kv_heads * head_dim <= _MAX_GROUP_DIM and block_size <= _MAX_BLOCK
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -366,7 +370,7 @@ def decode_layer_fits(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Te
     and slots. (Rows past the weights' GEMV crossover are the caller's to exclude.)"""
     return (x.dtype == k_cache.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.is_contiguous()
             and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
-            and k_cache.shape[1] <= _MAX_BLOCK and w.num_q_heads // w.num_kv_heads * w.head_dim <= _MAX_GROUP_DIM
+            and _attention_shape_fits(w.num_q_heads, w.num_kv_heads, w.head_dim, k_cache.shape[1])
             and positions.dtype == slot_mapping.dtype == torch.int64)
 
 
@@ -374,10 +378,11 @@ def decode_layer(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor 
                  cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Llama decoder layer (two RMSNorms, fused QKV with full neox rotary, no biases, SiLU gated MLP)
-    over x float32 [M, H], M one-token sequences, in one native call: the same kernels the layer's modules
-    call one by one (rms_norm/add_rms_norm, matmul, rotary_store, paged_decode_attention, matmul_silu), so
-    bit for bit their result, without ~8 Python wrappers and module calls per layer. With Qwen3's QK norm
+    """A Llama decoder layer (two RMSNorms, fused QKV with full neox rotary and Qwen2's bias if any, SiLU
+    gated MLP) over x float32 [M, H], M one-token sequences, in one native call: the same kernels the
+    layer's modules call one by one (rms_norm/add_rms_norm, matmul, rotary_store, paged_decode_attention,
+    matmul_silu), so bit for bit their result, without ~8 Python wrappers and module calls per layer. With
+    Qwen3's QK norm
     the heads are normalised by the kernels' RMSNorm where the modules use PyTorch's (the same formula,
     float32 summation order apart). residual None: the first layer. Returns (MLP output, residual stream)
     as DecoderLayer.forward does."""

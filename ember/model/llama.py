@@ -90,13 +90,18 @@ class Attention(nn.Module):
         native call (ember/cpu_native) for the PyTorch path's split, rotary ops and two index_copy_
         (decode and prefill rows alike). Returns the queries [T, Hq, D] (rows strided in qkv), or None
         where the PyTorch path runs."""
-        tables = self.rotary.full_tables(self.head_dim)
-        unscaled = type(self.k_scale) is float and type(self.v_scale) is float and self.k_scale == self.v_scale == 1.0
-        if (tables is None or self.q_norm is not None or not unscaled or self.k_cache is None
+        tables = self.native_rotary_tables()
+        if (tables is None or self.q_norm is not None or self.k_cache is None
                 or not native.rotary_store_fits(qkv, positions, tables[0], self.k_cache, meta.slot_mapping)):
             return None
         native.rotary_store(qkv, positions, *tables, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads)
         return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
+
+    def native_rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos and signed sin tables the native fused rotary reads, where it computes this layer's
+        rotary and store: every channel rotated, an unscaled cache; else None."""
+        unscaled = type(self.k_scale) is float and type(self.v_scale) is float and self.k_scale == self.v_scale == 1.0
+        return self.rotary.full_tables(self.head_dim) if unscaled else None
 
 
 class DecoderLayer(nn.Module):
@@ -135,7 +140,6 @@ class DecoderLayer(nn.Module):
         h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
         return self.post_feedforward_layernorm(all_reduce(self.mlp(h))), residual
 
-
     def _native_decode(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A CPU decode step of a plain Llama layer on native weights: the whole layer in one native call
@@ -148,7 +152,7 @@ class DecoderLayer(nn.Module):
                 or use_triton(h)
                 or not native.decode_layer_fits(plan[0], h, residual, attn.k_cache, positions, meta.slot_mapping)):
             return None
-        cos, sin_signed = attn.rotary.full_tables(attn.head_dim)
+        cos, sin_signed = attn.native_rotary_tables()
         return native.decode_layer(plan[0], h, residual, positions, cos, sin_signed, attn.k_cache, attn.v_cache,
                                    meta.slot_mapping, meta.block_tables, meta.seq_lens)
 
@@ -159,11 +163,9 @@ def _native_decode_plan(layer: DecoderLayer) -> tuple[native.DecodeLayerWeights,
     cache, a SiLU gated MLP, every projection one native weight, one rank."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if (layer.sandwich or tp_size() != 1 or not isinstance(mlp, GatedMLP)
-            or mlp.act != "silu" or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms)
-            or norms[0].eps != norms[1].eps or attn.sinks is not None or not _plain_qk_norm(attn)
-            or attn.rotary.full_tables(attn.head_dim) is None or type(attn.k_scale) is not float
-            or type(attn.v_scale) is not float or attn.k_scale != 1.0 or attn.v_scale != 1.0):
+    if (layer.sandwich or tp_size() != 1 or not isinstance(mlp, GatedMLP) or mlp.act != "silu"
+            or not all(map(_plain_rms_norm, norms)) or norms[0].eps != norms[1].eps or attn.sinks is not None
+            or not _plain_qk_norm(attn) or attn.native_rotary_tables() is None):
         return None
     # native weights exist only on CPU where the kernels were built at load (so no GPU model builds them)
     qkv = attn.qkv_proj.native_gemv_parts() if isinstance(attn.qkv_proj, QuantLinear) else None
@@ -181,13 +183,16 @@ def _native_decode_plan(layer: DecoderLayer) -> tuple[native.DecodeLayerWeights,
     return plan, min(native_expand_min_rows(w) for w in weights)
 
 
+def _plain_rms_norm(norm: nn.Module) -> bool:
+    """Llama's RMSNorm (not Gemma's 1 + w) with a float32 weight: what the kernels' RMSNorm computes."""
+    return type(norm) is RMSNorm and norm.weight.dtype == torch.float32
+
+
 def _plain_qk_norm(attn: Attention) -> bool:
-    """No QK norm, or Qwen3's: Llama-style RMSNorms over each head, float32, one eps."""
+    """No QK norm, or Qwen3's: plain RMSNorms over each head, one eps."""
     if attn.q_norm is None:
         return True
-    norms = (attn.q_norm, attn.k_norm)
-    return (all(type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms)
-            and attn.q_norm.eps == attn.k_norm.eps)
+    return _plain_rms_norm(attn.q_norm) and _plain_rms_norm(attn.k_norm) and attn.q_norm.eps == attn.k_norm.eps
 
 
 class DecoderModel(nn.Module):
