@@ -127,7 +127,7 @@ def bench_masks(args: EngineArgs, vocab_size: int, counts: list[int], steps: int
             if deadline.left() < 10:
                 break
             start = time.perf_counter()
-            bitmask = manager.start_masks(matchers).result()
+            bitmask = manager.start_masks(matchers).bitmask.result()
             times.append(time.perf_counter() - start)
             allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")
             for row, m in enumerate(matchers):

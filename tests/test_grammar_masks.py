@@ -73,7 +73,7 @@ def test_step_bitmask_rows(manager, default_tokenizer):
     failed.consume_token(default_tokenizer.encode("maybe", add_special_tokens=False)[0])
     assert done.is_accepting() and failed.is_error()
     rows = [None, fresh, None, partway, done, failed, None]
-    bitmask = manager.start_masks(rows).result().numpy()
+    bitmask = manager.start_masks(rows).bitmask.result().numpy()
     words = bitmask.shape[1]
     for row, matcher in enumerate(rows):
         expected = (np.full(words, -1, np.int32) if matcher is None

@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 import torch
 
@@ -86,6 +87,7 @@ class EngineCore:
         self._num_host_sync = 0  # unfinished requests that need one step at a time
         self._num_steps = 0
         self._num_received = 0
+        self._grammar_fed: Future | None = None  # the newest mask fill's feeding of late tokens
         self.ready = self._ready_message(files.source, num_blocks, cache_config.block_size,
                                          args.tensor_parallel_size, time.monotonic() - start)
         logger.debug(self.ready.description)
@@ -209,17 +211,22 @@ class EngineCore:
     def _start_masks(self, requests: list[Request]) -> Future[torch.Tensor] | None:
         """The grammar masks of a step being launched. Requests whose last token is still in flight
         (sampled by the step before, under async scheduling) get it fed to their matcher first, in
-        the mask thread, once that step has finished."""
+        the mask thread, once that step has finished; what feeding it gave is kept on the request."""
         late = [r for r in requests if r.matcher is not None and r.num_inflight_tokens]
         previous = self._inflight[-1][1] if late else None
 
         def catch_up() -> None:
-            self.grammar.consume_all([(req.matcher, token)
-                                      for req, token in zip(late, self.runner.sampled_tokens(previous, late))])
-            for req in late:
+            tokens = self.runner.sampled_tokens(previous, late)
+            errors = self.grammar.consume_all([(req.matcher, token) for req, token in zip(late, tokens)])
+            for req, error in zip(late, errors):
                 req.num_grammar_tokens += 1
+                req.grammar_error = error
 
-        return self.grammar.start_masks([r.matcher for r in requests], catch_up if late else None)
+        fill = self.grammar.start_masks([r.matcher for r in requests], catch_up if late else None)
+        if fill is None:
+            return None
+        self._grammar_fed = fill.fed
+        return fill.bitmask
 
     def _collect(self) -> list[EngineCoreOutput]:
         batch, pending = self._inflight.popleft()
@@ -228,6 +235,8 @@ class EngineCore:
         except Exception as e:
             return self._failed(batch, e)
         self._num_steps += 1
+        if self._grammar_fed is not None:  # the step launched after this one may be feeding its tokens
+            wait_futures([self._grammar_fed])
         outputs = self._sampled_outputs(result)
         for req in batch.requests:
             if not req.status.finished:
@@ -261,13 +270,12 @@ class EngineCore:
         status = req.check_stop(token, self.max_model_len)
         if status is None and req.matcher is not None:
             # A complete grammar allows only EOS next, so the request ends on EOS as any other does.
-            # The mask thread may have fed this token already (`_start_masks`); then this only reads
-            # the matcher's state (a matcher in error stays in error).
+            # The mask thread may have fed this token already (`_start_masks`), and may be filling the
+            # matcher's next mask now: then only what feeding it gave is read, never the matcher.
             if req.num_grammar_tokens < req.num_output_tokens:
                 req.num_grammar_tokens += 1
-                out.error = consume(req.matcher, token)
-            elif req.matcher.is_error():
-                out.error = f"structured output failed: {req.matcher.get_error()}"
+                req.grammar_error = consume(req.matcher, token)
+            out.error = req.grammar_error
             if out.error is not None:
                 status = RequestStatus.FINISHED_ABORTED
         if status is not None:

@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance
 import torch
@@ -81,6 +82,17 @@ def _build_ll_tokenizer(args: EngineArgs, vocab_size: int) -> llguidance.LLToken
         raise ValueError(f"structured_outputs: no vocabulary for grammars ({e})") from e
 
 
+@dataclass
+class MaskFill:
+    """A step's bitmask, being filled by the mask thread. `fed` is done once the late tokens have been
+    fed to their matchers (`start_masks`' `before`): only then may the core read what feeding them
+    gave, and it must not touch those matchers at all until `bitmask` is done (llguidance raises
+    "Already mutably borrowed" for a matcher another thread is filling)."""
+
+    fed: Future[torch.Tensor]
+    bitmask: Future[torch.Tensor]
+
+
 class GrammarManager:
     def __init__(self, args: EngineArgs, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -105,18 +117,18 @@ class GrammarManager:
         return compiled.deep_copy()
 
     def start_masks(self, matchers: list[llguidance.LLMatcher | None],
-                    before: Callable[[], None] | None = None) -> Future[torch.Tensor] | None:
+                    before: Callable[[], None] | None = None) -> MaskFill | None:
         """Start filling one bitmask row per batch row (all ones where the row has no matcher), after
-        running `before` in the same worker thread; None when no row is constrained."""
+        running `before` (which feeds the late tokens) in the same worker thread; None when no row is
+        constrained."""
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        return self._worker.submit(self._fill, rows, len(matchers), before)
+        fed = self._worker.submit(self._prepare, rows, len(matchers), before)
+        return MaskFill(fed, self._worker.submit(self._fill, rows, fed))
 
-    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int,
-              before: Callable[[], None] | None) -> torch.Tensor:
-        if before is not None:
-            before()
+    def _prepare(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int,
+                 before: Callable[[], None] | None) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
         # llguidance writes every row it is given (stopped and failed matchers included), so only the
         # free rows need filling: at 256 constrained rows of a 152k vocabulary that skips 4.9 MB per step.
@@ -124,16 +136,23 @@ class GrammarManager:
         if len(rows) < num_rows:
             constrained = {i for _, i in rows}
             bitmask[[i for i in range(num_rows) if i not in constrained]] = -1
-        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, num_rows)
+        if before is not None:
+            before()
         return bitmask
 
-    def consume_all(self, pairs: list[tuple[llguidance.LLMatcher, int]]) -> None:
-        """Feed one token to each matcher, in llguidance's thread pool without the GIL. The Python loop
-        of `consume` calls it replaces held the GIL for ~0.6 ms per step at 256 JSON-schema requests in
-        the mask thread, while the main thread needed it to launch the step; a matcher that fails is
-        left in error, which the core reads when it appends the token (`consume` semantics)."""
+    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], prepared: Future[torch.Tensor]) -> torch.Tensor:
+        bitmask = prepared.result()  # its failure (the late tokens could not be read) is the fill's too
+        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        return bitmask
+
+    def consume_all(self, pairs: list[tuple[llguidance.LLMatcher, int]]) -> list[str | None]:
+        """Feed one token to each matcher, in llguidance's thread pool without the GIL; each matcher's
+        error text after it (None while it can go on), as `consume` gives it. The Python loop of
+        `consume` calls it replaces held the GIL for ~0.6 ms per step at 256 JSON-schema requests in
+        the mask thread, while the main thread needed it to launch the step."""
         if pairs:
             self._executor.consume_token_par(pairs)
+        return [_failure(matcher, token) for matcher, token in pairs]
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -142,6 +161,10 @@ class GrammarManager:
 def consume(matcher: llguidance.LLMatcher, token: int) -> str | None:
     """Feed a sampled token; the error text when the grammar cannot continue (a dead end, or a token
     that slipped past the mask). A matcher in error stays so: feeding it again repeats the error."""
-    if not matcher.consume_token(token) or matcher.is_error():
-        return f"structured output failed: {matcher.get_error() or f'token {token} is not allowed'}"
-    return None
+    return _failure(matcher, token, matcher.consume_token(token))
+
+
+def _failure(matcher: llguidance.LLMatcher, token: int, accepted: bool = True) -> str | None:
+    if accepted and not matcher.is_error():
+        return None
+    return f"structured output failed: {matcher.get_error() or f'token {token} is not allowed'}"

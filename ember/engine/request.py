@@ -53,6 +53,7 @@ class Request:
     stop_reason: int | None = None
     matcher: llguidance.LLMatcher | None = None  # its structured-output grammar's state
     num_grammar_tokens: int = 0  # output tokens the matcher has consumed (it may run ahead of the host's list)
+    grammar_error: str | None = None  # why the grammar cannot go on, once a token it was fed ended it
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -12,6 +12,7 @@ import gc
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
-from ember.runner.step_inputs import PromptRows, prepare_step
+from ember.runner.step_inputs import PreparedStep, PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
 from ember.runner.warmup import warm_up_batches
 from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -55,15 +56,28 @@ class StepResult:
 
 
 @dataclass
+class _Unsampled:
+    """An open step's sampling: queued once the grammar masks being filled for it are in."""
+
+    masks: Future[torch.Tensor]
+    logits: torch.Tensor
+    sampling: SamplingBatch
+    start: torch.cuda.Event | None
+    forward_end: torch.cuda.Event | None
+
+
+@dataclass
 class PendingStep:
     """A launched step: its results are on their way from the device to the host."""
 
     requests: list[Request]
-    sampled: torch.Tensor | None  # [N] int64 on the host (pinned on CUDA)
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # ids, values, ranks on the host
-    prompt_logprobs: list[tuple[PromptRows, torch.Tensor, torch.Tensor, torch.Tensor]]
-    events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # start, end of its device work (CUDA)
+    prompt_logprobs: list[tuple[PromptRows, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    sampled: torch.Tensor | None = None  # [N] int64 on the host (pinned on CUDA)
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ids, values, ranks on the host
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # start, end of its device work (CUDA)
     mask_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # forward's end, masks' arrival (CUDA)
+    unsampled: _Unsampled | None = None  # set while the step is open (its sampling not queued yet)
+    error: Exception | None = None  # its sampling failed; `wait` raises it
 
 
 @dataclass
@@ -73,6 +87,15 @@ class _StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     padded: int | None  # the CUDA graph size to replay, or None for an eager forward
+
+
+@dataclass
+class _Prepared:
+    """A step's inputs, uploaded, before anything that needs the step before it."""
+
+    inputs: _StepInputs
+    step: PreparedStep
+    sampling: SamplingBatch | None  # None when no row samples
 
 
 def _return_freed_memory_to_os() -> None:
@@ -173,6 +196,7 @@ class ModelRunner:
         self.timer = StepTimer() if self.device.type == "cuda" else None
         # The last launched step's sampled ids on the device, and each sampling request's row in them.
         self._last_sampled: tuple[torch.Tensor, dict[Request, int]] | None = None
+        self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -306,45 +330,85 @@ class ModelRunner:
                start_masks: Callable[[list[Request]], Future[torch.Tensor] | None] | None = None) -> PendingStep:
         """Start a step: every device operation is queued, nothing waits for the device. `start_masks`
         starts filling the grammar bitmask of the sampling rows (given in row order); it runs while
-        the forward is queued and computed, and is applied to the logits before sampling."""
+        the forward is queued and computed. A step with masks is left open: its sampling waits for
+        them, and is queued by the next `launch` once that one has prepared its own inputs (or by
+        `wait`). So the host's work for the next step overlaps the mask fill instead of following it:
+        at 256 JSON-schema requests on the H200 the GPU otherwise idled ~0.7 ms of a 3.4 ms step
+        while the host prepared the next one after the masks came."""
+        prepared = self._prepare(batch)
+        if self._open is not None:
+            self._close(self._open)
+        return self._start(prepared, start_masks)
+
+    def _prepare(self, batch: ScheduledBatch) -> _Prepared:
+        """The step's inputs on the host and their copies queued: nothing here needs the step before."""
         self.buffers.next_set()
         step = prepare_step(batch, self.buffers, self.block_size,
                             self.graphs.padded_size if self.graphs is not None else None)
         if tp_size() > 1:
             send_step(step.header, self.buffers)
+        # Built before the forward so that its host-to-device copies overlap the GPU's work.
+        sampling = self._sampling_batch(step.samplers) if step.samplers else None
+        return _Prepared(self._upload(step.header), step, sampling)
+
+    def _start(self, prepared: _Prepared,
+               start_masks: Callable[[list[Request]], Future[torch.Tensor] | None] | None) -> PendingStep:
+        inputs, step, sampling = prepared.inputs, prepared.step, prepared.sampling
         start = StepTimer.record() if self.timer is not None else None
-        inputs = self._upload(step.header)
         if step.inflight_rows:
             self._fill_inflight_tokens(inputs.input_ids, step.inflight_rows)
         masks = start_masks(step.samplers) if start_masks and step.samplers else None
-        timed = start is not None and masks is not None
         try:
-            # Built before the forward so that its host-to-device copies overlap the GPU's work.
-            sbatch = self._sampling_batch(step.samplers) if step.samplers else None
             hidden = self._forward(inputs)
+            prompt = [(rows, *(to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
+            pending = PendingStep(step.samplers, prompt_logprobs=prompt)
+            if sampling is None:
+                self._last_sampled = None
+                pending.events = self._end_events(start)
+                return pending
+            if masks is None:
+                self._sampled(pending, self._sample(hidden[inputs.logits_indices], sampling), start)
+                return pending
             # A masked step samples from the full logits: queue them before waiting for the masks.
-            logits = self.model.compute_logits(hidden[inputs.logits_indices]) if masks is not None else None
-            forward_end = StepTimer.record() if timed else None
-        finally:  # also on failure: the mask thread must be done with the matchers before anyone else
-            bitmask = masks.result() if masks is not None else None
-        mask_wait = (forward_end, StepTimer.record()) if timed else None
-        if bitmask is not None:
-            sbatch.token_bitmask = bitmask.to(self.device, non_blocking=True)  # pinned on CUDA hosts
-        prompt = [(rows, *(to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
-        if sbatch is None:
-            self._last_sampled = None
-            return PendingStep(step.samplers, None, None, prompt, self._end_events(start))
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            forward_end = StepTimer.record() if start is not None else None
+        except BaseException:
+            if masks is not None:
+                wait_futures([masks])  # the mask thread must be done with the matchers before anyone else
+            raise
+        pending.unsampled = _Unsampled(masks, logits, sampling, start, forward_end)
+        self._open = pending
+        return pending
+
+    def _sample(self, rows: torch.Tensor, sbatch: SamplingBatch) -> SamplerOutput:
+        """Sample the rows' next tokens from their final hidden states."""
         if sbatch.argmax_only:
-            out = SamplerOutput(self.model.greedy_tokens(hidden[inputs.logits_indices]), None, None)
-        else:
-            if logits is None:
-                logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            out = self.sampler(logits, sbatch)
-        self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(step.samplers)})
-        logprobs = None if out.logprobs is None else (
-            to_host(out.logprob_token_ids), to_host(out.logprobs), to_host(out.sampled_ranks))
-        return PendingStep(step.samplers, to_host(out.sampled_token_ids), logprobs, prompt, self._end_events(start),
-                           mask_wait)
+            return SamplerOutput(self.model.greedy_tokens(rows), None, None)
+        return self.sampler(self.model.compute_logits(rows), sbatch)
+
+    @torch.inference_mode()
+    def _close(self, pending: PendingStep) -> None:
+        """Queue an open step's sampling once its masks are in. A failure is the step's: `wait` raises it."""
+        self._open, u = None, pending.unsampled
+        pending.unsampled = None
+        try:
+            u.sampling.token_bitmask = u.masks.result().to(self.device, non_blocking=True)  # pinned on CUDA hosts
+            arrived = StepTimer.record() if u.forward_end is not None else None
+            out = self.sampler(u.logits, u.sampling)
+        except Exception as e:
+            pending.error = e
+            self._last_sampled = None
+            return
+        self._sampled(pending, out, u.start, (u.forward_end, arrived) if arrived is not None else None)
+
+    def _sampled(self, pending: PendingStep, out: SamplerOutput, start: torch.cuda.Event | None,
+                 mask_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+        """Queue the copies of a step's samples to the host."""
+        self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(pending.requests)})
+        pending.sampled = to_host(out.sampled_token_ids)
+        if out.logprobs is not None:
+            pending.logprobs = (to_host(out.logprob_token_ids), to_host(out.logprobs), to_host(out.sampled_ranks))
+        pending.events, pending.mask_wait = self._end_events(start), mask_wait
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         return SamplingBatch.build(
@@ -366,7 +430,8 @@ class ModelRunner:
     def _fill_inflight_tokens(self, input_ids: torch.Tensor, rows: list[tuple[int, Request]]) -> None:
         """Input tokens sampled by the previous step, still on the device: copied there, never to the host."""
         if self._last_sampled is None:
-            raise RuntimeError("a step needs tokens in flight, but no step was launched before it")
+            raise RuntimeError("a step needs tokens in flight, but the step before sampled none (none was "
+                               "launched, or its sampling failed)")
         sampled, row_of = self._last_sampled
         try:
             src = [row_of[req] for _, req in rows]
@@ -379,6 +444,8 @@ class ModelRunner:
     def sampled_tokens(pending: PendingStep, requests: list[Request]) -> list[int]:
         """What a launched step sampled for some of its requests, once its device work is done (waits for
         that step only, not for any launched after it; `wait` still collects it as usual)."""
+        if pending.error is not None:
+            raise pending.error
         if pending.events is not None:
             pending.events[1].synchronize()
         row = {r: i for i, r in enumerate(pending.requests)}
@@ -387,6 +454,10 @@ class ModelRunner:
 
     def wait(self, pending: PendingStep) -> StepResult:
         """The step's results, once the device has finished it."""
+        if pending is self._open:
+            self._close(pending)
+        if pending.error is not None:
+            raise pending.error
         if pending.events is not None:
             pending.events[1].synchronize()
             self.timer.finished(*pending.events, pending.mask_wait)
