@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from conftest import DEVICE
 from ember import LLM, SamplingParams
@@ -87,3 +88,34 @@ def test_kernel_warm_up_batches_run_through_the_runner(llama_dir):
         result = runner.wait(runner.launch(batch))
         assert len(result.token_ids) == len(batch) and all(0 <= t < 512 for t in result.token_ids)
     assert warm_up_batches(16, 3, 256, 2048, 512) == []  # a pool too small for the first batch: no warm-up
+
+
+def test_sampling_tensors_are_reused_only_for_the_same_rows_without_per_step_state(llama_dir):
+    """White-box: a decode step of the same requests in the same order reuses the last step's sampling
+    tensors (in a fresh batch, so a step's grammar bitmask never carries over); other rows, another
+    order, or a row whose min_tokens still holds EOS back get tensors built for that step."""
+    from conftest import inproc_core
+    from ember.engine.request import Request
+
+    runner = inproc_core(LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05,
+                             engine_process=False)).runner
+
+    def request(name: str, **params) -> Request:
+        return Request(name, [1, 2, 3], SamplingParams(max_tokens=8, **params), 8, [7], 0.0)
+
+    a, b = request("a", temperature=0.5), request("b", temperature=0.9, top_p=0.8)
+    first = runner._sampling_batch([a, b])
+    first.token_bitmask = torch.zeros(2, 1, dtype=torch.int32)
+    again = runner._sampling_batch([a, b])
+    assert again is not first and again.token_bitmask is None and again.temperature is first.temperature
+    swapped = runner._sampling_batch([b, a])
+    assert swapped.temperature.tolist() == pytest.approx([0.9, 0.5]) and swapped.top_p.tolist() == pytest.approx([0.8, 1.0])
+
+    held = request("held", temperature=0.0, min_tokens=2)
+    assert runner._sampling_batch([a, held]).min_tokens_mask is not None
+    held.output_token_ids.append(5)
+    assert runner._sampling_batch([a, held]).min_tokens_mask is not None  # still one token short: rebuilt
+    held.output_token_ids.append(5)
+    released = runner._sampling_batch([a, held])
+    assert released.min_tokens_mask is None
+    assert runner._sampling_batch([a, held]).temperature is released.temperature

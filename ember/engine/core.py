@@ -235,8 +235,6 @@ class EngineCore:
         except Exception as e:
             return self._failed(batch, e)
         self._num_steps += 1
-        if self._grammar_fed is not None:  # the step launched after this one may be feeding its tokens
-            wait_futures([self._grammar_fed])
         outputs = self._sampled_outputs(result)
         for req in batch.requests:
             if not req.status.finished:
@@ -249,38 +247,61 @@ class EngineCore:
             new = None if req.status.finished else _unsent_prompt_logprobs(req, first, logprobs)
             if new is not None:
                 outputs[req.request_id] = EngineCoreOutput(req.request_id, [], new_prompt_logprobs=new)
+        constrained: list[tuple[Request, int]] = []
         for req, token, logprobs in zip(result.requests, result.token_ids, result.logprobs):
             req.num_inflight_tokens -= 1
             if req.status.finished:  # aborted, or finished by the step before, while this one ran
                 continue
             out = outputs.setdefault(req.request_id, EngineCoreOutput(req.request_id, []))
             try:
-                self._append(req, token, logprobs, out)
+                if self._append(req, token, logprobs, out) and req.matcher is not None:
+                    constrained.append((req, token))
             except Exception as e:  # one request's bookkeeping failed: fail only that request
-                logger.exception("request %s failed after its step", req.request_id)
-                self._finish(req, RequestStatus.FINISHED_ABORTED)
-                outputs[req.request_id] = EngineCoreOutput(req.request_id, [], finish_reason="abort",
-                                                           error=f"{type(e).__name__}: {e}")
+                outputs[req.request_id] = self._bookkeeping_failed(req, e)
+        if constrained:
+            self._check_grammars(constrained, outputs)
         return list(outputs.values())
 
-    def _append(self, req: Request, token: int, logprobs: Logprobs | None, out: EngineCoreOutput) -> None:
+    def _append(self, req: Request, token: int, logprobs: Logprobs | None, out: EngineCoreOutput) -> bool:
+        """Record the token; False when it ended the request."""
         req.append_token(token)
         out.new_token_ids, out.new_logprobs = [token], logprobs
         out.num_cached_tokens = max(req.num_cached_tokens, 0)
         status = req.check_stop(token, self.max_model_len)
-        if status is None and req.matcher is not None:
-            # A complete grammar allows only EOS next, so the request ends on EOS as any other does.
-            # The mask thread may have fed this token already (`_start_masks`), and may be filling the
-            # matcher's next mask now: then only what feeding it gave is read, never the matcher.
-            if req.num_grammar_tokens < req.num_output_tokens:
-                req.num_grammar_tokens += 1
-                req.grammar_error = consume(req.matcher, token)
-            out.error = req.grammar_error
-            if out.error is not None:
-                status = RequestStatus.FINISHED_ABORTED
         if status is not None:
-            self._finish(req, status)
-            out.finish_reason, out.stop_reason = status.value, req.stop_reason
+            self._end(req, status, out)
+        return status is None
+
+    def _check_grammars(self, items: list[tuple[Request, int]], outputs: dict[str, EngineCoreOutput]) -> None:
+        """End the requests whose grammar cannot go on after their new token. A complete grammar allows
+        only EOS next, so a request ends on EOS as any other does. Under async scheduling the mask thread
+        feeds these tokens (`_start_masks`) while the core does the step's other bookkeeping, and then
+        fills the next masks: so this waits for the feeding only now, and reads what it gave, never the
+        matchers (the core feeds the ones it did not)."""
+        if self._grammar_fed is not None:
+            wait_futures([self._grammar_fed])
+        for req, token in items:
+            out = outputs[req.request_id]
+            try:
+                if req.num_grammar_tokens < req.num_output_tokens:
+                    req.num_grammar_tokens += 1
+                    req.grammar_error = consume(req.matcher, token)
+                if req.grammar_error is not None:
+                    out.error = req.grammar_error
+                    self._end(req, RequestStatus.FINISHED_ABORTED, out)
+            except Exception as e:
+                outputs[req.request_id] = self._bookkeeping_failed(req, e)
+
+    def _end(self, req: Request, status: RequestStatus, out: EngineCoreOutput) -> None:
+        self._finish(req, status)
+        out.finish_reason, out.stop_reason = status.value, req.stop_reason
+
+    def _bookkeeping_failed(self, req: Request, error: Exception) -> EngineCoreOutput:
+        """One request's bookkeeping failed: fail only that request."""
+        logger.exception("request %s failed after its step", req.request_id)
+        if not req.status.finished:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return EngineCoreOutput(req.request_id, [], finish_reason="abort", error=f"{type(error).__name__}: {error}")
 
     def _failed(self, batch: ScheduledBatch, error: Exception) -> list[EngineCoreOutput]:
         """The model failed on this batch: fail its requests and keep serving the others, unless the

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -197,6 +197,7 @@ class ModelRunner:
         # The last launched step's sampled ids on the device, and each sampling request's row in them.
         self._last_sampled: tuple[torch.Tensor, dict[Request, int]] | None = None
         self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
+        self._last_sampling: tuple[tuple[Request, ...], SamplingBatch] | None = None  # see _sampling_batch
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -411,7 +412,14 @@ class ModelRunner:
         pending.events, pending.mask_wait = self._end_events(start), mask_wait
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        return SamplingBatch.build(
+        """The rows' sampling tensors. A step sampling the same requests in the same order as the step
+        before reuses that step's tensors, unless a row has state that changes every step (penalties,
+        min_tokens still holding EOS back): building them is a pinned copy per per-row tensor, ~0.3 ms
+        of the core thread per step at 256 rows on the H200 host (py-spy, 256 JSON-schema requests)."""
+        rows = tuple(reqs)
+        if self._last_sampling is not None and self._last_sampling[0] == rows:
+            return replace(self._last_sampling[1], token_bitmask=None)
+        batch = SamplingBatch.build(
             params=[r.sampling_params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
@@ -421,6 +429,9 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             device=self.device,
         )
+        reusable = batch.penalties is None and batch.min_tokens_mask is None
+        self._last_sampling = (rows, batch) if reusable else None
+        return batch
 
     @staticmethod
     def _end_events(start: torch.cuda.Event | None) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
@@ -437,8 +448,11 @@ class ModelRunner:
             src = [row_of[req] for _, req in rows]
         except KeyError:
             raise RuntimeError("a step needs a token that the previous step did not sample") from None
-        dst = to_device([t for t, _ in rows], torch.int64, self.device)
-        input_ids[dst] = sampled[to_device(src, torch.int64, self.device)]
+        dst = [t for t, _ in rows]
+        if src == dst == list(range(len(rows))):  # a decode batch of the same requests in the same order
+            input_ids[:len(rows)] = sampled[:len(rows)]
+            return
+        input_ids[to_device(dst, torch.int64, self.device)] = sampled[to_device(src, torch.int64, self.device)]
 
     @staticmethod
     def sampled_tokens(pending: PendingStep, requests: list[Request]) -> list[int]:
