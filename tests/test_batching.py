@@ -109,7 +109,8 @@ def test_sampling_tensors_are_reused_only_for_the_same_rows_without_per_step_sta
     again = runner._sampling_batch([a, b])
     assert again is not first and again.token_bitmask is None and again.temperature is first.temperature
     swapped = runner._sampling_batch([b, a])
-    assert swapped.temperature.tolist() == pytest.approx([0.9, 0.5]) and swapped.top_p.tolist() == pytest.approx([0.8, 1.0])
+    assert swapped.temperature.tolist() == pytest.approx([0.9, 0.5])
+    assert swapped.top_p.tolist() == pytest.approx([0.8, 1.0])
 
     held = request("held", temperature=0.0, min_tokens=2)
     assert runner._sampling_batch([a, held]).min_tokens_mask is not None

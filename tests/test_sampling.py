@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -357,3 +358,52 @@ def test_candidate_top_k_top_p_keeps_the_same_tokens_as_a_full_sort(case, monkey
     assert fast is not None
     assert torch.equal(fast.isinf(), full.isinf())
     assert torch.equal(fast[~fast.isinf()], logits[~fast.isinf()])
+
+
+# --- grammar masks --------------------------------------------------------------
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool -> llguidance's packed words: token t is bit t % 32 of int32 word t // 32."""
+    packed = np.packbits(allowed.numpy(), axis=1, bitorder="little")
+    words = np.zeros((allowed.shape[0], -(-allowed.shape[1] // 32) * 4), dtype=np.uint8)
+    words[:, :packed.shape[1]] = packed
+    return torch.from_numpy(words.view(np.int32))
+
+
+@pytest.mark.parametrize("temperatures", [[0.0] * 4, [0.7, 1.0, 1.3, 0.5], [0.0, 0.8, 0.0, 1.2]])
+def test_mask_applied_after_scoring_picks_what_masking_first_picks(temperatures) -> None:
+    """Without probability filters the grammar mask may come after the rest of sampling (it is still
+    being filled while that runs): the same seeds give the same tokens as masking the logits first,
+    every token allowed, and the rest of the distribution untouched."""
+    vocab = 300
+    logits = random_logits(4, vocab, seed=3)
+    allowed = torch.rand(4, vocab, generator=_gen(4)) < 0.1
+    params = [SamplingParams(temperature=t, seed=50 + i) for i, t in enumerate(temperatures)]
+    first = make_batch(params, vocab)
+    assert first.mask_can_wait
+    first.token_bitmask = _bitmask(allowed)
+    masked_logits = logits.clone().masked_fill_(~allowed, float("-inf"))
+    expected = Sampler()(masked_logits, make_batch(params, vocab)).sampled_token_ids
+    sampler = Sampler()
+    scores = sampler.score(logits.clone(), make_batch(params, vocab))  # no mask yet
+    late = make_batch(params, vocab)
+    late.token_bitmask = first.token_bitmask
+    got = sampler.pick(scores, late).sampled_token_ids
+    assert torch.equal(got, expected)
+    assert allowed[torch.arange(4), got].all()
+
+
+def test_probability_filters_see_only_the_allowed_tokens() -> None:
+    """top-p renormalises over what the grammar allows, so with a filter the mask comes first: a row
+    whose nucleus holds only banned tokens still samples an allowed one."""
+    vocab = 64
+    logits = torch.full((1, vocab), -10.0)
+    logits[0, 0] = 10.0  # the whole nucleus under top_p=0.5, and banned
+    allowed = torch.zeros(1, vocab, dtype=torch.bool)
+    allowed[0, 10:20] = True
+    batch = make_batch([SamplingParams(temperature=1.0, top_p=0.5, seed=1)], vocab)
+    assert not batch.mask_can_wait
+    batch.token_bitmask = _bitmask(allowed)
+    token = Sampler()(logits, batch).sampled_token_ids[0]
+    assert 10 <= token < 20

@@ -37,7 +37,7 @@ from ember.runner.step_broadcast import StepHeader, receive_step, send_step
 from ember.runner.step_inputs import PreparedStep, PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
 from ember.runner.warmup import warm_up_batches
-from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
+from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, Scores
 from ember.transfer import to_device, to_host
 
 logger = logging.getLogger("ember")
@@ -61,6 +61,7 @@ class _Unsampled:
 
     masks: Future[torch.Tensor]
     logits: torch.Tensor
+    scores: Scores | None  # sampling up to the masks, done already (when no row filters by probability)
     sampling: SamplingBatch
     start: torch.cuda.Event | None
     forward_end: torch.cuda.Event | None
@@ -370,14 +371,16 @@ class ModelRunner:
             if masks is None:
                 self._sampled(pending, self._sample(hidden[inputs.logits_indices], sampling), start)
                 return pending
-            # A masked step samples from the full logits: queue them before waiting for the masks.
+            # A masked step samples from the full logits: queue them, and what sampling can do before the
+            # masks, now.
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            scores = self.sampler.score(logits, sampling) if sampling.mask_can_wait else None
             forward_end = StepTimer.record() if start is not None else None
         except BaseException:
             if masks is not None:
                 wait_futures([masks])  # the mask thread must be done with the matchers before anyone else
             raise
-        pending.unsampled = _Unsampled(masks, logits, sampling, start, forward_end)
+        pending.unsampled = _Unsampled(masks, logits, scores, sampling, start, forward_end)
         self._open = pending
         return pending
 
@@ -395,7 +398,8 @@ class ModelRunner:
         try:
             u.sampling.token_bitmask = u.masks.result().to(self.device, non_blocking=True)  # pinned on CUDA hosts
             arrived = StepTimer.record() if u.forward_end is not None else None
-            out = self.sampler(u.logits, u.sampling)
+            sampler = self.sampler
+            out = sampler.pick(u.scores, u.sampling) if u.scores is not None else sampler(u.logits, u.sampling)
         except Exception as e:
             pending.error = e
             self._last_sampled = None

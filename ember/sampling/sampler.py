@@ -52,6 +52,11 @@ class SamplingBatch:
     token_bitmask: torch.Tensor | None = None
 
     @property
+    def mask_can_wait(self) -> bool:
+        """No row filters by probability, so a grammar mask may be applied after the rest of sampling."""
+        return self.top_k is None and self.top_p is None and self.min_p is None
+
+    @property
     def argmax_only(self) -> bool:
         """Every row takes its largest raw logit and reports nothing else: the logits themselves are not needed."""
         return (self.all_greedy and self.penalties is None and self.min_tokens_mask is None
@@ -323,28 +328,28 @@ def apply_top_k_top_p_sorted(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(p / q) with q ~ Exp(1) picks token i with probability p_i, with no
-    cumulative sum or search, and lets each seeded row draw its own noise."""
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
+def exponential_race(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Per token, logit - log q with q ~ Exp(1): the largest picks token i with probability
+    softmax(logits)_i (the exponential race argmax(p / q), in log space: no softmax pass, nothing to
+    underflow), and each seeded row draws its own noise. Banning tokens afterwards (-inf) leaves the
+    others' values as they are, so a grammar mask may come after this, while its fill is still running."""
+    noise = torch.empty_like(logits)
+    if len(generators) < logits.shape[0]:
         noise.exponential_()
     for row, gen in generators.items():
         noise[row].exponential_(generator=gen)
-    # Exp(1) may round to 0; a tiny floor keeps 0/0 from turning into NaN.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    # Exp(1) may round to 0; a tiny floor keeps its log finite.
+    return logits - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _random_scores(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.temperature is not None:
         logits = logits / batch.temperature.unsqueeze(1)
     if batch.min_p is not None:
         logits = apply_min_p(logits, batch.min_p)
     if batch.top_k is not None or batch.top_p is not None:
         logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    return exponential_race(probs, batch.generators)
+    return exponential_race(logits.float(), batch.generators)
 
 
 def _gather_logprobs(
@@ -360,9 +365,24 @@ def _gather_logprobs(
     return ids, values, ranks
 
 
+@dataclass
+class Scores:
+    """A step's sampling up to its grammar mask: per row, values whose largest allowed entry is the
+    sampled token (the logits for greedy rows, the exponential race's values for random ones)."""
+
+    values: torch.Tensor  # [N, V] float32
+    raw_logprobs: torch.Tensor | None  # [N, V] float32; None when no row asked for logprobs
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32; may be modified in place."""
+        return self.pick(self.score(logits, batch), batch)
+
+    def score(self, logits: torch.Tensor, batch: SamplingBatch) -> Scores:
+        """Everything before the grammar mask. When a row filters by probability (top-k, top-p, min-p),
+        which must see only the allowed tokens, the mask (`batch.token_bitmask`) is applied here first;
+        otherwise `pick` applies it, so this part may run while the mask is still being filled."""
         # vLLM reports logprobs of the model's own distribution, before any sampling transform.
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -371,20 +391,22 @@ class Sampler:
         )
         logits = apply_min_tokens(logits, batch)
         logits = apply_penalties(logits, batch)
-        logits = apply_token_bitmask(logits, batch.token_bitmask)
-
+        if not batch.mask_can_wait:
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
         if batch.all_greedy:
-            sampled = logits.argmax(dim=-1)
-        elif batch.all_random:
-            sampled = _sample_random(logits, batch)
-        else:
-            # Random sampling runs on every row and greedy rows are swapped in after,
-            # which costs less than splitting the batch.
-            sampled = torch.where(
-                batch.greedy_mask, logits.argmax(dim=-1), _sample_random(logits, batch)
-            )
+            return Scores(logits, raw_logprobs)
+        random = _random_scores(logits, batch)
+        if batch.all_random:
+            return Scores(random, raw_logprobs)
+        # Random scores are computed on every row and greedy rows are swapped in after,
+        # which costs less than splitting the batch.
+        return Scores(torch.where(batch.greedy_mask.unsqueeze(1), logits, random), raw_logprobs)
 
-        if raw_logprobs is None:
+    def pick(self, scores: Scores, batch: SamplingBatch) -> SamplerOutput:
+        """The sampled tokens (the grammar mask applied now when `score` left it) and their logprobs."""
+        values = apply_token_bitmask(scores.values, batch.token_bitmask) if batch.mask_can_wait else scores.values
+        sampled = values.argmax(dim=-1)
+        if scores.raw_logprobs is None:
             return SamplerOutput(sampled, None, None)
-        ids, values, ranks = _gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
+        ids, values, ranks = _gather_logprobs(scores.raw_logprobs, sampled, batch.max_num_logprobs)
         return SamplerOutput(sampled, ids, values, ranks)
