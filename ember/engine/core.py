@@ -11,7 +11,9 @@ CUDA GPU) two steps are in flight: step N+1 is scheduled and launched while step
 its decode inputs taken on the device from step N's sampled ids, and only then are step N's
 results read back and turned into outputs; the GPU no longer waits for the host between steps.
 Requests whose next step needs every earlier token on the host (penalties, prompt logprobs)
-make the core fall back to one step at a time while they run.
+make the core fall back to one step at a time while they run. Grammar masks do not: the mask
+thread feeds step N's tokens to the matchers and fills step N+1's masks while step N+1's forward
+runs, and the runner samples step N+1 only when the core launches N+2 (see `ModelRunner.launch`).
 """
 
 from __future__ import annotations

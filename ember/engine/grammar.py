@@ -12,9 +12,10 @@ by llguidance's own thread pool (`LLExecutor`, no GIL) from a worker thread star
 model's forward, so on a GPU it overlaps the queued forward and on the CPU torch's kernels (which
 release the GIL too). Under async scheduling the mask of step N+1 needs step N's token while step N
 may still run: the worker first waits for step N's end (`before`, given by the core), feeds its
-tokens to the matchers, then fills the masks, all while the GPU finishes step N and runs N+1's
-forward; only sampling waits for the mask. So constrained requests keep two steps in flight instead
-of making the core step one at a time as penalties do.
+tokens to the matchers (`MaskFill.fed`), then fills the masks, all while the GPU runs N+1's forward
+and the core collects step N and prepares N+2; only sampling waits for the mask (the model runner
+leaves the step open until then). So constrained requests keep two steps in flight instead of
+making the core step one at a time as penalties do.
 """
 
 from __future__ import annotations

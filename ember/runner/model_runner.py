@@ -2,7 +2,9 @@
 
 A step is launched (`launch`: inputs flattened into one varlen batch and copied, forward, sampling,
 results copied back without waiting) and later collected (`wait`). On a GPU the host can so
-prepare the next step while this one runs; on the CPU `launch` computes everything at once.
+prepare the next step while this one runs; on the CPU `launch` computes everything at once. A step
+with grammar masks is left open until they are in: its sampling is queued by the next `launch`,
+after that one has prepared its inputs, or by `wait`.
 """
 
 from __future__ import annotations
