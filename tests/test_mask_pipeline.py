@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 
 import jsonschema
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.engine.grammar import GrammarManager
+from ember.engine.scheduler import ScheduledBatch
 from ember.runner import model_runner
 from ember.runner.warmup import warm_up_batches
 
@@ -68,6 +70,14 @@ def test_masked_step_samples_once_its_masks_arrive_and_next_launch_prepares_firs
     launcher.join(30)
     assert runner.wait(pending).token_ids == forced
     assert len(runner.wait(launched[0]).token_ids) == len(second)
+
+    # top-p renormalises over the allowed tokens: all of such a step's sampling waits for the mask
+    filtered = ScheduledBatch([replace(r, sampling_params=SamplingParams(temperature=1.0, top_p=0.5, seed=7))
+                               for r in first.requests], first.num_new_tokens)
+    masks = Future()
+    pending = runner.launch(filtered, lambda requests: masks)
+    masks.set_result(_only(forced, vocab))
+    assert runner.wait(pending).token_ids == forced
 
     masks = Future()
     pending = runner.launch(first, lambda requests: masks)

@@ -382,10 +382,9 @@ def decode_layer(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor 
     gated MLP) over x float32 [M, H], M one-token sequences, in one native call: the same kernels the
     layer's modules call one by one (rms_norm/add_rms_norm, matmul, rotary_store, paged_decode_attention,
     matmul_silu), so bit for bit their result, without ~8 Python wrappers and module calls per layer. With
-    Qwen3's QK norm
-    the heads are normalised by the kernels' RMSNorm where the modules use PyTorch's (the same formula,
-    float32 summation order apart). residual None: the first layer. Returns (MLP output, residual stream)
-    as DecoderLayer.forward does."""
+    Qwen3's QK norm the heads are normalised by the kernels' RMSNorm where the modules use PyTorch's (the
+    same formula, float32 summation order apart). residual None: the first layer. Returns (MLP output,
+    residual stream) as DecoderLayer.forward does."""
     m, h = x.shape
     out, residual_out = torch.empty(m, h), torch.empty(m, h)
     block_size = k_cache.shape[1]

@@ -400,8 +400,9 @@ class ModelRunner:
         try:
             u.sampling.token_bitmask = u.masks.result().to(self.device, non_blocking=True)  # pinned on CUDA hosts
             arrived = StepTimer.record() if u.forward_end is not None else None
-            sampler = self.sampler
-            out = sampler.pick(u.scores, u.sampling) if u.scores is not None else sampler(u.logits, u.sampling)
+            if u.scores is None:  # a row filters by probability: all of sampling comes after the mask
+                u.scores = self.sampler.score(u.logits, u.sampling)
+            out = self.sampler.pick(u.scores, u.sampling)
         except Exception as e:
             pending.error = e
             self._last_sampled = None
