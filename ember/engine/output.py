@@ -63,8 +63,9 @@ class _Sequence:
     """One of a request's n sequences, as the front end accumulates it.
 
     Under a content filter, token ids and logprobs are released only as far as their text was (a
-    token's decoded text in its logprobs would otherwise show a held-back phrase), and a sequence the
-    filter ended keeps only the tokens whose text lies wholly before the cut.
+    token's decoded text in its logprobs would otherwise show a held-back phrase), a sequence the
+    filter ended keeps only the tokens whose text lies wholly before the cut, and a position's logprobs
+    leave out the alternatives that would have completed a blocked phrase.
     """
 
     def __init__(self, index: int, tokenizer: Tokenizer | None, prompt_token_ids: list[int],
@@ -96,6 +97,8 @@ class _Sequence:
         appears, as in vLLM."""
         self.token_ids.append(token_id)
         if logprobs is not None and self.logprobs is not None:
+            if self.filtered and len(logprobs) > 1:
+                logprobs = self._without_blocked_alternatives(token_id, logprobs)
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprob
         finish = self.detok.update(token_id) if detokenize else None
@@ -104,6 +107,29 @@ class _Sequence:
         elif self.filtered:
             self.text_ends.append(len(self.detok.text))
         return finish
+
+    def _without_blocked_alternatives(self, token_id: int, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
+        """This position's logprobs less the alternatives whose text, after the text so far, would hold a
+        blocked phrase. An alternative's text is what the detokenizer would have added had it been
+        sampled: decoded in context, so it completes a character whose bytes are pending and keeps a
+        SentencePiece word's leading space. The chosen token needs no check: its entry is kept only while
+        its text lies before any cut. Per alternative, a decode of a few tokens and a scan of a few
+        normalised characters: with top_logprobs 20, 20 alternatives a token cost about 60 us on English
+        text and 85 us on Russian (the logprob entries themselves, without a filter, 40 us); nothing at all
+        runs without a filter or without alternatives."""
+        detok = self.detok
+        if detok.tokenizer is None or detok.content_filter is None:
+            return logprobs
+        decode, skip = detok.tokenizer.decode, detok.skip_special
+        context = detok.ids[detok.prefix_offset:]
+        before = len(decode(detok.ids[detok.prefix_offset:detok.read_offset], skip_special_tokens=skip))
+        alternatives = [t for t in logprobs if t != token_id]
+        texts = [decode(context + [t], skip_special_tokens=skip)[before:].rstrip("\ufffd") for t in alternatives]
+        blocked = detok.content_filter.completes_phrase(detok.text, texts)
+        if not any(blocked):
+            return logprobs
+        dropped = {t for t, b in zip(alternatives, blocked) if b}
+        return {t: lp for t, lp in logprobs.items() if t not in dropped}
 
     def _tokens_within(self, end: int) -> int:
         """How many tokens have all their text in `text[:end]`: up to the one that reached `end`, not the
