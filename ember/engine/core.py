@@ -193,7 +193,7 @@ class EngineCore:
             prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps, num_requests_received=self._num_received,
             gpu_busy_s=timer.busy_s if timer else 0.0, gpu_idle_s=timer.idle_s if timer else 0.0,
-            gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0)
+            gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0, num_requests=len(self.requests))
 
     def _launch(self, outputs: list[EngineCoreOutput]) -> bool:
         batch = self.scheduler.schedule()

@@ -8,7 +8,8 @@ thread on `get_output` (`LLM`, `ember generate`, tests that patch the core); `MP
 
 A core process that dies is noticed by `get_output` within `_POLL_S`: it then returns an
 `EngineCoreFailed` with the core's own last words (or its exit status), once, and the front end
-fails every request instead of waiting forever.
+fails every request instead of waiting forever. A core that stops answering without dying (SIGSTOP,
+a deadlock) is noticed by its heartbeats (`HangWatch`), then killed and reported the same way.
 """
 
 from __future__ import annotations
@@ -30,13 +31,19 @@ import zmq
 
 from ember.config import EngineArgs, launched_by_torchrun
 from ember.engine.errors import EngineStartError
-from ember.engine.messages import (CoreInput, CoreOutput, EngineCoreFailed, EngineCoreReady, UtilityCall,
-                                   decode_output, encode)
+from ember.engine.messages import (CoreInput, CoreOutput, EngineCoreFailed, EngineCoreHeartbeat, EngineCoreReady,
+                                   UtilityCall, decode_output, encode)
 
 logger = logging.getLogger("ember")
 _POLL_S = 0.1  # how often a waiting client checks that the core process is alive
 _SHUTDOWN_CALL_ID = -1
 BOOTSTRAP_LENGTH = struct.Struct("<I")
+HEARTBEAT_TIMEOUT_ENV = "EMBER_ENGINE_HEARTBEAT_TIMEOUT_S"
+ITERATION_TIMEOUT_ENV = "EMBER_ENGINE_ITERATION_TIMEOUT_S"
+_HEARTBEAT_TIMEOUT_S = 4.5  # silence after which a core counts as stopped: detected in <= 5 s with the 0.1 s poll
+_ITERATION_TIMEOUT_S = 60.0  # one loop iteration (a step) running this long counts as a deadlock
+_HEARTBEATS_PER_TIMEOUT = 5  # the core's heartbeat interval: the timeout / 5, at most 1 s
+_KILL_WAIT_S = 5.0  # how long shutdown waits for a core killed as hung to go
 
 
 class CoreBootstrap(msgspec.Struct):
@@ -45,6 +52,7 @@ class CoreBootstrap(msgspec.Struct):
     args: EngineArgs
     input_address: str  # the front end's PUSH socket, bound
     output_address: str  # the front end's PULL socket, bound
+    heartbeat_interval: float = 1.0  # seconds between heartbeats once ready; 0: none
 
     def write(self, stream: IO[bytes]) -> None:
         data = msgspec.msgpack.encode(self)
@@ -109,6 +117,70 @@ class InprocClient(EngineCoreClient):
             self.loop.core.shutdown()
 
 
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds (0: off), got {value!r}") from None
+
+
+class HangWatch:
+    """Tells a core process that stopped answering from a busy one, from what the client receives.
+
+    The core's heartbeat thread sends an `EngineCoreHeartbeat` every second or so whatever its loop
+    does (torch releases the GIL inside a step), so silence means the whole process stopped
+    (SIGSTOP, a debugger, its I/O threads dead): `heartbeat_timeout`. A heartbeat that shows the
+    loop inside one iteration for longer than `iteration_timeout` means a deadlock or a device that
+    never finishes (under tensor parallelism, a rank stuck in a collective). Silence is counted only
+    while the client waits for the core (`waited`), never between its calls: a front end that stops
+    asking for output (an `LLMEngine` between steps, a front end paused itself) cannot mistake the
+    pause for the core's. A timeout of 0 or less turns its check off."""
+
+    def __init__(self, heartbeat_timeout: float = _HEARTBEAT_TIMEOUT_S,
+                 iteration_timeout: float = _ITERATION_TIMEOUT_S) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self.iteration_timeout = iteration_timeout
+        self.silent_s = 0.0  # time waited since the last message
+        self.step_s = 0.0  # the loop's time in its current iteration, as of the last message
+        self.iteration = 0
+
+    @classmethod
+    def from_env(cls) -> HangWatch:
+        return cls(_env_seconds(HEARTBEAT_TIMEOUT_ENV, _HEARTBEAT_TIMEOUT_S),
+                   _env_seconds(ITERATION_TIMEOUT_ENV, _ITERATION_TIMEOUT_S))
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """What the core should use: several heartbeats per timeout; 0 (none) when both checks are off."""
+        if self.heartbeat_timeout <= 0:
+            return 1.0 if self.iteration_timeout > 0 else 0.0
+        return min(1.0, self.heartbeat_timeout / _HEARTBEATS_PER_TIMEOUT)
+
+    def heard(self, message: CoreOutput) -> None:
+        """Any message from the core, in the order received."""
+        self.silent_s = 0.0
+        if isinstance(message, EngineCoreHeartbeat):
+            self.iteration, self.step_s = message.iteration, message.step_s
+        else:  # outputs leave the core between iterations: the one a heartbeat saw is over
+            self.step_s = 0.0
+
+    def waited(self, seconds: float) -> None:
+        """The client waited this long for a message and none came."""
+        self.silent_s += seconds
+
+    def verdict(self) -> str | None:
+        """Why the core counts as stopped, or None while it answers."""
+        if 0 < self.heartbeat_timeout <= self.silent_s:
+            return f"engine core stopped answering: no heartbeat for {self.silent_s:.1f}s"
+        if 0 < self.iteration_timeout < self.step_s:
+            return (f"engine core stopped answering: its loop has been in one step for {self.step_s:.1f}s "
+                    f"(iteration {self.iteration}; {ITERATION_TIMEOUT_ENV}={self.iteration_timeout:g})")
+        return None
+
+
 class MPClient(EngineCoreClient):
     """Starts the core process at once; `wait_ready` then waits for its model to load, so the caller
     can do its own start-up (the web stack, the tokenizer) meanwhile."""
@@ -120,10 +192,14 @@ class MPClient(EngineCoreClient):
         self._output = self._bind(zmq.PULL, "out")
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
+        self._watch = HangWatch.from_env()
+        self._watching = False  # from EngineCoreReady on: loading may take long and sends no heartbeats
         # The core never needs its own stdout; keeping stdin open tells it the front end lives.
         self.proc = subprocess.Popen([sys.executable, "-m", "ember.engine.core_process"], stdin=subprocess.PIPE)
-        CoreBootstrap(args, self._address("in"), self._address("out")).write(self.proc.stdin)
+        boot = CoreBootstrap(args, self._address("in"), self._address("out"), self._watch.heartbeat_interval)
+        boot.write(self.proc.stdin)
         self._stopping = False
+        self._hung = False  # killed by this client for not answering
 
     def _address(self, name: str) -> str:
         return f"ipc://{os.path.join(self._dir, name)}"
@@ -169,30 +245,56 @@ class MPClient(EngineCoreClient):
         """What has arrived (waiting up to `timeout` for the first); a dead core's last words once."""
         if self.failure is not None:
             return []
+        start = time.monotonic()
         if self._poller.poll(timeout * 1000):
             messages = []
             while True:
                 try:
-                    messages.append(decode_output(self._output.recv(zmq.NOBLOCK, copy=False).buffer))
+                    message = decode_output(self._output.recv(zmq.NOBLOCK, copy=False).buffer)
                 except zmq.Again:
                     break
-            for m in messages:
-                if isinstance(m, EngineCoreFailed):
-                    self.failure = m.message
-            return messages
+                self._watching |= isinstance(message, EngineCoreReady)
+                self._watch.heard(message)
+                if isinstance(message, EngineCoreHeartbeat):  # the client's business only
+                    continue
+                if isinstance(message, EngineCoreFailed):
+                    self.failure = message.message
+                messages.append(message)
+            return messages or self._check_answering()
         code = self.proc.poll()
-        if code is None or self._stopping:
+        if self._stopping:
             return []
-        self.failure = _exit_description(code)
-        logger.error("%s (pid %d)", self.failure, self.proc.pid)
-        return [EngineCoreFailed(self.failure)]
+        if code is not None:
+            self.failure = _exit_description(code)
+            logger.error("%s (pid %d)", self.failure, self.proc.pid)
+            return [EngineCoreFailed(self.failure)]
+        # At most the time asked for: a wait that took longer (this process paused) is not the core's.
+        self._watch.waited(min(time.monotonic() - start, timeout))
+        return self._check_answering()
+
+    def _check_answering(self) -> list[CoreOutput]:
+        """[] while the core answers; else kill it (SIGKILL ends a stopped process too) and report it
+        as dead, once."""
+        verdict = self._watch.verdict() if self._watching and not self._stopping else None
+        if verdict is None:
+            return []
+        self.failure = verdict
+        self._hung = True
+        logger.error("%s (pid %d); killing it", verdict, self.proc.pid)
+        self.proc.kill()
+        return [EngineCoreFailed(verdict)]
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, give it `timeout` seconds, then kill it; nothing is left behind."""
         if self._stopping:
             return
         self._stopping = True
-        if self.proc.poll() is None:
+        if self._hung:  # killed already: only reap it (not forever: a process stuck in a driver may linger)
+            try:
+                self.proc.wait(_KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                logger.error("engine core (pid %d) still there %gs after SIGKILL", self.proc.pid, _KILL_WAIT_S)
+        elif self.proc.poll() is None:
             self.send(UtilityCall(_SHUTDOWN_CALL_ID, "shutdown"))
             try:
                 self.proc.wait(timeout)

@@ -3,12 +3,16 @@
 The core process's main thread runs it in a busy loop (`run`); the in-process client runs one
 iteration at a time in its caller's thread (`run_once`). Either way the order is the same: take
 every input waiting (blocking only while the core has nothing to do), then run one step.
+
+`progress()` may be read from any thread: the core process's heartbeat reports it, so that the
+front end can tell a long step from a loop stuck in one.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections.abc import Callable
 
 from ember.engine.core import EngineCore
@@ -25,6 +29,13 @@ class CoreLoop:
         self.inputs: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
         self.stopped = False
         self._idle_changed = False  # an input changed the core's state since the last outputs
+        self.iterations = 0  # run_once calls begun: the current iteration's number
+        self._busy_since = 0.0  # time.monotonic() when the current iteration got work; 0 while it waits
+
+    def progress(self) -> tuple[int, float]:
+        """(the current iteration's number, seconds it has been working: 0 while it waits for input)."""
+        iterations, since = self.iterations, self._busy_since
+        return iterations, 0.0 if since == 0.0 else max(0.0, time.monotonic() - since)
 
     def put(self, message: CoreInput) -> None:
         """Thread-safe: the caller's or an I/O thread."""
@@ -34,7 +45,10 @@ class CoreLoop:
         """Handle the waiting inputs (while the core is idle, waiting up to `timeout` seconds for one;
         None: until one comes), then step if there is work. An idle core whose requests were aborted
         reports fresh stats instead."""
-        results = self._take_inputs(block=not self.core.has_work(), timeout=timeout)
+        block = not self.core.has_work()
+        self.iterations += 1
+        self._busy_since = 0.0 if block else time.monotonic()
+        results = self._take_inputs(block=block, timeout=timeout)
         if self.stopped:
             return results
         if self.core.has_work():
@@ -57,6 +71,8 @@ class CoreLoop:
             message = self.inputs.get(timeout=timeout) if block else self.inputs.get_nowait()
         except queue.Empty:
             return results
+        if block:  # woken by an input: working from now on
+            self._busy_since = time.monotonic()
         while True:
             result = self._handle(message)
             if result is not None:

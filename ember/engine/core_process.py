@@ -4,7 +4,9 @@ Three threads. The main thread runs the `CoreLoop` (schedule, launch, collect); 
 receives and decodes the front end's messages; an output thread encodes and sends each step's
 outputs. ZMQ's send and receive release the GIL, so (de)serialisation overlaps the next step's
 device work instead of adding to it, and the front end's HTTP work never competes with the
-engine for a GIL at all.
+engine for a GIL at all. Once ready, a fourth thread queues an `EngineCoreHeartbeat` (the loop's
+progress) every `heartbeat_interval` seconds: a core that stops answering (SIGSTOP, a deadlock)
+is then noticed by the front end (`MPClient`), while a long step still sends heartbeats.
 
 Start-up: the front end writes one `CoreBootstrap` (engine arguments, socket addresses) to this
 process's stdin and keeps the pipe open. EOF on it means the front end is gone, even by kill -9:
@@ -29,7 +31,7 @@ import zmq
 from ember.engine.core import EngineCore
 from ember.engine.core_client import BOOTSTRAP_LENGTH, CoreBootstrap
 from ember.engine.core_loop import CoreLoop
-from ember.engine.messages import CoreOutput, EngineCoreFailed, decode_input, encode
+from ember.engine.messages import CoreOutput, EngineCoreFailed, EngineCoreHeartbeat, decode_input, encode
 
 logger = logging.getLogger("ember")
 _LINGER_MS = 5000  # how long closing waits for queued outputs to leave
@@ -62,6 +64,12 @@ def _exit_when_front_end_dies() -> None:
 def _send_outputs(outputs: queue.SimpleQueue, sock: zmq.Socket) -> None:
     while (message := outputs.get()) is not None:
         sock.send(encode(message), copy=False)
+
+
+def _send_heartbeats(outputs: queue.SimpleQueue, loop: CoreLoop, interval: float, stop: threading.Event) -> None:
+    """Through the output thread, so that a heartbeat also proves that thread (and the socket) alive."""
+    while not stop.wait(interval):
+        outputs.put(EngineCoreHeartbeat(*loop.progress()))
 
 
 def _receive_inputs(sock: zmq.Socket, loop: CoreLoop) -> None:
@@ -102,6 +110,10 @@ def main() -> int:
     sender = threading.Thread(target=_send_outputs, args=(outputs, out_sock), name="ember-core-out")
     sender.start()
     threading.Thread(target=_receive_inputs, args=(in_sock, loop), name="ember-core-in", daemon=True).start()
+    stop_heartbeat = threading.Event()
+    if boot.heartbeat_interval > 0:
+        threading.Thread(target=_send_heartbeats, args=(outputs, loop, boot.heartbeat_interval, stop_heartbeat),
+                         name="ember-core-heartbeat", daemon=True).start()
     code = 0
     try:
         loop.run(outputs.put)
@@ -110,6 +122,7 @@ def main() -> int:
         outputs.put(_failure(e))
         core.shutdown()
         code = 1
+    stop_heartbeat.set()
     outputs.put(None)
     sender.join()
     out_sock.close(linger=_LINGER_MS)

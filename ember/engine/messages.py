@@ -8,6 +8,8 @@ ZMQ). Tagged unions let one socket carry every kind of message in each direction
 Front end -> core: `EngineCoreRequest`, `AbortRequests`, `UtilityCall`.
 Core -> front end: `EngineCoreReady` once, then `EngineCoreOutputs` per step (with the scheduler's
 stats) and `UtilityResult`s; `EngineCoreFailed` when the core cannot start or stops on an error.
+A core in its own process also sends an `EngineCoreHeartbeat` every second once ready; `MPClient`
+consumes them (its hang detection), so front ends never see one.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class SchedulerStats(_Message):
     gpu_busy_s: float = 0.0  # CUDA: time the GPU spent in steps' work
     gpu_idle_s: float = 0.0  # CUDA: time the GPU waited for the host between steps
     gpu_mask_wait_s: float = 0.0  # CUDA: time the GPU waited inside steps for grammar masks
+    num_requests: int = 0  # requests the core holds in any state (0 when idle: nothing left behind)
 
 
 class EngineCoreOutputs(_Message):
@@ -133,8 +136,16 @@ class EngineCoreFailed(_Message):
     message: str  # the exception, as `Type: text`
 
 
+class EngineCoreHeartbeat(_Message):
+    """The core process is alive and where its loop stands; sent by a thread of its own about once a
+    second after `EngineCoreReady` (never by an in-process core)."""
+
+    iteration: int  # the number of the CoreLoop's current iteration (it counts up from 1)
+    step_s: float = 0.0  # how long that iteration has been working; 0 while the loop waits for input
+
+
 CoreInput = Union[EngineCoreRequest, AbortRequests, UtilityCall]
-CoreOutput = Union[EngineCoreOutputs, UtilityResult, EngineCoreReady, EngineCoreFailed]
+CoreOutput = Union[EngineCoreOutputs, UtilityResult, EngineCoreReady, EngineCoreFailed, EngineCoreHeartbeat]
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)
