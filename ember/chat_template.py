@@ -16,6 +16,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# What `render_chat` itself gives every template; a request's extra variables (`chat_template_kwargs`)
+# may not replace them.
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def _raise_exception(message: str) -> None:
@@ -74,14 +77,26 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_chat(template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                bos_token: str | None, eos_token: str | None, **extra: Any) -> str:
+                bos_token: str | None, eos_token: str | None, variables: dict[str, Any] | None = None) -> str:
+    """The conversation as the template writes it; `variables` (tools, a request's chat_template_kwargs)
+    reach the template beside the standard ones. Any failure is a ValueError: the template is untrusted
+    code running over the request's values, so whatever it raises (a TemplateError, or a TypeError from
+    `"a" + 1` over a value the request chose) is that request's error, not the server's."""
+    variables = variables or {}
+    clash = sorted(RESERVED_VARIABLES & variables.keys())
+    if clash:
+        raise ValueError(f"chat_template_kwargs: {', '.join(clash)} cannot be given; the server sets them")
     try:
         return _compile(template).render(
             messages=normalize_messages(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
             eos_token=eos_token or "",
-            **extra,
+            **variables,
         )
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat template failed: {e}") from e
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e

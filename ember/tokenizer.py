@@ -54,7 +54,11 @@ class Tokenizer:
         return piece.replace("\u2581", " ").encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **extra: Any) -> str:
+                            chat_template: str | None = None, variables: dict[str, Any] | None = None,
+                            **extra: Any) -> str:
+        """HF's call (keyword arguments reach the template as variables); `variables` carries them as a
+        mapping, so a name such as `chat_template` or `messages` among them cannot clash with this
+        method's own parameters."""
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("chat_template: this model has no chat template; pass one with --chat-template")
@@ -62,8 +66,8 @@ class Tokenizer:
         # no template, and Jinja2's import cost its start-up 65 ms of CPU.
         from ember.chat_template import render_chat
 
-        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                           eos_token=self.eos_token, variables={**extra, **(variables or {})})
 
 
 @lru_cache(maxsize=1)

@@ -191,7 +191,7 @@ def test_sigterm_lets_the_running_stream_finish_then_exits_0(long_ctx_dir):
         thread.join(60)
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
         assert proc.wait(30) == 0
         assert time.monotonic() - sent < 30
     finally:

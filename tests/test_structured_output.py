@@ -176,10 +176,14 @@ def test_library_structured_outputs(default_llm):
 
 def test_dead_end_fails_the_request_not_the_engine(server, client):
     """min_tokens holds EOS back after a complete choice, so no token can follow: the request ends with
-    an error naming structured output, and the engine goes on serving."""
+    an error naming structured output (the request's own constraint: a 400, short, without the grammar),
+    and the engine goes on serving."""
     r = server.post("/v1/completions", {"model": MODEL, "prompt": "Pick:", "max_tokens": 8, "min_tokens": 4,
                                         "structured_outputs": {"choice": ["yes", "no"]}})
-    assert r.status_code == 500 and "structured output failed" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "structured_outputs" and error["message"].startswith("structured output failed")
+    assert "<grammar>" not in error["message"] and len(error["message"]) < 200
     out = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=8,
                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert out.choices[0].text in ("yes", "no")

@@ -90,6 +90,13 @@ class AsyncLLM(ModelFacts):
         return self._dead
 
     @property
+    def num_live_requests(self) -> int:
+        """Requests this front end still tracks (streams and output states): 0 once every request has
+        ended, however it ended."""
+        with self._lock:
+            return len(self._streams) + len(self.output_processor.requests)
+
+    @property
     def num_waiting(self) -> int:
         """Requests the core has not started yet, as of its last stats, plus those sent that those stats
         had not yet counted (a step's outputs can arrive after later adds were sent)."""
@@ -113,7 +120,8 @@ class AsyncLLM(ModelFacts):
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if needs_tokenizing(prompt):  # tokenizing a long prompt takes milliseconds: off the event loop
+        # Tokenizing a long prompt, or checking a new grammar, takes milliseconds: off the event loop.
+        if needs_tokenizing(prompt) or (sampling_params is not None and sampling_params.structured_outputs):
             processed = await asyncio.to_thread(self.processor.process, request_id, prompt, sampling_params)
         else:  # token ids need ~35 us of checks, far less than a thread hop and its GIL hand-offs
             processed = self.processor.process(request_id, prompt, sampling_params)
@@ -123,11 +131,12 @@ class AsyncLLM(ModelFacts):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.output_processor.add(processed.state)
             self._streams[request_id] = stream
-            self._num_sent += len(processed.core_requests)
-            for core_request in processed.core_requests:
-                self.client.send(core_request)
         finished = False
-        try:
+        try:  # from here on, however the request ends, `_end_stream` forgets it here and in the core
+            with self._lock:
+                for core_request in processed.core_requests:
+                    self.client.send(core_request)
+                    self._num_sent += 1
             while not finished:
                 await stream.event.wait()
                 stream.event.clear()

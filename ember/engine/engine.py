@@ -70,8 +70,12 @@ class LLMEngine(ModelFacts):
         self.output_processor.add(processed.state)
         if final_only:
             self._final_only.add(request_id)
-        for core_request in processed.core_requests:
-            self.client.send(core_request)
+        try:
+            for core_request in processed.core_requests:
+                self.client.send(core_request)
+        except BaseException:  # nothing of a request that could not be sent stays behind, here or in the core
+            self.abort_request(request_id)
+            raise
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:

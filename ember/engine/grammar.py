@@ -32,7 +32,8 @@ import torch
 
 from ember.config import EngineArgs
 from ember.model.files import load_model_info, model_path
-from ember.sampling.structured import StructuredOutputsParams, grammar_source
+from ember.sampling.structured import (GRAMMAR_FAILED, PARSER_LIMITS, StructuredOutputsParams, grammar_source,
+                                      ll_vocabulary, matcher_error)
 
 MAX_COMPILED = 512  # distinct grammars kept compiled (LRU); one is tens of KiB to a few MiB
 MAX_VOCABULARIES = 4  # llguidance vocabularies kept per process (LRU); tens of MiB for a 152k vocabulary
@@ -78,7 +79,7 @@ def _build_ll_tokenizer(args: EngineArgs, vocab_size: int) -> llguidance.LLToken
         tokenizer = load_model_info(args).tokenizer
         if tokenizer is None:
             raise ValueError("this model was loaded without a tokenizer")
-        return llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_ids)
+        return ll_vocabulary(tokenizer, vocab_size)
     except Exception as e:
         raise ValueError(f"structured_outputs: no vocabulary for grammars ({e})") from e
 
@@ -107,9 +108,9 @@ class GrammarManager:
         source = grammar_source(params)
         compiled = self._compiled.get(source)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self._tokenizer.result(), source, log_level=0)
+            compiled = llguidance.LLMatcher(self._tokenizer.result(), source, log_level=0, limits=PARSER_LIMITS)
             if compiled.is_error():
-                raise ValueError(f"structured_outputs.{params.kind}: {compiled.get_error()}")
+                raise ValueError(f"structured_outputs.{params.kind}: {matcher_error(compiled)}")
             self._compiled[source] = compiled
             if len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
@@ -168,4 +169,4 @@ def consume(matcher: llguidance.LLMatcher, token: int) -> str | None:
 def _failure(matcher: llguidance.LLMatcher, token: int, accepted: bool = True) -> str | None:
     if accepted and not matcher.is_error():
         return None
-    return f"structured output failed: {matcher.get_error() or f'token {token} is not allowed'}"
+    return f"{GRAMMAR_FAILED}: {matcher_error(matcher) or f'token {token} is not allowed'}"

@@ -17,8 +17,8 @@ from ember.engine.content_filter import ContentFilter
 from ember.engine.messages import EngineCoreReady, EngineCoreRequest
 from ember.engine.output import RequestState, child_request_id
 from ember.model.files import ModelInfo
-from ember.sampling.params import SamplingParams
-from ember.sampling.structured import check_grammar
+from ember.sampling.params import INT64_MIN, SamplingParams
+from ember.sampling.structured import GrammarCheck, StructuredOutputsParams, check_grammar
 from ember.tokenizer import Tokenizer
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -51,6 +51,14 @@ class Processor:
         self.eos_token_ids = info.eos_token_ids
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
+        self._grammar_check = GrammarCheck(self.tokenizer, self.vocab_size) if self.tokenizer is not None else None
+
+    def check_grammar(self, params: StructuredOutputsParams, field: str | None = None) -> None:
+        """A ValueError naming `field` when the constraint cannot run on this model (see GrammarCheck)."""
+        if self._grammar_check is None:  # no vocabulary here; the core says why it cannot constrain
+            check_grammar(params, field)
+        else:
+            self._grammar_check(params, field)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults, as vLLM does."""
@@ -81,13 +89,23 @@ class Processor:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}), got {t!r}")
         return list(ids)
 
+    def _check_vocabulary_bounds(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids and top_k against this model's vocabulary."""
+        if params.top_k > self.vocab_size:
+            raise ValueError(f"top_k must be -1, 0 or in [1, {self.vocab_size}] (the vocabulary size), "
+                             f"got {params.top_k}")
+        for t in params.stop_token_ids or ():
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {t}")
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                 arrival_time: float | None = None) -> ProcessedRequest:
         """Tokenize and validate, touching no engine state (any thread may call it); a ValueError naming
         the field when the request can never run."""
         params = params or self.default_sampling_params()
+        self._check_vocabulary_bounds(params)
         if params.structured_outputs is not None:
-            check_grammar(params.structured_outputs)
+            self.check_grammar(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
         n_prompt = len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
@@ -99,11 +117,16 @@ class Processor:
         state = RequestState(request_id, text, ids, params, self.tokenizer, arrival, self.content_filter)
         core = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else _child_seed(params.seed, i)
             child = replace(params, n=1, seed=seed, stop=None)
             core.append(EngineCoreRequest(child_request_id(request_id, i, params.n), ids, child, max_tokens,
                                           self.eos_token_ids, arrival))
         return ProcessedRequest(state, core)
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """Sequence `index`'s seed, `seed + index` wrapped into int64 (seeds near the top stay valid)."""
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
 
 
 class ModelFacts:
@@ -126,3 +149,8 @@ class ModelFacts:
 
     def default_sampling_params(self) -> SamplingParams:
         return self.processor.default_sampling_params()
+
+    def check_grammar(self, params: StructuredOutputsParams, field: str | None = None) -> None:
+        """A ValueError naming `field` when this constraint cannot run on the model; any thread may call
+        it (the first call builds the grammar vocabulary: a fraction of a second)."""
+        self.processor.check_grammar(params, field)

@@ -11,19 +11,28 @@ from ember.sampling.structured import StructuredOutputsParams
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Larger top-logprob counts cost a full-vocab top-k per step for little practical use.
 MAX_LOGPROBS = 20
+# Every integer a request carries must fit a 64-bit signed int: it crosses to the engine core as
+# msgpack (which refuses anything past 2**64) and lands in int64 tensors. vLLM bounds `seed` the same way.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _int(name: str, value: object) -> int:
+def _int(name: str, value: object, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
     # bool is an int subclass, but True as a count is almost always a caller bug.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {value!r}")
-    return int(value)
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
 
 
 def _float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float's range
+        raise ValueError(f"{name} must be finite, got an integer of {int(value).bit_length()} bits") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
@@ -80,7 +89,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
-        self.top_k = _int("top_k", self.top_k)
+        self.top_k = _int("top_k", self.top_k, hi=2**31 - 1)  # the processor bounds it by the vocabulary
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
         if self.top_k == -1:
@@ -104,11 +113,11 @@ class SamplingParams:
             self.seed = _int("seed", self.seed)
 
         if self.max_tokens is not None:
-            self.max_tokens = _int("max_tokens", self.max_tokens)
+            self.max_tokens = _int("max_tokens", self.max_tokens, hi=2**31 - 1)
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
 
-        self.min_tokens = _int("min_tokens", self.min_tokens)
+        self.min_tokens = _int("min_tokens", self.min_tokens, hi=2**31 - 1)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -157,11 +166,8 @@ class SamplingParams:
             return []
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
-        out = [_int("stop_token_ids", i) for i in ids]
-        for i in out:
-            if i < 0:
-                raise ValueError(f"stop_token_ids must be non-negative, got {i}")
-        return out
+        # the processor bounds them by the vocabulary
+        return [_int("stop_token_ids", i, 0, 2**31 - 1) for i in ids]
 
     @property
     def is_greedy(self) -> bool:

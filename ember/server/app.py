@@ -5,6 +5,8 @@ engine once it has loaded, so `/health` can answer 503 while the weights are sti
 Every error leaves in OpenAI's JSON shape (errors.py), and a client that goes away aborts its engine
 requests at once (generation.py). The endpoints live one group per module, as in vLLM's
 `entrypoints/openai/`: health.py (open), models.py, completions.py and chat.py (behind the API key).
+Their OpenAPI document (openapi.py) is served at /openapi.json, with /docs and /redoc, unless
+`--disable-fastapi-docs`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ember
 from ember.engine.async_llm import AsyncLLM
-from ember.server import chat, completions, health, models
+from ember.server import chat, completions, health, models, openapi
 from ember.server.args import ServerSettings
 from ember.server.errors import APIError, api_error_handler, http_error_handler, unexpected_error_handler
 from ember.server.state import ServerState
@@ -34,11 +36,16 @@ def build_app(settings: ServerSettings, engine: AsyncLLM | None = None) -> FastA
         yield
         await state.close()
 
-    app = FastAPI(title="Ember", version=ember.__version__, lifespan=lifespan, openapi_url=None)
+    docs = settings.fastapi_docs
+    app = FastAPI(title="Ember", version=ember.__version__, lifespan=lifespan,
+                  description="The OpenAI-compatible API of Ember, an LLM inference engine",
+                  openapi_url="/openapi.json" if docs else None, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, separate_input_output_schemas=False)
     app.state.ember = state
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
     for module in (health, models, completions, chat):
         app.include_router(module.router)
+    openapi.install(app, api_key=settings.api_key is not None)
     return app

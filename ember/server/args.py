@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None  # None: picked from the chat template, when it teaches one
     reasoning_parser: str | None = None
+    fastapi_docs: bool = True  # /openapi.json, /docs and /redoc
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -75,6 +77,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="how tool calls appear in the model's answers (default: from the chat template)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="move the answer's <think>...</think> part into reasoning_content")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /openapi.json, /docs (Swagger UI) or /redoc")
     EngineArgs.add_cli_args(parser)
     for action in parser._actions:
         if action.default is not argparse.SUPPRESS:
@@ -155,21 +159,45 @@ def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettin
                               max_body_bytes=ns.max_request_body_bytes, log_requests=ns.log_requests,
                               log_request_text=ns.log_request_text,
                               shutdown_timeout=ns.shutdown_timeout, tool_call_parser=ns.tool_call_parser,
-                              reasoning_parser=ns.reasoning_parser)
+                              reasoning_parser=ns.reasoning_parser, fastapi_docs=not ns.disable_fastapi_docs)
     return args, settings
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound; a ValueError saying why when it cannot be (port taken)."""
+    try:
+        family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, type_, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
-    """Start the engine core first, then import the web stack and serve: the core's torch import and
-    model load run while this process imports FastAPI and binds the port."""
+    """Bind the port, start the engine core, then import the web stack and serve: the core's torch
+    import and model load run while this process imports FastAPI and builds the tokenizer. The port
+    comes first so that a taken one fails in a fraction of a second, with no core to stop."""
     ns = resolve_args(ns)
     args, settings = settings_from_args(ns)
+    sock = bind_socket(ns.host, ns.port)
     from ember.engine.core_client import make_client
 
-    client = make_client(args, args.engine_process is not False)
+    try:
+        client = make_client(args, args.engine_process is not False)
+    except BaseException:
+        sock.close()
+        raise
     try:
         from ember.server.serve import run_server
     except BaseException:
+        sock.close()
         client.shutdown()
         raise
-    return run_server(ns, args, settings, client)
+    return run_server(ns, sock, args, settings, client)

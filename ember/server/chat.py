@@ -22,12 +22,12 @@ from ember.engine.async_llm import AsyncLLM
 from ember.engine.output import CompletionOutput, RequestOutput
 from ember.engine.output import Logprob
 from ember.sampling.params import SamplingParams
-from ember.sampling.structured import check_grammar
 from ember.server.chat_answer import AnswerDelta, AnswerParser, ToolMode, tool_constraint
 from ember.server.errors import bad_request, value_error
 from ember.server.generation import Generation, answer, respond
-from ember.server.plumbing import (check_api_key, clamp_logprob, logprobs_since, read_body, ready_engine,
-                                   require_tokenizer, sampling_params, token_text, usage)
+from ember.server.openapi import GENERATION_ERRORS, route_docs
+from ember.server.plumbing import (check_api_key, check_constraint, clamp_logprob, logprobs_since, read_body,
+                                   ready_engine, require_tokenizer, sampling_params, token_text, usage)
 from ember.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                    ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
                                    DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCallOut,
@@ -40,7 +40,8 @@ from ember.tokenizer import Tokenizer
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **route_docs(body=ChatCompletionRequest, response=ChatCompletionResponse,
+                                                  stream_chunk=ChatCompletionChunk, errors=GENERATION_ERRORS))
 async def create_chat_completion(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> Response:
     body = await read_body(request, ChatCompletionRequest)
     chat = await _start(get_state(request), engine, body)
@@ -54,7 +55,7 @@ async def complete_chat(state: ServerState, engine: AsyncLLM, body: ChatCompleti
 
 
 async def _start(state: ServerState, engine: AsyncLLM, body: ChatCompletionRequest) -> _ChatCompletion:
-    params = sampling_params(body, engine)
+    params = await sampling_params(body, engine)
     tokenizer = require_tokenizer(engine)
     mode = _tool_mode(body, state, tokenizer)
     tools = body.tool_dicts()
@@ -63,14 +64,11 @@ async def _start(state: ServerState, engine: AsyncLLM, body: ChatCompletionReque
             raise bad_request("tool_choice: a required or named tool cannot be combined with response_format or "
                               "structured_outputs", "tool_choice")
         params.structured_outputs = tool_constraint(tools, mode, body.parallel_tool_calls)
-        try:
-            check_grammar(params.structured_outputs, "tools")
-        except ValueError as e:
-            raise bad_request(str(e), "tools") from None
+        await check_constraint(engine, params.structured_outputs, "tools", ChatCompletionRequest)
     extra = dict(body.chat_template_kwargs or {})
     if tools is not None:
         extra["tools"] = [{"type": "function", "function": t} for t in tools]
-    prompt = await asyncio.to_thread(render_chat, tokenizer, body.template_messages(), True, False, **extra)
+    prompt = await asyncio.to_thread(render_chat, tokenizer, body.template_messages(), True, False, extra)
     if state.settings.reasoning_parser and params.structured_outputs is not None and _will_think(prompt["prompt"]):
         params.structured_outputs = replace(params.structured_outputs, after_think=True)
     return _ChatCompletion(state, engine, body, params, tokenizer, prompt, mode)
@@ -104,11 +102,12 @@ def _tool_mode(body: ChatCompletionRequest, state: ServerState, tokenizer: Token
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                add_special_tokens: bool, **extra: Any) -> dict[str, Any]:
-    """Template and tokenize off the event loop: a long conversation takes milliseconds. `extra`
-    (tools, chat_template_kwargs) reaches the template as variables."""
+                add_special_tokens: bool, variables: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Template and tokenize off the event loop: a long conversation takes milliseconds. `variables`
+    (tools, chat_template_kwargs) reach the template beside its standard ones."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             variables=variables)
     except ValueError as e:  # a bad role or content part, or the template itself refused
         error = value_error(e, ChatCompletionRequest)
         error.info.param = error.info.param or "messages"

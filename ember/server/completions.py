@@ -20,6 +20,7 @@ from ember.engine.output import Logprob
 from ember.sampling.params import SamplingParams
 from ember.server.errors import bad_request
 from ember.server.generation import Generation, answer, respond
+from ember.server.openapi import GENERATION_ERRORS, route_docs
 from ember.server.plumbing import (check_api_key, clamp_logprob, logprobs_since, read_body, ready_engine,
                                    require_tokenizer, sampling_params, token_text, usage)
 from ember.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
@@ -28,21 +29,22 @@ from ember.server.state import ServerState, get_state
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", **route_docs(body=CompletionRequest, response=CompletionResponse,
+                                             stream_chunk=CompletionResponse, errors=GENERATION_ERRORS))
 async def create_completion(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> Response:
     body = await read_body(request, CompletionRequest)
-    completion = _start(get_state(request), engine, body)
+    completion = await _start(get_state(request), engine, body)
     return await respond(request, completion.gen, body.stream, completion.chunks, completion.response)
 
 
 async def complete(state: ServerState, engine: AsyncLLM, body: CompletionRequest) -> CompletionResponse:
     """A validated non-streaming request's whole answer, without HTTP (`ember run-batch`)."""
-    completion = _start(state, engine, body)
+    completion = await _start(state, engine, body)
     return await answer(completion.gen, completion.response)
 
 
-def _start(state: ServerState, engine: AsyncLLM, body: CompletionRequest) -> _Completion:
-    return _Completion(state, engine, body, sampling_params(body, engine), _prompts(body))
+async def _start(state: ServerState, engine: AsyncLLM, body: CompletionRequest) -> _Completion:
+    return _Completion(state, engine, body, await sampling_params(body, engine), _prompts(body))
 
 
 def _prompts(body: CompletionRequest) -> list[Any]:

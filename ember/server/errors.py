@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.engine.errors import EngineDeadError, QueueFullError, RequestFailedError
+from ember.sampling.structured import GRAMMAR_FAILED
 from ember.server.protocol import ErrorInfo, ErrorResponse
 
 if TYPE_CHECKING:
@@ -112,6 +113,8 @@ def engine_error(e: Exception, state: ServerState, model: type[BaseModel]) -> AP
         return value_error(e, model)
     if isinstance(e, EngineDeadError):
         return unavailable(str(e))
+    if isinstance(e, RequestFailedError) and str(e).startswith(GRAMMAR_FAILED):  # the request's own constraint
+        return bad_request(str(e), "structured_outputs")
     if state.draining and not isinstance(e, (RequestFailedError, EngineDeadError)):
         return unavailable(f"The server is shutting down: {e}")
     return APIError(500, f"The request failed inside the engine: {e}", "internal_server_error")

@@ -12,13 +12,15 @@ from fastapi.responses import Response
 
 import ember
 from ember.server.errors import APIError
+from ember.server.openapi import VersionResponse, route_docs
 from ember.server.plumbing import available_engine
 from ember.server.state import get_state
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", **route_docs(success={"description": "The engine is ready (an empty body)"},
+                                   errors=[503]))
 async def health(request: Request) -> Response:
     try:
         available_engine(get_state(request))
@@ -27,12 +29,14 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/version")
+@router.get("/version", **route_docs(response=VersionResponse))
 async def version() -> dict[str, str]:
     return {"version": ember.__version__}
 
 
-@router.get("/metrics")
+@router.get("/metrics", **route_docs(success={
+    "description": "Prometheus metrics (empty while the model loads)",
+    "content": {"text/plain": {"schema": {"type": "string"}}}}))
 async def metrics(request: Request) -> Response:
     engine = get_state(request).engine
     body = prometheus_client.generate_latest(engine.metrics_registry) if engine is not None else b""

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from ember.engine.async_llm import AsyncLLM
 from ember.server.chat import render_chat
 from ember.server.errors import bad_request
+from ember.server.openapi import BODY_ERRORS, ENGINE_ERRORS, ResetPrefixCacheResponse, route_docs
 from ember.server.plumbing import check_api_key, read_body, ready_engine, require_tokenizer
 from ember.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                    TokenizeResponse, template_messages)
@@ -22,7 +23,7 @@ from ember.server.state import get_state
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", **route_docs(response=ModelList, errors=ENGINE_ERRORS))
 async def list_models(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> ModelList:
     state = get_state(request)
     s = state.settings
@@ -30,7 +31,7 @@ async def list_models(request: Request, engine: AsyncLLM = Depends(ready_engine)
                                      max_model_len=engine.max_model_len)])
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", **route_docs(body=TokenizeRequest, response=TokenizeResponse, errors=BODY_ERRORS))
 async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> TokenizeResponse:
     body = await read_body(request, TokenizeRequest)
     tokenizer = require_tokenizer(engine)
@@ -47,7 +48,8 @@ async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", **route_docs(body=DetokenizeRequest, response=DetokenizeResponse,
+                                          errors=BODY_ERRORS))
 async def detokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> DetokenizeResponse:
     body = await read_body(request, DetokenizeRequest)
     tokenizer = require_tokenizer(engine)
@@ -58,7 +60,7 @@ async def detokenize(request: Request, engine: AsyncLLM = Depends(ready_engine))
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
-@router.post("/reset_prefix_cache")
+@router.post("/reset_prefix_cache", **route_docs(response=ResetPrefixCacheResponse, errors=ENGINE_ERRORS))
 async def reset_prefix_cache(engine: AsyncLLM = Depends(ready_engine)) -> dict[str, bool]:
     """`reset` is false while requests hold KV blocks: the cache is then left as it is."""
     return {"reset": await engine.reset_prefix_cache()}

@@ -7,9 +7,12 @@ answers: token text, clamped logprobs and usage counts. Running the request is g
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import operator
 import re
+from itertools import accumulate, count
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -19,6 +22,7 @@ from ember.engine.async_llm import AsyncLLM
 from ember.engine.output import CompletionOutput, RequestOutput
 from ember.engine.output import Logprob
 from ember.sampling.params import SamplingParams
+from ember.sampling.structured import StructuredOutputsParams
 from ember.server.errors import APIError, bad_request, unavailable, value_error
 from ember.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart,
                                    UsageInfo)
@@ -29,6 +33,9 @@ M = TypeVar("M", bound=BaseModel)
 
 # vLLM's floor for -inf logprobs: JSON has no infinity, and clients expect a number.
 MIN_LOGPROB = -9999.0
+# Deepest JSON nesting a body may have. The deepest real bodies are JSON schemas in response_format
+# (two levels per nested object); Python's parser recurses per level and fails near 1,000.
+MAX_JSON_DEPTH = 100
 
 
 # ---- access -------------------------------------------------------------------------------
@@ -70,7 +77,8 @@ def validate_body(state: ServerState, data: Any, model: type[M]) -> M:
         if not err["loc"]:
             raise bad_request(f"Request body must be a JSON object: {err['msg']}") from None
         param = _loc_to_param(err["loc"])
-        raise bad_request(f"{param}: {err['msg']}", param) from None
+        message = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+        raise bad_request(f"{param}: {message}", param) from None
     state.check_model(body.model)  # type: ignore[attr-defined]
     return body
 
@@ -90,9 +98,27 @@ async def _read_body_bytes(request: Request) -> bytearray:
     return body
 
 
+def _too_deep(text: str) -> bool:
+    """Whether `text`'s brackets nest deeper than MAX_JSON_DEPTH (outside strings), checked before
+    parsing. Costs nothing for a body with fewer brackets than the limit (nearly all of them); else
+    one C-speed pass over the brackets (~60 ms for a 1 MiB body of nothing else)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return False
+    brackets = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text))
+    steps = brackets.translate(_BRACKET_STEPS).encode("latin-1")  # opening 2, closing 0: depth = sum - count
+    return max(map(operator.sub, accumulate(steps), count(1)), default=0) > MAX_JSON_DEPTH
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEPS = str.maketrans({"[": "\x02", "{": "\x02", "]": "\x00", "}": "\x00"})
+
+
 def _decode_json(body: bytearray) -> Any:
     try:
         text = body.decode("utf-8")
+        if _too_deep(text):
+            raise bad_request(f"Request body nests deeper than {MAX_JSON_DEPTH} levels")
         data = json.loads(text)
         if _SURROGATE_ESCAPE.search(text):  # a lone "\ud800" is valid JSON but no text a tokenizer takes
             json.dumps(data, ensure_ascii=False).encode("utf-8")
@@ -129,14 +155,29 @@ def _loc_to_param(loc: tuple[int | str, ...]) -> str:
     return param
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, engine: AsyncLLM) -> SamplingParams:
+async def sampling_params(body: CompletionRequest | ChatCompletionRequest, engine: AsyncLLM) -> SamplingParams:
+    """The request's sampling parameters, its constraint checked against the model (see `check_constraint`)."""
     try:
-        return body.to_sampling_params(engine.default_sampling_params())
+        params = body.to_sampling_params(engine.default_sampling_params())
     except ValueError as e:
         err = value_error(e, type(body))
         if err.info.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
             err.info.param = "max_completion_tokens"
         raise err from None
+    if params.structured_outputs is not None:
+        await check_constraint(engine, params.structured_outputs, body.constraint_field(params.structured_outputs),
+                               type(body))
+    return params
+
+
+async def check_constraint(engine: AsyncLLM, constraint: StructuredOutputsParams, field: str,
+                           model: type[BaseModel]) -> None:
+    """A 400 naming `field` when the constraint cannot run on this model: compiled against its
+    vocabulary under llguidance's limits in a worker thread (a new grammar takes milliseconds)."""
+    try:
+        await asyncio.to_thread(engine.check_grammar, constraint, field)
+    except ValueError as e:
+        raise value_error(e, model) from None
 
 
 # ---- tokens, logprobs, usage --------------------------------------------------------------

@@ -2,24 +2,32 @@
 
 Field names, defaults and shapes follow OpenAI's API (plus vLLM's sampling extensions such as
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`), so the official clients work unchanged.
-Unknown request fields are ignored, as vLLM does, because clients send parameters Ember has no
-use for (`logit_bias`, `best_of`, ...). Range checks live in `SamplingParams`, the one
-place the engine trusts; the models here only check types and shapes.
+Unknown request fields are ignored, as vLLM does, because clients send parameters that change
+nothing (`user`, `store`, `metadata`, ...). Known fields that would change the answer and that
+Ember does not implement yet (`best_of` above `n`, a non-empty `logit_bias`, `suffix`) are a 400
+naming the field, never silently dropped. Semantic range checks live in `SamplingParams`, the one
+place the engine trusts; the models here bound every integer (so none can overflow the 64-bit
+ints of the core's messages and tensors) and check types and shapes.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from ember.sampling.params import SamplingParams
+from ember.sampling.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
 
 # OpenAI's own limit; a larger n would let one request allocate millions of sequences.
 MAX_N = 128
+INT32_MAX = 2**31 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts; the processor bounds them by the context
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the processor bounds it by the vocabulary
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class StreamOptions(BaseModel):
@@ -55,18 +63,19 @@ class _SamplingRequest(BaseModel):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    # The ranges SamplingParams enforces, stated here too so that /openapi.json describes what is accepted.
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None  # -1 or 0: off
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -74,6 +83,9 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # Known to OpenAI's API, not built yet: refused when they would change the answer (see `_unsupported`).
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -82,6 +94,8 @@ class _SamplingRequest(BaseModel):
     def _sampling_params(self, defaults: SamplingParams, max_tokens: int | None,
                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError whose message starts with the offending field's name."""
+        self._unsupported()
+
         def pick(name: str) -> Any:
             value = getattr(self, name)
             return getattr(defaults, name) if value is None else value
@@ -96,6 +110,13 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.constraint())
 
+    def _unsupported(self) -> None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: not supported (best_of={self.best_of} with n={self.n}); "
+                             "send n alone, or best_of equal to n")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported yet")
+
     def constraint(self) -> StructuredOutputsParams | None:
         """`response_format` or `structured_outputs` as checked parameters; a ValueError naming the
         field (`response_format.json_schema.schema`, `structured_outputs.regex`, ...) when llguidance
@@ -104,31 +125,40 @@ class _SamplingRequest(BaseModel):
             if self.structured_outputs is not None:
                 raise ValueError("structured_outputs: give either response_format or structured_outputs, not both")
             if self.response_format.type == "json_object":
-                params, field = StructuredOutputsParams(json_object=True), "response_format"
+                params = StructuredOutputsParams(json_object=True)
             elif self.response_format.json_schema is None:
                 raise ValueError("response_format.json_schema: required when type is 'json_schema'")
             else:
                 params = StructuredOutputsParams(json=self.response_format.json_schema.schema_)
-                field = "response_format.json_schema.schema"
         elif self.structured_outputs is not None:
             so = self.structured_outputs
             params = StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
                                              json_object=so.json_object)
-            field = f"structured_outputs.{params.kind}"
         else:
             return None
-        check_grammar(params, field)
+        check_grammar(params, self.constraint_field(params))
         return params
+
+    def constraint_field(self, params: StructuredOutputsParams) -> str:
+        """The request field that `params` (this request's constraint) came from, for error messages."""
+        if self.response_format is None or self.response_format.type == "text":
+            return f"structured_outputs.{params.kind}"
+        return "response_format" if self.response_format.type == "json_object" else "response_format.json_schema.schema"
 
 
 class CompletionRequest(_SamplingRequest):
     # Token-id prompts come before strings so `[1, 2]` is one token prompt, not an error.
-    prompt: list[int] | list[list[int]] | str | list[str]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: (Annotated[list[int], Field(min_length=1)] | Annotated[list[Annotated[list[int], Field(min_length=1)]],
+                                                                  Field(min_length=1)]
+             | str | Annotated[list[str], Field(min_length=1)])
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
+    logprobs: LogprobCount | None = None
     echo: bool = False
+    suffix: str | None = None  # not supported: refused when given (as vLLM does)
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix: not supported")
         # With echo, OpenAI's logprobs cover the prompt tokens too.
         return self._sampling_params(defaults, self.max_tokens, self.logprobs,
                                      self.logprobs if self.echo else None)
@@ -145,6 +175,19 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Say plainly that an image (or audio, file) part is not read, rather than "Input should be a
+        valid string" from the union's first member."""
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content[{i}] is a {kind!r} part; Ember reads text parts only "
+                                     "(images and other media are not supported yet)")
+        return value
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -189,10 +232,10 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     # None lets the answer run to the end of the context window, as vLLM does.
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount | None = None
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -223,7 +266,7 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses ----------------------------------------------------------------------------

@@ -40,10 +40,13 @@ _CONNECTION_CLOSE_GRACE_S = 5.0
 _DEAD_ENGINE_GRACE_S = 2.0
 
 
-def run_server(ns: argparse.Namespace, args: EngineArgs, settings: ServerSettings, client: EngineCoreClient) -> int:
+def run_server(ns: argparse.Namespace, sock: socket.socket, args: EngineArgs, settings: ServerSettings,
+               client: EngineCoreClient) -> int:
+    """Serve on `sock` (bound by `cmd_serve`) until stopped."""
     try:
-        return asyncio.run(_serve(ns, args, settings, client))
+        return asyncio.run(_serve(ns, sock, args, settings, client))
     finally:
+        sock.close()
         client.shutdown()
 
 
@@ -88,19 +91,6 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                       flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, type_, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 async def _load_in_daemon_thread(make: Callable[[], AsyncLLM]) -> AsyncLLM:
     """Like asyncio.to_thread, but a signal during a long load need not wait for it to finish."""
     loop = asyncio.get_running_loop()
@@ -135,11 +125,8 @@ async def _exit_when_engine_dies(server: _Server, engine: AsyncLLM) -> None:
     server.should_exit = True
 
 
-async def _serve(ns: argparse.Namespace, args: EngineArgs, settings: ServerSettings, client: EngineCoreClient) -> int:
-    try:
-        sock = _bind(ns.host, ns.port)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror or e}") from None
+async def _serve(ns: argparse.Namespace, sock: socket.socket, args: EngineArgs, settings: ServerSettings,
+                 client: EngineCoreClient) -> int:
     host, port = sock.getsockname()[:2]
     app = build_app(settings)
     state: ServerState = app.state.ember
