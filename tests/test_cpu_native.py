@@ -25,6 +25,7 @@ from ember.quant.linear import (
     NATIVE_EXPAND_MIN_ROWS,
     QuantEmbedding,
     QuantLinear,
+    row_bucket,
 )
 from ember.quant.quantize import quantize
 
@@ -284,6 +285,26 @@ def test_quant_linear_keeps_one_arithmetic_at_every_row_count(monkeypatch, arith
             assert torch.equal(got, alone[:rows].double()), rows
         else:  # oneDNN sums in its own order: apart by the sums' error (and, in bf16, a rounding)
             assert (got - alone[:rows]).abs().le(2 * bound + 1e-7).all(), rows
+
+
+def test_expanded_gemm_sees_few_row_counts_and_padding_changes_no_row(monkeypatch) -> None:
+    """oneDNN keeps state per row count, so the expanded GEMM runs on rows padded to a few bucket sizes
+    (a server's steps have every count from the crossover to thousands); the padding rows are zeros and
+    change none of the real rows' results."""
+    buckets = {row_bucket(m) for m in range(NATIVE_EXPAND_MIN_ROWS["bf16"], 8193)}
+    assert len(buckets) <= 40
+    assert all(m <= row_bucket(m) <= 1.25 * m for m in range(1, 8193))
+    monkeypatch.setattr(linear, "CPU_INT4_BF16", ops.has_bf16())
+    w = _weight("int4", 48, 96, 32, True)
+    layer = QuantLinear([w], None, torch.float32)
+    dense = ops.dequantize(layer._native[0])
+    for rows in (NATIVE_EXPAND_MIN_ROWS["float32"] + 1, 33, 100):
+        if rows < linear.native_expand_min_rows(layer._native[0]):
+            continue
+        x = torch.randn(rows, 96)
+        assert row_bucket(rows) > rows  # these are padded
+        unpadded = F.linear(x.to(dense.dtype), dense).to(torch.float32)
+        assert torch.equal(layer(x), unpadded), rows
 
 
 def test_one_openmp_runtime_after_a_native_call() -> None:
