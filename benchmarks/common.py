@@ -9,11 +9,15 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 from typing import Any
 
 import torch
 
 from ember.bench.machine import REPO_ROOT, basic_machine_info
+
+# The device in `ember serve`'s start-up line: "serving NAME at URL (model PATH on cpu (float32, ...): N KV blocks".
+READY_LINE_DEVICE = re.compile(r"serving .* on (cpu|cuda(?::\d+)?|mps|xpu)\b")
 
 RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
 

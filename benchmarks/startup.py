@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import os
-import re
 import shutil
 import signal
 import socket
@@ -33,12 +32,11 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
+from benchmarks.common import READY_LINE_DEVICE, RESULTS_DIR, machine_info, today, write_json  # noqa: E402
 from ember.bench.machine import load_average  # noqa: E402
 from benchmarks.throughput import model_short_name  # noqa: E402
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-_READY_LINE = re.compile(r"serving .* on (\S+?): \d+ KV blocks")
 MEDIAN_KEYS = ("port_answers_s", "ready_s", "peak_rss_tree_mib", "main_vmhwm_mib", "rss_ready_mib",
                "gpu_memory_used_mib", "shutdown_s")
 
@@ -178,7 +176,7 @@ def one_run(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
             run["exit_code"] = proc.returncode
         log.seek(0)
         text = log.read()
-    match = _READY_LINE.search(text)
+    match = READY_LINE_DEVICE.search(text)
     run.update(port_answers_s=None if port_answers is None else round(port_answers, 3), first_status=first_status,
                ready_s=None if ready is None else round(ready, 3), peak_rss_tree_mib=round(peak, 1),
                device=match.group(1) if match else None,
