@@ -31,6 +31,10 @@
 #   moelat       batch-1 TTFT / TPOT with a 512-token prompt, Qwen3-30B-A3B and Mixtral-8x7B shapes
 #   moehf        the same shapes' one 512 + 256-token request through Ember and HF generate (throughput.py): the
 #                batch-1 ratio to HF
+#   headline     the rows every GPU-touching change re-runs: serve (offline 0.6B, then `ember bench serve`, 256 at
+#                once; SERVE_QUICK skips the openai client and the sweep), tput8b, latency, startup
+#   soak         benchmarks/soak.py: `ember serve` of the Qwen3-0.6B shape for $SOAK_S seconds (default 600) at 256
+#                concurrent streaming clients, 10% cancelled mid-stream, 5% malformed
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 D=$(date +%F)
@@ -99,6 +103,7 @@ stage_serve() {
   timeout 60 python3 -m ember.cli bench serve --base-url $url --dataset nano-vllm --num-prompts 256 \
     --temperature 0.6 --seed 0 --disable-tqdm --label qwen3-0.6b-saturation \
     --result-file "$OUT/serve-qwen3-0.6b-cuda-$D.json" 2>&1 | tail -25
+  [ -n "${SERVE_QUICK:-}" ] && { kill $SERVER; wait $SERVER; return 0; }
   timeout 60 python3 benchmarks/openai_client.py --base-url $url --num-prompts 256 --seed 1 \
     --out "$OUT/openai-client-qwen3-0.6b-cuda-$D.json" 2>&1 \
     | grep -E "Successful|Failed|duration|Output token|Median|P99|text|wrote"
@@ -107,6 +112,12 @@ stage_serve() {
     | tail -8
   kill $SERVER; wait $SERVER
   tail -40 $log > "$OUT/serve-server-qwen3-0.6b-cuda-$D.log"
+}
+stage_headline() { SERVE_QUICK=1 stage_serve; stage_tput8b; stage_latency; stage_startup; }
+stage_soak() {
+  timeout $(( ${SOAK_S:-600} + 400 )) python3 benchmarks/soak.py --model $Q --duration ${SOAK_S:-600} --concurrency 256 \
+    --max-tokens 64 512 --prompt-len 64 1024 --out "$OUT/soak-cuda-$D.json" -- --load-format dummy --max-model-len 4096 \
+    2>&1 | tail -40
 }
 stage_tputvariants() {  # each run prints the GPU's busy and idle seconds between steps
   for ep in no-engine-process engine-process; do
