@@ -133,6 +133,18 @@ def test_token_id_prompts_and_echo(server, client):
     assert streamed == "Large language models" + by_text
 
 
+def test_stream_events_stay_one_line_for_clients_that_split_on_unicode_line_breaks(server):
+    """JSON leaves U+2028, U+2029 and NEL raw inside strings, and httpx's `aiter_lines` (str.splitlines)
+    cuts an event there: the soak lost a request to a token holding one. The server escapes them."""
+    prompt = "Lines\u2028and\u2029paragraphs\x85end"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "stream": True, "max_tokens": 2}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks).startswith(prompt)
+
+
 def test_echo_with_logprobs_covers_the_prompt(server, client):
     ids = server.post("/tokenize", {"prompt": "Large language models"}).json()["tokens"]
     plain = client.completions.create(model=MODEL, prompt=ids, logprobs=2, **GREEDY).choices[0]
