@@ -6,6 +6,7 @@ torch build, and the exact Ember commit (marked "+dirty" when the tree had uncom
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -45,3 +46,16 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
+
+
+def server_benchmark_parser(argv: list[str], doc: str) -> tuple[argparse.ArgumentParser, list[str], list[str]]:
+    """The parser of a benchmark that starts `ember serve` itself (with `--model`), this script's
+    arguments and those after `--`, which go to `ember serve` unchanged."""
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                epilog="Arguments after `--` go to `ember serve` unchanged.")
+    p.add_argument("--model", default=None, help="what `ember serve` loads (default: its default model)")
+    return p, argv, extra

@@ -51,7 +51,8 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import READY_LINE_DEVICE, RESULTS_DIR, machine_info, today, write_json  # noqa: E402
+from benchmarks.common import (READY_LINE_DEVICE, RESULTS_DIR, machine_info, server_benchmark_parser, today,  # noqa: E402
+                               write_json)
 from benchmarks.cpu import wait_ready  # noqa: E402
 from benchmarks.startup import free_port, process_tree, rss_mib, server_command  # noqa: E402
 from ember.bench.machine import load_average  # noqa: E402
@@ -822,13 +823,7 @@ def _range(text: str) -> int:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Arguments after `--` go to `ember serve` unchanged.")
-    p.add_argument("--model", default=None, help="what `ember serve` loads (default: its default model)")
+    p, argv, extra = server_benchmark_parser(argv, __doc__)
     p.add_argument("--duration", type=float, default=1200.0, help="seconds of load (default: 20 minutes)")
     p.add_argument("--concurrency", type=_range, default=32, help="closed-loop clients, one connection each")
     p.add_argument("--cancel-fraction", type=float, default=0.10,

@@ -32,7 +32,8 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import READY_LINE_DEVICE, RESULTS_DIR, machine_info, today, write_json  # noqa: E402
+from benchmarks.common import (READY_LINE_DEVICE, RESULTS_DIR, machine_info, server_benchmark_parser, today,  # noqa: E402
+                               write_json)
 from ember.bench.machine import load_average  # noqa: E402
 from benchmarks.throughput import model_short_name  # noqa: E402
 
@@ -192,13 +193,7 @@ def median(runs: list[dict[str, Any]], key: str) -> float | None:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Arguments after `--` go to `ember serve`.")
-    p.add_argument("--model", default=None, help="what `ember serve` loads (default: its default model)")
+    p, argv, extra = server_benchmark_parser(argv, __doc__)
     p.add_argument("--repeat", type=int, default=3, help="fresh server starts; each is reported, and the median")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--poll-interval", type=float, default=0.05, help="seconds between /health polls")
