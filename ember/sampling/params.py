@@ -14,6 +14,7 @@ MAX_LOGPROBS = 20
 # Every integer a request carries must fit a 64-bit signed int: it crosses to the engine core as
 # msgpack (which refuses anything past 2**64) and lands in int64 tensors. vLLM bounds `seed` the same way.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1  # token ids and counts: the processor bounds them by the vocabulary or the context
 
 
 def _int(name: str, value: object, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
@@ -89,7 +90,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
-        self.top_k = _int("top_k", self.top_k, hi=2**31 - 1)  # the processor bounds it by the vocabulary
+        self.top_k = _int("top_k", self.top_k, hi=INT32_MAX)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
         if self.top_k == -1:
@@ -113,11 +114,11 @@ class SamplingParams:
             self.seed = _int("seed", self.seed)
 
         if self.max_tokens is not None:
-            self.max_tokens = _int("max_tokens", self.max_tokens, hi=2**31 - 1)
+            self.max_tokens = _int("max_tokens", self.max_tokens, hi=INT32_MAX)
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
 
-        self.min_tokens = _int("min_tokens", self.min_tokens, hi=2**31 - 1)
+        self.min_tokens = _int("min_tokens", self.min_tokens, hi=INT32_MAX)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -166,8 +167,7 @@ class SamplingParams:
             return []
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
-        # the processor bounds them by the vocabulary
-        return [_int("stop_token_ids", i, 0, 2**31 - 1) for i in ids]
+        return [_int("stop_token_ids", i, 0, INT32_MAX) for i in ids]
 
     @property
     def is_greedy(self) -> bool:

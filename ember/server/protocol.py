@@ -18,12 +18,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from ember.sampling.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from ember.sampling.params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
 
 # OpenAI's own limit; a larger n would let one request allocate millions of sequences.
 MAX_N = 128
-INT32_MAX = 2**31 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts; the processor bounds them by the context
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the processor bounds it by the vocabulary
