@@ -110,26 +110,10 @@ class _Sequence:
 
     def _without_blocked_alternatives(self, token_id: int, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
         """This position's logprobs less the alternatives whose text, after the text so far, would hold a
-        blocked phrase. An alternative's text is what the detokenizer would have added had it been
-        sampled: decoded in context, so it completes a character whose bytes are pending and keeps a
-        SentencePiece word's leading space. The chosen token needs no check: its entry is kept only while
-        its text lies before any cut. Per alternative, a decode of a few tokens and a scan of a few
-        normalised characters: with top_logprobs 20, 20 alternatives a token cost about 60 us on English
-        text and 85 us on Russian (the logprob entries themselves, without a filter, 40 us); nothing at all
-        runs without a filter or without alternatives."""
-        detok = self.detok
-        if detok.tokenizer is None or detok.content_filter is None:
-            return logprobs
-        decode, skip = detok.tokenizer.decode, detok.skip_special
-        context = detok.ids[detok.prefix_offset:]
-        before = len(decode(detok.ids[detok.prefix_offset:detok.read_offset], skip_special_tokens=skip))
-        alternatives = [t for t in logprobs if t != token_id]
-        texts = [decode(context + [t], skip_special_tokens=skip)[before:].rstrip("\ufffd") for t in alternatives]
-        blocked = detok.content_filter.completes_phrase(detok.text, texts)
-        if not any(blocked):
-            return logprobs
-        dropped = {t for t, b in zip(alternatives, blocked) if b}
-        return {t: lp for t, lp in logprobs.items() if t not in dropped}
+        blocked phrase (the detokenizer's `blocked_alternatives`). The chosen token needs no check: its
+        entry is kept only while its text lies before any cut."""
+        dropped = self.detok.blocked_alternatives([t for t in logprobs if t != token_id])
+        return {t: lp for t, lp in logprobs.items() if t not in dropped} if dropped else logprobs
 
     def _tokens_within(self, end: int) -> int:
         """How many tokens have all their text in `text[:end]`: up to the one that reached `end`, not the

@@ -102,10 +102,10 @@ def _constraint_source(params: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.{kind}: {e}") from None
 
 
-def check_grammar(params: StructuredOutputsParams, field: str | None = None) -> None:
-    """A ValueError starting with `field` (default `structured_outputs.<kind>`) and llguidance's reason
-    when the constraint cannot be compiled. Validated sources are remembered, so a schema sent again
-    costs nothing."""
+def check_grammar(params: StructuredOutputsParams, field: str | None = None) -> str:
+    """The constraint's llguidance source, validated; a ValueError starting with `field` (default
+    `structured_outputs.<kind>`) and llguidance's reason when it cannot be compiled. Validated sources
+    are remembered, so a schema sent again costs nothing."""
     field = field or f"structured_outputs.{params.kind}"
     try:
         source = grammar_source(params)
@@ -114,6 +114,7 @@ def check_grammar(params: StructuredOutputsParams, field: str | None = None) -> 
     problem = _validate(source)
     if problem:
         raise ValueError(f"{field}: {problem.strip()}")
+    return source
 
 
 @lru_cache(maxsize=1024)
@@ -148,8 +149,7 @@ class GrammarCheck:
     def __call__(self, params: StructuredOutputsParams, field: str | None = None) -> None:
         """A ValueError starting with `field` (default `structured_outputs.<kind>`) when the constraint
         cannot be compiled or its first mask not computed."""
-        check_grammar(params, field)
-        source = grammar_source(params)
+        source = check_grammar(params, field)
         with self._lock:
             problem = self._problems.get(source)
             if problem is None:

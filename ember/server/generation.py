@@ -264,9 +264,11 @@ async def answer(gen: Generation, make_response: Callable[[list[RequestOutput]],
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def _one_line(json_text: str) -> str:
-    """`json_text` with those line breaks escaped (the same JSON), so each event stays one line for every client."""
-    return json_text.translate(_LINE_BREAKS) if not json_text.isascii() else json_text
+def _event(message: BaseModel) -> str:
+    """One server-sent event: the message as JSON with those line breaks escaped (the same JSON), so the
+    event stays one line for every client."""
+    data = message.model_dump_json()
+    return f"data: {data if data.isascii() else data.translate(_LINE_BREAKS)}\n\n"
 
 
 class EventStream(StreamingResponse):
@@ -281,9 +283,9 @@ class EventStream(StreamingResponse):
     async def _events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield f"data: {_one_line(chunk.model_dump_json())}\n\n"
+                yield _event(chunk)
         except APIError as e:  # the status is already 200, so the error travels in the stream, as in vLLM
-            yield f"data: {ErrorResponse(error=e.info).model_dump_json()}\n\n"
+            yield _event(ErrorResponse(error=e.info))
         yield "data: [DONE]\n\n"
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
