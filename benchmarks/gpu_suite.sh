@@ -34,7 +34,8 @@
 #   headline     the rows every GPU-touching change re-runs: serve (offline 0.6B, then `ember bench serve`, 256 at
 #                once; SERVE_QUICK skips the openai client and the sweep), tput8b, latency, startup
 #   soak         benchmarks/soak.py: `ember serve` of the Qwen3-0.6B shape for $SOAK_S seconds (default 600) at 256
-#                concurrent streaming clients, 10% cancelled mid-stream, 5% malformed
+#                concurrent streaming clients in $SOAK_CLIENT_PROCS processes (default 4), 10% cancelled
+#                mid-stream, 5% malformed
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 D=$(date +%F)
@@ -116,8 +117,8 @@ stage_serve() {
 stage_headline() { SERVE_QUICK=1 stage_serve; stage_tput8b; stage_latency; stage_startup; }
 stage_soak() {
   timeout $(( ${SOAK_S:-600} + 400 )) python3 benchmarks/soak.py --model $Q --duration ${SOAK_S:-600} --concurrency 256 \
-    --max-tokens 64 512 --prompt-len 64 1024 --out "$OUT/soak-cuda-$D.json" -- --load-format dummy --max-model-len 4096 \
-    2>&1 | tail -40
+    --client-processes ${SOAK_CLIENT_PROCS:-4} --max-tokens 64 512 --prompt-len 64 1024 --out "$OUT/soak-cuda-$D.json" \
+    -- --load-format dummy --max-model-len 4096 2>&1 | tail -40
 }
 stage_tputvariants() {  # each run prints the GPU's busy and idle seconds between steps
   for ep in no-engine-process engine-process; do

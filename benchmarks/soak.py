@@ -36,6 +36,7 @@ import collections
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -44,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +232,8 @@ class Load:
         self.records: list[Record] = []
         self.samples: list[dict[str, Any]] = []
         self.in_flight = 0
+        self.workers: list[Any] = []  # --client-processes > 1: the processes that run the client loops
+        self.worker_in_flight: Any = None  # their in-flight counts (a shared array)
         self.t0 = 0.0
         self.deadline = 0.0
         self.headers = {"Authorization": f"Bearer {os.environ['EMBER_API_KEY']}"} if os.environ.get(
@@ -303,6 +307,39 @@ class Load:
             while time.perf_counter() < self.deadline:
                 await self.one(client, rng)
 
+    async def start_workers(self) -> None:
+        """Run the client loops in --client-processes processes; their records arrive through a queue.
+
+        One Python process parsing every SSE chunk tops out near 10k chunks/s (95% of a core in the
+        H200 soak of 2026-12-04 at 256 clients): past that the client, not the server, sets the pace.
+        perf_counter is CLOCK_MONOTONIC on Linux, so the workers' times share this process's t0.
+        """
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        n = self.args.client_processes
+        self.worker_in_flight = ctx.Array("i", n, lock=False)
+        shares = [range(self.args.concurrency)[k::n] for k in range(n)]
+        self.workers = [ctx.Process(target=_client_worker, daemon=True,
+                                    args=(self.args, self.base_url, self.model, self.chat_fraction, self.malformed,
+                                          list(share), k, self.t0, self.deadline, queue, self.worker_in_flight))
+                        for k, share in enumerate(shares)]
+        for w in self.workers:
+            w.start()
+        receiver = threading.Thread(target=self._receive, args=(queue, n), daemon=True)
+        receiver.start()
+        await asyncio.to_thread(receiver.join)
+        for w in self.workers:
+            await asyncio.to_thread(w.join)
+
+    def _receive(self, queue: Any, workers: int) -> None:
+        """Records from the workers until each has sent its final None."""
+        while workers:
+            batch = queue.get()
+            if batch is None:
+                workers -= 1
+            else:
+                self.records.extend(batch)
+
     # ---- sampling -----------------------------------------------------------------------------
 
     def server_memory(self) -> dict[str, Any]:
@@ -355,7 +392,7 @@ class Load:
         s: dict[str, Any] = {"t": round(now, 2), "dt": round(dt, 2), "phase": phase}
         mem = self.server_memory()
         cpu = _cpu_seconds(mem.pop("pids"))
-        client_cpu = sum(os.times()[:2])
+        client_cpu = sum(os.times()[:2]) + _cpu_seconds([w.pid for w in self.workers])
         s.update(mem)
         # CPU the server's processes and this client got: on a shared machine, what the server could use
         if self._last_cpu is not None and dt > 0:
@@ -387,7 +424,7 @@ class Load:
             s["kv_pool_passes"] = round(self._engine_tokens / self.kv_pool_tokens, 3) if self.kv_pool_tokens else None
         else:
             s.update(kv_cache_usage_pct=None, running=None, waiting=None, live=None, server_generation_tok_s=None)
-        s["client_in_flight"] = self.in_flight
+        s["client_in_flight"] = self.in_flight + (sum(self.worker_in_flight) if self.workers else 0)
         recs = self.records[self._seen:]
         self._seen = len(self.records)
         counts = collections.Counter(r.outcome for r in recs)
@@ -450,7 +487,8 @@ class Load:
                 rec.start -= self.t0 - self._sweep_t0
                 rec.end -= self.t0 - self._sweep_t0
             self.samples.append(await self.sample(scraper, "start"))  # the baseline: counters, idle memory, sweep
-            clients = asyncio.gather(*(self.client_loop(i) for i in range(a.concurrency)))
+            clients = (asyncio.ensure_future(self.start_workers()) if a.client_processes > 1
+                       else asyncio.gather(*(self.client_loop(i) for i in range(a.concurrency))))
             for k in itertools.count(1):
                 wake = self.t0 + k * a.scrape_interval
                 if wake > self.deadline:
@@ -465,6 +503,29 @@ class Load:
             self.samples.append(s)
             self.print_sample(s)
         return drain_s
+
+
+def _client_worker(args: argparse.Namespace, base_url: str, model: str, chat_fraction: float,
+                   malformed: list[tuple[str, str, bytes]], clients: list[int], index: int, t0: float,
+                   deadline: float, queue: Any, in_flight: Any) -> None:
+    """One client process: its share of the client loops; finished records go to `queue` each second."""
+    load = Load(args, base_url, model, chat_fraction > 0, 0, malformed)
+    load.chat_fraction = chat_fraction
+    load.next_malformed = itertools.count(index * len(malformed) // max(1, args.client_processes))
+    load.t0, load.deadline = t0, deadline
+
+    async def main() -> None:
+        loops = asyncio.gather(*(load.client_loop(i) for i in clients))
+        sent = 0
+        while not loops.done():
+            await asyncio.wait([loops], timeout=1.0)
+            in_flight[index] = load.in_flight
+            queue.put(load.records[sent:])
+            sent = len(load.records)
+        await loops
+
+    asyncio.run(main())
+    queue.put(None)
 
 
 # ---- after the load --------------------------------------------------------------------------------
@@ -845,6 +906,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="seconds excluded from the flatness checks (default: 10%% of --duration)")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds after which an open request counts as lost")
+    p.add_argument("--client-processes", type=_range, default=1,
+                   help="processes that share the clients (one Python process tops out near 10k SSE chunks/s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the server may take to start")

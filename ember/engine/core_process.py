@@ -131,4 +131,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Skip the interpreter's teardown (torch's modules and their atexit work): 0.3-0.4 s of an idle
+    # SIGTERM on CPU, measured 2026-12-05. main() sent and closed everything the front end waits for.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
