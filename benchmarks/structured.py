@@ -57,7 +57,7 @@ from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
 from benchmarks.step_profile import print_profile, profile_steps
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.config import EngineArgs
-from ember.engine.grammar import GrammarManager
+from ember.core.grammar import GrammarManager
 from ember.model.files import load_model_info
 
 QWEN3_CONFIG = os.path.join(ROOT, "benchmarks", "configs", "qwen3-0.6b")

@@ -11,14 +11,14 @@ from ember.logger import init_logging
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "LLM": "ember.engine.llm",
-    "AsyncLLM": "ember.engine.async_llm",
-    "LLMEngine": "ember.engine.engine",
+    "LLM": "ember.frontend.llm",
+    "AsyncLLM": "ember.frontend.async_llm",
+    "LLMEngine": "ember.frontend.engine",
     "EngineArgs": "ember.config",
     "SamplingParams": "ember.sampling.params",
     "StructuredOutputsParams": "ember.sampling.structured",
-    "RequestOutput": "ember.engine.output",
-    "CompletionOutput": "ember.engine.output",
+    "RequestOutput": "ember.frontend.output",
+    "CompletionOutput": "ember.frontend.output",
 }
 __all__ = list(_EXPORTS)
 

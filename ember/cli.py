@@ -15,7 +15,7 @@ from ember.config import EngineArgs
 from ember.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from ember.engine.engine import LLMEngine, PromptType
+    from ember.frontend.engine import LLMEngine, PromptType
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_max_tokens: int) -> None:
@@ -62,7 +62,7 @@ def _print_stream(chunks: Iterator[str]) -> str:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from ember.engine.engine import LLMEngine
+    from ember.frontend.engine import LLMEngine
 
     engine = LLMEngine(EngineArgs.from_cli_args(ns))
     _print_stream(stream(engine, ns.prompt, _sampling_params(engine, ns)))
@@ -70,7 +70,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from ember.engine.engine import LLMEngine
+    from ember.frontend.engine import LLMEngine
 
     engine = LLMEngine(EngineArgs.from_cli_args(ns))
     tokenizer = engine.tokenizer

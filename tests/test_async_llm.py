@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from ember import LLM, AsyncLLM, EngineArgs, SamplingParams
-from ember.engine.errors import QueueFullError, RequestFailedError
-from ember.engine.output import RequestState
+from ember.frontend.errors import QueueFullError, RequestFailedError
+from ember.frontend.output import RequestState
 from test_server_robustness import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

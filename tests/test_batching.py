@@ -95,7 +95,7 @@ def test_sampling_tensors_are_reused_only_for_the_same_rows_without_per_step_sta
     tensors (in a fresh batch, so a step's grammar bitmask never carries over); other rows, another
     order, or a row whose min_tokens still holds EOS back get tensors built for that step."""
     from conftest import inproc_core
-    from ember.engine.request import Request
+    from ember.core.request import Request
 
     runner = inproc_core(LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05,
                              engine_process=False)).runner

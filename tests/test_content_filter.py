@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from ember import LLM, AsyncLLM, EngineArgs, SamplingParams
-from ember.engine.content_filter import ContentFilter, Scan, _tables, normalize, normalize_capitals
-from ember.engine.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
-from ember.engine.output import OutputProcessor, RequestState
+from ember.frontend.content_filter import ContentFilter, Scan, _tables, normalize, normalize_capitals
+from ember.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
+from ember.frontend.output import OutputProcessor, RequestState
 
 from conftest import DEVICE, make_checkpoint
 from test_server import ServerThread

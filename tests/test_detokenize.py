@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember.engine.output import IncrementalDetokenizer
+from ember.frontend.output import IncrementalDetokenizer
 from ember.sampling.params import SamplingParams
 
 TEXTS = [

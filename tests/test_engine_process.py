@@ -42,7 +42,7 @@ from test_tensor_parallel import _alive, _descendants
 
 from ember import LLM, SamplingParams
 
-CORE_MODULE = "ember.engine.core_process"
+CORE_MODULE = "ember.core.process"
 LONG = {"ignore_eos": True, "temperature": 0}
 
 

@@ -11,8 +11,8 @@ import pytest
 from schemas import SCHEMAS
 
 from ember.config import EngineArgs
-from ember.engine import grammar
-from ember.engine.grammar import GrammarManager
+from ember.core import grammar
+from ember.core.grammar import GrammarManager
 from ember.runner.step_timer import StepTimer
 from ember.sampling.structured import StructuredOutputsParams
 

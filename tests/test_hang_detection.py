@@ -32,10 +32,10 @@ from test_engine_process import LONG, Serve, _Stream
 from test_tensor_parallel import _alive
 
 from ember import LLM, EngineArgs, SamplingParams
-from ember.engine import core_client
-from ember.engine.core_client import HEARTBEAT_TIMEOUT_ENV, ITERATION_TIMEOUT_ENV, HangWatch, MPClient
-from ember.engine.errors import EngineDeadError
-from ember.engine.messages import EngineCoreFailed, EngineCoreHeartbeat, EngineCoreOutputs, SchedulerStats
+from ember.frontend import core_client
+from ember.frontend.core_client import HEARTBEAT_TIMEOUT_ENV, ITERATION_TIMEOUT_ENV, HangWatch, MPClient
+from ember.frontend.errors import EngineDeadError
+from ember.messages import EngineCoreFailed, EngineCoreHeartbeat, EngineCoreOutputs, SchedulerStats
 
 _STATS = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0)
 
@@ -112,8 +112,8 @@ def test_timeouts_come_from_the_environment(monkeypatch):
 _FAKE_CORE = r"""
 import json, os, sys, time
 import msgspec, zmq
-from ember.engine.core_client import BOOTSTRAP_LENGTH, CoreBootstrap
-from ember.engine.messages import EngineCoreHeartbeat, EngineCoreOutputs, EngineCoreReady, SchedulerStats, encode
+from ember.messages import BOOTSTRAP_LENGTH, CoreBootstrap
+from ember.messages import EngineCoreHeartbeat, EngineCoreOutputs, EngineCoreReady, SchedulerStats, encode
 
 def read(n):
     data = b""
@@ -149,7 +149,7 @@ def _fake_client(monkeypatch, script: list, heartbeat_timeout: float, iteration_
     real_popen = subprocess.Popen
 
     def popen(args, **kwargs):
-        assert args[1:] == ["-m", "ember.engine.core_process"]
+        assert args[1:] == ["-m", "ember.core.process"]
         return real_popen([sys.executable, "-c", _FAKE_CORE, json.dumps(script)], **kwargs)
 
     monkeypatch.setattr(core_client.subprocess, "Popen", popen)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ember import LLM, SamplingParams
-from ember.engine.request import RequestStatus
+from ember.core.request import RequestStatus
 
 
 @pytest.fixture(scope="module")

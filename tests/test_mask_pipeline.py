@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
-from ember.engine.grammar import GrammarManager
-from ember.engine.scheduler import ScheduledBatch
+from ember.core.grammar import GrammarManager
+from ember.core.scheduler import ScheduledBatch
 from ember.runner import model_runner
 from ember.runner.warmup import warm_up_batches
 

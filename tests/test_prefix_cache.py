@@ -8,8 +8,8 @@ import pytest
 
 from conftest import DEVICE
 from ember import LLM, SamplingParams
-from ember.engine.block_manager import BlockManager
-from ember.engine.request import Request
+from ember.core.block_manager import BlockManager
+from ember.core.request import Request
 
 
 def _req(rid: str, tokens: list[int]) -> Request:

@@ -10,7 +10,7 @@ import pytest
 
 from ember import AsyncLLM, EngineArgs
 from ember.model.files import load_model_info
-from ember.engine.grammar import GrammarManager
+from ember.core.grammar import GrammarManager
 from ember.sampling.structured import StructuredOutputsParams
 from ember.server.chat_answer import AnswerParser
 from ember.server.reasoning import REASONING_PARSERS, ReasoningParser, split_reasoning

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import free_port
 from ember import SamplingParams
-from ember.engine.messages import EngineCoreRequest, SchedulerStats
+from ember.messages import EngineCoreRequest, SchedulerStats
 from ember.sampling.structured import StructuredOutputsParams
 from test_server import MODEL, ServerThread, tiny_engine
 from test_server_robustness import _start_serve, wait_until
@@ -142,8 +142,8 @@ def test_the_request_ends_once_whatever_fails_after_it_was_accepted(server, monk
 def test_grammar_failing_inside_the_engine_is_the_requests_400(server, monkeypatch):
     """A constraint that passes the front end's checks but fails mid-answer (a lexer limit hit later)
     is the request's error, not the server's."""
-    from ember.engine.async_llm import AsyncLLM
-    from ember.engine.errors import RequestFailedError
+    from ember.frontend.async_llm import AsyncLLM
+    from ember.frontend.errors import RequestFailedError
 
     async def failing(self, *args, **kwargs):
         raise RequestFailedError("structured output failed: lexer error: too many expressions constructed")

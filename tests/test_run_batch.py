@@ -19,7 +19,7 @@ from conftest import DEVICE, make_checkpoint
 from ember.batch.local import EngineTarget, settings_for
 from ember.batch.runner import BatchOptions, BatchRunner, Reply
 from ember.config import EngineArgs
-from ember.engine.async_llm import AsyncLLM
+from ember.frontend.async_llm import AsyncLLM
 from ember.server.state import ServerState
 from test_server_robustness import _start_serve
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conftest import free_port, make_checkpoint, wait_healthy
-from ember.engine.request import Request
+from ember.core.request import Request
 from test_server import ServerThread, tiny_engine
 
 LONG = {"prompt": [5, 17, 99, 203, 40], "ignore_eos": True, "temperature": 0}

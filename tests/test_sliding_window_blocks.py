@@ -15,9 +15,9 @@ import random
 import pytest
 
 from ember.config import SchedulerConfig
-from ember.engine.block_manager import BlockManager
-from ember.engine.request import Request, RequestStatus
-from ember.engine.scheduler import Scheduler
+from ember.core.block_manager import BlockManager
+from ember.core.request import Request, RequestStatus
+from ember.core.scheduler import Scheduler
 from ember.sampling.params import SamplingParams
 
 BLOCK_SIZE = 4

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from ember import AsyncLLM, EngineArgs, SamplingParams
-from ember.engine.messages import EngineCoreRequest, decode_input, encode
+from ember.messages import EngineCoreRequest, decode_input, encode
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
 
 from conftest import DEVICE

@@ -72,7 +72,7 @@ def cmd_run_batch(ns: argparse.Namespace) -> int:
 def _run_local(ns: argparse.Namespace, args: EngineArgs, settings: ServerSettings,
                options: BatchOptions) -> BatchSummary:
     from ember.batch.local import run_on_engine
-    from ember.engine.async_llm import AsyncLLM
+    from ember.frontend.async_llm import AsyncLLM
 
     engine = AsyncLLM(args, max_waiting_requests=ns.max_waiting_requests, served_model_name=settings.model_name)
 

@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from ember.batch.records import CHAT_URL, COMPLETIONS_URL
 from ember.batch.runner import BatchAborted, BatchOptions, BatchRunner, BatchSummary, Reply, Requests
 from ember.config import DEFAULT_MODEL, EngineArgs
-from ember.engine.async_llm import AsyncLLM
-from ember.engine.core_client import EngineCoreClient
+from ember.frontend.async_llm import AsyncLLM
+from ember.frontend.core_client import EngineCoreClient
 from ember.server.args import ServerSettings
 from ember.server.chat import complete_chat
 from ember.server.completions import complete

@@ -23,9 +23,9 @@ from torch import nn
 
 from ember.config import CacheConfig, RunnerConfig, SchedulerConfig
 from ember.distributed import host_group, tp_size
-from ember.engine.messages import Logprobs
-from ember.engine.request import Request
-from ember.engine.scheduler import ScheduledBatch
+from ember.messages import Logprobs
+from ember.core.request import Request
+from ember.core.scheduler import ScheduledBatch
 from ember.model.attention import AttentionMetadata
 from ember.model.loader import ModelFiles
 from ember.model.moe import FusedExperts

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ember.engine.request import Request
-from ember.engine.scheduler import ScheduledBatch
+from ember.core.request import Request
+from ember.core.scheduler import ScheduledBatch
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.step_broadcast import StepHeader
 

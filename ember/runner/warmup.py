@@ -16,8 +16,8 @@ per token over 128 tokens, 3.9 ms warm). So one prefill per power of two from 25
 
 from __future__ import annotations
 
-from ember.engine.request import Request
-from ember.engine.scheduler import ScheduledBatch
+from ember.core.request import Request
+from ember.core.scheduler import ScheduledBatch
 from ember.sampling.params import SamplingParams
 
 _CHUNK_LENGTHS = (2, 3, 5, 9, 17, 33, 65, 129)  # query rows next_power_of_2(len * group) span 16..128

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ember
-from ember.engine.async_llm import AsyncLLM
+from ember.frontend.async_llm import AsyncLLM
 from ember.server import chat, completions, health, models, openapi
 from ember.server.args import ServerSettings
 from ember.server.errors import APIError, api_error_handler, http_error_handler, unexpected_error_handler

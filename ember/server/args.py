@@ -187,7 +187,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     ns = resolve_args(ns)
     args, settings = settings_from_args(ns)
     sock = bind_socket(ns.host, ns.port)
-    from ember.engine.core_client import make_client
+    from ember.frontend.core_client import make_client
 
     try:
         client = make_client(args, args.engine_process is not False)

@@ -14,9 +14,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from ember.engine.async_llm import AsyncLLM
-from ember.engine.output import CompletionOutput, RequestOutput
-from ember.engine.output import Logprob
+from ember.frontend.async_llm import AsyncLLM
+from ember.frontend.output import CompletionOutput, RequestOutput
+from ember.frontend.output import Logprob
 from ember.sampling.params import SamplingParams
 from ember.server.errors import bad_request
 from ember.server.generation import Generation, answer, respond

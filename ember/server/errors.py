@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.engine.errors import EngineDeadError, QueueFullError, RequestFailedError
+from ember.frontend.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ember.sampling.structured import GRAMMAR_FAILED
 from ember.server.protocol import ErrorInfo, ErrorResponse
 

@@ -23,8 +23,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from ember.engine.async_llm import AsyncLLM
-from ember.engine.output import RequestOutput
+from ember.frontend.async_llm import AsyncLLM
+from ember.frontend.output import RequestOutput
 from ember.sampling.params import SamplingParams
 from ember.server.errors import APIError, engine_error, unavailable
 from ember.server.protocol import ErrorResponse

@@ -11,7 +11,7 @@ import asyncio
 
 from fastapi import APIRouter, Depends, Request
 
-from ember.engine.async_llm import AsyncLLM
+from ember.frontend.async_llm import AsyncLLM
 from ember.server.chat import render_chat
 from ember.server.errors import bad_request
 from ember.server.openapi import BODY_ERRORS, ENGINE_ERRORS, ResetPrefixCacheResponse, route_docs

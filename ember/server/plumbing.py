@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from ember.engine.async_llm import AsyncLLM
-from ember.engine.output import CompletionOutput, RequestOutput
-from ember.engine.output import Logprob
+from ember.frontend.async_llm import AsyncLLM
+from ember.frontend.output import CompletionOutput, RequestOutput
+from ember.frontend.output import Logprob
 from ember.sampling.params import SamplingParams
 from ember.sampling.structured import StructuredOutputsParams
 from ember.server.errors import APIError, bad_request, unavailable, value_error

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from ember.config import EngineArgs
-from ember.engine.async_llm import AsyncLLM
-from ember.engine.core_client import EngineCoreClient
+from ember.frontend.async_llm import AsyncLLM
+from ember.frontend.core_client import EngineCoreClient
 from ember.logger import route_server_logs
 from ember.server.app import ServerState, build_app
 from ember.server.args import ServerSettings, add_serve_args, cmd_serve

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from ember.engine.async_llm import AsyncLLM
+from ember.frontend.async_llm import AsyncLLM
 from ember.server.args import ServerSettings
 from ember.server.errors import APIError
 

@@ -8,7 +8,7 @@ from ray import serve
 from starlette.types import Message
 
 from ember.config import EngineArgs
-from ember.engine.async_llm import AsyncLLM
+from ember.frontend.async_llm import AsyncLLM
 from ember.integrations.ray_serve.forwarding import ForwardedRequest, call_asgi
 from ember.server.app import build_app
 from ember.server.args import ServerSettings

@@ -54,7 +54,7 @@ figures by up to 20%), streaming 4-character tokens of a 900-character text agai
 before look-alikes and invisible characters were handled -> after: English (ASCII) 4.9 -> 4.0
 us/token, French 10.4 -> 7.8, Russian 15.6 -> 13.6, French in NFD (combining marks, chunk by chunk)
 10.5 -> 12.0, English with U+200B after every "e" 14.3 -> 17.6. The first filter of a process reads
-the data (about 40 ms). A logprob alternative's check (ember/engine/output.py: its decode in context
+the data (about 40 ms). A logprob alternative's check (ember/frontend/output.py: its decode in context
 and `completes_phrase`) costs about 3 us on English text, 4 us on Russian.
 """
 

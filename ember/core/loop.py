@@ -15,8 +15,8 @@ import queue
 import time
 from collections.abc import Callable
 
-from ember.engine.core import EngineCore
-from ember.engine.messages import (AbortRequests, CoreInput, CoreOutput, EngineCoreRequest, UtilityCall,
+from ember.core.engine_core import EngineCore
+from ember.messages import (AbortRequests, CoreInput, CoreOutput, EngineCoreRequest, UtilityCall,
                                    UtilityResult)
 
 logger = logging.getLogger("ember")

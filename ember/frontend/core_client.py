@@ -1,9 +1,9 @@
 """How a front end talks to its engine core: in-process or in the core's own process, one interface.
 
 `send` queues an input message, `get_output` returns the core's next output messages (waiting up
-to `timeout`), `shutdown` ends the core. `InprocClient` runs the core's loop in the caller's
+to `timeout`), `shutdown` ends the core. `InprocClient` (`ember.core.inproc_client`) runs the core's loop in the caller's
 thread on `get_output` (`LLM`, `ember generate`, tests that patch the core); `MPClient` starts
-`ember.engine.core_process` and speaks msgpack over two ZMQ ipc sockets (`ember serve`,
+`ember.core.process` and speaks msgpack over two ZMQ ipc sockets (`ember serve`,
 `AsyncLLM`, and `LLM(engine_process=True)`).
 
 A core process that dies is noticed by `get_output` within `_POLL_S`: it then returns an
@@ -18,103 +18,28 @@ import logging
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-from abc import ABC, abstractmethod
-from typing import IO
 
 import msgspec
 import zmq
 
 from ember.config import EngineArgs, launched_by_torchrun
-from ember.engine.errors import EngineStartError
-from ember.engine.messages import (CoreInput, CoreOutput, EngineCoreFailed, EngineCoreHeartbeat, EngineCoreReady,
+from ember.frontend.errors import EngineStartError
+from ember.messages import (CoreBootstrap, CoreInput, CoreOutput, EngineCoreClient, EngineCoreFailed, EngineCoreHeartbeat, EngineCoreReady,
                                    UtilityCall, decode_output, encode)
 
 logger = logging.getLogger("ember")
 _POLL_S = 0.1  # how often a waiting client checks that the core process is alive
 _SHUTDOWN_CALL_ID = -1
-BOOTSTRAP_LENGTH = struct.Struct("<I")
 HEARTBEAT_TIMEOUT_ENV = "EMBER_ENGINE_HEARTBEAT_TIMEOUT_S"
 ITERATION_TIMEOUT_ENV = "EMBER_ENGINE_ITERATION_TIMEOUT_S"
 _HEARTBEAT_TIMEOUT_S = 4.5  # silence after which a core counts as stopped: detected in <= 5 s with the 0.1 s poll
 _ITERATION_TIMEOUT_S = 60.0  # one loop iteration (a step) running this long counts as a deadlock
 _HEARTBEATS_PER_TIMEOUT = 5  # the core's heartbeat interval: the timeout / 5, at most 1 s
 _KILL_WAIT_S = 5.0  # how long shutdown waits for a core killed as hung to go
-
-
-class CoreBootstrap(msgspec.Struct):
-    """What a core process reads from its stdin first (length-prefixed msgpack)."""
-
-    args: EngineArgs
-    input_address: str  # the front end's PUSH socket, bound
-    output_address: str  # the front end's PULL socket, bound
-    heartbeat_interval: float = 1.0  # seconds between heartbeats once ready; 0: none
-
-    def write(self, stream: IO[bytes]) -> None:
-        data = msgspec.msgpack.encode(self)
-        stream.write(BOOTSTRAP_LENGTH.pack(len(data)) + data)
-        stream.flush()
-
-
-class EngineCoreClient(ABC):
-    ready: EngineCoreReady
-    failure: str | None = None  # set once the core has stopped on an error
-
-    @abstractmethod
-    def wait_ready(self, timeout: float | None = None) -> EngineCoreReady:
-        """The core's fixed facts once it is ready; EngineStartError when it could not start."""
-
-    @abstractmethod
-    def send(self, message: CoreInput) -> None:
-        ...
-
-    @abstractmethod
-    def get_output(self, timeout: float | None = None) -> list[CoreOutput]:
-        """The core's next outputs, or [] when none came within `timeout` seconds (None: no limit
-        while the core has work; an idle in-process core returns at once)."""
-
-    @abstractmethod
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """End the core (and its tensor-parallel ranks). Idempotent."""
-
-    @property
-    def is_alive(self) -> bool:
-        return self.failure is None
-
-
-class InprocClient(EngineCoreClient):
-    """The core in this process; `get_output` runs one iteration of its loop in the caller's thread."""
-
-    def __init__(self, args: EngineArgs) -> None:
-        from ember.engine.core import EngineCore
-        from ember.engine.core_loop import CoreLoop
-
-        self.loop = CoreLoop(EngineCore(args))
-        self.ready = self.loop.core.ready
-
-    def wait_ready(self, timeout: float | None = None) -> EngineCoreReady:
-        return self.ready
-
-    def send(self, message: CoreInput) -> None:
-        self.loop.put(message)
-
-    def get_output(self, timeout: float | None = None) -> list[CoreOutput]:
-        try:
-            return self.loop.run_once(timeout)
-        except BaseException as e:  # the core's loop failed: as fatal as a core process dying
-            logger.exception("engine core stopped")
-            self.failure = f"{type(e).__name__}: {e}"
-            self.shutdown()
-            return [EngineCoreFailed(self.failure)]
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        if not self.loop.stopped:
-            self.loop.stopped = True
-            self.loop.core.shutdown()
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -195,7 +120,7 @@ class MPClient(EngineCoreClient):
         self._watch = HangWatch.from_env()
         self._watching = False  # from EngineCoreReady on: loading may take long and sends no heartbeats
         # The core never needs its own stdout; keeping stdin open tells it the front end lives.
-        self.proc = subprocess.Popen([sys.executable, "-m", "ember.engine.core_process"], stdin=subprocess.PIPE)
+        self.proc = subprocess.Popen([sys.executable, "-m", "ember.core.process"], stdin=subprocess.PIPE)
         boot = CoreBootstrap(args, self._address("in"), self._address("out"), self._watch.heartbeat_interval)
         boot.write(self.proc.stdin)
         self._stopping = False
@@ -321,4 +246,8 @@ def make_client(args: EngineArgs, engine_process: bool) -> EngineCoreClient:
         from ember.runner.tp_workers import serve_as_torchrun_worker
 
         serve_as_torchrun_worker(args)
-    return MPClient(args) if engine_process else InprocClient(args)
+    if engine_process:
+        return MPClient(args)
+    from ember.core.inproc_client import InprocClient  # the one door from a front end into the core (torch)
+
+    return InprocClient(args)

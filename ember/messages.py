@@ -14,10 +14,13 @@ consumes them (its hang detection), so front ends never see one.
 
 from __future__ import annotations
 
-from typing import Any, Union
+import struct
+from abc import ABC, abstractmethod
+from typing import IO, Any, Union
 
 import msgspec
 
+from ember.config import EngineArgs
 from ember.sampling.params import SamplingParams
 
 
@@ -162,3 +165,54 @@ def decode_input(data: bytes) -> CoreInput:
 
 def decode_output(data: bytes) -> CoreOutput:
     return _output_decoder.decode(data)
+
+
+# ---- the client a front end holds ----------------------------------------------------------------
+
+
+class EngineCoreClient(ABC):
+    """How a front end talks to its core, wherever the core runs: `ember.frontend.core_client.MPClient`
+    (its own process) or `ember.core.inproc_client.InprocClient` (this process)."""
+
+    ready: EngineCoreReady
+    failure: str | None = None  # set once the core has stopped on an error
+
+    @abstractmethod
+    def wait_ready(self, timeout: float | None = None) -> EngineCoreReady:
+        """The core's fixed facts once it is ready; EngineStartError when it could not start."""
+
+    @abstractmethod
+    def send(self, message: CoreInput) -> None:
+        ...
+
+    @abstractmethod
+    def get_output(self, timeout: float | None = None) -> list[CoreOutput]:
+        """The core's next outputs, or [] when none came within `timeout` seconds (None: no limit
+        while the core has work; an idle in-process core returns at once)."""
+
+    @abstractmethod
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """End the core (and its tensor-parallel ranks). Idempotent."""
+
+    @property
+    def is_alive(self) -> bool:
+        return self.failure is None
+
+
+# ---- start-up of a core process -------------------------------------------------------------------
+
+BOOTSTRAP_LENGTH = struct.Struct("<I")
+
+
+class CoreBootstrap(msgspec.Struct):
+    """What a core process reads from its stdin first (length-prefixed msgpack)."""
+
+    args: EngineArgs
+    input_address: str  # the front end's PUSH socket, bound
+    output_address: str  # the front end's PULL socket, bound
+    heartbeat_interval: float = 1.0  # seconds between heartbeats once ready; 0: none
+
+    def write(self, stream: IO[bytes]) -> None:
+        data = msgspec.msgpack.encode(self)
+        stream.write(BOOTSTRAP_LENGTH.pack(len(data)) + data)
+        stream.flush()

@@ -21,13 +21,13 @@ import uuid
 from collections.abc import AsyncIterator
 
 from ember.config import EngineArgs
-from ember.engine.core_client import EngineCoreClient, make_client
-from ember.engine.errors import EngineDeadError, QueueFullError, RequestFailedError
-from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
+from ember.frontend.core_client import EngineCoreClient, make_client
+from ember.frontend.errors import EngineDeadError, QueueFullError, RequestFailedError
+from ember.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
                                    UtilityCall, UtilityResult)
-from ember.engine.metrics import IterationStats, PrometheusStatLogger
-from ember.engine.output import OutputProcessor, RequestOutput, RequestState
-from ember.engine.processor import ModelFacts, Processor, PromptType, load_content_filter, needs_tokenizing
+from ember.frontend.metrics import IterationStats, PrometheusStatLogger
+from ember.frontend.output import OutputProcessor, RequestOutput, RequestState
+from ember.frontend.processor import ModelFacts, Processor, PromptType, load_content_filter, needs_tokenizing
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
 

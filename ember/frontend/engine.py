@@ -20,12 +20,12 @@ from collections import deque
 import msgspec
 
 from ember.config import EngineArgs
-from ember.engine.core_client import EngineCoreClient, make_client
-from ember.engine.errors import EngineDeadError
-from ember.engine.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
+from ember.frontend.core_client import EngineCoreClient, make_client
+from ember.frontend.errors import EngineDeadError
+from ember.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
                                    UtilityCall, UtilityResult)
-from ember.engine.output import OutputProcessor, RequestOutput
-from ember.engine.processor import ModelFacts, Processor, PromptType, load_content_filter
+from ember.frontend.output import OutputProcessor, RequestOutput
+from ember.frontend.processor import ModelFacts, Processor, PromptType, load_content_filter
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
 

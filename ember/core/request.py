@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
-from ember.engine.messages import EngineCoreRequest
+from ember.messages import EngineCoreRequest
 from ember.sampling.params import SamplingParams
 
 

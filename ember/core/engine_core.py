@@ -28,12 +28,12 @@ from concurrent.futures import wait as wait_futures
 import torch
 
 from ember.config import EngineArgs, ModelConfig
-from ember.engine.block_manager import BlockManager
-from ember.engine.grammar import GrammarManager, consume
-from ember.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+from ember.core.block_manager import BlockManager
+from ember.core.grammar import GrammarManager, consume
+from ember.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                    Logprobs, SchedulerStats)
-from ember.engine.request import Request, RequestStatus
-from ember.engine.scheduler import ScheduledBatch, Scheduler
+from ember.core.request import Request, RequestStatus
+from ember.core.scheduler import ScheduledBatch, Scheduler
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
 from ember.runner.model_runner import ModelRunner, PendingStep, StepResult

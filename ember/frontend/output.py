@@ -13,10 +13,10 @@ import bisect
 import logging
 from dataclasses import dataclass, field
 
-from ember.engine.content_filter import ContentFilter
-from ember.engine.detokenizer import Finish, IncrementalDetokenizer
-from ember.engine.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs
-from ember.engine.metrics import IterationStats
+from ember.frontend.content_filter import ContentFilter
+from ember.frontend.detokenizer import Finish, IncrementalDetokenizer
+from ember.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs
+from ember.frontend.metrics import IterationStats
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 

@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ember.config import SchedulerConfig
-from ember.engine.block_manager import BlockManager
-from ember.engine.request import Request, RequestStatus
+from ember.core.block_manager import BlockManager
+from ember.core.request import Request, RequestStatus
 
 
 @dataclass

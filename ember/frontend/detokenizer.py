@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ember.engine.content_filter import ContentFilter
+from ember.frontend.content_filter import ContentFilter
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from ember.config import EngineArgs
-from ember.engine.engine import LLMEngine
-from ember.engine.output import RequestOutput
-from ember.engine.processor import PromptType
+from ember.frontend.engine import LLMEngine
+from ember.frontend.output import RequestOutput
+from ember.frontend.processor import PromptType
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 

@@ -1,4 +1,4 @@
-"""The engine core's own process: `python -m ember.engine.core_process`, started by `MPClient`.
+"""The engine core's own process: `python -m ember.core.process`, started by `MPClient`.
 
 Three threads. The main thread runs the `CoreLoop` (schedule, launch, collect); an input thread
 receives and decodes the front end's messages; an output thread encodes and sends each step's
@@ -28,10 +28,10 @@ import threading
 import msgspec
 import zmq
 
-from ember.engine.core import EngineCore
-from ember.engine.core_client import BOOTSTRAP_LENGTH, CoreBootstrap
-from ember.engine.core_loop import CoreLoop
-from ember.engine.messages import CoreOutput, EngineCoreFailed, EngineCoreHeartbeat, decode_input, encode
+from ember.core.engine_core import EngineCore
+from ember.messages import BOOTSTRAP_LENGTH, CoreBootstrap
+from ember.core.loop import CoreLoop
+from ember.messages import CoreOutput, EngineCoreFailed, EngineCoreHeartbeat, decode_input, encode
 
 logger = logging.getLogger("ember")
 _LINGER_MS = 5000  # how long closing waits for queued outputs to leave
