@@ -1,0 +1,297 @@
+/* The rest of a decode layer fused, and the whole layer in one call (part of kernels.c's one translation unit: see there) */
+
+#include "kernels.h"
+
+/* ==== fused decode-layer ops (float32): residual add + RMSNorm, rotary + KV store, gate/up + SiLU ====
+ * What a CPU decode layer runs between its GEMVs, each in one call instead of 3-6 PyTorch ops of
+ * ~6-12 us apiece (the data is a few KB: the ops' dispatch, not their arithmetic, was the cost). */
+
+/* Rows of an elementwise op run on the calling thread below this many elements (a decode step's few KB) */
+#define ROWS_PARALLEL_MIN (1 << 16)
+
+#ifdef __AVX512F__
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+#endif
+
+/* One row: sum = x + residual (when residual), out = sum * rsqrt(mean(sum^2) + eps) * w, float32 as
+ * F.rms_norm computes it (the sum of squares in another order). */
+static void add_rms_norm_row(const float *x, const float *res, const float *w, float *out, float *sum, int64_t n,
+                             float eps) {
+    const float *s = x;
+    if (res) {
+        for (int64_t i = 0; i < n; i++) sum[i] = x[i] + res[i];
+        s = sum;
+    }
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), s + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float ss = _mm512_reduce_add_ps(acc);
+#else
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += s[i] * s[i];
+#endif
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = s[i] * r * w[i];
+}
+
+static void norm_rows(const float *x, const float *res, const float *w, float *out, float *sum, int64_t M,
+                      int64_t N, float eps, int threads) {
+    if (M * N < ROWS_PARALLEL_MIN) threads = 1;
+    int64_t m;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (m = 0; m < M; m++)
+        add_rms_norm_row(x + m * N, res ? res + m * N : NULL, w, out + m * N, res ? sum + m * N : NULL, N, eps);
+}
+
+/* add_rms_norm(x, residual, weight, out, sum, M, N, eps, threads): residual 0 normalises x alone (sum
+ * unused) */
+static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[9];
+    double f[9];
+    if (parse(args, nargs, 9, "add_rms_norm", v, f, 1u << 7) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    norm_rows(PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], (float)f[7], (int)v[8]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* One head in place, neox style: x[i] * cos[i] + x[i +- D/2] * sin_signed[i] (sin_signed: sin with its
+ * first half negated), a product then a sum, no FMA, so bit for bit RotaryEmbedding's CPU ops. */
+static void rotate_head(float *x, const float *c, const float *s, int64_t half) {
+#ifdef __AVX512F__
+    for (int64_t i = 0; i < half; i += 16) {
+        __mmask16 m = tail_mask(half - i);
+        __m512 a = _mm512_maskz_loadu_ps(m, x + i), b = _mm512_maskz_loadu_ps(m, x + half + i);
+        __m512 lo = _mm512_add_ps(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, c + i)),
+                                  _mm512_mul_ps(b, _mm512_maskz_loadu_ps(m, s + i)));
+        __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_maskz_loadu_ps(m, c + half + i)),
+                                  _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s + half + i)));
+        _mm512_mask_storeu_ps(x + i, m, lo);
+        _mm512_mask_storeu_ps(x + half + i, m, hi);
+    }
+#else
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[half + i];
+        x[i] = a * c[i] + b * s[i];
+        x[half + i] = b * c[half + i] + a * s[half + i];
+    }
+#endif
+}
+
+/* rotary_store(qkv, row_stride, positions, cos, sin_signed, table_rows, k_cache, v_cache, slots,
+ *              cache_slots, T, Hq, Hk, D, threads)
+ * qkv float32 [T, row_stride]: Hq query heads, Hk key heads, Hk value heads of D each from column 0.
+ * The query and key heads are rotated in place at positions (int64 [T], rows of the [table_rows, D]
+ * tables); then keys and values are copied to slot slots[t] of the [cache_slots, Hk, D] caches (-1:
+ * none). Positions and slots out of range raise before anything is written. */
+/* Query and key heads: each RMS-normalised in place first where q_norm / k_norm (float32 [D]) are given
+ * (Qwen3's QK norm), then rotated; keys and values then copied to their slots. */
+static void rotate_store_rows(float *qkv, int64_t stride, const int64_t *pos, const float *cos, const float *sin,
+                              float *kc, float *vc, const int64_t *slots, int64_t T, int64_t Hq, int64_t Hk, int64_t D,
+                              const float *q_norm, const float *k_norm, float eps, int threads) {
+    if (T * (Hq + 2 * Hk) * D < ROWS_PARALLEL_MIN) threads = 1;
+    const size_t kv_bytes = sizeof(float) * (size_t)(Hk * D);
+    int64_t t;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (t = 0; t < T; t++) {
+        float *row = qkv + t * stride;
+        for (int64_t h = 0; h < Hq + Hk; h++) {
+            const float *w = h < Hq ? q_norm : k_norm;
+            if (w) add_rms_norm_row(row + h * D, NULL, w, row + h * D, NULL, D, eps);
+            rotate_head(row + h * D, cos + pos[t] * D, sin + pos[t] * D, D / 2);
+        }
+        if (slots[t] >= 0) {
+            memcpy(kc + slots[t] * Hk * D, row + Hq * D, kv_bytes);
+            memcpy(vc + slots[t] * Hk * D, row + (Hq + Hk) * D, kv_bytes);
+        }
+    }
+}
+
+/* IndexError unless every position is a row of the tables and every slot one of the cache's (or -1) */
+static int check_positions(const char *name, const int64_t *pos, const int64_t *slots, int64_t T, int64_t rows,
+                           int64_t cache_slots) {
+    for (int64_t t = 0; t < T; t++) {
+        if (pos[t] < 0 || pos[t] >= rows || slots[t] < -1 || slots[t] >= cache_slots) {
+            PyErr_Format(PyExc_IndexError, "%s: token %lld has position %lld (table of %lld) and slot %lld (cache "
+                         "of %lld)", name, (long long)t, (long long)pos[t], (long long)rows, (long long)slots[t],
+                         (long long)cache_slots);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *rotary_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[15];
+    if (parse(args, nargs, 15, "rotary_store", v, NULL, 0) < 0) return NULL;
+    float *qkv = PTR(v[0]), *kc = PTR(v[6]), *vc = PTR(v[7]);
+    const int64_t *pos = PTR(v[2]), *slots = PTR(v[8]);
+    const float *cos = PTR(v[3]), *sin = PTR(v[4]);
+    const int64_t stride = v[1], T = v[10], Hq = v[11], Hk = v[12], D = v[13];
+    if (check_positions("rotary_store", pos, slots, T, v[5], v[9]) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rotate_store_rows(qkv, stride, pos, cos, sin, kc, vc, slots, T, Hq, Hk, D, NULL, NULL, 0.f, (int)v[14]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* out[m, i] = silu(y[m, i]) * y[m, I + i], silu(g) = g / (1 + exp(-g)) computed as g * sigmoid(g) from
+ * e = exp(-|g|) (exp512's domain, and no overflow): sigmoid = 1 / (1 + e) for g >= 0, e / (1 + e) below */
+static void silu_mul_row(const float *y, float *out, int64_t I) {
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < I; i += 16) {
+        __mmask16 m = tail_mask(I - i);
+        __m512 g = _mm512_maskz_loadu_ps(m, y + i), u = _mm512_maskz_loadu_ps(m, y + I + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), one, e);
+        __m512 silu = _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu, u));
+    }
+#else
+    for (int64_t i = 0; i < I; i++) out[i] = y[i] / (1.f + expf(-y[i])) * y[I + i];
+#endif
+}
+
+/* a->y [M, 2I] = x @ [G; U]^T (a->N = 2I), then out [M, I] = silu(gate) * up */
+static int gemv_silu(gemv_args *a, float *out, int bits, int threads) {
+    if (gemv(a, bits, threads) < 0) return -1;
+    const int64_t M = a->M, I = a->N / 2;
+    if (M * I < ROWS_PARALLEL_MIN) threads = 1;
+    int64_t m;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (m = 0; m < M; m++) silu_mul_row(a->y + m * 2 * I, out + m * I, I);
+    return 0;
+}
+
+/* gemv_silu_q{4,8}(x, codes, scales, zeros, out, M, K, I, group, threads, half): the fused gate/up GEMV
+ * (rows [0, I) gate, [I, 2I) up) into a scratch [M, 2I], then out [M, I] = silu(gate) * up */
+static PyObject *gemv_silu_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
+    int64_t v[11];
+    if (!bf16_built(bits, name) || parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
+    const int64_t M = v[5], I = v[7];
+    /* a scratch per call: freed blocks this size come back from malloc's free lists (glibc raises its
+     * mmap threshold to a freed block's size), so this costs nanoseconds against a GEMV's microseconds */
+    float *y = malloc(sizeof(float) * (size_t)(M * 2 * I));
+    if (!y) return PyErr_NoMemory();
+    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), y, M, v[6], 2 * I, v[8], (int)v[10], NULL};
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = gemv_silu(&a, PTR(v[4]), bits, (int)v[9]);
+    Py_END_ALLOW_THREADS
+    free(y);
+    if (status < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *gemv_silu_q4(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_silu_entry(args, nargs, 4, "gemv_silu_q4");
+}
+
+static PyObject *gemv_silu_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_silu_entry(args, nargs, 8, "gemv_silu_q8");
+}
+
+static PyObject *gemv_silu_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_silu_entry(args, nargs, 16, "gemv_silu_q4_bf16");
+}
+
+/* ---- a whole decode layer in one call ---- */
+
+/* a weight as decode_layer takes it: 6 ints (codes, scales, zeros, group, half, bits: 4, 8 or 16) */
+typedef struct {
+    const void *codes, *scales, *zeros;
+    int64_t group;
+    int half, bits;
+} weight_ref;
+
+static weight_ref weight_at(const int64_t *v) {
+    weight_ref w = {PTR(v[0]), PTR(v[1]), PTR(v[2]), v[3], (int)v[4], (int)v[5]};
+    return w;
+}
+
+static gemv_args gemv_of(const weight_ref *w, const float *x, float *y, int64_t M, int64_t K, int64_t N) {
+    gemv_args a = {x, w->codes, w->scales, w->zeros, y, M, K, N, w->group, w->half, NULL};
+    return a;
+}
+
+/* decode_layer(x, residual, in_norm, post_norm, qkv[6], o[6], gate_up[6], down[6], positions, cos, sin_signed,
+ *              table_rows, k_cache, v_cache, cache_slots, slots, tables, table_stride, seq_lens, block_size,
+ *              window, M, H, Hq, Hk, D, I, threads, out, residual_out, q_norm, k_norm, eps, scale, cap,
+ *              qk_eps, qkv_bias)
+ * A Llama decoder layer for M one-token sequences, the calls a layer's modules make one by one, in the
+ * same order with the same kernels (so bit for bit their result): residual add + RMSNorm, QKV GEMV,
+ * rotary + KV store, paged attention, o GEMV, residual add + RMSNorm, gate/up GEMV + SiLU, down GEMV.
+ * qkv_bias (0: none): Qwen2's, added to the QKV GEMV's output as QuantLinear adds it.
+ * q_norm / k_norm (0: none): Qwen3's per-head RMSNorm before rotary, which the modules compute with
+ * PyTorch's rms_norm (the same formula, its own summation order).
+ * residual 0: the first layer (x is the embedding, which becomes the residual). out [M, H] is the MLP
+ * output and residual_out [M, H] the residual stream, as DecoderLayer.forward returns them. */
+static PyObject *decode_layer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[57];
+    double f[57];
+    if (parse(args, nargs, 57, "decode_layer", v, f, 1ull << 52 | 1ull << 53 | 1ull << 54 | 1ull << 55) < 0)
+        return NULL;
+    const float *qkv_bias = PTR(v[56]);
+    const float *x = PTR(v[0]), *res = PTR(v[1]), *in_w = PTR(v[2]), *post_w = PTR(v[3]);
+    const weight_ref wqkv = weight_at(v + 4), wo = weight_at(v + 10), wgu = weight_at(v + 16), wd = weight_at(v + 22);
+    const int64_t *pos = PTR(v[28]), *slots = PTR(v[35]);
+    const float *cos = PTR(v[29]), *sin = PTR(v[30]);
+    float *kc = PTR(v[32]), *vc = PTR(v[33]), *out = PTR(v[48]), *res_out = PTR(v[49]);
+    const int64_t M = v[41], H = v[42], Hq = v[43], Hk = v[44], D = v[45], I = v[46];
+    const int threads = (int)v[47];
+    const float eps = (float)f[52], qk_eps = (float)f[55];
+    const int64_t width = (Hq + 2 * Hk) * D;
+    const int any_bf16 = wqkv.bits == 16 || wo.bits == 16 || wgu.bits == 16 || wd.bits == 16;
+    if (!bf16_built(any_bf16 ? 16 : 0, "decode_layer")) return NULL;
+    attn_args at = {NULL, kc, vc, PTR(v[36]), PTR(v[38]), NULL, NULL, width, v[37], Hq, Hk, D, v[39], v[40],
+                    (float)f[53], (float)f[54]};
+    if (!attention_fits(&at)) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: group, head dim or block size too large");
+        return NULL;
+    }
+    if (check_positions("decode_layer", pos, slots, M, v[31], v[34]) < 0) return NULL;
+    /* scratch: normed x, qkv, attention output, o output, normed h, gate/up output, SiLU output */
+    const int64_t sizes[7] = {M * H, M * width, M * Hq * D, M * H, M * H, M * 2 * I, M * I};
+    int64_t total = 0;
+    for (int i = 0; i < 7; i++) total += sizes[i];
+    float *scratch = malloc(sizeof(float) * (size_t)total), *buf[7];
+    if (!scratch) return PyErr_NoMemory();
+    buf[0] = scratch;
+    for (int i = 1; i < 7; i++) buf[i] = buf[i - 1] + sizes[i - 1];
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (res) {
+        norm_rows(x, res, in_w, buf[0], res_out, M, H, eps, threads);
+    } else {
+        memcpy(res_out, x, sizeof(float) * (size_t)(M * H));
+        norm_rows(x, NULL, in_w, buf[0], NULL, M, H, eps, threads);
+    }
+    gemv_args a = gemv_of(&wqkv, buf[0], buf[1], M, H, width);
+    status |= gemv(&a, wqkv.bits, threads);
+    if (qkv_bias)
+        for (int64_t i = 0; i < M * width; i++) buf[1][i] += qkv_bias[i % width];
+    rotate_store_rows(buf[1], width, pos, cos, sin, kc, vc, slots, M, Hq, Hk, D, PTR(v[50]), PTR(v[51]), qk_eps,
+                      threads);
+    at.q = buf[1];
+    at.out = buf[2];
+    attend(&at, M, threads);
+    a = gemv_of(&wo, buf[2], buf[3], M, Hq * D, H);
+    status |= gemv(&a, wo.bits, threads);
+    norm_rows(buf[3], res_out, post_w, buf[4], res_out, M, H, eps, threads);
+    a = gemv_of(&wgu, buf[4], buf[5], M, H, 2 * I);
+    status |= gemv_silu(&a, buf[6], wgu.bits, threads);
+    a = gemv_of(&wd, buf[6], out, M, I, H);
+    status |= gemv(&a, wd.bits, threads);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    if (status < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* ==== end of the fused decode-layer ops ==== */

@@ -1,0 +1,84 @@
+/* What every kernel family shares: the includes, the tile sizes, float16 parameters and the
+ * argument parsing of the Python entry points. See kernels.c for the module as a whole. */
+
+#ifndef EMBER_CPU_KERNELS_H
+#define EMBER_CPU_KERNELS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* the tile loops, fully unrolled so their accumulators live in registers (without it GCC 12 kept
+ * some tiles' accumulators on the stack) */
+#define UNROLL _Pragma("GCC unroll 8")
+#define MT 8 /* activation rows per tile: each weight chunk is dequantized once per tile */
+#define NR 4 /* output rows per block */
+/* Codes are prefetched this far ahead of the loads: from DRAM, without it the GEMVs of one decode
+ * step's weights (30 SmolLM2 layers, 66 MB) read 12 GB/s with two threads; 1-16 KB ahead measured
+ * 15-24 GB/s, 4 KB the best (the machine shared, so within noise of 8 KB). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+static inline int64_t groups(int64_t K, int64_t group) { return (K + group - 1) / group; }
+
+/* A float16's value (exact in float32) */
+static inline float half_to_float(uint16_t h) {
+#ifdef __AVX512F__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
+    if (exp == 0x1F) {
+        u = sign | 0x7F800000 | (man << 13);
+    } else if (exp) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    } else {
+        u = sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* Element i of a float32 (half 0) or float16 (half 1) array */
+static inline float param(const void *p, int64_t i, int half) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* ---- argument parsing: every argument is a Python int (pointers, sizes) or float ---- */
+
+/* ints[i] = args[i] as an integer, or floats[i] where bit i of float_mask is set */
+static int parse(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *name, int64_t *ints,
+                 double *floats, uint64_t float_mask) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (float_mask >> i & 1) {
+            floats[i] = PyFloat_AsDouble(args[i]);
+        } else {
+            ints[i] = PyLong_AsLongLong(args[i]);
+        }
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+#define PTR(v) ((void *)(intptr_t)(v))
+
+#endif
