@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.batch.cli import add_run_batch_parser
     from ember.bench.serve import add_bench_parser
     from ember.server.args import add_serve_parser
+    from ember.server.launch import cmd_serve
 
-    add_serve_parser(sub)
+    add_serve_parser(sub).set_defaults(func=cmd_serve)
     add_run_batch_parser(sub)
     add_bench_parser(sub)
     return parser

@@ -397,16 +397,6 @@ class EngineArgs:
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}")
 
-    @property
-    def torch_device(self) -> torch.device:
-        import torch
-
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device is 'cuda' but no CUDA GPU is available to PyTorch")
-        return torch.device(self.device)
-
     def runner_config(self, device: torch.device, checkpoint_dtype: str | None) -> RunnerConfig:
         """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
         if self.dtype != "auto":

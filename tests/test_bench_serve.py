@@ -42,7 +42,7 @@ def server_url(llama_dir):
     """`ember serve` in a subprocess on a free port; its start-up log line says which."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ember.server.serve", str(llama_dir), "--port", "0", "--device", "cpu",
+        [sys.executable, "-m", "ember.server.launch", str(llama_dir), "--port", "0", "--device", "cpu",
          "--kv-cache-memory", "0.05", "--max-model-len", str(MAX_MODEL_LEN)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue[str | None] = queue.Queue()

@@ -205,7 +205,7 @@ def _cmdline(pid: int) -> str:
 
 
 class Serve:
-    """`python -m ember.server.serve` with its stderr in a file (a pipe nobody reads could fill up and
+    """`python -m ember.server.launch` with its stderr in a file (a pipe nobody reads could fill up and
     stall it). Use as a context manager: on exit every process it started is killed, whatever happened."""
 
     def __init__(self, model_dir: Path, log: Path, *flags: str) -> None:
@@ -216,7 +216,7 @@ class Serve:
         env.pop("EMBER_API_KEY", None)
         with open(log, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ember.server.serve", str(model_dir), "--port", str(self.port),
+                [sys.executable, "-m", "ember.server.launch", str(model_dir), "--port", str(self.port),
                  "--device", "cpu", "--dtype", "float32", *flags],
                 stdout=subprocess.DEVNULL, stderr=err, env=env)
         self.pids: set[int] = set()  # every descendant seen, killed at exit if still there
@@ -466,7 +466,7 @@ def test_core_start_failure_is_a_one_line_error_naming_the_file(llama_dir, tmp_p
     weights = model / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)  # an interrupted download
     env = {**os.environ, "EMBER_LOGGING_LEVEL": "WARNING"}
-    r = subprocess.run([sys.executable, "-m", "ember.server.serve", str(model), "--port", "0", "--device", "cpu"],
+    r = subprocess.run([sys.executable, "-m", "ember.server.launch", str(model), "--port", "0", "--device", "cpu"],
                        capture_output=True, text=True, env=env, timeout=120, check=False)
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]

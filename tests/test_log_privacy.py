@@ -36,7 +36,7 @@ def _serve(model_dir, level: str, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "EMBER_LOGGING_LEVEL": level, "PYTHONUNBUFFERED": "1"}
     env.pop("EMBER_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "ember.server.serve", str(model_dir), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "ember.server.launch", str(model_dir), "--port", str(port),
                              "--kv-cache-memory", "0.02", "--max-model-len", "256", "--log-requests",
                              "--uvicorn-log-level", "trace" if level == "DEBUG" else level.lower(), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -223,7 +223,7 @@ def test_taken_port_fails_at_once_without_starting_the_core(llama_dir):
     port = free_port()
     with socket.create_server(("127.0.0.1", port)):
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "ember.server.serve", str(llama_dir), "--port", str(port)],
+        proc = subprocess.run([sys.executable, "-m", "ember.server.launch", str(llama_dir), "--port", str(port)],
                               capture_output=True, text=True, timeout=60)
         elapsed = time.monotonic() - start
     assert proc.returncode == 2

@@ -440,7 +440,7 @@ def test_serve_module_reports_bad_model_in_one_line(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "ember.server.serve", str(tmp_path / "missing"), "--port", "0"],
+    r = subprocess.run([sys.executable, "-m", "ember.server.launch", str(tmp_path / "missing"), "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error:"), r.stderr
     assert "Traceback" not in r.stderr

@@ -152,7 +152,7 @@ def _start_serve(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "EMBER_LOGGING_LEVEL": "INFO"}
     env.pop("EMBER_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "ember.server.serve", str(model_dir), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "ember.server.launch", str(model_dir), "--port", str(port),
                              "--kv-cache-memory", "0.05", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -36,6 +36,7 @@ from ember.core.request import Request, RequestStatus
 from ember.core.scheduler import ScheduledBatch, Scheduler
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
+from ember.runner.device import resolve_device
 from ember.runner.model_runner import ModelRunner, PendingStep, StepResult
 from ember.runner.tp_workers import TensorParallelGroup
 
@@ -48,7 +49,7 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         start = time.monotonic()
         files = load_model_files(args)
-        device = args.torch_device
+        device = resolve_device(args.device)
         cache_config = args.cache_config()
         self.scheduler_config = args.scheduler_config(files.model_config, device)
         self.max_model_len = self.scheduler_config.max_model_len

@@ -22,6 +22,7 @@ import torch
 from ember.config import EngineArgs, launched_by_torchrun
 from ember.distributed import destroy_tensor_parallel, init_tensor_parallel
 from ember.model.loader import load_model_files
+from ember.runner.device import resolve_device
 from ember.runner.model_runner import ModelRunner
 from ember.runner.step_broadcast import send_stop
 
@@ -36,7 +37,7 @@ class TensorParallelError(RuntimeError):
 
 def rank_device(args: EngineArgs, local_rank: int) -> torch.device:
     """Rank r uses GPU r of its machine (CUDA_VISIBLE_DEVICES picks which), or the CPU."""
-    device = args.torch_device
+    device = resolve_device(args.device)
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,12 +38,11 @@ class ServerSettings:
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_serve_args(serve)
-    serve.set_defaults(func=cmd_serve)
     return serve
 
 
 class _Default:
-    """Wraps a flag's default so `cmd_serve` can tell it from a typed value that a YAML entry must not override."""
+    """Wraps a flag's default so `resolve_args` can tell it from a typed value that a YAML entry must not override."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -161,43 +159,3 @@ def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettin
                               shutdown_timeout=ns.shutdown_timeout, tool_call_parser=ns.tool_call_parser,
                               reasoning_parser=ns.reasoning_parser, fastapi_docs=not ns.disable_fastapi_docs)
     return args, settings
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound; a ValueError saying why when it cannot be (port taken)."""
-    try:
-        family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                           flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, type_, proto)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
-
-
-def cmd_serve(ns: argparse.Namespace) -> int:
-    """Bind the port, start the engine core, then import the web stack and serve: the core's torch
-    import and model load run while this process imports FastAPI and builds the tokenizer. The port
-    comes first so that a taken one fails in a fraction of a second, with no core to stop."""
-    ns = resolve_args(ns)
-    args, settings = settings_from_args(ns)
-    sock = bind_socket(ns.host, ns.port)
-    from ember.frontend.core_client import make_client
-
-    try:
-        client = make_client(args, args.engine_process is not False)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        from ember.server.serve import run_server
-    except BaseException:
-        sock.close()
-        client.shutdown()
-        raise
-    return run_server(ns, sock, args, settings, client)

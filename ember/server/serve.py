@@ -1,6 +1,6 @@
-"""`ember serve`: the OpenAI-compatible server from the command line.
+"""`ember serve`'s server: uvicorn with Ember's drain, the engine loaded beside it.
 
-The engine core's process is started first (`ember.server.args` does it before this module's web
+The engine core's process is started first (`ember.server.launch` does it before this module's web
 stack is imported), so it imports torch and loads the model while this process imports FastAPI,
 binds the port and loads the tokenizer; `/health` answers 503 until the core is ready, and
 orchestrators can tell "starting" from "dead". On SIGTERM/SIGINT the server keeps its socket
@@ -18,7 +18,6 @@ import contextlib
 import logging
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -29,7 +28,7 @@ from ember.frontend.async_llm import AsyncLLM
 from ember.frontend.core_client import EngineCoreClient
 from ember.logger import route_server_logs
 from ember.server.app import ServerState, build_app
-from ember.server.args import ServerSettings, add_serve_args, cmd_serve
+from ember.server.args import ServerSettings
 
 logger = logging.getLogger("ember")
 
@@ -42,7 +41,7 @@ _DEAD_ENGINE_GRACE_S = 2.0
 
 def run_server(ns: argparse.Namespace, sock: socket.socket, args: EngineArgs, settings: ServerSettings,
                client: EngineCoreClient) -> int:
-    """Serve on `sock` (bound by `cmd_serve`) until stopped."""
+    """Serve on `sock` (bound by `ember.server.launch`) until stopped."""
     try:
         return asyncio.run(_serve(ns, sock, args, settings, client))
     finally:
@@ -160,18 +159,3 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket, args: EngineArgs, 
     if not state.draining:
         await state.close()
     return server.exit_code
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ember.server.serve ...`, the same as `ember serve ...`."""
-    parser = argparse.ArgumentParser(prog="ember serve", description="Ember's OpenAI-compatible server")
-    add_serve_args(parser)
-    try:
-        return cmd_serve(parser.parse_args(argv))
-    except ValueError as e:  # bad flags, bad model files, a taken port: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
