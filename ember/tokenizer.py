@@ -6,7 +6,6 @@ Built by `ember.model.loader` from an HF directory or a GGUF vocabulary; nothing
 
 from __future__ import annotations
 
-import json
 import re
 from functools import lru_cache
 from typing import Any
@@ -26,7 +25,9 @@ class Tokenizer:
         self.all_special_ids = sorted(i for i, t in added.items() if t.special)
         self._added_ids = set(added)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(tok.to_str()).get("decoder"))
+        # The decoder's own JSON (what pickling it gives), not the whole tokenizer's: serialising and parsing
+        # all of the default model's 49k-token vocabulary and merges for this cost 0.13 s of each build.
+        self._byte_level = tok.decoder is not None and b'"ByteLevel"' in tok.decoder.__getstate__()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids

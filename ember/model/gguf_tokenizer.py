@@ -2,8 +2,8 @@
 
 llama.cpp stores the vocabulary, merges (or SentencePiece scores), special-token kinds and the
 pre-tokenizer's name in the file's metadata; this module turns them back into the HF tokenizer the
-model was trained with. The front end builds it (it tokenizes and detokenizes); the engine core,
-which sees only token ids, never does.
+model was trained with. The front end builds it (it tokenizes and detokenizes); the engine core
+builds it only for its first structured-output request, from the vocabulary it read with the weights.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tokenizers.models import BPE
 
 from ember.model.errors import ModelLoadError
 from ember.model.gguf_reader import GGUFFile, GGUFFormatError
+from ember.model.reads import BUILT_TOKENIZER, PARSED_GGUF, logged_read
 
 # Tokens llama.cpp marks as CONTROL or USER_DEFINED must be matched whole, never split by BPE.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -35,10 +36,10 @@ _QWEN2_SPLIT = (
 class GGUFMetadata:
     """Access to GGUF key/value fields, raising ModelLoadError that names the file."""
 
-    def __init__(self, path: str, reader: GGUFFile) -> None:
+    def __init__(self, path: str, fields: dict[str, Any], reader: GGUFFile | None = None) -> None:
         self.path = path
         self.reader = reader
-        self.fields = reader.fields
+        self.fields = fields
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
@@ -49,10 +50,18 @@ class GGUFMetadata:
             raise ModelLoadError(self.path, f"GGUF metadata lacks {key!r}")
         return value
 
+    def tokenizer_part(self) -> GGUFMetadata:
+        """The `tokenizer.*` keys alone, without the file (its memory map stays mapped as long as the
+        reader lives): what a vocabulary keeps, so that the engine core can build the tokenizer long
+        after its weights are loaded and the file closed."""
+        return GGUFMetadata(self.path, {k: v for k, v in self.fields.items() if k.startswith("tokenizer.")})
+
 
 def open_gguf(path: str) -> GGUFMetadata:
     try:
-        return GGUFMetadata(path, GGUFFile(path))
+        with logged_read(PARSED_GGUF, path):
+            reader = GGUFFile(path)
+        return GGUFMetadata(path, reader.fields, reader)
     except (GGUFFormatError, OSError) as exc:
         raise ModelLoadError(path, f"not a valid GGUF file ({type(exc).__name__}: {exc})") from exc
 
@@ -76,7 +85,7 @@ class GGUFVocab:
         model = meta.require("tokenizer.ggml.model")
         eos_ids = [token_id for key in ("eos_token_id", "eot_token_id", "eom_token_id")
                    if (token_id := meta.get(f"tokenizer.ggml.{key}")) is not None]
-        return cls(meta, tokens, model, meta.get("tokenizer.ggml.bos_token_id"),
+        return cls(meta.tokenizer_part(), tokens, model, meta.get("tokenizer.ggml.bos_token_id"),
                    meta.get("tokenizer.ggml.eos_token_id"), list(dict.fromkeys(eos_ids)),
                    bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
                    meta.get("tokenizer.chat_template"))
@@ -90,7 +99,8 @@ class GGUFVocab:
         return self.tokens[self.eos_id] if self.eos_id is not None else None
 
     def build(self) -> tokenizers.Tokenizer:
-        return _tokenizer(self.meta, self.model, self.tokens, self.bos_id if self.add_bos_token else None)
+        with logged_read(BUILT_TOKENIZER, self.meta.path):
+            return _tokenizer(self.meta, self.model, self.tokens, self.bos_id if self.add_bos_token else None)
 
 
 def _tokenizer(

@@ -1,11 +1,13 @@
 """Read a model's config and weights for the engine core, without `transformers`.
 
 The tokenizer and sampling defaults are the front end's business (`ember.model.files`); the core
-sees token ids only, so it never builds a tokenizer.
+sees token ids only, and builds the tokenizer only for its first structured-output request, from
+what this module read (`ModelFiles.model_info`): each file is parsed once per process.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from collections.abc import Callable, Iterator
@@ -18,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from ember.config import EngineArgs, ModelConfig
 from ember.model.errors import ModelLoadError
-from ember.model.files import model_path, read_json
+from ember.model.files import ModelInfo, gguf_info, hf_info, model_path, read_config, read_json
 from ember.model.gguf import load_gguf
 from ember.model.registry import model_class
 from ember.quant.checkpoints import METHODS, checkpoint_format, quantized_weights
@@ -34,6 +36,7 @@ class ModelFiles:
     source: str
     model_config: ModelConfig
     checkpoint_dtype: str | None
+    model_info: Callable[[], ModelInfo]  # the front end's facts (the tokenizer), built from what was read here
     weights: Callable[[], WeightIterator] | None = None  # None: random weights (--load-format dummy)
     quantization: str = "none"  # resolved: "none", "gguf" (weights arrive quantized), or a mode to apply
     prequantized: bool = False  # an HF checkpoint's quantization_config (quantization names its method)
@@ -49,9 +52,9 @@ def load_model_files(args: EngineArgs) -> ModelFiles:
     path, is_gguf = model_path(args)
     if is_gguf:
         quantization = args.quantization or "gguf"
-        files = _gguf_files(path, args.load_format == "dummy", keep_quantized=quantization == "gguf")
+        files = _gguf_files(args, path, keep_quantized=quantization == "gguf")
     else:
-        files = _hf_files(path, args.load_format)
+        files = _hf_files(args, path)
         quantization = _hf_quantization(args.quantization, files, path)
     files.quantization = quantization
     return files
@@ -75,25 +78,24 @@ def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str
     return requested or "none"
 
 
-def _gguf_files(path: str, dummy: bool, keep_quantized: bool) -> ModelFiles:
-    g = load_gguf(path)
+def _gguf_files(args: EngineArgs, path: str, keep_quantized: bool) -> ModelFiles:
+    g, dummy = load_gguf(path), args.load_format == "dummy"
     weights = None if dummy else lambda: ((name, torch.from_numpy(t) if isinstance(t, np.ndarray) else t)
                                           for name, t in g.tensors(keep_quantized=keep_quantized))
     return ModelFiles(source=path, model_config=_model_config(g.hf_config, path), checkpoint_dtype=None,
-                      weights=weights)
+                      model_info=functools.partial(gguf_info, args, g.vocab), weights=weights)
 
 
-def _hf_files(path: str, load_format: str) -> ModelFiles:
+def _hf_files(args: EngineArgs, path: str) -> ModelFiles:
     config_file = os.path.join(path, "config.json")
-    cfg = read_json(config_file)
-    if cfg is None:
-        raise ModelLoadError(config_file, "file not found")
-    weights = None if load_format == "dummy" else _safetensors_weights(path)
+    cfg = read_config(path)
+    weights = None if args.load_format == "dummy" else _safetensors_weights(path)
     fmt = checkpoint_format(cfg, config_file)
     if fmt is not None and weights is not None:
         weights = _assembled(weights, fmt, path)
     return ModelFiles(source=path, model_config=_model_config(cfg, config_file),
-                      checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"), weights=weights,
+                      checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                      model_info=functools.partial(hf_info, args, path, cfg), weights=weights,
                       quantization=fmt.method if fmt is not None else "none", prequantized=fmt is not None,
                       fp8_weights=fmt is not None and fmt.fp8)
 
