@@ -31,7 +31,7 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from ember.frontend.llm import LLM
+from ember.llm import LLM
 from ember.sampling.params import SamplingParams
 
 TOP_OPS = 15

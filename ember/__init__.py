@@ -11,7 +11,7 @@ from ember.logger import init_logging
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "LLM": "ember.frontend.llm",
+    "LLM": "ember.llm",
     "AsyncLLM": "ember.frontend.async_llm",
     "LLMEngine": "ember.frontend.engine",
     "EngineArgs": "ember.config",

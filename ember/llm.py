@@ -1,4 +1,7 @@
-"""The offline API, vLLM-compatible: `LLM(model).generate(prompts, sampling_params)` and `.chat(...)`."""
+"""The offline API, vLLM-compatible: `LLM(model).generate(prompts, sampling_params)` and `.chat(...)`.
+
+An entry point like `ember serve` rather than a part of the front end: `run_batch` answers each line
+with the server's own request code (`ember.batch.local`), so `LLM` sits above both."""
 
 from __future__ import annotations
 
