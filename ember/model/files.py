@@ -18,7 +18,7 @@ from typing import Any
 import tokenizers
 
 from ember.config import DEFAULT_MODEL, EngineArgs
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.gguf_tokenizer import GGUFVocab, open_gguf
 from ember.tokenizer import Tokenizer
 

@@ -15,7 +15,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.gguf_reader import GGUFFile, GGUFFormatError
 
 # Tokens llama.cpp marks as CONTROL or USER_DEFINED must be matched whole, never split by BPE.

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ember.config import EngineArgs, ModelConfig
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.files import model_path, read_json
 from ember.model.gguf import load_gguf
 from ember.model.registry import model_class
