@@ -142,7 +142,8 @@ class RotaryEmbedding(nn.Module):
         direct call; the model's layers call the one they chose at load)."""
         return self.implementation(registry.target(q.device, q.dtype), q.shape[-1])(self, positions, q, k)
 
-    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor,
+                  num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for queries and keys that are adjacent in each row: qk is [T, Hq + Hk, D], the query
         heads first (the fused QKV output's first columns)."""
         impl = self.implementation(registry.target(qk.device, qk.dtype), qk.shape[-1])

@@ -14,6 +14,7 @@ from torch import nn
 
 from ember.cpu_native import ops as native
 from ember.ops import registry
+from ember.ops.linear_cpu import DenseInt8Linear
 from ember.ops.linear_native import NativeLinear
 from ember.ops.screened_argmax import ScreenedArgmax
 from ember.quant.formats import QuantizedWeight, concat_out, dequantize, same_format
@@ -81,7 +82,7 @@ class QuantLinear(nn.Module):
 
     def cpu_dense_weight(self) -> torch.Tensor | None:
         """The whole weight when it is one part kept as a dense CPU copy, else None."""
-        if len(self.matmuls) == 1 and getattr(self.matmuls[0], "layout", None) == "dense":
+        if len(self.matmuls) == 1 and isinstance(self.matmuls[0], DenseInt8Linear):
             return self.matmuls[0].dense
         return None
 

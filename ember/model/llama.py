@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.cpu_native import ops as native
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.errors import ModelLoadError
 from ember.model import gpt_oss
@@ -129,9 +128,8 @@ class DecoderLayer(nn.Module):
 
     def choose_kernels(self) -> None:
         """The whole-layer native decode (ember/ops/decode_layer.py) where the layer, as loaded, is what
-        it computes; asked again once the weights are loaded or quantized."""
-        self._decode = registry.decode_layer_impl(self._target, _native_decode_weights(self),
-                                                  self.self_attn.native_rotary_tables())
+        it computes; asked again once the weights are loaded or quantized (CausalLM._choose_kernels)."""
+        self._decode = registry.decode_layer_impl(self._target, self)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,43 +153,6 @@ class DecoderLayer(nn.Module):
         """A decode step of the whole layer in one native call where the layer chose it; None where the
         modules run (prefill rows, other layers, other devices)."""
         return self._decode(positions, h, residual, meta, self.self_attn.k_cache, self.self_attn.v_cache)
-
-
-def _native_decode_weights(layer: DecoderLayer) -> native.DecodeLayerWeights | None:
-    """What `ops.decode_layer` needs of `layer`, where it computes what the layer's modules do: two plain
-    RMSNorms, full neox rotary, no bias but Qwen2's on QKV, no QK norm but Qwen3's, no sinks, an unscaled
-    cache, a SiLU gated MLP, every projection one native weight, one rank."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if (layer.sandwich or tp_size() != 1 or not isinstance(mlp, GatedMLP) or mlp.act != "silu"
-            or not all(map(_plain_rms_norm, norms)) or norms[0].eps != norms[1].eps or attn.sinks is not None
-            or not _plain_qk_norm(attn) or attn.native_rotary_tables() is None):
-        return None
-    # native weights exist only on CPU where the kernels were built at load (so no GPU model builds them)
-    qkv = attn.qkv_proj.native_gemv_parts() if isinstance(attn.qkv_proj, QuantLinear) else None
-    linears = (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    weights = [lin.native_gemv_weight() if isinstance(lin, QuantLinear) else None for lin in linears]
-    if qkv is None or any(w is None for w in weights):
-        return None
-    weights.insert(0, qkv[0])
-    qk_norms = [None if n is None else n.weight.detach().contiguous() for n in (attn.q_norm, attn.k_norm)]
-    return native.DecodeLayerWeights(
-        norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous(), norms[0].eps, *weights,
-        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.sliding_window or 0,
-        attn.logits_soft_cap or 0.0, *qk_norms, attn.q_norm.eps if attn.q_norm is not None else 0.0,
-        None if qkv[1] is None else qkv[1].contiguous())
-
-
-def _plain_rms_norm(norm: nn.Module) -> bool:
-    """Llama's RMSNorm (not Gemma's 1 + w) with a float32 weight: what the kernels' RMSNorm computes."""
-    return type(norm) is RMSNorm and norm.weight.dtype == torch.float32
-
-
-def _plain_qk_norm(attn: Attention) -> bool:
-    """No QK norm, or Qwen3's: plain RMSNorms over each head, one eps."""
-    if attn.q_norm is None:
-        return True
-    return _plain_rms_norm(attn.q_norm) and _plain_rms_norm(attn.k_norm) and attn.q_norm.eps == attn.k_norm.eps
 
 
 class DecoderModel(nn.Module):

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ember.ops.linear import DequantizeLinear, LinearImpl
 from ember.ops.target import Target
 from ember.quant.formats import QuantizedWeight, codes, dense_weight, dequantize, shape_only
 from ember.quant.quantize import quantize_fp8_activations
@@ -148,9 +147,10 @@ _CPU = Target(torch.device("cpu"), torch.float32, triton=False, native=False)
 def _cpu_layout(w: QuantizedWeight, dtype: torch.dtype) -> tuple[str, tuple[torch.Tensor, ...]]:
     """The layout PyTorch's CPU operators get for `w` (the native kernels aside), as its name and
     tensors: "dequantize" (none) where no operator fits."""
-    impl: LinearImpl = next((cls(w, dtype) for cls in TORCH_CPU_LINEARS if cls.can_implement(_CPU, w)),
-                            DequantizeLinear(w, dtype))
-    return getattr(impl, "layout", "dequantize"), tuple(impl.tensors())
+    cls = next((cls for cls in TORCH_CPU_LINEARS if cls.can_implement(_CPU, w)), None)
+    if cls is None:
+        return "dequantize", ()
+    return cls.layout, tuple(cls(w, dtype).tensors())
 
 
 def _dense(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

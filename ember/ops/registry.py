@@ -94,6 +94,6 @@ def moe_impl(t: Target) -> moe.TritonMoe | moe.TorchMoe:
     return _first(MOE, t)()
 
 
-def decode_layer_impl(t: Target, weights: native.DecodeLayerWeights | None,
-                      tables: tuple[torch.Tensor, torch.Tensor] | None) -> NativeDecodeLayer | Unfused:
-    return _first(DECODE_LAYER, t, weights, tables)(weights, tables)
+def decode_layer_impl(t: Target, layer: Any) -> NativeDecodeLayer | Unfused:
+    """A decoder layer's whole decode step, as its modules are once loaded."""
+    return _first(DECODE_LAYER, t, layer)(layer)
