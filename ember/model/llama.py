@@ -27,7 +27,7 @@ from ember.model.linear import QuantEmbedding, QuantLinear, quantize_module
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
 from ember.model.sharding import ShardLayout, read_shard
 from ember.ops import registry
-from ember.ops.attention import AttentionMetadata, CacheShape, Masking
+from ember.ops.attention import AttentionMetadata, AttentionShape, Masking
 from ember.quant.formats import QuantizedWeight
 from ember.quant.quantize import method_for
 
@@ -73,8 +73,8 @@ class Attention(nn.Module):
         if k_cache is None:
             return
         _, block_size, num_kv_heads, head_dim = k_cache.shape
-        cache = CacheShape(k_cache.dtype, self.num_heads, num_kv_heads, head_dim, block_size)
-        self._attention = registry.attention_impl(self._target, cache)
+        shape = AttentionShape(k_cache.dtype, self.num_heads, num_kv_heads, head_dim, block_size)
+        self._attention = registry.attention_impl(self._target, shape)
         self._masking = Masking(self.sliding_window, self.logits_soft_cap, self.sinks)
         self._rotary_store = registry.rotary_store_impl(self._target, k_cache.dtype, self.native_rotary_tables(),
                                                         self.q_norm is not None, self.num_heads, self.head_dim)

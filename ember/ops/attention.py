@@ -65,8 +65,9 @@ def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
 
 
 @dataclass(frozen=True)
-class CacheShape:
-    """What the implementations are chosen by, known once a layer's cache is set."""
+class AttentionShape:
+    """What the implementations are chosen by, known once a layer's cache is set: the cache's dtype and
+    shape, and the query heads attending to it."""
 
     dtype: torch.dtype
     num_heads: int
@@ -77,7 +78,7 @@ class CacheShape:
 
 class TritonAttention:
     @staticmethod
-    def can_implement(target: Target, cache: CacheShape) -> bool:
+    def can_implement(target: Target, shape: AttentionShape) -> bool:
         return target.triton
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -112,7 +113,7 @@ class TorchAttention:
     its own, with a causal mask offset by the chunk's cached context."""
 
     @staticmethod
-    def can_implement(target: Target, cache: CacheShape) -> bool:
+    def can_implement(target: Target, shape: AttentionShape) -> bool:
         return True
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -185,9 +186,9 @@ class NativeDecodeAttention(TorchAttention):
     (ember/cpu_native: no gather, one pass)."""
 
     @staticmethod
-    def can_implement(target: Target, cache: CacheShape) -> bool:
-        return (target.native and cache.dtype == target.dtype == torch.float32
-                and native.attention_shape_fits(cache.num_heads, cache.num_kv_heads, cache.head_dim, cache.block_size))
+    def can_implement(target: Target, shape: AttentionShape) -> bool:
+        return (target.native and shape.dtype == target.dtype == torch.float32
+                and native.attention_shape_fits(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, k_scale: KVScale, v_scale: KVScale, masking: Masking) -> torch.Tensor:

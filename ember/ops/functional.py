@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 
 from ember.ops import registry
-from ember.ops.attention import AttentionMetadata, CacheShape, Masking
+from ember.ops.attention import AttentionMetadata, AttentionShape, Masking
 from ember.quant.kv_scale import KVScale
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, *, k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> None:
     """k, v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]; the scales as in `quantize_kv`."""
-    impl = registry.attention_impl(registry.target(k.device, k.dtype), _cache_shape(k.shape[1], k_cache))
+    impl = registry.attention_impl(registry.target(k.device, k.dtype), _shape(k.shape[1], k_cache))
     impl.store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -29,10 +29,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     logits_soft_cap: scaled scores s become cap * tanh(s / cap) before masking and softmax (Gemma 2).
     sinks: float32 [Hq], one logit per query head that joins every softmax denominator without a value
     (gpt-oss): out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))."""
-    impl = registry.attention_impl(registry.target(q.device, q.dtype), _cache_shape(q.shape[1], k_cache))
+    impl = registry.attention_impl(registry.target(q.device, q.dtype), _shape(q.shape[1], k_cache))
     return impl(q, k_cache, v_cache, meta, scale, k_scale, v_scale, Masking(sliding_window, logits_soft_cap, sinks))
 
 
-def _cache_shape(num_heads: int, k_cache: torch.Tensor) -> CacheShape:
+def _shape(num_heads: int, k_cache: torch.Tensor) -> AttentionShape:
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return CacheShape(k_cache.dtype, num_heads, num_kv_heads, head_dim, block_size)
+    return AttentionShape(k_cache.dtype, num_heads, num_kv_heads, head_dim, block_size)

@@ -63,8 +63,9 @@ def linear_impl(t: Target, w: QuantizedWeight | torch.Tensor, dtype: torch.dtype
     return impl
 
 
-def attention_impl(t: Target, cache: attention.CacheShape) -> attention.TorchAttention | attention.TritonAttention:
-    return _first(ATTENTION, t, cache)()
+def attention_impl(t: Target,
+                   shape: attention.AttentionShape) -> attention.TorchAttention | attention.TritonAttention:
+    return _first(ATTENTION, t, shape)()
 
 
 def norm_impl(t: Target, style: str) -> norm.NormImpl:
