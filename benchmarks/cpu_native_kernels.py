@@ -10,7 +10,7 @@ model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and 3 KV he
 - `head`: the 49152 x 576 int8 (Q8_0-like) LM head: native GEMV against the bf16 `F.linear` the
   fallback's screen runs;
 - `attention`: decode attention over 30 layers' paged float32 caches (block 16, shuffled tables):
-  native against the fallback's gather + SDPA (`_torch_decode` with EMBER_CPU_NATIVE=0).
+  native against the fallback's gather + SDPA (ember.ops.attention's `TorchAttention.decode`).
 
 Minimum over `--repeats` of each. Wall times: meaningful on a quiet machine only (check `loadavg`).
 
@@ -34,9 +34,9 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
 from ember.cpu_native import ops
-from ember.model import attention
+from ember.model.linear import QuantLinear
+from ember.ops import attention
 from ember.quant.formats import QuantizedWeight, pack_int4
-from ember.quant.linear import QuantLinear
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) per layer
@@ -143,11 +143,10 @@ def decode_attention(rows: list[int], seq_lens: list[int], repeats: int) -> list
             lens = torch.full((nd,), seq_len, dtype=torch.int32)
             q = torch.randn(nd, HEADS, HEAD_DIM, generator=gen)
             row = {"sequences": nd, "seq_len": seq_len}
-            for name, flag in (("native", "1"), ("pytorch", "0")):
-                os.environ["EMBER_CPU_NATIVE"] = flag
+            for name, impl in (("native", attention.NativeDecodeAttention()), ("pytorch", attention.TorchAttention())):
                 meta = _decode_metadata(tables, lens)  # one per step, shared by the layers, as in the engine
-                row[f"{name}_ms"] = best_ms(lambda meta=meta, q=q, caches=caches: [
-                    attention._torch_decode(q, k, v, meta, HEAD_DIM ** -0.5, 1.0, 1.0, attention.Masking())
+                row[f"{name}_ms"] = best_ms(lambda meta=meta, q=q, caches=caches, impl=impl: [
+                    impl.decode(q, k, v, meta, HEAD_DIM ** -0.5, 1.0, 1.0, attention.Masking())
                     for k, v in caches], repeats)
             out.append(row)
     return out

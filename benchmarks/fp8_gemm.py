@@ -7,7 +7,7 @@ with 1x128 activation groups through the Triton block GEMM and through cuBLAS's 
 `torch._scaled_mm` where this PyTorch/cuBLAS supports it. Each path's result is checked against the
 float64 product once per shape. For M <= 16 it also sweeps the Triton GEMM's tile and split-K
 choices, for M >= 256 its tiles. It prints the crossover for
-`ember.quant.linear.FP8_BLOCK_SCALED_MM_MIN_ROWS` (the smallest M from which blockwise `_scaled_mm`
+`ember.ops.linear_gpu.FP8_BLOCK_SCALED_MM_MIN_ROWS` (the smallest M from which blockwise `_scaled_mm`
 beats the Triton GEMM on every shape, at that M and every larger one) and the best configs for the
 kernel's tile table.
 

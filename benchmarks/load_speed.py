@@ -12,7 +12,7 @@ read first, then the median of --repeat runs. Files:
 --llm also times `LLM()` construction on CPU (in-process engine) for both files: reading plus
 building the model, its CPU kernels' weight layouts and the KV cache. One more profiled construction
 (cProfile, wall clock) splits it into phases: front end (tokenizer, metadata), read + decode (the
-GGUF weight iterator), CPU packing (`_cpu_layout`, fused q/k/v and gate/up) and the rest (layers,
+GGUF weight iterator), CPU packing (ember/ops/linear_cpu.py's layouts, fused q/k/v and gate/up) and the rest (layers,
 KV cache, warm-up).
 
 Wall seconds on a shared machine include waiting for a core, so every run also reports CPU seconds
@@ -62,7 +62,7 @@ def build_llm(path: str) -> None:
 PHASES = {
     "front end (tokenizer, metadata)": [("ember/model/files.py", "load_model_info")],
     "read + decode weights": [("ember/model/gguf.py", "tensors")],
-    "CPU packing": [("ember/quant/linear.py", "_cpu_layout"), ("ember/quant/formats.py", "concat_out")],
+    "CPU packing": [("ember/ops/linear_cpu.py", "__init__"), ("ember/quant/formats.py", "concat_out")],
 }
 
 

@@ -23,8 +23,9 @@ from ember.kernels import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from ember.model import backend
-from ember.model.attention import AttentionMetadata, paged_attention
+from ember.ops import registry as backend
+from ember.ops.attention import AttentionMetadata
+from ember.ops.functional import paged_attention
 
 GROUP, HEAD_DIM, BLOCK = 2, 32, 8
 NUM_HEADS = NUM_KV_HEADS * GROUP

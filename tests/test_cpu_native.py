@@ -19,14 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
 from ember.cpu_native import build, ops
-from ember.quant import linear
+from ember.model.linear import QuantEmbedding, QuantLinear
+from ember.ops import linear_native as linear
+from ember.ops.linear_native import NATIVE_EXPAND_MIN_ROWS, row_bucket
 from ember.quant.formats import QuantizedWeight, codes, dense_weight, dequantize, pack_int4
-from ember.quant.linear import (
-    NATIVE_EXPAND_MIN_ROWS,
-    QuantEmbedding,
-    QuantLinear,
-    row_bucket,
-)
 from ember.quant.quantize import quantize
 
 

@@ -15,11 +15,12 @@ from conftest import default_gguf_path, make_checkpoint
 
 from ember import LLM
 from ember.cpu_native import ops
-from ember.model import layers, llama
+from ember.model import llama
 from ember.model.layers import RotaryEmbedding
-from ember.quant import linear
+from ember.model.linear import QuantLinear
+from ember.ops import linear_native as linear
+from ember.ops import norm as layers
 from ember.quant.formats import dequantize
-from ember.quant.linear import QuantLinear
 
 pytestmark = base.pytestmark
 # test_cpu_native's fixtures: the kernels on (autouse), and each kernel test run on both builds

@@ -27,9 +27,9 @@ from ember.kernels import (  # noqa: E402
     Fp8MatmulConfig, choose_fp8_matmul_config, fp8_block_matmul, fp8_block_matmul_ref, paged_decode_attention,
     paged_decode_attention_ref, paged_prefill_attention_ref, quantize_fp8_groups, store_kv,
 )
-from ember.model import backend  # noqa: E402
+from ember.ops import registry as backend  # noqa: E402
 from ember.quant.formats import FP8_DTYPE, QuantizedWeight, dequantize  # noqa: E402
-from ember.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
+from ember.model.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from ember.quant.kv_scale import quantize_kv  # noqa: E402
 from ember.quant.quantize import (  # noqa: E402
     quantize, quantize_fp8, quantize_fp8_activations, quantize_fp8_per_channel,
@@ -204,7 +204,7 @@ def test_gpu_path_matches_cpu_emulation(monkeypatch) -> None:
 def test_blockwise_scaled_mm_rows_match_the_triton_gemm(rows: int) -> None:
     """From FP8_BLOCK_SCALED_MM_MIN_ROWS rows a block-scaled layer runs cuBLAS's blockwise GEMM, its rows
     padded for cuBLAS; any row count gives the Triton block GEMM's result within fp32 summation order."""
-    from ember.quant import linear
+    from ember.ops import linear_gpu as linear
 
     gen = _gen("blockwise", rows)
     w = quantize_fp8(torch.randn(384, 512, generator=gen) * 0.05).to(DEVICE)

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 from ember.config import EngineArgs
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.files import load_model_info
 from ember.model.gguf import load_gguf
 from ember.model.gguf_blocks import dequantize

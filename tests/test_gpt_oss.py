@@ -323,7 +323,7 @@ def test_triton_path_matches_torch_path(checkpoint, mxfp4_pair, monkeypatch, mod
     """The engine on the kernels (sinks in decode and prefill attention, the fused MoE's biases and
     clamped SwiGLU, dense and MXFP4-as-int8 experts) gives the PyTorch path's tokens and logprobs, with
     a prefill chunk and decodes past the 8-key window."""
-    from ember.model import backend
+    from ember.ops import registry as backend
 
     path = checkpoint if model == "bf16-checkpoint" else mxfp4_pair[0]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)

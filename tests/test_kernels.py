@@ -24,9 +24,10 @@ from ember.kernels import (  # noqa: E402
     paged_prefill_attention_ref, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref, store_kv,
     store_kv_ref,
 )
-from ember.model import backend  # noqa: E402
-from ember.model.attention import AttentionMetadata, paged_attention  # noqa: E402
-from ember.model.attention import store_kv as model_store_kv  # noqa: E402
+from ember.ops import registry as backend  # noqa: E402
+from ember.ops.attention import AttentionMetadata  # noqa: E402
+from ember.ops.functional import paged_attention  # noqa: E402
+from ember.ops.functional import store_kv as model_store_kv  # noqa: E402
 from ember.quant.kv_scale import quantize_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

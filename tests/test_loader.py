@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.files import resolve_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -41,8 +41,9 @@ from test_tensor_parallel import _assert_same
 
 from ember import LLM, SamplingParams
 from ember.config import ModelConfig
-from ember.model.moe import FusedExperts, SparseMoeBlock, route
+from ember.model.moe import FusedExperts, SparseMoeBlock
 from ember.model.sharding import ShardLayout
+from ember.ops.moe import route
 from ember.quant.experts import (
     QuantizedExperts,
     dequantize_experts,
@@ -396,7 +397,7 @@ def test_triton_path_matches_torch_path(moe_checkpoints, gguf_twins, monkeypatch
     the PyTorch path's tokens and logprobs, with dense experts and with the GGUF file's Q4_0 / Q8_0
     experts (its other tensors float32, so both paths see the same weights)."""
     pytest.importorskip("ember.kernels.fused_moe", reason="the fused MoE kernels come with the kernels branch")
-    from ember.model import backend
+    from ember.ops import registry as backend
 
     path = moe_checkpoints["qwen3-moe-step2"] if model == "dense" else gguf_twins["qwen3-moe"][0]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)

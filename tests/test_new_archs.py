@@ -22,7 +22,8 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import DEVICE, WINDOWED_ARCHS, add_bpe_vocab, gguf_writer, make_checkpoint, write_gguf_and_twin
 from ember import LLM, SamplingParams
-from ember.model.attention import AttentionMetadata, paged_attention
+from ember.ops.attention import AttentionMetadata
+from ember.ops.functional import paged_attention
 from test_hf_equality import TOP, assert_output_matches, hf_greedy, hf_references
 
 ARCHS = tuple(WINDOWED_ARCHS)

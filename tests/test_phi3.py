@@ -21,7 +21,7 @@ from test_hf_equality import PROMPTS, TOP, assert_output_matches, hf_greedy
 
 from ember import LLM, SamplingParams
 from ember.model.gguf import load_gguf
-from ember.quant.linear import QuantLinear
+from ember.model.linear import QuantLinear
 
 # Phi-3-mini-4k-instruct's template (tokenizer_config.json)
 PHI3_TEMPLATE = (
@@ -133,8 +133,8 @@ def test_bad_longrope_factors_name_the_field(tmp_path):
 def test_partial_rotary_through_the_triton_kernel_matches_torch(monkeypatch):
     """The GPU path rotates the leading 3/4 of each head with the Triton kernel (here through its
     interpreter); the rest passes through untouched."""
-    from ember.model import backend
     from ember.model.layers import RotaryEmbedding
+    from ember.ops import registry as backend
 
     scaling = {**_longrope_scaling(12), "use_long_factors": True}
     rotary = RotaryEmbedding(16, 64, 10000.0, scaling, rotary_dim=12)

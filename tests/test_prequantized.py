@@ -21,11 +21,11 @@ from conftest import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from ember import LLM, EngineArgs, SamplingParams
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
+from ember.model.linear import QuantLinear
 from ember.model.loader import ModelFiles, load_model_files
 from ember.quant.checkpoints import gptq
 from ember.quant.formats import QuantizedWeight, dense_weight
-from ember.quant.linear import QuantLinear
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = ["The quick brown fox jumps", "def add(a, b):\n"]

@@ -32,7 +32,7 @@ from ember.kernels.quant_packed import (  # noqa: E402
 )
 from ember.model.gguf_blocks import quantized as gguf_quantized  # noqa: E402
 from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4  # noqa: E402
-from ember.quant.linear import PACKED_MAX_ROWS, gpu_matmul  # noqa: E402
+from ember.ops.linear_gpu import PACKED_MAX_ROWS, gpu_matmul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = os.environ.get("EMBER_KERNEL_TEST_FULL") == "1"

@@ -18,8 +18,8 @@ from conftest import DEVICE
 from benchmarks import quality
 from ember import LLM
 from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4, unpack_int4
-from ember.quant import linear
-from ember.quant.linear import QuantLinear
+from ember.ops import linear_cpu as linear
+from ember.model.linear import QuantLinear
 from ember.quant.quantize import quantize_fp8_per_channel, quantize_int4, quantize_int8
 
 TEXT = Path(quality.TEXT_PATH).read_text(encoding="utf-8")

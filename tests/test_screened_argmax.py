@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, inproc_core
 
 from ember import LLM, SamplingParams
-from ember.quant.screened_argmax import ScreenedArgmax
+from ember.ops.screened_argmax import ScreenedArgmax
 
 
 def test_screen_matches_float32_argmax_on_near_ties() -> None:

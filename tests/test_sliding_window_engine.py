@@ -10,7 +10,7 @@ from conftest import DEVICE
 from test_hf_equality import TOP, assert_output_matches, hf_greedy
 
 from ember import LLM, SamplingParams
-from ember.model import backend
+from ember.ops import registry as backend
 
 WINDOW = 8  # tests/conftest.py's tiny sliding-window checkpoints
 

@@ -28,8 +28,9 @@ from ember.kernels import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from ember.model import backend
-from ember.model.attention import AttentionMetadata, paged_attention
+from ember.ops import registry as backend
+from ember.ops.attention import AttentionMetadata
+from ember.ops.functional import paged_attention
 
 # e4m3fn's NaN bit pattern: the GPU reads NaN, the interpreter 480 (see test_kernels.paged_kv).
 FP8_NAN = 0x7F

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DEVICE
 from ember import LLM, SamplingParams
-from ember.model import backend
+from ember.ops import registry as backend
 
 
 @pytest.fixture

@@ -199,10 +199,10 @@ def dequantize(w: NativeWeight) -> torch.Tensor:
 def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_decode_attention` takes these: float32 queries and cache, sizes within its buffers."""
     return (q.dtype == k_cache.dtype == torch.float32
-            and _attention_shape_fits(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]))
+            and attention_shape_fits(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]))
 
 
-def _attention_shape_fits(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+def attention_shape_fits(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
     """kernels.c's attention buffers: MAX_GROUP_DIM query heads per KV head times head dim, MAX_BLOCK keys."""
     return heads % kv_heads == 0 and heads // kv_heads * head_dim <= _MAX_GROUP_DIM and block_size <= _MAX_BLOCK
 
@@ -212,7 +212,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            window: int | None = None, soft_cap: float | None = None,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One-token queries q float32 [nd, Hq, D] (rows may be strided, heads contiguous) against float32
-    caches [num_blocks, block_size, Hk, D], as `ember.model.attention.paged_attention` defines it:
+    caches [num_blocks, block_size, Hk, D], as `ember.ops.functional.paged_attention` defines it:
     the query of sequence i sits at position seq_lens[i] - 1 and sees keys p - window < j <= p;
     scores are scaled, then soft-capped (cap * tanh(s / cap)); sinks [Hq] join each softmax
     denominator. block_tables int32 [>= nd, W] (rows may be strided), seq_lens int32 [>= nd]."""
@@ -281,9 +281,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def rotary_store_fits(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> bool:
     """Whether `rotary_store` takes these: float32 [T, width] activations, tables and cache on CPU,
-    int64 positions and slots, and the kernels available (other cases keep the PyTorch ops)."""
+    int64 positions and slots (other cases keep the PyTorch ops; whether the kernels are available is the
+    caller's to ask, once)."""
     return (qkv.is_cpu and qkv.dim() == 2 and qkv.dtype == cos.dtype == k_cache.dtype == torch.float32
-            and positions.dtype == slot_mapping.dtype == torch.int64 and available())
+            and positions.dtype == slot_mapping.dtype == torch.int64)
 
 
 def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
@@ -370,7 +371,7 @@ def decode_layer_fits(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Te
     and slots. (Rows past the weights' GEMV crossover are the caller's to exclude.)"""
     return (x.dtype == k_cache.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.is_contiguous()
             and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
-            and _attention_shape_fits(w.num_q_heads, w.num_kv_heads, w.head_dim, k_cache.shape[1])
+            and attention_shape_fits(w.num_q_heads, w.num_kv_heads, w.head_dim, k_cache.shape[1])
             and positions.dtype == slot_mapping.dtype == torch.int64)
 
 

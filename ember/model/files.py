@@ -20,7 +20,7 @@ from typing import Any
 import tokenizers
 
 from ember.config import DEFAULT_MODEL, EngineArgs
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.gguf_tokenizer import GGUFVocab, open_gguf
 from ember.model.reads import BUILT_TOKENIZER, PARSED_JSON, logged_read
 from ember.tokenizer import Tokenizer

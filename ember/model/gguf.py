@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tokenizers
 
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.gguf_blocks import (
     FLOAT_TYPES,
     QUANTIZED_TYPES,

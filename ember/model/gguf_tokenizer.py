@@ -15,7 +15,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.gguf_reader import GGUFFile, GGUFFormatError
 from ember.model.reads import BUILT_TOKENIZER, PARSED_GGUF, logged_read
 

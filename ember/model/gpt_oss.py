@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.gguf import quantized_tensor
 from ember.quant.experts import QuantizedExperts
 

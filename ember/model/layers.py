@@ -1,4 +1,5 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks of the decoder: RMSNorm, rotary embedding, gated MLP; their kernels are the registry's
+choice (ember/ops), made when each is built.
 
 Numerics follow Hugging Face's reference implementations (norm statistics and rotary tables in
 float32) so that greedy outputs match token for token.
@@ -13,90 +14,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.cpu_native import ops as native
-from ember.model.backend import use_triton
-from ember.quant.linear import QuantLinear
+from ember.ops import registry, rotary
+from ember.ops.target import Target
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm, optionally fused with the residual add that precedes it (one kernel on CUDA, one native
-    call on CPU in float32: ember/cpu_native).
+    """RMSNorm, optionally fused with the residual add that precedes it (see ember/ops/norm.py).
 
     With `residual`, returns (norm(x + residual), x + residual), the sum rounded to the model
     dtype first, exactly as HF computes `residual + hidden_states` and then normalises.
     """
 
+    style = "llama"
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self._impl = registry.norm_impl(registry.target(self.weight.device, self.weight.dtype), self.style)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if use_triton(x):
-            from ember.kernels import fused_add_rms_norm, rms_norm
-
-            if residual is None:
-                return rms_norm(x, self.weight, self.eps)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if _native_norm_fits(x, residual, self.weight):
-            return _native_norm(x, residual, self.weight, self.eps)
-        if residual is not None:
-            x = x + residual
-            return self._norm(x), x
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # the same float32 ops in one call, bit for bit (tests/test_layers.py); in other dtypes it
-            # rounds differently from HF
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _native_norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
-    """Whether the native residual add + norm (ember/cpu_native) takes these: contiguous float32 [M, N]
-    rows on CPU, a float32 weight; other dtypes round as HF does, through the PyTorch ops."""
-    return (x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.is_cpu and x.is_contiguous()
-            and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
-            and native.available())
-
-
-def _native_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One native call for what the PyTorch path does in two or three ops (a decode step makes 61)."""
-    if residual is None:
-        return native.rms_norm(x, weight, eps)
-    return native.add_rms_norm(x, residual, weight, eps)
+        return self._impl(x, residual, self.weight, self.eps)
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm scales by (1 + w), with w as the checkpoint stores it (initialised to 0).
+    """Gemma's RMSNorm scales by (1 + w), with w as the checkpoint stores it (initialised to 0), in
+    float32 (see ember/ops/norm.py, TorchGemmaRMSNorm)."""
 
-    As transformers computes it: the normalised input times 1 + w, both in float32, rounded to x's
-    dtype once at the end (Llama rounds before scaling). The Triton kernels get the float32 1 + w and
-    round before scaling, which equals this in float32 only."""
+    style = "gemma"
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__(size, eps)
         self.weight.data.zero_()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        weight = self.weight.float() + 1.0
-        if use_triton(x):
-            from ember.kernels import fused_add_rms_norm, rms_norm
-
-            if residual is None:
-                return rms_norm(x, weight, self.eps)
-            return fused_add_rms_norm(x, residual, weight, self.eps)
-        if _native_norm_fits(x, residual, weight):
-            return _native_norm(x, residual, weight, self.eps)
-        if residual is not None:
-            x = x + residual
-            return F.rms_norm(x.float(), weight.shape, weight, self.eps).to(x.dtype), x
-        return F.rms_norm(x.float(), weight.shape, weight, self.eps).to(x.dtype)
+        return self._impl(x, residual, self.weight.float() + 1.0, self.eps)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -160,14 +112,13 @@ def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table per position.
+    """Neox-style rotary embedding's tables: a precomputed cos/sin row per position, shared by the layers
+    that use them; each layer rotates through the implementation it chose (ember/ops/rotary.py).
 
     Only the first `rotary_dim` channels of a head are rotated (partial_rotary_factor < 1, as in
-    Phi-4-mini); the rest pass through unchanged.
-
-    On CPU, rotate_half(x) * sin is computed as roll(x, D / 2) * sin_signed, sin with its first half
-    negated: the same products bit for bit, in one op instead of four. The rows for a step's
-    positions are looked up once and reused by every layer, which all share this module.
+    Phi-4-mini); the rest pass through unchanged. `sin_signed` is sin with its first half negated, what
+    the PyTorch path and the native kernels multiply roll(x, D / 2) by. The rows for a step's positions
+    are looked up once and reused by every layer.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
@@ -187,38 +138,26 @@ class RotaryEmbedding(nn.Module):
         self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]."""
-        rot = self.rotary_dim
-        if rot == q.shape[-1]:
-            return self._rotate(positions, q, k)
-        q_rot, k_rot = self._rotate(positions, q[..., :rot], k[..., :rot])
-        return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
+        """q: [T, Hq, D], k: [T, Hk, D], rotated by the implementation the registry gives these tensors (a
+        direct call; the model's layers call the one they chose at load)."""
+        return self.implementation(registry.target(q.device, q.dtype), q.shape[-1])(self, positions, q, k)
 
-    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor,
+                  num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for queries and keys that are adjacent in each row: qk is [T, Hq + Hk, D], the query
-        heads first (the fused QKV output's first columns). On CPU with every channel rotated, one pass
-        over both: four operator calls per layer instead of eight, bit for bit the same products."""
-        if use_triton(qk) or self.rotary_dim != qk.shape[-1]:
-            return self.forward(positions, qk[:, :num_q_heads], qk[:, num_q_heads:])
-        cos, sin = self._rows(positions, qk.dtype)
-        out = (qk * cos).add_(qk.roll(qk.shape[-1] // 2, dims=-1) * sin)
-        return out[:, :num_q_heads], out[:, num_q_heads:]
+        heads first (the fused QKV output's first columns)."""
+        impl = self.implementation(registry.target(qk.device, qk.dtype), qk.shape[-1])
+        return impl.rotate_qk(self, positions, qk, num_q_heads)
+
+    def implementation(self, target: Target, head_dim: int) -> rotary.TorchRotary | rotary.TritonRotary:
+        return registry.rotary_impl(target, self.rotary_dim == head_dim)
 
     def full_tables(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cos and signed sin tables [max_positions, head_dim] when every channel of a head is rotated
         (what the native fused rotary reads), else None."""
         return (self.cos, self.sin_signed) if self.rotary_dim == head_dim else None
 
-    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if use_triton(q):
-            from ember.kernels import apply_rotary
-
-            return apply_rotary(positions, q, k, self.cos, self.sin)
-        cos, sin = self._rows(positions, q.dtype)
-        half = q.shape[-1] // 2
-        return (q * cos).add_(q.roll(half, dims=-1) * sin), (k * cos).add_(k.roll(half, dims=-1) * sin)
-
-    def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin rows for `positions`, [T, 1, D]. Held while the same positions tensor
         (a step's, passed to every layer) keeps coming; the reference keeps its id from being reused."""
         if self._step is None or self._step[0] is not positions or self._step[1] != dtype:
@@ -237,7 +176,9 @@ class Embedding(nn.Embedding):
 
 class GatedMLP(nn.Module):
     """Gated feed-forward with the gate and up projections fused into one matmul: SwiGLU, or GELU-tanh
-    (Gemma, transformers' "gelu_pytorch_tanh"; no fused kernel, PyTorch ops on every device)."""
+    (Gemma, transformers' "gelu_pytorch_tanh"). The activation's implementation (ember/ops/activation.py)
+    is chosen when the layer is built and again once its projections are loaded or quantized
+    (`choose_kernels`): a native gate/up weight fuses its GEMV with SiLU."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
@@ -247,19 +188,11 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._target = registry.target(self.down_proj.weight.device, self.down_proj.weight.dtype)
+        self.choose_kernels()
+
+    def choose_kernels(self) -> None:
+        self._act = registry.activation_impl(self._target, self.act, self.gate_up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act == "silu" and isinstance(self.gate_up_proj, QuantLinear):
-            fused = self.gate_up_proj.native_silu_and_mul(x)  # CPU: GEMV and activation in one call
-            if fused is not None:
-                return self.down_proj(fused)
-        gate_up = self.gate_up_proj(x)
-        if self.act == "gelu_pytorch_tanh":
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if use_triton(x):
-            from ember.kernels import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self._act(self.gate_up_proj, x))

@@ -19,17 +19,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.cpu_native import ops as native
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from ember.errors import ModelLoadError
 from ember.model import gpt_oss
-from ember.model.attention import AttentionMetadata, paged_attention, store_kv
-from ember.model.backend import use_triton
-from ember.model.errors import ModelLoadError
 from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
+from ember.model.linear import QuantEmbedding, QuantLinear, quantize_module
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
 from ember.model.sharding import ShardLayout, read_shard
+from ember.ops import registry
+from ember.ops.attention import AttentionMetadata, AttentionShape, Masking
 from ember.quant.formats import QuantizedWeight
-from ember.quant.linear import QuantEmbedding, QuantLinear, native_expand_min_rows, quantize_module
+from ember.quant.quantize import method_for
 
 
 def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
@@ -57,12 +57,27 @@ class Attention(nn.Module):
         self.q_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.rotary = rotary
+        self._target = registry.target(self.o_proj.weight.device, self.o_proj.weight.dtype)
+        self._rope = rotary.implementation(self._target, self.head_dim)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         # fp8 KV: stored = value / scale. 1.0 (as vLLM without calibration) keeps |k|, |v| <= 448 exact
         # to e4m3's 3-bit mantissa; larger values saturate.
         self.k_scale = 1.0
         self.v_scale = 1.0
+
+    def bind_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
+        """Set this layer's KV cache (None: released) and choose the kernels its dtype and shape take
+        (ember/ops/attention.py; the fused native rotary and store, ember/ops/rotary.py)."""
+        self.k_cache, self.v_cache = k_cache, v_cache
+        if k_cache is None:
+            return
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        shape = AttentionShape(k_cache.dtype, self.num_heads, num_kv_heads, head_dim, block_size)
+        self._attention = registry.attention_impl(self._target, shape)
+        self._masking = Masking(self.sliding_window, self.logits_soft_cap, self.sinks)
+        self._rotary_store = registry.rotary_store_impl(self._target, k_cache.dtype, self.native_rotary_tables(),
+                                                        self.q_norm is not None, self.num_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -72,30 +87,19 @@ class Attention(nn.Module):
             qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             if self.q_norm is None:
-                q, k = self.rotary.rotate_qk(positions, qk, self.num_heads)
+                q, k = self._rope.rotate_qk(self.rotary, positions, qk, self.num_heads)
             else:
-                q, k = self.rotary(positions, self.q_norm(qk[:, :self.num_heads]),
-                                   self.k_norm(qk[:, self.num_heads:]))
-            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale,
-                     v_scale=self.v_scale)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale,
-                            v_scale=self.v_scale, sliding_window=self.sliding_window,
-                            logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
+                q, k = self._rope(self.rotary, positions, self.q_norm(qk[:, :self.num_heads]),
+                                  self.k_norm(qk[:, self.num_heads:]))
+            self._attention.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        o = self._attention(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
     def _native_rotary_store(self, positions: torch.Tensor, qkv: torch.Tensor,
                              meta: AttentionMetadata) -> torch.Tensor | None:
-        """On CPU with float32 activations and an unscaled float32 cache, every channel rotated and no QK
-        norm: rotary on the query and key heads in place and the keys and values into their slots, one
-        native call (ember/cpu_native) for the PyTorch path's split, rotary ops and two index_copy_
-        (decode and prefill rows alike). Returns the queries [T, Hq, D] (rows strided in qkv), or None
-        where the PyTorch path runs."""
-        tables = self.native_rotary_tables()
-        if (tables is None or self.q_norm is not None or self.k_cache is None
-                or not native.rotary_store_fits(qkv, positions, tables[0], self.k_cache, meta.slot_mapping)):
-            return None
-        native.rotary_store(qkv, positions, *tables, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads)
-        return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
+        """Rotary and the KV store in one native call where the layer chose it (ember/ops/rotary.py,
+        NativeRotaryStore): the queries [T, Hq, D], or None where the PyTorch path runs."""
+        return self._rotary_store(positions, qkv, self.k_cache, self.v_cache, meta.slot_mapping)
 
     def native_rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cos and signed sin tables the native fused rotary reads, where it computes this layer's
@@ -119,9 +123,13 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         self.sandwich = cfg.gemma_norms
         self.mlp = make_mlp(cfg, layout, layer)  # a dense MLP or a mixture of experts (ember/model/moe.py)
-        # (weights, rows below every projection's GEMV crossover) for `_native_decode`; None: never; False:
-        # not decided yet (at the first step, once the weights are loaded and quantized)
-        self._native_plan: tuple[native.DecodeLayerWeights, int] | None | bool = False
+        self._target = self.self_attn._target
+        self.choose_kernels()
+
+    def choose_kernels(self) -> None:
+        """The whole-layer native decode (ember/ops/decode_layer.py) where the layer, as loaded, is what
+        it computes; asked again once the weights are loaded or quantized (CausalLM._choose_kernels)."""
+        self._decode = registry.decode_layer_impl(self._target, self)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,57 +150,9 @@ class DecoderLayer(nn.Module):
 
     def _native_decode(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A CPU decode step of a plain Llama layer on native weights: the whole layer in one native call
-        (ops.decode_layer), bit for bit the native calls its modules make one by one, without their ~70 us
-        of Python a layer. None where the modules run (prefill rows, other layers, other devices)."""
-        if self._native_plan is False:
-            self._native_plan = _native_decode_plan(self)
-        plan, attn = self._native_plan, self.self_attn
-        if (plan is None or meta.num_decodes != h.shape[0] or h.shape[0] >= plan[1] or attn.k_cache is None
-                or use_triton(h)
-                or not native.decode_layer_fits(plan[0], h, residual, attn.k_cache, positions, meta.slot_mapping)):
-            return None
-        cos, sin_signed = attn.native_rotary_tables()
-        return native.decode_layer(plan[0], h, residual, positions, cos, sin_signed, attn.k_cache, attn.v_cache,
-                                   meta.slot_mapping, meta.block_tables, meta.seq_lens)
-
-
-def _native_decode_plan(layer: DecoderLayer) -> tuple[native.DecodeLayerWeights, int] | None:
-    """What `ops.decode_layer` needs of `layer`, where it computes what the layer's modules do: two plain
-    RMSNorms, full neox rotary, no bias but Qwen2's on QKV, no QK norm but Qwen3's, no sinks, an unscaled
-    cache, a SiLU gated MLP, every projection one native weight, one rank."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if (layer.sandwich or tp_size() != 1 or not isinstance(mlp, GatedMLP) or mlp.act != "silu"
-            or not all(map(_plain_rms_norm, norms)) or norms[0].eps != norms[1].eps or attn.sinks is not None
-            or not _plain_qk_norm(attn) or attn.native_rotary_tables() is None):
-        return None
-    # native weights exist only on CPU where the kernels were built at load (so no GPU model builds them)
-    qkv = attn.qkv_proj.native_gemv_parts() if isinstance(attn.qkv_proj, QuantLinear) else None
-    linears = (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    weights = [lin.native_gemv_weight() if isinstance(lin, QuantLinear) else None for lin in linears]
-    if qkv is None or any(w is None for w in weights):
-        return None
-    weights.insert(0, qkv[0])
-    qk_norms = [None if n is None else n.weight.detach().contiguous() for n in (attn.q_norm, attn.k_norm)]
-    plan = native.DecodeLayerWeights(
-        norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous(), norms[0].eps, *weights,
-        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.sliding_window or 0,
-        attn.logits_soft_cap or 0.0, *qk_norms, attn.q_norm.eps if attn.q_norm is not None else 0.0,
-        None if qkv[1] is None else qkv[1].contiguous())
-    return plan, min(native_expand_min_rows(w) for w in weights)
-
-
-def _plain_rms_norm(norm: nn.Module) -> bool:
-    """Llama's RMSNorm (not Gemma's 1 + w) with a float32 weight: what the kernels' RMSNorm computes."""
-    return type(norm) is RMSNorm and norm.weight.dtype == torch.float32
-
-
-def _plain_qk_norm(attn: Attention) -> bool:
-    """No QK norm, or Qwen3's: plain RMSNorms over each head, one eps."""
-    if attn.q_norm is None:
-        return True
-    return _plain_rms_norm(attn.q_norm) and _plain_rms_norm(attn.k_norm) and attn.q_norm.eps == attn.k_norm.eps
+        """A decode step of the whole layer in one native call where the layer chose it; None where the
+        modules run (prefill rows, other layers, other devices)."""
+        return self._decode(positions, h, residual, meta, self.self_attn.k_cache, self.self_attn.v_cache)
 
 
 class DecoderModel(nn.Module):
@@ -298,19 +258,24 @@ class CausalLM(nn.Module):
 
     def quantize(self, kind: str) -> None:
         """Replace every linear layer, the embedding and the LM head by quantized forms, one at a time so
-        only one float weight is ever held beside the quantized model.
-
-        int4 keeps the LM head (and a tied embedding) at int8: its error lands directly on the logits,
-        which is why llama.cpp's Q4 files also store output.weight at 6 bits or more."""
+        only one float weight is ever held beside the quantized model; the LM head (or a tied embedding)
+        takes the method ember.quant.quantize.method_for gives it."""
         dtype = self.model.norm.weight.dtype
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, (nn.Linear, nn.Embedding)):
-                    child_kind = "int8" if kind == "int4" and child is head else kind
-                    setattr(parent, name, quantize_module(child, child_kind, dtype, tied=self.lm_head is None))
+                    method = method_for(kind, lm_head=child is head)
+                    setattr(parent, name, quantize_module(child, method, dtype, tied=self.lm_head is None))
         for experts in self._experts():
             experts.quantize(kind)
+        self._choose_kernels()
+
+    def _choose_kernels(self) -> None:
+        """Let the layers whose kernels depend on their loaded or quantized weights choose again."""
+        for module in self.modules():
+            if isinstance(module, (GatedMLP, DecoderLayer)):
+                module.choose_kernels()
 
     def _experts(self) -> list[FusedExperts]:
         return [m for m in self.modules() if isinstance(m, FusedExperts)]
@@ -389,6 +354,7 @@ class CausalLM(nn.Module):
             self._install_quantized(name, shards, params[name])
         for experts in self._experts():
             experts.finish_loading(source)
+        self._choose_kernels()
 
     def _unstacked(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                    source: str) -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
@@ -439,3 +405,4 @@ class CausalLM(nn.Module):
                 param.data.fill_(0.0 if self.config.gemma_norms else 1.0)  # the identity either way
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
+        self._choose_kernels()

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ember.config import EngineArgs, ModelConfig
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.files import ModelInfo, gguf_info, hf_info, model_path, read_config, read_json
 from ember.model.gguf import load_gguf
 from ember.model.registry import model_class

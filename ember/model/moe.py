@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.model.backend import use_triton
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.layers import GatedMLP
 from ember.model.sharding import ShardLayout, read_shard
+from ember.ops import registry
 from ember.quant.experts import QuantizedExperts, dequantize_experts, quantize_experts
 from ember.quant.formats import dequantize, same_format
 
@@ -67,15 +67,6 @@ class Router(nn.Module):
         return F.linear(x, self.weight, self.bias).float()
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [M, k], expert ids [M, k]) as transformers computes them."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, layer: int) -> None:
         super().__init__()
@@ -84,18 +75,12 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = moe.renormalize
         self.gate = Router(moe.num_experts, cfg.hidden_size, moe.bias)
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, layout, layer, moe.bias, moe.swiglu)
+        # the fused MoE kernels, or the experts' PyTorch path (ember/ops/moe.py)
+        self._moe = registry.moe_impl(registry.target(self.gate.weight.device, self.gate.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the experts' outputs, [M, H] in x's dtype."""
-        logits = self.gate(x)
-        if use_triton(x):
-            from ember.kernels import fused_moe, moe_route
-
-            weights, ids = moe_route(logits, self.top_k, self.renormalize)
-            experts = self.experts
-            return fused_moe(x, experts.w13, experts.w2, weights, ids, b13=experts.b13, b2=experts.b2,
-                             swiglu=experts.swiglu)
-        return self.experts(x, *route(logits, self.top_k, self.renormalize))
+        return self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize)
 
 
 def _expert(w: torch.Tensor | QuantizedExperts, e: int, dtype: torch.dtype) -> torch.Tensor:

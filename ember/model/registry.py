@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ember.config import ModelConfig
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.model.llama import CausalLM
 
 SUPPORTED_ARCHITECTURES = (

@@ -171,3 +171,11 @@ def _cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     if tensors[0].device.type == "cpu" and tensors[0].dtype in _NUMPY_DTYPES:
         return torch.from_numpy(np.concatenate([t.numpy() for t in tensors]))
     return torch.cat(tensors)
+
+
+def shape_only(w: QuantizedWeight) -> QuantizedWeight:
+    """`w` without its codes and scales, for a layer whose own layout of them replaced the file's: its
+    format, shape and column order stay readable, and it holds no weight memory."""
+    empty = torch.empty(w.out_features, 0)
+    return QuantizedWeight(w.kind, empty.to(w.qweight.dtype), empty, None, w.group_size, w.in_features,
+                           w.block_rows, w.in_perm)

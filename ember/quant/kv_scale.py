@@ -6,8 +6,8 @@ dtype hold values as is and take scales of 1.0. Per-head scales are a float32 te
 the cache's device (a head whose keys run larger than its neighbours' keeps its precision); the kernels
 read them once per program, so they cost nothing per element, and a CUDA graph reads them at replay.
 These rules live in their own module, which imports no Triton (CPU installs have none), so the PyTorch
-path (ember.model.attention) and the kernels' references share them without the kernels importing model
-code. The fp8 type and its range are ember.quant.formats' FP8_DTYPE and FP8_MAX, shared with fp8 weights.
+path (ember.ops.attention) and the kernels' references share them without the kernels importing the ops
+above them. The fp8 type and its range are ember.quant.formats' FP8_DTYPE and FP8_MAX, shared with fp8 weights.
 """
 
 from __future__ import annotations

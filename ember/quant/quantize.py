@@ -92,5 +92,16 @@ QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4, "fp8": quantize_fp8,
               "ptpc_fp8": quantize_fp8_per_channel}
 
 
+# The method a `--quantization` method quantizes the LM head (and a tied embedding) with, where it differs:
+# int4 keeps the LM head at int8, since its error lands directly on the logits, which is why llama.cpp's
+# Q4 files also store output.weight at 6 bits or more.
+LM_HEAD_METHODS = {"int4": "int8"}
+
+
+def method_for(method: str, lm_head: bool) -> str:
+    """The method `--quantization method` quantizes one layer with: the LM head's own where it has one."""
+    return LM_HEAD_METHODS.get(method, method) if lm_head else method
+
+
 def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
     return QUANTIZERS[method](w)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ember.model.attention import AttentionMetadata
+from ember.ops.attention import AttentionMetadata
 from ember.runner.input_buffers import InputBuffers
 
 logger = logging.getLogger("ember")

@@ -29,13 +29,12 @@ class KVCache:
 
     def allocate(self, num_blocks: int) -> None:
         for attn in self.layers:
-            attn.k_cache = self._zeros((num_blocks, *self.block_shape))
-            attn.v_cache = self._zeros((num_blocks, *self.block_shape))
+            attn.bind_cache(self._zeros((num_blocks, *self.block_shape)), self._zeros((num_blocks, *self.block_shape)))
         self.num_blocks = num_blocks
 
     def release(self) -> None:
         for attn in self.layers:
-            attn.k_cache = attn.v_cache = None
+            attn.bind_cache(None, None)
         self.num_blocks = 0
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:

@@ -26,12 +26,12 @@ from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
 from ember.core.request import Request
 from ember.core.scheduler import ScheduledBatch
-from ember.model.attention import AttentionMetadata
+from ember.ops.attention import AttentionMetadata
 from ember.model.loader import ModelFiles
 from ember.model.moe import FusedExperts
 from ember.model.registry import model_class
 from ember.quant.formats import FP8_DTYPE
-from ember.quant.linear import QuantEmbedding, QuantLinear
+from ember.model.linear import QuantEmbedding, QuantLinear
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.quant.checkpoints import awq, compressed_tensors, fp8, gptq, mxfp4
 from ember.quant.checkpoints.base import CheckpointFormat, FormatReader
 from ember.quant.formats import FP8_DTYPE, QuantizedWeight

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.quant.formats import QuantizedWeight
 
 

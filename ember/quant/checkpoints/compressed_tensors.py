@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.quant.checkpoints.base import CheckpointFormat, check_shape
 from ember.quant.checkpoints.fp8 import fp8_weight
 from ember.quant.checkpoints.packing import act_order, affine_weight, unpack_int32

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ember.model.errors import ModelLoadError
+from ember.errors import ModelLoadError
 from ember.quant.checkpoints.base import CheckpointFormat, check_shape
 from ember.quant.formats import QuantizedWeight
 

@@ -1,4 +1,4 @@
-"""Errors raised while finding or reading model files."""
+"""Errors raised while finding or reading model files, by the loader and the quantized checkpoint readers."""
 
 
 class ModelLoadError(ValueError):

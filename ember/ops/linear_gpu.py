@@ -1,0 +1,176 @@
+"""Quantized matmuls through Triton: a GEMM that dequantizes in its inner loop for small batches (decode,
+bound by weight bandwidth), dequantize-then-cuBLAS for large ones (compute-bound, where the dequantize
+pass is amortised), and for fp8 (W8A8) activations quantized per token and group then a Triton
+block-scaled fp8 GEMM or `torch._scaled_mm`. The sizes at which they switch are measured
+(benchmarks/quant_gemm.py, benchmarks/fp8_gemm.py), not guessed.
+
+The Triton kernels are imported where they are called, so CPU-only paths never import Triton.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ember.ops.target import Target
+from ember.quant.formats import QuantizedWeight, shape_only
+
+if TYPE_CHECKING:
+    from ember.kernels.quant_packed import PackedQuantWeight
+
+# Rows at and below which the fused dequantizing GEMM beats dequantize + cuBLAS on an H200
+# (benchmarks/results/quant-gemm-cuda-2026-12-02.json: int8 crosses between 64 and 128 rows, int4,
+# whose dequantize pass is slower, between 128 and 256).
+GPU_FUSED_MAX_ROWS = {"int8": 64, "int4": 128}
+# Rows at and below which the packed kernel runs (the rows benchmarks/quant_gemm.py tunes it for);
+# above, the packed codes are dequantized for cuBLAS.
+PACKED_MAX_ROWS = 64
+# Rows from which cuBLAS's blockwise-scaled `torch._scaled_mm` (1x128 activation, 128x128 weight
+# scales) replaces the Triton block-scaled fp8 GEMM; None: Triton at every size. Set from
+# benchmarks/fp8_gemm.py on the H200 (fp8-gemm-cuda-2026-12-03.json): from 128 rows cuBLAS wins on
+# every 8B shape (256 rows, gate_up: 69.8 us against Triton's 120.3 and bf16's 105.8).
+FP8_BLOCK_SCALED_MM_MIN_ROWS: int | None = 128
+_SCALED_MM_ROW_MULTIPLE = 16
+
+
+class TritonPackedLinear:
+    """The packed decode layout (ember/kernels/quant_packed.py), made once at load for the int4/int8
+    CUDA weights it covers; it replaces the file's codes, so the weight's memory stays the same. The
+    packed kernel up to PACKED_MAX_ROWS rows, dequantize + cuBLAS above."""
+
+    permutes_input = True
+
+    @staticmethod
+    def can_implement(target: Target, w: QuantizedWeight) -> bool:
+        if not (target.triton and target.device.type == "cuda" and w.kind in GPU_FUSED_MAX_ROWS):
+            return False
+        from ember.kernels.quant_packed import packable
+
+        return packable(w)
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        from ember.kernels.quant_packed import pack_weight
+
+        self.packed = pack_weight(w)
+        self.weight = shape_only(w)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.packed.tensors()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _packed_matmul(x, self.packed)
+
+
+class TritonQuantLinear:
+    """int4/int8 weights without a packed layout: quant_matmul up to GPU_FUSED_MAX_ROWS, dequantize +
+    cuBLAS above."""
+
+    permutes_input = True
+
+    @staticmethod
+    def can_implement(target: Target, w: QuantizedWeight) -> bool:
+        return target.triton and w.kind in GPU_FUSED_MAX_ROWS
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.weight = w
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _fused_matmul(x, self.weight)
+
+
+def gpu_matmul(x: torch.Tensor, w: QuantizedWeight, packed: PackedQuantWeight | None) -> torch.Tensor:
+    """x @ W^T through Triton, as TritonPackedLinear (given `packed`) or TritonQuantLinear computes it."""
+    return _fused_matmul(x, w) if packed is None else _packed_matmul(x, packed)
+
+
+def _packed_matmul(x: torch.Tensor, packed: PackedQuantWeight) -> torch.Tensor:
+    from ember.kernels.quant_packed import dequantize_packed, packed_matmul
+
+    if x.shape[0] <= PACKED_MAX_ROWS:
+        return packed_matmul(x, packed)
+    return F.linear(x, dequantize_packed(packed, x.dtype))
+
+
+def _fused_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    from ember.kernels import dequantize_kernel, quant_matmul
+
+    if x.shape[0] <= GPU_FUSED_MAX_ROWS[w.kind]:
+        return quant_matmul(x, w)
+    return F.linear(x, dequantize_kernel(w, x.dtype))
+
+
+class TritonFp8ChannelLinear:
+    """W8A8 for per-channel fp8 weights: x gets dynamic scales per token (a group of all K), then
+    cuBLAS's row-wise `torch._scaled_mm`. The model runner refuses fp8 weights on CUDA devices without
+    fp8 tensor cores, at load."""
+
+    permutes_input = True
+
+    @staticmethod
+    def can_implement(target: Target, w: QuantizedWeight) -> bool:
+        return target.triton and w.kind == "fp8" and w.block_rows == 1 and w.group_size == w.in_features
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.weight = w
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from ember.kernels import quantize_fp8_groups
+
+        w = self.weight
+        xq, x_scales = quantize_fp8_groups(x.contiguous(), w.group_size)
+        return torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.t(), out_dtype=x.dtype)
+
+
+class TritonFp8BlockLinear:
+    """W8A8 for block-scaled fp8 weights: x gets dynamic scales per token and group of 128 inputs, then
+    the Triton block GEMM, or from FP8_BLOCK_SCALED_MM_MIN_ROWS rows cuBLAS's blockwise one."""
+
+    permutes_input = True
+
+    @staticmethod
+    def can_implement(target: Target, w: QuantizedWeight) -> bool:
+        return target.triton and w.kind == "fp8"
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.weight = w
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from ember.kernels import fp8_block_matmul, quantize_fp8_groups
+
+        w = self.weight
+        x = x.contiguous()
+        if _block_scaled_mm_fits(x.shape[0], w):
+            return _blockwise_scaled_mm(x, w)
+        xq, x_scales = quantize_fp8_groups(x, w.group_size)
+        return fp8_block_matmul(xq, x_scales, w, x.dtype)
+
+
+def _blockwise_scaled_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """cuBLAS's blockwise-scaled GEMM, x's rows padded to a multiple of 16: on the H200 (CUDA 13) cuBLAS has
+    no algorithm for some row counts (1 row; the offline workload's ragged batches failed too), and every
+    multiple of 16 benchmarks/fp8_gemm.py tried ran."""
+    from ember.kernels import quantize_fp8_groups
+
+    rows = x.shape[0]
+    pad = -rows % _SCALED_MM_ROW_MULTIPLE
+    padded = F.pad(x, (0, 0, 0, pad)) if pad else x  # F.pad copies even when it adds nothing: 0.29 ms a 256-row 8B step
+    xq, x_scales = quantize_fp8_groups(padded, w.group_size, column_major_scales=True)
+    out = torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.t(), out_dtype=x.dtype)
+    return out[:rows]
+
+
+def _block_scaled_mm_fits(rows: int, w: QuantizedWeight) -> bool:
+    """cuBLAS's blockwise scaling takes 128x128 weight blocks over whole blocks only."""
+    return (FP8_BLOCK_SCALED_MM_MIN_ROWS is not None and rows >= FP8_BLOCK_SCALED_MM_MIN_ROWS
+            and w.group_size == w.block_rows == 128 and w.in_features % 128 == 0 and w.out_features % 128 == 0)

@@ -1,0 +1,88 @@
+"""Quantized matmuls through the native CPU kernels (ember/cpu_native), where they are built and cover
+the weight: the native layout replaces the packed or dense copies linear_cpu would make (int8 codes are
+shared as they are)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ember.cpu_native import ops as native
+from ember.ops.target import Target
+from ember.quant.formats import QuantizedWeight, shape_only
+
+# int4 weights in the native layout take bf16 arithmetic (ember/cpu_native/ops.py, NativeWeight) where the
+# CPU has AVX512_BF16: float32 sums of bf16 products, each output rounded to bf16, at every row count.
+# False: float32 at every row count, as on other CPUs. Both are consistent from batch to batch; bf16
+# doubles the multiply-adds an instruction, which is what prefill and batched decode are bound by
+# (default model, `benchmarks/cpu.py`, 2026-12-03: float32 prompt processing 722 tok/s against 1,286-1,646
+# in bf16, 16 concurrent streams 268 against 332-414 tok/s). Until then int4 was float32 below 16 rows
+# and bf16 above, and a prompt whose first blocks came from the prefix cache answered differently from
+# the whole prompt (tests/test_llm_api.py keeps that case).
+CPU_INT4_BF16 = True
+# Rows from which a native weight is expanded for oneDNN's GEMM (`ops.dequantize`: bf16 or float32, the
+# weight's arithmetic) instead of running the native GEMV. `benchmarks/cpu_native_kernels.py`
+# (crossover), one SmolLM2-135M layer's int4 weights in cache, 2-core AVX-512 EPYC at load 0.8-1.4,
+# native against expanded: in bf16, 16 rows 0.36 / 0.41 ms, 20 rows 0.47-0.51 / 0.44, 24 rows 0.52-0.58
+# / 0.47, 32 rows 0.75 / 0.54, 128 2.8 / 1.3; in float32 (the GEMV at the two cores' FMA peak from 8
+# rows), 32 rows 0.98-1.03 / 1.86-1.87, 128 3.9-4.0 / 5.4, 256 8.5 / 9.9, 384 14.0 / 14.2, 512
+# 19.5-20.2 / 18.2-19.0, 1024 46 / 36. The 49152 x 576 Q8_0 head, whose float32 expansion writes
+# 113 MB: 256 rows 104 against 148 ms, 512 282 / 273.
+NATIVE_EXPAND_MIN_ROWS = {"bf16": 20, "float32": 512}
+# oneDNN keeps state for every row count its GEMM sees (a primitive and its JIT code, ~0.5-1 MB each on
+# AMX), so a server whose steps have every row count from 20 to thousands grew without end: the core's
+# RSS rose ~6 MiB per 16 requests of random lengths over 30 rounds here, and was flat with every step at
+# one shape, or with the native GEMV at every row count. The expanded GEMM therefore runs on rows padded
+# up to one of ROW_BUCKETS_PER_OCTAVE sizes per power of two (at most 25% more rows, 12% on average):
+# about 35 row counts from 20 to 8192.
+ROW_BUCKETS_PER_OCTAVE = 4
+
+
+class NativeLinear:
+    """x @ W^T in the weight's arithmetic (bf16 or float32) at every row count: the native GEMV below the
+    crossover (NATIVE_EXPAND_MIN_ROWS), above it the weight expanded for oneDNN's GEMM."""
+
+    layout = "native"
+    permutes_input = True
+
+    @staticmethod
+    def can_implement(target: Target, w: QuantizedWeight) -> bool:
+        return target.native and native.fits(w)
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.native = native.native_weight(w, bf16=CPU_INT4_BF16 and w.kind == "int4" and native.has_bf16())
+        self.weight = shape_only(w)  # the native layout replaces the codes it was made from
+        self.expand_min_rows = native_expand_min_rows(self.native)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.native.tensors()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows >= self.expand_min_rows:
+            dense = native.dequantize(self.native)
+            padded = F.pad(x.to(dense.dtype), (0, 0, 0, row_bucket(rows) - rows))
+            return F.linear(padded, dense)[:rows].to(x.dtype)
+        if x.dtype == torch.float32:
+            return native.matmul(x, self.native)
+        return native.matmul(x.float(), self.native).to(x.dtype)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this weight's output, for a fused gate/up projection (rows [0, I) gate,
+        [I, 2I) up), in one native call (`ops.matmul_silu`) where x, float32 [M, K], takes the native GEMV
+        (as a call would); else None."""
+        if (x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
+                or x.shape[0] >= self.expand_min_rows):
+            return None
+        return native.matmul_silu(x, self.native)
+
+
+def row_bucket(rows: int) -> int:
+    """`rows` rounded up to the next of ROW_BUCKETS_PER_OCTAVE sizes between two powers of two."""
+    step = max(1, (1 << (rows.bit_length() - 1)) // ROW_BUCKETS_PER_OCTAVE)
+    return -(-rows // step) * step
+
+
+def native_expand_min_rows(w: native.NativeWeight) -> int:
+    """Rows from which `w` is expanded for oneDNN; below, the native GEMV runs."""
+    return NATIVE_EXPAND_MIN_ROWS["bf16" if w.bf16 else "float32"]

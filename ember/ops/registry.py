@@ -1,0 +1,100 @@
+"""The kernel registry: which implementation each op of a layer gets, asked once by the layer when it is
+built or its weights or KV cache are set. Each table lists an op's implementations in order of
+preference; the first whose `can_implement(target, ...)` holds is chosen. Adding a kernel is its class
+and a line in its op's table.
+
+`FORCE_TRITON` chooses the Triton kernels for CPU tensors too, run through Triton's interpreter
+(TRITON_INTERPRET=1), so the whole GPU code path can be tested end to end without a GPU. It is read
+when a choice is made: layers built after it is set take the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ember.cpu_native import ops as native
+from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, linear_native, moe, norm, rotary
+from ember.ops.decode_layer import NativeDecodeLayer
+from ember.ops.target import Target
+from ember.ops.unfused import Unfused
+from ember.quant.formats import QuantizedWeight
+
+FORCE_TRITON = False
+
+LINEAR = (
+    linear.DenseLinear,
+    linear_gpu.TritonPackedLinear,
+    linear_gpu.TritonQuantLinear,
+    linear_gpu.TritonFp8ChannelLinear,
+    linear_gpu.TritonFp8BlockLinear,
+    linear_native.NativeLinear,
+    *linear_cpu.TORCH_CPU_LINEARS,
+    linear.DequantizeLinear,
+)
+ATTENTION = (attention.TritonAttention, attention.NativeDecodeAttention, attention.TorchAttention)
+NORM = (norm.TritonRMSNorm, norm.TorchRMSNorm, norm.TorchGemmaRMSNorm)
+NATIVE_NORM = (norm.NativeRMSNorm,)  # wrapping the PyTorch norm, which runs for the rows they do not take
+ROTARY = (rotary.TritonRotary, rotary.TorchFullRotary, rotary.TorchRotary)
+ROTARY_STORE = (rotary.NativeRotaryStore, Unfused)
+ACTIVATION = (activation.TorchGeluTanhAndMul, activation.TritonSiluAndMul, activation.NativeSiluAndMul,
+              activation.TorchSiluAndMul)
+MOE = (moe.TritonMoe, moe.TorchMoe)
+DECODE_LAYER = (NativeDecodeLayer, Unfused)
+
+
+def target(device: torch.device, dtype: torch.dtype) -> Target:
+    """The facts of a layer on `device` computing in `dtype`, the switch included."""
+    triton = device.type == "cuda" or FORCE_TRITON
+    return Target(device, dtype, triton, device.type == "cpu" and not triton and native.available())
+
+
+def _first(table: tuple[type, ...], *facts: Any) -> type:
+    return next(cls for cls in table if cls.can_implement(*facts))
+
+
+def linear_impl(t: Target, w: QuantizedWeight | torch.Tensor, dtype: torch.dtype) -> linear.LinearImpl:
+    """One part of a QuantLinear: its implementation, built (the weight laid out) once."""
+    cls = _first(LINEAR, t, w)
+    impl = cls(w, dtype)
+    if cls.permutes_input and isinstance(w, QuantizedWeight) and w.in_perm is not None:
+        return linear.Permuted(impl, w.in_perm)
+    return impl
+
+
+def attention_impl(t: Target,
+                   shape: attention.AttentionShape) -> attention.TorchAttention | attention.TritonAttention:
+    return _first(ATTENTION, t, shape)()
+
+
+def norm_impl(t: Target, style: str) -> norm.NormImpl:
+    """RMSNorm in `style` ("llama": rounded before scaling, or "gemma": after)."""
+    impl = _first(NORM, t, style)()
+    wrapper = next((cls for cls in NATIVE_NORM if cls.can_implement(t, style)), None)
+    return impl if wrapper is None else wrapper(impl)
+
+
+def rotary_impl(t: Target, full: bool) -> rotary.TorchRotary | rotary.TritonRotary:
+    """`full`: every channel of a head is rotated."""
+    return _first(ROTARY, t, full)()
+
+
+def rotary_store_impl(t: Target, cache_dtype: torch.dtype, tables: tuple[torch.Tensor, torch.Tensor] | None,
+                      qk_norm: bool, num_heads: int, head_dim: int) -> rotary.NativeRotaryStore | Unfused:
+    cls = _first(ROTARY_STORE, t, cache_dtype, tables, qk_norm)
+    return cls(tables, num_heads, head_dim)
+
+
+def activation_impl(t: Target, act: str, proj: Any) -> Any:
+    """The gated activation `act` over the fused gate/up projection `proj` as it is after loading."""
+    return _first(ACTIVATION, t, act, proj)()
+
+
+def moe_impl(t: Target) -> moe.TritonMoe | moe.TorchMoe:
+    return _first(MOE, t)()
+
+
+def decode_layer_impl(t: Target, layer: Any) -> NativeDecodeLayer | Unfused:
+    """A decoder layer's whole decode step, as its modules are once loaded."""
+    return _first(DECODE_LAYER, t, layer)(layer)
