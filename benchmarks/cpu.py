@@ -46,7 +46,10 @@ from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # no
 from benchmarks.startup import free_port, health, process_tree, rss_mib, server_command  # noqa: E402
 from benchmarks.throughput import load_hf_model, model_short_name  # noqa: E402
 from ember.bench import serve as bench_serve  # noqa: E402
+from ember.bench.flags import add_serve_bench_args  # noqa: E402
 from ember.bench.machine import load_average  # noqa: E402
+from ember.bench.report import percentile  # noqa: E402
+from ember.bench.workloads import make_requests  # noqa: E402
 from ember.model.files import resolve_model  # noqa: E402
 
 COLORS = {"ember": "#d9541e", "llama.cpp": "#6a9a3a", "hf": "#4a7ab5"}
@@ -109,7 +112,7 @@ def bench_args(args: argparse.Namespace, base_url: str, requests: int, in_flight
                seed: int) -> argparse.Namespace:
     """`ember bench serve`'s flags for one measurement, parsed by its own parser so its defaults apply."""
     parser = argparse.ArgumentParser()
-    bench_serve.add_serve_bench_args(parser)
+    add_serve_bench_args(parser)
     return parser.parse_args([
         "--base-url", base_url, "--dataset", "fixed", "--input-len", str(args.input_len),
         "--output-len", str(max_tokens), "--num-prompts", str(requests), "--max-concurrency", str(in_flight),
@@ -235,7 +238,7 @@ def hf_measure(model: Any, prompts: list[list[int]], in_flight: int, new_tokens:
             "total_input_tokens": tokens_in, "total_output_tokens": tokens_out,
             "input_throughput": round(tokens_in / duration, 3), "output_throughput": round(tokens_out / duration, 3),
             "median_e2el_ms": round(statistics.median(e2e_ms), 3),
-            "p99_e2el_ms": round(bench_serve.percentile(e2e_ms, 99), 3),
+            "p99_e2el_ms": round(percentile(e2e_ms, 99), 3),
             "median_ttft_ms": None, "median_tpot_ms": None, "errors": []}
 
 
@@ -259,7 +262,7 @@ def hf_worker(args: argparse.Namespace, gguf: str, repeat: int, spawned: float) 
                            "import_s": round(imported - started, 3), "load_s": round(loaded - imported, 3),
                            "rss_before_load_mib": round(before_load, 1), "measurements": {}}
     for name, requests, in_flight, max_tokens, seed in plan(args, repeat):
-        specs = bench_serve.make_requests(bench_args(args, "http://unused", requests, in_flight, max_tokens, seed))
+        specs = make_requests(bench_args(args, "http://unused", requests, in_flight, max_tokens, seed))
         run["measurements"][name] = hf_measure(model, [s.prompt for s in specs], in_flight, max_tokens)
         if name == "warmup":
             gc.collect()

@@ -33,7 +33,12 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
 
 from benchmarks.common import RESULTS_DIR, today, write_json  # noqa: E402
 from benchmarks.throughput import model_short_name  # noqa: E402
-from ember.bench import serve as bench_serve  # noqa: E402
+from ember.bench.flags import add_serve_bench_args, check_args  # noqa: E402
+from ember.bench.machine import client_machine_info  # noqa: E402
+from ember.bench.report import RequestResult, distribution, print_report, request_records, summarize  # noqa: E402
+from ember.bench.serve import InFlight  # noqa: E402
+from ember.bench.workloads import RequestSpec, make_requests, request_body  # noqa: E402
+from ember.http_client import COMPLETIONS  # noqa: E402
 
 # `client.completions.create`'s own parameters among the body's keys; the rest goes in `extra_body`
 SDK_PARAMS = ("model", "prompt", "max_tokens", "temperature", "stream", "stream_options")
@@ -80,11 +85,10 @@ def sdk_arguments(body: dict[str, Any]) -> dict[str, Any]:
     return {**named, "extra_body": extra or None}
 
 
-async def stream_one(client: Any, body: dict[str, Any], res: bench_serve.RequestResult, start: float) -> float | None:
+async def stream_one(client: Any, body: dict[str, Any], res: RequestResult, start: float) -> float | None:
     """Fills `res` as `ember bench serve` does; returns seconds to the first chunk with text (None: no text)."""
     first_text = None
     finished = False
-    last = start
     async with await client.completions.create(**sdk_arguments(body)) as stream:
         async for chunk in stream:
             now = time.perf_counter()
@@ -92,18 +96,12 @@ async def stream_one(client: Any, body: dict[str, Any], res: bench_serve.Request
                 res.prompt_tokens, res.output_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
             for choice in chunk.choices:
                 if choice.text or choice.finish_reason is None:  # carries output, by ember bench serve's rule
-                    if res.ttft is None:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    res.text_chunks += 1
+                    res.output_chunk(now, start)
                 if choice.text and first_text is None:
                     first_text = now - start
                 if choice.finish_reason is not None:
                     finished = True
-                    if res.ttft is None:  # every token decoded to nothing
-                        res.ttft = now - start
+                    res.finish(now, start)
     res.e2e = time.perf_counter() - start
     if not finished:
         raise RuntimeError("stream ended without a finish_reason")
@@ -113,10 +111,10 @@ async def stream_one(client: Any, body: dict[str, Any], res: bench_serve.Request
     return first_text
 
 
-async def send(openai: Any, client: Any, body: dict[str, Any], spec: bench_serve.RequestSpec, timeout: float,
-               t0: float, in_flight: bench_serve.InFlight) -> tuple[bench_serve.RequestResult, float | None]:
+async def send(openai: Any, client: Any, body: dict[str, Any], spec: RequestSpec, timeout: float,
+               t0: float, in_flight: InFlight) -> tuple[RequestResult, float | None]:
     """Never raises for a failed request; errors read like `ember bench serve`'s, so they group alike."""
-    res = bench_serve.RequestResult(spec.prompt_len, spec.output_len)
+    res = RequestResult(spec.prompt_len, spec.output_len)
     start = time.perf_counter()
     res.start_s = start - t0
     first_text = None
@@ -137,23 +135,23 @@ async def send(openai: Any, client: Any, body: dict[str, Any], spec: bench_serve
 async def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
     """Every request at once; returns the summary, the per-request records and the model."""
     openai = import_openai()
-    specs = bench_serve.make_requests(args)
+    specs = make_requests(args)
     async with make_client(openai, args, len(specs)) as client:
         model = await served_model(openai, client, args)
-        bodies = [bench_serve.request_body(args, model, spec) for spec in specs]
+        bodies = [request_body(args, model, spec) for spec in specs]
         print(f"{len(specs)} requests to {args.base_url.rstrip('/')}/v1/completions (model {model}) through "
               f"openai.AsyncOpenAI {openai.__version__}, all at once", flush=True)
-        in_flight = bench_serve.InFlight()
+        in_flight = InFlight()
         t0 = time.perf_counter()
         pairs = await asyncio.gather(*(send(openai, client, body, spec, args.request_timeout, t0, in_flight)
                                        for body, spec in zip(bodies, specs)))
         duration = time.perf_counter() - t0
     results = [res for res, _ in pairs]
     text_times = [t for res, t in pairs if res.success and t is not None]
-    summary = bench_serve.summarize(results, duration, in_flight.max)
-    summary.update({f"{stat}_ttft_text_ms": v for stat, v in bench_serve.distribution(text_times).items()},
+    summary = summarize(results, duration, in_flight.max)
+    summary.update({f"{stat}_ttft_text_ms": v for stat, v in distribution(text_times).items()},
                    requests_with_text=len(text_times))
-    records = bench_serve.request_records(results, args.save_detailed)
+    records = request_records(results, args.save_detailed)
     for record, (_, t) in zip(records, pairs):
         record["ttft_text_ms"] = None if t is None else round(t * 1e3, 3)
     return summary, records, model
@@ -169,14 +167,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="The other flags are `ember bench serve`'s; the requests go to /v1/completions, "
                                        "all at once.")
-    bench_serve.add_serve_bench_args(p, omit=OMITTED)
-    p.set_defaults(dataset="nano-vllm", num_prompts=256, temperature=0.6, endpoint=bench_serve.COMPLETIONS,
+    add_serve_bench_args(p, omit=OMITTED)
+    p.set_defaults(dataset="nano-vllm", num_prompts=256, temperature=0.6, endpoint=COMPLETIONS,
                    max_concurrency=None)
     p.add_argument("--out", default=None,
                    help="JSON path (default: benchmarks/results/openai-client-<model>-<date>.json)")
     args = p.parse_args(argv)
     try:
-        bench_serve.check_args(args)
+        check_args(args)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -184,9 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = bench_serve.client_machine_info()  # the client's; the server may run elsewhere
+    machine = client_machine_info()  # the client's; the server may run elsewhere
     summary, records, model = asyncio.run(run(args))
-    bench_serve.print_report(summary, args.label or "openai.AsyncOpenAI")
+    print_report(summary, args.label or "openai.AsyncOpenAI")
     print(f"TTFT to the first text chunk (ms): median {summary['median_ttft_text_ms']}, p99 "
           f"{summary['p99_ttft_text_ms']}; {summary['requests_with_text']} of {summary['completed']} requests "
           "streamed text")
@@ -194,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
     config.update(model_served=model, api_key_set=bool(args.api_key or os.environ.get("EMBER_API_KEY")),
                   max_connections=args.num_prompts, max_retries=0, **client_versions())
-    server = {"base_url": args.base_url, "endpoint": bench_serve.COMPLETIONS, "model": model}
+    server = {"base_url": args.base_url, "endpoint": COMPLETIONS, "model": model}
     write_json(out, {"benchmark": "openai-client", "date": today(), "label": args.label, "machine": machine,
                      "command": sys.argv, "server": server, "config": config, "results": summary,
                      "requests": records})

@@ -37,7 +37,7 @@ from ray import serve  # noqa: E402
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
 from benchmarks.startup import free_port  # noqa: E402
 from benchmarks.throughput import model_short_name  # noqa: E402
-from ember.bench.serve import error_message, http_request  # noqa: E402
+from ember.http_client import error_message, http_request  # noqa: E402
 from ember.integrations.ray_serve import build_application, parse  # noqa: E402
 from ember.integrations.ray_serve.replica import REPLICA_HEADER  # noqa: E402
 

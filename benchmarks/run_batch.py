@@ -45,8 +45,10 @@ from benchmarks.cpu import stop, wait_ready  # noqa: E402
 from benchmarks.startup import free_port, server_command  # noqa: E402
 from benchmarks.throughput import model_short_name  # noqa: E402
 from ember.bench import serve as bench_serve  # noqa: E402
+from ember.bench.flags import add_serve_bench_args  # noqa: E402
+from ember.bench.workloads import make_requests, request_body  # noqa: E402
+from ember.http_client import CHAT, http_request  # noqa: E402
 
-CHAT = "/v1/chat/completions"
 _SUMMARY = re.compile(r"(\d+) succeeded, (\d+) failed, (\d+) already done; (\d+) retries; "
                       r"(\d+) output tokens in ([\d.]+)s")
 TARGET_RATIO = 0.9
@@ -54,7 +56,7 @@ TARGET_RATIO = 0.9
 
 def bench_args(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench_serve.add_serve_bench_args(parser)
+    add_serve_bench_args(parser)
     return parser.parse_args([
         "--base-url", base_url, "--endpoint", CHAT, "--dataset", "fixed", "--input-len", str(args.input_len),
         "--output-len", str(args.output_len), "--num-prompts", str(args.num_requests),
@@ -65,8 +67,8 @@ def bench_args(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
 def write_batch_file(path: str, bargs: argparse.Namespace) -> None:
     """The bench's requests as batch lines: the same bodies, not streamed."""
     with open(path, "w", encoding="utf-8") as f:
-        for i, spec in enumerate(bench_serve.make_requests(bargs)):
-            body = bench_serve.request_body(bargs, bargs.model, spec)
+        for i, spec in enumerate(make_requests(bargs)):
+            body = request_body(bargs, bargs.model, spec)
             for key in ("stream", "stream_options"):
                 body.pop(key)
             f.write(json.dumps({"custom_id": f"request-{i}", "method": "POST", "url": CHAT, "body": body}) + "\n")
@@ -118,7 +120,7 @@ def server_runs(args: argparse.Namespace, batch_path: str, workdir: str) -> dict
             doc = asyncio.run(bench_serve.benchmark(bench_args(args, base_url)))
             bench = {k: doc["results"][k] for k in ("completed", "failed", "duration_s", "total_output_tokens",
                                                      "output_throughput", "max_concurrency_observed")}
-            asyncio.run(bench_serve.http_request("POST", base_url + "/reset_prefix_cache"))
+            asyncio.run(http_request("POST", base_url + "/reset_prefix_cache"))
             url_run = run_and_check(run_batch_command(args, batch_path, os.path.join(workdir, "url.jsonl"),
                                                       "--url", base_url), args.timeout)
         finally:

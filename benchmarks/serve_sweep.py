@@ -33,6 +33,8 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
 from benchmarks.common import RESULTS_DIR, today, write_json  # noqa: E402
 from benchmarks.throughput import model_short_name  # noqa: E402
 from ember.bench import serve as bench_serve  # noqa: E402
+from ember.bench.flags import add_serve_bench_args, check_args  # noqa: E402
+from ember.bench.machine import client_machine_info  # noqa: E402
 
 TTFT_P99_TARGET_MS = 150.0  # the design target for Poisson load at 50% and 80% of saturation
 # `ember bench serve`'s summary keys kept per run
@@ -131,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="The other flags are `ember bench serve`'s; --num-prompts sizes the "
                                        "saturation run.")
-    bench_serve.add_serve_bench_args(p, omit=SET_HERE)
+    add_serve_bench_args(p, omit=SET_HERE)
     p.set_defaults(dataset="nano-vllm", num_prompts=256, temperature=0.6, max_concurrency=None, save_detailed=False)
     p.add_argument("--fractions", type=_fraction, nargs="+", default=[0.25, 0.5, 0.8, 1.0],
                    help="Poisson request rates as fractions of the saturation rate (default: %(default)s)")
@@ -142,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sweep_prompts < 1:
         p.error("--sweep-prompts must be >= 1")
     try:
-        bench_serve.check_args(args)
+        check_args(args)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -150,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = bench_serve.client_machine_info()  # the client's; the server may run elsewhere
+    machine = client_machine_info()  # the client's; the server may run elsewhere
     try:
         saturation, runs, model = sweep(args)
     except ValueError as e:  # `benchmark` found no model to ask for: the server is down, or lists none

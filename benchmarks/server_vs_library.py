@@ -45,6 +45,7 @@ from benchmarks.throughput import model_short_name  # noqa: E402
 from ember import LLM  # noqa: E402
 from ember.bench import serve as bench_serve  # noqa: E402
 from ember.bench.machine import load_average  # noqa: E402
+from ember.bench.workloads import make_requests  # noqa: E402
 
 PATHS = ("library", "library-engine-process", "server")
 # One measured request: output tokens, seconds from sending to the last token, seconds to the first token.
@@ -54,7 +55,7 @@ Runner = Callable[[int, int], list[Request]]  # (number of requests, seed) -> on
 
 def prompts(args: argparse.Namespace, n: int, seed: int) -> list[list[int]]:
     """`ember bench serve`'s fixed-length random prompts, so that the library paths get the server's exact ids."""
-    return [s.prompt for s in bench_serve.make_requests(bench_args(args, "http://unused", n, 1, args.output_len, seed))]
+    return [s.prompt for s in make_requests(bench_args(args, "http://unused", n, 1, args.output_len, seed))]
 
 
 def library_runner(args: argparse.Namespace, llm: LLM) -> Runner:

@@ -58,7 +58,9 @@ from benchmarks.common import (READY_LINE_DEVICE, RESULTS_DIR, machine_info, ser
 from benchmarks.cpu import wait_ready  # noqa: E402
 from benchmarks.startup import free_port, process_tree, rss_mib, server_command  # noqa: E402
 from ember.bench.machine import load_average  # noqa: E402
-from ember.bench.serve import _WORDS, _carries_output, error_message, percentile  # noqa: E402
+from ember.bench.report import percentile  # noqa: E402
+from ember.bench.workloads import TOKEN_ID_LOW, WORDS  # noqa: E402
+from ember.http_client import CHAT, COMPLETIONS, carries_output, error_message  # noqa: E402
 
 try:
     import httpx
@@ -69,8 +71,6 @@ try:
 except ImportError:
     psutil = None
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-TOKEN_ID_LOW = 100
 # What happened to one request. "lost": neither finished, nor cancelled by us, nor answered with an
 # error: a 200 stream that ended without [DONE], or anything still open after --request-timeout.
 OUTCOMES = ("completed", "cancelled", "malformed_4xx", "malformed_accepted", "server_error", "unexpected_4xx",
@@ -185,7 +185,7 @@ async def stream_request(client: Any, url: str, body: dict[str, Any], chat: bool
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)
                 for choice in chunk.get("choices") or ():
-                    if _carries_output(choice, chat):
+                    if carries_output(choice, chat):
                         if rec.ttft is None:
                             rec.ttft = time.perf_counter() - start
                         chunks += 1
@@ -253,7 +253,7 @@ class Load:
         body: dict[str, Any] = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
                                 "max_tokens": n_out, "ignore_eos": a.ignore_eos}
         if chat:
-            body["messages"] = [{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(n_in))}]
+            body["messages"] = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(n_in))}]
             if rng.random() < 0.3:
                 body["messages"].insert(0, {"role": "system", "content": "You are a terse assistant."})
         else:

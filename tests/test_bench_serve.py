@@ -21,14 +21,17 @@ import pytest
 
 from ember import cli
 from ember.bench import serve as bench
-from ember.bench.workloads import nano_vllm_requests
+from ember.bench.flags import add_serve_bench_args
+from ember.bench.report import STATS, RequestResult, distribution, error_kind
+from ember.bench.workloads import RequestSpec, arrival_times, make_requests, nano_vllm_requests, request_body
+from ember.http_client import COMPLETIONS, carries_output
 
 MAX_MODEL_LEN = 128
 RESULT_KEYS = {
     "completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
     "input_throughput", "output_throughput", "total_token_throughput", "max_concurrency_observed",
     "failures_by_kind", "errors",
-    *(f"{stat}_{metric}_ms" for stat in bench.STATS for metric in ("ttft", "tpot", "itl", "e2el")),
+    *(f"{stat}_{metric}_ms" for stat in STATS for metric in ("ttft", "tpot", "itl", "e2el")),
 }
 REQUEST_KEYS = {"success", "error", "start_s", "prompt_tokens", "max_tokens", "output_tokens", "ttft_ms", "tpot_ms",
                 "e2el_ms"}
@@ -245,14 +248,14 @@ def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = F
             await asyncio.sleep(pause)
         writer.close()
 
-    async def main() -> bench.RequestResult:
+    async def main() -> RequestResult:
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        spec = bench.RequestSpec([1, 2, 3], 3, 4)
-        args = argparse.Namespace(endpoint=bench.COMPLETIONS, temperature=0.0, ignore_eos=True, extra_body=None)
+        spec = RequestSpec([1, 2, 3], 3, 4)
+        args = argparse.Namespace(endpoint=COMPLETIONS, temperature=0.0, ignore_eos=True, extra_body=None)
         try:
             return await bench.send_request(f"http://127.0.0.1:{port}/v1/completions",
-                                            bench.request_body(args, "m", spec), {}, False, spec,
+                                            request_body(args, "m", spec), {}, False, spec,
                                             timeout=0.5 if hang else 10, t0=time.perf_counter(),
                                             in_flight=bench.InFlight())
         finally:
@@ -293,13 +296,13 @@ def test_error_status_with_content_length():
 ])
 def test_broken_responses_are_failures(response, kind):
     res = canned(response)
-    assert not res.success and bench._error_kind(res.error) == kind, res.error
+    assert not res.success and error_kind(res.error) == kind, res.error
 
 
 def test_timeout():
     start = time.monotonic()
     res = canned(b"HTTP/1.1 200 OK\r\n\r\n" + STREAM, hang=True)
-    assert not res.success and bench._error_kind(res.error) == "timeout"
+    assert not res.success and error_kind(res.error) == "timeout"
     assert time.monotonic() - start < 5
 
 
@@ -308,7 +311,7 @@ def test_timeout():
 
 def workload_args(**kw) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    bench.add_serve_bench_args(p)
+    add_serve_bench_args(p)
     ns = p.parse_args([])
     for k, v in kw.items():
         setattr(ns, k, v)
@@ -318,21 +321,21 @@ def workload_args(**kw) -> argparse.Namespace:
 def test_workload_is_seeded_and_in_range():
     args = workload_args(num_prompts=50, random_input_len=100, random_output_len=20, random_range_ratio=0.5,
                          vocab_size=300)
-    specs = bench.make_requests(args)
-    assert [s.prompt for s in specs] == [s.prompt for s in bench.make_requests(args)]
+    specs = make_requests(args)
+    assert [s.prompt for s in specs] == [s.prompt for s in make_requests(args)]
     assert all(50 <= s.prompt_len == len(s.prompt) <= 150 and 10 <= s.output_len <= 30 for s in specs)
     assert all(100 <= t < 300 for s in specs for t in s.prompt)
     args.dataset = "fixed"
-    assert {(s.prompt_len, s.output_len) for s in bench.make_requests(args)} == {(100, 20)}
-    times = bench.arrival_times(2000, 50.0, 0)
+    assert {(s.prompt_len, s.output_len) for s in make_requests(args)} == {(100, 20)}
+    times = arrival_times(2000, 50.0, 0)
     assert times == sorted(times) and times[0] == 0
     assert times[-1] / 1999 == pytest.approx(1 / 50, rel=0.1)
-    assert bench.arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    assert arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
 
 
 def test_nano_vllm_seed_shifts_ids_not_lengths():
     args = workload_args(dataset="nano-vllm", num_prompts=8, vocab_size=10000)
-    exact, shifted = bench.make_requests(args), bench.make_requests(workload_args(**{**vars(args), "seed": 3}))
+    exact, shifted = make_requests(args), make_requests(workload_args(**{**vars(args), "seed": 3}))
     prompts, max_tokens = nano_vllm_requests(8, vocab_size=10000)
     assert [s.prompt for s in exact] == prompts and [s.output_len for s in exact] == max_tokens
     assert [s.output_len for s in shifted] == max_tokens
@@ -341,7 +344,7 @@ def test_nano_vllm_seed_shifts_ids_not_lengths():
 
 def test_flags_a_script_sets_itself_can_be_left_out():
     p = argparse.ArgumentParser()
-    bench.add_serve_bench_args(p, omit=("--request-rate", "--random-input-len"))
+    add_serve_bench_args(p, omit=("--request-rate", "--random-input-len"))
     flags = {s for a in p._actions for s in a.option_strings}
     assert not flags & {"--request-rate", "--random-input-len", "--input-len"} and "--output-len" in flags
     with pytest.raises(SystemExit):
@@ -351,23 +354,21 @@ def test_flags_a_script_sets_itself_can_be_left_out():
 def test_percentiles_match_numpy():
     np = pytest.importorskip("numpy")
     values = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4, 0.45]
-    d = bench.distribution(values)
+    d = distribution(values)
     ms = np.array(values) * 1e3
     assert d["median"] == pytest.approx(np.percentile(ms, 50), abs=1e-3)
     assert d["p90"] == pytest.approx(np.percentile(ms, 90), abs=1e-3)
     assert d["p99"] == pytest.approx(np.percentile(ms, 99), abs=1e-3)
     assert d["std"] == pytest.approx(ms.std(), abs=1e-3)
-    assert bench.distribution([]) == dict.fromkeys(bench.STATS)
+    assert distribution([]) == dict.fromkeys(STATS)
 
 
 
 def test_progress_chunks_count_as_output_but_role_and_empty_final_chunks_do_not():
-    from ember.bench.serve import _carries_output
-
-    assert _carries_output({"text": "", "finish_reason": None}, chat=False)
-    assert not _carries_output({"text": "", "finish_reason": "length"}, chat=False)
-    assert _carries_output({"text": "x", "finish_reason": "length"}, chat=False)
-    assert not _carries_output({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}, chat=True)
-    assert _carries_output({"delta": {"content": ""}, "finish_reason": None}, chat=True)
-    assert _carries_output({"delta": {"reasoning_content": "hm"}, "finish_reason": None}, chat=True)
-    assert not _carries_output({"delta": {}, "finish_reason": "stop"}, chat=True)
+    assert carries_output({"text": "", "finish_reason": None}, chat=False)
+    assert not carries_output({"text": "", "finish_reason": "length"}, chat=False)
+    assert carries_output({"text": "x", "finish_reason": "length"}, chat=False)
+    assert not carries_output({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}, chat=True)
+    assert carries_output({"delta": {"content": ""}, "finish_reason": None}, chat=True)
+    assert carries_output({"delta": {"reasoning_content": "hm"}, "finish_reason": None}, chat=True)
+    assert not carries_output({"delta": {}, "finish_reason": "stop"}, chat=True)

@@ -1,7 +1,7 @@
 """The batch target for a running server (`ember run-batch --url`): each line is one POST.
 
-It uses `ember bench serve`'s small HTTP/1.1 client (one connection per request), so `--url` needs
-nothing beyond Ember installed; any OpenAI-compatible server works. A connection that fails or
+It uses Ember's small HTTP/1.1 client (`ember.http_client`, one connection per request), so `--url`
+needs nothing beyond Ember installed; any OpenAI-compatible server works. A connection that fails or
 breaks before the whole answer arrived is a reply with status 0, which the runner retries.
 """
 
@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from ember.batch.runner import Reply
-from ember.bench.serve import ProtocolError, http_request
+from ember.http_client import ProtocolError, http_request
 
 
 class ServerTarget:

@@ -54,3 +54,16 @@ def load_average() -> list[float] | None:
 def basic_machine_info() -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(),
             "python": platform.python_version(), "ember_commit": git_commit(), "loadavg": load_average()}
+
+
+def client_machine_info() -> dict[str, Any]:
+    """The machine the client ran on (often the server's too); no torch import needed."""
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {**basic_machine_info(), "torch": version("torch"), "ember": version("ember")}
