@@ -95,13 +95,13 @@ def test_sampling_tensors_are_reused_only_for_the_same_rows_without_per_step_sta
     tensors (in a fresh batch, so a step's grammar bitmask never carries over); other rows, another
     order, or a row whose min_tokens still holds EOS back get tensors built for that step."""
     from conftest import inproc_core
-    from ember.core.request import Request
+    from ember.runner.request_state import RequestState
 
     runner = inproc_core(LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05,
                              engine_process=False)).runner
 
-    def request(name: str, **params) -> Request:
-        return Request(name, [1, 2, 3], SamplingParams(max_tokens=8, **params), 8, [7], 0.0)
+    def request(name: str, **params) -> RequestState:
+        return RequestState(name, [1, 2, 3], SamplingParams(max_tokens=8, **params), [7])
 
     a, b = request("a", temperature=0.5), request("b", temperature=0.9, top_p=0.8)
     first = runner._sampling_batch([a, b])

@@ -17,7 +17,6 @@ import torch
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.core.grammar import GrammarManager
-from ember.core.scheduler import ScheduledBatch
 from ember.runner import model_runner
 from ember.runner.warmup import warm_up_batches
 
@@ -72,8 +71,8 @@ def test_masked_step_samples_once_its_masks_arrive_and_next_launch_prepares_firs
     assert len(runner.wait(launched[0]).token_ids) == len(second)
 
     # top-p renormalises over the allowed tokens: all of such a step's sampling waits for the mask
-    filtered = ScheduledBatch([replace(r, sampling_params=SamplingParams(temperature=1.0, top_p=0.5, seed=7))
-                               for r in first.requests], first.num_new_tokens)
+    top_p = SamplingParams(temperature=1.0, top_p=0.5, seed=7)
+    filtered = replace(first, new_requests=[replace(r, sampling_params=top_p) for r in first.new_requests])
     masks = Future()
     pending = runner.launch(filtered, lambda requests: masks)
     masks.set_result(_only(forced, vocab))

@@ -33,6 +33,14 @@ class KVBlock:
     token_ids: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """What a successful `allocate` added to the end of the request's block table (prefix hits first):
+    the scheduler passes them on to the model runner, which keeps its own copy of the table."""
+
+    block_ids: list[int]
+
+
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
@@ -92,8 +100,9 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, request: Request, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
-        """Give the request enough blocks for `num_new_tokens` more tokens, or change nothing and return False.
+    def allocate(self, request: Request, num_new_tokens: int,
+                 prefix_blocks: list[int] | None = None) -> Allocation | None:
+        """Give the request enough blocks for `num_new_tokens` more tokens, or change nothing and return None.
 
         `prefix_blocks` (from `match_prefix`, maybe empty) is passed exactly when a request that holds
         no blocks is scheduled, which is also when a prefix-cache query is counted.
@@ -105,13 +114,13 @@ class BlockManager:
         num_new_blocks = needed - len(request.block_ids) - len(prefix_blocks)
         num_revived = sum(1 for b in prefix_blocks if self.blocks[b].ref_cnt == 0)
         if num_new_blocks + num_revived > self.num_free_blocks:
-            return False
+            return None
         for block_id in prefix_blocks:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self.free_queue[block_id]
             block.ref_cnt += 1
-        request.block_ids.extend(prefix_blocks)
+        added = list(prefix_blocks)
         for _ in range(num_new_blocks):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
@@ -119,12 +128,13 @@ class BlockManager:
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = block.token_ids = None
             block.ref_cnt = 1
-            request.block_ids.append(block_id)
+            added.append(block_id)
+        request.block_ids.extend(added)
         if is_query and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(prefix_blocks) * self.block_size
             self.num_hashed_blocks[request.request_id] = len(prefix_blocks)
-        return True
+        return Allocation(added)
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that the request's first `num_tokens` tokens (computed, and known on the

@@ -37,7 +37,8 @@ from ember.core.scheduler import ScheduledBatch, Scheduler
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
 from ember.runner.device import resolve_device
-from ember.runner.model_runner import ModelRunner, PendingStep, StepResult
+from ember.runner.model_runner import ModelRunner, PendingStep
+from ember.runner.step import StepResult
 from ember.runner.tp_workers import TensorParallelGroup
 
 logger = logging.getLogger("ember")
@@ -136,7 +137,7 @@ class EngineCore:
         if problem is not None:
             self._pending.append(EngineCoreOutput(msg.request_id, [], finish_reason="abort", error=problem))
             return
-        req = Request.from_message(msg, self.runner.device)
+        req = Request.from_message(msg)
         req.matcher = matcher
         self.requests[msg.request_id] = req
         self._num_host_sync += req.needs_host_tokens
@@ -203,7 +204,7 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.tensor_parallel.check()
         try:
-            pending = self.runner.launch(batch, self._start_masks)
+            pending = self.runner.launch(batch.step, self._start_masks)
         except Exception as e:
             outputs += self._failed(batch, e)
             return True
@@ -211,15 +212,16 @@ class EngineCore:
         self._inflight.append((batch, pending))
         return True
 
-    def _start_masks(self, requests: list[Request]) -> Future[torch.Tensor] | None:
+    def _start_masks(self, request_ids: list[str]) -> Future[torch.Tensor] | None:
         """The grammar masks of a step being launched. Requests whose last token is still in flight
         (sampled by the step before, under async scheduling) get it fed to their matcher first, in
         the mask thread, once that step has finished; what feeding it gave is kept on the request."""
+        requests = [self.requests[rid] for rid in request_ids]
         late = [r for r in requests if r.matcher is not None and r.num_inflight_tokens]
         previous = self._inflight[-1][1] if late else None
 
         def catch_up() -> None:
-            tokens = self.runner.sampled_tokens(previous, late)
+            tokens = self.runner.sampled_tokens(previous, [req.request_id for req in late])
             errors = self.grammar.consume_all([(req.matcher, token) for req, token in zip(late, tokens)])
             for req, error in zip(late, errors):
                 req.num_grammar_tokens += 1
@@ -238,20 +240,24 @@ class EngineCore:
         except Exception as e:
             return self._failed(batch, e)
         self._num_steps += 1
-        outputs = self._sampled_outputs(result)
+        outputs = self._sampled_outputs(batch, result)
         for req in batch.requests:
             if not req.status.finished:
                 self.scheduler.cache_full_blocks(req)
         return outputs
 
-    def _sampled_outputs(self, result: StepResult) -> list[EngineCoreOutput]:
+    def _sampled_outputs(self, batch: ScheduledBatch, result: StepResult) -> list[EngineCoreOutput]:
+        # The batch's own requests: an id may belong to a newer request once its first one has ended.
+        by_id = {req.request_id: req for req in batch.requests}
         outputs: dict[str, EngineCoreOutput] = {}
-        for req, (first, logprobs) in result.prompt_logprobs.items():
+        for rid, (first, logprobs) in result.prompt_logprobs.items():
+            req = by_id[rid]
             new = None if req.status.finished else _unsent_prompt_logprobs(req, first, logprobs)
             if new is not None:
-                outputs[req.request_id] = EngineCoreOutput(req.request_id, [], new_prompt_logprobs=new)
+                outputs[rid] = EngineCoreOutput(rid, [], new_prompt_logprobs=new)
         constrained: list[tuple[Request, int]] = []
-        for req, token, logprobs in zip(result.requests, result.token_ids, result.logprobs):
+        for rid, token, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
+            req = by_id[rid]
             req.num_inflight_tokens -= 1
             if req.status.finished:  # aborted, or finished by the step before, while this one ran
                 continue

@@ -1,7 +1,7 @@
 """A sequence inside the engine core: its tokens, computed-token count, KV blocks and status.
 
-Shared by the scheduler, block manager and model runner; the front end never sees it (it gets
-`EngineCoreOutput` messages instead).
+Shared by the scheduler and block manager; the front end never sees it (it gets `EngineCoreOutput`
+messages instead), nor does the model runner (it gets step descriptions, ember/runner/step.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import enum
 from dataclasses import dataclass, field
 
 import llguidance
-import torch
 
 from ember.messages import EngineCoreRequest
 from ember.sampling.params import SamplingParams
@@ -37,7 +36,6 @@ class Request:
     max_tokens: int
     eos_token_ids: list[int]
     arrival_time: float
-    generator: torch.Generator | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -48,6 +46,7 @@ class Request:
     num_inflight_tokens: int = 0
     num_cached_tokens: int = -1
     num_prompt_logprobs_sent: int = 1  # prompt position of the next prompt logprob to report
+    num_tokens_sent: int = 0  # tokens the model runner has been told of; 0 until it has seen the request
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     stop_reason: int | None = None
@@ -59,13 +58,9 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
 
     @classmethod
-    def from_message(cls, msg: EngineCoreRequest, device: torch.device) -> "Request":
-        params = msg.sampling_params
-        generator = None
-        if params.seed is not None and not params.is_greedy:
-            generator = torch.Generator(device=device).manual_seed(params.seed)
-        return cls(msg.request_id, msg.prompt_token_ids, params, msg.max_tokens, msg.eos_token_ids,
-                   msg.arrival_time, generator)
+    def from_message(cls, msg: EngineCoreRequest) -> "Request":
+        return cls(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.max_tokens, msg.eos_token_ids,
+                   msg.arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:

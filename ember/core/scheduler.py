@@ -11,6 +11,10 @@ step's allocations (see `BlockManager.drop_out_of_window`).
 Computed-token counts advance when a step is launched (`advance`), not when its results arrive,
 so that under async scheduling the next step can be planned while this one runs: a token sampled
 by a step still in flight counts as known (`Request.num_inflight_tokens`).
+
+Each batch carries the model runner's `StepDescription`: a request the runner has not seen in full,
+then per step only what changed (new tokens and blocks), and the ids of the requests preempted or
+finished since the last step, so the runner can keep its own per-request state.
 """
 
 from __future__ import annotations
@@ -21,12 +25,20 @@ from dataclasses import dataclass, field
 from ember.config import SchedulerConfig
 from ember.core.block_manager import BlockManager
 from ember.core.request import Request, RequestStatus
+from ember.runner.step import NewRequest, StepDescription
 
 
 @dataclass
 class ScheduledBatch:
+    """A planned step: its requests, for the core's bookkeeping, and the description the model runner
+    gets (the same requests in the same order)."""
+
     requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
+    step: StepDescription = field(default_factory=StepDescription)
+
+    @property
+    def num_new_tokens(self) -> list[int]:
+        return self.step.num_new_tokens
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -39,6 +51,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Requests the runner must forget (or whose blocks it must drop) with the next step it gets.
+        self._preempted_ids: list[str] = []
+        self._finished_ids: list[str] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -46,7 +61,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        preempted = False
+        num_preemptions = self.num_preemptions
         i = 0
         block_size = self.block_manager.block_size
         while i < len(self.running) and budget > 0:
@@ -56,29 +71,27 @@ class Scheduler:
                 continue
             self.block_manager.drop_out_of_window(request)
             n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
+            new_blocks = []
             # Most decodes still have room in their last block: no allocation to ask for.
-            fits = request.num_computed_tokens + n <= len(request.block_ids) * block_size
-            while not fits and not self.block_manager.allocate(request, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                batch.requests.append(request)
-                batch.num_new_tokens.append(n)
-                budget -= n
-                i += 1
+            if request.num_computed_tokens + n > len(request.block_ids) * block_size:
+                new_blocks = self._allocate_or_preempt(request, n)
+                if new_blocks is None:  # preempted itself, the newest running request: the loop ends
+                    continue
+            self._add(batch, request, n, new_blocks)
+            budget -= n
+            i += 1
 
         # Admitting new work right after a preemption would only thrash the cache.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.num_preemptions == num_preemptions and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if request.num_inflight_tokens:  # preempted mid-flight: readmitted once its token has arrived
                 break
             prefix_blocks = self.block_manager.match_prefix(request)
             num_cached = len(prefix_blocks) * self.block_manager.block_size
             n = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate(request, n, prefix_blocks):
+            allocation = self.block_manager.allocate(request, n, prefix_blocks)
+            if allocation is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
@@ -87,10 +100,34 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            batch.requests.append(request)
-            batch.num_new_tokens.append(n)
+            self._add(batch, request, n, allocation.block_ids)
             budget -= n
+        if batch:  # an empty batch is never launched: its ids wait for the next one
+            batch.step.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
+            batch.step.finished_request_ids, self._finished_ids = self._finished_ids, []
         return batch
+
+    def _allocate_or_preempt(self, request: Request, n: int) -> list[int] | None:
+        """Blocks for n more tokens of a running request, preempting the newest running requests until they
+        fit: the blocks added, or None when the request itself had to go."""
+        while (allocation := self.block_manager.allocate(request, n)) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return None
+        return allocation.block_ids
+
+    @staticmethod
+    def _add(batch: ScheduledBatch, request: Request, n: int, new_block_ids: list[int]) -> None:
+        """Put n tokens of the request in the batch, telling the runner what it has not heard of it yet."""
+        if not request.num_tokens_sent:
+            batch.step.new_requests.append(NewRequest(request.request_id, request.prompt_token_ids,
+                                                      request.sampling_params, request.eos_token_ids))
+            request.num_tokens_sent = request.num_prompt_tokens
+        batch.step.add(request.request_id, n, request.num_computed_tokens, request.num_inflight_tokens,
+                       request.all_token_ids[request.num_tokens_sent:], new_block_ids)
+        request.num_tokens_sent = request.num_tokens
+        batch.requests.append(request)
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
@@ -98,6 +135,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._preempted_ids.append(request.request_id)
 
     def advance(self, batch: ScheduledBatch) -> list[Request]:
         """The batch has been launched: count its tokens as computed. Returns the requests that sample
@@ -124,6 +162,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.block_manager.free(request)
+        if request.num_tokens_sent:
+            self._finished_ids.append(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

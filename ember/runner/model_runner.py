@@ -1,4 +1,4 @@
-"""Owns the model and its KV cache on one device; turns a scheduled batch into sampled tokens.
+"""Owns the model and its KV cache on one device; turns a step description into sampled tokens.
 
 A step is launched (`launch`: inputs flattened into one varlen batch and copied, forward, sampling,
 results copied back without waiting) and later collected (`wait`). On a GPU the host can so
@@ -24,8 +24,6 @@ from torch import nn
 from ember.config import CacheConfig, RunnerConfig, SchedulerConfig
 from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
-from ember.core.request import Request
-from ember.core.scheduler import ScheduledBatch
 from ember.ops.attention import AttentionMetadata
 from ember.model.loader import ModelFiles
 from ember.model.moe import FusedExperts
@@ -35,6 +33,8 @@ from ember.model.linear import QuantEmbedding, QuantLinear
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache
+from ember.runner.request_state import RequestState, RequestStates
+from ember.runner.step import StepDescription, StepResult
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
 from ember.runner.step_inputs import PreparedStep, PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
@@ -45,16 +45,6 @@ from ember.transfer import to_device, to_host
 logger = logging.getLogger("ember")
 _DEFAULT_CPU_KV_BYTES = 4 << 30
 _PROMPT_LOGPROB_ROWS = 512  # prompt positions per [rows, vocab] logits slice
-
-
-@dataclass
-class StepResult:
-    """What a finished step sampled, on the host."""
-
-    requests: list[Request]  # the requests that sampled a token, in row order
-    token_ids: list[int]
-    logprobs: list[Logprobs | None]  # per request; None where not asked
-    prompt_logprobs: dict[Request, tuple[int, Logprobs]] = field(default_factory=dict)  # (first position, rows)
 
 
 @dataclass
@@ -73,7 +63,7 @@ class _Unsampled:
 class PendingStep:
     """A launched step: its results are on their way from the device to the host."""
 
-    requests: list[Request]
+    requests: list[RequestState]  # the requests that sample a token, in row order
     prompt_logprobs: list[tuple[PromptRows, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     sampled: torch.Tensor | None = None  # [N] int64 on the host (pinned on CUDA)
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ids, values, ranks on the host
@@ -160,9 +150,10 @@ def _prompt_logit_slices(n: int) -> list[tuple[int, int]]:
 
 
 class ModelRunner:
-    """One rank's model and KV cache. Rank 0 (the engine's) builds each step from the scheduler's
-    batch and, under tensor parallelism, broadcasts its description; other ranks `serve_steps`,
-    mirroring every forward and logits computation so the collectives inside them line up."""
+    """One rank's model and KV cache. Rank 0 (the engine's) keeps the requests' state from the scheduler's
+    step descriptions, builds each step from them and, under tensor parallelism, broadcasts its inputs;
+    other ranks `serve_steps`, mirroring every forward and logits computation so the collectives inside
+    them line up."""
 
     def __init__(self, files: ModelFiles, config: RunnerConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device) -> None:
@@ -197,10 +188,11 @@ class ModelRunner:
                                     scheduler_config.max_num_seqs, max_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
         self.timer = StepTimer() if self.device.type == "cuda" else None
+        self.requests = RequestStates(self.device)
         # The last launched step's sampled ids on the device, and each sampling request's row in them.
-        self._last_sampled: tuple[torch.Tensor, dict[Request, int]] | None = None
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
-        self._last_sampling: tuple[tuple[Request, ...], SamplingBatch] | None = None  # see _sampling_batch
+        self._last_sampling: tuple[tuple[RequestState, ...], SamplingBatch] | None = None  # see _sampling_batch
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -222,10 +214,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         sc = self.scheduler_config
-        for batch in warm_up_batches(self.block_size, self.kv_cache.num_blocks, sc.max_num_seqs,
-                                     sc.max_num_batched_tokens, sc.max_model_len):
-            self.wait(self.launch(batch))
+        for step in warm_up_batches(self.block_size, self.kv_cache.num_blocks, sc.max_num_seqs,
+                                    sc.max_num_batched_tokens, sc.max_model_len):
+            self.wait(self.launch(step))
         self._last_sampled = None
+        self.requests.clear()
         self.timer = StepTimer()
 
     def determine_num_blocks(self) -> int:
@@ -330,24 +323,26 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch,
-               start_masks: Callable[[list[Request]], Future[torch.Tensor] | None] | None = None) -> PendingStep:
+    def launch(self, step: StepDescription,
+               start_masks: Callable[[list[str]], Future[torch.Tensor] | None] | None = None) -> PendingStep:
         """Start a step: every device operation is queued, nothing waits for the device. `start_masks`
-        starts filling the grammar bitmask of the sampling rows (given in row order); it runs while
+        starts filling the grammar bitmask of the sampling rows (their request ids, in row order); it runs while
         the forward is queued and computed. A step with masks is left open: its sampling waits for
         them, and is queued by the next `launch` once that one has prepared its own inputs (or by
         `wait`). So the host's work for the next step overlaps the mask fill instead of following it:
         at 256 JSON-schema requests on the H200 the GPU otherwise idled ~0.7 ms of a 3.4 ms step
         while the host prepared the next one after the masks came."""
-        prepared = self._prepare(batch)
+        prepared = self._prepare(step)
         if self._open is not None:
             self._close(self._open)
         return self._start(prepared, start_masks)
 
-    def _prepare(self, batch: ScheduledBatch) -> _Prepared:
-        """The step's inputs on the host and their copies queued: nothing here needs the step before."""
+    def _prepare(self, description: StepDescription) -> _Prepared:
+        """The requests' state updated, the step's inputs on the host and their copies queued: nothing
+        here needs the step before."""
+        requests = self.requests.update(description)
         self.buffers.next_set()
-        step = prepare_step(batch, self.buffers, self.block_size,
+        step = prepare_step(requests, description.num_new_tokens, self.buffers, self.block_size,
                             self.graphs.padded_size if self.graphs is not None else None)
         if tp_size() > 1:
             send_step(step.header, self.buffers)
@@ -356,12 +351,14 @@ class ModelRunner:
         return _Prepared(self._upload(step.header), step, sampling)
 
     def _start(self, prepared: _Prepared,
-               start_masks: Callable[[list[Request]], Future[torch.Tensor] | None] | None) -> PendingStep:
+               start_masks: Callable[[list[str]], Future[torch.Tensor] | None] | None) -> PendingStep:
         inputs, step, sampling = prepared.inputs, prepared.step, prepared.sampling
         start = StepTimer.record() if self.timer is not None else None
         if step.inflight_rows:
             self._fill_inflight_tokens(inputs.input_ids, step.inflight_rows)
-        masks = start_masks(step.samplers) if start_masks and step.samplers else None
+        masks = None
+        if start_masks and step.samplers:
+            masks = start_masks([r.request_id for r in step.samplers])
         try:
             hidden = self._forward(inputs)
             prompt = [(rows, *(to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
@@ -412,13 +409,13 @@ class ModelRunner:
     def _sampled(self, pending: PendingStep, out: SamplerOutput, start: torch.cuda.Event | None,
                  mask_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
         """Queue the copies of a step's samples to the host."""
-        self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(pending.requests)})
+        self._last_sampled = (out.sampled_token_ids, {r.request_id: i for i, r in enumerate(pending.requests)})
         pending.sampled = to_host(out.sampled_token_ids)
         if out.logprobs is not None:
             pending.logprobs = (to_host(out.logprob_token_ids), to_host(out.logprobs), to_host(out.sampled_ranks))
         pending.events, pending.mask_wait = self._end_events(start), mask_wait
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+    def _sampling_batch(self, reqs: list[RequestState]) -> SamplingBatch:
         """The rows' sampling tensors. A step sampling the same requests in the same order as the step
         before reuses that step's tensors, unless a row has state that changes every step (penalties,
         min_tokens still holding EOS back): building them is a pinned copy per per-row tensor, ~0.3 ms
@@ -430,7 +427,7 @@ class ModelRunner:
             params=[r.sampling_params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
-            num_output_tokens=[r.num_output_tokens + r.num_inflight_tokens for r in reqs],
+            num_output_tokens=[r.num_output_tokens for r in reqs],
             generators=[r.generator for r in reqs],
             eos_token_ids=[r.eos_token_ids for r in reqs],
             vocab_size=self.model_config.vocab_size,
@@ -445,14 +442,14 @@ class ModelRunner:
         """The step's start event and one recorded now, after its last device work (the copies back)."""
         return None if start is None else (start, StepTimer.record())
 
-    def _fill_inflight_tokens(self, input_ids: torch.Tensor, rows: list[tuple[int, Request]]) -> None:
+    def _fill_inflight_tokens(self, input_ids: torch.Tensor, rows: list[tuple[int, RequestState]]) -> None:
         """Input tokens sampled by the previous step, still on the device: copied there, never to the host."""
         if self._last_sampled is None:
             raise RuntimeError("a step needs tokens in flight, but the step before sampled none (none was "
                                "launched, or its sampling failed)")
         sampled, row_of = self._last_sampled
         try:
-            src = [row_of[req] for _, req in rows]
+            src = [row_of[req.request_id] for _, req in rows]
         except KeyError:
             raise RuntimeError("a step needs a token that the previous step did not sample") from None
         dst = [t for t, _ in rows]
@@ -462,16 +459,16 @@ class ModelRunner:
         input_ids[to_device(dst, torch.int64, self.device)] = sampled[to_device(src, torch.int64, self.device)]
 
     @staticmethod
-    def sampled_tokens(pending: PendingStep, requests: list[Request]) -> list[int]:
-        """What a launched step sampled for some of its requests, once its device work is done (waits for
-        that step only, not for any launched after it; `wait` still collects it as usual)."""
+    def sampled_tokens(pending: PendingStep, request_ids: list[str]) -> list[int]:
+        """What a launched step sampled for some of its requests (by id), once its device work is done
+        (waits for that step only, not for any launched after it; `wait` still collects it as usual)."""
         if pending.error is not None:
             raise pending.error
         if pending.events is not None:
             pending.events[1].synchronize()
-        row = {r: i for i, r in enumerate(pending.requests)}
+        row = {r.request_id: i for i, r in enumerate(pending.requests)}
         sampled = pending.sampled.tolist()  # one conversion, not a tensor index per request (256 of them)
-        return [sampled[row[r]] for r in requests]
+        return [sampled[row[r]] for r in request_ids]
 
     def wait(self, pending: PendingStep) -> StepResult:
         """The step's results, once the device has finished it."""
@@ -485,18 +482,19 @@ class ModelRunner:
         if pending.sampled is None:
             return StepResult([], [], [], self._prompt_results(pending))
         reqs = pending.requests
+        ids = [r.request_id for r in reqs]
         logprobs: list[Logprobs | None] = [None] * len(reqs)
         if pending.logprobs is not None:
-            ids, values, ranks = (t.tolist() for t in pending.logprobs)
+            top_ids, values, ranks = (t.tolist() for t in pending.logprobs)
             for r, req in enumerate(reqs):
                 k = req.sampling_params.logprobs
                 if k is not None:
-                    logprobs[r] = Logprobs([ids[r][: 1 + k]], [values[r][: 1 + k]], [ranks[r]])
-        return StepResult(reqs, pending.sampled.tolist(), logprobs, self._prompt_results(pending))
+                    logprobs[r] = Logprobs([top_ids[r][: 1 + k]], [values[r][: 1 + k]], [ranks[r]])
+        return StepResult(ids, pending.sampled.tolist(), logprobs, self._prompt_results(pending))
 
     @staticmethod
-    def _prompt_results(pending: PendingStep) -> dict[Request, tuple[int, Logprobs]]:
-        return {rows.request: (rows.start + 1, Logprobs(ids.tolist(), vals.tolist(), ranks.tolist()))
+    def _prompt_results(pending: PendingStep) -> dict[str, tuple[int, Logprobs]]:
+        return {rows.request.request_id: (rows.start + 1, Logprobs(ids.tolist(), vals.tolist(), ranks.tolist()))
                 for rows, ids, vals, ranks in pending.prompt_logprobs}
 
     @torch.inference_mode()

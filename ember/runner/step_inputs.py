@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ember.core.request import Request
-from ember.core.scheduler import ScheduledBatch
 from ember.runner.input_buffers import InputBuffers
+from ember.runner.request_state import RequestState
 from ember.runner.step_broadcast import StepHeader
 
 
@@ -23,7 +22,7 @@ from ember.runner.step_broadcast import StepHeader
 class PromptRows:
     """A request's prompt positions whose logits give prompt logprobs in this step."""
 
-    request: Request
+    request: RequestState
     first_row: int  # flat token row of the first position
     start: int  # its position: the logits there predict prompt token start + 1
     count: int
@@ -32,31 +31,32 @@ class PromptRows:
 @dataclass
 class PreparedStep:
     header: StepHeader
-    samplers: list[Request]  # requests sampled this step, in logits-row order
+    samplers: list[RequestState]  # requests sampled this step, in logits-row order
     prompt_rows: list[PromptRows]
-    inflight_rows: list[tuple[int, Request]]  # (flat row, request) whose input token is still on the device
+    inflight_rows: list[tuple[int, RequestState]]  # (flat row, request) whose input token is still on the device
 
 
-def prepare_step(batch: ScheduledBatch, buffers: InputBuffers, block_size: int,
+def prepare_step(requests: list[RequestState], num_new_tokens: list[int], buffers: InputBuffers, block_size: int,
                  graph_size: Callable[[int], int | None] | None) -> PreparedStep:
-    """Fill the host buffers for this batch. `graph_size(num_seqs)` gives the captured CUDA graph size
-    to pad a decode-only batch to (None: run eagerly)."""
-    order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
+    """Fill the host buffers for this step's requests, each computing its `num_new_tokens` next tokens.
+    `graph_size(num_seqs)` gives the captured CUDA graph size to pad a decode-only batch to (None: run
+    eagerly)."""
+    order = sorted(range(len(requests)), key=lambda i: num_new_tokens[i] != 1)
     b = buffers
     ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
     tables, seq_lens, qsl, logits_idx = b.block_tables.np, b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
     t = num_decodes = max_query_len = max_seq_len = 0
-    samplers: list[Request] = []
+    samplers: list[RequestState] = []
     prompt_rows: list[PromptRows] = []
-    inflight: list[tuple[int, Request]] = []
+    inflight: list[tuple[int, RequestState]] = []
     for row, i in enumerate(order):
-        req, n = batch.requests[i], batch.num_new_tokens[i]
+        req, n = requests[i], num_new_tokens[i]
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
         tables[row, : len(req.block_ids)] = req.block_ids
         if n == 1:
             num_decodes += 1
             if start < req.num_tokens:
-                ids[t] = req.all_token_ids[start]
+                ids[t] = req.token_ids[start]
             else:
                 inflight.append((t, req))
             pos[t] = start
@@ -64,7 +64,7 @@ def prepare_step(batch: ScheduledBatch, buffers: InputBuffers, block_size: int,
         else:
             max_query_len = max(max_query_len, n)
             p = np.arange(start, end)
-            ids[t:t + n] = req.all_token_ids[start:end]
+            ids[t:t + n] = req.token_ids[start:end]
             pos[t:t + n] = p
             slots[t:t + n] = tables[row, p // block_size] * block_size + p % block_size
         if req.sampling_params.prompt_logprobs is not None:

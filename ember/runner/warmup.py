@@ -16,40 +16,43 @@ per token over 128 tokens, 3.9 ms warm). So one prefill per power of two from 25
 
 from __future__ import annotations
 
-from ember.core.request import Request
-from ember.core.scheduler import ScheduledBatch
+from ember.runner.step import NewRequest, StepDescription
 from ember.sampling.params import SamplingParams
 
 _CHUNK_LENGTHS = (2, 3, 5, 9, 17, 33, 65, 129)  # query rows next_power_of_2(len * group) span 16..128
 _FIRST_ROW_BUCKET = 256  # the largest decode batch CUDA graphs capture: smaller row counts are compiled then
 
 
-def _request(name: str, num_tokens: int, num_computed: int, block_size: int, first_block: int) -> Request:
-    req = Request(name, [0] * num_tokens, SamplingParams(temperature=0.0), 1, [], 0.0)
-    req.num_computed_tokens = num_computed
-    req.block_ids = list(range(first_block, first_block + -(-num_tokens // block_size)))
-    return req
+def _add_request(step: StepDescription, name: str, num_tokens: int, num_computed: int, block_size: int,
+                 first_block: int) -> int:
+    """Schedule a new greedy request of `num_tokens` zeros, all but the first `num_computed` of them
+    computed in this step, over consecutive blocks from `first_block`; returns its number of blocks."""
+    num_blocks = -(-num_tokens // block_size)
+    step.new_requests.append(NewRequest(name, [0] * num_tokens, SamplingParams(temperature=0.0), []))
+    step.add(name, num_tokens - num_computed, num_computed, 0, [], list(range(first_block, first_block + num_blocks)))
+    return num_blocks
 
 
 def warm_up_batches(block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    max_model_len: int) -> list[ScheduledBatch]:
+                    max_model_len: int) -> list[StepDescription]:
     """One batch per chunk length: a decode over one block of context (when two sequences fit in a
     batch), and a chunk after one block of context; within the scheduler's limits. Block contents
     are whatever the pool holds: only the kernels' compilation matters."""
     batches = []
     with_decode = max_num_seqs >= 2
     for n in _CHUNK_LENGTHS:
-        decode = _request("warm-up-decode", block_size + 1, block_size, block_size, 0)
-        first_block = len(decode.block_ids) if with_decode else 0
-        chunk = _request("warm-up-chunk", block_size + n, block_size, block_size, first_block)
-        if first_block + len(chunk.block_ids) > num_blocks or n + with_decode > max_num_batched_tokens:
+        step, first_block = StepDescription(), 0
+        if with_decode:
+            first_block = _add_request(step, "warm-up-decode", block_size + 1, block_size, block_size, 0)
+        chunk_blocks = _add_request(step, "warm-up-chunk", block_size + n, block_size, block_size, first_block)
+        if first_block + chunk_blocks > num_blocks or n + with_decode > max_num_batched_tokens:
             break
-        batches.append(ScheduledBatch([decode, chunk], [1, n]) if with_decode else ScheduledBatch([chunk], [n]))
+        batches.append(step)
     return batches + _row_bucket_batches(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len)
 
 
 def _row_bucket_batches(block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                        max_model_len: int) -> list[ScheduledBatch]:
+                        max_model_len: int) -> list[StepDescription]:
     """Fresh prefills of 2^k + 1 tokens in all for each power of two 2^k from _FIRST_ROW_BUCKET on that
     leaves a larger batch possible (the start-up forward covers the full one), cut into sequences of
     at most max_model_len tokens. They all write the same blocks: only the kernels' compilation matters."""
@@ -60,6 +63,9 @@ def _row_bucket_batches(block_size: int, num_blocks: int, max_num_seqs: int, max
         lengths = [min(max_model_len, total - start) for start in range(0, total, max_model_len)]
         if len(lengths) > max_num_seqs or -(-lengths[0] // block_size) > num_blocks:
             break
-        batches.append(ScheduledBatch([_request("warm-up-prefill", n, 0, block_size, 0) for n in lengths], lengths))
+        step = StepDescription()
+        for i, n in enumerate(lengths):
+            _add_request(step, f"warm-up-prefill-{i}", n, 0, block_size, 0)
+        batches.append(step)
         rows *= 2
     return batches
