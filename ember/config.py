@@ -155,7 +155,7 @@ class ModelConfig:
         whole context with the long ones; the two agree on every token while max_model_len stays
         within the pre-training length, and otherwise on every token produced after the sequence
         has passed it (a prompt longer than the pre-training length: all of them)."""
-        if _rope_type(self.rope_scaling) != "longrope":
+        if self.rope_scaling is None or _rope_type(self.rope_scaling) != "longrope":
             return self
         use_long = max_model_len > self.rope_scaling["original_max_position_embeddings"]
         return dataclasses.replace(self, rope_scaling={**self.rope_scaling, "use_long_factors": use_long})
@@ -179,6 +179,7 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
             raise ValueError(f"{key}: shared experts are not supported for {arch}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} experts (silu only)")
+    dense: tuple[int, ...]
     if arch == "MixtralForCausalLM":
         num_experts, inter, renormalize, dense = cfg["num_local_experts"], cfg["intermediate_size"], True, ()
     else:
@@ -211,7 +212,7 @@ def _resolve_yarn(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[s
     """YaRN (gpt-oss) with its defaults resolved as transformers' `_compute_yarn_parameters` resolves
     them: factor from the two lengths when absent, beta_fast 32 / beta_slow 1, truncate on, and the
     cos/sin scale (attention_factor) from mscale / mscale_all_dim, else 0.1 ln(factor) + 1."""
-    if _rope_type(scaling) != "yarn":
+    if scaling is None or _rope_type(scaling) != "yarn":
         return scaling
     original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
     if not original:
@@ -247,7 +248,7 @@ def _resolve_longrope(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> di
     pre-training length may sit beside the factors or at the top of config.json, `factor` defaults to
     max_position_embeddings / original_max_position_embeddings, and the cos/sin scale to
     sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) (1 when factor <= 1)."""
-    if _rope_type(scaling) not in ("longrope", "su"):
+    if scaling is None or _rope_type(scaling) not in ("longrope", "su"):
         return scaling
     # transformers lets the top-level value win where both are given
     original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")

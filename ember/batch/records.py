@@ -67,6 +67,7 @@ def parse_line(line: int, raw: str | dict[str, Any]) -> BatchLine | LineError:
         problem = ("invalid_body", "body.stream: streaming is not supported in batch jobs")
     if problem is not None:
         return LineError(line, custom_id, problem[0], f"line {line}: {problem[1]}")
+    assert isinstance(url, str) and isinstance(body, dict)  # checked above
     return BatchLine(line, custom_id, url, body)
 
 

@@ -75,7 +75,7 @@ def _send_heartbeats(outputs: queue.SimpleQueue, loop: CoreLoop, interval: float
 def _receive_inputs(sock: zmq.Socket, loop: CoreLoop) -> None:
     try:
         while True:
-            loop.put(decode_input(sock.recv(copy=False).buffer))
+            loop.put(decode_input(sock.recv(copy=False).buffer))  # type: ignore[arg-type]  # msgspec decodes a buffer
     except zmq.ContextTerminated:
         sock.close(linger=0)
 

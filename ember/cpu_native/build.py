@@ -121,6 +121,7 @@ def load(path: Path, name: str = MODULE_NAME) -> ModuleType:
 
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    assert spec is not None  # never None when a loader is given
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module

@@ -304,8 +304,8 @@ class ContentFilter:
             second = text.translate(second_alone)
             if len(second) == len(text):
                 return first, (first if second == first else second)
-        first, second = self._windows(text, 0)
-        return first.norm, (first.norm if second is first else second.norm)
+        first_window, second_window = self._windows(text, 0)
+        return first_window.norm, (first_window.norm if second_window is first_window else second_window.norm)
 
     def _windows(self, text: str, start: int) -> tuple[_Window, _Window]:
         """The window from `start` in both forms (the second is the first object where they agree)."""

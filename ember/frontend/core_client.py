@@ -122,6 +122,7 @@ class MPClient(EngineCoreClient):
         # The core never needs its own stdout; keeping stdin open tells it the front end lives.
         self.proc = subprocess.Popen([sys.executable, "-m", "ember.core.process"], stdin=subprocess.PIPE)
         boot = CoreBootstrap(args, self._address("in"), self._address("out"), self._watch.heartbeat_interval)
+        assert self.proc.stdin is not None  # stdin=PIPE
         boot.write(self.proc.stdin)
         self._stopping = False
         self._hung = False  # killed by this client for not answering
@@ -169,11 +170,12 @@ class MPClient(EngineCoreClient):
         if self.failure is not None:
             return []
         start = time.monotonic()
-        if self._poller.poll(timeout * 1000):
-            messages = []
+        if self._poller.poll(int(timeout * 1000)):  # what pyzmq does with a float
+            messages: list[CoreOutput] = []
             while True:
                 try:
-                    message = decode_output(self._output.recv(zmq.NOBLOCK, copy=False).buffer)
+                    frame = self._output.recv(zmq.NOBLOCK, copy=False)
+                    message = decode_output(frame.buffer)  # type: ignore[arg-type]  # msgspec decodes a buffer
                 except zmq.Again:
                     break
                 self._watching |= isinstance(message, EngineCoreReady)
@@ -226,6 +228,7 @@ class MPClient(EngineCoreClient):
                     logger.warning("engine core did not stop within %gs; killing it", timeout)
                 self.proc.kill()
                 self.proc.wait()
+        assert self.proc.stdin is not None
         self.proc.stdin.close()
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.content_filter = content_filter
         self.skip_special = params.skip_special_tokens
+        assert isinstance(params.stop, list)  # SamplingParams.__post_init__ normalises it to a list
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
@@ -41,6 +42,7 @@ class IncrementalDetokenizer:
         self.safe_end: int | None = None if content_filter is None else 0  # the content filter's limit
 
     def _decode(self, ids: list[int]) -> str:
+        assert self.tokenizer is not None  # its callers return early without a tokenizer
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def update(self, token_id: int) -> Finish | None:

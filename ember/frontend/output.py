@@ -296,6 +296,7 @@ class OutputProcessor:
                 stats.finished += ended.finished
                 continue
             if seq.finished:
+                assert seq.finish_reason is not None  # what `finished` means
                 del self._children[out.request_id]
                 stats.finished.append((seq.finish_reason, outputs.timestamp - state.arrival_time))
                 if state.finished:

@@ -171,7 +171,7 @@ def _shape(w: Experts) -> tuple[int, int, int]:
         return w.num_experts, w.out_features, w.in_features
     if w.dim() != 3 or w.stride(2) != 1:
         raise ValueError(f"dense experts must be [E, N, K] with a contiguous last dim, got {tuple(w.shape)}")
-    return tuple(w.shape)
+    return w.shape[0], w.shape[1], w.shape[2]
 
 
 def _check(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
@@ -234,8 +234,8 @@ def sum_topk(y: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def moe_config_for(hidden: torch.Tensor, w13: Experts, w2: Experts, top_k: int) -> MoeConfig:
     e, two_i, h = _shape(w13)
-    groups = tuple(w.group_size if isinstance(w, QuantizedExperts) else None for w in (w13, w2))
-    return choose_moe_config(hidden.shape[0], top_k, e, h, two_i // 2, weight_kind(w13), hidden.device, groups)
+    g13, g2 = (w.group_size if isinstance(w, QuantizedExperts) else None for w in (w13, w2))
+    return choose_moe_config(hidden.shape[0], top_k, e, h, two_i // 2, weight_kind(w13), hidden.device, (g13, g2))
 
 
 def fused_moe(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,

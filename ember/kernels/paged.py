@@ -61,7 +61,7 @@ def kernel_scales(scale: float, k_scale: KVScale, v_scale: KVScale,
     k_scale is folded into qk_scale on the host, per-head scales stay tensors that each program reads
     once at its KV head (`head_scales`)."""
     per_head = isinstance(k_scale, torch.Tensor)
-    qk_scale, cap = score_scales(scale, 1.0 if per_head else k_scale, logits_soft_cap)
+    qk_scale, cap = score_scales(scale, 1.0 if isinstance(k_scale, torch.Tensor) else k_scale, logits_soft_cap)
     return qk_scale, cap, k_scale if per_head else 1.0, v_scale, per_head
 
 

@@ -77,6 +77,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; both new tensors, inputs untouched."""
     out, new_residual = _launch(x, residual, weight, eps)
+    assert new_residual is not None  # _launch returns one whenever it is given a residual
     return out, new_residual
 
 

@@ -33,7 +33,7 @@ def _float(name: str, value: object) -> float:
     try:
         value = float(value)
     except OverflowError:  # an int past float's range
-        raise ValueError(f"{name} must be finite, got an integer of {int(value).bit_length()} bits") from None
+        raise ValueError(f"{name} must be finite, got an integer of {int(math.trunc(value)).bit_length()} bits") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value

@@ -144,6 +144,7 @@ class SamplingBatch:
                 continue
             # As in vLLM, ignore_eos lets EOS be generated freely, so it is only
             # held back for requests that would otherwise stop on it.
+            assert p.stop_token_ids is not None  # SamplingParams.__post_init__ normalises it to a list
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
             banned_in_vocab = sorted(t for t in banned if t < vocab_size)
             mask_rows.extend([row] * len(banned_in_vocab))
@@ -408,5 +409,6 @@ class Sampler:
         sampled = values.argmax(dim=-1)
         if scores.raw_logprobs is None:
             return SamplerOutput(sampled, None, None)
+        assert batch.max_num_logprobs is not None  # `score` computes raw_logprobs only then
         ids, values, ranks = _gather_logprobs(scores.raw_logprobs, sampled, batch.max_num_logprobs)
         return SamplerOutput(sampled, ids, values, ranks)

@@ -23,11 +23,13 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
     from ember.tokenizer import Tokenizer
 
 # Compact JSON (no free whitespace between tokens): a model cannot stall in an endless run of spaces
 # or newlines, which small models do under `whitespace_flexible`, and outputs close in fewer tokens.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -62,10 +64,12 @@ class StructuredOutputsParams:
                              f"got {set_fields or 'none'}")
         kind = set_fields[0]
         value = getattr(self, kind)
-        expected = {"json": (str, dict), "regex": str, "choice": list, "grammar": str, "json_object": bool}[kind]
+        types: dict[str, type | tuple[type, ...]] = {"json": (str, dict), "regex": str, "choice": list, "grammar": str,
+                                                     "json_object": bool}
+        expected = types[kind]
         if not isinstance(value, expected):
             raise ValueError(f"structured_outputs.{kind}: wrong type {type(value).__name__}")
-        if kind == "choice" and (not value or not all(isinstance(c, str) for c in value)):
+        if kind == "choice" and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
 
     @property
@@ -89,14 +93,18 @@ def _constraint_source(params: StructuredOutputsParams) -> str:
     kind = params.kind
     try:
         if kind == "json":
+            assert params.json is not None  # kind names the one field that is set
             return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
+            assert params.regex is not None
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
+            assert params.choice is not None
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in params.choice))
+        assert params.grammar is not None
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
     except Exception as e:  # the GBNF converter raises a bare Exception ("No 'root' rule found")
         raise ValueError(f"structured_outputs.{kind}: {e}") from None

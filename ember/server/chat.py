@@ -13,7 +13,7 @@ import asyncio
 import uuid
 from dataclasses import replace
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -63,7 +63,9 @@ async def _start(state: ServerState, engine: AsyncLLM, body: ChatCompletionReque
         if params.structured_outputs is not None:
             raise bad_request("tool_choice: a required or named tool cannot be combined with response_format or "
                               "structured_outputs", "tool_choice")
+        assert tools is not None  # a tool mode implies tools (_tool_mode)
         params.structured_outputs = tool_constraint(tools, mode, body.parallel_tool_calls)
+        assert params.structured_outputs is not None  # required and named modes always constrain
         await check_constraint(engine, params.structured_outputs, "tools", ChatCompletionRequest)
     extra = dict(body.chat_template_kwargs or {})
     if tools is not None:
@@ -88,6 +90,7 @@ def _tool_mode(body: ChatCompletionRequest, state: ServerState, tokenizer: Token
     if choice == "required":
         return ToolMode("required")
     if choice != "auto":
+        assert body.tools is not None and not isinstance(choice, str)  # tool_dicts() is None otherwise
         names = [t.function.name for t in body.tools]
         if choice.function.name not in names:
             raise bad_request(f"tool_choice: function {choice.function.name!r} is not among the tools {names}",
@@ -161,7 +164,7 @@ class _ChatCompletion:
                 for choice in self._chunk_choices(o):
                     yield self.chunk(choice)
         if self.body.include_usage:
-            yield self.chunk(None, usage(self.gen.final))
+            yield self.chunk(None, usage(cast(list[RequestOutput], self.gen.final)))  # all set once outputs() ends
 
     def _chunk_choices(self, o: CompletionOutput) -> Iterator[ChatChunkChoice]:
         """A content delta if the choice has new text or tokens, then a finish chunk if it ended."""

@@ -62,7 +62,10 @@ class AnswerParser:
     def __init__(self, reasoning: ReasoningFormat | None, tools: ToolMode | None) -> None:
         self._reasoning = ReasoningParser(reasoning) if reasoning else None
         self._mode = tools
-        self._stream = ToolCallStream(tools.fmt) if tools is not None and tools.kind == "auto" else None
+        self._stream: ToolCallStream | None = None
+        if tools is not None and tools.kind == "auto":
+            assert tools.fmt is not None  # an auto mode always names its text format
+            self._stream = ToolCallStream(tools.fmt)
         self._forced = ""  # the answer of a required / named call, after the reasoning
         self._named_call: ToolCall | None = None
         self._required: list[ToolCall] = []  # read when the answer ends
@@ -97,11 +100,13 @@ class AnswerParser:
             return AnswerDelta(content=text, tool_calls=deltas)
         self._forced += content
         if mode == "named":
+            assert self._mode is not None and self._mode.function is not None  # a named mode names its function
             deltas = []
             if self._named_call is None and (content or final):
                 self._named_call = ToolCall(self._mode.function, "")
                 deltas.append(ToolCallDelta(0, id=self._named_call.id, name=self._named_call.name, arguments=""))
             if content:
+                assert self._named_call is not None  # set above, on this call or an earlier one
                 self._named_call.arguments += content
                 deltas.append(ToolCallDelta(0, arguments=content))
             return AnswerDelta(tool_calls=deltas)

@@ -8,8 +8,8 @@ carry a choice's new text and the logprobs of its new tokens, with text offsets 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -79,7 +79,7 @@ class _Completion:
         tokenizer = require_tokenizer(self.engine)
         return tokenizer.decode(out.prompt_token_ids, skip_special_tokens=self.params.skip_special_tokens)
 
-    def logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob] | None] | None, offset: int,
+    def logprobs(self, token_ids: list[int], lps: Sequence[dict[int, Logprob] | None] | None, offset: int,
                  result: CompletionLogprobs | None = None) -> tuple[CompletionLogprobs | None, int]:
         """Append these tokens' logprobs to `result` (a new one if None); return it and the next text offset."""
         if lps is None:
@@ -121,7 +121,7 @@ class _Completion:
                     yield CompletionResponse(id=self.rid, model=self.state.settings.model_name, choices=[choice])
         if self.body.include_usage:
             yield CompletionResponse(id=self.rid, model=self.state.settings.model_name, choices=[],
-                                     usage=usage(self.gen.final))
+                                     usage=usage(cast(list[RequestOutput], self.gen.final)))  # all set by now
 
     def _chunk_choice(self, idx: int, out: RequestOutput, o: CompletionOutput) -> CompletionChoice | None:
         """Choice `idx`'s news since its last chunk, or None if there is none."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -33,7 +34,7 @@ RETRY_AFTER_UNAVAILABLE_S = 5
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
@@ -99,7 +100,9 @@ def value_error(e: ValueError, model: type[BaseModel]) -> APIError:
     param = None
     if match:
         name = match.group(0)
-        root = re.match(r"\w+", name).group(0)
+        root_match = re.match(r"\w+", name)
+        assert root_match is not None  # _LEADING_NAME matched a word character first
+        root = root_match.group(0)
         param = _PARAM_ALIASES.get(root, name if root in model.model_fields else None)
     code = "context_length_exceeded" if "maximum context length" in message else None
     return bad_request(message, param, code)

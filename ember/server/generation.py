@@ -14,10 +14,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import fields
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -90,9 +90,10 @@ class Generation:
         self._error: str | None = None
         self._closed = False
 
-    async def _merge(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merge(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         if len(self._gens) == 1:
-            async with aclosing(self._gens[0]) as gen:
+            # AsyncLLM.generate is an async generator, though annotated as an AsyncIterator
+            async with aclosing(cast(AsyncGenerator[RequestOutput, None], self._gens[0])) as gen:
                 async for out in gen:
                     yield 0, out
             return
@@ -182,7 +183,7 @@ class Generation:
                 f"{sum(len(c.token_ids) for o in done for c in o.outputs)} completion tokens, "
                 f"finish reasons [{reasons}]; {describe_params(self.params, self.state.settings.log_request_text)}")
         if self.state.settings.log_request_text:
-            text = {"prompts": [_prompt_text(p) for p in self.prompts],
+            text: dict[str, Any] = {"prompts": [_prompt_text(p) for p in self.prompts],
                     "outputs": [[c.text for c in o.outputs] for o in done]}
             if self._error is not None:
                 text["error"] = self._error

@@ -43,6 +43,7 @@ async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -
         ids = (await asyncio.to_thread(render_chat, tokenizer, messages, body.add_generation_prompt,
                                        add_special))["prompt_token_ids"]
     else:
+        assert body.prompt is not None  # exactly one of prompt and messages, checked above
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)

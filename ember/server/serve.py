@@ -33,7 +33,7 @@ from ember.server.args import ServerSettings
 logger = logging.getLogger("ember")
 
 # Enough for finished streams to write their last bytes; the real wait is `--shutdown-timeout`.
-_CONNECTION_CLOSE_GRACE_S = 5.0
+_CONNECTION_CLOSE_GRACE_S = 5  # an int: uvicorn's Config takes whole seconds
 # After the core died: long enough for running streams to send their error event and for health
 # checks to see 503, short enough for a supervisor to restart the service promptly.
 _DEAD_ENGINE_GRACE_S = 2.0
@@ -101,6 +101,7 @@ async def _load_in_daemon_thread(make: Callable[[], AsyncLLM]) -> AsyncLLM:
         if error is not None:
             future.set_exception(error)
         else:
+            assert result is not None  # settle(result, None) on success
             future.set_result(result)
 
     def run() -> None:
@@ -143,10 +144,10 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket, args: EngineArgs, 
         loading.cancel()
         await serving
         return 0
-    if loading.exception() is not None:
+    if (error := loading.exception()) is not None:
         server.should_exit = True
         await serving
-        raise loading.exception()
+        raise error
     engine = loading.result()
     state.engine = engine
     if state.draining:  # a signal arrived just as loading finished

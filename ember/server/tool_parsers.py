@@ -43,6 +43,7 @@ def _call(name: Any, arguments: Any) -> ToolCall | None:
 
 def _json_values(text: str) -> tuple[list[Any], str]:
     """The complete JSON values in `text` (separated by whitespace, `,` or `;`) and the unread rest."""
+    values: list[Any]
     decoder, values, pos = json.JSONDecoder(), [], 0
     while True:
         while pos < len(text) and text[pos] in " \t\r\n;,":
@@ -122,7 +123,8 @@ class MistralFormat(ToolFormat):
             named = self._NAMED.match(part)
             values, rest = _json_values(part[named.end():] if named else part)
             if named:
-                parsed = [_call(named.group(1), values[0])] if values and isinstance(values[0], dict) else None
+                call = _call(named.group(1), values[0]) if values and isinstance(values[0], dict) else None
+                parsed = [call] if call is not None else None
             else:
                 parsed = _calls_from_objects(values)
             if parsed is None or (final and rest.strip()):
@@ -143,7 +145,7 @@ class PythonicFormat(ToolFormat):
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
             return None
-        calls = []
+        calls: list[ToolCall] = []
         for node in tree.elts:
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
                 return None
@@ -151,7 +153,10 @@ class PythonicFormat(ToolFormat):
                 args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
             except ValueError:
                 return None
-            calls.append(_call(node.func.id, args))
+            call = _call(node.func.id, args)
+            if call is None:
+                return None
+            calls.append(call)
         return calls
 
 

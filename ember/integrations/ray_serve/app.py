@@ -98,14 +98,15 @@ def build_application(engine_args: EngineArgs, settings: ServerSettings, options
         scaling = {"autoscaling_config": {
             "min_replicas": options.num_replicas, "max_replicas": options.max_replicas,
             "target_ongoing_requests": options.target_ongoing_requests or seqs}}
-    replica = serve.deployment(EmberReplica).options(
+    replica = serve.deployment(EmberReplica).options(  # type: ignore[attr-defined]  # Ray's overloads miss a class
         name="EmberReplica", max_ongoing_requests=max_ongoing,
         ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
         graceful_shutdown_timeout_s=settings.shutdown_timeout + 5,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+        # the ignore: Ray annotates every keyword of RequestRouterConfig as dict[str, Any]
+        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,  # type: ignore[arg-type]
                                                   request_router_kwargs={"prefix_routing": options.prefix_routing}),
         **scaling)
-    ingress = serve.deployment(EmberIngress).options(
+    ingress = serve.deployment(EmberIngress).options(  # type: ignore[attr-defined]  # as above
         name="EmberIngress", ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max_ongoing * (options.max_replicas or options.num_replicas))
     return ingress.bind(replica.bind(engine_args, settings, max_waiting_requests), options.prefix_chars)

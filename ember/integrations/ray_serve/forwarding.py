@@ -49,7 +49,7 @@ async def call_asgi(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Me
     async def send(message: Message) -> None:
         await messages.put(message)
 
-    task = asyncio.create_task(app(_scope(request), receive, send))
+    task = asyncio.ensure_future(app(_scope(request), receive, send))  # an ASGI app returns an Awaitable
     task.add_done_callback(lambda _: messages.put_nowait(None))
     try:
         while (message := await messages.get()) is not None:

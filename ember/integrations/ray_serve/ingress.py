@@ -95,6 +95,7 @@ class EmberIngress:
         attempt = 1
         while True:
             messages = self.replicas.forward.remote(forwarded)
+            assert isinstance(messages, DeploymentResponseGenerator)  # self.replicas streams (stream=True)
             try:
                 return messages, await messages.__anext__()
             except RayActorError as e:  # died or unreachable, before sending anything back

@@ -26,7 +26,7 @@ from ember.integrations.ray_serve.forwarding import ForwardedRequest
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, prefix_routing: bool = True) -> None:
+    def initialize_state(self, prefix_routing: bool = True) -> None:  # type: ignore[override]  # Ray: **kwargs
         """`prefix_routing=False` sends prompts to the least-loaded replica too (for comparison)."""
         self.prefix_routing = prefix_routing
 
