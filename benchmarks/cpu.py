@@ -42,15 +42,15 @@ import torch
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from benchmarks.startup import free_port, health, process_tree, rss_mib, server_command  # noqa: E402
-from benchmarks.throughput import load_hf_model, model_short_name  # noqa: E402
-from ember.bench import serve as bench_serve  # noqa: E402
-from ember.bench.flags import add_serve_bench_args  # noqa: E402
-from ember.bench.machine import load_average  # noqa: E402
-from ember.bench.report import percentile  # noqa: E402
-from ember.bench.workloads import make_requests  # noqa: E402
-from ember.model.files import resolve_model  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.startup import free_port, health, process_tree, rss_mib, server_command
+from benchmarks.throughput import load_hf_model, model_short_name
+from ember.bench import serve as bench_serve
+from ember.bench.flags import add_serve_bench_args
+from ember.bench.machine import load_average
+from ember.bench.report import percentile
+from ember.bench.workloads import make_requests
+from ember.model.files import resolve_model
 
 COLORS = {"ember": "#d9541e", "llama.cpp": "#6a9a3a", "hf": "#4a7ab5"}
 SEEDS_PER_REPEAT = 1000

@@ -26,11 +26,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from ember.kernels.fp8_matmul import (  # noqa: E402
-    Fp8MatmulConfig, choose_fp8_matmul_config, fp8_block_matmul, fp8_block_matmul_ref, quantize_fp8_groups,
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from ember.kernels.fp8_matmul import (
+    Fp8MatmulConfig,
+    choose_fp8_matmul_config,
+    fp8_block_matmul,
+    fp8_block_matmul_ref,
+    quantize_fp8_groups,
 )
-from ember.quant.quantize import quantize_fp8, quantize_fp8_per_channel  # noqa: E402
+from ember.quant.quantize import quantize_fp8, quantize_fp8_per_channel
 
 # (name, N, K) of Llama-3.1-8B's linear layers (q/k/v and gate/up fused as Ember runs them)
 SHAPES_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]

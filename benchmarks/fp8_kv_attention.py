@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from ember.kernels import paged_decode_attention, paged_prefill_attention, store_kv  # noqa: E402
-from ember.quant.formats import FP8_DTYPE  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from ember.kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from ember.quant.formats import FP8_DTYPE
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 8, 2, 128, 16  # Qwen3-0.6B
 

@@ -18,10 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_info, today, write_json  # noqa: E402
-from conftest import ARCHS, default_gguf_path, make_checkpoint  # noqa: E402
+from common import machine_info, today, write_json
+from conftest import ARCHS, default_gguf_path, make_checkpoint
 
-from ember import LLM, SamplingParams  # noqa: E402
+from ember import LLM, SamplingParams
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):\n    return",
            "Large language models generate text one token at a time. " * 6]

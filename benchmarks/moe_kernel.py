@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from ember.kernels.fused_moe import Experts, fused_moe, fused_moe_ref, moe_config_for, weight_kind  # noqa: E402
-from ember.kernels.moe_config import device_key, lookup, problem_key  # noqa: E402
-from ember.kernels.moe_routing import moe_route  # noqa: E402
-from ember.quant.experts import QuantizedExperts, quantize_experts  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from ember.kernels.fused_moe import Experts, fused_moe, fused_moe_ref, moe_config_for, weight_kind
+from ember.kernels.moe_config import device_key, lookup, problem_key
+from ember.kernels.moe_routing import moe_route
+from ember.quant.experts import QuantizedExperts, quantize_experts
 
 PEAK_GBS = 4300.0
 PEAK_TFLOPS = 790.0

@@ -25,14 +25,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from benchmarks.moe_kernel import KINDS, SHAPES, MoeShape, bench_us, make_batch, make_experts  # noqa: E402
-from ember.kernels.fused_moe import Experts, fused_moe, grouped_gemm, weight_kind  # noqa: E402
-from ember.kernels.moe_align import moe_align_block_size  # noqa: E402
-from ember.kernels.moe_config import (  # noqa: E402
-    TABLE_PATH, GemmTiles, MoeConfig, default_moe_config, device_key, fit_tiles, problem_key,
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.moe_kernel import KINDS, SHAPES, MoeShape, bench_us, make_batch, make_experts
+from ember.kernels.fused_moe import Experts, fused_moe, grouped_gemm, weight_kind
+from ember.kernels.moe_align import moe_align_block_size
+from ember.kernels.moe_config import (
+    TABLE_PATH,
+    GemmTiles,
+    MoeConfig,
+    default_moe_config,
+    device_key,
+    fit_tiles,
+    problem_key,
 )
-from ember.quant.experts import QuantizedExperts  # noqa: E402
+from ember.quant.experts import QuantizedExperts
 
 TUNE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 # (BLOCK_N, BLOCK_K, warps, stages), six each: a cold GPU machine compiles every one per BLOCK_M

@@ -31,14 +31,14 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, today, write_json  # noqa: E402
-from benchmarks.throughput import model_short_name  # noqa: E402
-from ember.bench.flags import add_serve_bench_args, check_args  # noqa: E402
-from ember.bench.machine import client_machine_info  # noqa: E402
-from ember.bench.report import RequestResult, distribution, print_report, request_records, summarize  # noqa: E402
-from ember.bench.serve import InFlight  # noqa: E402
-from ember.bench.workloads import RequestSpec, make_requests, request_body  # noqa: E402
-from ember.http_client import COMPLETIONS  # noqa: E402
+from benchmarks.common import RESULTS_DIR, today, write_json
+from benchmarks.throughput import model_short_name
+from ember.bench.flags import add_serve_bench_args, check_args
+from ember.bench.machine import client_machine_info
+from ember.bench.report import RequestResult, distribution, print_report, request_records, summarize
+from ember.bench.serve import InFlight
+from ember.bench.workloads import RequestSpec, make_requests, request_body
+from ember.http_client import COMPLETIONS
 
 # `client.completions.create`'s own parameters among the body's keys; the rest goes in `extra_body`
 SDK_PARAMS = ("model", "prompt", "max_tokens", "temperature", "stream", "stream_options")

@@ -48,13 +48,13 @@ import torch
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from benchmarks.throughput import model_short_name  # noqa: E402
-from ember import LLM, SamplingParams  # noqa: E402
-from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, EngineArgs  # noqa: E402
-from ember.model.files import load_model_info, resolve_model  # noqa: E402
-from ember.model.loader import load_model_files  # noqa: E402
-from ember.tokenizer import Tokenizer  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.throughput import model_short_name
+from ember import LLM, SamplingParams
+from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, EngineArgs
+from ember.model.files import load_model_info, resolve_model
+from ember.model.loader import load_model_files
+from ember.tokenizer import Tokenizer
 
 MODES = ("none", "int8", "int4", "fp8", "ptpc_fp8", "gguf")
 TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quality.txt")

@@ -32,15 +32,20 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from ember.kernels.paged import num_sms  # noqa: E402
-from ember.kernels.quant_matmul import dequantize_kernel, quant_matmul  # noqa: E402
-from ember.kernels.quant_packed import (  # noqa: E402
-    CONFIG_TABLE, PackedConfig, PackedQuantWeight, choose_packed_config, dequantize_packed, pack_weight,
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from ember.kernels.paged import num_sms
+from ember.kernels.quant_matmul import dequantize_kernel, quant_matmul
+from ember.kernels.quant_packed import (
+    CONFIG_TABLE,
+    PackedConfig,
+    PackedQuantWeight,
+    choose_packed_config,
+    dequantize_packed,
+    pack_weight,
     packed_matmul,
 )
-from ember.quant.formats import QuantizedWeight  # noqa: E402
-from ember.quant.quantize import quantize  # noqa: E402
+from ember.quant.formats import QuantizedWeight
+from ember.quant.quantize import quantize
 
 SHAPES_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 ROWS = [1, 2, 4, 8, 16, 32, 64]

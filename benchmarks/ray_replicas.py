@@ -31,15 +31,15 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
+import ray
+from ray import serve
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from benchmarks.startup import free_port  # noqa: E402
-from benchmarks.throughput import model_short_name  # noqa: E402
-from ember.http_client import error_message, http_request  # noqa: E402
-from ember.integrations.ray_serve import build_application, parse  # noqa: E402
-from ember.integrations.ray_serve.replica import REPLICA_HEADER  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.startup import free_port
+from benchmarks.throughput import model_short_name
+from ember.http_client import error_message, http_request
+from ember.integrations.ray_serve import build_application, parse
+from ember.integrations.ray_serve.replica import REPLICA_HEADER
 
 RUNS = {"1 replica": (1, True), "2 replicas, prefix routing": (2, True), "2 replicas, least loaded": (2, False)}
 _WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu",

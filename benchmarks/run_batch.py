@@ -40,14 +40,14 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from benchmarks.cpu import stop, wait_ready  # noqa: E402
-from benchmarks.startup import free_port, server_command  # noqa: E402
-from benchmarks.throughput import model_short_name  # noqa: E402
-from ember.bench import serve as bench_serve  # noqa: E402
-from ember.bench.flags import add_serve_bench_args  # noqa: E402
-from ember.bench.workloads import make_requests, request_body  # noqa: E402
-from ember.http_client import CHAT, http_request  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.cpu import stop, wait_ready
+from benchmarks.startup import free_port, server_command
+from benchmarks.throughput import model_short_name
+from ember.bench import serve as bench_serve
+from ember.bench.flags import add_serve_bench_args
+from ember.bench.workloads import make_requests, request_body
+from ember.http_client import CHAT, http_request
 
 _SUMMARY = re.compile(r"(\d+) succeeded, (\d+) failed, (\d+) already done; (\d+) retries; "
                       r"(\d+) output tokens in ([\d.]+)s")

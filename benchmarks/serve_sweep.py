@@ -30,11 +30,11 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, today, write_json  # noqa: E402
-from benchmarks.throughput import model_short_name  # noqa: E402
-from ember.bench import serve as bench_serve  # noqa: E402
-from ember.bench.flags import add_serve_bench_args, check_args  # noqa: E402
-from ember.bench.machine import client_machine_info  # noqa: E402
+from benchmarks.common import RESULTS_DIR, today, write_json
+from benchmarks.throughput import model_short_name
+from ember.bench import serve as bench_serve
+from ember.bench.flags import add_serve_bench_args, check_args
+from ember.bench.machine import client_machine_info
 
 TTFT_P99_TARGET_MS = 150.0  # the design target for Poisson load at 50% and 80% of saturation
 # `ember bench serve`'s summary keys kept per run

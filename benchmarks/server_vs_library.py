@@ -37,15 +37,15 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from benchmarks.cpu import bench_args, stop, wait_ready  # noqa: E402
-from benchmarks.latency import measure  # noqa: E402
-from benchmarks.startup import free_port, server_command  # noqa: E402
-from benchmarks.throughput import model_short_name  # noqa: E402
-from ember import LLM  # noqa: E402
-from ember.bench import serve as bench_serve  # noqa: E402
-from ember.bench.machine import load_average  # noqa: E402
-from ember.bench.workloads import make_requests  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.cpu import bench_args, stop, wait_ready
+from benchmarks.latency import measure
+from benchmarks.startup import free_port, server_command
+from benchmarks.throughput import model_short_name
+from ember import LLM
+from ember.bench import serve as bench_serve
+from ember.bench.machine import load_average
+from ember.bench.workloads import make_requests
 
 PATHS = ("library", "library-engine-process", "server")
 # One measured request: output tokens, seconds from sending to the last token, seconds to the first token.

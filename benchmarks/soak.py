@@ -53,14 +53,13 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (READY_LINE_DEVICE, RESULTS_DIR, machine_info, server_benchmark_parser, today,  # noqa: E402
-                               write_json)
-from benchmarks.cpu import wait_ready  # noqa: E402
-from benchmarks.startup import free_port, process_tree, rss_mib, server_command  # noqa: E402
-from ember.bench.machine import load_average  # noqa: E402
-from ember.bench.report import percentile  # noqa: E402
-from ember.bench.workloads import TOKEN_ID_LOW, WORDS  # noqa: E402
-from ember.http_client import CHAT, COMPLETIONS, carries_output, error_message  # noqa: E402
+from benchmarks.common import READY_LINE_DEVICE, RESULTS_DIR, machine_info, server_benchmark_parser, today, write_json
+from benchmarks.cpu import wait_ready
+from benchmarks.startup import free_port, process_tree, rss_mib, server_command
+from ember.bench.machine import load_average
+from ember.bench.report import percentile
+from ember.bench.workloads import TOKEN_ID_LOW, WORDS
+from ember.http_client import CHAT, COMPLETIONS, carries_output, error_message
 
 try:
     import httpx

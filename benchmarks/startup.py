@@ -32,10 +32,9 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (READY_LINE_DEVICE, RESULTS_DIR, machine_info, server_benchmark_parser, today,  # noqa: E402
-                               write_json)
-from ember.bench.machine import load_average  # noqa: E402
-from benchmarks.throughput import model_short_name  # noqa: E402
+from benchmarks.common import READY_LINE_DEVICE, RESULTS_DIR, machine_info, server_benchmark_parser, today, write_json
+from benchmarks.throughput import model_short_name
+from ember.bench.machine import load_average
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 MEDIAN_KEYS = ("port_answers_s", "ready_s", "peak_rss_tree_mib", "main_vmhwm_mib", "rss_ready_mib",

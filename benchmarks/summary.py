@@ -19,7 +19,7 @@ from typing import Any
 if not __package__:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, today, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, today, write_json
 
 
 @dataclass

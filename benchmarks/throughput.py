@@ -30,12 +30,12 @@ import torch
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402
-from benchmarks.step_profile import print_profile, profile_steps  # noqa: E402
-from ember import LLM, SamplingParams  # noqa: E402
-from ember.bench.workloads import nano_vllm_requests  # noqa: E402
-from ember.config import DEFAULT_MODEL, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS  # noqa: E402
-from ember.model.files import resolve_model  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.step_profile import print_profile, profile_steps
+from ember import LLM, SamplingParams
+from ember.bench.workloads import nano_vllm_requests
+from ember.config import DEFAULT_MODEL, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
+from ember.model.files import resolve_model
 
 TEMPERATURE = 0.6
 WARMUP_PROMPT_LEN, WARMUP_TOKENS = 32, 4
@@ -55,7 +55,7 @@ class Workload:
     def output_tokens(self) -> int:
         return sum(self.max_tokens)
 
-    def head(self, n: int) -> "Workload":
+    def head(self, n: int) -> Workload:
         return Workload(self.prompts[:n], self.max_tokens[:n])
 
 
@@ -73,7 +73,7 @@ class Timer:
     """Wall and process CPU seconds of a block; CPU per wall second falls below the thread count when other work
     shares the cores, which is how a result from a busy shared machine gives itself away."""
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self._wall, self._cpu = time.perf_counter(), time.process_time()
         return self
 

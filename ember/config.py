@@ -280,7 +280,7 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
         "sliding_window_pattern": 2, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
     },
-    **{arch: _GEMMA3_DEFAULTS for arch in _GEMMA3},
+    **dict.fromkeys(_GEMMA3, _GEMMA3_DEFAULTS),
 }
 _GPT_OSS = "GptOssForCausalLM"
 _DEFAULT_THETA = {_GPT_OSS: 150_000.0}  # transformers' config defaults where config.json gives none

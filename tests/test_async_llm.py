@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from test_server_robustness import wait_until
 
 from ember import LLM, AsyncLLM, EngineArgs, SamplingParams
 from ember.frontend.errors import QueueFullError, RequestFailedError
 from ember.frontend.output import RequestState
-from test_server_robustness import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

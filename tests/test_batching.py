@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import DEVICE
+
 from ember import LLM, SamplingParams
 
 NUM_PROMPTS = 32
@@ -74,6 +74,7 @@ def test_kernel_warm_up_batches_run_through_the_runner(llama_dir):
     """The start-up warm-up (CUDA only) feeds these batches to the runner: every prefill tile height next
     to a decode, over cached context, and the row counts between the decode graphs and the full batch. Here they run on the CPU path: each samples one token per row."""
     from conftest import inproc_core
+
     from ember.runner.warmup import warm_up_batches
 
     llm = LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05, engine_process=False)
@@ -95,6 +96,7 @@ def test_sampling_tensors_are_reused_only_for_the_same_rows_without_per_step_sta
     tensors (in a fresh batch, so a step's grammar bitmask never carries over); other rows, another
     order, or a row whose min_tokens still holds EOS back get tensors built for that step."""
     from conftest import inproc_core
+
     from ember.runner.request_state import RequestState
 
     runner = inproc_core(LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05,

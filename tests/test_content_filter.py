@@ -17,14 +17,13 @@ import time
 
 import httpx
 import pytest
+from conftest import DEVICE, make_checkpoint
+from test_server import ServerThread
 
 from ember import LLM, AsyncLLM, EngineArgs, SamplingParams
 from ember.frontend.content_filter import ContentFilter, Scan, _tables, normalize, normalize_capitals
-from ember.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
 from ember.frontend.output import OutputProcessor, RequestState
-
-from conftest import DEVICE, make_checkpoint
-from test_server import ServerThread
+from ember.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
 
 MODEL = "tiny"
 PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",

@@ -25,13 +25,12 @@ import pydantic
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from test_server import ServerThread, tiny_engine
 
 from ember.cli import build_parser
 from ember.config import EngineArgs
 from ember.integrations.ray_serve import app_builder, make_parser, parse
 from ember.server.args import ServerSettings, mapping_to_argv, resolve_args, settings_from_args
-
-from test_server import ServerThread, tiny_engine
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "k8s"

@@ -72,7 +72,8 @@ def test_token_bytes_rebuild_the_utf8_text(tokenizer, text):
 
 
 def test_token_bytes_of_sentencepiece_pieces():
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
 
     from ember.tokenizer import Tokenizer
 

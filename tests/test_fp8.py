@@ -23,18 +23,29 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ember.kernels import (  # noqa: E402
-    Fp8MatmulConfig, choose_fp8_matmul_config, fp8_block_matmul, fp8_block_matmul_ref, paged_decode_attention,
-    paged_decode_attention_ref, paged_prefill_attention_ref, quantize_fp8_groups, store_kv,
+from test_kernels import fp8_attention_batch, store_and_attend
+
+from ember.kernels import (
+    Fp8MatmulConfig,
+    choose_fp8_matmul_config,
+    fp8_block_matmul,
+    fp8_block_matmul_ref,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    quantize_fp8_groups,
+    store_kv,
 )
-from ember.ops import registry as backend  # noqa: E402
-from ember.quant.formats import FP8_DTYPE, QuantizedWeight, dequantize  # noqa: E402
-from ember.model.linear import QuantEmbedding, QuantLinear  # noqa: E402
-from ember.quant.kv_scale import quantize_kv  # noqa: E402
-from ember.quant.quantize import (  # noqa: E402
-    quantize, quantize_fp8, quantize_fp8_activations, quantize_fp8_per_channel,
+from ember.model.linear import QuantEmbedding, QuantLinear
+from ember.ops import registry as backend
+from ember.quant.formats import FP8_DTYPE, QuantizedWeight, dequantize
+from ember.quant.kv_scale import quantize_kv
+from ember.quant.quantize import (
+    quantize,
+    quantize_fp8,
+    quantize_fp8_activations,
+    quantize_fp8_per_channel,
 )
-from test_kernels import fp8_attention_batch, store_and_attend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

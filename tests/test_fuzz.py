@@ -16,16 +16,19 @@ import hypothesis
 import pytest
 import schemathesis
 from fastapi.testclient import TestClient
-from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
-                                 status_code_conformance)
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from test_server import MODEL, ServerThread, tiny_engine
 
 from ember.server import chat, completions, health, models
 from ember.server.app import build_app
 from ember.server.args import ServerSettings, add_serve_parser, resolve_args, settings_from_args
 from ember.server.openapi import REF_TEMPLATE
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-
-from test_server import MODEL, ServerThread, tiny_engine
 
 # Every route the app has, and the model of the body it reads (None: no body).
 ROUTES = {

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ARCHS, DEVICE, default_gguf_path
+
 from ember import LLM, SamplingParams
 
 PROMPTS = [

@@ -18,17 +18,28 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ember.kernels import (  # noqa: E402
-    apply_rotary, apply_rotary_ref, choose_num_splits, fused_add_rms_norm, fused_add_rms_norm_ref,
-    paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention,
-    paged_prefill_attention_ref, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref, store_kv,
+from ember.kernels import (
+    apply_rotary,
+    apply_rotary_ref,
+    choose_num_splits,
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    rms_norm,
+    rms_norm_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+    store_kv,
     store_kv_ref,
 )
-from ember.ops import registry as backend  # noqa: E402
-from ember.ops.attention import AttentionMetadata  # noqa: E402
-from ember.ops.functional import paged_attention  # noqa: E402
-from ember.ops.functional import store_kv as model_store_kv  # noqa: E402
-from ember.quant.kv_scale import quantize_kv  # noqa: E402
+from ember.ops import registry as backend
+from ember.ops.attention import AttentionMetadata
+from ember.ops.functional import paged_attention
+from ember.ops.functional import store_kv as model_store_kv
+from ember.quant.kv_scale import quantize_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = os.environ.get("EMBER_KERNEL_TEST_FULL") == "1"

@@ -21,10 +21,9 @@ import uuid
 
 import httpx
 import pytest
+from conftest import free_port, make_checkpoint, wait_healthy
 
 from ember.logger import route_server_logs
-
-from conftest import free_port, make_checkpoint, wait_healthy
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,13 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICE, inproc_core
+from schemas import SCHEMAS
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.core.grammar import GrammarManager
 from ember.runner import model_runner
 from ember.runner.warmup import warm_up_batches
-
-from conftest import DEVICE, inproc_core
-from schemas import SCHEMAS
 
 
 def _only(tokens: list[int], vocab_size: int) -> torch.Tensor:

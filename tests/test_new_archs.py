@@ -17,14 +17,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICE, WINDOWED_ARCHS, add_bpe_vocab, gguf_writer, make_checkpoint, write_gguf_and_twin
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file, save_file
+from test_hf_equality import TOP, assert_output_matches, hf_greedy, hf_references
 
-from conftest import DEVICE, WINDOWED_ARCHS, add_bpe_vocab, gguf_writer, make_checkpoint, write_gguf_and_twin
 from ember import LLM, SamplingParams
 from ember.ops.attention import AttentionMetadata
 from ember.ops.functional import paged_attention
-from test_hf_equality import TOP, assert_output_matches, hf_greedy, hf_references
 
 ARCHS = tuple(WINDOWED_ARCHS)
 NUM_TOKENS = 24

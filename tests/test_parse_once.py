@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-
 from conftest import free_port, wait_healthy
+
 from ember.frontend import async_llm
 from ember.model.reads import BUILT_TOKENIZER, PARSED_GGUF, PARSED_JSON, PREFIX
 

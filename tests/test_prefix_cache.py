@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import DEVICE
+
 from ember import LLM, SamplingParams
 from ember.core.block_manager import BlockManager
 from ember.core.request import Request

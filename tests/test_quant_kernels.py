@@ -24,15 +24,24 @@ from gguf import GGMLQuantizationType as QType
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ember.kernels import (  # noqa: E402
-    QuantMatmulConfig, choose_quant_matmul_config, dequantize_kernel, quant_matmul, quant_matmul_ref,
+from ember.kernels import (
+    QuantMatmulConfig,
+    choose_quant_matmul_config,
+    dequantize_kernel,
+    quant_matmul,
+    quant_matmul_ref,
 )
-from ember.kernels.quant_packed import (  # noqa: E402
-    PackedConfig, choose_packed_config, dequantize_packed, pack_weight, packable, packed_matmul,
+from ember.kernels.quant_packed import (
+    PackedConfig,
+    choose_packed_config,
+    dequantize_packed,
+    pack_weight,
+    packable,
+    packed_matmul,
 )
-from ember.model.gguf_blocks import quantized as gguf_quantized  # noqa: E402
-from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4  # noqa: E402
-from ember.ops.linear_gpu import PACKED_MAX_ROWS, gpu_matmul  # noqa: E402
+from ember.model.gguf_blocks import quantized as gguf_quantized
+from ember.ops.linear_gpu import PACKED_MAX_ROWS, gpu_matmul
+from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = os.environ.get("EMBER_KERNEL_TEST_FULL") == "1"

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from conftest import DEVICE
+from safetensors import safe_open
 
 from benchmarks import quality
 from ember import LLM
-from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4, unpack_int4
-from ember.ops import linear_cpu as linear
 from ember.model.linear import QuantLinear
+from ember.ops import linear_cpu as linear
+from ember.quant.formats import QuantizedWeight, codes, dequantize, pack_int4, unpack_int4
 from ember.quant.quantize import quantize_fp8_per_channel, quantize_int4, quantize_int8
 
 TEXT = Path(quality.TEXT_PATH).read_text(encoding="utf-8")

@@ -10,13 +10,12 @@ import httpx
 import openai
 import pytest
 import ray
+from conftest import default_gguf_path, free_port
 from ray import serve
 
 from ember.integrations.ray_serve import build_application, parse
 from ember.integrations.ray_serve.ingress import routing_prefix
 from ember.integrations.ray_serve.replica import REPLICA_HEADER
-
-from conftest import default_gguf_path, free_port
 
 MODEL = "smollm2"
 GREEDY = {"temperature": 0, "max_tokens": 4}

@@ -7,16 +7,15 @@ import random
 import re
 
 import pytest
+from conftest import DEVICE, token_pieces
+from test_server import MODEL, ServerThread
 
 from ember import AsyncLLM, EngineArgs
-from ember.model.files import load_model_info
 from ember.core.grammar import GrammarManager
+from ember.model.files import load_model_info
 from ember.sampling.structured import StructuredOutputsParams
 from ember.server.chat_answer import AnswerParser
 from ember.server.reasoning import REASONING_PARSERS, ReasoningParser, split_reasoning
-
-from conftest import DEVICE, token_pieces
-from test_server import MODEL, ServerThread
 
 CASES = [  # (parser, answer, reasoning, content)
     ("qwen3", "<think>\nThe user wants a greeting.\n</think>\n\nHello there!", "\nThe user wants a greeting.\n",

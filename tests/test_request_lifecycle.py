@@ -20,13 +20,13 @@ import time
 import httpx
 import msgspec
 import pytest
-
 from conftest import free_port
+from test_server import MODEL, ServerThread, tiny_engine
+from test_server_robustness import _start_serve, wait_until
+
 from ember import SamplingParams
 from ember.messages import EngineCoreRequest, SchedulerStats
 from ember.sampling.structured import StructuredOutputsParams
-from test_server import MODEL, ServerThread, tiny_engine
-from test_server_robustness import _start_serve, wait_until
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]

@@ -122,7 +122,7 @@ def _bodies(model, required: dict) -> st.SearchStrategy:
     shaped = {name: _shaped(properties[name]) for name in model.model_fields if name not in required}
     return st.one_of(
         JSON,
-        st.fixed_dictionaries(required, optional={name: JSON for name in shaped}),
+        st.fixed_dictionaries(required, optional=dict.fromkeys(shaped, JSON)),
         st.fixed_dictionaries(required, optional=shaped),
         # a few fields at a time, so that more bodies validate and reach to_sampling_params
         st.lists(st.sampled_from(sorted(shaped)), max_size=3, unique=True).flatmap(

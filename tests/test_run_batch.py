@@ -14,14 +14,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import DEVICE, make_checkpoint
+from test_server_robustness import _start_serve
+
 from ember.batch.local import EngineTarget, settings_for
 from ember.batch.runner import BatchOptions, BatchRunner, Reply
 from ember.config import EngineArgs
 from ember.frontend.async_llm import AsyncLLM
 from ember.server.state import ServerState
-from test_server_robustness import _start_serve
 
 MODEL = "tiny"
 ENGINE_FLAGS = ["--served-model-name", MODEL, "--kv-cache-memory", "0.05", "--dtype", "float32", "--device", DEVICE]

@@ -14,12 +14,11 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import DEVICE
 
 from ember import AsyncLLM, EngineArgs
 from ember.server.app import build_app
 from ember.server.args import ServerSettings, add_serve_parser, resolve_args, settings_from_args
-
-from conftest import DEVICE
 
 MODEL = "tiny"
 
@@ -36,7 +35,7 @@ class ServerThread:
                                                     access_log=False, timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:

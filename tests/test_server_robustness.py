@@ -15,10 +15,10 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-
 from conftest import free_port, make_checkpoint, wait_healthy
-from ember.core.request import Request
 from test_server import ServerThread, tiny_engine
+
+from ember.core.request import Request
 
 LONG = {"prompt": [5, 17, 99, 203, 40], "ignore_eos": True, "temperature": 0}
 

@@ -9,14 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
+from conftest import DEVICE
+from schemas import SCHEMAS
+from test_server import MODEL, ServerThread
 
 from ember import AsyncLLM, EngineArgs, SamplingParams
 from ember.messages import EngineCoreRequest, decode_input, encode
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
-
-from conftest import DEVICE
-from schemas import SCHEMAS
-from test_server import MODEL, ServerThread
 
 MAX_TOKENS = 96
 

@@ -23,10 +23,10 @@ from test_server_robustness import _start_serve
 
 from ember import LLM, SamplingParams
 from ember.config import ModelConfig
+from ember.frontend.errors import EngineDeadError
 from ember.model.sharding import ShardLayout
 from ember.quant.formats import dequantize
 from ember.quant.quantize import QUANTIZERS
-from ember.frontend.errors import EngineDeadError
 
 PROMPTS = ["The quick brown fox jumps", "Paris is the capital of", "def add(a, b):\n", "你好，世界"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)

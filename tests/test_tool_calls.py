@@ -9,14 +9,13 @@ import random
 
 import jsonschema
 import pytest
+from conftest import DEVICE, token_pieces
+from test_server import MODEL, ServerThread
 
 from ember import AsyncLLM, EngineArgs
 from ember.server.chat_answer import AnswerParser, ToolMode
 from ember.server.reasoning import REASONING_PARSERS
 from ember.server.tool_parsers import TOOL_PARSERS, ToolCallStream, parse_tool_calls, parser_for_template
-
-from conftest import DEVICE, token_pieces
-from test_server import MODEL, ServerThread
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import DEVICE
+
 from ember import LLM, SamplingParams
 from ember.ops import registry as backend
 

@@ -18,15 +18,7 @@ TOKEN_ID_LOW, TOKEN_ID_HIGH = 100, 10000
 
 # Chat prompts are random words: a chat template needs text, and these tokenize to about one token
 # each in the usual BPE vocabularies. Input token counts then come from the server's `usage`.
-WORDS = (
-    "the of and to in is that for it as was with be by on not he this are or his from at which but have an "
-    "they you were her she there one all we their been has when who will more no if out so said what up its "
-    "about into than them can only other new some could time these two may then do first any my now such like "
-    "our over man me even most made after also did many before must through back years where much your way "
-    "well down should because each just those people how too little state good very make world still own see "
-    "men work long get here between both life being under never day same another know while last might us "
-    "great old year off come since against go came right used take three small river light water house city"
-).split()
+WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "one", "all", "we", "their", "been", "has", "when", "who", "will", "more", "no", "if", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three", "small", "river", "light", "water", "house", "city"]
 
 
 def nano_vllm_requests(num_seqs: int = 256, min_input: int = 100, max_input: int = 1024, min_output: int = 100,

@@ -30,10 +30,16 @@ import torch
 from ember.config import EngineArgs, ModelConfig
 from ember.core.block_manager import BlockManager
 from ember.core.grammar import GrammarManager, consume
-from ember.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
-                                   Logprobs, SchedulerStats)
 from ember.core.request import Request, RequestStatus
 from ember.core.scheduler import ScheduledBatch, Scheduler
+from ember.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    Logprobs,
+    SchedulerStats,
+)
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
 from ember.runner.device import resolve_device

@@ -34,8 +34,14 @@ import torch
 
 from ember.config import EngineArgs
 from ember.model.files import ModelInfo, load_model_info, model_path
-from ember.sampling.structured import (GRAMMAR_FAILED, PARSER_LIMITS, StructuredOutputsParams, grammar_source,
-                                      ll_vocabulary, matcher_error)
+from ember.sampling.structured import (
+    GRAMMAR_FAILED,
+    PARSER_LIMITS,
+    StructuredOutputsParams,
+    grammar_source,
+    ll_vocabulary,
+    matcher_error,
+)
 
 MAX_COMPILED = 512  # distinct grammars kept compiled (LRU); one is tens of KiB to a few MiB
 MAX_VOCABULARIES = 4  # llguidance vocabularies kept per process (LRU); tens of MiB for a 152k vocabulary

@@ -16,8 +16,7 @@ import time
 from collections.abc import Callable
 
 from ember.core.engine_core import EngineCore
-from ember.messages import (AbortRequests, CoreInput, CoreOutput, EngineCoreRequest, UtilityCall,
-                                   UtilityResult)
+from ember.messages import AbortRequests, CoreInput, CoreOutput, EngineCoreRequest, UtilityCall, UtilityResult
 
 logger = logging.getLogger("ember")
 SHUTDOWN = "shutdown"  # the UtilityCall that ends the loop (after answering it)

@@ -29,9 +29,16 @@ import msgspec
 import zmq
 
 from ember.core.engine_core import EngineCore
-from ember.messages import BOOTSTRAP_LENGTH, CoreBootstrap
 from ember.core.loop import CoreLoop
-from ember.messages import CoreOutput, EngineCoreFailed, EngineCoreHeartbeat, decode_input, encode
+from ember.messages import (
+    BOOTSTRAP_LENGTH,
+    CoreBootstrap,
+    CoreOutput,
+    EngineCoreFailed,
+    EngineCoreHeartbeat,
+    decode_input,
+    encode,
+)
 
 logger = logging.getLogger("ember")
 _LINGER_MS = 5000  # how long closing waits for queued outputs to leave

@@ -58,7 +58,7 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
 
     @classmethod
-    def from_message(cls, msg: EngineCoreRequest) -> "Request":
+    def from_message(cls, msg: EngineCoreRequest) -> Request:
         return cls(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.max_tokens, msg.eos_token_ids,
                    msg.arrival_time)
 

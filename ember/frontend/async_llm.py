@@ -23,11 +23,18 @@ from collections.abc import AsyncIterator
 from ember.config import EngineArgs
 from ember.frontend.core_client import EngineCoreClient, make_client
 from ember.frontend.errors import EngineDeadError, QueueFullError, RequestFailedError
-from ember.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
-                                   UtilityCall, UtilityResult)
 from ember.frontend.metrics import IterationStats, PrometheusStatLogger
 from ember.frontend.output import OutputProcessor, RequestOutput, RequestState
 from ember.frontend.processor import ModelFacts, Processor, PromptType, load_content_filter, needs_tokenizing
+from ember.messages import (
+    AbortRequests,
+    CoreOutput,
+    EngineCoreFailed,
+    EngineCoreOutputs,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
 

@@ -23,13 +23,22 @@ import sys
 import tempfile
 import time
 
-import msgspec
 import zmq
 
 from ember.config import EngineArgs, launched_by_torchrun
 from ember.frontend.errors import EngineStartError
-from ember.messages import (CoreBootstrap, CoreInput, CoreOutput, EngineCoreClient, EngineCoreFailed, EngineCoreHeartbeat, EngineCoreReady,
-                                   UtilityCall, decode_output, encode)
+from ember.messages import (
+    CoreBootstrap,
+    CoreInput,
+    CoreOutput,
+    EngineCoreClient,
+    EngineCoreFailed,
+    EngineCoreHeartbeat,
+    EngineCoreReady,
+    UtilityCall,
+    decode_output,
+    encode,
+)
 
 logger = logging.getLogger("ember")
 _POLL_S = 0.1  # how often a waiting client checks that the core process is alive

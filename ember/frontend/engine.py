@@ -22,10 +22,17 @@ import msgspec
 from ember.config import EngineArgs
 from ember.frontend.core_client import EngineCoreClient, make_client
 from ember.frontend.errors import EngineDeadError
-from ember.messages import (AbortRequests, CoreOutput, EngineCoreFailed, EngineCoreOutputs, SchedulerStats,
-                                   UtilityCall, UtilityResult)
 from ember.frontend.output import OutputProcessor, RequestOutput
 from ember.frontend.processor import ModelFacts, Processor, PromptType, load_content_filter
+from ember.messages import (
+    AbortRequests,
+    CoreOutput,
+    EngineCoreFailed,
+    EngineCoreOutputs,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
 from ember.model.files import load_model_info
 from ember.sampling.params import SamplingParams
 

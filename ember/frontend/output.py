@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from ember.frontend.content_filter import ContentFilter
 from ember.frontend.detokenizer import Finish, IncrementalDetokenizer
-from ember.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs
 from ember.frontend.metrics import IterationStats
+from ember.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from ember.frontend.content_filter import ContentFilter
-from ember.messages import EngineCoreReady, EngineCoreRequest
 from ember.frontend.output import RequestState, child_request_id
+from ember.messages import EngineCoreReady, EngineCoreRequest
 from ember.model.files import ModelInfo
 from ember.sampling.params import INT64_MIN, SamplingParams
 from ember.sampling.structured import GrammarCheck, StructuredOutputsParams, check_grammar

@@ -80,7 +80,7 @@ class GGUFVocab:
     chat_template: str | None
 
     @classmethod
-    def read(cls, meta: GGUFMetadata) -> "GGUFVocab":
+    def read(cls, meta: GGUFMetadata) -> GGUFVocab:
         tokens: list[str] = meta.require("tokenizer.ggml.tokens")
         model = meta.require("tokenizer.ggml.model")
         eos_ids = [token_id for key in ("eos_token_id", "eot_token_id", "eom_token_id")

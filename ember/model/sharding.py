@@ -44,7 +44,7 @@ class ShardLayout:
     moe_intermediate_size: int = 0  # each expert's intermediate rows on this rank (0: no experts)
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int, size: int) -> "ShardLayout":
+    def of(cls, cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
         check_divisible(cfg, size)
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         if kv_heads >= size:

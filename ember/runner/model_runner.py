@@ -24,12 +24,12 @@ from torch import nn
 from ember.config import CacheConfig, RunnerConfig, SchedulerConfig
 from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
-from ember.ops.attention import AttentionMetadata
+from ember.model.linear import QuantEmbedding, QuantLinear
 from ember.model.loader import ModelFiles
 from ember.model.moe import FusedExperts
 from ember.model.registry import model_class
+from ember.ops.attention import AttentionMetadata
 from ember.quant.formats import FP8_DTYPE
-from ember.model.linear import QuantEmbedding, QuantLinear
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache

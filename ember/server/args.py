@@ -17,7 +17,6 @@ from ember.config import DEFAULT_MODEL, EngineArgs
 from ember.server.reasoning import REASONING_PARSERS
 from ember.server.tool_parsers import TOOL_PARSERS
 
-
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 

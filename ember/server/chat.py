@@ -11,27 +11,49 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from typing import Any, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from ember.frontend.async_llm import AsyncLLM
-from ember.frontend.output import CompletionOutput, RequestOutput
-from ember.frontend.output import Logprob
+from ember.frontend.output import CompletionOutput, Logprob, RequestOutput
 from ember.sampling.params import SamplingParams
 from ember.server.chat_answer import AnswerDelta, AnswerParser, ToolMode, tool_constraint
 from ember.server.errors import bad_request, value_error
 from ember.server.generation import Generation, answer, respond
 from ember.server.openapi import GENERATION_ERRORS, route_docs
-from ember.server.plumbing import (check_api_key, check_constraint, clamp_logprob, logprobs_since, read_body,
-                                   ready_engine, require_tokenizer, sampling_params, token_text, usage)
-from ember.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                   ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
-                                   DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCallOut,
-                                   TopLogprob, UsageInfo)
+from ember.server.plumbing import (
+    check_api_key,
+    check_constraint,
+    clamp_logprob,
+    logprobs_since,
+    read_body,
+    ready_engine,
+    require_tokenizer,
+    sampling_params,
+    token_text,
+    usage,
+)
+from ember.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallOut,
+    TopLogprob,
+    UsageInfo,
+)
 from ember.server.reasoning import REASONING_PARSERS
 from ember.server.state import ServerState, get_state
 from ember.server.tool_parsers import TOOL_PARSERS, parser_for_template

@@ -15,14 +15,22 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from ember.frontend.async_llm import AsyncLLM
-from ember.frontend.output import CompletionOutput, RequestOutput
-from ember.frontend.output import Logprob
+from ember.frontend.output import CompletionOutput, Logprob, RequestOutput
 from ember.sampling.params import SamplingParams
 from ember.server.errors import bad_request
 from ember.server.generation import Generation, answer, respond
 from ember.server.openapi import GENERATION_ERRORS, route_docs
-from ember.server.plumbing import (check_api_key, clamp_logprob, logprobs_since, read_body, ready_engine,
-                                   require_tokenizer, sampling_params, token_text, usage)
+from ember.server.plumbing import (
+    check_api_key,
+    clamp_logprob,
+    logprobs_since,
+    read_body,
+    ready_engine,
+    require_tokenizer,
+    sampling_params,
+    token_text,
+    usage,
+)
 from ember.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from ember.server.state import ServerState, get_state
 

@@ -16,8 +16,15 @@ from ember.server.chat import render_chat
 from ember.server.errors import bad_request
 from ember.server.openapi import BODY_ERRORS, ENGINE_ERRORS, ResetPrefixCacheResponse, route_docs
 from ember.server.plumbing import check_api_key, read_body, ready_engine, require_tokenizer
-from ember.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                   TokenizeResponse, template_messages)
+from ember.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    template_messages,
+)
 from ember.server.state import get_state
 
 router = APIRouter(dependencies=[Depends(check_api_key)])

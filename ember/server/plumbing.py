@@ -19,13 +19,18 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from ember.frontend.async_llm import AsyncLLM
-from ember.frontend.output import CompletionOutput, RequestOutput
-from ember.frontend.output import Logprob
+from ember.frontend.output import CompletionOutput, Logprob, RequestOutput
 from ember.sampling.params import SamplingParams
 from ember.sampling.structured import StructuredOutputsParams
 from ember.server.errors import APIError, bad_request, unavailable, value_error
-from ember.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart,
-                                   UsageInfo)
+from ember.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    StreamOptions,
+    TextPart,
+    UsageInfo,
+)
 from ember.server.state import ServerState, get_state
 from ember.tokenizer import Tokenizer
 
