@@ -37,8 +37,13 @@ def _ram_gib() -> float | None:
 def machine_info() -> dict[str, Any]:
     """Take it before the benchmark runs, so that `loadavg` shows what else was running."""
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {**basic_machine_info(), "torch_threads": torch.get_num_threads(), "ram_gib": _ram_gib(),
-            "gpu": ", ".join(gpus) or None, "torch": torch.__version__}
+    return {
+        **basic_machine_info(),
+        "torch_threads": torch.get_num_threads(),
+        "ram_gib": _ram_gib(),
+        "gpu": ", ".join(gpus) or None,
+        "torch": torch.__version__,
+    }
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
@@ -54,8 +59,9 @@ def server_benchmark_parser(argv: list[str], doc: str) -> tuple[argparse.Argumen
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                epilog="Arguments after `--` go to `ember serve` unchanged.")
+        argv, extra = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], epilog="Arguments after `--` go to `ember serve` unchanged."
+    )
     p.add_argument("--model", default=None, help="what `ember serve` loads (default: its default model)")
     return p, argv, extra

@@ -55,8 +55,20 @@ from ember.model.files import resolve_model
 COLORS = {"ember": "#d9541e", "llama.cpp": "#6a9a3a", "hf": "#4a7ab5"}
 SEEDS_PER_REPEAT = 1000
 # the summary keys of `ember bench serve` kept per measurement (the HF runs fill the same ones)
-KEPT = ("completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens", "input_throughput",
-        "output_throughput", "median_e2el_ms", "p99_e2el_ms", "median_ttft_ms", "median_tpot_ms", "errors")
+KEPT = (
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "input_throughput",
+    "output_throughput",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "median_ttft_ms",
+    "median_tpot_ms",
+    "errors",
+)
 
 
 # ---- what the columns are -------------------------------------------------------------------------
@@ -64,10 +76,15 @@ KEPT = ("completed", "failed", "duration_s", "total_input_tokens", "total_output
 
 def columns(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(result key, table header) of each column, in table order; the keys name what a run reports."""
-    return [("single_tok_s", "1-stream tok/s"), ("decode_tok_s", "decode tok/s"),
-            *((f"c{c}_tok_s", f"c{c} tok/s") for c in args.concurrency),
-            ("pp_tok_s", f"pp{args.input_len} tok/s"), ("pp_batch_tok_s", f"pp x{args.pp_requests} tok/s"),
-            ("startup_s", "start-up s"), ("idle_rss_mib", "idle RSS MiB")]
+    return [
+        ("single_tok_s", "1-stream tok/s"),
+        ("decode_tok_s", "decode tok/s"),
+        *((f"c{c}_tok_s", f"c{c} tok/s") for c in args.concurrency),
+        ("pp_tok_s", f"pp{args.input_len} tok/s"),
+        ("pp_batch_tok_s", f"pp x{args.pp_requests} tok/s"),
+        ("startup_s", "start-up s"),
+        ("idle_rss_mib", "idle RSS MiB"),
+    ]
 
 
 def derive(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, float | None]:
@@ -84,40 +101,66 @@ def derive(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, float | N
     pp: input_len / median E2E of max_tokens=1 requests sent one after another, like llama-bench's pp;
     pp batch: prompt tokens / wall time for `--pp-requests` max_tokens=1 requests sent at once.
     """
+
     def rate(tokens: float, ms: float) -> float | None:
         return tokens * 1e3 / ms if ms > 0 else None
 
     m = run["measurements"]
     prefill_ms = m["pp_single"]["median_e2el_ms"]
-    out = {"single_tok_s": m["single"]["output_throughput"],
-           "decode_tok_s": rate(args.output_len - 1, m["single"]["median_e2el_ms"] - prefill_ms),
-           **{f"c{c}_tok_s": m[f"c{c}"]["output_throughput"] for c in args.concurrency},
-           "pp_tok_s": rate(args.input_len, prefill_ms),
-           "pp_batch_tok_s": m["pp_batch"]["input_throughput"],
-           "startup_s": run["startup_s"], "idle_rss_mib": run["idle_rss_mib"]}
+    out = {
+        "single_tok_s": m["single"]["output_throughput"],
+        "decode_tok_s": rate(args.output_len - 1, m["single"]["median_e2el_ms"] - prefill_ms),
+        **{f"c{c}_tok_s": m[f"c{c}"]["output_throughput"] for c in args.concurrency},
+        "pp_tok_s": rate(args.input_len, prefill_ms),
+        "pp_batch_tok_s": m["pp_batch"]["input_throughput"],
+        "startup_s": run["startup_s"],
+        "idle_rss_mib": run["idle_rss_mib"],
+    }
     return {k: None if v is None else round(v, 2) for k, v in out.items()}
 
 
 def plan(args: argparse.Namespace, repeat: int) -> list[tuple[str, int, int, int, int]]:
     """(name, requests, in flight, max_tokens, seed) of each measurement of one repeat, warm-up first."""
     seed = args.seed + SEEDS_PER_REPEAT * repeat
-    steps = [("warmup", 1, 1, args.output_len), ("pp_single", args.single_requests, 1, 1),
-             ("single", args.single_requests, 1, args.output_len),
-             *((f"c{c}", c, c, args.output_len) for c in args.concurrency),
-             ("pp_batch", args.pp_requests, args.pp_requests, 1)]
+    steps = [
+        ("warmup", 1, 1, args.output_len),
+        ("pp_single", args.single_requests, 1, 1),
+        ("single", args.single_requests, 1, args.output_len),
+        *((f"c{c}", c, c, args.output_len) for c in args.concurrency),
+        ("pp_batch", args.pp_requests, args.pp_requests, 1),
+    ]
     return [(name, n, conc, tokens, seed + k) for k, (name, n, conc, tokens) in enumerate(steps)]
 
 
-def bench_args(args: argparse.Namespace, base_url: str, requests: int, in_flight: int, max_tokens: int,
-               seed: int) -> argparse.Namespace:
+def bench_args(
+    args: argparse.Namespace, base_url: str, requests: int, in_flight: int, max_tokens: int, seed: int
+) -> argparse.Namespace:
     """`ember bench serve`'s flags for one measurement, parsed by its own parser so its defaults apply."""
     parser = argparse.ArgumentParser()
     add_serve_bench_args(parser)
-    return parser.parse_args([
-        "--base-url", base_url, "--dataset", "fixed", "--input-len", str(args.input_len),
-        "--output-len", str(max_tokens), "--num-prompts", str(requests), "--max-concurrency", str(in_flight),
-        "--seed", str(seed), "--temperature", "0", "--request-timeout", str(args.request_timeout),
-        "--disable-tqdm"])
+    return parser.parse_args(
+        [
+            "--base-url",
+            base_url,
+            "--dataset",
+            "fixed",
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(max_tokens),
+            "--num-prompts",
+            str(requests),
+            "--max-concurrency",
+            str(in_flight),
+            "--seed",
+            str(seed),
+            "--temperature",
+            "0",
+            "--request-timeout",
+            str(args.request_timeout),
+            "--disable-tqdm",
+        ]
+    )
 
 
 def check(name: str, summary: dict[str, Any], requests: int, max_tokens: int) -> list[str]:
@@ -142,9 +185,25 @@ def llama_server_command(args: argparse.Namespace, gguf: str, host: str, port: i
     that fills its slot to the last cell (128 + 128 in 256) gets its context shifted (`truncated = 1`).
     """
     slots = max(*args.concurrency, args.pp_requests)
-    return [args.llama_server, "-m", gguf, "--host", host, "--port", str(port), "-t", str(args.threads),
-            "-tb", str(args.threads), "-np", str(slots), "--kv-unified",
-            "-c", str(slots * (args.input_len + args.output_len)), *shlex.split(args.llama_server_args)]
+    return [
+        args.llama_server,
+        "-m",
+        gguf,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "-np",
+        str(slots),
+        "--kv-unified",
+        "-c",
+        str(slots * (args.input_len + args.output_len)),
+        *shlex.split(args.llama_server_args),
+    ]
 
 
 def wait_ready(proc: subprocess.Popen, host: str, port: int, start: float, timeout: float) -> float:
@@ -177,17 +236,22 @@ def run_server(args: argparse.Namespace, engine: str, gguf: str, repeat: int) ->
     else:
         cmd = llama_server_command(args, gguf, host, port)
     base_url = f"http://{host}:{port}"
-    run: dict[str, Any] = {"loadavg_before": load_average(), "server_command": cmd, "warnings": [],
-                           "measurements": {}}
+    run: dict[str, Any] = {"loadavg_before": load_average(), "server_command": cmd, "warnings": [], "measurements": {}}
     with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
         try:
             run["startup_s"] = round(wait_ready(proc, host, port, start, args.timeout), 3)
             for name, requests, in_flight, max_tokens, seed in plan(args, repeat):
-                summary = asyncio.run(bench_serve.benchmark(
-                    bench_args(args, base_url, requests, in_flight, max_tokens, seed)))["results"]
+                summary = asyncio.run(
+                    bench_serve.benchmark(bench_args(args, base_url, requests, in_flight, max_tokens, seed))
+                )["results"]
                 run["warnings"] += check(name, summary, requests, max_tokens)
                 run["measurements"][name] = {k: summary[k] for k in KEPT}
                 if name == "warmup":  # "idle": after start-up and one request, with nothing running
@@ -215,8 +279,12 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
     from transformers import GenerationConfig
 
     ids = torch.tensor(prompts)
-    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              pad_token_id=model.generation_config.eos_token_id)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=model.generation_config.eos_token_id,
+    )
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
@@ -234,12 +302,20 @@ def hf_measure(model: Any, prompts: list[list[int]], in_flight: int, new_tokens:
     duration = sum(e2e) if in_flight == 1 else e2e[0]
     tokens_in, tokens_out = len(prompts) * len(prompts[0]), len(prompts) * new_tokens
     e2e_ms = sorted(t * 1e3 for t in e2e)
-    return {"completed": len(prompts), "failed": 0, "duration_s": round(duration, 6),
-            "total_input_tokens": tokens_in, "total_output_tokens": tokens_out,
-            "input_throughput": round(tokens_in / duration, 3), "output_throughput": round(tokens_out / duration, 3),
-            "median_e2el_ms": round(statistics.median(e2e_ms), 3),
-            "p99_e2el_ms": round(percentile(e2e_ms, 99), 3),
-            "median_ttft_ms": None, "median_tpot_ms": None, "errors": []}
+    return {
+        "completed": len(prompts),
+        "failed": 0,
+        "duration_s": round(duration, 6),
+        "total_input_tokens": tokens_in,
+        "total_output_tokens": tokens_out,
+        "input_throughput": round(tokens_in / duration, 3),
+        "output_throughput": round(tokens_out / duration, 3),
+        "median_e2el_ms": round(statistics.median(e2e_ms), 3),
+        "p99_e2el_ms": round(percentile(e2e_ms, 99), 3),
+        "median_ttft_ms": None,
+        "median_tpot_ms": None,
+        "errors": [],
+    }
 
 
 def hf_worker(args: argparse.Namespace, gguf: str, repeat: int, spawned: float) -> dict[str, Any]:
@@ -257,10 +333,16 @@ def hf_worker(args: argparse.Namespace, gguf: str, repeat: int, spawned: float) 
     before_load = rss_mib([os.getpid()])
     model = load_hf_model(gguf, "auto", torch.float32, "cpu")
     loaded = time.time()
-    run: dict[str, Any] = {"transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
-                           "startup_s": round(loaded - spawned, 3), "interpreter_s": round(started - spawned, 3),
-                           "import_s": round(imported - started, 3), "load_s": round(loaded - imported, 3),
-                           "rss_before_load_mib": round(before_load, 1), "measurements": {}}
+    run: dict[str, Any] = {
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "startup_s": round(loaded - spawned, 3),
+        "interpreter_s": round(started - spawned, 3),
+        "import_s": round(imported - started, 3),
+        "load_s": round(loaded - imported, 3),
+        "rss_before_load_mib": round(before_load, 1),
+        "measurements": {},
+    }
     for name, requests, in_flight, max_tokens, seed in plan(args, repeat):
         specs = make_requests(bench_args(args, "http://unused", requests, in_flight, max_tokens, seed))
         run["measurements"][name] = hf_measure(model, [s.prompt for s in specs], in_flight, max_tokens)
@@ -323,7 +405,7 @@ def write_chart(path: str, args: argparse.Namespace, results: dict[str, Any], ti
         ax.margins(y=0.15)
         ax.set_title(header + (" (lower is better)" if key in ("startup_s", "idle_rss_mib") else ""), fontsize=8)
         ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(cols):]:
+    for ax in list(axes.flat)[len(cols) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -349,30 +431,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="fresh starts of each engine; the table shows medians")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random token ids)")
     p.add_argument("--output-len", type=int, default=128, help="new tokens per request (ignore_eos)")
-    p.add_argument("--single-requests", type=int, default=3,
-                   help="requests sent one after another for the single-stream and pp columns")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32],
-                   help="requests sent at once for the cN columns, one measurement per value")
-    p.add_argument("--pp-requests", type=int, default=32,
-                   help="prompts sent at once with max_tokens=1 for the batched prompt-processing column")
+    p.add_argument(
+        "--single-requests",
+        type=int,
+        default=3,
+        help="requests sent one after another for the single-stream and pp columns",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[16, 32],
+        help="requests sent at once for the cN columns, one measurement per value",
+    )
+    p.add_argument(
+        "--pp-requests",
+        type=int,
+        default=32,
+        help="prompts sent at once with max_tokens=1 for the batched prompt-processing column",
+    )
     p.add_argument("--seed", type=int, default=0, help="base seed of the prompts' token ids")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                   help="llama-server's -t and -tb (default: torch's thread count, which Ember and HF use)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="llama-server's -t and -tb (default: torch's thread count, which Ember and HF use)",
+    )
     p.add_argument("--llama-server", default=None, metavar="PATH", help="also run llama.cpp's llama-server binary")
-    p.add_argument("--llama-server-args", default="",
-                   help="more llama-server flags, one string: --llama-server-args='-fa on'")
-    p.add_argument("--ember-args", default="",
-                   help="more `ember serve` flags, one string: --ember-args='--kv-cache-memory 1'")
+    p.add_argument(
+        "--llama-server-args", default="", help="more llama-server flags, one string: --llama-server-args='-fa on'"
+    )
+    p.add_argument(
+        "--ember-args", default="", help="more `ember serve` flags, one string: --ember-args='--kv-cache-memory 1'"
+    )
     p.add_argument("--hf", action="store_true", help="also run HF transformers (GGUF dequantized to float32)")
-    p.add_argument("--idle-wait", type=float, default=2.0,
-                   help="seconds after the warm-up request before the idle RSS is read")
+    p.add_argument(
+        "--idle-wait", type=float, default=2.0, help="seconds after the warm-up request before the idle RSS is read"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a server may take to become ready")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/cpu-<date>.json); "
-                                               "a PNG chart goes next to it if matplotlib is installed")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/cpu-<date>.json); "
+        "a PNG chart goes next to it if matplotlib is installed",
+    )
     args = p.parse_args(argv)
-    counts = [args.repeats, args.input_len, args.output_len, args.single_requests, args.pp_requests,
-              args.threads, *args.concurrency]
+    counts = [
+        args.repeats,
+        args.input_len,
+        args.output_len,
+        args.single_requests,
+        args.pp_requests,
+        args.threads,
+        *args.concurrency,
+    ]
     if min(counts) < 1:
         p.error("--repeats, lengths, request counts, --concurrency and --threads must be >= 1")
     if args.output_len < 2:
@@ -405,19 +518,41 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in run:
                 print(f"ERROR: {engine}: {run['error']}" + "".join(f"\n  {line}" for line in run.get("log_tail", [])))
             runs[engine].append(run)
-    results = {engine: {"median": {key: median_of(engine_runs, key) for key, _ in columns(args)},
-                        "failed_runs": sum("error" in r for r in engine_runs), "runs": engine_runs}
-               for engine, engine_runs in runs.items()}
+    results = {
+        engine: {
+            "median": {key: median_of(engine_runs, key) for key, _ in columns(args)},
+            "failed_runs": sum("error" in r for r in engine_runs),
+            "runs": engine_runs,
+        }
+        for engine, engine_runs in runs.items()
+    }
     print_table(args, results)
 
     out = args.out or os.path.join(RESULTS_DIR, f"cpu-{today()}.json")
-    config = {**vars(args), "gguf": gguf, "columns": dict(columns(args)),
-              "llama_server_version": llama_server_version(args.llama_server) if args.llama_server else None}
-    write_json(out, {"benchmark": "cpu", "date": today(), "machine": machine, "command": sys.argv, "config": config,
-                     "results": results})
-    write_chart(os.path.splitext(out)[0] + ".png", args, results,
-                f"{model_short_name(args.model)}, {args.input_len}-token prompts, {args.output_len} new tokens, "
-                f"median of {args.repeats}, {machine['cpu']} ({machine['cores']} cores)")
+    config = {
+        **vars(args),
+        "gguf": gguf,
+        "columns": dict(columns(args)),
+        "llama_server_version": llama_server_version(args.llama_server) if args.llama_server else None,
+    }
+    write_json(
+        out,
+        {
+            "benchmark": "cpu",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": config,
+            "results": results,
+        },
+    )
+    write_chart(
+        os.path.splitext(out)[0] + ".png",
+        args,
+        results,
+        f"{model_short_name(args.model)}, {args.input_len}-token prompts, {args.output_len} new tokens, "
+        f"median of {args.repeats}, {machine['cpu']} ({machine['cores']} cores)",
+    )
     print(f"wrote {out}")
     return 0 if all(r["failed_runs"] == 0 for r in results.values()) else 1
 

@@ -47,8 +47,13 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="activation rows (batch size)")
-    p.add_argument("--crossover-rows", type=int, nargs="*", default=[16, 32, 64, 128, 256, 512],
-                   help="activation rows for the GEMV-against-expansion comparison")
+    p.add_argument(
+        "--crossover-rows",
+        type=int,
+        nargs="*",
+        default=[16, 32, 64, 128, 256, 512],
+        help="activation rows for the GEMV-against-expansion comparison",
+    )
     p.add_argument("--seq-lens", type=int, nargs="+", default=[256], help="keys per sequence for attention")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/cpu-native-kernels-<date>.json)")
@@ -67,8 +72,14 @@ def best_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 def _int4(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
     codes = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
-    return QuantizedWeight("int4", codes, (torch.rand(n, k // 32, generator=gen) * 0.01).half().float(),
-                           (torch.randn(n, k // 32, generator=gen) * 0.01).half().float(), 32, k)
+    return QuantizedWeight(
+        "int4",
+        codes,
+        (torch.rand(n, k // 32, generator=gen) * 0.01).half().float(),
+        (torch.randn(n, k // 32, generator=gen) * 0.01).half().float(),
+        32,
+        k,
+    )
 
 
 def _layers(native: bool, gen: torch.Generator) -> list[QuantLinear]:
@@ -84,8 +95,9 @@ def gemv(rows: list[int], repeats: int) -> list[dict[str, Any]]:
         xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
         row = {"rows": m}
         for name, mods in layers.items():
-            row[f"{name}_ms"] = best_ms(lambda mods=mods, xs=xs: [mod(xs[k]) for mod, (_, k) in
-                                                                  zip(mods, LAYER_SHAPES * LAYERS)], repeats)
+            row[f"{name}_ms"] = best_ms(
+                lambda mods=mods, xs=xs: [mod(xs[k]) for mod, (_, k) in zip(mods, LAYER_SHAPES * LAYERS)], repeats
+            )
         out.append(row)
     return out
 
@@ -100,35 +112,64 @@ def crossover(rows: list[int], repeats: int) -> list[dict[str, Any]]:
         xs = [torch.randn(m, w.in_features, generator=gen) for w in weights]
         for arithmetic in arithmetics:
             nats = [ops.native_weight(w, bf16=arithmetic == "bf16") for w in weights]
-            out.append({"rows": m, "arithmetic": arithmetic,
-                        "native_ms": best_ms(lambda xs=xs, nats=nats: [ops.matmul(x, w) for x, w in zip(xs, nats)],
-                                             repeats),
-                        "expanded_ms": best_ms(lambda xs=xs, nats=nats: [
+            out.append(
+                {
+                    "rows": m,
+                    "arithmetic": arithmetic,
+                    "native_ms": best_ms(
+                        lambda xs=xs, nats=nats: [ops.matmul(x, w) for x, w in zip(xs, nats)], repeats
+                    ),
+                    "expanded_ms": best_ms(
+                        lambda xs=xs, nats=nats: [
                             F.linear(x.to(torch.bfloat16 if w.bf16 else torch.float32), ops.dequantize(w))
-                            for x, w in zip(xs, nats)], repeats)})
+                            for x, w in zip(xs, nats)
+                        ],
+                        repeats,
+                    ),
+                }
+            )
     return out
 
 
 def head(rows: list[int], repeats: int) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(1)
     n, k = HEAD
-    w = QuantizedWeight("int8", torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
-                        torch.rand(n, k // 32, generator=gen) * 0.01, None, 32, k)
+    w = QuantizedWeight(
+        "int8",
+        torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+        torch.rand(n, k // 32, generator=gen) * 0.01,
+        None,
+        32,
+        k,
+    )
     native = ops.native_weight(w)
     bf16 = ops.dequantize(native).bfloat16()
     out = []
     for m in rows:
         x = torch.randn(m, k, generator=gen)
-        out.append({"rows": m, "native_ms": best_ms(lambda x=x: ops.matmul(x, native), repeats),
-                    "bf16_mm_ms": best_ms(lambda x=x: F.linear(x.bfloat16(), bf16), repeats)})
+        out.append(
+            {
+                "rows": m,
+                "native_ms": best_ms(lambda x=x: ops.matmul(x, native), repeats),
+                "bf16_mm_ms": best_ms(lambda x=x: F.linear(x.bfloat16(), bf16), repeats),
+            }
+        )
     return out
 
 
 def _decode_metadata(tables: torch.Tensor, lens: torch.Tensor) -> attention.AttentionMetadata:
     nd = lens.shape[0]
-    return attention.AttentionMetadata(torch.zeros(nd, dtype=torch.long), tables, lens,
-                                       torch.arange(nd + 1, dtype=torch.int32), nd, 0, int(lens.max()),
-                                       lens.tolist(), list(range(nd + 1)))
+    return attention.AttentionMetadata(
+        torch.zeros(nd, dtype=torch.long),
+        tables,
+        lens,
+        torch.arange(nd + 1, dtype=torch.int32),
+        nd,
+        0,
+        int(lens.max()),
+        lens.tolist(),
+        list(range(nd + 1)),
+    )
 
 
 def decode_attention(rows: list[int], seq_lens: list[int], repeats: int) -> list[dict[str, Any]]:
@@ -145,9 +186,12 @@ def decode_attention(rows: list[int], seq_lens: list[int], repeats: int) -> list
             row = {"sequences": nd, "seq_len": seq_len}
             for name, impl in (("native", attention.NativeDecodeAttention()), ("pytorch", attention.TorchAttention())):
                 meta = _decode_metadata(tables, lens)  # one per step, shared by the layers, as in the engine
-                row[f"{name}_ms"] = best_ms(lambda meta=meta, q=q, caches=caches, impl=impl: [
-                    impl.decode(q, k, v, meta, HEAD_DIM ** -0.5, 1.0, 1.0, attention.Masking())
-                    for k, v in caches], repeats)
+                row[f"{name}_ms"] = best_ms(
+                    lambda meta=meta, q=q, caches=caches, impl=impl: [
+                        impl.decode(q, k, v, meta, HEAD_DIM**-0.5, 1.0, 1.0, attention.Masking()) for k, v in caches
+                    ],
+                    repeats,
+                )
             out.append(row)
     return out
 
@@ -158,17 +202,29 @@ def main(argv: list[str] | None = None) -> int:
         print("the native kernels are not available (see the warning above)", file=sys.stderr)
         return 1
     results = {"loadavg_before": os.getloadavg(), "threads": torch.get_num_threads()}
-    for name, fn in (("gemv", lambda: gemv(args.rows, args.repeats)),
-                     ("crossover", lambda: crossover(args.crossover_rows, args.repeats)), ("head", lambda: head(args.rows, args.repeats)),
-                     ("attention", lambda: decode_attention(args.rows, args.seq_lens, args.repeats))):
+    for name, fn in (
+        ("gemv", lambda: gemv(args.rows, args.repeats)),
+        ("crossover", lambda: crossover(args.crossover_rows, args.repeats)),
+        ("head", lambda: head(args.rows, args.repeats)),
+        ("attention", lambda: decode_attention(args.rows, args.seq_lens, args.repeats)),
+    ):
         results[name] = fn()
         for row in results[name]:
             print(name, row, flush=True)
     os.environ.pop("EMBER_CPU_NATIVE", None)
     results["loadavg_after"] = os.getloadavg()
     out = args.out or os.path.join(RESULTS_DIR, f"cpu-native-kernels-{today()}.json")
-    write_json(out, {"benchmark": "cpu_native_kernels", "date": today(), "machine": machine_info(),
-                     "command": sys.argv, "config": vars(args), "results": results})
+    write_json(
+        out,
+        {
+            "benchmark": "cpu_native_kernels",
+            "date": today(),
+            "machine": machine_info(),
+            "command": sys.argv,
+            "config": vars(args),
+            "results": results,
+        },
+    )
     print(f"wrote {out}")
     return 0
 

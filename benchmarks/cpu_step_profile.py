@@ -68,6 +68,7 @@ def _profiled(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[Counter,
 def measure(llm: LLM, batch: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     """Per decode step at this batch size: the decode run minus a prefill-only run of fresh prompts
     (fresh so that no prefix-cache hit shortens either)."""
+
     def prompts() -> list[list[int]]:
         return [[rng.randrange(100, 10000) for _ in range(args.prompt_len)] for _ in range(batch)]
 
@@ -79,11 +80,19 @@ def measure(llm: LLM, batch: int, args: argparse.Namespace, rng: random.Random) 
     us.subtract(base_us)
     calls.subtract(base_calls)
     n = args.steps
-    top = [{"op": op, "cpu_ms": round(t / n / 1e3, 3), "calls": round(calls[op] / n, 1)}
-           for op, t in us.most_common(TOP_OPS)]
-    return {"batch": batch, "loadavg": os.getloadavg(), "wall_ms": round((wall - prefill_wall) / n * 1e3, 2),
-            "cpu_ms": round((cpu - prefill_cpu) / n * 1e3, 2), "ops": round(sum(calls.values()) / n),
-            "profiled_cpu_ms": round(sum(us.values()) / n / 1e3, 2), "top_ops": top}
+    top = [
+        {"op": op, "cpu_ms": round(t / n / 1e3, 3), "calls": round(calls[op] / n, 1)}
+        for op, t in us.most_common(TOP_OPS)
+    ]
+    return {
+        "batch": batch,
+        "loadavg": os.getloadavg(),
+        "wall_ms": round((wall - prefill_wall) / n * 1e3, 2),
+        "cpu_ms": round((cpu - prefill_cpu) / n * 1e3, 2),
+        "ops": round(sum(calls.values()) / n),
+        "profiled_cpu_ms": round(sum(us.values()) / n / 1e3, 2),
+        "top_ops": top,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,14 +104,27 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batch_sizes:
         r = measure(llm, batch, args, rng)
         results.append(r)
-        print(f"batch {batch} (load {r['loadavg'][0]:.1f}): {r['cpu_ms']} CPU ms, {r['wall_ms']} wall ms, "
-              f"{r['ops']} aten ops per step", flush=True)
+        print(
+            f"batch {batch} (load {r['loadavg'][0]:.1f}): {r['cpu_ms']} CPU ms, {r['wall_ms']} wall ms, "
+            f"{r['ops']} aten ops per step",
+            flush=True,
+        )
         for row in r["top_ops"]:
             print(f"  {row['cpu_ms']:8.3f} ms  {row['calls']:7.1f} calls  {row['op']}")
     ready = llm.llm_engine.ready
     out = args.out or os.path.join(RESULTS_DIR, f"cpu-step-profile-{today()}.json")
-    write_json(out, {"benchmark": "cpu_step_profile", "date": today(), "machine": machine, "command": sys.argv,
-                     "config": vars(args), "model": ready.description, "results": results})
+    write_json(
+        out,
+        {
+            "benchmark": "cpu_step_profile",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": vars(args),
+            "model": ready.description,
+            "results": results,
+        },
+    )
     print(f"wrote {out}")
     return 0
 

@@ -39,16 +39,21 @@ from ember.quant.quantize import quantize_fp8, quantize_fp8_per_channel
 # (name, N, K) of Llama-3.1-8B's linear layers (q/k/v and gate/up fused as Ember runs them)
 SHAPES_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 ROWS = [1, 4, 16, 64, 256, 1024, 4096]
-SMALL_SWEEP = [Fp8MatmulConfig(16, bn, sk, w, st) for bn in (32, 64, 128) for sk in (1, 2, 4, 8)
-               for w, st in ((4, 4), (4, 6))]
-LARGE_SWEEP = [Fp8MatmulConfig(bm, bn, 1, w, st) for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4),
-                                                                   (128, 128, 8), (128, 256, 8))
-               for st in (3, 4)]
+SMALL_SWEEP = [
+    Fp8MatmulConfig(16, bn, sk, w, st) for bn in (32, 64, 128) for sk in (1, 2, 4, 8) for w, st in ((4, 4), (4, 6))
+]
+LARGE_SWEEP = [
+    Fp8MatmulConfig(bm, bn, 1, w, st)
+    for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (128, 256, 8))
+    for st in (3, 4)
+]
 
 
 def sweep_configs(m: int) -> list[Fp8MatmulConfig]:
     """Tile candidates for the rows the kernel's table distinguishes: decode sizes and large batches."""
     return SMALL_SWEEP if m <= 16 else LARGE_SWEEP if m >= 256 else []
+
+
 PATHS = ("bf16", "ptpc_scaled_mm", "block_triton", "block_scaled_mm")
 
 
@@ -81,10 +86,12 @@ def rel_error(out: torch.Tensor, x: torch.Tensor, w) -> float:
 
 
 def time_paths(x: torch.Tensor, dense: torch.Tensor, weights: dict, scaled_mm_ok: bool) -> dict[str, float | None]:
-    t = {"bf16": bench_us(lambda: F.linear(x, dense)),
-         "ptpc_scaled_mm": bench_us(lambda: ptpc(x, weights["ptpc"])),
-         "block_triton": bench_us(lambda: block_triton(x, weights["block"])),
-         "block_scaled_mm": _blockwise_us(x, weights["block"]) if scaled_mm_ok else None}
+    t = {
+        "bf16": bench_us(lambda: F.linear(x, dense)),
+        "ptpc_scaled_mm": bench_us(lambda: ptpc(x, weights["ptpc"])),
+        "block_triton": bench_us(lambda: block_triton(x, weights["block"])),
+        "block_scaled_mm": _blockwise_us(x, weights["block"]) if scaled_mm_ok else None,
+    }
     return {c: None if v is None else round(v, 2) for c, v in t.items()}
 
 
@@ -99,8 +106,10 @@ def _blockwise_us(x: torch.Tensor, w) -> float | None:
 
 def check_paths(x: torch.Tensor, weights: dict) -> tuple[dict[str, float | str], bool]:
     """Each fp8 path's relative error (or the error it raised) on one M; whether blockwise _scaled_mm runs."""
-    errors: dict[str, float | str] = {"ptpc_scaled_mm": rel_error(ptpc(x, weights["ptpc"]), x, weights["ptpc"]),
-                                      "block_triton": rel_error(block_triton(x, weights["block"]), x, weights["block"])}
+    errors: dict[str, float | str] = {
+        "ptpc_scaled_mm": rel_error(ptpc(x, weights["ptpc"]), x, weights["ptpc"]),
+        "block_triton": rel_error(block_triton(x, weights["block"]), x, weights["block"]),
+    }
     try:
         errors["block_scaled_mm"] = rel_error(block_scaled_mm(x, weights["block"]), x, weights["block"])
     except (RuntimeError, ValueError) as e:
@@ -146,11 +155,22 @@ def main() -> None:
         print(f"{name:>8} relative errors {checks[name]}")
         for m in args.rows:
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
-            row = {"shape": name, "n": n, "k": k, "m": m, "us": time_paths(x, dense, weights, scaled_mm_ok),
-                   "default_config": choose_fp8_matmul_config(m, n, k, 128, 132)._asdict()}
+            row = {
+                "shape": name,
+                "n": n,
+                "k": k,
+                "m": m,
+                "us": time_paths(x, dense, weights, scaled_mm_ok),
+                "default_config": choose_fp8_matmul_config(m, n, k, 128, 132)._asdict(),
+            }
             if args.sweep and sweep_configs(m) and time.monotonic() - start < args.time_limit:
-                best = min(((bench_us(lambda c=c, x=x, w=weights["block"]: block_triton(x, w, c)), c)
-                            for c in sweep_configs(m)), key=lambda r: r[0])
+                best = min(
+                    (
+                        (bench_us(lambda c=c, x=x, w=weights["block"]: block_triton(x, w, c)), c)
+                        for c in sweep_configs(m)
+                    ),
+                    key=lambda r: r[0],
+                )
                 row["triton_best"] = {"us": round(best[0], 2), "config": best[1]._asdict()}
             rows_out.append(row)
             cells = " ".join(f"{'-' if row['us'][c] is None else round(row['us'][c], 1):>16}" for c in PATHS)
@@ -159,10 +179,17 @@ def main() -> None:
     print(f"FP8_BLOCK_SCALED_MM_MIN_ROWS = {cross}  (None: the Triton GEMM at every M)")
     if skipped:
         print(f"time limit: skipped {skipped}")
-    write_json(args.out, {"benchmark": "fp8_gemm", "date": today(), "machine": machine_info(),
-                          "command": sys.argv, "config": {**vars(args), "skipped_shapes": skipped},
-                          "results": {"rows": rows_out, "relative_errors": checks,
-                                      "fp8_block_scaled_mm_min_rows": cross}})
+    write_json(
+        args.out,
+        {
+            "benchmark": "fp8_gemm",
+            "date": today(),
+            "machine": machine_info(),
+            "command": sys.argv,
+            "config": {**vars(args), "skipped_shapes": skipped},
+            "results": {"rows": rows_out, "relative_errors": checks, "fp8_block_scaled_mm_min_rows": cross},
+        },
+    )
     print("wrote", args.out)
 
 

@@ -30,8 +30,9 @@ def bench_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=40) * 1e3
 
 
-def time_cache(cache_dtype: torch.dtype, scales: dict, batch: int, context: int, chunks: int,
-               chunk_len: int) -> dict[str, float]:
+def time_cache(
+    cache_dtype: torch.dtype, scales: dict, batch: int, context: int, chunks: int, chunk_len: int
+) -> dict[str, float]:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     blocks_per_seq = context // BLOCK_SIZE
@@ -39,21 +40,26 @@ def time_cache(cache_dtype: torch.dtype, scales: dict, batch: int, context: int,
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, device=dev, generator=gen).to(cache_dtype)
     v_cache = torch.randn(shape, device=dev, generator=gen).to(cache_dtype)
-    tables = (torch.randperm(num_blocks - 1, device=dev, generator=gen)[:batch * blocks_per_seq] + 1)
+    tables = torch.randperm(num_blocks - 1, device=dev, generator=gen)[: batch * blocks_per_seq] + 1
     tables = tables.view(batch, blocks_per_seq).int()
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q = torch.randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM, device=dev, generator=gen, dtype=torch.bfloat16)
-    qp = torch.randn(chunks * chunk_len, NUM_KV_HEADS * GROUP, HEAD_DIM, device=dev, generator=gen,
-                     dtype=torch.bfloat16)
+    qp = torch.randn(
+        chunks * chunk_len, NUM_KV_HEADS * GROUP, HEAD_DIM, device=dev, generator=gen, dtype=torch.bfloat16
+    )
     starts = torch.arange(chunks + 1, device=dev, dtype=torch.int32) * chunk_len
     new = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, device=dev, generator=gen, dtype=torch.bfloat16)
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device=dev, generator=gen)[:batch]
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     return {
-        "decode_us": bench_us(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
-                                                             max_seq_len=context, **scales)),
-        "prefill_us": bench_us(lambda: paged_prefill_attention(qp, k_cache, v_cache, tables[:chunks], lens[:chunks],
-                                                               starts, chunk_len, scale, **scales)),
+        "decode_us": bench_us(
+            lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, max_seq_len=context, **scales)
+        ),
+        "prefill_us": bench_us(
+            lambda: paged_prefill_attention(
+                qp, k_cache, v_cache, tables[:chunks], lens[:chunks], starts, chunk_len, scale, **scales
+            )
+        ),
         "store_us": bench_us(lambda: store_kv(new, new, k_cache, v_cache, slots, **scales)),
     }
 
@@ -67,15 +73,29 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, f"fp8-kv-attention-cuda-{today()}.json"))
     args = ap.parse_args()
     heads = torch.ones(NUM_KV_HEADS, device="cuda")
-    caches = {"bf16": (torch.bfloat16, {}), "fp8": (FP8_DTYPE, {"k_scale": 1.0, "v_scale": 1.0}),
-              "fp8_per_head": (FP8_DTYPE, {"k_scale": heads, "v_scale": heads.clone()})}
+    caches = {
+        "bf16": (torch.bfloat16, {}),
+        "fp8": (FP8_DTYPE, {"k_scale": 1.0, "v_scale": 1.0}),
+        "fp8_per_head": (FP8_DTYPE, {"k_scale": heads, "v_scale": heads.clone()}),
+    }
     results = {}
     for name, (dtype, scales) in caches.items():
-        results[name] = {k: round(v, 2) for k, v in time_cache(dtype, scales, args.batch, args.context, args.chunks,
-                                                               args.chunk_len).items()}
+        results[name] = {
+            k: round(v, 2)
+            for k, v in time_cache(dtype, scales, args.batch, args.context, args.chunks, args.chunk_len).items()
+        }
         print(f"{name:>13}: " + "  ".join(f"{k} {v:9.1f}" for k, v in results[name].items()), flush=True)
-    write_json(args.out, {"benchmark": "fp8_kv_attention", "date": today(), "machine": machine_info(),
-                          "command": sys.argv, "config": vars(args), "results": results})
+    write_json(
+        args.out,
+        {
+            "benchmark": "fp8_kv_attention",
+            "date": today(),
+            "machine": machine_info(),
+            "command": sys.argv,
+            "config": vars(args),
+            "results": results,
+        },
+    )
     print("wrote", args.out)
 
 

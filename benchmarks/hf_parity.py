@@ -23,8 +23,12 @@ from conftest import ARCHS, default_gguf_path, make_checkpoint
 
 from ember import LLM, SamplingParams
 
-PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):\n    return",
-           "Large language models generate text one token at a time. " * 6]
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of",
+    "def add(a, b):\n    return",
+    "Large language models generate text one token at a time. " * 6,
+]
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "用中文介绍一下你自己。"]
 
 
@@ -34,16 +38,31 @@ def compare(llm: LLM, hf, prompts: list[str], max_tokens: int, device: str) -> l
     rows = []
     for out in llm.generate(prompts, params, use_tqdm=False):
         ids = torch.tensor([out.prompt_token_ids], device=device)
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        ref_tokens = ref.sequences[0, ids.shape[1]:].tolist()
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        ref_tokens = ref.sequences[0, ids.shape[1] :].tolist()
         ref_lp = torch.log_softmax(torch.cat(ref.logits).float(), dim=-1).cpu()
         got = out.outputs[0]
         agree = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref_tokens)) if a != b), len(ref_tokens))
-        drift = max((abs(got.logprobs[i][t].logprob - ref_lp[i, t].item())
-                     for i, t in enumerate(got.token_ids[:agree])), default=0.0)
-        rows.append({"prompt_tokens": len(out.prompt_token_ids), "agreeing_prefix": agree, "of": max_tokens,
-                     "max_logprob_diff_before_divergence": round(drift, 5)})
+        drift = max(
+            (abs(got.logprobs[i][t].logprob - ref_lp[i, t].item()) for i, t in enumerate(got.token_ids[:agree])),
+            default=0.0,
+        )
+        rows.append(
+            {
+                "prompt_tokens": len(out.prompt_token_ids),
+                "agreeing_prefix": agree,
+                "of": max_tokens,
+                "max_logprob_diff_before_divergence": round(drift, 5),
+            }
+        )
     return rows
 
 
@@ -66,8 +85,9 @@ def main() -> None:
             results[arch] = compare(llm, hf, PROMPTS, args.max_tokens, args.device)
     gguf = default_gguf_path()
     llm = LLM(device=args.device, dtype=args.dtype, kv_cache_memory=0.25, max_model_len=2048)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                              dtype=dtype).to(args.device)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=dtype).to(
+        args.device
+    )
     tok = llm.get_tokenizer()
     chats = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT]
     results["smollm2-135m-gguf"] = compare(llm, hf, PROMPTS + chats, args.max_tokens, args.device)
@@ -79,8 +99,17 @@ def main() -> None:
         diff = max(r["max_logprob_diff_before_divergence"] for r in rows)
         print(f"{name:22} {len(rows):>7} {exact:>6} {mean:>17.1f} / {args.max_tokens:<3} {diff:>17.5f}")
     out = args.out or f"benchmarks/results/hf-parity-{args.device}-{args.dtype}-{today()}.json"
-    write_json(out, {"benchmark": "hf_parity", "date": today(), "machine": machine_info(),
-                     "command": " ".join(sys.argv), "config": vars(args), "results": results})
+    write_json(
+        out,
+        {
+            "benchmark": "hf_parity",
+            "date": today(),
+            "machine": machine_info(),
+            "command": " ".join(sys.argv),
+            "config": vars(args),
+            "results": results,
+        },
+    )
     print("wrote", out)
 
 

@@ -37,8 +37,9 @@ def _sync(device: torch.device) -> None:
 def measure(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
     """One request through engine.step(): seconds to the first token, then seconds per later step."""
     engine = llm.llm_engine
-    engine.add_request(None, {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    engine.add_request(
+        None, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    )
     _sync(torch.device(engine.ready.device))
     start = time.perf_counter()
     ttft, steps, last = None, [], start
@@ -59,8 +60,9 @@ def kernel_profile(llm: LLM, prompt: list[int], steps: int, weight_bytes: int) -
     before the profile starts), beside the step's roofline at the H200's 4.3 TB/s."""
     engine = llm.llm_engine
     device = torch.device(engine.ready.device)
-    engine.add_request(None, {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    engine.add_request(
+        None, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    )
     engine.step()
     result = profile_steps(engine.step, steps, device)
     if device.type == "cuda":
@@ -86,7 +88,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many decode steps by kernel (in-process)")
+    ap.add_argument(
+        "--profile-steps", type=int, default=0, help="profile this many decode steps by kernel (in-process)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.profile_steps and args.engine_process:
@@ -95,11 +99,21 @@ def main() -> None:
         args.engine_process = False
 
     machine = machine_info()
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, max_num_seqs=8,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=False, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, engine_process=args.engine_process,
-              async_scheduling=args.async_scheduling)
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=8,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=False,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        engine_process=args.engine_process,
+        async_scheduling=args.async_scheduling,
+    )
     ready = llm.llm_engine.ready
     rng = random.Random(0)
     vocab = ready.vocab_size
@@ -124,16 +138,25 @@ def main() -> None:
         "engine_process": bool(args.engine_process),
     }
     print(f"{'input':>6} {'output':>6} {'TTFT ms':>9} {'TPOT ms':>9} {'weights GiB':>12}")
-    print(f"{args.input_len:>6} {args.output_len:>6} {results['ttft_ms']:>9.2f} {results['tpot_ms']:>9.3f} "
-          f"{weight_gib:>12.2f}")
+    print(
+        f"{args.input_len:>6} {args.output_len:>6} {results['ttft_ms']:>9.2f} {results['tpot_ms']:>9.3f} "
+        f"{weight_gib:>12.2f}"
+    )
     name = os.path.basename(os.path.normpath(args.model)) if args.model else "smollm2-135m-instruct"
     out = args.out or os.path.join(RESULTS_DIR, f"latency-{name}-{ready.device.split(':')[0]}-{today()}.json")
-    record = {"benchmark": "latency", "date": today(), "machine": machine, "command": sys.argv,
-              "config": vars(args), "results": results}
+    record = {
+        "benchmark": "latency",
+        "date": today(),
+        "machine": machine,
+        "command": sys.argv,
+        "config": vars(args),
+        "results": results,
+    }
     write_json(out, record)
     if args.profile_steps:  # after the timings are written: a profiler failure keeps them
-        results["profile"] = kernel_profile(llm, [rng.randrange(vocab) for _ in range(args.input_len)],
-                                            args.profile_steps, ready.weight_bytes)
+        results["profile"] = kernel_profile(
+            llm, [rng.randrange(vocab) for _ in range(args.input_len)], args.profile_steps, ready.weight_bytes
+        )
         print_profile(results["profile"])
         write_json(out, record)
     print("wrote", out)

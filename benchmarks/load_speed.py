@@ -73,11 +73,22 @@ def llm_phases(path: str) -> dict[str, float]:
     profile.runcall(build_llm, path)
     total = time.perf_counter() - start
     stats = pstats.Stats(profile).stats  # (file, line, function) -> (calls, prim. calls, own s, cumulative s, callers)
-    phases = {name: round(sum(ct for (file, _, fn), (_, _, _, ct, _) in stats.items()
-                              if any(file.endswith(suffix) and fn == want for suffix, want in funcs)), 4)
-              for name, funcs in PHASES.items()}
-    return {**phases, "rest (layers, KV cache, warm-up)": round(total - sum(phases.values()), 4),
-            "total (profiled)": round(total, 4)}
+    phases = {
+        name: round(
+            sum(
+                ct
+                for (file, _, fn), (_, _, _, ct, _) in stats.items()
+                if any(file.endswith(suffix) and fn == want for suffix, want in funcs)
+            ),
+            4,
+        )
+        for name, funcs in PHASES.items()
+    }
+    return {
+        **phases,
+        "rest (layers, KV cache, warm-up)": round(total - sum(phases.values()), 4),
+        "total (profiled)": round(total, 4),
+    }
 
 
 def timed(fn: Any, path: str, repeat: int) -> dict[str, Any]:
@@ -92,10 +103,17 @@ def timed(fn: Any, path: str, repeat: int) -> dict[str, Any]:
         cpu.append(time.process_time() - start_cpu)
     size = os.path.getsize(path)
     median, median_cpu = statistics.median(wall), statistics.median(cpu)
-    return {"file": path, "file_gb": round(size / 1e9, 4), "seconds": [round(s, 4) for s in wall],
-            "median_s": round(median, 4), "gb_per_s": round(size / 1e9 / median, 3),
-            "cpu_seconds": [round(s, 4) for s in cpu], "median_cpu_s": round(median_cpu, 4),
-            "gb_per_cpu_s": round(size / 1e9 / median_cpu, 3), "loadavg_after": load_average()}
+    return {
+        "file": path,
+        "file_gb": round(size / 1e9, 4),
+        "seconds": [round(s, 4) for s in wall],
+        "median_s": round(median, 4),
+        "gb_per_s": round(size / 1e9 / median, 3),
+        "cpu_seconds": [round(s, 4) for s in cpu],
+        "median_cpu_s": round(median_cpu, 4),
+        "gb_per_cpu_s": round(size / 1e9 / median_cpu, 3),
+        "loadavg_after": load_average(),
+    }
 
 
 def synthetic_file(cache_dir: str, shape: ModelShape) -> str:
@@ -111,19 +129,30 @@ def synthetic_file(cache_dir: str, shape: ModelShape) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per file (median reported)")
-    parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "ember", "bench"),
-                        help="where the synthetic GGUF file is written once and reused")
-    parser.add_argument("--layers", type=int, default=QWEN25_1_5B.layers,
-                        help="layers of the synthetic model (fewer for a quick check; the result is then not the 1.5B figure)")
+    parser.add_argument(
+        "--cache-dir",
+        default=os.path.join(os.path.expanduser("~"), ".cache", "ember", "bench"),
+        help="where the synthetic GGUF file is written once and reused",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=QWEN25_1_5B.layers,
+        help="layers of the synthetic model (fewer for a quick check; the result is then not the 1.5B figure)",
+    )
     parser.add_argument("--llm", action="store_true", help="also time LLM() construction for the default model")
-    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/load-speed-cpu-<date>.json)")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default: benchmarks/results/load-speed-cpu-<date>.json)"
+    )
     args = parser.parse_args()
 
     machine = machine_info()
     shape = dataclasses.replace(QWEN25_1_5B, layers=args.layers)
     default_path, _ = model_path(EngineArgs())
-    files = {"default model": default_path,
-             f"Qwen2.5-1.5B shape Q4_K_M ({args.layers} layers)": synthetic_file(args.cache_dir, shape)}
+    files = {
+        "default model": default_path,
+        f"Qwen2.5-1.5B shape Q4_K_M ({args.layers} layers)": synthetic_file(args.cache_dir, shape),
+    }
     runs = {f"{name}: read weights": timed(read_weights, path, args.repeat) for name, path in files.items()}
     if args.llm:
         for name, path in files.items():
@@ -131,14 +160,25 @@ def main() -> None:
 
     print(f"{'what':<58} {'seconds':>8} {'CPU s':>7} {'file GB':>8} {'GB/s':>6} {'GB/CPU-s':>9}")
     for name, r in runs.items():
-        print(f"{name:<58} {r['median_s']:>8.3f} {r['median_cpu_s']:>7.3f} {r['file_gb']:>8.3f} {r['gb_per_s']:>6.2f}"
-              f" {r['gb_per_cpu_s']:>9.2f}")
+        print(
+            f"{name:<58} {r['median_s']:>8.3f} {r['median_cpu_s']:>7.3f} {r['file_gb']:>8.3f} {r['gb_per_s']:>6.2f}"
+            f" {r['gb_per_cpu_s']:>9.2f}"
+        )
         for phase, seconds in r.get("phases_s", {}).items():
             print(f"    {phase:<54} {seconds:>8.3f}")
     out = args.out or os.path.join(RESULTS_DIR, f"load-speed-cpu-{today()}.json")
     config = {**vars(args), "warm_page_cache": True, "synthetic_shape": dataclasses.asdict(shape)}
-    write_json(out, {"benchmark": "load_speed", "date": today(), "machine": machine, "command": " ".join(sys.argv),
-                     "config": config, "results": runs})
+    write_json(
+        out,
+        {
+            "benchmark": "load_speed",
+            "date": today(),
+            "machine": machine,
+            "command": " ".join(sys.argv),
+            "config": config,
+            "results": runs,
+        },
+    )
     print(f"wrote {out}")
 
 

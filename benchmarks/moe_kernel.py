@@ -48,8 +48,8 @@ def make_experts(shape: MoeShape, kind: str, gen: torch.Generator) -> tuple[Expe
     """Random w13 [E, 2I, H] and w2 [E, H, I] on the GPU: bf16, or quantized as `--quantization` does."""
     dev = torch.device("cuda")
     e, _, h, i = shape
-    w13 = torch.randn(e, 2 * i, h, device=dev, generator=gen, dtype=torch.bfloat16) * h ** -0.5
-    w2 = torch.randn(e, h, i, device=dev, generator=gen, dtype=torch.bfloat16) * i ** -0.5
+    w13 = torch.randn(e, 2 * i, h, device=dev, generator=gen, dtype=torch.bfloat16) * h**-0.5
+    w2 = torch.randn(e, h, i, device=dev, generator=gen, dtype=torch.bfloat16) * i**-0.5
     if kind == "bf16":
         return w13, w2
     return quantize_experts(w13, kind), quantize_experts(w2, kind)
@@ -96,14 +96,21 @@ def measure(shape: MoeShape, w13: Experts, w2: Experts, m: int, rep_ms: int, gen
     moved = touched_bytes(w13, w2, ids, hidden)
     flops = 6 * m * shape.top_k * shape.hidden * shape.inter
     key = problem_key(shape.num_experts, shape.hidden, shape.inter, weight_kind(w13))
-    return {"m": m, "us": round(us, 2), "route_us": round(route_us, 2),
-            "experts_touched": int(torch.unique(ids).numel()), "bytes": moved, "flops": flops,
-            "gbs": round(moved / us / 1e3, 1), "tflops": round(flops / us / 1e6, 2),
-            "bandwidth_fraction": round(moved / us / 1e3 / PEAK_GBS, 3),
-            "compute_fraction": round(flops / us / 1e6 / PEAK_TFLOPS, 4),
-            "roofline_us": round(max(moved / PEAK_GBS / 1e3, flops / PEAK_TFLOPS / 1e6), 2),
-            "config": moe_config_for(hidden, w13, w2, shape.top_k).to_json(),
-            "tuned": lookup(device_key(hidden.device), key, m) is not None}
+    return {
+        "m": m,
+        "us": round(us, 2),
+        "route_us": round(route_us, 2),
+        "experts_touched": int(torch.unique(ids).numel()),
+        "bytes": moved,
+        "flops": flops,
+        "gbs": round(moved / us / 1e3, 1),
+        "tflops": round(flops / us / 1e6, 2),
+        "bandwidth_fraction": round(moved / us / 1e3 / PEAK_GBS, 3),
+        "compute_fraction": round(flops / us / 1e6 / PEAK_TFLOPS, 4),
+        "roofline_us": round(max(moved / PEAK_GBS / 1e3, flops / PEAK_TFLOPS / 1e6), 2),
+        "config": moe_config_for(hidden, w13, w2, shape.top_k).to_json(),
+        "tuned": lookup(device_key(hidden.device), key, m) is not None,
+    }
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -117,8 +124,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(f"time limit reached: skipping {name} {kind}")
                 continue
             w13, w2 = make_experts(shape, kind, gen)
-            entry = {"shape": name, **shape._asdict(), "kind": kind, "weight_bytes": nbytes(w13) + nbytes(w2),
-                     "max_rel_error": round(check_accuracy(shape, w13, w2, gen), 5), "rows": []}
+            entry = {
+                "shape": name,
+                **shape._asdict(),
+                "kind": kind,
+                "weight_bytes": nbytes(w13) + nbytes(w2),
+                "max_rel_error": round(check_accuracy(shape, w13, w2, gen), 5),
+                "rows": [],
+            }
             print(f"{name} {kind}: max relative error {entry['max_rel_error']}")
             print(f"{'M':>5} {'us':>9} {'route':>7} {'experts':>7} {'GB/s':>8} {'TFLOP/s':>8} {'roofline':>9}")
             for m in args.batch_sizes:
@@ -128,8 +141,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     break
                 row = measure(shape, w13, w2, m, args.rep_ms, gen)
                 entry["rows"].append(row)
-                print(f"{m:>5} {row['us']:>9.1f} {row['route_us']:>7.1f} {row['experts_touched']:>7} "
-                      f"{row['gbs']:>8.0f} {row['tflops']:>8.1f} {row['roofline_us']:>9.1f}")
+                print(
+                    f"{m:>5} {row['us']:>9.1f} {row['route_us']:>7.1f} {row['experts_touched']:>7} "
+                    f"{row['gbs']:>8.0f} {row['tflops']:>8.1f} {row['roofline_us']:>9.1f}"
+                )
             results.append(entry)
             del w13, w2
             torch.cuda.empty_cache()
@@ -168,14 +183,22 @@ def write_chart(path: str, results: list[dict[str, Any]]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=["bf16"],
-                    help="expert storage: bf16 or a --quantization kind")
+    ap.add_argument(
+        "--kinds", nargs="+", choices=KINDS, default=["bf16"], help="expert storage: bf16 or a --quantization kind"
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=BATCH_SIZES)
     ap.add_argument("--rep-ms", type=int, default=50, help="milliseconds of graph replays per measurement")
-    ap.add_argument("--time-limit", type=float, default=240.0,
-                    help="seconds; past it the remaining measurements are skipped and the results written")
-    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, f"moe-kernel-cuda-{today()}.json"),
-                    help="JSON path; a PNG chart goes next to it if matplotlib is installed")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=240.0,
+        help="seconds; past it the remaining measurements are skipped and the results written",
+    )
+    ap.add_argument(
+        "--out",
+        default=os.path.join(RESULTS_DIR, f"moe-kernel-cuda-{today()}.json"),
+        help="JSON path; a PNG chart goes next to it if matplotlib is installed",
+    )
     return ap.parse_args(argv)
 
 
@@ -185,9 +208,17 @@ def main() -> None:
         sys.exit("moe_kernel.py times the Triton kernels on a CUDA GPU; none is visible")
     machine = machine_info()
     results = run(args)
-    write_json(args.out, {"benchmark": "moe_kernel", "date": today(), "machine": machine, "command": sys.argv,
-                          "config": {**vars(args), "peak_gbs": PEAK_GBS, "peak_tflops": PEAK_TFLOPS},
-                          "results": results})
+    write_json(
+        args.out,
+        {
+            "benchmark": "moe_kernel",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": {**vars(args), "peak_gbs": PEAK_GBS, "peak_tflops": PEAK_TFLOPS},
+            "results": results,
+        },
+    )
     write_chart(os.path.splitext(args.out)[0] + ".png", results)
     print("wrote", args.out)
 

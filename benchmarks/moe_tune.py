@@ -45,10 +45,22 @@ TUNE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 # (about a second each), which bounds the search more than the timing does. Few rows per block:
 # the weight stream dominates, so long K tiles, narrow N tiles (more programs) and deep pipelines;
 # many rows: square-ish compute tiles.
-SMALL_M_TILES = [GemmTiles(16, 256, 4, 4), GemmTiles(32, 128, 4, 4), GemmTiles(32, 256, 4, 3),
-                 GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 4), GemmTiles(128, 128, 8, 3)]
-LARGE_M_TILES = [GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 3),
-                 GemmTiles(128, 64, 8, 3), GemmTiles(64, 128, 4, 3), GemmTiles(128, 128, 8, 3)]
+SMALL_M_TILES = [
+    GemmTiles(16, 256, 4, 4),
+    GemmTiles(32, 128, 4, 4),
+    GemmTiles(32, 256, 4, 3),
+    GemmTiles(64, 128, 4, 3),
+    GemmTiles(64, 128, 4, 4),
+    GemmTiles(128, 128, 8, 3),
+]
+LARGE_M_TILES = [
+    GemmTiles(64, 64, 4, 3),
+    GemmTiles(64, 64, 4, 4),
+    GemmTiles(128, 64, 4, 3),
+    GemmTiles(128, 64, 8, 3),
+    GemmTiles(64, 128, 4, 3),
+    GemmTiles(128, 128, 8, 3),
+]
 
 
 def block_m_candidates(m: int, shape: MoeShape) -> list[int]:
@@ -65,8 +77,9 @@ def time_tiles(fn, tiles: GemmTiles, rep_ms: int) -> float | None:
         return None
 
 
-def best_tiles(fn, candidates: list[GemmTiles], n: int, k: int, w: Experts,
-               rep_ms: int) -> tuple[GemmTiles, float] | None:
+def best_tiles(
+    fn, candidates: list[GemmTiles], n: int, k: int, w: Experts, rep_ms: int
+) -> tuple[GemmTiles, float] | None:
     """The fastest candidate, each fitted to the problem as the runtime will fit it (K tiles inside
     a quantization group)."""
     group = w.group_size if isinstance(w, QuantizedExperts) else None
@@ -75,8 +88,9 @@ def best_tiles(fn, candidates: list[GemmTiles], n: int, k: int, w: Experts,
     return min(timed, key=lambda r: r[1]) if timed else None
 
 
-def tune_point(shape: MoeShape, w13: Experts, w2: Experts, m: int, rep_ms: int, gen: torch.Generator,
-               deadline: float) -> dict[str, Any]:
+def tune_point(
+    shape: MoeShape, w13: Experts, w2: Experts, m: int, rep_ms: int, gen: torch.Generator, deadline: float
+) -> dict[str, Any]:
     """The fastest config found for one batch; past the deadline no further BLOCK_M is tried."""
     hidden, weights, ids = make_batch(shape, m, gen)
     slots = m * shape.top_k
@@ -89,10 +103,17 @@ def tune_point(shape: MoeShape, w13: Experts, w2: Experts, m: int, rep_ms: int, 
             break
         align = moe_align_block_size(ids, shape.num_experts, block_m)
         cands = SMALL_M_TILES if block_m <= 32 else LARGE_M_TILES
-        up = best_tiles(lambda t, a=align: grouped_gemm(hidden, w13, act, a, t, shape.top_k), cands,
-                        shape.inter, shape.hidden, w13, rep_ms)
-        down = best_tiles(lambda t, a=align: grouped_gemm(act, w2, y, a, t, 1, route_w), cands,
-                          shape.hidden, shape.inter, w2, rep_ms)
+        up = best_tiles(
+            lambda t, a=align: grouped_gemm(hidden, w13, act, a, t, shape.top_k),
+            cands,
+            shape.inter,
+            shape.hidden,
+            w13,
+            rep_ms,
+        )
+        down = best_tiles(
+            lambda t, a=align: grouped_gemm(act, w2, y, a, t, 1, route_w), cands, shape.hidden, shape.inter, w2, rep_ms
+        )
         if up is None or down is None:
             continue
         if best is None or up[1] + down[1] < best[1]:
@@ -102,8 +123,14 @@ def tune_point(shape: MoeShape, w13: Experts, w2: Experts, m: int, rep_ms: int, 
     if best is None:
         return {"m": m, "default": default.to_json(), "default_us": round(default_us, 2), "tuned": None}
     tuned_us = bench_us(lambda: fused_moe(hidden, w13, w2, weights, ids, config=best[0]), rep_ms)
-    return {"m": m, "default": default.to_json(), "default_us": round(default_us, 2),
-            "tuned": best[0].to_json(), "tuned_us": round(tuned_us, 2), "gemms_us": round(best[1], 2)}
+    return {
+        "m": m,
+        "default": default.to_json(),
+        "default_us": round(default_us, 2),
+        "tuned": best[0].to_json(),
+        "tuned_us": round(tuned_us, 2),
+        "gemms_us": round(best[1], 2),
+    }
 
 
 def merge_table(path: str, device: str, entries: dict[str, dict[str, Any]]) -> None:
@@ -115,8 +142,10 @@ def merge_table(path: str, device: str, entries: dict[str, dict[str, Any]]) -> N
         table = {}
     for key, sizes in entries.items():
         table.setdefault(device, {}).setdefault(key, {}).update(sizes)
-    table = {dev: {key: dict(sorted(sizes.items(), key=lambda kv: int(kv[0])))
-                   for key, sizes in sorted(problems.items())} for dev, problems in sorted(table.items())}
+    table = {
+        dev: {key: dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))) for key, sizes in sorted(problems.items())}
+        for dev, problems in sorted(table.items())
+    }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
@@ -135,8 +164,10 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, dict[
             shape = SHAPES[name]
             row = {"shape": name, "kind": kind, **tune_point(shape, w13, w2, m, args.rep_ms, gen, deadline)}
             rows.append(row)
-            print(f"{name} {kind} M={m}: default {row['default_us']} us, tuned {row.get('tuned_us')} us "
-                  f"{row['tuned']}", flush=True)
+            print(
+                f"{name} {kind} M={m}: default {row['default_us']} us, tuned {row.get('tuned_us')} us {row['tuned']}",
+                flush=True,
+            )
             if row["tuned"] is not None and row["tuned_us"] < row["default_us"]:
                 key = problem_key(shape.num_experts, shape.hidden, shape.inter, weight_kind(w13))
                 entries.setdefault(key, {})[str(m)] = row["tuned"]
@@ -149,8 +180,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=["bf16"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=TUNE_SIZES)
     ap.add_argument("--rep-ms", type=int, default=10, help="milliseconds of graph replays per candidate")
-    ap.add_argument("--time-limit", type=float, default=170.0,
-                    help="seconds; past it no new (shape, M) point starts and what was tuned is written")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=170.0,
+        help="seconds; past it no new (shape, M) point starts and what was tuned is written",
+    )
     ap.add_argument("--table", default=TABLE_PATH, help="config table to merge the winners into")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, f"moe-tune-cuda-{today()}.json"))
     return ap.parse_args(argv)
@@ -164,8 +199,17 @@ def main() -> None:
     rows, entries = run(args)
     device = device_key(torch.device("cuda"))
     merge_table(args.table, device, entries)
-    write_json(args.out, {"benchmark": "moe_tune", "date": today(), "machine": machine, "command": sys.argv,
-                          "config": {**vars(args), "device": device}, "results": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "moe_tune",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": {**vars(args), "device": device},
+            "results": rows,
+        },
+    )
     print(f"wrote {sum(len(v) for v in entries.values())} entries for {device} to {args.table}; results to {args.out}")
 
 

@@ -63,9 +63,13 @@ def make_client(openai: Any, args: argparse.Namespace, connections: int) -> Any:
     import httpx
 
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return openai.AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", max_retries=0, timeout=args.request_timeout,
-                              api_key=args.api_key or os.environ.get("EMBER_API_KEY") or "EMPTY",
-                              http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+    return openai.AsyncOpenAI(
+        base_url=args.base_url.rstrip("/") + "/v1",
+        max_retries=0,
+        timeout=args.request_timeout,
+        api_key=args.api_key or os.environ.get("EMBER_API_KEY") or "EMPTY",
+        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+    )
 
 
 async def served_model(openai: Any, client: Any, args: argparse.Namespace) -> str:
@@ -74,8 +78,10 @@ async def served_model(openai: Any, client: Any, args: argparse.Namespace) -> st
     try:
         return (await client.models.list()).data[0].id
     except (openai.APIError, IndexError) as e:
-        raise SystemExit(f"error: cannot list the models at {args.base_url} ({type(e).__name__}: {e}); "
-                         "is the server up? or pass --model") from None
+        raise SystemExit(
+            f"error: cannot list the models at {args.base_url} ({type(e).__name__}: {e}); "
+            "is the server up? or pass --model"
+        ) from None
 
 
 def sdk_arguments(body: dict[str, Any]) -> dict[str, Any]:
@@ -111,8 +117,9 @@ async def stream_one(client: Any, body: dict[str, Any], res: RequestResult, star
     return first_text
 
 
-async def send(openai: Any, client: Any, body: dict[str, Any], spec: RequestSpec, timeout: float,
-               t0: float, in_flight: InFlight) -> tuple[RequestResult, float | None]:
+async def send(
+    openai: Any, client: Any, body: dict[str, Any], spec: RequestSpec, timeout: float, t0: float, in_flight: InFlight
+) -> tuple[RequestResult, float | None]:
     """Never raises for a failed request; errors read like `ember bench serve`'s, so they group alike."""
     res = RequestResult(spec.prompt_len, spec.output_len)
     start = time.perf_counter()
@@ -139,18 +146,26 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, 
     async with make_client(openai, args, len(specs)) as client:
         model = await served_model(openai, client, args)
         bodies = [request_body(args, model, spec) for spec in specs]
-        print(f"{len(specs)} requests to {args.base_url.rstrip('/')}/v1/completions (model {model}) through "
-              f"openai.AsyncOpenAI {openai.__version__}, all at once", flush=True)
+        print(
+            f"{len(specs)} requests to {args.base_url.rstrip('/')}/v1/completions (model {model}) through "
+            f"openai.AsyncOpenAI {openai.__version__}, all at once",
+            flush=True,
+        )
         in_flight = InFlight()
         t0 = time.perf_counter()
-        pairs = await asyncio.gather(*(send(openai, client, body, spec, args.request_timeout, t0, in_flight)
-                                       for body, spec in zip(bodies, specs)))
+        pairs = await asyncio.gather(
+            *(
+                send(openai, client, body, spec, args.request_timeout, t0, in_flight)
+                for body, spec in zip(bodies, specs)
+            )
+        )
         duration = time.perf_counter() - t0
     results = [res for res, _ in pairs]
     text_times = [t for res, t in pairs if res.success and t is not None]
     summary = summarize(results, duration, in_flight.max)
-    summary.update({f"{stat}_ttft_text_ms": v for stat, v in distribution(text_times).items()},
-                   requests_with_text=len(text_times))
+    summary.update(
+        {f"{stat}_ttft_text_ms": v for stat, v in distribution(text_times).items()}, requests_with_text=len(text_times)
+    )
     records = request_records(results, args.save_detailed)
     for record, (_, t) in zip(records, pairs):
         record["ttft_text_ms"] = None if t is None else round(t * 1e3, 3)
@@ -164,14 +179,15 @@ def client_versions() -> dict[str, str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="The other flags are `ember bench serve`'s; the requests go to /v1/completions, "
-                                       "all at once.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The other flags are `ember bench serve`'s; the requests go to /v1/completions, all at once.",
+    )
     add_serve_bench_args(p, omit=OMITTED)
-    p.set_defaults(dataset="nano-vllm", num_prompts=256, temperature=0.6, endpoint=COMPLETIONS,
-                   max_concurrency=None)
-    p.add_argument("--out", default=None,
-                   help="JSON path (default: benchmarks/results/openai-client-<model>-<date>.json)")
+    p.set_defaults(dataset="nano-vllm", num_prompts=256, temperature=0.6, endpoint=COMPLETIONS, max_concurrency=None)
+    p.add_argument(
+        "--out", default=None, help="JSON path (default: benchmarks/results/openai-client-<model>-<date>.json)"
+    )
     args = p.parse_args(argv)
     try:
         check_args(args)
@@ -185,17 +201,35 @@ def main(argv: list[str] | None = None) -> int:
     machine = client_machine_info()  # the client's; the server may run elsewhere
     summary, records, model = asyncio.run(run(args))
     print_report(summary, args.label or "openai.AsyncOpenAI")
-    print(f"TTFT to the first text chunk (ms): median {summary['median_ttft_text_ms']}, p99 "
-          f"{summary['p99_ttft_text_ms']}; {summary['requests_with_text']} of {summary['completed']} requests "
-          "streamed text")
+    print(
+        f"TTFT to the first text chunk (ms): median {summary['median_ttft_text_ms']}, p99 "
+        f"{summary['p99_ttft_text_ms']}; {summary['requests_with_text']} of {summary['completed']} requests "
+        "streamed text"
+    )
     out = args.out or os.path.join(RESULTS_DIR, f"openai-client-{model_short_name(model)}-{today()}.json")
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
-    config.update(model_served=model, api_key_set=bool(args.api_key or os.environ.get("EMBER_API_KEY")),
-                  max_connections=args.num_prompts, max_retries=0, **client_versions())
+    config.update(
+        model_served=model,
+        api_key_set=bool(args.api_key or os.environ.get("EMBER_API_KEY")),
+        max_connections=args.num_prompts,
+        max_retries=0,
+        **client_versions(),
+    )
     server = {"base_url": args.base_url, "endpoint": COMPLETIONS, "model": model}
-    write_json(out, {"benchmark": "openai-client", "date": today(), "label": args.label, "machine": machine,
-                     "command": sys.argv, "server": server, "config": config, "results": summary,
-                     "requests": records})
+    write_json(
+        out,
+        {
+            "benchmark": "openai-client",
+            "date": today(),
+            "label": args.label,
+            "machine": machine,
+            "command": sys.argv,
+            "server": server,
+            "config": config,
+            "results": summary,
+            "requests": records,
+        },
+    )
     print(f"wrote {out}")
     return 0 if summary["completed"] else 1
 

@@ -1,11 +1,12 @@
 """Quality under quantization: perplexity on a fixed text, and greedy agreement with the unquantized model.
 
-Quantized weights (int8, int4, fp8 block-scaled or per-channel `ptpc_fp8`, or a GGUF file's own blocks) and an fp8 KV cache buy memory and
-speed with accuracy; throughput and latency measure what they buy, this measures what they cost, on one
-fixed text so that modes, commits and machines compare. Each mode loads the model anew, with
-`quantization` set to the mode ("none" is the float model, and on a GGUF file means dequantized) and
-the same `kv_cache_dtype` for all modes, so the baseline carries the KV cache setting too: compare a
-`--kv-cache-dtype fp8` run with an `auto` run to see what the cache alone costs.
+Quantized weights (int8, int4, fp8 block-scaled or per-channel `ptpc_fp8`, or a GGUF file's own
+blocks) and an fp8 KV cache buy memory and speed with accuracy; throughput and latency measure what
+they buy, this measures what they cost, on one fixed text so that modes, commits and machines
+compare. Each mode loads the model anew, with `quantization` set to the mode ("none" is the float
+model, and on a GGUF file means dequantized) and the same `kv_cache_dtype` for all modes, so the
+baseline carries the KV cache setting too: compare a `--kv-cache-dtype fp8` run with an `auto` run
+to see what the cache alone costs.
 
 - Perplexity: the text, tokenized once, is cut into non-overlapping windows of `--window` tokens (the
   tokens the tokenizer puts before any text, e.g. a BOS, start every window; a last partial window is
@@ -63,9 +64,15 @@ TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "qu
 def engine_kwargs(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """Mode "none" goes in as `quantization="none"`, never None: the engine reads None on a GGUF file as "keep
     its own quantization"."""
-    return {"quantization": mode, "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
-            "dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
-            "kv_cache_memory": args.kv_cache_memory}
+    return {
+        "quantization": mode,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "load_format": args.load_format,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory": args.kv_cache_memory,
+    }
 
 
 def tokenize_text(args: argparse.Namespace, text: str) -> tuple[list[int], list[int], str]:
@@ -85,14 +92,14 @@ def tokenize_text(args: argparse.Namespace, text: str) -> tuple[list[int], list[
 
 def make_windows(ids: list[int], prefix: list[int], window: int, max_windows: int | None) -> list[list[int]]:
     body = window - len(prefix)
-    windows = [prefix + ids[i:i + body] for i in range(0, len(ids) - body + 1, body)]
+    windows = [prefix + ids[i : i + body] for i in range(0, len(ids) - body + 1, body)]
     return windows[:max_windows]
 
 
 def make_prompts(ids: list[int], prefix: list[int], num: int, length: int) -> list[list[int]]:
     """Evenly spaced over the text, so the prompts sample all of its sources rather than only the first."""
     step = (len(ids) - length) // max(num - 1, 1)
-    return [prefix + ids[i * step:i * step + length] for i in range(num)]
+    return [prefix + ids[i * step : i * step + length] for i in range(num)]
 
 
 def perplexity(llm: LLM, windows: list[list[int]]) -> dict[str, Any]:
@@ -100,11 +107,17 @@ def perplexity(llm: LLM, windows: list[list[int]]) -> dict[str, Any]:
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    logprobs = [entry[token].logprob for out, w in zip(outputs, windows)
-                for token, entry in zip(w[1:], out.prompt_logprobs[1:])]
+    logprobs = [
+        entry[token].logprob for out, w in zip(outputs, windows) for token, entry in zip(w[1:], out.prompt_logprobs[1:])
+    ]
     nll = -math.fsum(logprobs) / len(logprobs)
-    return {"ppl": round(math.exp(nll), 4), "nll": round(nll, 5), "predicted_tokens": len(logprobs),
-            "ppl_elapsed_s": round(elapsed, 3), "ppl_tok_per_s": round(sum(map(len, windows)) / elapsed, 1)}
+    return {
+        "ppl": round(math.exp(nll), 4),
+        "nll": round(nll, 5),
+        "predicted_tokens": len(logprobs),
+        "ppl_elapsed_s": round(elapsed, 3),
+        "ppl_tok_per_s": round(sum(map(len, windows)) / elapsed, 1),
+    }
 
 
 def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -114,15 +127,24 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int
 
 
 def agreement(base: list[list[int]], other: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    prefixes = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-                for x, y in zip(base, other)]
+    prefixes = [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(base, other)
+    ]
     equal = sum(a == b for x, y in zip(base, other) for a, b in zip(x, y))
-    return {"exact_prefix_frac": round(statistics.fmean(p / max_tokens for p in prefixes), 4),
-            "token_agreement": round(equal / (len(base) * max_tokens), 4), "agreeing_prefix": prefixes}
+    return {
+        "exact_prefix_frac": round(statistics.fmean(p / max_tokens for p in prefixes), 4),
+        "token_agreement": round(equal / (len(base) * max_tokens), 4),
+        "agreeing_prefix": prefixes,
+    }
 
 
-def run_mode(args: argparse.Namespace, mode: str, windows: list[list[int]], prompts: list[list[int]],
-             baseline: list[list[int]] | None) -> tuple[dict[str, Any], list[list[int]]]:
+def run_mode(
+    args: argparse.Namespace,
+    mode: str,
+    windows: list[list[int]],
+    prompts: list[list[int]],
+    baseline: list[list[int]] | None,
+) -> tuple[dict[str, Any], list[list[int]]]:
     """Load the model in `mode`, generate, measure; returns the result and the greedy tokens (the baseline's
     when `baseline` is None). The LLM is local, so it is gone once this returns."""
     kwargs = engine_kwargs(args, mode)
@@ -132,9 +154,15 @@ def run_mode(args: argparse.Namespace, mode: str, windows: list[list[int]], prom
     load_s = time.perf_counter() - start
     ready = llm.llm_engine.ready
     generated = greedy(llm, prompts, args.max_tokens)  # also the warm-up before the timed perplexity pass
-    result = {**perplexity(llm, windows), **agreement(baseline or generated, generated, args.max_tokens),
-              "weight_bytes": ready.weight_bytes, "dtype": ready.dtype, "device": ready.device,
-              "load_s": round(load_s, 2), "engine_kwargs": kwargs}
+    result = {
+        **perplexity(llm, windows),
+        **agreement(baseline or generated, generated, args.max_tokens),
+        "weight_bytes": ready.weight_bytes,
+        "dtype": ready.dtype,
+        "device": ready.device,
+        "load_s": round(load_s, 2),
+        "engine_kwargs": kwargs,
+    }
     llm.llm_engine.shutdown()
     return result, generated
 
@@ -148,24 +176,34 @@ def free_memory() -> None:
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
-    print(f"{'mode':<6}{'ppl':>10}{'d ppl %':>9}{'prefix':>8}{'agree':>7}{'weights MiB':>13}{'load s':>8}"
-          f"{'ppl tok/s':>11}")
+    print(
+        f"{'mode':<6}{'ppl':>10}{'d ppl %':>9}{'prefix':>8}{'agree':>7}{'weights MiB':>13}{'load s':>8}"
+        f"{'ppl tok/s':>11}"
+    )
     for mode, r in results.items():
         if "error" in r:
             print(f"{mode:<6}{r['error']}")
             continue
-        print(f"{mode:<6}{r['ppl']:>10.4f}{r['ppl_delta_pct']:>9.2f}{r['exact_prefix_frac']:>8.3f}"
-              f"{r['token_agreement']:>7.3f}{r['weight_bytes'] / 2**20:>13.1f}{r['load_s']:>8.2f}"
-              f"{r['ppl_tok_per_s']:>11.1f}")
+        print(
+            f"{mode:<6}{r['ppl']:>10.4f}{r['ppl_delta_pct']:>9.2f}{r['exact_prefix_frac']:>8.3f}"
+            f"{r['token_agreement']:>7.3f}{r['weight_bytes'] / 2**20:>13.1f}{r['load_s']:>8.2f}"
+            f"{r['ppl_tok_per_s']:>11.1f}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF directory, config.json or .gguf file (default: the default model)")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="'dummy': random weights from config.json alone")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                   help="'none' is the unquantized float model and always runs first, as the baseline")
+    p.add_argument(
+        "--load-format", default="auto", choices=LOAD_FORMATS, help="'dummy': random weights from config.json alone"
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="'none' is the unquantized float model and always runs first, as the baseline",
+    )
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="for every mode, none included")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
@@ -176,8 +214,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64, help="text tokens per greedy prompt")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/quality-<model>-<device>-"
-                                               "<date>.json, '-kv-fp8' before .json with --kv-cache-dtype fp8)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/quality-<model>-<device>-"
+        "<date>.json, '-kv-fp8' before .json with --kv-cache-dtype fp8)",
+    )
     args = p.parse_args(argv)
     for name in ("window", "num_prompts", "prompt_len", "max_tokens", "max_model_len"):
         if getattr(args, name) < 1:
@@ -202,9 +244,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"the text has {len(ids)} tokens, fewer than one --window of {args.window}")
     prompts = make_prompts(ids, prefix, args.num_prompts, args.prompt_len)
     modes = ["none"] + [m for m in dict.fromkeys(args.modes) if m != "none"]
-    resolved = {"model_path": resolve_model(args.model), "tokenizer": tokenizer_source, "text_tokens": len(ids),
-                "prefix_tokens": prefix, "windows": len(windows), "modes_run": modes,
-                "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+    resolved = {
+        "model_path": resolve_model(args.model),
+        "tokenizer": tokenizer_source,
+        "text_tokens": len(ids),
+        "prefix_tokens": prefix,
+        "windows": len(windows),
+        "modes_run": modes,
+        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+    }
 
     results: dict[str, dict[str, Any]] = {}
     results["none"], baseline = run_mode(args, "none", windows, prompts, None)
@@ -212,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in modes[1:]:
         try:  # one mode the engine refuses (e.g. gguf on a safetensors model) must not cost the others' results
             results[mode] = run_mode(args, mode, windows, prompts, baseline)[0]
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - one mode the engine refuses must not cost the others' results
             results[mode] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
         free_memory()
@@ -222,10 +270,21 @@ def main(argv: list[str] | None = None) -> None:
     print_table(results)
 
     suffix = "" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}"
-    out = args.out or os.path.join(RESULTS_DIR, f"quality-{model_short_name(args.model)}-"
-                                                f"{results['none']['device'].split(':')[0]}-{today()}{suffix}.json")
-    write_json(out, {"benchmark": "quality", "date": today(), "machine": machine, "command": sys.argv,
-                     "config": {**vars(args), "resolved": resolved}, "results": results})
+    out = args.out or os.path.join(
+        RESULTS_DIR,
+        f"quality-{model_short_name(args.model)}-{results['none']['device'].split(':')[0]}-{today()}{suffix}.json",
+    )
+    write_json(
+        out,
+        {
+            "benchmark": "quality",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": {**vars(args), "resolved": resolved},
+            "results": results,
+        },
+    )
     print(f"wrote {out}")
 
 

@@ -68,12 +68,15 @@ def sweep(m: int, n: int, k: int, kind: str, sms: int) -> list[PackedConfig]:
 
     configs = [default]
     if m <= FMA_MAX_ROWS:
-        configs += [PackedConfig("fma", 1, bn, split(1, bn, per_sm), 8 if bn == 256 else 4, 2)
-                    for bn, per_sm in ((64, 4), (128, 2), (128, 4), (128, 8), (256, 2), (256, 4), (256, 8))]
+        configs += [
+            PackedConfig("fma", 1, bn, split(1, bn, per_sm), 8 if bn == 256 else 4, 2)
+            for bn, per_sm in ((64, 4), (128, 2), (128, 4), (128, 8), (256, 2), (256, 4), (256, 8))
+        ]
     block_m = min(64, max(16, 1 << (m - 1).bit_length()))
-    configs += [PackedConfig("dot", block_m, bn, split(block_m, bn, per_sm), 4, stages)
-                for bn, per_sm, stages in ((32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3),
-                                           (128, 2, 2), (128, 4, 2))]
+    configs += [
+        PackedConfig("dot", block_m, bn, split(block_m, bn, per_sm), 4, stages)
+        for bn, per_sm, stages in ((32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (128, 2, 2), (128, 4, 2))
+    ]
     return list(dict.fromkeys(configs))
 
 
@@ -83,13 +86,25 @@ def copies(make: Callable[[], object], nbytes: int) -> list:
 
 
 def clone_quantized(w: QuantizedWeight) -> QuantizedWeight:
-    return QuantizedWeight(w.kind, w.qweight.clone(), w.scales.clone(), None if w.zeros is None else w.zeros.clone(),
-                           w.group_size, w.in_features)
+    return QuantizedWeight(
+        w.kind,
+        w.qweight.clone(),
+        w.scales.clone(),
+        None if w.zeros is None else w.zeros.clone(),
+        w.group_size,
+        w.in_features,
+    )
 
 
 def clone_packed(w: PackedQuantWeight) -> PackedQuantWeight:
-    return PackedQuantWeight(w.kind, w.qweight.clone(), w.scales.clone(),
-                             None if w.zeros is None else w.zeros.clone(), w.group_size, w.in_features)
+    return PackedQuantWeight(
+        w.kind,
+        w.qweight.clone(),
+        w.scales.clone(),
+        None if w.zeros is None else w.zeros.clone(),
+        w.group_size,
+        w.in_features,
+    )
 
 
 def nbytes(tensors: list[torch.Tensor]) -> int:
@@ -106,8 +121,14 @@ class Timer:
         self.errors: list[str] = []
         self.skipped = 0
 
-    def __call__(self, label: str, fn: Callable[[object], torch.Tensor], weights: list,
-                 expected: torch.Tensor | None = None, force: bool = False) -> float | None:
+    def __call__(
+        self,
+        label: str,
+        fn: Callable[[object], torch.Tensor],
+        weights: list,
+        expected: torch.Tensor | None = None,
+        force: bool = False,
+    ) -> float | None:
         import triton.testing
 
         if not force and time.monotonic() > self.deadline:
@@ -155,15 +176,24 @@ def make_cases(args: argparse.Namespace, gen: torch.Generator) -> list[Case]:
         for kind in args.kinds:
             qw = quantize(dense, kind)
             packed = pack_weight(qw)
-            cases.append(Case(name, n, k, kind, dense_copies,
-                              copies(functools.partial(clone_quantized, qw), nbytes(qw.tensors())),
-                              copies(functools.partial(clone_packed, packed), nbytes(packed.tensors())),
-                              dequantize_packed(packed, torch.float32).t()))
+            cases.append(
+                Case(
+                    name,
+                    n,
+                    k,
+                    kind,
+                    dense_copies,
+                    copies(functools.partial(clone_quantized, qw), nbytes(qw.tensors())),
+                    copies(functools.partial(clone_packed, packed), nbytes(packed.tensors())),
+                    dequantize_packed(packed, torch.float32).t(),
+                )
+            )
     return cases
 
 
-def baselines(case: Case, m: int, x: torch.Tensor, expected: torch.Tensor, timer: Timer,
-              bf16: dict[tuple[str, int], float | None]) -> dict[str, float | None]:
+def baselines(
+    case: Case, m: int, x: torch.Tensor, expected: torch.Tensor, timer: Timer, bf16: dict[tuple[str, int], float | None]
+) -> dict[str, float | None]:
     """bf16 cuBLAS (once per shape), the first fused kernel, both dequantize + cuBLAS paths."""
     label = f"{case.name} {case.kind} M={m}"
     if (case.name, m) not in bf16:
@@ -171,10 +201,16 @@ def baselines(case: Case, m: int, x: torch.Tensor, expected: torch.Tensor, timer
     return {
         "bf16": bf16[case.name, m],
         "old_fused": timer(f"{label} old", lambda w: quant_matmul(x, w), case.old, expected, force=True),
-        "old_deq": timer(f"{label} old deq", lambda w: F.linear(x, dequantize_kernel(w, x.dtype)), case.old,
-                         expected, force=True),
-        "packed_deq": timer(f"{label} packed deq", lambda w: F.linear(x, dequantize_packed(w, x.dtype)), case.packed,
-                            expected, force=True),
+        "old_deq": timer(
+            f"{label} old deq", lambda w: F.linear(x, dequantize_kernel(w, x.dtype)), case.old, expected, force=True
+        ),
+        "packed_deq": timer(
+            f"{label} packed deq",
+            lambda w: F.linear(x, dequantize_packed(w, x.dtype)),
+            case.packed,
+            expected,
+            force=True,
+        ),
     }
 
 
@@ -184,16 +220,24 @@ def run(args: argparse.Namespace, timer: Timer, write: Callable[[list[dict]], No
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = num_sms(torch.device("cuda"))
     cases = make_cases(args, gen)
-    inputs = {(k, m): torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-              for k in {c.k for c in cases} for m in args.rows}
+    inputs = {
+        (k, m): torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for k in {c.k for c in cases}
+        for m in args.rows
+    }
     bf16: dict[tuple[str, int], float | None] = {}
     rows: dict[tuple[str, str, int], dict] = {}
     timed: dict[tuple[str, str, int], list[tuple[float, PackedConfig]]] = {}
 
     def time_config(case: Case, m: int, cfg: PackedConfig, force: bool) -> None:
         x = inputs[case.k, m]
-        t = timer(f"{case.name} {case.kind} M={m} {tuple(cfg)}", lambda w: packed_matmul(x, w, config=cfg),
-                  case.packed, rows[case.name, case.kind, m]["expected"], force=force)
+        t = timer(
+            f"{case.name} {case.kind} M={m} {tuple(cfg)}",
+            lambda w: packed_matmul(x, w, config=cfg),
+            case.packed,
+            rows[case.name, case.kind, m]["expected"],
+            force=force,
+        )
         if t is not None:
             timed[case.name, case.kind, m].append((t, cfg))
 
@@ -202,12 +246,12 @@ def run(args: argparse.Namespace, timer: Timer, write: Callable[[list[dict]], No
             x = inputs[case.k, m]
             expected = x.float() @ case.reference_t
             default = choose_packed_config(m, case.n, case.k, case.kind, sms, table_path="")
-            rows[case.name, case.kind, m] = {"expected": expected,
-                                             "us": baselines(case, m, x, expected, timer, bf16)}
+            rows[case.name, case.kind, m] = {"expected": expected, "us": baselines(case, m, x, expected, timer, bf16)}
             timed[case.name, case.kind, m] = []
             time_config(case, m, default, force=True)
-            rows[case.name, case.kind, m]["us"]["packed_default"] = next(iter(timed[case.name, case.kind, m]),
-                                                                          (None,))[0]
+            rows[case.name, case.kind, m]["us"]["packed_default"] = next(iter(timed[case.name, case.kind, m]), (None,))[
+                0
+            ]
         print(f"baselines: {case.name} {case.kind} done ({time.monotonic() - timer.start:.0f} s)", flush=True)
     results = collect(cases, args.rows, rows, timed)
     write(results)
@@ -228,24 +272,35 @@ def collect(cases: list[Case], ms: list[int], rows: dict, timed: dict) -> list[d
         for m in ms:
             key = (case.name, case.kind, m)
             best = min(timed[key], default=None, key=lambda r: r[0])
-            results.append({
-                "shape": case.name, "n": case.n, "k": case.k, "m": m, "kind": case.kind,
-                "packed_weight_bytes": case.packed_bytes,
-                "us": {c: None if v is None else round(v, 2) for c, v in rows[key]["us"].items()},
-                "packed_best": None if best is None else {"us": round(best[0], 2), "config": best[1]._asdict()},
-                "configs_timed": [{"us": round(t, 2), "config": c._asdict()} for t, c in timed[key]]})
+            results.append(
+                {
+                    "shape": case.name,
+                    "n": case.n,
+                    "k": case.k,
+                    "m": m,
+                    "kind": case.kind,
+                    "packed_weight_bytes": case.packed_bytes,
+                    "us": {c: None if v is None else round(v, 2) for c, v in rows[key]["us"].items()},
+                    "packed_best": None if best is None else {"us": round(best[0], 2), "config": best[1]._asdict()},
+                    "configs_timed": [{"us": round(t, 2), "config": c._asdict()} for t, c in timed[key]],
+                }
+            )
     return results
 
 
 def print_results(results: list[dict]) -> None:
     cols = ("bf16", "old_fused", "old_deq", "packed_deq", "packed_default")
-    print(f"{'shape':>8} {'kind':>5} {'M':>4} " + " ".join(f"{c:>14}" for c in cols + ("packed_best",))
-          + f" {'GB/s':>7} {'peak':>5}  best config   (us per matmul)")
+    print(
+        f"{'shape':>8} {'kind':>5} {'M':>4} "
+        + " ".join(f"{c:>14}" for c in cols + ("packed_best",))
+        + f" {'GB/s':>7} {'peak':>5}  best config   (us per matmul)"
+    )
     for r in results:
         best = r["packed_best"]
         vals = [r["us"][c] for c in cols] + [best["us"] if best else None]
         line = f"{r['shape']:>8} {r['kind']:>5} {r['m']:>4} " + " ".join(
-            f"{v:>14.1f}" if v is not None else f"{'-':>14}" for v in vals)
+            f"{v:>14.1f}" if v is not None else f"{'-':>14}" for v in vals
+        )
         if best:
             bw = r["packed_weight_bytes"] / best["us"] / 1e3
             line += f" {bw:>7.0f} {100 * bw / PEAK_GBPS:>4.0f}%  {tuple(best['config'].values())}"
@@ -253,9 +308,18 @@ def print_results(results: list[dict]) -> None:
 
 
 def table_entries(results: list[dict]) -> list[dict]:
-    return [{"kind": r["kind"], "n": r["n"], "k": r["k"], "m": r["m"], "us": r["packed_best"]["us"],
-             "config": r["packed_best"]["config"]}
-            for r in results if r["packed_best"] is not None and r["m"] in ROWS]
+    return [
+        {
+            "kind": r["kind"],
+            "n": r["n"],
+            "k": r["k"],
+            "m": r["m"],
+            "us": r["packed_best"]["us"],
+            "config": r["packed_best"]["config"],
+        }
+        for r in results
+        if r["packed_best"] is not None and r["m"] in ROWS
+    ]
 
 
 def summary(results: list[dict]) -> dict:
@@ -269,10 +333,12 @@ def summary(results: list[dict]) -> dict:
                 continue
             best = sum(r["packed_best"]["us"] for r in rows)
             deq = None if any(r["us"]["packed_deq"] is None for r in rows) else sum(r["us"]["packed_deq"] for r in rows)
-            out[f"{kind}/M={m}"] = {"packed_ms_32_layers": round(best * 32 / 1e3, 3),
-                                    "dequant_cublas_ms_32_layers": None if deq is None else round(deq * 32 / 1e3, 3),
-                                    "bf16_ms_32_layers": round(sum(r["us"]["bf16"] for r in rows) * 32 / 1e3, 3),
-                                    "packed_gbps": round(sum(r["packed_weight_bytes"] for r in rows) / best / 1e3)}
+            out[f"{kind}/M={m}"] = {
+                "packed_ms_32_layers": round(best * 32 / 1e3, 3),
+                "dequant_cublas_ms_32_layers": None if deq is None else round(deq * 32 / 1e3, 3),
+                "bf16_ms_32_layers": round(sum(r["us"]["bf16"] for r in rows) * 32 / 1e3, 3),
+                "packed_gbps": round(sum(r["packed_weight_bytes"] for r in rows) / best / 1e3),
+            }
     return out
 
 
@@ -282,8 +348,12 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     ap.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES_8B], choices=[s[0] for s in SHAPES_8B])
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--time-limit", type=float, default=170.0,
-                    help="seconds from the start after which no further sweep config is timed")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=170.0,
+        help="seconds from the start after which no further sweep config is timed",
+    )
     ap.add_argument("--table", default=CONFIG_TABLE, help="where to write the packed kernel's config table ('' = none)")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, f"quant-gemm-cuda-{today()}.json"))
     args = ap.parse_args()
@@ -292,12 +362,28 @@ def main() -> None:
 
     def write(results: list[dict]) -> None:
         """Results and table after each phase, so a run cut short keeps what it measured."""
-        table = {"device": torch.cuda.get_device_name(), "date": today(), "source": "benchmarks/quant_gemm.py",
-                 "entries": table_entries(results)}
-        write_json(args.out, {"benchmark": "quant_gemm", "date": today(), "machine": machine, "command": sys.argv,
-                              "config": vars(args), "seconds": round(time.monotonic() - timer.start, 1),
-                              "summary": summary(results), "errors": timer.errors,
-                              "skipped_after_time_limit": timer.skipped, "table": table, "results": results})
+        table = {
+            "device": torch.cuda.get_device_name(),
+            "date": today(),
+            "source": "benchmarks/quant_gemm.py",
+            "entries": table_entries(results),
+        }
+        write_json(
+            args.out,
+            {
+                "benchmark": "quant_gemm",
+                "date": today(),
+                "machine": machine,
+                "command": sys.argv,
+                "config": vars(args),
+                "seconds": round(time.monotonic() - timer.start, 1),
+                "summary": summary(results),
+                "errors": timer.errors,
+                "skipped_after_time_limit": timer.skipped,
+                "table": table,
+                "results": results,
+            },
+        )
         if args.table:
             write_json(args.table, table)
             beside = os.path.join(os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.table))
@@ -307,11 +393,15 @@ def main() -> None:
     results = run(args, timer, write)
     print_results(results)
     for key, row in summary(results).items():
-        print(f"{key:>10}: packed {row['packed_ms_32_layers']} ms per token of linear layers (dequantize + cuBLAS "
-              f"{row['dequant_cublas_ms_32_layers']} ms, bf16 {row['bf16_ms_32_layers']} ms), "
-              f"{row['packed_gbps']} GB/s of {PEAK_GBPS:.0f}")
-    print(f"{len(timer.errors)} failures, {timer.skipped} configs skipped at the time limit; "
-          f"{time.monotonic() - timer.start:.0f} s; wrote {args.out}" + (f" and {args.table}" if args.table else ""))
+        print(
+            f"{key:>10}: packed {row['packed_ms_32_layers']} ms per token of linear layers (dequantize + cuBLAS "
+            f"{row['dequant_cublas_ms_32_layers']} ms, bf16 {row['bf16_ms_32_layers']} ms), "
+            f"{row['packed_gbps']} GB/s of {PEAK_GBPS:.0f}"
+        )
+    print(
+        f"{len(timer.errors)} failures, {timer.skipped} configs skipped at the time limit; "
+        f"{time.monotonic() - timer.start:.0f} s; wrote {args.out}" + (f" and {args.table}" if args.table else "")
+    )
 
 
 if __name__ == "__main__":

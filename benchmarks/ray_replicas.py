@@ -13,7 +13,8 @@ the replicas' own `ember:prefix_cache_*` counters, each read through the ingress
 
 Each replica's torch runs one thread (Ray sets OMP_NUM_THREADS to an actor's `num_cpus`, and the
 engine core process inherits it); run it on a machine with at least 3 idle cores (two replicas plus
-Ray's HTTP proxy and Ember's ingress). Needs `pip install -e .[ray]`. Writes benchmarks/results/ray-replicas-<model>-<date>.json.
+Ray's HTTP proxy and Ember's ingress). Needs `pip install -e .[ray]`. Writes
+benchmarks/results/ray-replicas-<model>-<date>.json.
 """
 
 from __future__ import annotations
@@ -42,8 +43,26 @@ from ember.integrations.ray_serve import build_application, parse
 from ember.integrations.ray_serve.replica import REPLICA_HEADER
 
 RUNS = {"1 replica": (1, True), "2 replicas, prefix routing": (2, True), "2 replicas, least loaded": (2, False)}
-_WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu",
-          "nu", "xi", "omicron", "pi", "rho", "sigma"]
+_WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+]
 
 
 def make_prompts(args: argparse.Namespace) -> list[str]:
@@ -51,7 +70,7 @@ def make_prompts(args: argparse.Namespace) -> list[str]:
     prompts = []
     for g in range(args.groups):
         prefix = f"System {g}: " + " ".join(rng.choice(_WORDS) for _ in range(args.prefix_chars))
-        prefix = prefix[:args.prefix_chars]
+        prefix = prefix[: args.prefix_chars]
         prompts += [f"{prefix}\nQuestion {i}: {' '.join(rng.choices(_WORDS, k=8))}?" for i in range(args.per_group)]
     rng.shuffle(prompts)
     return prompts
@@ -89,9 +108,16 @@ async def run_workload(url: str, args: argparse.Namespace, prompts: list[str]) -
 
     async def one(prompt: str) -> int:
         async with gate:
-            data, replica = await _post(url + "/v1/completions", {
-                "model": "ember", "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
-                "ignore_eos": True})
+            data, replica = await _post(
+                url + "/v1/completions",
+                {
+                    "model": "ember",
+                    "prompt": prompt,
+                    "max_tokens": args.output_len,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
         seen[replica] = seen.get(replica, 0) + 1
         return data["usage"]["completion_tokens"]
 
@@ -106,16 +132,32 @@ async def run_workload(url: str, args: argparse.Namespace, prompts: list[str]) -
     for replica in seen:
         (h, q), (h0, q0) = await _prefix_counters(url, replica), before.get(replica, (0.0, 0.0))
         hits, queries = hits + h - h0, queries + q - q0
-    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
-            "requests_per_replica": sorted(seen.values(), reverse=True),
-            "prefix_hit_rate": hits / queries if queries else 0.0}
+    return {
+        "seconds": elapsed,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / elapsed,
+        "requests_per_replica": sorted(seen.values(), reverse=True),
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+    }
 
 
 def serve_run(args: argparse.Namespace, replicas: int, prefix_routing: bool) -> None:
-    flags = [*([args.model] if args.model else []), "--served-model-name", "ember", "--device", "cpu",
-             "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(args.max_model_len),
-             "--num-replicas", str(replicas), "--replica-cpus", "1",
-             "--prefix-routing" if prefix_routing else "--no-prefix-routing"]
+    flags = [
+        *([args.model] if args.model else []),
+        "--served-model-name",
+        "ember",
+        "--device",
+        "cpu",
+        "--kv-cache-memory",
+        str(args.kv_cache_memory),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--num-replicas",
+        str(replicas),
+        "--replica-cpus",
+        "1",
+        "--prefix-routing" if prefix_routing else "--no-prefix-routing",
+    ]
     engine_args, settings, options, _ = parse(flags)
     serve.run(build_application(engine_args, settings, options), name="ember", route_prefix="/")
 
@@ -152,12 +194,23 @@ def main() -> None:
     print(f"{'run':<28} {'tok/s':>8} {'vs 1':>6} {'prefix hit':>10}  requests per replica")
     for name, r in results.items():
         r["ratio_to_1_replica"] = r["output_tok_s"] / base
-        print(f"{name:<28} {r['output_tok_s']:>8.1f} {r['ratio_to_1_replica']:>6.2f} "
-              f"{r['prefix_hit_rate']:>10.1%}  {r['requests_per_replica']}")
+        print(
+            f"{name:<28} {r['output_tok_s']:>8.1f} {r['ratio_to_1_replica']:>6.2f} "
+            f"{r['prefix_hit_rate']:>10.1%}  {r['requests_per_replica']}"
+        )
     model = model_short_name(args.model)
     path = args.output or os.path.join(RESULTS_DIR, f"ray-replicas-{model}-{today()}.json")
-    write_json(path, {"benchmark": "ray_replicas", "date": today(), "machine": machine, "model": model,
-                      "config": vars(args), "results": results})
+    write_json(
+        path,
+        {
+            "benchmark": "ray_replicas",
+            "date": today(),
+            "machine": machine,
+            "model": model,
+            "config": vars(args),
+            "results": results,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -49,19 +49,41 @@ from ember.bench.flags import add_serve_bench_args
 from ember.bench.workloads import make_requests, request_body
 from ember.http_client import CHAT, http_request
 
-_SUMMARY = re.compile(r"(\d+) succeeded, (\d+) failed, (\d+) already done; (\d+) retries; "
-                      r"(\d+) output tokens in ([\d.]+)s")
+_SUMMARY = re.compile(
+    r"(\d+) succeeded, (\d+) failed, (\d+) already done; (\d+) retries; "
+    r"(\d+) output tokens in ([\d.]+)s"
+)
 TARGET_RATIO = 0.9
 
 
 def bench_args(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_serve_bench_args(parser)
-    return parser.parse_args([
-        "--base-url", base_url, "--endpoint", CHAT, "--dataset", "fixed", "--input-len", str(args.input_len),
-        "--output-len", str(args.output_len), "--num-prompts", str(args.num_requests),
-        "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed), "--temperature", "0",
-        "--model", args.served_model_name, "--disable-tqdm"])
+    return parser.parse_args(
+        [
+            "--base-url",
+            base_url,
+            "--endpoint",
+            CHAT,
+            "--dataset",
+            "fixed",
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--num-prompts",
+            str(args.num_requests),
+            "--max-concurrency",
+            str(args.max_concurrency),
+            "--seed",
+            str(args.seed),
+            "--temperature",
+            "0",
+            "--model",
+            args.served_model_name,
+            "--disable-tqdm",
+        ]
+    )
 
 
 def write_batch_file(path: str, bargs: argparse.Namespace) -> None:
@@ -77,14 +99,30 @@ def write_batch_file(path: str, bargs: argparse.Namespace) -> None:
 def ember_command(args: argparse.Namespace, *rest: str) -> list[str]:
     """`ember <rest> [model] --served-model-name ... <--ember-args>`."""
     serve = server_command(None, "127.0.0.1", 0, [])
-    base = serve[:serve.index("serve")]  # the `ember` console script, or `python -m ember.cli`
-    return [*base, *rest, *([args.model] if args.model else []), "--served-model-name", args.served_model_name,
-            *shlex.split(args.ember_args)]
+    base = serve[: serve.index("serve")]  # the `ember` console script, or `python -m ember.cli`
+    return [
+        *base,
+        *rest,
+        *([args.model] if args.model else []),
+        "--served-model-name",
+        args.served_model_name,
+        *shlex.split(args.ember_args),
+    ]
 
 
 def run_batch_command(args: argparse.Namespace, input_path: str, output_path: str, *extra: str) -> list[str]:
-    return ember_command(args, "run-batch", "-i", input_path, "-o", output_path, "--max-concurrency",
-                         str(args.max_concurrency), "--no-progress", *extra)
+    return ember_command(
+        args,
+        "run-batch",
+        "-i",
+        input_path,
+        "-o",
+        output_path,
+        "--max-concurrency",
+        str(args.max_concurrency),
+        "--no-progress",
+        *extra,
+    )
 
 
 def summary_of(stderr: str) -> dict[str, Any]:
@@ -93,8 +131,15 @@ def summary_of(stderr: str) -> dict[str, Any]:
         raise RuntimeError(f"no summary line in ember run-batch's output:\n{stderr[-2000:]}")
     succeeded, failed, skipped, retries, tokens = (int(g) for g in match.groups()[:5])
     seconds = float(match.group(6))
-    return {"succeeded": succeeded, "failed": failed, "skipped": skipped, "retries": retries,
-            "output_tokens": tokens, "duration_s": seconds, "output_throughput": tokens / max(seconds, 1e-9)}
+    return {
+        "succeeded": succeeded,
+        "failed": failed,
+        "skipped": skipped,
+        "retries": retries,
+        "output_tokens": tokens,
+        "duration_s": seconds,
+        "output_throughput": tokens / max(seconds, 1e-9),
+    }
 
 
 def run_and_check(cmd: list[str], timeout: float) -> dict[str, Any]:
@@ -118,11 +163,21 @@ def server_runs(args: argparse.Namespace, batch_path: str, workdir: str) -> dict
                 log.seek(0)
                 raise RuntimeError(f"{e}:\n{log.read()[-2000:]}") from None
             doc = asyncio.run(bench_serve.benchmark(bench_args(args, base_url)))
-            bench = {k: doc["results"][k] for k in ("completed", "failed", "duration_s", "total_output_tokens",
-                                                     "output_throughput", "max_concurrency_observed")}
+            bench = {
+                k: doc["results"][k]
+                for k in (
+                    "completed",
+                    "failed",
+                    "duration_s",
+                    "total_output_tokens",
+                    "output_throughput",
+                    "max_concurrency_observed",
+                )
+            }
             asyncio.run(http_request("POST", base_url + "/reset_prefix_cache"))
-            url_run = run_and_check(run_batch_command(args, batch_path, os.path.join(workdir, "url.jsonl"),
-                                                      "--url", base_url), args.timeout)
+            url_run = run_and_check(
+                run_batch_command(args, batch_path, os.path.join(workdir, "url.jsonl"), "--url", base_url), args.timeout
+            )
         finally:
             stop(proc)
     return {"server_command": cmd, "bench_serve": bench, "run_batch_url": url_run}
@@ -148,8 +203,13 @@ def kill_check(args: argparse.Namespace, batch_path: str, workdir: str) -> dict[
     counts = Counter(r["custom_id"] for r in records)
     expected = {f"request-{i}" for i in range(args.num_requests)}
     ok = set(counts) == expected and max(counts.values()) == 1 and all(r["error"] is None for r in records)
-    return {"lines_before_kill": written, "rerun": rerun, "records": len(records),
-            "every_custom_id_once": ok, "failed_records": sum(r["error"] is not None for r in records)}
+    return {
+        "lines_before_kill": written,
+        "rerun": rerun,
+        "records": len(records),
+        "every_custom_id_once": ok,
+        "failed_records": sum(r["error"] is not None for r in records),
+    }
 
 
 def _lines(path: str) -> int:
@@ -162,16 +222,24 @@ def _lines(path: str) -> int:
 
 def print_table(results: dict[str, Any]) -> None:
     bench = results["bench_serve"]
-    rows = [("ember bench serve", bench["completed"], bench["failed"], bench["duration_s"], bench["output_throughput"]),
-            *((name, r["succeeded"], r["failed"], r["duration_s"], r["output_throughput"])
-              for name, r in (("ember run-batch --url", results["run_batch_url"]),
-                              ("ember run-batch", results["run_batch"])))]
+    rows = [
+        ("ember bench serve", bench["completed"], bench["failed"], bench["duration_s"], bench["output_throughput"]),
+        *(
+            (name, r["succeeded"], r["failed"], r["duration_s"], r["output_throughput"])
+            for name, r in (
+                ("ember run-batch --url", results["run_batch_url"]),
+                ("ember run-batch", results["run_batch"]),
+            )
+        ),
+    ]
     print(f"{'':24}{'ok':>7}{'failed':>8}{'seconds':>10}{'out tok/s':>11}{'vs bench':>10}")
     for name, ok, failed, seconds, rate in rows:
         print(f"{name:24}{ok:>7}{failed:>8}{seconds:>10.1f}{rate:>11.1f}{rate / bench['output_throughput']:>10.2f}")
     kill = results["kill_check"]
-    print(f"kill -9 after {kill['lines_before_kill']} lines, rerun: {kill['records']} records, every custom_id "
-          f"exactly once and succeeded: {kill['every_custom_id_once']}")
+    print(
+        f"kill -9 after {kill['lines_before_kill']} lines, rerun: {kill['records']} records, every custom_id "
+        f"exactly once and succeeded: {kill['every_custom_id_once']}"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -183,8 +251,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=16, help="greedy tokens of each answer (ignore_eos)")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight, for both tools")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ember-args", default="",
-                   help="more engine flags for `ember serve` and `ember run-batch`: --ember-args='--kv-cache-memory 1'")
+    p.add_argument(
+        "--ember-args",
+        default="",
+        help="more engine flags for `ember serve` and `ember run-batch`: --ember-args='--kv-cache-memory 1'",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one step may take")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/run-batch-<model>-<date>.json)")
     args = p.parse_args(argv)
@@ -199,19 +270,32 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ember-run-batch-") as workdir:
         batch_path = os.path.join(workdir, "requests.jsonl")
         write_batch_file(batch_path, bench_args(args, "http://unused"))
-        print(f"{args.num_requests} chat requests, {args.input_len} words in, {args.output_len} tokens out, "
-              f"{args.max_concurrency} in flight", flush=True)
+        print(
+            f"{args.num_requests} chat requests, {args.input_len} words in, {args.output_len} tokens out, "
+            f"{args.max_concurrency} in flight",
+            flush=True,
+        )
         results = server_runs(args, batch_path, workdir)
-        results["run_batch"] = run_and_check(run_batch_command(args, batch_path, os.path.join(workdir, "local.jsonl")),
-                                             args.timeout)
+        results["run_batch"] = run_and_check(
+            run_batch_command(args, batch_path, os.path.join(workdir, "local.jsonl")), args.timeout
+        )
         results["kill_check"] = kill_check(args, batch_path, workdir)
     ratio = results["run_batch"]["output_throughput"] / results["bench_serve"]["output_throughput"]
     results["run_batch_vs_bench_serve"] = round(ratio, 4)
     results["target_met"] = ratio >= TARGET_RATIO and results["kill_check"]["every_custom_id_once"]
     print_table(results)
     out = args.out or os.path.join(RESULTS_DIR, f"run-batch-{model_short_name(args.model)}-{today()}.json")
-    write_json(out, {"benchmark": "run-batch", "date": today(), "machine": machine, "command": sys.argv,
-                     "config": vars(args), "results": results})
+    write_json(
+        out,
+        {
+            "benchmark": "run-batch",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": vars(args),
+            "results": results,
+        },
+    )
     print(f"wrote {out}")
     return 0 if results["target_met"] else 1
 

@@ -38,9 +38,22 @@ from ember.bench.machine import client_machine_info
 
 TTFT_P99_TARGET_MS = 150.0  # the design target for Poisson load at 50% and 80% of saturation
 # `ember bench serve`'s summary keys kept per run
-KEPT = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
-        "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "completed", "failed", "failures_by_kind",
-        "duration_s", "max_concurrency_observed")
+KEPT = (
+    "request_throughput",
+    "output_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "completed",
+    "failed",
+    "failures_by_kind",
+    "duration_s",
+    "max_concurrency_observed",
+)
 # flags of `ember bench serve` this script sets per run (rate, label), or does without (--out replaces
 # --result-file; the JSON keeps no per-request records)
 SET_HERE = ("--request-rate", "--max-concurrency", "--label", "--result-file", "--save-detailed")
@@ -48,18 +61,25 @@ SET_HERE = ("--request-rate", "--max-concurrency", "--label", "--result-file", "
 
 def run_once(args: argparse.Namespace, num_prompts: int, rate: float, seed: int, label: str) -> dict[str, Any]:
     """One `ember bench serve` run with the sweep's flags; returns its result document."""
-    bench_args = argparse.Namespace(**{**vars(args), "num_prompts": num_prompts, "request_rate": rate, "seed": seed,
-                                       "label": label})
+    bench_args = argparse.Namespace(
+        **{**vars(args), "num_prompts": num_prompts, "request_rate": rate, "seed": seed, "label": label}
+    )
     return asyncio.run(bench_serve.benchmark(bench_args))
 
 
-def row(label: str, fraction: float | None, offered_rate: float | None, seed: int,
-        summary: dict[str, Any]) -> dict[str, Any]:
+def row(
+    label: str, fraction: float | None, offered_rate: float | None, seed: int, summary: dict[str, Any]
+) -> dict[str, Any]:
     """What the table, the plot and the JSON keep of a run. `request_throughput` is the rate achieved."""
     p99_ttft = summary["p99_ttft_ms"]
-    return {"label": label, "fraction": fraction, "offered_request_rate": offered_rate, "seed": seed,
-            **{k: summary[k] for k in KEPT},
-            "meets_ttft_p99_target": None if p99_ttft is None else p99_ttft <= TTFT_P99_TARGET_MS}
+    return {
+        "label": label,
+        "fraction": fraction,
+        "offered_request_rate": offered_rate,
+        "seed": seed,
+        **{k: summary[k] for k in KEPT},
+        "meets_ttft_p99_target": None if p99_ttft is None else p99_ttft <= TTFT_P99_TARGET_MS,
+    }
 
 
 def sweep(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
@@ -80,10 +100,19 @@ def sweep(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    columns = (("offered_request_rate", "offered/s"), ("request_throughput", "req/s"),
-               ("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT med"), ("p99_ttft_ms", "TTFT p99"),
-               ("median_tpot_ms", "TPOT med"), ("p99_tpot_ms", "TPOT p99"), ("median_itl_ms", "ITL med"),
-               ("p99_itl_ms", "ITL p99"), ("median_e2el_ms", "E2E med"), ("failed", "failed"))
+    columns = (
+        ("offered_request_rate", "offered/s"),
+        ("request_throughput", "req/s"),
+        ("output_throughput", "out tok/s"),
+        ("median_ttft_ms", "TTFT med"),
+        ("p99_ttft_ms", "TTFT p99"),
+        ("median_tpot_ms", "TPOT med"),
+        ("p99_tpot_ms", "TPOT p99"),
+        ("median_itl_ms", "ITL med"),
+        ("p99_itl_ms", "ITL p99"),
+        ("median_e2el_ms", "E2E med"),
+        ("failed", "failed"),
+    )
     print(f"{'run':<16}" + "".join(f"{h:>11}" for _, h in columns) + "   (times in ms)")
     for r in rows:
         cells = ("-" if r[k] is None else f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k, _ in columns)
@@ -106,8 +135,14 @@ def write_chart(path: str, saturation: dict[str, Any], runs: list[dict[str, Any]
         for stat, style in (("median", "o-"), ("p99", "s--")):
             ax.plot(rates, [r[f"{stat}_{metric}_ms"] for r in runs], style, label=f"{stat} {metric.upper()}")
         for r in runs:
-            ax.annotate(f"{r['fraction']:g}x", (r["offered_request_rate"], r[f"p99_{metric}_ms"] or 0),
-                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+            ax.annotate(
+                f"{r['fraction']:g}x",
+                (r["offered_request_rate"], r[f"p99_{metric}_ms"] or 0),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=7,
+            )
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.set_ylabel(f"{metric.upper()} (ms)")
         ax.grid(alpha=0.3)
@@ -115,8 +150,11 @@ def write_chart(path: str, saturation: dict[str, Any], runs: list[dict[str, Any]
     ttft.set_yscale("log")  # p99 near saturation is seconds, the target a fraction of one
     for ax in (ttft, tpot):
         ax.legend(fontsize=7)
-    fig.suptitle(f"{title}\nsaturation (all at once): {saturation['request_throughput']:.2f} req/s, "
-                 f"{saturation['output_throughput']:.0f} output tok/s", fontsize=9)
+    fig.suptitle(
+        f"{title}\nsaturation (all at once): {saturation['request_throughput']:.2f} req/s, "
+        f"{saturation['output_throughput']:.0f} output tok/s",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -130,16 +168,26 @@ def _fraction(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="The other flags are `ember bench serve`'s; --num-prompts sizes the "
-                                       "saturation run.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The other flags are `ember bench serve`'s; --num-prompts sizes the saturation run.",
+    )
     add_serve_bench_args(p, omit=SET_HERE)
     p.set_defaults(dataset="nano-vllm", num_prompts=256, temperature=0.6, max_concurrency=None, save_detailed=False)
-    p.add_argument("--fractions", type=_fraction, nargs="+", default=[0.25, 0.5, 0.8, 1.0],
-                   help="Poisson request rates as fractions of the saturation rate (default: %(default)s)")
+    p.add_argument(
+        "--fractions",
+        type=_fraction,
+        nargs="+",
+        default=[0.25, 0.5, 0.8, 1.0],
+        help="Poisson request rates as fractions of the saturation rate (default: %(default)s)",
+    )
     p.add_argument("--sweep-prompts", type=int, default=256, help="requests per Poisson run (default: %(default)s)")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/serve-sweep-<model>-<date>"
-                                               ".json); a PNG chart goes next to it if matplotlib is installed")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/serve-sweep-<model>-<date>"
+        ".json); a PNG chart goes next to it if matplotlib is installed",
+    )
     args = p.parse_args(argv)
     if args.sweep_prompts < 1:
         p.error("--sweep-prompts must be >= 1")
@@ -162,11 +210,23 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or os.path.join(RESULTS_DIR, f"serve-sweep-{model_short_name(model)}-{today()}.json")
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
     config.update(model_served=model, api_key_set=bool(args.api_key or os.environ.get("EMBER_API_KEY")))
-    write_json(out, {"benchmark": "serve-sweep", "date": today(), "machine": machine, "command": sys.argv,
-                     "config": config,
-                     "results": {"saturation": saturation, "runs": runs, "ttft_p99_target_ms": TTFT_P99_TARGET_MS}})
-    write_chart(os.path.splitext(out)[0] + ".png", saturation, runs,
-                f"{model_short_name(model)}, {args.dataset} dataset, {args.sweep_prompts} requests per rate")
+    write_json(
+        out,
+        {
+            "benchmark": "serve-sweep",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": config,
+            "results": {"saturation": saturation, "runs": runs, "ttft_p99_target_ms": TTFT_P99_TARGET_MS},
+        },
+    )
+    write_chart(
+        os.path.splitext(out)[0] + ".png",
+        saturation,
+        runs,
+        f"{model_short_name(model)}, {args.dataset} dataset, {args.sweep_prompts} requests per rate",
+    )
     print(f"wrote {out}")
     return 0 if all(r["completed"] for r in runs) else 1
 

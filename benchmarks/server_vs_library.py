@@ -61,6 +61,7 @@ def prompts(args: argparse.Namespace, n: int, seed: int) -> list[list[int]]:
 def library_runner(args: argparse.Namespace, llm: LLM) -> Runner:
     """Each request through `llm.llm_engine.step()`, the loop `LLM.generate` runs, with per-step outputs so that
     the first token's time is known (benchmarks/latency.py's `measure`)."""
+
     def run(n: int, seed: int) -> list[Request]:
         records = []
         for prompt in prompts(args, n, seed):
@@ -68,17 +69,22 @@ def library_runner(args: argparse.Namespace, llm: LLM) -> Runner:
             ttft, _ = measure(llm, prompt, args.output_len)
             records.append({"output_tokens": args.output_len, "e2e_s": time.perf_counter() - start, "ttft_s": ttft})
         return records
+
     return run
 
 
 def server_runner(args: argparse.Namespace, base_url: str) -> Runner:
     """`ember bench serve` with one request in flight; a failed request ends the run (nothing to compare)."""
+
     def run(n: int, seed: int) -> list[Request]:
         doc = asyncio.run(bench_serve.benchmark(bench_args(args, base_url, n, 1, args.output_len, seed)))
         if doc["results"]["failed"]:
             raise RuntimeError(f"server: {doc['results']['failed']} of {n} requests failed: {doc['results']['errors']}")
-        return [{"output_tokens": r["output_tokens"], "e2e_s": r["e2el_ms"] / 1e3, "ttft_s": r["ttft_ms"] / 1e3}
-                for r in doc["requests"]]
+        return [
+            {"output_tokens": r["output_tokens"], "e2e_s": r["e2el_ms"] / 1e3, "ttft_s": r["ttft_ms"] / 1e3}
+            for r in doc["requests"]
+        ]
+
     return run
 
 
@@ -95,8 +101,13 @@ def ember_server(args: argparse.Namespace) -> Iterator[str]:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_flags(args).items() if v is not None]
     cmd = server_command(args.model, host, port, [*flags, *shlex.split(args.server_args)])
     with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
         try:
             wait_ready(proc, host, port, time.perf_counter(), args.timeout)
             yield f"http://{host}:{port}"
@@ -112,10 +123,13 @@ def per_request(record: Request) -> dict[str, float | None]:
     """Single-stream output tok/s (output tokens / request time) and decode tok/s (the tokens after the first
     over the time after it: 1 / TPOT) of one request."""
     decode_s = record["e2e_s"] - record["ttft_s"]
-    return {"tok_s": round(record["output_tokens"] / record["e2e_s"], 3),
-            "decode_tok_s": round((record["output_tokens"] - 1) / decode_s, 3) if decode_s > 0 else None,
-            "ttft_ms": round(record["ttft_s"] * 1e3, 3), "e2e_ms": round(record["e2e_s"] * 1e3, 3),
-            "output_tokens": record["output_tokens"]}
+    return {
+        "tok_s": round(record["output_tokens"] / record["e2e_s"], 3),
+        "decode_tok_s": round((record["output_tokens"] - 1) / decode_s, 3) if decode_s > 0 else None,
+        "ttft_ms": round(record["ttft_s"] * 1e3, 3),
+        "e2e_ms": round(record["e2e_s"] * 1e3, 3),
+        "output_tokens": record["output_tokens"],
+    }
 
 
 def median(values: list[float | None]) -> float | None:
@@ -131,12 +145,20 @@ def run_rounds(args: argparse.Namespace, runners: dict[str, Runner]) -> list[dic
     rounds = []
     for r in range(args.repeats):
         order = [PATHS[(r + i) % len(PATHS)] for i in range(len(PATHS))]
-        record: dict[str, Any] = {"round": r, "loadavg_before": load_average(), "seed": args.seed + 1 + r,
-                                  "order": order, "requests": {}}
+        record: dict[str, Any] = {
+            "round": r,
+            "loadavg_before": load_average(),
+            "seed": args.seed + 1 + r,
+            "order": order,
+            "requests": {},
+        }
         for path in order:
             record["requests"][path] = [per_request(q) for q in runners[path](args.num_requests, args.seed + 1 + r)]
-            print(f"round {r + 1}/{args.repeats} {path}: median "
-                  f"{median([q['tok_s'] for q in record['requests'][path]])} tok/s", flush=True)
+            print(
+                f"round {r + 1}/{args.repeats} {path}: median "
+                f"{median([q['tok_s'] for q in record['requests'][path]])} tok/s",
+                flush=True,
+            )
         rounds.append(record)
     return rounds
 
@@ -153,20 +175,29 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         x, y = paths[a]["tok_s"], paths[b]["tok_s"]
         return round(x / y, 4) if x and y else None
 
-    return {"paths": paths, "server_over_library": ratio("server", "library"),
-            "engine_process_over_library": ratio("library-engine-process", "library"),
-            "server_over_engine_process": ratio("server", "library-engine-process")}
+    return {
+        "paths": paths,
+        "server_over_library": ratio("server", "library"),
+        "engine_process_over_library": ratio("library-engine-process", "library"),
+        "server_over_engine_process": ratio("server", "library-engine-process"),
+    }
 
 
 def print_table(summary: dict[str, Any]) -> None:
     print(f"{'path':<24}{'1-stream tok/s':>16}{'decode tok/s':>14}{'TTFT ms':>10}   per round")
     for path, p in summary["paths"].items():
         cells = ("n/a" if v is None else f"{v:.2f}" for v in (p["tok_s"], p["decode_tok_s"], p["ttft_ms"]))
-        print(f"{path:<24}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (16, 14, 10))) + "   "
-              + " ".join(f"{v:.2f}" for v in p["tok_s_per_round"]))
-    print(f"server / library: {summary['server_over_library']} (target: within 5%); library-engine-process / "
-          f"library: {summary['engine_process_over_library']}; server / library-engine-process: "
-          f"{summary['server_over_engine_process']}")
+        print(
+            f"{path:<24}"
+            + "".join(f"{c:>{w}}" for c, w in zip(cells, (16, 14, 10)))
+            + "   "
+            + " ".join(f"{v:.2f}" for v in p["tok_s_per_round"])
+        )
+    print(
+        f"server / library: {summary['server_over_library']} (target: within 5%); library-engine-process / "
+        f"library: {summary['engine_process_over_library']}; server / library-engine-process: "
+        f"{summary['server_over_engine_process']}"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -182,8 +213,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the server may take to become ready")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one server request may take")
-    p.add_argument("--out", default=None,
-                   help="JSON path (default: benchmarks/results/server-vs-library-<model>-<device>-<date>.json)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/server-vs-library-<model>-<device>-<date>.json)",
+    )
     args = p.parse_args(argv)
     if min(args.num_requests, args.input_len, args.repeats) < 1 or args.output_len < 2:
         p.error("--num-requests, --input-len and --repeats must be >= 1, --output-len >= 2 (decode needs 2 tokens)")
@@ -196,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         libraries = {}
         for path, engine_process in (("library", False), ("library-engine-process", True)):
-            llm = LLM(args.model, engine_process=engine_process,
-                      **{k: v for k, v in engine_flags(args).items() if v is not None})
+            llm = LLM(
+                args.model,
+                engine_process=engine_process,
+                **{k: v for k, v in engine_flags(args).items() if v is not None},
+            )
             stack.callback(llm.llm_engine.shutdown)
             libraries[path] = llm
         base_url = stack.enter_context(ember_server(args))
@@ -208,13 +245,27 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rounds)
     print_table(summary)
     device = ready.device.split(":")[0]
-    out = args.out or os.path.join(RESULTS_DIR, f"server-vs-library-{model_short_name(args.model)}-{device}-"
-                                                f"{today()}.json")
-    resolved = {"device": ready.device, "dtype": ready.dtype, "quantization": ready.quantization,
-                "async_scheduling": ready.async_scheduling, "kv_cache_tokens": ready.kv_capacity_tokens}
-    write_json(out, {"benchmark": "server-vs-library", "date": today(), "machine": machine, "command": sys.argv,
-                     "config": {**vars(args), "resolved": resolved},
-                     "results": {**summary, "rounds": rounds}})
+    out = args.out or os.path.join(
+        RESULTS_DIR, f"server-vs-library-{model_short_name(args.model)}-{device}-{today()}.json"
+    )
+    resolved = {
+        "device": ready.device,
+        "dtype": ready.dtype,
+        "quantization": ready.quantization,
+        "async_scheduling": ready.async_scheduling,
+        "kv_cache_tokens": ready.kv_capacity_tokens,
+    }
+    write_json(
+        out,
+        {
+            "benchmark": "server-vs-library",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": {**vars(args), "resolved": resolved},
+            "results": {**summary, "rounds": rounds},
+        },
+    )
     print(f"wrote {out}")
     return 0
 

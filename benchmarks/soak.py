@@ -72,8 +72,16 @@ except ImportError:
 
 # What happened to one request. "lost": neither finished, nor cancelled by us, nor answered with an
 # error: a 200 stream that ended without [DONE], or anything still open after --request-timeout.
-OUTCOMES = ("completed", "cancelled", "malformed_4xx", "malformed_accepted", "server_error", "unexpected_4xx",
-            "transport_error", "lost")
+OUTCOMES = (
+    "completed",
+    "cancelled",
+    "malformed_4xx",
+    "malformed_accepted",
+    "server_error",
+    "unexpected_4xx",
+    "transport_error",
+    "lost",
+)
 SERVER_ERROR_TYPES = ("internal_server_error", "service_unavailable", "server_error")
 ERRORS_KEPT = 20
 KV_POOL_PASSES = 2  # on CPU, RSS is compared only after the engine wrote this many times its KV pool's tokens
@@ -96,8 +104,10 @@ def malformed_bodies(model: str, max_model_len: int | None, body_limit: int) -> 
         return {k: v for k, v in base.items() if k != key}
 
     depth = 20000
-    deep = (b'{"model": ' + json.dumps(model).encode() + b', "max_tokens": 4, "messages": [{"role": "user", '
-            b'"content": ' + b"[" * depth + b"]" * depth + b"}]}")
+    deep = (
+        b'{"model": ' + json.dumps(model).encode() + b', "max_tokens": 4, "messages": [{"role": "user", '
+        b'"content": ' + b"[" * depth + b"]" * depth + b"}]}"
+    )
     too_long = (max_model_len or 100_000) + 1
     oversize = body_limit + MIB
     cases: list[tuple[str, str, Any]] = [
@@ -129,12 +139,17 @@ def malformed_bodies(model: str, max_model_len: int | None, body_limit: int) -> 
         ("grammar_empty", COMPLETIONS, with_(comp, structured_outputs={"grammar": ""})),
         ("regex_unclosed", CHAT, with_(chat, structured_outputs={"regex": "(abc"})),
         ("json_schema_bad_type", CHAT, with_(chat, structured_outputs={"json": {"type": "no-such-type"}})),
-        ("two_constraints", CHAT, with_(chat, response_format={"type": "json_object"},
-                                        structured_outputs={"regex": "a+"})),
+        (
+            "two_constraints",
+            CHAT,
+            with_(chat, response_format={"type": "json_object"}, structured_outputs={"regex": "a+"}),
+        ),
         ("oversized_body", COMPLETIONS, with_(comp, prompt="a " * (oversize // 2))),
     ]
-    return [(name, endpoint, body if isinstance(body, bytes) else json.dumps(body).encode())
-            for name, endpoint, body in cases]
+    return [
+        (name, endpoint, body if isinstance(body, bytes) else json.dumps(body).encode())
+        for name, endpoint, body in cases
+    ]
 
 
 # ---- one request ---------------------------------------------------------------------------------
@@ -142,20 +157,21 @@ def malformed_bodies(model: str, max_model_len: int | None, body_limit: int) -> 
 
 @dataclass
 class Record:
-    kind: str                     # "chat", "completion" or "malformed"
-    variant: str                  # the malformed body's name; "stream" or "cancel" otherwise
-    start: float                  # seconds after the load started
+    kind: str  # "chat", "completion" or "malformed"
+    variant: str  # the malformed body's name; "stream" or "cancel" otherwise
+    start: float  # seconds after the load started
     end: float = 0.0
     outcome: str = "lost"
     status: int | None = None
-    ttft: float | None = None     # seconds, to the first chunk that carries output
-    e2e: float | None = None      # seconds, to [DONE]
-    output_tokens: int = 0        # usage.completion_tokens of a completed request (else output chunks)
+    ttft: float | None = None  # seconds, to the first chunk that carries output
+    e2e: float | None = None  # seconds, to [DONE]
+    output_tokens: int = 0  # usage.completion_tokens of a completed request (else output chunks)
     error: str | None = None
 
 
-async def stream_request(client: Any, url: str, body: dict[str, Any], chat: bool, cancel_after: int | None,
-                         rec: Record) -> None:
+async def stream_request(
+    client: Any, url: str, body: dict[str, Any], chat: bool, cancel_after: int | None, rec: Record
+) -> None:
     start = time.perf_counter()
     chunks = 0
     usage_tokens = None
@@ -219,8 +235,15 @@ async def malformed_request(client: Any, url: str, payload: bytes, rec: Record) 
 class Load:
     """The clients, the scraper and what they recorded."""
 
-    def __init__(self, args: argparse.Namespace, base_url: str, model: str, chat_ok: bool, server_pid: int,
-                 malformed: list[tuple[str, str, bytes]]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        base_url: str,
+        model: str,
+        chat_ok: bool,
+        server_pid: int,
+        malformed: list[tuple[str, str, bytes]],
+    ) -> None:
         self.args = args
         self.base_url = base_url
         self.model = model
@@ -235,8 +258,9 @@ class Load:
         self.worker_in_flight: Any = None  # their in-flight counts (a shared array)
         self.t0 = 0.0
         self.deadline = 0.0
-        self.headers = {"Authorization": f"Bearer {os.environ['EMBER_API_KEY']}"} if os.environ.get(
-            "EMBER_API_KEY") else {}
+        self.headers = (
+            {"Authorization": f"Bearer {os.environ['EMBER_API_KEY']}"} if os.environ.get("EMBER_API_KEY") else {}
+        )
         self._last_counters: dict[str, float] | None = None
         self._last_sample_t = 0.0
         self._seen = 0
@@ -249,8 +273,13 @@ class Load:
         a = self.args
         n_in = rng.randint(*a.prompt_len)
         n_out = rng.randint(*a.max_tokens)
-        body: dict[str, Any] = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
-                                "max_tokens": n_out, "ignore_eos": a.ignore_eos}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": n_out,
+            "ignore_eos": a.ignore_eos,
+        }
         if chat:
             body["messages"] = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(n_in))}]
             if rng.random() < 0.3:
@@ -279,10 +308,12 @@ class Load:
             chat = rng.random() < self.chat_fraction
             body = self.body(rng, chat)
             cancel_after = rng.randint(1, max(1, body["max_tokens"] - 1)) if rng.random() < a.cancel_fraction else None
-            rec = Record("chat" if chat else "completion", "stream" if cancel_after is None else "cancel",
-                         start - self.t0)
-            work = stream_request(client, self.base_url + (CHAT if chat else COMPLETIONS), body, chat, cancel_after,
-                                  rec)
+            rec = Record(
+                "chat" if chat else "completion", "stream" if cancel_after is None else "cancel", start - self.t0
+            )
+            work = stream_request(
+                client, self.base_url + (CHAT if chat else COMPLETIONS), body, chat, cancel_after, rec
+            )
         self.in_flight += 1
         try:
             await asyncio.wait_for(work, a.request_timeout)
@@ -318,10 +349,26 @@ class Load:
         n = self.args.client_processes
         self.worker_in_flight = ctx.Array("i", n, lock=False)
         shares = [range(self.args.concurrency)[k::n] for k in range(n)]
-        self.workers = [ctx.Process(target=_client_worker, daemon=True,
-                                    args=(self.args, self.base_url, self.model, self.chat_fraction, self.malformed,
-                                          list(share), k, self.t0, self.deadline, queue, self.worker_in_flight))
-                        for k, share in enumerate(shares)]
+        self.workers = [
+            ctx.Process(
+                target=_client_worker,
+                daemon=True,
+                args=(
+                    self.args,
+                    self.base_url,
+                    self.model,
+                    self.chat_fraction,
+                    self.malformed,
+                    list(share),
+                    k,
+                    self.t0,
+                    self.deadline,
+                    queue,
+                    self.worker_in_flight,
+                ),
+            )
+            for k, share in enumerate(shares)
+        ]
         for w in self.workers:
             w.start()
         receiver = threading.Thread(target=self._receive, args=(queue, n), daemon=True)
@@ -345,14 +392,26 @@ class Load:
         """Resident memory of the server's process tree (front end, engine core, their children)."""
         if psutil is None:
             tree = process_tree(self.server_pid)
-            return {"rss_mib": round(rss_mib(tree), 1), "rss_mib_front_end": round(rss_mib([self.server_pid]), 1),
-                    "processes": len(tree), "open_fds": None, "threads": None, "pids": tree}
+            return {
+                "rss_mib": round(rss_mib(tree), 1),
+                "rss_mib_front_end": round(rss_mib([self.server_pid]), 1),
+                "processes": len(tree),
+                "open_fds": None,
+                "threads": None,
+                "pids": tree,
+            }
         try:
             root = psutil.Process(self.server_pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.Error:
-            return {"rss_mib": None, "rss_mib_front_end": None, "processes": 0, "open_fds": None, "threads": None,
-                    "pids": []}
+            return {
+                "rss_mib": None,
+                "rss_mib_front_end": None,
+                "processes": 0,
+                "open_fds": None,
+                "threads": None,
+                "pids": [],
+            }
         total = front = 0
         fds = threads = 0
         alive = []
@@ -368,8 +427,14 @@ class Load:
             total += rss
             if p.pid == self.server_pid:
                 front = rss
-        return {"rss_mib": round(total / MIB, 1), "rss_mib_front_end": round(front / MIB, 1), "processes": len(alive),
-                "open_fds": fds, "threads": threads, "pids": alive}
+        return {
+            "rss_mib": round(total / MIB, 1),
+            "rss_mib_front_end": round(front / MIB, 1),
+            "processes": len(alive),
+            "open_fds": fds,
+            "threads": threads,
+            "pids": alive,
+        }
 
     async def scrape(self, client: Any) -> dict[str, Any]:
         """Gauges and counters of /metrics (prometheus_client's text parser)."""
@@ -411,20 +476,25 @@ class Load:
             s["running"] = m.get("ember:num_requests_running")
             s["waiting"] = m.get("ember:num_requests_waiting")
             s["live"] = None if s["running"] is None or s["waiting"] is None else s["running"] + s["waiting"]
-            counters = {k: m.get(f"ember:{k}_total") for k in ("generation_tokens", "prompt_tokens",
-                                                                "num_preemptions", "request_success")}
+            counters = {
+                k: m.get(f"ember:{k}_total")
+                for k in ("generation_tokens", "prompt_tokens", "num_preemptions", "request_success")
+            }
             last = self._last_counters
             for k, v in counters.items():
                 s[f"server_{k}"] = None if v is None or last is None or last.get(k) is None else v - last[k]
-            s["server_generation_tok_s"] = (None if s["server_generation_tokens"] is None or dt <= 0
-                                            else round(s["server_generation_tokens"] / dt, 1))
+            s["server_generation_tok_s"] = (
+                None
+                if s["server_generation_tokens"] is None or dt <= 0
+                else round(s["server_generation_tokens"] / dt, 1)
+            )
             self._last_counters = counters
             self._engine_tokens += (s["server_prompt_tokens"] or 0) + (s["server_generation_tokens"] or 0)
             s["kv_pool_passes"] = round(self._engine_tokens / self.kv_pool_tokens, 3) if self.kv_pool_tokens else None
         else:
             s.update(kv_cache_usage_pct=None, running=None, waiting=None, live=None, server_generation_tok_s=None)
         s["client_in_flight"] = self.in_flight + (sum(self.worker_in_flight) if self.workers else 0)
-        recs = self.records[self._seen:]
+        recs = self.records[self._seen :]
         self._seen = len(self.records)
         counts = collections.Counter(r.outcome for r in recs)
         for outcome in OUTCOMES:
@@ -444,14 +514,17 @@ class Load:
         def f(v: Any, fmt: str) -> str:
             return "-" if v is None else format(v, fmt)
 
-        print(f"t={s['t']:7.1f}s rss {f(s['rss_mib'], '.0f')} MiB kv {f(s['kv_cache_usage_pct'], '.1f')}% "
-              f"run {f(s['running'], '.0f')} wait {f(s['waiting'], '.0f')} | done {s['completed']} "
-              f"cancel {s['cancelled']} bad->4xx {s['malformed_4xx']} 5xx {s['server_error']} "
-              f"lost {s['lost']} transport {s['transport_error']} | p99 e2e {f(s['p99_e2e_s'], '.2f')} s "
-              f"ttft {f(s['p99_ttft_s'], '.2f')} s | {f(s['output_tok_s'], '.0f')} tok/s "
-              f"(server {f(s['server_generation_tok_s'], '.0f')}) | CPU server {f(s['server_cpu_pct'], '.0f')}% "
-              f"client {f(s['client_cpu_pct'], '.0f')}%" + (f" | scrape failed: {s['scrape_error']}"
-                                                                       if s["scrape_error"] else ""), flush=True)
+        print(
+            f"t={s['t']:7.1f}s rss {f(s['rss_mib'], '.0f')} MiB kv {f(s['kv_cache_usage_pct'], '.1f')}% "
+            f"run {f(s['running'], '.0f')} wait {f(s['waiting'], '.0f')} | done {s['completed']} "
+            f"cancel {s['cancelled']} bad->4xx {s['malformed_4xx']} 5xx {s['server_error']} "
+            f"lost {s['lost']} transport {s['transport_error']} | p99 e2e {f(s['p99_e2e_s'], '.2f')} s "
+            f"ttft {f(s['p99_ttft_s'], '.2f')} s | {f(s['output_tok_s'], '.0f')} tok/s "
+            f"(server {f(s['server_generation_tok_s'], '.0f')}) | CPU server {f(s['server_cpu_pct'], '.0f')}% "
+            f"client {f(s['client_cpu_pct'], '.0f')}%"
+            + (f" | scrape failed: {s['scrape_error']}" if s["scrape_error"] else ""),
+            flush=True,
+        )
 
     async def sweep(self) -> None:
         """Every malformed body once, one after another, before the load: a short run covers them all."""
@@ -461,8 +534,9 @@ class Load:
             for name, endpoint, payload in self.malformed:
                 rec = Record("malformed", name, time.perf_counter() - self.t0)
                 try:
-                    await asyncio.wait_for(malformed_request(client, self.base_url + endpoint, payload, rec),
-                                           self.args.request_timeout)
+                    await asyncio.wait_for(
+                        malformed_request(client, self.base_url + endpoint, payload, rec), self.args.request_timeout
+                    )
                 except asyncio.TimeoutError:
                     rec.outcome = "lost"
                     rec.error = f"malformed request still open after {self.args.request_timeout:g} s"
@@ -471,8 +545,11 @@ class Load:
                 rec.end = time.perf_counter() - self.t0
                 self.records.append(rec)
         odd = [f"{r.variant} {r.status or r.outcome}" for r in self.records if r.outcome != "malformed_4xx"]
-        print(f"malformed sweep: {len(self.records) - len(odd)} of {len(self.records)} bodies answered 4xx"
-              + (f"; not 4xx: {', '.join(odd)}" if odd else ""), flush=True)
+        print(
+            f"malformed sweep: {len(self.records) - len(odd)} of {len(self.records)} bodies answered 4xx"
+            + (f"; not 4xx: {', '.join(odd)}" if odd else ""),
+            flush=True,
+        )
 
     async def run(self) -> float:
         """Drive the server for --duration s; returns the seconds the in-flight requests took to end after it."""
@@ -486,8 +563,11 @@ class Load:
                 rec.start -= self.t0 - self._sweep_t0
                 rec.end -= self.t0 - self._sweep_t0
             self.samples.append(await self.sample(scraper, "start"))  # the baseline: counters, idle memory, sweep
-            clients = (asyncio.ensure_future(self.start_workers()) if a.client_processes > 1
-                       else asyncio.gather(*(self.client_loop(i) for i in range(a.concurrency))))
+            clients = (
+                asyncio.ensure_future(self.start_workers())
+                if a.client_processes > 1
+                else asyncio.gather(*(self.client_loop(i) for i in range(a.concurrency)))
+            )
             for k in itertools.count(1):
                 wake = self.t0 + k * a.scrape_interval
                 if wake > self.deadline:
@@ -504,9 +584,19 @@ class Load:
         return drain_s
 
 
-def _client_worker(args: argparse.Namespace, base_url: str, model: str, chat_fraction: float,
-                   malformed: list[tuple[str, str, bytes]], clients: list[int], index: int, t0: float,
-                   deadline: float, queue: Any, in_flight: Any) -> None:
+def _client_worker(
+    args: argparse.Namespace,
+    base_url: str,
+    model: str,
+    chat_fraction: float,
+    malformed: list[tuple[str, str, bytes]],
+    clients: list[int],
+    index: int,
+    t0: float,
+    deadline: float,
+    queue: Any,
+    in_flight: Any,
+) -> None:
     """One client process: its share of the client loops; finished records go to `queue` each second."""
     load = Load(args, base_url, model, chat_fraction > 0, 0, malformed)
     load.chat_fraction = chat_fraction
@@ -538,9 +628,13 @@ async def settle(load: Load, timeout: float) -> dict[str, Any]:
         while True:
             try:
                 m = await load.scrape(client)
-                last = {"running": m.get("ember:num_requests_running"), "waiting": m.get("ember:num_requests_waiting"),
-                        "kv_cache_usage_pct": None if m.get("ember:kv_cache_usage_perc") is None
-                        else round(100 * m["ember:kv_cache_usage_perc"], 3)}
+                last = {
+                    "running": m.get("ember:num_requests_running"),
+                    "waiting": m.get("ember:num_requests_waiting"),
+                    "kv_cache_usage_pct": None
+                    if m.get("ember:kv_cache_usage_perc") is None
+                    else round(100 * m["ember:kv_cache_usage_perc"], 3),
+                }
                 idle = last["running"] == 0 and last["waiting"] == 0 and last["kv_cache_usage_pct"] == 0
             except Exception as e:  # noqa: BLE001
                 last, idle = {"scrape_error": f"{type(e).__name__}: {e}"}, False
@@ -552,8 +646,13 @@ async def settle(load: Load, timeout: float) -> dict[str, Any]:
             health = (await client.get(load.base_url + "/health")).status_code
         except Exception as e:  # noqa: BLE001
             health = f"{type(e).__name__}: {e}"
-    return {**last, "idle": idle, "settle_s": round(waited, 2), "health": health, **{
-        k: v for k, v in load.server_memory().items() if k != "pids"}}
+    return {
+        **last,
+        "idle": idle,
+        "settle_s": round(waited, 2),
+        "health": health,
+        **{k: v for k, v in load.server_memory().items() if k != "pids"},
+    }
 
 
 def stop_server(proc: subprocess.Popen, tree: list[int], wait: float) -> dict[str, Any]:
@@ -582,8 +681,13 @@ def stop_server(proc: subprocess.Popen, tree: list[int], wait: float) -> dict[st
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return {"exit_code": proc.returncode, "exit_s": round(exit_s, 3), "tree_exit_s": round(tree_exit_s, 3),
-            "killed": killed, "leftover_processes": survivors}
+    return {
+        "exit_code": proc.returncode,
+        "exit_s": round(exit_s, 3),
+        "tree_exit_s": round(tree_exit_s, 3),
+        "killed": killed,
+        "leftover_processes": survivors,
+    }
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -627,8 +731,9 @@ def _change(first: float | None, last: float | None) -> float | None:
     return None if first is None or last is None or first == 0 else last / first - 1
 
 
-def summarize(args: argparse.Namespace, load: Load, device: str, after: dict[str, Any],
-              shutdown: dict[str, Any], drain_s: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def summarize(
+    args: argparse.Namespace, load: Load, device: str, after: dict[str, Any], shutdown: dict[str, Any], drain_s: float
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     records, samples = load.records, [s for s in load.samples if s["phase"] == "load"]
     counts = collections.Counter(r.outcome for r in records)
     by_kind = collections.Counter(r.kind for r in records)
@@ -643,13 +748,16 @@ def summarize(args: argparse.Namespace, load: Load, device: str, after: dict[str
         cycled = next((s["t"] for s in samples if (s.get("kv_pool_passes") or 0) >= KV_POOL_PASSES), None)
         if cycled is None:
             rss_warmup = args.duration
-            rss_note = (f"the engine did not write {KV_POOL_PASSES}x its KV pool ({load.kv_pool_tokens} tokens) "
-                        f"during the load, so RSS still grew with the pool: no RSS check; run longer, or give "
-                        f"the server a smaller --kv-cache-memory")
+            rss_note = (
+                f"the engine did not write {KV_POOL_PASSES}x its KV pool ({load.kv_pool_tokens} tokens) "
+                f"during the load, so RSS still grew with the pool: no RSS check; run longer, or give "
+                f"the server a smaller --kv-cache-memory"
+            )
         elif cycled > warmup:
             rss_warmup = cycled
-            rss_note = f"RSS warm-up extended to {cycled:g} s, when the engine had written {KV_POOL_PASSES}x its KV " \
-                       f"pool"
+            rss_note = (
+                f"RSS warm-up extended to {cycled:g} s, when the engine had written {KV_POOL_PASSES}x its KV pool"
+            )
     first, last, in_first, in_last, enough = _windows(samples, warmup, args.duration)
     rss_first_w, rss_last_w, rss_in_first, rss_in_last, rss_enough = _windows(samples, rss_warmup, args.duration)
 
@@ -658,13 +766,19 @@ def summarize(args: argparse.Namespace, load: Load, device: str, after: dict[str
         return percentile(values, 99) if values else None
 
     def tok_s(window: list[dict[str, Any]]) -> float | None:
-        key = "server_generation_tokens" if all(s.get("server_generation_tokens") is not None for s in window) \
+        key = (
+            "server_generation_tokens"
+            if all(s.get("server_generation_tokens") is not None for s in window)
             else "output_tokens"
+        )
         seconds = sum(s["dt"] for s in window)
         return sum(s[key] for s in window) / seconds if window and seconds > 0 else None
 
-    rss_first, rss_last = ((_mean([s["rss_mib"] for s in rss_in_first]), _mean([s["rss_mib"] for s in rss_in_last]))
-                           if rss_enough else (None, None))
+    rss_first, rss_last = (
+        (_mean([s["rss_mib"] for s in rss_in_first]), _mean([s["rss_mib"] for s in rss_in_last]))
+        if rss_enough
+        else (None, None)
+    )
     p99_first, p99_last = p99(first), p99((last[0], args.duration + args.request_timeout))
     tput_first, tput_last = tok_s(in_first), tok_s(in_last)
     done = sorted(r.e2e for r in records if r.outcome == "completed")
@@ -676,20 +790,27 @@ def summarize(args: argparse.Namespace, load: Load, device: str, after: dict[str
             key = str(r.status) if r.status is not None else r.outcome
             malformed.setdefault(r.variant, collections.Counter())[key] += 1
     summary = {
-        "requests": len(records), "by_kind": dict(by_kind), **{k: counts.get(k, 0) for k in OUTCOMES},
-        "warmup_s": round(warmup, 1), "first_window_s": [round(first[0], 1), round(first[1], 1)],
+        "requests": len(records),
+        "by_kind": dict(by_kind),
+        **{k: counts.get(k, 0) for k in OUTCOMES},
+        "warmup_s": round(warmup, 1),
+        "first_window_s": [round(first[0], 1), round(first[1], 1)],
         "last_window_s": [round(last[0], 1), args.duration],
-        "rss_warmup_s": round(rss_warmup, 1), "rss_note": rss_note,
+        "rss_warmup_s": round(rss_warmup, 1),
+        "rss_note": rss_note,
         "rss_first_window_s": [round(rss_first_w[0], 1), round(rss_first_w[1], 1)],
         "rss_last_window_s": [round(rss_last_w[0], 1), args.duration],
         "kv_pool_tokens": load.kv_pool_tokens,
         "kv_pool_passes": max((s.get("kv_pool_passes") or 0 for s in load.samples), default=None),
-        "rss_mib_first": _round(rss_first, 1), "rss_mib_last": _round(rss_last, 1),
+        "rss_mib_first": _round(rss_first, 1),
+        "rss_mib_last": _round(rss_last, 1),
         "rss_growth": _round(_change(rss_first, rss_last), 4),
         "rss_mib_max": max((s["rss_mib"] for s in samples if s["rss_mib"] is not None), default=None),
-        "p99_e2e_s_first": _round(p99_first, 3), "p99_e2e_s_last": _round(p99_last, 3),
+        "p99_e2e_s_first": _round(p99_first, 3),
+        "p99_e2e_s_last": _round(p99_last, 3),
         "p99_e2e_change": _round(_change(p99_first, p99_last), 4),
-        "output_tok_s_first": _round(tput_first, 1), "output_tok_s_last": _round(tput_last, 1),
+        "output_tok_s_first": _round(tput_first, 1),
+        "output_tok_s_last": _round(tput_last, 1),
         "output_tok_s_change": _round(_change(tput_first, tput_last), 4),
         "p50_e2e_s": _round(percentile(done, 50), 3) if done else None,
         "p99_e2e_s": _round(percentile(done, 99), 3) if done else None,
@@ -701,43 +822,70 @@ def summarize(args: argparse.Namespace, load: Load, device: str, after: dict[str
         "client_cpu_pct_mean": _round(_mean([s.get("client_cpu_pct") for s in samples]), 1),
         "preemptions": sum(s.get("server_num_preemptions") or 0 for s in load.samples),
         "loadavg_end": load_average(),
-        "drain_s": round(drain_s, 2), "after_load": after, "shutdown": shutdown,
+        "drain_s": round(drain_s, 2),
+        "after_load": after,
+        "shutdown": shutdown,
         "malformed_by_variant": {k: dict(v) for k, v in sorted(malformed.items())},
         "errors": [{"message": m, "count": c} for m, c in errors.most_common(ERRORS_KEPT)],
     }
     gpu = device.startswith("cuda")
     checks = [
-        _check("RSS growth after warm-up", summary["rss_growth"], f"<= {args.max_rss_growth:.0%}",
-               None if not rss_enough or summary["rss_growth"] is None
-               else summary["rss_growth"] <= args.max_rss_growth,
-               pct=True),
+        _check(
+            "RSS growth after warm-up",
+            summary["rss_growth"],
+            f"<= {args.max_rss_growth:.0%}",
+            None if not rss_enough or summary["rss_growth"] is None else summary["rss_growth"] <= args.max_rss_growth,
+            pct=True,
+        ),
         _check("lost requests", counts.get("lost", 0), "0", counts.get("lost", 0) == 0),
         _check("transport errors", counts.get("transport_error", 0), "0", counts.get("transport_error", 0) == 0),
         _check("5xx (HTTP or error event)", counts.get("server_error", 0), "0", counts.get("server_error", 0) == 0),
-        _check("malformed answered 2xx", counts.get("malformed_accepted", 0), "0",
-               counts.get("malformed_accepted", 0) == 0),
+        _check(
+            "malformed answered 2xx", counts.get("malformed_accepted", 0), "0", counts.get("malformed_accepted", 0) == 0
+        ),
         _check("4xx to a valid request", counts.get("unexpected_4xx", 0), "0", counts.get("unexpected_4xx", 0) == 0),
-        _check("p99 E2E latency change", summary["p99_e2e_change"], f"<= +{args.max_p99_growth:.0%}",
-               None if not enough or summary["p99_e2e_change"] is None
-               else summary["p99_e2e_change"] <= args.max_p99_growth, pct=True),
-        _check("output tok/s change" + ("" if gpu or args.check_throughput else " (GPU only)"),
-               summary["output_tok_s_change"], f">= -{args.max_throughput_drop:.0%}",
-               None if not (gpu or args.check_throughput) or not enough or summary["output_tok_s_change"] is None
-               else summary["output_tok_s_change"] >= -args.max_throughput_drop, pct=True),
+        _check(
+            "p99 E2E latency change",
+            summary["p99_e2e_change"],
+            f"<= +{args.max_p99_growth:.0%}",
+            None
+            if not enough or summary["p99_e2e_change"] is None
+            else summary["p99_e2e_change"] <= args.max_p99_growth,
+            pct=True,
+        ),
+        _check(
+            "output tok/s change" + ("" if gpu or args.check_throughput else " (GPU only)"),
+            summary["output_tok_s_change"],
+            f">= -{args.max_throughput_drop:.0%}",
+            None
+            if not (gpu or args.check_throughput) or not enough or summary["output_tok_s_change"] is None
+            else summary["output_tok_s_change"] >= -args.max_throughput_drop,
+            pct=True,
+        ),
         _check("live requests after load", _live(after), "0", _live(after) == 0 if _live(after) is not None else False),
-        _check("KV cache usage after load (%)", after.get("kv_cache_usage_pct"), "0",
-               after.get("kv_cache_usage_pct") == 0),
+        _check(
+            "KV cache usage after load (%)", after.get("kv_cache_usage_pct"), "0", after.get("kv_cache_usage_pct") == 0
+        ),
         _check("/health after load", after.get("health"), "200", after.get("health") == 200),
-        _check("exit after SIGTERM, idle (s)", shutdown["exit_s"], f"< {args.max_exit_s:g}",
-               shutdown["exit_s"] < args.max_exit_s and not shutdown["killed"]),
-        _check("exit code / leftover processes", f"{shutdown['exit_code']} / {len(shutdown['leftover_processes'])}",
-               "0 / 0", shutdown["exit_code"] == 0 and not shutdown["leftover_processes"]),
+        _check(
+            "exit after SIGTERM, idle (s)",
+            shutdown["exit_s"],
+            f"< {args.max_exit_s:g}",
+            shutdown["exit_s"] < args.max_exit_s and not shutdown["killed"],
+        ),
+        _check(
+            "exit code / leftover processes",
+            f"{shutdown['exit_code']} / {len(shutdown['leftover_processes'])}",
+            "0 / 0",
+            shutdown["exit_code"] == 0 and not shutdown["leftover_processes"],
+        ),
     ]
     return summary, checks
 
 
-def _windows(samples: list[dict[str, Any]], warmup: float, duration: float) -> tuple[
-        tuple[float, float], tuple[float, float], list[dict[str, Any]], list[dict[str, Any]], bool]:
+def _windows(
+    samples: list[dict[str, Any]], warmup: float, duration: float
+) -> tuple[tuple[float, float], tuple[float, float], list[dict[str, Any]], list[dict[str, Any]], bool]:
     """The first and last thirds of the load after `warmup`, by time, and the samples in each (a sample
     covers the interval before it); `enough` when each holds a sample and they differ."""
     span = duration - warmup
@@ -761,24 +909,37 @@ def _round(v: float | None, digits: int) -> float | None:
 
 def _check(name: str, value: Any, target: str, ok: bool | None, pct: bool = False) -> dict[str, Any]:
     shown = "-" if value is None else (f"{value:+.1%}" if pct and isinstance(value, (int, float)) else str(value))
-    return {"check": name, "value": value, "shown": shown, "target": target,
-            "result": "n/a" if ok is None else ("pass" if ok else "FAIL")}
+    return {
+        "check": name,
+        "value": value,
+        "shown": shown,
+        "target": target,
+        "result": "n/a" if ok is None else ("pass" if ok else "FAIL"),
+    }
 
 
 def print_report(summary: dict[str, Any], checks: list[dict[str, Any]]) -> None:
     s = summary
-    print(f"\n{s['requests']} requests ({', '.join(f'{k} {v}' for k, v in s['by_kind'].items())}): "
-          + ", ".join(f"{k} {s[k]}" for k in OUTCOMES))
-    print(f"p50 / p99 E2E {s['p50_e2e_s']} / {s['p99_e2e_s']} s, TTFT {s['p50_ttft_s']} / {s['p99_ttft_s']} s, "
-          f"{s['output_tok_s']} output tok/s (completed requests); drain {s['drain_s']} s")
-    print(f"CPU (100% = one core): server {s['server_cpu_pct_mean']}%, this client {s['client_cpu_pct_mean']}%; "
-          f"load average at the end {s['loadavg_end']}; {s['preemptions']} preemptions")
+    print(
+        f"\n{s['requests']} requests ({', '.join(f'{k} {v}' for k, v in s['by_kind'].items())}): "
+        + ", ".join(f"{k} {s[k]}" for k in OUTCOMES)
+    )
+    print(
+        f"p50 / p99 E2E {s['p50_e2e_s']} / {s['p99_e2e_s']} s, TTFT {s['p50_ttft_s']} / {s['p99_ttft_s']} s, "
+        f"{s['output_tok_s']} output tok/s (completed requests); drain {s['drain_s']} s"
+    )
+    print(
+        f"CPU (100% = one core): server {s['server_cpu_pct_mean']}%, this client {s['client_cpu_pct_mean']}%; "
+        f"load average at the end {s['loadavg_end']}; {s['preemptions']} preemptions"
+    )
     if s["rss_note"]:
         print(s["rss_note"])
-    print(f"after warm-up ({s['warmup_s']} s): RSS {s['rss_mib_first']} -> {s['rss_mib_last']} MiB, p99 E2E "
-          f"{s['p99_e2e_s_first']} -> {s['p99_e2e_s_last']} s, tok/s {s['output_tok_s_first']} -> "
-          f"{s['output_tok_s_last']} (first third {s['first_window_s']} s vs last third {s['last_window_s']} s; "
-          f"RSS: {s['rss_first_window_s']} vs {s['rss_last_window_s']} s)")
+    print(
+        f"after warm-up ({s['warmup_s']} s): RSS {s['rss_mib_first']} -> {s['rss_mib_last']} MiB, p99 E2E "
+        f"{s['p99_e2e_s_first']} -> {s['p99_e2e_s_last']} s, tok/s {s['output_tok_s_first']} -> "
+        f"{s['output_tok_s_last']} (first third {s['first_window_s']} s vs last third {s['last_window_s']} s; "
+        f"RSS: {s['rss_first_window_s']} vs {s['rss_last_window_s']} s)"
+    )
     bad = {k: v for k, v in s["malformed_by_variant"].items() if any(not c.startswith("4") for c in v)}
     if bad:
         print("malformed bodies not answered 4xx: " + "; ".join(f"{k} {v}" for k, v in bad.items()))
@@ -790,8 +951,14 @@ def print_report(summary: dict[str, Any], checks: list[dict[str, Any]]) -> None:
         print(f"{c['check']:<{width}}{c['shown']:>16}{c['target']:>12}  {c['result']}")
 
 
-def write_chart(path: str, samples: list[dict[str, Any]], title: str, warmup_s: float, duration_s: float,
-                rss_warmup_s: float | None = None) -> None:
+def write_chart(
+    path: str,
+    samples: list[dict[str, Any]],
+    title: str,
+    warmup_s: float,
+    duration_s: float,
+    rss_warmup_s: float | None = None,
+) -> None:
     """RSS, KV usage, live requests, p99 latency and throughput over time. Optional: without matplotlib, no chart."""
     try:
         import matplotlib
@@ -852,8 +1019,9 @@ async def probe(base_url: str, headers: dict[str, str], timeout: float) -> tuple
         card = resp.json()["data"][0]
         model = card["id"]
         try:
-            chat = await client.post(base_url + CHAT, json={"model": model, "max_tokens": 1,
-                                                            "messages": [{"role": "user", "content": "hi"}]})
+            chat = await client.post(
+                base_url + CHAT, json={"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+            )
         except httpx.HTTPError as e:
             return model, card.get("max_model_len"), True, f"chat probe failed: {type(e).__name__}: {e}"
         if chat.status_code == 200:
@@ -886,42 +1054,83 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p, argv, extra = server_benchmark_parser(argv, __doc__)
     p.add_argument("--duration", type=float, default=1200.0, help="seconds of load (default: 20 minutes)")
     p.add_argument("--concurrency", type=_range, default=32, help="closed-loop clients, one connection each")
-    p.add_argument("--cancel-fraction", type=float, default=0.10,
-                   help="well-formed requests whose client closes the connection mid-stream")
+    p.add_argument(
+        "--cancel-fraction",
+        type=float,
+        default=0.10,
+        help="well-formed requests whose client closes the connection mid-stream",
+    )
     p.add_argument("--malformed-fraction", type=float, default=0.05, help="requests with a bad body (expect 4xx)")
-    p.add_argument("--chat-fraction", type=float, default=0.5,
-                   help="well-formed requests to /v1/chat/completions, the rest to /v1/completions (token ids); "
-                        "0 when the model has no tokenizer")
-    p.add_argument("--prompt-len", type=_range, nargs=2, default=[8, 256], metavar=("MIN", "MAX"),
-                   help="prompt length: token ids for completions, words for chat")
+    p.add_argument(
+        "--chat-fraction",
+        type=float,
+        default=0.5,
+        help="well-formed requests to /v1/chat/completions, the rest to /v1/completions (token ids); "
+        "0 when the model has no tokenizer",
+    )
+    p.add_argument(
+        "--prompt-len",
+        type=_range,
+        nargs=2,
+        default=[8, 256],
+        metavar=("MIN", "MAX"),
+        help="prompt length: token ids for completions, words for chat",
+    )
     p.add_argument("--max-tokens", type=_range, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at EOS (default: ignore_eos, so each generates its max_tokens)")
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at EOS (default: ignore_eos, so each generates its max_tokens)",
+    )
     p.add_argument("--vocab-size", type=int, default=10000, help="completion prompt ids are drawn from [100, this)")
-    p.add_argument("--no-malformed-sweep", dest="malformed_sweep", action="store_false",
-                   help="skip sending every malformed body once before the load")
+    p.add_argument(
+        "--no-malformed-sweep",
+        dest="malformed_sweep",
+        action="store_false",
+        help="skip sending every malformed body once before the load",
+    )
     p.add_argument("--scrape-interval", type=float, default=10.0, help="seconds between /metrics scrapes")
-    p.add_argument("--warmup", type=float, default=None,
-                   help="seconds excluded from the flatness checks (default: 10%% of --duration)")
-    p.add_argument("--request-timeout", type=float, default=300.0,
-                   help="seconds after which an open request counts as lost")
-    p.add_argument("--client-processes", type=_range, default=1,
-                   help="processes that share the clients (one Python process tops out near 10k SSE chunks/s)")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds excluded from the flatness checks (default: 10%% of --duration)",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=300.0, help="seconds after which an open request counts as lost"
+    )
+    p.add_argument(
+        "--client-processes",
+        type=_range,
+        default=1,
+        help="processes that share the clients (one Python process tops out near 10k SSE chunks/s)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the server may take to start")
-    p.add_argument("--settle-timeout", type=float, default=15.0,
-                   help="seconds after the load for live requests and KV usage to reach 0")
+    p.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=15.0,
+        help="seconds after the load for live requests and KV usage to reach 0",
+    )
     p.add_argument("--shutdown-wait", type=float, default=30.0, help="seconds after SIGTERM before SIGKILL")
     p.add_argument("--max-rss-growth", type=float, default=0.05)
     p.add_argument("--max-p99-growth", type=float, default=0.20)
     p.add_argument("--max-throughput-drop", type=float, default=0.05)
-    p.add_argument("--check-throughput", action="store_true",
-                   help="check throughput flatness on CPU too (by default only on a GPU)")
+    p.add_argument(
+        "--check-throughput",
+        action="store_true",
+        help="check throughput flatness on CPU too (by default only on a GPU)",
+    )
     p.add_argument("--max-exit-s", type=float, default=2.0, help="seconds an idle server may take to exit on SIGTERM")
-    p.add_argument("--out", default=None,
-                   help="JSON path (default: benchmarks/results/soak-<device>-<date>.json); a PNG chart goes "
-                        "next to it if matplotlib is installed")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/soak-<device>-<date>.json); a PNG chart goes "
+        "next to it if matplotlib is installed",
+    )
     args = p.parse_args(argv)
     for name in ("cancel_fraction", "malformed_fraction", "chat_fraction"):
         if not 0 <= getattr(args, name) <= 1:
@@ -970,22 +1179,32 @@ def main(argv: list[str] | None = None) -> int:
         kv = _KV_POOL.search(ready_log)
         headers = {"Authorization": f"Bearer {os.environ['EMBER_API_KEY']}"} if os.environ.get("EMBER_API_KEY") else {}
         model, max_model_len, chat_ok, chat_note = asyncio.run(probe(base_url, headers, args.request_timeout))
-        print(f"ready after {ready_s:.1f} s on {device}: model {model}, max_model_len {max_model_len}"
-              + (f"; {chat_note}" if chat_note else "") + ("; no chat requests" if not chat_ok else ""), flush=True)
+        print(
+            f"ready after {ready_s:.1f} s on {device}: model {model}, max_model_len {max_model_len}"
+            + (f"; {chat_note}" if chat_note else "")
+            + ("; no chat requests" if not chat_ok else ""),
+            flush=True,
+        )
         malformed = malformed_bodies(model, max_model_len, _body_limit(extra))
         load = Load(args, base_url, model, chat_ok, proc.pid, malformed)
         load.kv_pool_tokens = int(kv.group(1)) * int(kv.group(2)) if kv else None
-        print(f"load: {args.duration:g} s, {args.concurrency} clients, {args.cancel_fraction:.0%} cancelled, "
-              f"{args.malformed_fraction:.0%} malformed ({len(malformed)} kinds), scrape every "
-              f"{args.scrape_interval:g} s", flush=True)
+        print(
+            f"load: {args.duration:g} s, {args.concurrency} clients, {args.cancel_fraction:.0%} cancelled, "
+            f"{args.malformed_fraction:.0%} malformed ({len(malformed)} kinds), scrape every "
+            f"{args.scrape_interval:g} s",
+            flush=True,
+        )
         drain_s = asyncio.run(load.run())
         after = asyncio.run(settle(load, args.settle_timeout))
         print(f"after the load: {after}", flush=True)
         tree = process_tree(proc.pid)
         shutdown = stop_server(proc, tree, args.shutdown_wait)
-        print(f"SIGTERM: exit code {shutdown['exit_code']} after {shutdown['exit_s']} s"
-              + (", killed" if shutdown["killed"] else "")
-              + (f", leftover {shutdown['leftover_processes']}" if shutdown["leftover_processes"] else ""), flush=True)
+        print(
+            f"SIGTERM: exit code {shutdown['exit_code']} after {shutdown['exit_s']} s"
+            + (", killed" if shutdown["killed"] else "")
+            + (f", leftover {shutdown['leftover_processes']}" if shutdown["leftover_processes"] else ""),
+            flush=True,
+        )
     finally:
         if shutdown is None:
             stop_server(proc, process_tree(proc.pid) if proc.poll() is None else [], 10.0)
@@ -1001,23 +1220,53 @@ def main(argv: list[str] | None = None) -> int:
     print_report(summary, checks)
     out = args.out or os.path.join(RESULTS_DIR, f"soak-{device.split(':')[0]}-{today()}.json")
     lines = log_text.splitlines()
-    write_json(out, {"benchmark": "soak", "date": today(), "machine": machine, "command": sys.argv,
-                     "config": {**vars(args), "server_args": extra, "server_command": cmd, "device": device,
-                                "model": model, "max_model_len": max_model_len,
-                                "kv_pool": {"blocks": int(kv.group(1)), "block_size": int(kv.group(2)),
-                                            "gib": None if kv.group(3) is None else float(kv.group(3))}
-                                if kv else None,
-                                "malformed_variants": [name for name, _, _ in malformed]},
-                     "results": {"summary": summary, "checks": checks, "samples": load.samples,
-                                 "server_log": {"lines": len(lines),
-                                                "tracebacks": sum(line.startswith("Traceback") for line in lines),
-                                                "error_lines": sum(line.startswith("ERROR") for line in lines),
-                                                "tail": lines[-40:]}}})
+    write_json(
+        out,
+        {
+            "benchmark": "soak",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": {
+                **vars(args),
+                "server_args": extra,
+                "server_command": cmd,
+                "device": device,
+                "model": model,
+                "max_model_len": max_model_len,
+                "kv_pool": {
+                    "blocks": int(kv.group(1)),
+                    "block_size": int(kv.group(2)),
+                    "gib": None if kv.group(3) is None else float(kv.group(3)),
+                }
+                if kv
+                else None,
+                "malformed_variants": [name for name, _, _ in malformed],
+            },
+            "results": {
+                "summary": summary,
+                "checks": checks,
+                "samples": load.samples,
+                "server_log": {
+                    "lines": len(lines),
+                    "tracebacks": sum(line.startswith("Traceback") for line in lines),
+                    "error_lines": sum(line.startswith("ERROR") for line in lines),
+                    "tail": lines[-40:],
+                },
+            },
+        },
+    )
     png = os.path.splitext(out)[0] + ".png"
-    write_chart(png, load.samples, f"soak: {model} on {device}, {args.concurrency} clients, {args.duration:g} s "
-                                   f"({machine.get('ember_commit')})\ndashed: end of warm-up (dotted: of the RSS "
-                                   f"check), solid: end of load", summary["warmup_s"], args.duration,
-                summary["rss_warmup_s"])
+    write_chart(
+        png,
+        load.samples,
+        f"soak: {model} on {device}, {args.concurrency} clients, {args.duration:g} s "
+        f"({machine.get('ember_commit')})\ndashed: end of warm-up (dotted: of the RSS "
+        f"check), solid: end of load",
+        summary["warmup_s"],
+        args.duration,
+        summary["rss_warmup_s"],
+    )
     print(f"wrote {out}" + (f" and {png}" if os.path.exists(png) else ""))
     return 0 if all(c["result"] != "FAIL" for c in checks) else 1
 

@@ -37,8 +37,15 @@ from benchmarks.throughput import model_short_name
 from ember.bench.machine import load_average
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-MEDIAN_KEYS = ("port_answers_s", "ready_s", "peak_rss_tree_mib", "main_vmhwm_mib", "rss_ready_mib",
-               "gpu_memory_used_mib", "shutdown_s")
+MEDIAN_KEYS = (
+    "port_answers_s",
+    "ready_s",
+    "peak_rss_tree_mib",
+    "main_vmhwm_mib",
+    "rss_ready_mib",
+    "gpu_memory_used_mib",
+    "shutdown_s",
+)
 
 
 def free_port(host: str) -> int:
@@ -117,12 +124,19 @@ def gpu_memory_mib(pids: list[int]) -> float | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
-    used = [float(mem) for pid, mem in (line.split(",") for line in out.splitlines() if line.count(",") == 1)
-            if pid.strip().isdigit() and int(pid) in pids and mem.strip().replace(".", "", 1).isdigit()]
+    used = [
+        float(mem)
+        for pid, mem in (line.split(",") for line in out.splitlines() if line.count(",") == 1)
+        if pid.strip().isdigit() and int(pid) in pids and mem.strip().replace(".", "", 1).isdigit()
+    ]
     return sum(used) if used else None
 
 
@@ -177,10 +191,14 @@ def one_run(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
         log.seek(0)
         text = log.read()
     match = READY_LINE_DEVICE.search(text)
-    run.update(port_answers_s=None if port_answers is None else round(port_answers, 3), first_status=first_status,
-               ready_s=None if ready is None else round(ready, 3), peak_rss_tree_mib=round(peak, 1),
-               device=match.group(1) if match else None,
-               ready_line=next((line for line in text.splitlines() if "serving" in line), None))
+    run.update(
+        port_answers_s=None if port_answers is None else round(port_answers, 3),
+        first_status=first_status,
+        ready_s=None if ready is None else round(ready, 3),
+        peak_rss_tree_mib=round(peak, 1),
+        device=match.group(1) if match else None,
+        ready_line=next((line for line in text.splitlines() if "serving" in line), None),
+    )
     if run["error"] is not None:
         run["log_tail"] = text.splitlines()[-20:]
     return run
@@ -198,8 +216,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--poll-interval", type=float, default=0.05, help="seconds between /health polls")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take before it counts as failed")
     p.add_argument("--shutdown-wait", type=float, default=60.0, help="seconds after SIGTERM before SIGKILL")
-    p.add_argument("--out", default=None,
-                   help="JSON path (default: benchmarks/results/startup-<model>-<device>-<date>.json)")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default: benchmarks/results/startup-<model>-<device>-<date>.json)"
+    )
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
@@ -213,21 +232,35 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeat):
         run = one_run(args, extra)
         runs.append(run)
-        print(f"run {i + 1}: port answers {run['port_answers_s']} s, ready {run['ready_s']} s, peak RSS "
-              f"{run['peak_rss_tree_mib']} MiB (VmHWM {run.get('main_vmhwm_mib')}), GPU {run.get('gpu_memory_used_mib')}"
-              f" MiB, exit {run['exit_code']} after {run['shutdown_s']} s" + (f"; {run['error']}" if run["error"] else ""),
-              flush=True)
+        print(
+            f"run {i + 1}: port answers {run['port_answers_s']} s, ready {run['ready_s']} s, peak RSS "
+            f"{run['peak_rss_tree_mib']} MiB (VmHWM {run.get('main_vmhwm_mib')}), GPU {run.get('gpu_memory_used_mib')}"
+            f" MiB, exit {run['exit_code']} after {run['shutdown_s']} s"
+            + (f"; {run['error']}" if run["error"] else ""),
+            flush=True,
+        )
     summary = {key: median(runs, key) for key in MEDIAN_KEYS}
     summary["failed_runs"] = sum(r["error"] is not None for r in runs)
     summary["clean_exits"] = sum(r["exit_code"] == 0 and not r["killed"] for r in runs)
-    print(f"median of {len(runs)}: port answers {summary['port_answers_s']} s, ready {summary['ready_s']} s, "
-          f"peak RSS {summary['peak_rss_tree_mib']} MiB, shutdown {summary['shutdown_s']} s")
+    print(
+        f"median of {len(runs)}: port answers {summary['port_answers_s']} s, ready {summary['ready_s']} s, "
+        f"peak RSS {summary['peak_rss_tree_mib']} MiB, shutdown {summary['shutdown_s']} s"
+    )
     device = next((r["device"] for r in runs if r["device"]), None) or "unknown"
-    out = args.out or os.path.join(RESULTS_DIR, f"startup-{model_short_name(args.model)}-{device.split(':')[0]}-"
-                                                f"{today()}.json")
-    write_json(out, {"benchmark": "startup", "date": today(), "machine": machine, "command": sys.argv,
-                     "config": {**vars(args), "server_args": extra, "server_command": runs[0]["server_command"]},
-                     "results": {"median": summary, "runs": runs}})
+    out = args.out or os.path.join(
+        RESULTS_DIR, f"startup-{model_short_name(args.model)}-{device.split(':')[0]}-{today()}.json"
+    )
+    write_json(
+        out,
+        {
+            "benchmark": "startup",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": {**vars(args), "server_args": extra, "server_command": runs[0]["server_command"]},
+            "results": {"median": summary, "runs": runs},
+        },
+    )
     print(f"wrote {out}")
     return 0 if summary["failed_runs"] == 0 else 1
 

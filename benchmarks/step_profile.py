@@ -40,14 +40,23 @@ def profile_steps(step: Callable[[], Any], steps: int, device: torch.device, top
     total = sum(spent.values())
     out: dict[str, Any] = {"steps": steps, "device_us_per_step": round(total, 1)}
     if on_gpu:
-        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [
+            (e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
         if kernels:
             span = max(end for _, end in kernels) - min(start for start, _ in kernels)
             out["device_idle_us_per_step"] = round((span - _busy_us(kernels)) / steps, 1)
-    out["kernels"] = [{"name": k[:160], "us_per_step": round(spent[k], 2), "calls_per_step": round(calls[k], 2),
-                       "share": round(spent[k] / total, 4)}
-                      for k in sorted(spent, key=spent.get, reverse=True)[:top]]
+    out["kernels"] = [
+        {
+            "name": k[:160],
+            "us_per_step": round(spent[k], 2),
+            "calls_per_step": round(calls[k], 2),
+            "share": round(spent[k] / total, 4),
+        }
+        for k in sorted(spent, key=spent.get, reverse=True)[:top]
+    ]
     return out
 
 

@@ -51,14 +51,14 @@ if not __package__:  # run as a script: make `benchmarks.common` and the test sc
     sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from schemas import SCHEMAS
+from schemas import SCHEMAS  # noqa: E402 - after the sys.path lines above
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from benchmarks.step_profile import print_profile, profile_steps
-from ember import LLM, SamplingParams, StructuredOutputsParams
-from ember.config import EngineArgs
-from ember.core.grammar import GrammarManager
-from ember.model.files import load_model_info
+from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402 - after the sys.path lines above
+from benchmarks.step_profile import print_profile, profile_steps  # noqa: E402 - after the sys.path lines above
+from ember import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402 - after the sys.path lines above
+from ember.config import EngineArgs  # noqa: E402 - after the sys.path lines above
+from ember.core.grammar import GrammarManager  # noqa: E402 - after the sys.path lines above
+from ember.model.files import load_model_info  # noqa: E402 - after the sys.path lines above
 
 QWEN3_CONFIG = os.path.join(ROOT, "benchmarks", "configs", "qwen3-0.6b")
 # Both runs sample, so both compute full logits. No seeds: a seeded row draws its noise with its own
@@ -110,12 +110,15 @@ def bench_compile(args: EngineArgs, vocab_size: int, schemas: list[dict]) -> dic
         manager.matcher(params)
         cached.append(time.perf_counter() - start)
     manager.shutdown()
-    return {"schemas": len(schemas), "cold_median_ms": _ms(cold), "cold_max_ms": round(max(cold) * 1e3, 3),
-            "cached_median_ms": _ms(cached)}
+    return {
+        "schemas": len(schemas),
+        "cold_median_ms": _ms(cold),
+        "cold_max_ms": round(max(cold) * 1e3, 3),
+        "cached_median_ms": _ms(cached),
+    }
 
 
-def bench_masks(args: EngineArgs, vocab_size: int, counts: list[int], steps: int, deadline: Deadline
-                ) -> dict[str, Any]:
+def bench_masks(args: EngineArgs, vocab_size: int, counts: list[int], steps: int, deadline: Deadline) -> dict[str, Any]:
     """Each step: fill the masks, then advance every matcher by a random allowed token."""
     manager = GrammarManager(args, vocab_size)
     rng = np.random.default_rng(0)
@@ -149,11 +152,20 @@ def _run(llm: LLM, prompts: list[Any], params: list[SamplingParams]) -> tuple[di
     after = engine.scheduler_stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = after.num_steps - before.num_steps
-    row = {"requests": len(prompts), "output_tokens": tokens, "elapsed_s": round(elapsed, 3),
-           "output_tok_per_s": round(tokens / elapsed, 1), "steps": steps, "loadavg_1m_before": round(load, 2)}
+    row = {
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "elapsed_s": round(elapsed, 3),
+        "output_tok_per_s": round(tokens / elapsed, 1),
+        "steps": steps,
+        "loadavg_1m_before": round(load, 2),
+    }
     if engine.ready.device.startswith("cuda"):
-        for name, key in (("gpu_idle_between_steps_s", "gpu_idle_s"), ("gpu_busy_in_steps_s", "gpu_busy_s"),
-                          ("gpu_mask_wait_s", "gpu_mask_wait_s")):
+        for name, key in (
+            ("gpu_idle_between_steps_s", "gpu_idle_s"),
+            ("gpu_busy_in_steps_s", "gpu_busy_s"),
+            ("gpu_mask_wait_s", "gpu_mask_wait_s"),
+        ):
             row[name] = round(getattr(after, key) - getattr(before, key), 4)
         row["gpu_idle_per_step_ms"] = round(row["gpu_idle_between_steps_s"] * 1e3 / max(steps, 1), 3)
         row["gpu_mask_wait_per_step_ms"] = round(row["gpu_mask_wait_s"] * 1e3 / max(steps, 1), 3)
@@ -161,17 +173,23 @@ def _run(llm: LLM, prompts: list[Any], params: list[SamplingParams]) -> tuple[di
 
 
 def _constrained(n: int, max_tokens: int) -> list[SamplingParams]:
-    return [SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens,
-                           structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]))
-            for i in range(n)]
+    return [
+        SamplingParams(
+            temperature=TEMPERATURE,
+            max_tokens=max_tokens,
+            structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]),
+        )
+        for i in range(n)
+    ]
 
 
 def _free(lengths: list[int]) -> list[SamplingParams]:
     return [SamplingParams(temperature=TEMPERATURE, max_tokens=n, ignore_eos=True) for n in lengths]
 
 
-def bench_throughput(llm: LLM, prompts: list[Any], max_tokens: int, repeats: int, deadline: Deadline,
-                     out: dict[str, Any]) -> None:
+def bench_throughput(
+    llm: LLM, prompts: list[Any], max_tokens: int, repeats: int, deadline: Deadline, out: dict[str, Any]
+) -> None:
     """Pairs of runs: the constrained requests, then the same requests unconstrained at the lengths
     they reached, written into `out` as each pair ends (so that the time limit keeps them). A pair is
     started only when the last one would fit in the time left."""
@@ -216,10 +234,13 @@ def _summary(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     def median(values: Any) -> float:
         return round(statistics.median(values), 3)
 
-    return {"ratio_median": median(p["ratio"] for p in pairs), "ratio_min": min(p["ratio"] for p in pairs),
-            "ratio_max": max(p["ratio"] for p in pairs),
-            "json_schema_tok_per_s_median": median(p["json_schema"]["output_tok_per_s"] for p in pairs),
-            "unconstrained_tok_per_s_median": median(p["unconstrained"]["output_tok_per_s"] for p in pairs)}
+    return {
+        "ratio_median": median(p["ratio"] for p in pairs),
+        "ratio_min": min(p["ratio"] for p in pairs),
+        "ratio_max": max(p["ratio"] for p in pairs),
+        "json_schema_tok_per_s_median": median(p["json_schema"]["output_tok_per_s"] for p in pairs),
+        "unconstrained_tok_per_s_median": median(p["unconstrained"]["output_tok_per_s"] for p in pairs),
+    }
 
 
 def _is_json(text: str) -> bool:
@@ -231,11 +252,21 @@ def _is_json(text: str) -> bool:
 
 
 def _engine(mode: str, tokenizer_dir: str, concurrency: int, in_process: bool) -> tuple[EngineArgs, LLM]:
-    common = {"max_model_len": 2048, "max_num_seqs": concurrency, "enable_prefix_caching": False,
-              **({"engine_process": False} if in_process else {})}
+    common = {
+        "max_model_len": 2048,
+        "max_num_seqs": concurrency,
+        "enable_prefix_caching": False,
+        **({"engine_process": False} if in_process else {}),
+    }
     if mode == "h200":
-        kwargs = {"model": QWEN3_CONFIG, "load_format": "dummy", "tokenizer": tokenizer_dir, "device": "cuda",
-                  "dtype": "bfloat16", **common}
+        kwargs = {
+            "model": QWEN3_CONFIG,
+            "load_format": "dummy",
+            "tokenizer": tokenizer_dir,
+            "device": "cuda",
+            "dtype": "bfloat16",
+            **common,
+        }
     else:
         kwargs = {"device": "cpu", "dtype": "float32", "kv_cache_memory": 0.5, **common}
     return EngineArgs(**kwargs), LLM(**kwargs)
@@ -246,28 +277,41 @@ def _prompts(mode: str, llm: LLM, n: int) -> list[Any]:
         rng = random.Random(0)
         return [{"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(128)]} for _ in range(n)]
     tok = llm.get_tokenizer()
-    return [tok.apply_chat_template([{"role": "user", "content": f"Answer in JSON for this schema: {s}"}])
-            for s in (SCHEMAS[i % len(SCHEMAS)] for i in range(n))]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": f"Answer in JSON for this schema: {s}"}])
+        for s in (SCHEMAS[i % len(SCHEMAS)] for i in range(n))
+    ]
 
 
 def _table(results: dict[str, Any]) -> None:
     rows: list[tuple[str, Any]] = []
     if "compile" in results:
         c = results["compile"]
-        rows += [("compile, cold median (ms)", c["cold_median_ms"]), ("compile, cached median (ms)",
-                                                                      c["cached_median_ms"])]
+        rows += [
+            ("compile, cold median (ms)", c["cold_median_ms"]),
+            ("compile, cached median (ms)", c["cached_median_ms"]),
+        ]
     if "masks" in results:
         m = results["masks"]
         for n, ms in m["median_ms_by_requests"].items():
-            rows.append((f"mask fill per step, {n} requests, median / p99 (ms)",
-                         f"{ms} / {m['p99_ms_by_requests'][n]}"))
+            rows.append(
+                (f"mask fill per step, {n} requests, median / p99 (ms)", f"{ms} / {m['p99_ms_by_requests'][n]}")
+            )
     for i, pair in enumerate(results.get("throughput", {}).get("pairs", [])):
         for name in ("json_schema", "unconstrained"):
             row = pair[name]
-            gpu = (f", GPU idle {row['gpu_idle_per_step_ms']} ms/step, mask wait {row['gpu_mask_wait_per_step_ms']}"
-                   f" ms/step" if "gpu_idle_per_step_ms" in row else "")
-            rows.append((f"run {i + 1} {name} tok/s ({row['requests']} req, load {row['loadavg_1m_before']}{gpu})",
-                         row["output_tok_per_s"]))
+            gpu = (
+                f", GPU idle {row['gpu_idle_per_step_ms']} ms/step, mask wait {row['gpu_mask_wait_per_step_ms']}"
+                f" ms/step"
+                if "gpu_idle_per_step_ms" in row
+                else ""
+            )
+            rows.append(
+                (
+                    f"run {i + 1} {name} tok/s ({row['requests']} req, load {row['loadavg_1m_before']}{gpu})",
+                    row["output_tok_per_s"],
+                )
+            )
         rows.append((f"run {i + 1} json_schema / unconstrained", pair["ratio"]))
     t = results.get("throughput", {})
     if "ratio_median" in t:
@@ -287,13 +331,24 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=None, help="concurrent requests (default 16 on cpu, 256 on h200)")
     p.add_argument("--max-tokens", type=int, default=None, help="per request (default 64 on cpu, 256 on h200)")
     p.add_argument("--repeats", type=int, default=None, help="constrained/free pairs (default 3 on cpu, 2 on h200)")
-    p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds for the whole run (default 210 on h200, 900 on cpu); stops with what it has")
-    p.add_argument("--tokenizer", default=None,
-                   help="h200 mode: an HF directory with tokenizer.json for the grammars (default: the default "
-                        "model's vocabulary, written out)")
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="then profile this many decode steps of each kind by kernel (runs the engine in-process)")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds for the whole run (default 210 on h200, 900 on cpu); stops with what it has",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="h200 mode: an HF directory with tokenizer.json for the grammars (default: the default "
+        "model's vocabulary, written out)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="then profile this many decode steps of each kind by kernel (runs the engine in-process)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/structured-<mode>-<date>.json)")
     a = p.parse_args()
     h200 = a.mode == "h200"
@@ -302,9 +357,15 @@ def main() -> None:
     repeats = a.repeats or (1 if a.tiny else 2 if h200 else 3)
     counts = [1, 4] if a.tiny else [1, 16, 64, 256]
     out = a.out or os.path.join(RESULTS_DIR, f"structured-{a.mode}{'-tiny' if a.tiny else ''}-{today()}.json")
-    results: dict[str, Any] = {"mode": a.mode, "date": today(), "machine": machine_info(),
-                               "command": " ".join(sys.argv), "requests": requests, "max_tokens": max_tokens,
-                               "stopped_by_time_limit": True}
+    results: dict[str, Any] = {
+        "mode": a.mode,
+        "date": today(),
+        "machine": machine_info(),
+        "command": " ".join(sys.argv),
+        "requests": requests,
+        "max_tokens": max_tokens,
+        "stopped_by_time_limit": True,
+    }
 
     def report() -> None:
         _table(results)
@@ -327,7 +388,8 @@ def main() -> None:
         if a.profile_steps:
             results["profile"] = {
                 "json_schema": profile_decode(llm, prompts, _constrained(requests, max_tokens), a.profile_steps),
-                "unconstrained": profile_decode(llm, prompts, _free([max_tokens] * requests), a.profile_steps)}
+                "unconstrained": profile_decode(llm, prompts, _free([max_tokens] * requests), a.profile_steps),
+            }
             for name, p in results["profile"].items():
                 print_profile(p, f"{name} decode steps")
         llm.llm_engine.shutdown()

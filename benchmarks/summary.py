@@ -37,42 +37,115 @@ def _tput(r: list[dict[str, Any]]) -> float:
 
 
 ROWS = [
-    Row("offline throughput, Qwen3-0.6B shape (H200)", ("throughput-qwen3-0.6b-cuda-{date}-with-serve.json",),
-        _tput, 25000, "out tok/s"),
-    Row("offline throughput, Llama-3.1-8B shape (H200)", ("throughput-llama-3.1-8b-cuda-{date}.json",), _tput,
-        9000, "out tok/s"),
-    Row("batch-1 TPOT, Llama-3.1-8B shape (H200)", ("latency-llama-3.1-8b-cuda-{date}.json",),
-        lambda r: r[0]["results"]["tpot_ms"], 4.6, "ms", higher_is_better=False),
-    Row("online / offline throughput, Qwen3-0.6B shape (H200)",
+    Row(
+        "offline throughput, Qwen3-0.6B shape (H200)",
+        ("throughput-qwen3-0.6b-cuda-{date}-with-serve.json",),
+        _tput,
+        25000,
+        "out tok/s",
+    ),
+    Row(
+        "offline throughput, Llama-3.1-8B shape (H200)",
+        ("throughput-llama-3.1-8b-cuda-{date}.json",),
+        _tput,
+        9000,
+        "out tok/s",
+    ),
+    Row(
+        "batch-1 TPOT, Llama-3.1-8B shape (H200)",
+        ("latency-llama-3.1-8b-cuda-{date}.json",),
+        lambda r: r[0]["results"]["tpot_ms"],
+        4.6,
+        "ms",
+        higher_is_better=False,
+    ),
+    Row(
+        "online / offline throughput, Qwen3-0.6B shape (H200)",
         ("serve-qwen3-0.6b-cuda-{date}.json", "throughput-qwen3-0.6b-cuda-{date}-with-serve.json"),
-        lambda r: r[0]["results"]["output_throughput"] / _tput(r[1:]), 0.85, "x"),
-    Row("start-up to /health 200, Qwen3-0.6B shape, CUDA graphs (H200)", ("startup-qwen3-0.6b-cuda-{date}.json",),
-        lambda r: r[0]["results"]["median"]["ready_s"], 15, "s", higher_is_better=False),
-    Row("start-up to /health 200, Qwen3-0.6B shape, eager (H200)", ("startup-qwen3-0.6b-cuda-eager-{date}.json",),
-        lambda r: r[0]["results"]["median"]["ready_s"], 5, "s", higher_is_better=False),
-    Row("Ember / HF continuous batching, same 64 requests (H200)", ("throughput-qwen3-0.6b-cuda-{date}.json",),
-        lambda r: r[0]["results"]["ratio"], 1.0, "x"),
-    Row("int4 batch-1 TPOT, 8B shape (H200)", ("latency-llama-3.1-8b-int4-cuda-{date}.json",),
-        lambda r: r[0]["results"]["tpot_ms"], 1.6, "ms", higher_is_better=False),
-    Row("int8 batch-1 TPOT, 8B shape (H200)", ("latency-llama-3.1-8b-int8-cuda-{date}.json",),
-        lambda r: r[0]["results"]["tpot_ms"], 2.6, "ms", higher_is_better=False),
-    Row("int4 weight memory / bf16, 8B shape", ("latency-llama-3.1-8b-int4-cuda-{date}.json",
-                                                "latency-llama-3.1-8b-cuda-{date}.json"),
-        lambda r: r[0]["results"]["weights_gib"] / r[1]["results"]["weights_gib"], 0.30, "ratio",
-        higher_is_better=False),
-    Row("int8 weight memory / bf16, 8B shape", ("latency-llama-3.1-8b-int8-cuda-{date}.json",
-                                                "latency-llama-3.1-8b-cuda-{date}.json"),
-        lambda r: r[0]["results"]["weights_gib"] / r[1]["results"]["weights_gib"], 0.52, "ratio",
-        higher_is_better=False),
-    *(Row(f"perplexity increase, {mode}, default model (H200)", ("quality-smollm2-135m-instruct-cuda-{date}.json",),
-          lambda r, mode=mode: r[0]["results"][mode]["ppl_delta_pct"], bound, "%", higher_is_better=False)
-      for mode, bound in (("int8", 1.0), ("fp8", 2.0), ("int4", 10.0))),
-    Row("fp8 weights / bf16 offline throughput, 8B shape (H200)",
+        lambda r: r[0]["results"]["output_throughput"] / _tput(r[1:]),
+        0.85,
+        "x",
+    ),
+    Row(
+        "start-up to /health 200, Qwen3-0.6B shape, CUDA graphs (H200)",
+        ("startup-qwen3-0.6b-cuda-{date}.json",),
+        lambda r: r[0]["results"]["median"]["ready_s"],
+        15,
+        "s",
+        higher_is_better=False,
+    ),
+    Row(
+        "start-up to /health 200, Qwen3-0.6B shape, eager (H200)",
+        ("startup-qwen3-0.6b-cuda-eager-{date}.json",),
+        lambda r: r[0]["results"]["median"]["ready_s"],
+        5,
+        "s",
+        higher_is_better=False,
+    ),
+    Row(
+        "Ember / HF continuous batching, same 64 requests (H200)",
+        ("throughput-qwen3-0.6b-cuda-{date}.json",),
+        lambda r: r[0]["results"]["ratio"],
+        1.0,
+        "x",
+    ),
+    Row(
+        "int4 batch-1 TPOT, 8B shape (H200)",
+        ("latency-llama-3.1-8b-int4-cuda-{date}.json",),
+        lambda r: r[0]["results"]["tpot_ms"],
+        1.6,
+        "ms",
+        higher_is_better=False,
+    ),
+    Row(
+        "int8 batch-1 TPOT, 8B shape (H200)",
+        ("latency-llama-3.1-8b-int8-cuda-{date}.json",),
+        lambda r: r[0]["results"]["tpot_ms"],
+        2.6,
+        "ms",
+        higher_is_better=False,
+    ),
+    Row(
+        "int4 weight memory / bf16, 8B shape",
+        ("latency-llama-3.1-8b-int4-cuda-{date}.json", "latency-llama-3.1-8b-cuda-{date}.json"),
+        lambda r: r[0]["results"]["weights_gib"] / r[1]["results"]["weights_gib"],
+        0.30,
+        "ratio",
+        higher_is_better=False,
+    ),
+    Row(
+        "int8 weight memory / bf16, 8B shape",
+        ("latency-llama-3.1-8b-int8-cuda-{date}.json", "latency-llama-3.1-8b-cuda-{date}.json"),
+        lambda r: r[0]["results"]["weights_gib"] / r[1]["results"]["weights_gib"],
+        0.52,
+        "ratio",
+        higher_is_better=False,
+    ),
+    *(
+        Row(
+            f"perplexity increase, {mode}, default model (H200)",
+            ("quality-smollm2-135m-instruct-cuda-{date}.json",),
+            lambda r, mode=mode: r[0]["results"][mode]["ppl_delta_pct"],
+            bound,
+            "%",
+            higher_is_better=False,
+        )
+        for mode, bound in (("int8", 1.0), ("fp8", 2.0), ("int4", 10.0))
+    ),
+    Row(
+        "fp8 weights / bf16 offline throughput, 8B shape (H200)",
         ("throughput-llama-3.1-8b-fp8-cuda-{date}.json", "throughput-llama-3.1-8b-cuda-{date}.json"),
-        lambda r: _tput(r[:1]) / _tput(r[1:]), 1.3, "x"),
-    Row("fp8 KV / bf16 KV offline throughput, Qwen3-0.6B shape (H200)",
+        lambda r: _tput(r[:1]) / _tput(r[1:]),
+        1.3,
+        "x",
+    ),
+    Row(
+        "fp8 KV / bf16 KV offline throughput, Qwen3-0.6B shape (H200)",
         ("throughput-qwen3-0.6b-fp8kv-cuda-{date}.json", "throughput-qwen3-0.6b-cuda-{date}.json"),
-        lambda r: _tput(r[:1]) / _tput(r[1:]), 1.3, "x"),
+        lambda r: _tput(r[:1]) / _tput(r[1:]),
+        1.3,
+        "x",
+    ),
 ]
 
 
@@ -102,13 +175,17 @@ def write_chart(path: str, rows: list[dict[str, Any]], title: str) -> None:
 
     measured = [r for r in rows if r["value"] is not None]
     # clipped at 2 so one large ratio does not flatten the rest; the label keeps the real value
-    scores = [min(2.0, r["value"] / r["target"] if r["higher_is_better"] else r["target"] / r["value"])
-              for r in measured]
+    scores = [
+        min(2.0, r["value"] / r["target"] if r["higher_is_better"] else r["target"] / r["value"]) for r in measured
+    ]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(measured) + 1.2))
-    bars = ax.barh([r["what"] for r in measured], scores,
-                   color=["#3a8a4a" if s >= 1 else "#d9541e" for s in scores])
-    ax.bar_label(bars, labels=[f"{_fmt(r['value'])} {r['unit']} (target {_fmt(r['target'])})" for r in measured],
-                 fontsize=7, padding=3)
+    bars = ax.barh([r["what"] for r in measured], scores, color=["#3a8a4a" if s >= 1 else "#d9541e" for s in scores])
+    ax.bar_label(
+        bars,
+        labels=[f"{_fmt(r['value'])} {r['unit']} (target {_fmt(r['target'])})" for r in measured],
+        fontsize=7,
+        padding=3,
+    )
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("measured / target (>= 1 meets it; clipped at 2)")
@@ -129,16 +206,27 @@ def main() -> None:
     for row in ROWS:
         results = load(row, args.date)
         value = None if results is None else row.value(results)
-        rows.append({"what": row.what, "value": value, "target": row.target, "unit": row.unit,
-                     "higher_is_better": row.higher_is_better,
-                     "files": [f.format(date=args.date) for f in row.files]})
+        rows.append(
+            {
+                "what": row.what,
+                "value": value,
+                "target": row.target,
+                "unit": row.unit,
+                "higher_is_better": row.higher_is_better,
+                "files": [f.format(date=args.date) for f in row.files],
+            }
+        )
         shown = "not measured" if value is None else f"{_fmt(value)} {row.unit}"
-        met = "" if value is None else (" (met)" if (value >= row.target) == row.higher_is_better
-                                        or value == row.target else " (missed)")
+        met = (
+            ""
+            if value is None
+            else (" (met)" if (value >= row.target) == row.higher_is_better or value == row.target else " (missed)")
+        )
         print(f"| {row.what} | {'>=' if row.higher_is_better else '<='} {_fmt(row.target)} {row.unit} | {shown}{met} |")
     out = args.out or os.path.join(RESULTS_DIR, f"summary-{args.date}.json")
-    write_json(out, {"benchmark": "summary", "date": args.date, "command": sys.argv, "config": vars(args),
-                     "results": rows})
+    write_json(
+        out, {"benchmark": "summary", "date": args.date, "command": sys.argv, "config": vars(args), "results": rows}
+    )
     write_chart(os.path.splitext(out)[0] + ".png", rows, f"Ember against its targets, results of {args.date}")
     print("wrote", out)
 

@@ -60,8 +60,9 @@ class Workload:
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    return Workload(*nano_vllm_requests(args.num_seqs, args.min_input, args.max_input, args.min_output,
-                                        args.max_output, vocab_size))
+    return Workload(
+        *nano_vllm_requests(args.num_seqs, args.min_input, args.max_input, args.min_output, args.max_output, vocab_size)
+    )
 
 
 def warmup_prompt(vocab_size: int) -> list[int]:
@@ -112,12 +113,21 @@ def _generate(llm: LLM, workload: Workload) -> int:
 def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any], dict[str, Any], Workload]:
     """Returns Ember's result, the engine settings it resolved (which the HF peer then copies), and the workload."""
     with Timer() as load:
-        llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                  max_model_len=args.max_model_len, max_num_seqs=concurrency,
-                  max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                  enforce_eager=args.enforce_eager, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype, engine_process=args.engine_process,
-                  async_scheduling=args.async_scheduling)
+        llm = LLM(
+            model=args.model,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_num_seqs=concurrency,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory=args.kv_cache_memory,
+            enforce_eager=args.enforce_eager,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            engine_process=args.engine_process,
+            async_scheduling=args.async_scheduling,
+        )
     engine = llm.llm_engine
     ready = engine.ready
     vocab = ready.vocab_size
@@ -138,20 +148,26 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
         "cuda_graphs": ready.cuda_graphs,
     }
     with Timer() as warmup:
-        llm.generate([{"prompt_token_ids": warmup_prompt(vocab)}],
-                     SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=WARMUP_TOKENS),
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": warmup_prompt(vocab)}],
+            SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=WARMUP_TOKENS),
+            use_tqdm=False,
+        )
 
-    print(f"{len(workload.prompts)} requests: {workload.prompt_tokens} prompt tokens, "
-          f"{workload.output_tokens} output tokens")
+    print(
+        f"{len(workload.prompts)} requests: {workload.prompt_tokens} prompt tokens, "
+        f"{workload.output_tokens} output tokens"
+    )
     before = engine.scheduler_stats()
     with Timer() as timer:
         generated = _generate(llm, workload)
     after = engine.scheduler_stats()  # the core's counters, read through its stats message
     gpu = {"steps": after.num_steps - before.num_steps}
     if ready.device.startswith("cuda"):
-        gpu.update(gpu_idle_between_steps_s=round(after.gpu_idle_s - before.gpu_idle_s, 3),
-                   gpu_busy_in_steps_s=round(after.gpu_busy_s - before.gpu_busy_s, 3))
+        gpu.update(
+            gpu_idle_between_steps_s=round(after.gpu_idle_s - before.gpu_idle_s, 3),
+            gpu_busy_in_steps_s=round(after.gpu_busy_s - before.gpu_busy_s, 3),
+        )
     ember = result(workload, generated, timer, load_s=round(load.wall, 2), warmup_s=round(warmup.wall, 2), **gpu)
     print(f"ember: {ember['output_tok_per_s']:.1f} output tok/s {gpu}")
     if args.hf and args.hf_num_seqs and args.hf_num_seqs < len(workload.prompts):
@@ -174,9 +190,14 @@ def full_batch_profile(llm: LLM, batch: int, steps: int) -> dict[str, Any]:
     request is past its prefill (128-token prompts); the requests are then aborted."""
     engine = llm.llm_engine
     vocab = engine.ready.vocab_size
-    ids = [engine.add_request(None, {"prompt_token_ids": [(7 * r + i) % vocab for i in range(PROFILE_PROMPT_LEN)]},
-                              SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=4 * steps + 64))
-           for r in range(batch)]
+    ids = [
+        engine.add_request(
+            None,
+            {"prompt_token_ids": [(7 * r + i) % vocab for i in range(PROFILE_PROMPT_LEN)]},
+            SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=4 * steps + 64),
+        )
+        for r in range(batch)
+    ]
     prefill_steps = -(-batch * PROFILE_PROMPT_LEN // engine.ready.max_num_batched_tokens)
     for _ in range(prefill_steps + 2):  # + 2: the last prefill's step and one in flight under async scheduling
         engine.step()
@@ -204,8 +225,9 @@ def load_hf_model(path: str, load_format: str, dtype: torch.dtype, device: str) 
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
-                                                     **kwargs).to(device)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **kwargs).to(
+            device
+        )
     return model.eval()
 
 
@@ -225,15 +247,18 @@ def run_hf_cb(model: Any, workload: Workload, resolved: dict[str, Any]) -> tuple
     """
     from transformers import ContinuousBatchingConfig
 
-    cb_config = ContinuousBatchingConfig(max_requests_per_batch=resolved["max_num_seqs"],
-                                         max_batch_tokens=resolved["max_num_batched_tokens"], seed=0)
+    cb_config = ContinuousBatchingConfig(
+        max_requests_per_batch=resolved["max_num_seqs"], max_batch_tokens=resolved["max_num_batched_tokens"], seed=0
+    )
     page = getattr(cb_config, "page_size", None) or getattr(cb_config, "block_size", None) or 256  # by version
     # Ember's capacity, or what the workload can ever hold if smaller (HF adds its own overheads on top).
-    cb_config.num_blocks = math.ceil(min(resolved["kv_cache_tokens"],
-                                         workload.prompt_tokens + workload.output_tokens + 4096) / page)
+    cb_config.num_blocks = math.ceil(
+        min(resolved["kv_cache_tokens"], workload.prompt_tokens + workload.output_tokens + 4096) / page
+    )
     gen_config = sampling_config(eos_token_id=-1, max_new_tokens=max(workload.max_tokens))
-    with model.continuous_batching_context_manager(generation_config=gen_config,
-                                                   continuous_batching_config=cb_config, block=True) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=gen_config, continuous_batching_config=cb_config, block=True
+    ) as manager:
         _hf_cb_generate(manager, Workload([warmup_prompt(resolved["vocab_size"])], [WARMUP_TOKENS]), "warmup")
         with Timer() as timer:
             generated = _hf_cb_generate(manager, workload, "req")
@@ -241,8 +266,10 @@ def run_hf_cb(model: Any, workload: Workload, resolved: dict[str, Any]) -> tuple
 
 
 def _hf_cb_generate(manager: Any, workload: Workload, tag: str) -> int:
-    ids = [manager.add_request(p, request_id=f"{tag}{i}", max_new_tokens=n, eos_token_id=-1)
-           for i, (p, n) in enumerate(zip(workload.prompts, workload.max_tokens))]
+    ids = [
+        manager.add_request(p, request_id=f"{tag}{i}", max_new_tokens=n, eos_token_id=-1)
+        for i, (p, n) in enumerate(zip(workload.prompts, workload.max_tokens))
+    ]
     generated = 0
     pending = set(ids)
     while pending:
@@ -264,6 +291,7 @@ def run_hf_generate(model: Any, workload: Workload, batch_size: int, vocab_size:
 
     `min_new_tokens` equal to `max_new_tokens` pins every row's length, as ignore_eos does in Ember.
     """
+
     def generate(prompts: list[list[int]], new_tokens: int) -> int:
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
@@ -277,7 +305,7 @@ def run_hf_generate(model: Any, workload: Workload, batch_size: int, vocab_size:
     generated = 0
     with Timer() as timer:
         for i in range(0, len(workload.prompts), batch_size):
-            generated += generate(workload.prompts[i:i + batch_size], max(workload.max_tokens[i:i + batch_size]))
+            generated += generate(workload.prompts[i : i + batch_size], max(workload.max_tokens[i : i + batch_size]))
     return generated, timer
 
 
@@ -285,8 +313,9 @@ def run_hf(args: argparse.Namespace, workload: Workload, resolved: dict[str, Any
     import transformers
 
     with Timer() as load:
-        model = load_hf_model(resolved["model_path"], args.load_format, getattr(torch, resolved["dtype"]),
-                              resolved["device"])
+        model = load_hf_model(
+            resolved["model_path"], args.load_format, getattr(torch, resolved["dtype"]), resolved["device"]
+        )
     mode = args.hf_mode
     if mode == "auto":  # continuous batching arrived in transformers 4.56
         mode = "cb" if hasattr(model, "continuous_batching_context_manager") else "generate"
@@ -295,14 +324,21 @@ def run_hf(args: argparse.Namespace, workload: Workload, resolved: dict[str, Any
     if mode == "cb":
         try:
             generated, timer = run_hf_cb(model, workload, resolved)
-        except Exception as e:  # transformers' CB API changes between releases: fall back to static batches
+        except Exception as e:  # noqa: BLE001 - transformers' CB API changes between releases: fall back to static batches
             cb_error, mode = f"{type(e).__name__}: {e}", "generate"
             print(f"transformers continuous batching failed ({cb_error}); running static batches instead")
             model.set_attn_implementation("sdpa")
     if mode == "generate":
         generated, timer = run_hf_generate(model, workload, resolved["max_num_seqs"], resolved["vocab_size"])
-    return result(workload, generated, timer, mode=mode, transformers=transformers.__version__,
-                  load_s=round(load.wall, 2), cb_error=cb_error)
+    return result(
+        workload,
+        generated,
+        timer,
+        mode=mode,
+        transformers=transformers.__version__,
+        load_s=round(load.wall, 2),
+        cb_error=cb_error,
+    )
 
 
 # ---- reporting ------------------------------------------------------------------------------------
@@ -318,15 +354,19 @@ def model_short_name(model: str | None) -> str:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    header = f"{'':<14}{'requests':>9}{'prompt tok':>12}{'output tok':>12}{'elapsed s':>11}{'out tok/s':>11}" \
-             f"{'total tok/s':>13}"
+    header = (
+        f"{'':<14}{'requests':>9}{'prompt tok':>12}{'output tok':>12}{'elapsed s':>11}{'out tok/s':>11}"
+        f"{'total tok/s':>13}"
+    )
     print(header)
     for name in ("ember", "hf"):
         r = results[name]
         if r is not None:
             label = name if name == "ember" else f"hf ({r['mode']})"
-            print(f"{label:<14}{r['requests']:>9}{r['prompt_tokens']:>12}{r['output_tokens']:>12}"
-                  f"{r['elapsed_s']:>11.2f}{r['output_tok_per_s']:>11.2f}{r['total_tok_per_s']:>13.2f}")
+            print(
+                f"{label:<14}{r['requests']:>9}{r['prompt_tokens']:>12}{r['output_tokens']:>12}"
+                f"{r['elapsed_s']:>11.2f}{r['output_tok_per_s']:>11.2f}{r['total_tok_per_s']:>13.2f}"
+            )
     if results["ratio"] is not None:
         print(f"{'ember / hf':<14}{'':>44}{results['ratio']:>10.2f}x")
 
@@ -340,11 +380,13 @@ def write_chart(path: str, results: dict[str, Any], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {("ember" if k == "ember" else f"hf ({v['mode']})"): v for k, v in results.items()
-            if k in ("ember", "hf") and v is not None}
+    runs = {
+        ("ember" if k == "ember" else f"hf ({v['mode']})"): v
+        for k, v in results.items()
+        if k in ("ember", "hf") and v is not None
+    }
     fig, ax = plt.subplots(figsize=(6, 4))
-    bars = ax.bar(list(runs), [r["output_tok_per_s"] for r in runs.values()],
-                  color=["#d9541e", "#4a7ab5"][:len(runs)])
+    bars = ax.bar(list(runs), [r["output_tok_per_s"] for r in runs.values()], color=["#d9541e", "#4a7ab5"][: len(runs)])
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel("output tokens / s")
     ax.set_title(title, fontsize=9)
@@ -356,8 +398,9 @@ def write_chart(path: str, results: dict[str, Any], title: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help=f"HF directory, config.json, .gguf file (default: {DEFAULT_MODEL})")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="'dummy': random weights from config.json alone")
+    p.add_argument(
+        "--load-format", default="auto", choices=LOAD_FORMATS, help="'dummy': random weights from config.json alone"
+    )
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input", type=int, default=100)
     p.add_argument("--max-input", type=int, default=1024)
@@ -372,20 +415,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the engine core in its own process (default: LLM's default)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="default: the engine's (on with one CUDA GPU)")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="cap on concurrently running requests (overrides --max-num-seqs; HF's batch size too)")
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine core in its own process (default: LLM's default)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: the engine's (on with one CUDA GPU)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="cap on concurrently running requests (overrides --max-num-seqs; HF's batch size too)",
+    )
     p.add_argument("--hf", action="store_true", help="also run HF transformers on the same requests")
     p.add_argument("--hf-num-seqs", type=int, default=None, help="run HF on the first N requests only (default: all)")
-    p.add_argument("--hf-mode", choices=("auto", "cb", "generate"), default="auto",
-                   help="cb: transformers' continuous batching; generate: static batches (auto: cb if available)")
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="profile this many decode steps of a full batch by kernel (in-process engine)")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/throughput-<model>-<device>-"
-                                               "<date>.json); a PNG chart goes next to it if matplotlib is installed")
+    p.add_argument(
+        "--hf-mode",
+        choices=("auto", "cb", "generate"),
+        default="auto",
+        help="cb: transformers' continuous batching; generate: static batches (auto: cb if available)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="profile this many decode steps of a full batch by kernel (in-process engine)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/throughput-<model>-<device>-"
+        "<date>.json); a PNG chart goes next to it if matplotlib is installed",
+    )
     args = p.parse_args(argv)
     if not 1 <= args.min_input <= args.max_input or not 1 <= args.min_output <= args.max_output:
         p.error("need 1 <= --min-input <= --max-input and 1 <= --min-output <= --max-output")
@@ -407,17 +474,33 @@ def main(argv: list[str] | None = None) -> None:
     ember, resolved, workload = run_ember(args, concurrency)
     hf = run_hf(args, workload.head(args.hf_num_seqs or args.num_seqs), resolved) if args.hf else None
     same = ember.get("same_requests_as_hf", ember)
-    results = {"ember": ember, "hf": hf,
-               "ratio": round(same["output_tok_per_s"] / hf["output_tok_per_s"], 3) if hf else None}
+    results = {
+        "ember": ember,
+        "hf": hf,
+        "ratio": round(same["output_tok_per_s"] / hf["output_tok_per_s"], 3) if hf else None,
+    }
     print_table(results)
 
-    out = args.out or os.path.join(RESULTS_DIR, f"throughput-{model_short_name(args.model)}-"
-                                                f"{resolved['device'].split(':')[0]}-{today()}.json")
-    write_json(out, {"benchmark": "throughput", "date": today(), "machine": machine, "command": sys.argv,
-                     "config": {**vars(args), "resolved": resolved}, "results": results})
-    write_chart(os.path.splitext(out)[0] + ".png", results,
-                f"{model_short_name(args.model)}, {resolved['device']}, {len(workload.prompts)} requests, "
-                f"concurrency {concurrency}")
+    out = args.out or os.path.join(
+        RESULTS_DIR, f"throughput-{model_short_name(args.model)}-{resolved['device'].split(':')[0]}-{today()}.json"
+    )
+    write_json(
+        out,
+        {
+            "benchmark": "throughput",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": {**vars(args), "resolved": resolved},
+            "results": results,
+        },
+    )
+    write_chart(
+        os.path.splitext(out)[0] + ".png",
+        results,
+        f"{model_short_name(args.model)}, {resolved['device']}, {len(workload.prompts)} requests, "
+        f"concurrency {concurrency}",
+    )
     print(f"wrote {out}")
 
 

@@ -48,9 +48,15 @@ def decode_row(batch: int, context: int, dev: torch.device) -> dict:
     q = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
     out = torch.empty_like(q)
-    us = {name: bench_us(lambda kw=kw: paged_decode_attention(q, k, v, tables, lens, HEAD_DIM ** -0.5, out=out,
-                                                               max_seq_len=context, **kw), graph=True)
-          for name, kw in VARIANTS.items()}
+    us = {
+        name: bench_us(
+            lambda kw=kw: paged_decode_attention(
+                q, k, v, tables, lens, HEAD_DIM**-0.5, out=out, max_seq_len=context, **kw
+            ),
+            graph=True,
+        )
+        for name, kw in VARIANTS.items()
+    }
     return {"kernel": "decode", "batch": batch, "context": context, "us": {n: round(t, 1) for n, t in us.items()}}
 
 
@@ -59,9 +65,13 @@ def prefill_row(batch: int, context: int, dev: torch.device) -> dict:
     q = torch.randn(batch * context, KV_HEADS * GROUP, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
     starts = torch.arange(batch + 1, device=dev, dtype=torch.int32) * context
-    us = {name: bench_us(lambda kw=kw: paged_prefill_attention(q, k, v, tables, lens, starts, context,
-                                                                HEAD_DIM ** -0.5, **kw), graph=False)
-          for name, kw in VARIANTS.items()}
+    us = {
+        name: bench_us(
+            lambda kw=kw: paged_prefill_attention(q, k, v, tables, lens, starts, context, HEAD_DIM**-0.5, **kw),
+            graph=False,
+        )
+        for name, kw in VARIANTS.items()
+    }
     return {"kernel": "prefill", "batch": batch, "context": context, "us": {n: round(t, 1) for n, t in us.items()}}
 
 
@@ -79,11 +89,27 @@ def main() -> None:
     rows += [prefill_row(args.prefill_batch, c, dev) for c in args.contexts]
     print(f"{'kernel':>8} {'batch':>5} {'context':>7} " + " ".join(f"{n:>10}" for n in VARIANTS) + "   (us)")
     for r in rows:
-        print(f"{r['kernel']:>8} {r['batch']:>5} {r['context']:>7} " + " ".join(f"{t:>10.1f}" for t in r["us"].values()))
-    write_json(args.out, {"benchmark": "window_attention", "date": today(), "machine": machine,
-                          "command": sys.argv, "config": {**vars(args), "block_size": BLOCK_SIZE, "kv_heads": KV_HEADS,
-                                                          "group": GROUP, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
-                          "results": rows})
+        print(
+            f"{r['kernel']:>8} {r['batch']:>5} {r['context']:>7} " + " ".join(f"{t:>10.1f}" for t in r["us"].values())
+        )
+    write_json(
+        args.out,
+        {
+            "benchmark": "window_attention",
+            "date": today(),
+            "machine": machine,
+            "command": sys.argv,
+            "config": {
+                **vars(args),
+                "block_size": BLOCK_SIZE,
+                "kv_heads": KV_HEADS,
+                "group": GROUP,
+                "head_dim": HEAD_DIM,
+                "dtype": "bfloat16",
+            },
+            "results": rows,
+        },
+    )
     print("wrote", args.out)
 
 

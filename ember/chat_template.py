@@ -25,8 +25,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -76,8 +77,15 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                bos_token: str | None, eos_token: str | None, variables: dict[str, Any] | None = None) -> str:
+def render_chat(
+    template: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    bos_token: str | None,
+    eos_token: str | None,
+    variables: dict[str, Any] | None = None,
+) -> str:
     """The conversation as the template writes it; `variables` (tools, a request's chat_template_kwargs)
     reach the template beside the standard ones. Any failure is a ValueError: the template is untrusted
     code running over the request's values, so whatever it raises (a TemplateError, or a TypeError from

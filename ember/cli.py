@@ -30,8 +30,11 @@ def _add_sampling_args(p: argparse.ArgumentParser, default_max_tokens: int) -> N
 
 def _sampling_params(engine: LLMEngine, ns: argparse.Namespace) -> SamplingParams:
     defaults = engine.default_sampling_params()
-    overrides = {k: getattr(ns, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                 if getattr(ns, k) is not None}
+    overrides = {
+        k: getattr(ns, k)
+        for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        if getattr(ns, k) is not None
+    }
     fields = {k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     # --seed seeds the engine and each request, so a command line reproduces its output.
     return SamplingParams(**{**fields, **overrides}, max_tokens=ns.max_tokens, seed=ns.seed)

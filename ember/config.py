@@ -89,6 +89,7 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
     partial_rotary_factor: float = 1.0  # the share of each head that is rotated (Phi-4-mini: 0.75)
     moe: MoeConfig | None = None  # mixture-of-experts models (Qwen3-MoE, Mixtral)
 
@@ -188,13 +189,15 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
         num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
         inter, renormalize = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
         step, only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
-        dense = tuple(i for i in range(cfg["num_hidden_layers"])
-                      if i in only or num_experts == 0 or (i + 1) % step)  # transformers' rule
+        dense = tuple(
+            i for i in range(cfg["num_hidden_layers"]) if i in only or num_experts == 0 or (i + 1) % step
+        )  # transformers' rule
     top_k = cfg["num_experts_per_tok"]
     if num_experts and not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
-    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter, renormalize=renormalize,
-                     dense_layers=dense)
+    return MoeConfig(
+        num_experts=num_experts, top_k=top_k, intermediate_size=inter, renormalize=renormalize, dense_layers=dense
+    )
 
 
 def _gpt_oss_moe(cfg: dict[str, Any]) -> MoeConfig:
@@ -203,9 +206,14 @@ def _gpt_oss_moe(cfg: dict[str, Any]) -> MoeConfig:
     num_experts, top_k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
-    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=cfg["intermediate_size"],
-                     renormalize=True, bias=True,
-                     swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))))
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=cfg["intermediate_size"],
+        renormalize=True,
+        bias=True,
+        swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))),
+    )
 
 
 def _resolve_yarn(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -226,9 +234,15 @@ def _resolve_yarn(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[s
     if attention_factor is None:
         m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
         attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(original),
-            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
-            "truncate": bool(scaling.get("truncate", True)), "attention_factor": float(attention_factor)}
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(scaling.get("beta_fast") or 32),
+        "beta_slow": float(scaling.get("beta_slow") or 1),
+        "truncate": bool(scaling.get("truncate", True)),
+        "attention_factor": float(attention_factor),
+    }
 
 
 def _rope_type(scaling: dict[str, Any] | None) -> str:
@@ -238,8 +252,11 @@ def _rope_type(scaling: dict[str, Any] | None) -> str:
 def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
     """Top level in config.json (Phi-4-mini), inside `rope_parameters` in transformers >= 5's."""
     params = cfg.get("rope_parameters")
-    return float(cfg.get("partial_rotary_factor") or (params if isinstance(params, dict) else {}).get(
-        "partial_rotary_factor") or 1.0)
+    return float(
+        cfg.get("partial_rotary_factor")
+        or (params if isinstance(params, dict) else {}).get("partial_rotary_factor")
+        or 1.0
+    )
 
 
 def _resolve_longrope(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -259,26 +276,52 @@ def _resolve_longrope(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> di
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
-    return {"rope_type": "longrope", "short_factor": list(scaling["short_factor"]),
-            "long_factor": list(scaling["long_factor"]), "original_max_position_embeddings": original,
-            "factor": float(factor), "attention_factor": float(attention_factor)}
+    return {
+        "rope_type": "longrope",
+        "short_factor": list(scaling["short_factor"]),
+        "long_factor": list(scaling["long_factor"]),
+        "original_max_position_embeddings": original,
+        "factor": float(factor),
+        "attention_factor": float(attention_factor),
+    }
 
 
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # transformers' config defaults for keys that Gemma configs on the Hub leave out (Gemma 3's
 # multimodal configs give little more than the sizes under `text_config`)
 _GEMMA3_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-    "sliding_window_pattern": 6, "final_logit_softcapping": None,
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
 }
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
     "Gemma2ForCausalLM": {
-        "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-        "sliding_window_pattern": 2, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+        "vocab_size": 256_000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 2,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
     },
     **dict.fromkeys(_GEMMA3, _GEMMA3_DEFAULTS),
 }
@@ -296,8 +339,10 @@ def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[str, ...] | None:
     if cfg.get("layer_types"):
         return tuple(cfg["layer_types"])
     period = cfg.get("sliding_window_pattern") if arch in _GEMMA_DEFAULTS else 2 if arch == _GPT_OSS else None
-    return tuple("sliding_attention" if period is None or (i + 1) % period else "full_attention"
-                 for i in range(cfg["num_hidden_layers"]))
+    return tuple(
+        "sliding_attention" if period is None or (i + 1) % period else "full_attention"
+        for i in range(cfg["num_hidden_layers"])
+    )
 
 
 def _rope(cfg: dict[str, Any], layer_type: str) -> tuple[float | None, dict[str, Any] | None]:
@@ -392,8 +437,11 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if not (self.blocked_words is None or isinstance(self.blocked_words, str) or (
-                isinstance(self.blocked_words, list) and all(isinstance(w, str) for w in self.blocked_words))):
+        if not (
+            self.blocked_words is None
+            or isinstance(self.blocked_words, str)
+            or (isinstance(self.blocked_words, list) and all(isinstance(w, str) for w in self.blocked_words))
+        ):
             raise ValueError(f"blocked_words must be a file path or a list of phrases, got {self.blocked_words!r}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}")
@@ -428,11 +476,20 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
-                       help=f"HF model directory, .gguf file, or '{DEFAULT_MODEL}' (default)")
+        g.add_argument(
+            "--model",
+            dest="model_flag",
+            metavar="MODEL",
+            default=None,
+            help=f"HF model directory, .gguf file, or '{DEFAULT_MODEL}' (default)",
+        )
         g.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the model's)")
-        g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                       help="'dummy' makes random weights from config.json alone")
+        g.add_argument(
+            "--load-format",
+            default="auto",
+            choices=LOAD_FORMATS,
+            help="'dummy' makes random weights from config.json alone",
+        )
         g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
         g.add_argument("--device", default="auto", help="auto, cpu or cuda")
         g.add_argument("--seed", type=int, default=0)
@@ -445,24 +502,48 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--chat-template", default=None, help="a Jinja2 chat template file or string")
-        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
-                       help="weight quantization applied at load (default: a GGUF file keeps its own, 'gguf', an "
-                            "HF checkpoint its config.json's quantization_config; others load unquantized). 'fp8' "
-                            "is W8A8 with 128x128 weight blocks and 1x128 activation groups; 'ptpc_fp8' one scale "
-                            "per weight row and per token")
-        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                       help="'fp8' stores keys and values as float8 e4m3: twice the KV capacity")
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split the model over N processes (GPUs 0..N-1, or CPU cores); under torchrun, N is "
-                            "its world size")
-        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                       help="prepare the next step on the host while the GPU runs this one (default: on with "
-                            "one CUDA GPU)")
-        g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                       help="run the engine core in its own process (default: on for serve, see the README)")
-        g.add_argument("--blocked-words", metavar="FILE", default=None,
-                       help="phrases (one a line, case-insensitive, Unicode-normalised) that end a completion before "
-                            "they appear, with finish_reason 'content_filter'")
+        g.add_argument(
+            "--quantization",
+            "-q",
+            default=None,
+            choices=QUANTIZATIONS,
+            help="weight quantization applied at load (default: a GGUF file keeps its own, 'gguf', an "
+            "HF checkpoint its config.json's quantization_config; others load unquantized). 'fp8' "
+            "is W8A8 with 128x128 weight blocks and 1x128 activation groups; 'ptpc_fp8' one scale "
+            "per weight row and per token",
+        )
+        g.add_argument(
+            "--kv-cache-dtype",
+            default="auto",
+            choices=KV_CACHE_DTYPES,
+            help="'fp8' stores keys and values as float8 e4m3: twice the KV capacity",
+        )
+        g.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=1,
+            help="split the model over N processes (GPUs 0..N-1, or CPU cores); under torchrun, N is its world size",
+        )
+        g.add_argument(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="prepare the next step on the host while the GPU runs this one (default: on with one CUDA GPU)",
+        )
+        g.add_argument(
+            "--engine-process",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="run the engine core in its own process (default: on for serve, see the README)",
+        )
+        g.add_argument(
+            "--blocked-words",
+            metavar="FILE",
+            default=None,
+            help="phrases (one a line, case-insensitive, Unicode-normalised) that end a completion before "
+            "they appear, with finish_reason 'content_filter'",
+        )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

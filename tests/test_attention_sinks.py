@@ -31,8 +31,16 @@ GROUP, HEAD_DIM, BLOCK = 2, 32, 8
 NUM_HEADS = NUM_KV_HEADS * GROUP
 
 
-def sink_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
-             scale: float, window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+def sink_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
     """float64: the last q.shape[0] positions of one sequence, exp(sink) added to each denominator."""
     pos = torch.arange(seq_len)
     blocks, offsets = table.cpu().long()[pos // BLOCK], pos % BLOCK
@@ -69,10 +77,19 @@ def test_decode_with_sinks(window, num_splits, fn):
     q = randn(len(DECODE_LENS), NUM_HEADS, HEAD_DIM, gen=gen)
     sinks = _sinks(gen)
     attend = paged_decode_attention if fn == "kernel" else paged_decode_attention_ref
-    out = attend(q, k_cache, v_cache, tables, as_int32(DECODE_LENS), HEAD_DIM ** -0.5, num_splits=num_splits,
-                 sliding_window=window, sinks=sinks)
+    out = attend(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        as_int32(DECODE_LENS),
+        HEAD_DIM**-0.5,
+        num_splits=num_splits,
+        sliding_window=window,
+        sinks=sinks,
+    )
     for b, n in enumerate(DECODE_LENS):
-        _check(out[b:b + 1], sink_ref(q[b:b + 1], k_cache, v_cache, tables[b], n, HEAD_DIM ** -0.5, window, sinks))
+        _check(out[b : b + 1], sink_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window, sinks))
 
 
 # (cached context, new tokens), as in tests/test_sliding_window_kernels.py, with a sequence of no queries
@@ -91,11 +108,21 @@ def test_prefill_with_sinks(window, fn):
     q = randn(starts[-1], NUM_HEADS, HEAD_DIM, gen=gen)
     sinks = _sinks(gen)
     attend = paged_prefill_attention if fn == "kernel" else paged_prefill_attention_ref
-    out = attend(q, k_cache, v_cache, tables, as_int32(seq_lens), as_int32(starts),
-                 max(n for _, n in PREFILL_CHUNKS), HEAD_DIM ** -0.5, sliding_window=window, sinks=sinks)
+    out = attend(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        as_int32(seq_lens),
+        as_int32(starts),
+        max(n for _, n in PREFILL_CHUNKS),
+        HEAD_DIM**-0.5,
+        sliding_window=window,
+        sinks=sinks,
+    )
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
-        _check(out[rows], sink_ref(q[rows], k_cache, v_cache, tables[b], n, HEAD_DIM ** -0.5, window, sinks))
+        _check(out[rows], sink_ref(q[rows], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window, sinks))
 
 
 @pytest.mark.parametrize("window", [None, 13])
@@ -114,14 +141,21 @@ def test_engine_attention_with_sinks(window, path, monkeypatch):
         starts.append(starts[-1] + n)
     q = randn(starts[-1], NUM_HEADS, HEAD_DIM, gen=gen)
     sinks = _sinks(gen)
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), block_tables=tables,
-                             seq_lens=as_int32(seq_lens), query_start_loc=as_int32(starts), num_decodes=2,
-                             max_query_len=19, max_seq_len=max(seq_lens), seq_lens_host=seq_lens,
-                             query_start_host=starts)
-    out = paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, sliding_window=window, sinks=sinks)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64),
+        block_tables=tables,
+        seq_lens=as_int32(seq_lens),
+        query_start_loc=as_int32(starts),
+        num_decodes=2,
+        max_query_len=19,
+        max_seq_len=max(seq_lens),
+        seq_lens_host=seq_lens,
+        query_start_host=starts,
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, HEAD_DIM**-0.5, sliding_window=window, sinks=sinks)
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
-        _check(out[rows], sink_ref(q[rows], k_cache, v_cache, tables[b], n, HEAD_DIM ** -0.5, window, sinks))
+        _check(out[rows], sink_ref(q[rows], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window, sinks))
 
 
 def test_bad_sinks_are_a_clear_error():
@@ -129,8 +163,9 @@ def test_bad_sinks_are_a_clear_error():
     k_cache, v_cache, tables = paged_kv([5], BLOCK, HEAD_DIM, torch.float32, gen)
     q = randn(1, NUM_HEADS, HEAD_DIM, gen=gen)
     with pytest.raises(ValueError, match="sinks must be a contiguous float32 tensor"):
-        paged_decode_attention(q, k_cache, v_cache, tables, as_int32([5]), 1.0,
-                               sinks=torch.zeros(NUM_HEADS + 1, device=DEVICE))
+        paged_decode_attention(
+            q, k_cache, v_cache, tables, as_int32([5]), 1.0, sinks=torch.zeros(NUM_HEADS + 1, device=DEVICE)
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (gpu_suite.sh's kernels stage)")
@@ -147,8 +182,18 @@ def test_sinks_replay_in_a_cuda_graph():
 
     def step() -> None:
         for (window, sinks), out in zip(layers, outs):
-            paged_decode_attention(q, k_cache, v_cache, tables, lens, HEAD_DIM ** -0.5, out=out, max_seq_len=256,
-                                   sliding_window=window, sinks=sinks)
+            paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                lens,
+                HEAD_DIM**-0.5,
+                out=out,
+                max_seq_len=256,
+                sliding_window=window,
+                sinks=sinks,
+            )
 
     step()  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -162,5 +207,6 @@ def test_sinks_replay_in_a_cuda_graph():
     torch.cuda.synchronize()
     for (window, sinks), out in zip(layers, outs):
         for b, n in enumerate(new_lens):
-            _check(out[b:b + 1], sink_ref(q[b:b + 1], k_cache, v_cache, tables[b], n, HEAD_DIM ** -0.5, window,
-                                          sinks))
+            _check(
+                out[b : b + 1], sink_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window, sinks)
+            )

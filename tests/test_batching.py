@@ -51,8 +51,9 @@ def test_batch_equals_alone(llama_dir, prompts, greedy, alone, async_scheduling)
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_chunked_prefill_equals_alone(llama_dir, prompts, greedy, alone, async_scheduling):
     # A 40-token budget splits every long prompt over several steps, mixed with other decodes.
-    got, llm = _run(llama_dir, prompts, greedy, kv_cache_memory=0.05, max_num_batched_tokens=40,
-                    async_scheduling=async_scheduling)
+    got, llm = _run(
+        llama_dir, prompts, greedy, kv_cache_memory=0.05, max_num_batched_tokens=40, async_scheduling=async_scheduling
+    )
     assert got == alone
 
 
@@ -60,8 +61,16 @@ def test_chunked_prefill_equals_alone(llama_dir, prompts, greedy, alone, async_s
 def test_preemption_equals_alone(llama_dir, prompts, greedy, alone, prefix_caching, async_scheduling):
     # 40 blocks of 16 tokens hold ~3 sequences at once: the scheduler must preempt and recompute.
     bm_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head_dim, fp32
-    got, llm = _run(llama_dir, prompts, greedy, kv_cache_memory=40 * bm_bytes / 2**30, block_size=16,
-                    max_model_len=256, enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling)
+    got, llm = _run(
+        llama_dir,
+        prompts,
+        greedy,
+        kv_cache_memory=40 * bm_bytes / 2**30,
+        block_size=16,
+        max_model_len=256,
+        enable_prefix_caching=prefix_caching,
+        async_scheduling=async_scheduling,
+    )
     engine = llm.llm_engine
     assert engine.ready.num_blocks == 40
     stats = engine.scheduler_stats()
@@ -72,7 +81,8 @@ def test_preemption_equals_alone(llama_dir, prompts, greedy, alone, prefix_cachi
 
 def test_kernel_warm_up_batches_run_through_the_runner(llama_dir):
     """The start-up warm-up (CUDA only) feeds these batches to the runner: every prefill tile height next
-    to a decode, over cached context, and the row counts between the decode graphs and the full batch. Here they run on the CPU path: each samples one token per row."""
+    to a decode, over cached context, and the row counts between the decode graphs and the full batch.
+    Here they run on the CPU path: each samples one token per row."""
     from conftest import inproc_core
 
     from ember.runner.warmup import warm_up_batches
@@ -82,7 +92,10 @@ def test_kernel_warm_up_batches_run_through_the_runner(llama_dir):
     batches = warm_up_batches(16, runner.kv_cache.num_blocks, 256, 2048, 512)
     # then fresh prefills of 2^k + 1 tokens in all from 256 on below the step's budget, cut at max_model_len
     assert [b.num_new_tokens for b in batches] == [[1, n] for n in (2, 3, 5, 9, 17, 33, 65, 129)] + [
-        [257], [512, 1], [512, 512, 1]]
+        [257],
+        [512, 1],
+        [512, 512, 1],
+    ]
     alone = warm_up_batches(16, runner.kv_cache.num_blocks, 1, 40, 512)  # one sequence a step, 40 tokens a step
     assert [b.num_new_tokens for b in alone] == [[2], [3], [5], [9], [17], [33]]
     for batch in batches + alone:
@@ -99,8 +112,9 @@ def test_sampling_tensors_are_reused_only_for_the_same_rows_without_per_step_sta
 
     from ember.runner.request_state import RequestState
 
-    runner = inproc_core(LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05,
-                             engine_process=False)).runner
+    runner = inproc_core(
+        LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05, engine_process=False)
+    ).runner
 
     def request(name: str, **params) -> RequestState:
         return RequestState(name, [1, 2, 3], SamplingParams(max_tokens=8, **params), [7])

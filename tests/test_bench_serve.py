@@ -28,13 +28,31 @@ from ember.http_client import COMPLETIONS, carries_output
 
 MAX_MODEL_LEN = 128
 RESULT_KEYS = {
-    "completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
-    "input_throughput", "output_throughput", "total_token_throughput", "max_concurrency_observed",
-    "failures_by_kind", "errors",
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "input_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_concurrency_observed",
+    "failures_by_kind",
+    "errors",
     *(f"{stat}_{metric}_ms" for stat in STATS for metric in ("ttft", "tpot", "itl", "e2el")),
 }
-REQUEST_KEYS = {"success", "error", "start_s", "prompt_tokens", "max_tokens", "output_tokens", "ttft_ms", "tpot_ms",
-                "e2el_ms"}
+REQUEST_KEYS = {
+    "success",
+    "error",
+    "start_s",
+    "prompt_tokens",
+    "max_tokens",
+    "output_tokens",
+    "ttft_ms",
+    "tpot_ms",
+    "e2el_ms",
+}
 
 
 # ---- a real server ------------------------------------------------------------------------------
@@ -45,9 +63,25 @@ def server_url(llama_dir):
     """`ember serve` in a subprocess on a free port; its start-up log line says which."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ember.server.launch", str(llama_dir), "--port", "0", "--device", "cpu",
-         "--kv-cache-memory", "0.05", "--max-model-len", str(MAX_MODEL_LEN)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "ember.server.launch",
+            str(llama_dir),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "0.05",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
@@ -111,8 +145,21 @@ def check_consistent(doc: dict, n: int) -> None:
 
 
 def test_all_at_once_fixed_lengths(server_url, tmp_path):
-    rc, doc = run_bench(tmp_path, "--base-url", server_url, "--num-prompts", "12", "--dataset", "fixed",
-                        "--random-input-len", "16", "--random-output-len", "8", "--label", "inf")
+    rc, doc = run_bench(
+        tmp_path,
+        "--base-url",
+        server_url,
+        "--num-prompts",
+        "12",
+        "--dataset",
+        "fixed",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "8",
+        "--label",
+        "inf",
+    )
     assert rc == 0
     check_consistent(doc, 12)
     r = doc["results"]
@@ -126,9 +173,25 @@ def test_all_at_once_fixed_lengths(server_url, tmp_path):
 
 
 def test_poisson_arrivals_with_concurrency_cap(server_url, tmp_path):
-    rc, doc = run_bench(tmp_path, "--base-url", server_url, "--num-prompts", "12", "--request-rate", "30",
-                        "--max-concurrency", "4", "--random-input-len", "16", "--random-output-len", "8",
-                        "--random-range-ratio", "0.5", "--seed", "3")
+    rc, doc = run_bench(
+        tmp_path,
+        "--base-url",
+        server_url,
+        "--num-prompts",
+        "12",
+        "--request-rate",
+        "30",
+        "--max-concurrency",
+        "4",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "8",
+        "--random-range-ratio",
+        "0.5",
+        "--seed",
+        "3",
+    )
     assert rc == 0
     check_consistent(doc, 12)
     r = doc["results"]
@@ -143,8 +206,21 @@ def test_poisson_arrivals_with_concurrency_cap(server_url, tmp_path):
 
 
 def test_chat_endpoint(server_url, tmp_path):
-    rc, doc = run_bench(tmp_path, "--base-url", server_url, "--endpoint", "/v1/chat/completions",
-                        "--num-prompts", "4", "--dataset", "fixed", "--input-len", "3", "--output-len", "6")
+    rc, doc = run_bench(
+        tmp_path,
+        "--base-url",
+        server_url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--num-prompts",
+        "4",
+        "--dataset",
+        "fixed",
+        "--input-len",
+        "3",
+        "--output-len",
+        "6",
+    )
     assert rc == 0
     check_consistent(doc, 4)
     assert doc["results"]["completed"] == 4, doc["results"]["errors"]
@@ -153,8 +229,19 @@ def test_chat_endpoint(server_url, tmp_path):
 
 
 def test_requests_beyond_the_context_fail_cleanly(server_url, tmp_path):
-    rc, doc = run_bench(tmp_path, "--base-url", server_url, "--num-prompts", "4", "--dataset", "fixed",
-                        "--random-input-len", str(MAX_MODEL_LEN + 10), "--random-output-len", "8")
+    rc, doc = run_bench(
+        tmp_path,
+        "--base-url",
+        server_url,
+        "--num-prompts",
+        "4",
+        "--dataset",
+        "fixed",
+        "--random-input-len",
+        str(MAX_MODEL_LEN + 10),
+        "--random-output-len",
+        "8",
+    )
     assert rc == 1  # nothing succeeded; the report and the file are complete all the same
     check_consistent(doc, 4)
     r = doc["results"]
@@ -168,15 +255,38 @@ def test_requests_beyond_the_context_fail_cleanly(server_url, tmp_path):
 def run_script(script: str, *flags: str) -> subprocess.CompletedProcess:
     """A benchmarks/ client script in its own interpreter, as it is run (it puts the repository on its path)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, f"benchmarks/{script}", "--vocab-size", "512", *flags], cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--vocab-size", "512", *flags],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_serve_sweep_script(server_url, tmp_path):
     out = tmp_path / "sweep.json"
-    r = run_script("serve_sweep.py", "--base-url", server_url, "--dataset", "fixed", "--num-prompts", "6",
-                   "--sweep-prompts", "4", "--input-len", "8", "--output-len", "4", "--fractions", "0.5", "1",
-                   "--disable-tqdm", "--out", str(out))
+    r = run_script(
+        "serve_sweep.py",
+        "--base-url",
+        server_url,
+        "--dataset",
+        "fixed",
+        "--num-prompts",
+        "6",
+        "--sweep-prompts",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--fractions",
+        "0.5",
+        "1",
+        "--disable-tqdm",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert {"benchmark", "date", "machine", "command", "config", "results"} <= set(doc)
@@ -191,8 +301,21 @@ def test_serve_sweep_script(server_url, tmp_path):
 def test_openai_client_script(server_url, tmp_path):
     pytest.importorskip("openai")
     out = tmp_path / "openai.json"
-    r = run_script("openai_client.py", "--base-url", server_url, "--dataset", "fixed", "--num-prompts", "5",
-                   "--input-len", "8", "--output-len", "6", "--out", str(out))
+    r = run_script(
+        "openai_client.py",
+        "--base-url",
+        server_url,
+        "--dataset",
+        "fixed",
+        "--num-prompts",
+        "5",
+        "--input-len",
+        "8",
+        "--output-len",
+        "6",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     check_consistent(doc, 5)
@@ -221,7 +344,7 @@ def sse(*events: object) -> bytes:
 
 
 def chunked(body: bytes, size: int) -> bytes:
-    parts = [body[i:i + size] for i in range(0, len(body), size)]
+    parts = [body[i : i + size] for i in range(0, len(body), size)]
     return b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\nX-Trailer: 1\r\n\r\n"
 
 
@@ -235,6 +358,7 @@ STREAM = sse(completion("a"), completion("b"), completion("cd"), completion("", 
 
 def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = False):
     """Run one request through `send_request` against a server that answers `response` in small pieces."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
@@ -243,7 +367,7 @@ def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = F
         if hang:
             await asyncio.sleep(10)
         for i in range(0, len(response), piece):
-            writer.write(response[i:i + piece])
+            writer.write(response[i : i + piece])
             await writer.drain()
             await asyncio.sleep(pause)
         writer.close()
@@ -254,10 +378,16 @@ def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = F
         spec = RequestSpec([1, 2, 3], 3, 4)
         args = argparse.Namespace(endpoint=COMPLETIONS, temperature=0.0, ignore_eos=True, extra_body=None)
         try:
-            return await bench.send_request(f"http://127.0.0.1:{port}/v1/completions",
-                                            request_body(args, "m", spec), {}, False, spec,
-                                            timeout=0.5 if hang else 10, t0=time.perf_counter(),
-                                            in_flight=bench.InFlight())
+            return await bench.send_request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                request_body(args, "m", spec),
+                {},
+                False,
+                spec,
+                timeout=0.5 if hang else 10,
+                t0=time.perf_counter(),
+                in_flight=bench.InFlight(),
+            )
         finally:
             server.close()
 
@@ -265,8 +395,10 @@ def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = F
 
 
 def test_chunked_sse_split_anywhere():
-    head = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" \
-           b"Transfer-Encoding: chunked\r\n\r\n"
+    head = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
     res = canned(head + chunked(STREAM.replace(b"\n", b"\r\n"), 11))
     assert res.success, res.error
     assert (res.prompt_tokens, res.output_tokens, res.text_chunks, len(res.itl)) == (5, 4, 3, 2)
@@ -286,14 +418,19 @@ def test_error_status_with_content_length():
     assert not res.success and res.error == "HTTP 400: bad things"
 
 
-@pytest.mark.parametrize("response, kind", [
-    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(STREAM, 20)[:45], "IncompleteReadError"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + STREAM[:50], "ProtocolError"),
-    (b"HTTP/1.1 200 OK\r\n\r\n" + sse(completion("a"), {"error": {"message": "engine died"}}, "[DONE]"),
-     "error event in the stream"),
-    (b"garbage\r\n\r\n", "ProtocolError"),
-    (b"", "ProtocolError"),
-])
+@pytest.mark.parametrize(
+    "response, kind",
+    [
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(STREAM, 20)[:45], "IncompleteReadError"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + STREAM[:50], "ProtocolError"),
+        (
+            b"HTTP/1.1 200 OK\r\n\r\n" + sse(completion("a"), {"error": {"message": "engine died"}}, "[DONE]"),
+            "error event in the stream",
+        ),
+        (b"garbage\r\n\r\n", "ProtocolError"),
+        (b"", "ProtocolError"),
+    ],
+)
 def test_broken_responses_are_failures(response, kind):
     res = canned(response)
     assert not res.success and error_kind(res.error) == kind, res.error
@@ -319,8 +456,9 @@ def workload_args(**kw) -> argparse.Namespace:
 
 
 def test_workload_is_seeded_and_in_range():
-    args = workload_args(num_prompts=50, random_input_len=100, random_output_len=20, random_range_ratio=0.5,
-                         vocab_size=300)
+    args = workload_args(
+        num_prompts=50, random_input_len=100, random_output_len=20, random_range_ratio=0.5, vocab_size=300
+    )
     specs = make_requests(args)
     assert [s.prompt for s in specs] == [s.prompt for s in make_requests(args)]
     assert all(50 <= s.prompt_len == len(s.prompt) <= 150 and 10 <= s.output_len <= 30 for s in specs)
@@ -361,7 +499,6 @@ def test_percentiles_match_numpy():
     assert d["p99"] == pytest.approx(np.percentile(ms, 99), abs=1e-3)
     assert d["std"] == pytest.approx(ms.std(), abs=1e-3)
     assert distribution([]) == dict.fromkeys(STATS)
-
 
 
 def test_progress_chunks_count_as_output_but_role_and_empty_final_chunks_do_not():

@@ -26,20 +26,33 @@ from ember.frontend.output import OutputProcessor, RequestState
 from ember.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
 
 MODEL = "tiny"
-PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
-           "My favourite food is", "Water boils at", "The history of Rome began"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "def fibonacci(n):",
+    "My favourite food is",
+    "Water boils at",
+    "The history of Rome began",
+]
 CHAT = [{"role": "user", "content": "Tell me a story about a dragon."}]
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-_STATS = SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_queries=0,
-                        prefix_cache_hits=0, num_preemptions=0, num_steps=0)
+_STATS = SchedulerStats(
+    num_running=0,
+    num_waiting=0,
+    kv_cache_usage=0.0,
+    prefix_cache_queries=0,
+    prefix_cache_hits=0,
+    num_preemptions=0,
+    num_steps=0,
+)
 
 
 def first_occurrence(text: str, phrases: list[str]) -> int | None:
     """Reference: the first character of `text` from which a blocked phrase starts (normalised)."""
     norm = [normalize(p) for p in phrases]
     for i in range(len(text)):
-        rest = normalize(text[i:i + 4 * max(map(len, norm))])
+        rest = normalize(text[i : i + 4 * max(map(len, norm))])
         if any(rest.startswith(p) for p in norm):
             return i
     return None
@@ -51,51 +64,61 @@ def fullwidth(s: str) -> str:
 
 # ---- the matcher ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("phrase,text,cut,safe_end", [
-    ("Hello", "say HELLO there", 4, 4),
-    ("ｈｅｌｌｏ", "say Hello", 4, 4),  # full-width phrase, ASCII text
-    ("hello", "say ＨＥＬＬＯ", 4, 4),  # and the other way round
-    ("café", "un cafe\u0301 noir", 3, 3),  # combining accent in the text
-    ("cafe\u0301", "un café noir", 3, 3),  # and in the phrase
-    ("ice", "the \ufb01ce", 4, 4),  # the ligature "ﬁ" holds the phrase's first letter: cut before it
-    ("STRASSE", "die Straße", 4, 4),  # case folding expands ß
-    ("cafe", "un café", None, 3),  # an accent is a different letter, but "caf" + the last character waits
-    ("hello", "say hell", None, 4),  # "hell" could still become the phrase
-    ("hello", "say ok", None, 5),  # only the last character waits (a combining mark could follow)
-    ("hello", "say hi", None, 4),  # "h" waits too: what "i" becomes is not settled yet
-])
+
+@pytest.mark.parametrize(
+    "phrase,text,cut,safe_end",
+    [
+        ("Hello", "say HELLO there", 4, 4),
+        ("ｈｅｌｌｏ", "say Hello", 4, 4),  # full-width phrase, ASCII text
+        ("hello", "say ＨＥＬＬＯ", 4, 4),  # and the other way round
+        ("café", "un cafe\u0301 noir", 3, 3),  # combining accent in the text
+        ("cafe\u0301", "un café noir", 3, 3),  # and in the phrase
+        ("ice", "the \ufb01ce", 4, 4),  # the ligature "ﬁ" holds the phrase's first letter: cut before it
+        ("STRASSE", "die Straße", 4, 4),  # case folding expands ß
+        ("cafe", "un café", None, 3),  # an accent is a different letter, but "caf" + the last character waits
+        ("hello", "say hell", None, 4),  # "hell" could still become the phrase
+        ("hello", "say ok", None, 5),  # only the last character waits (a combining mark could follow)
+        ("hello", "say hi", None, 4),  # "h" waits too: what "i" becomes is not settled yet
+    ],
+)
 def test_matching_is_case_insensitive_and_normalised(phrase, text, cut, safe_end):
     assert ContentFilter([phrase]).scan(text, 0) == Scan(cut, safe_end)
 
 
-@pytest.mark.parametrize("phrase,text,cut,safe_end", [
-    ("Paris", "in P\u0430ris now", 3, 3),  # Cyrillic а
-    ("Paris", "in \u03a1aris now", 3, 3),  # Greek capital Rho
-    ("london", "in L\u03bfnd\u03bfn now", 3, 3),  # Greek omicron, twice
-    ("Paris", "in Pa\u200bris now", 3, 3),  # zero width space
-    ("Paris", "in Pa\u00adris now", 3, 3),  # soft hyphen
-    ("Paris", "in Pa\u200dris now", 3, 3),  # zero width joiner
-    ("Paris", "in P\u200ea\u2066ri\u2069s now", 3, 3),  # bidi marks and isolates
-    ("Paris", "in Pa\ufe0fris now", 3, 3),  # a variation selector (not Cf, but default-ignorable)
-    ("Paris", "in \U0001d40f\U0001d41a\U0001d42b\U0001d422\U0001d42c now", 3, 3),  # mathematical bold
-    ("Paris", "in \uff30\uff41\u0433is", 3, 3),  # full-width letters and Cyrillic г
-    ("top secret", "it is \u0422\u041e\u0420 secret", 6, 6),  # Cyrillic capitals: T, O, P only as capitals
-    ("P\u0430ris", "in paris", 3, 3),  # a phrase written with a look-alike blocks the plain word
-    ("Paris", "in \u200bParis", 4, 4),  # an invisible character belongs to the chunk before it
-    ("Paris", "in P\u0430r", None, 3),  # a look-alike prefix is held back like any prefix
-    ("Paris", "in Pa\u200b", None, 3),  # and so is one that ends in an invisible character
-])
+@pytest.mark.parametrize(
+    "phrase,text,cut,safe_end",
+    [
+        ("Paris", "in P\u0430ris now", 3, 3),  # Cyrillic а
+        ("Paris", "in \u03a1aris now", 3, 3),  # Greek capital Rho
+        ("london", "in L\u03bfnd\u03bfn now", 3, 3),  # Greek omicron, twice
+        ("Paris", "in Pa\u200bris now", 3, 3),  # zero width space
+        ("Paris", "in Pa\u00adris now", 3, 3),  # soft hyphen
+        ("Paris", "in Pa\u200dris now", 3, 3),  # zero width joiner
+        ("Paris", "in P\u200ea\u2066ri\u2069s now", 3, 3),  # bidi marks and isolates
+        ("Paris", "in Pa\ufe0fris now", 3, 3),  # a variation selector (not Cf, but default-ignorable)
+        ("Paris", "in \U0001d40f\U0001d41a\U0001d42b\U0001d422\U0001d42c now", 3, 3),  # mathematical bold
+        ("Paris", "in \uff30\uff41\u0433is", 3, 3),  # full-width letters and Cyrillic г
+        ("top secret", "it is \u0422\u041e\u0420 secret", 6, 6),  # Cyrillic capitals: T, O, P only as capitals
+        ("P\u0430ris", "in paris", 3, 3),  # a phrase written with a look-alike blocks the plain word
+        ("Paris", "in \u200bParis", 4, 4),  # an invisible character belongs to the chunk before it
+        ("Paris", "in P\u0430r", None, 3),  # a look-alike prefix is held back like any prefix
+        ("Paris", "in Pa\u200b", None, 3),  # and so is one that ends in an invisible character
+    ],
+)
 def test_look_alikes_and_invisible_characters_match(phrase, text, cut, safe_end):
     assert ContentFilter([phrase]).scan(text, 0) == Scan(cut, safe_end)
 
 
-@pytest.mark.parametrize("phrase,text", [
-    ("modem", "a modern design"),  # the skeleton maps m to rn: ASCII is never mapped
-    ("lol", "room 101 and LOI"),  # nor 1 and I to l
-    ("cool", "c00l"),  # nor 0 to O
-    ("cafe", "un caf\u00e9"),  # an accented letter is still another letter
-    ("top", "\u0442\u043e\u0440"),  # small Cyrillic т is not a look-alike of t (Unicode lists only Т)
-])
+@pytest.mark.parametrize(
+    "phrase,text",
+    [
+        ("modem", "a modern design"),  # the skeleton maps m to rn: ASCII is never mapped
+        ("lol", "room 101 and LOI"),  # nor 1 and I to l
+        ("cool", "c00l"),  # nor 0 to O
+        ("cafe", "un caf\u00e9"),  # an accented letter is still another letter
+        ("top", "\u0442\u043e\u0440"),  # small Cyrillic т is not a look-alike of t (Unicode lists only Т)
+    ],
+)
 def test_what_does_not_match(phrase, text):
     f = ContentFilter([phrase])
     assert f.scan(text, 0).blocked_at is None
@@ -117,14 +140,31 @@ def test_plain_ascii_is_compared_as_before():
         assert f.scan(text, 0).blocked_at == (min(found) if found else None), (phrases, text)
 
 
-_MIXED = list("parisPARIStop modern") + ["\u0430", "\u0420", "\u0422", "\u041e", "\u03bf", "\u03a1", "\u0456",
-                                         "\u200b", "\u00ad", "\u200d", "\u2060", "\u0301", "\ufe0f", "\ufb01",
-                                         "\u00df", "\u00e9", "\uff50"]
+_MIXED = list("parisPARIStop modern") + [
+    "\u0430",
+    "\u0420",
+    "\u0422",
+    "\u041e",
+    "\u03bf",
+    "\u03a1",
+    "\u0456",
+    "\u200b",
+    "\u00ad",
+    "\u200d",
+    "\u2060",
+    "\u0301",
+    "\ufe0f",
+    "\ufb01",
+    "\u00df",
+    "\u00e9",
+    "\uff50",
+]
 
 
 def _holds_phrase(f: ContentFilter, text: str) -> bool:
-    return (any(p in normalize(text) for p in f._first.phrases)
-            or any(p in normalize_capitals(text) for p in f._second.phrases))
+    return any(p in normalize(text) for p in f._first.phrases) or any(
+        p in normalize_capitals(text) for p in f._second.phrases
+    )
 
 
 def test_streamed_scans_of_mixed_text_never_leak():
@@ -138,7 +178,7 @@ def test_streamed_scans_of_mixed_text_never_leak():
         so_far, emitted, cut = "", 0, None
         while len(so_far) < len(text) and cut is None:
             since = len(so_far)
-            so_far = text[:since + rng.randint(1, 4)]
+            so_far = text[: since + rng.randint(1, 4)]
             scan = f.scan(so_far, since)
             cut = scan.blocked_at
             if cut is None:
@@ -187,9 +227,17 @@ def test_phrase_file_ignores_blank_lines_and_surrounding_space(tmp_path):
 
 # ---- the stream, driven by real token ids --------------------------------------------------
 
-def stream(tokenizer, prompt_ids: list[int], token_ids: list[int], phrases: list[str], rng: random.Random,
-           logprobs: bool = False, n_steps_max: int = 3, snapshots: list[tuple[str, str]] | None = None
-           ) -> tuple[str, list[int], str, RequestState, bool]:
+
+def stream(
+    tokenizer,
+    prompt_ids: list[int],
+    token_ids: list[int],
+    phrases: list[str],
+    rng: random.Random,
+    logprobs: bool = False,
+    n_steps_max: int = 3,
+    snapshots: list[tuple[str, str]] | None = None,
+) -> tuple[str, list[int], str, RequestState, bool]:
     """Feed `token_ids` to a request as the core would (a few per step) and read it after each step like
     a stream consumer; returns the concatenated text deltas, the streamed token ids, the final
     reason, the request, and whether the core was asked to abort it (or had finished it anyway).
@@ -200,7 +248,7 @@ def stream(tokenizer, prompt_ids: list[int], token_ids: list[int], phrases: list
     processor.add(state)
     text, streamed_ids, aborted, i = "", [], False, 0
     while not state.finished:
-        step = token_ids[i:i + rng.randint(1, n_steps_max)]
+        step = token_ids[i : i + rng.randint(1, n_steps_max)]
         i += len(step)
         lps = None
         if logprobs:
@@ -237,15 +285,18 @@ def test_phrase_across_byte_tokens_with_combining_accent(tokenizer):
     assert "caf" not in tokenizer.decode(state.output().outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("text,phrase,word_at,blocked", [
-    ("We met in P\u0430ris last year.", "paris", 10, True),  # Cyrillic а
-    ("We met in \u03a1aris last year.", "paris", 10, True),  # Greek Ρ
-    ("We met in Pa\u200bris last year.", "PARIS", 10, True),  # zero width space
-    ("We met in Pa\u00adri\u200ds last year.", "Paris", 10, True),  # soft hyphen, zero width joiner
-    ("We met in \uff30\uff41\uff52\uff49\uff53 last year.", "paris", 10, True),  # full-width
-    ("We met in P\u0430rma last year.", "paris", 10, False),  # held back while it could be "Pаris", then shown
-    ("It was a modern modem.", "modem", 16, True),  # ASCII: "modern" is not "modem" (no rn/m mapping)
-])
+@pytest.mark.parametrize(
+    "text,phrase,word_at,blocked",
+    [
+        ("We met in P\u0430ris last year.", "paris", 10, True),  # Cyrillic а
+        ("We met in \u03a1aris last year.", "paris", 10, True),  # Greek Ρ
+        ("We met in Pa\u200bris last year.", "PARIS", 10, True),  # zero width space
+        ("We met in Pa\u00adri\u200ds last year.", "Paris", 10, True),  # soft hyphen, zero width joiner
+        ("We met in \uff30\uff41\uff52\uff49\uff53 last year.", "paris", 10, True),  # full-width
+        ("We met in P\u0430rma last year.", "paris", 10, False),  # held back while it could be "Pаris", then shown
+        ("It was a modern modem.", "modem", 16, True),  # ASCII: "modern" is not "modem" (no rn/m mapping)
+    ],
+)
 def test_look_alikes_never_stream_a_character(default_tokenizer, text, phrase, word_at, blocked):
     """Real token ids (byte-level BPE gives look-alikes and invisible characters tokens of their own): the
     stream stops before the phrase, and while the word's first letters could still become it, nothing of
@@ -253,8 +304,15 @@ def test_look_alikes_never_stream_a_character(default_tokenizer, text, phrase, w
     ids = default_tokenizer.encode(text, add_special_tokens=False)
     for seed in range(3):
         snapshots: list[tuple[str, str]] = []
-        streamed, _, reason, _, _ = stream(default_tokenizer, [], ids, [phrase], random.Random(seed),
-                                           n_steps_max=1 if seed == 0 else 2, snapshots=snapshots)
+        streamed, _, reason, _, _ = stream(
+            default_tokenizer,
+            [],
+            ids,
+            [phrase],
+            random.Random(seed),
+            n_steps_max=1 if seed == 0 else 2,
+            snapshots=snapshots,
+        )
         assert (streamed, reason) == ((text[:word_at], "content_filter") if blocked else (text, "length"))
         held = 0
         for decoded, so_far in snapshots[:-1]:
@@ -262,7 +320,7 @@ def test_look_alikes_never_stream_a_character(default_tokenizer, text, phrase, w
             if len(decoded) > word_at and normalize(phrase).startswith(normalize(decoded[word_at:])):
                 assert so_far == text[:word_at], (decoded, so_far)
                 held += 1
-        if seed == 0 and not text[word_at:word_at + 6].isascii():  # one token a step, the word in several
+        if seed == 0 and not text[word_at : word_at + 6].isascii():  # one token a step, the word in several
             assert held
 
 
@@ -281,9 +339,11 @@ def test_top_logprobs_leave_out_alternatives_that_complete_a_phrase(default_toke
     paris, rome, par, ris = (ids[0] for ids in _encode(tok, " Paris", " Rome", " Par", "ris"))
     assert tok.decode([p, cyr_a, ris]) == " P\u0430ris"
     positions = [(lyon, [paris, rome, par]), (dot, [rome]), (p, [paris]), (cyr_a, [ris]), (ul, [ris, rome])]
-    lps = Logprobs(token_ids=[[c, *alts] for c, alts in positions],
-                   logprobs=[[-0.5] + [-1.0 - i for i in range(len(alts))] for _, alts in positions],
-                   ranks=[1] * len(positions))
+    lps = Logprobs(
+        token_ids=[[c, *alts] for c, alts in positions],
+        logprobs=[[-0.5] + [-1.0 - i for i in range(len(alts))] for _, alts in positions],
+        ranks=[1] * len(positions),
+    )
 
     def run(content_filter):
         params = SamplingParams(temperature=0, max_tokens=len(positions), logprobs=3)
@@ -310,12 +370,13 @@ def test_generated_phrases_never_stream_a_character(tokenizer, greedy):
     for case in range(100):
         prompt_ids, ids, full = greedy[case % len(greedy)]
         start = rng.randrange(0, len(full) - 3)
-        phrase = full[start:start + rng.randint(2, 12)].strip()
+        phrase = full[start : start + rng.randint(2, 12)].strip()
         if not normalize(phrase):
             phrase = full[start:].split()[0]
         variant = rng.choice([str, str.upper, str.swapcase, fullwidth, lambda s: fullwidth(s.upper())])(phrase)
-        text, streamed_ids, reason, state, aborted = stream(tokenizer, prompt_ids, ids, [variant], rng,
-                                                            logprobs=case % 2 == 0)
+        text, streamed_ids, reason, state, aborted = stream(
+            tokenizer, prompt_ids, ids, [variant], rng, logprobs=case % 2 == 0
+        )
         cut = first_occurrence(full, [phrase])
         assert cut is not None, (case, phrase)
         assert text == full[:cut], (case, variant)
@@ -330,6 +391,7 @@ def test_generated_phrases_never_stream_a_character(tokenizer, greedy):
 
 
 # ---- through the server -------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -347,13 +409,14 @@ def cases(tiny) -> dict:
     unfiltered chat output with those logprobs."""
     plain = LLM(str(tiny), **TINY)
     completion = plain.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text
-    chat_out = plain.chat(CHAT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=20),
-                          use_tqdm=False)[0].outputs[0]
+    chat_out = plain.chat(
+        CHAT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=20), use_tqdm=False
+    )[0].outputs[0]
     chat = chat_out.text
     out: dict = {}
     for name, full in (("completions", completion), ("chat", chat)):
         words = full.split()
-        word = max(words[len(words) // 3:], key=len)  # a word well inside the text
+        word = max(words[len(words) // 3 :], key=len)  # a word well inside the text
         out[name] = (full, word)
     chat_cut = first_occurrence(chat, [out["chat"][1]])
     out["alternative"] = _alternative_phrase(plain.get_tokenizer(), chat_out, chat_cut, [completion, chat])
@@ -367,15 +430,24 @@ def _alternative_phrase(tokenizer, out, cut: int, avoid: list[str]) -> tuple[int
     position whose text lies before `cut`, and the word an alternative there would have added."""
     for k in range(1, len(out.token_ids)):
         before = tokenizer.decode(out.token_ids[:k])
-        if len(tokenizer.decode(out.token_ids[:k + 1])) > cut:
+        if len(tokenizer.decode(out.token_ids[: k + 1])) > cut:
             break
         for alt in list(out.logprobs[k])[1:]:
-            added = tokenizer.decode(out.token_ids[:k] + [alt])[len(before):]
+            added = tokenizer.decode(out.token_ids[:k] + [alt])[len(before) :]
             phrase = before[-3:] + added
-            if (len(added.strip()) >= 2 and phrase.isascii() and phrase.strip() == phrase and phrase.isprintable()
-                    and not any(normalize(phrase) in normalize(a) for a in avoid)):
-                completing = {t for t in list(out.logprobs[k])[1:] if normalize(phrase) in normalize(
-                    tokenizer.decode(out.token_ids[:k] + [t])[max(0, len(before) - 3):])}
+            if (
+                len(added.strip()) >= 2
+                and phrase.isascii()
+                and phrase.strip() == phrase
+                and phrase.isprintable()
+                and not any(normalize(phrase) in normalize(a) for a in avoid)
+            ):
+                completing = {
+                    t
+                    for t in list(out.logprobs[k])[1:]
+                    if normalize(phrase)
+                    in normalize(tokenizer.decode(out.token_ids[:k] + [t])[max(0, len(before) - 3) :])
+                }
                 return k, completing, phrase
     raise AssertionError("no alternative to block")
 
@@ -430,8 +502,7 @@ def test_server_stops_before_the_phrase(server, cases, endpoint, streamed, n):
         path, body = "/v1/chat/completions", {**body, "messages": CHAT}
     else:
         path, body = "/v1/completions", {**body, "prompt": PROMPTS[0]}
-    before = (_metric(server, "ember:request_content_filtered_total"),
-              _metric(server, "ember:generation_tokens_total"))
+    before = (_metric(server, "ember:request_content_filtered_total"), _metric(server, "ember:generation_tokens_total"))
     texts, reasons, data = _post(server, path, body)
     assert texts == [full[:cut]] * n
     assert reasons == ["content_filter"] * n
@@ -442,8 +513,11 @@ def test_server_stops_before_the_phrase(server, cases, endpoint, streamed, n):
     assert generated < n * (MAX_TOKENS + 4)
     engine = server.state.engine
     deadline = time.monotonic() + 10
-    while not (engine.scheduler_stats and engine.scheduler_stats.kv_cache_usage == 0
-               and engine.scheduler_stats.num_running == 0):
+    while not (
+        engine.scheduler_stats
+        and engine.scheduler_stats.kv_cache_usage == 0
+        and engine.scheduler_stats.num_running == 0
+    ):
         assert time.monotonic() < deadline, engine.scheduler_stats
         time.sleep(0.05)
     if data:
@@ -454,8 +528,14 @@ def test_streamed_logprobs_show_no_part_of_the_phrase(server, cases):
     """Logprobs carry each token's text: they stream only as far as the text did, and a filtered choice
     keeps only the tokens before the cut (as many as the non-streamed answer reports)."""
     word = cases["completions"][1]
-    body = {"model": MODEL, "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 200, "ignore_eos": True,
-            "logprobs": 1}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "temperature": 0,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "logprobs": 1,
+    }
     kept = server.post("/v1/completions", body).json()["usage"]["completion_tokens"]
     tokens = []
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
@@ -475,18 +555,28 @@ def test_chat_top_logprobs_show_no_alternative_that_completes_a_phrase(server, c
     # The random model's words can hold U+FFFD, which a byte-by-byte reading below would make up at will.
     phrases = [normalize(p) for p in (cases["completions"][1], cases["chat"][1], phrase) if "\ufffd" not in p]
     tokenizer = server.state.engine.tokenizer
-    body = {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 200, "ignore_eos": True,
-            "logprobs": True, "top_logprobs": 20}
+    body = {
+        "model": MODEL,
+        "messages": CHAT,
+        "temperature": 0,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
     data = server.post("/v1/chat/completions", body).json()
     choice = data["choices"][0]
-    assert (choice["message"]["content"], choice["finish_reason"]) == (cases["chat"][0][:first_occurrence(
-        cases["chat"][0], [cases["chat"][1]])], "content_filter")
+    assert (choice["message"]["content"], choice["finish_reason"]) == (
+        cases["chat"][0][: first_occurrence(cases["chat"][0], [cases["chat"][1]])],
+        "content_filter",
+    )
     content = choice["logprobs"]["content"]
     shown = [bytes(t["bytes"]) for t in content[k]["top_logprobs"]]
     assert completing and not {tokenizer.token_bytes(t) for t in completing} & set(shown)
     assert len(shown) == 20 - len(completing)
     assert [t["logprob"] for t in content[k]["top_logprobs"]] == sorted(
-        (t["logprob"] for t in content[k]["top_logprobs"]), reverse=True)
+        (t["logprob"] for t in content[k]["top_logprobs"]), reverse=True
+    )
     for i, entry in enumerate(content):
         before = b"".join(bytes(e["bytes"]) for e in content[:i])
         for alt in entry["top_logprobs"]:
@@ -503,11 +593,12 @@ def test_chat_top_logprobs_show_no_alternative_that_completes_a_phrase(server, c
 
 # ---- the library ----------------------------------------------------------------------------
 
+
 def test_llm_blocked_words_list(tiny, cases):
     """`LLM(blocked_words=[...])`: the synchronous front end stops, aborts and frees blocks the same way."""
     full = cases["completions"][0]
     params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, n=2)
-    phrase = full[len(full) // 2:len(full) // 2 + 4].strip() or full.split()[-1]
+    phrase = full[len(full) // 2 : len(full) // 2 + 4].strip() or full.split()[-1]
     llm = LLM(str(tiny), blocked_words=[fullwidth(phrase.upper())], **TINY)
     out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
     cut = first_occurrence(full, [phrase])
@@ -530,8 +621,10 @@ def test_llm_logprobs_leave_out_alternatives_that_complete_a_phrase(tiny, cases)
     llm.llm_engine.shutdown()
     assert (out.text, out.finish_reason, out.token_ids) == (unfiltered.text, "length", unfiltered.token_ids)
     ids = unfiltered.token_ids
-    expected = [[t for t in d if t == ids[i] or normalize(phrase) not in normalize(tokenizer.decode(ids[:i] + [t]))]
-                for i, d in enumerate(unfiltered.logprobs)]
+    expected = [
+        [t for t in d if t == ids[i] or normalize(phrase) not in normalize(tokenizer.decode(ids[:i] + [t]))]
+        for i, d in enumerate(unfiltered.logprobs)
+    ]
     assert [list(d) for d in out.logprobs] == expected
     assert completing and not completing & set(out.logprobs[k])
     assert out.cumulative_logprob == pytest.approx(unfiltered.cumulative_logprob)

@@ -85,8 +85,9 @@ def _check_matmul(x: torch.Tensor, w: QuantizedWeight) -> None:
 
 
 @pytest.mark.parametrize("zeros", [True, False])
-@pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 16), ("int8", 32),
-                                             ("int8", None)])
+@pytest.mark.parametrize(
+    ("kind", "group"), [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 16), ("int8", 32), ("int8", None)]
+)
 def test_gemv_matches_float64_reference(kernels, kind: str, group: int | None, zeros: bool) -> None:
     """M covers one row (the 4-row block), the 8-row tile and every remainder tile; N = 70 and 33
     leave 2 and 1 rows past the blocks of 4; K holds several groups. group None: per-channel int8.
@@ -103,8 +104,9 @@ def test_gemv_matches_float64_reference(kernels, kind: str, group: int | None, z
 def test_gemv_and_expansion_with_a_shorter_last_group(kernels, kind: str, k: int, group: int) -> None:
     """`quantize_int4` gives a K that is not a multiple of its group a shorter last group."""
     w = _weight(kind, 21, k, group, True)
-    w = QuantizedWeight(kind, w.qweight, torch.rand(21, -(-k // group)) * 0.1, torch.randn(21, -(-k // group)) * 0.1,
-                        group, k)
+    w = QuantizedWeight(
+        kind, w.qweight, torch.rand(21, -(-k // group)) * 0.1, torch.randn(21, -(-k // group)) * 0.1, group, k
+    )
     for m in (1, 5, 9):
         _check_matmul(torch.randn(m, k), w)
     assert torch.equal(ops.dequantize(ops.native_weight(w)), dequantize(w))
@@ -120,7 +122,7 @@ def test_expansion_equals_dequantize(kernels, kind: str, group: int, zeros: bool
 
 def test_float16_parameters_convert_exactly(kernels) -> None:
     """float16 scales and zeros at the edges of the format: subnormals, signs, the largest value."""
-    values = torch.tensor([2.0 ** -24, 3 * 2.0 ** -20, 1e-5, -0.5, 65504.0, -2.0 ** -14, 0.0, 1.0]).half().float()
+    values = torch.tensor([2.0**-24, 3 * 2.0**-20, 1e-5, -0.5, 65504.0, -(2.0**-14), 0.0, 1.0]).half().float()
     w = _weight("int4", 8, 256, 32, True)
     w = QuantizedWeight("int4", w.qweight, values.repeat(8, 1), -values.flip(0).repeat(8, 1), 32, 256)
     native = ops.native_weight(w)
@@ -158,14 +160,16 @@ def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, cap, 
                 s = cap * torch.tanh(s / cap)
             s = s.masked_fill(~visible, float("-inf"))
             if sinks is not None:
-                s = torch.cat([s, sinks[h:h + 1].double()])
+                s = torch.cat([s, sinks[h : h + 1].double()])
             p = torch.softmax(s, 0)[:n]
             out[i, h] = p @ v[:, h // (hq // hk)]
     return out
 
 
-@pytest.mark.parametrize(("window", "cap", "with_sinks", "d"), [
-    (None, None, False, 32), (5, None, False, 32), (None, 3.0, False, 24), (7, 2.0, True, 24), (None, None, True, 64)])
+@pytest.mark.parametrize(
+    ("window", "cap", "with_sinks", "d"),
+    [(None, None, False, 32), (5, None, False, 32), (None, 3.0, False, 24), (7, 2.0, True, 24), (None, None, True, 64)],
+)
 def test_paged_decode_attention_matches_float64_reference(kernels, window, cap, with_sinks, d) -> None:
     """GQA (6 query heads on 2 KV heads), ragged lengths over several blocks of 4 keys, shuffled block
     tables with a row stride past their width, queries read through a strided view."""
@@ -177,9 +181,10 @@ def test_paged_decode_attention_matches_float64_reference(kernels, window, cap, 
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(4, hq + hk, d, generator=gen)[:, :hq] * 2
     sinks = torch.randn(hq, generator=gen) if with_sinks else None
-    scale = d ** -0.5
-    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, window=window, soft_cap=cap,
-                                     sinks=sinks)
+    scale = d**-0.5
+    got = ops.paged_decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, scale, window=window, soft_cap=cap, sinks=sinks
+    )
     ref = _reference_attention(q, k_cache, v_cache, tables, seq_lens, scale, window, cap, sinks)
     torch.testing.assert_close(got.double(), ref, atol=2e-5, rtol=1e-5)
 
@@ -232,7 +237,7 @@ def _bf16_reference(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, 
 def _within_output_rounding(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> bool:
     """got is ref, give or take the float32 sums' error, rounded to bf16 (half an ulp, 2^-9 relative)."""
     assert torch.equal(got, got.bfloat16().float())  # every output rounded to bf16
-    return bool(((got.double() - ref).abs() <= bound + ref.abs() * 2.0 ** -8).all())
+    return bool(((got.double() - ref).abs() <= bound + ref.abs() * 2.0**-8).all())
 
 
 @pytest.mark.skipif(not ops.has_bf16(), reason="this CPU has no AVX512_BF16: int4 is float32 at every row count")
@@ -272,7 +277,7 @@ def test_quant_linear_keeps_one_arithmetic_at_every_row_count(monkeypatch, arith
         got = layer(x[:rows]).double()
         if dtype == "bf16":
             ref, bound = _bf16_reference(x[:rows], w)
-            bound = bound + ref.abs() * 2.0 ** -8  # the sums' error, then the output's rounding
+            bound = bound + ref.abs() * 2.0**-8  # the sums' error, then the output's rounding
         else:
             dense = dequantize(w).double()
             ref, bound = x[:rows].double() @ dense.T, 1e-6 * math.sqrt(96) * (x[:rows].double().abs() @ dense.abs().T)
@@ -330,8 +335,9 @@ def test_broken_compiler_falls_back_with_one_warning(tmp_path, monkeypatch, capl
     with caplog.at_level(logging.WARNING, logger="ember"):
         assert ops.load_kernels() is None
     assert len([r for r in caplog.records if "CPU native kernels unavailable" in r.getMessage()]) == 1
-    done = subprocess.run([sys.executable, "-m", "ember.cpu_native.build"], check=False, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ember.cpu_native.build"], check=False, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and "were not built" in done.stderr
     assert not list(tmp_path.rglob("*.so"))
 
@@ -387,8 +393,9 @@ def test_tiny_quantized_llama_equals_its_float32_twin(tmp_path, monkeypatch, met
     int4 runs in float32 here (CPU_INT4_BF16), as on CPUs without AVX512_BF16."""
     monkeypatch.setattr(linear, "CPU_INT4_BF16", False)
     path = make_checkpoint(tmp_path / "llama", "llama")
-    twin = LLM(str(_dense_twin(path, tmp_path / "twin", method)), kv_cache_memory=0.02, max_model_len=256,
-               engine_process=False)
+    twin = LLM(
+        str(_dense_twin(path, tmp_path / "twin", method)), kv_cache_memory=0.02, max_model_len=256, engine_process=False
+    )
     prompts = ["hello world", "the quick brown fox jumps", "a b c d e f g h i j k l m n o p q r s"]
     expected = _generate(twin, prompts, 40) + _generate(twin, prompts[2:], 40)
     kwargs = {"quantization": method, "kv_cache_memory": 0.02, "max_model_len": 256, "engine_process": False}

@@ -32,7 +32,11 @@ _assert_same, _generate, _weight = base._assert_same, base._generate, base._weig
 @pytest.mark.parametrize(("m", "n"), [(1, 576), (5, 40), (300, 576)])  # 300 rows: the parallel loop
 def test_add_rms_norm_matches_float64_reference(kernels, with_residual: bool, m: int, n: int) -> None:
     gen = torch.Generator().manual_seed(m + n)
-    x, residual, w = torch.randn(m, n, generator=gen) * 3, torch.randn(m, n, generator=gen), torch.rand(n, generator=gen)
+    x, residual, w = (
+        torch.randn(m, n, generator=gen) * 3,
+        torch.randn(m, n, generator=gen),
+        torch.rand(n, generator=gen),
+    )
     eps = 1e-5
     if with_residual:
         out, total = ops.add_rms_norm(x, residual, w, eps)
@@ -54,7 +58,7 @@ def test_rotary_store_equals_the_pytorch_ops(kernels, d: int, t: int) -> None:
     gen = torch.Generator().manual_seed(d + t)
     hq, hk = 6, 2
     rotary = RotaryEmbedding(d, 64, 10000.0, None)
-    qkv = torch.randn(t, (hq + 2 * hk) * d + 8, generator=gen)[:, :(hq + 2 * hk) * d]
+    qkv = torch.randn(t, (hq + 2 * hk) * d + 8, generator=gen)[:, : (hq + 2 * hk) * d]
     positions = torch.randint(0, 64, (t,), generator=gen)
     positions[:2] = torch.tensor([0, 63])
     slots = torch.randperm(80 * 4, generator=gen)[:t]
@@ -62,18 +66,20 @@ def test_rotary_store_equals_the_pytorch_ops(kernels, d: int, t: int) -> None:
     k_cache, v_cache = torch.randn(80, 4, hk, d, generator=gen), torch.randn(80, 4, hk, d, generator=gen)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     heads = qkv.view(t, hq + 2 * hk, d)
-    q_ref, k_ref = rotary.rotate_qk(positions, heads[:, :hq + hk], hq)
-    v_ref = heads[:, hq + hk:].clone()
+    q_ref, k_ref = rotary.rotate_qk(positions, heads[:, : hq + hk], hq)
+    v_ref = heads[:, hq + hk :].clone()
     keep = slots >= 0
     k_expected.view(-1, hk, d)[slots[keep]] = k_ref[keep]
     v_expected.view(-1, hk, d)[slots[keep]] = v_ref[keep]
-    x64 = heads[:, :hq + hk].double()
-    rotated64 = x64 * rotary.cos[positions, None].double() + x64.roll(d // 2, -1) * rotary.sin_signed[positions, None].double()
+    x64 = heads[:, : hq + hk].double()
+    rotated64 = (
+        x64 * rotary.cos[positions, None].double() + x64.roll(d // 2, -1) * rotary.sin_signed[positions, None].double()
+    )
 
     ops.rotary_store(qkv, positions, rotary.cos, rotary.sin_signed, k_cache, v_cache, slots, hq)
-    assert torch.equal(heads[:, :hq], q_ref) and torch.equal(heads[:, hq:hq + hk], k_ref)
-    assert torch.equal(heads[:, hq + hk:], v_ref)
-    torch.testing.assert_close(heads[:, :hq + hk].double(), rotated64, atol=1e-6, rtol=1e-6)
+    assert torch.equal(heads[:, :hq], q_ref) and torch.equal(heads[:, hq : hq + hk], k_ref)
+    assert torch.equal(heads[:, hq + hk :], v_ref)
+    torch.testing.assert_close(heads[:, : hq + hk].double(), rotated64, atol=1e-6, rtol=1e-6)
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
 
 
@@ -83,16 +89,33 @@ def test_rotary_store_rejects_positions_and_slots_out_of_range() -> None:
     qkv = torch.randn(1, 3 * 16)
     for positions, slots, what in (([8], [0], "position 8"), ([0], [8], "slot 8"), ([-1], [0], "position -1")):
         with pytest.raises(IndexError, match=what):
-            ops.rotary_store(qkv, torch.tensor(positions), rotary.cos, rotary.sin_signed, cache, cache.clone(),
-                             torch.tensor(slots), 1)
+            ops.rotary_store(
+                qkv,
+                torch.tensor(positions),
+                rotary.cos,
+                rotary.sin_signed,
+                cache,
+                cache.clone(),
+                torch.tensor(slots),
+                1,
+            )
     assert not cache.any()
     with pytest.raises(ValueError, match="qkv must be"):
-        ops.rotary_store(torch.randn(1, 40), torch.tensor([0]), rotary.cos, rotary.sin_signed, cache, cache.clone(),
-                         torch.tensor([0]), 1)
+        ops.rotary_store(
+            torch.randn(1, 40),
+            torch.tensor([0]),
+            rotary.cos,
+            rotary.sin_signed,
+            cache,
+            cache.clone(),
+            torch.tensor([0]),
+            1,
+        )
 
 
-@pytest.mark.parametrize(("kind", "group", "half"), [("int4", 32, True), ("int4", 64, False), ("int8", 16, False),
-                                                     ("int8", None, False)])
+@pytest.mark.parametrize(
+    ("kind", "group", "half"), [("int4", 32, True), ("int4", 64, False), ("int8", 16, False), ("int8", None, False)]
+)
 def test_matmul_silu_matches_float64_reference(kernels, kind: str, group: int | None, half: bool) -> None:
     """I = 70 (not a whole number of vectors); M from one row to past a tile of 8."""
     size, k = 70, 256
@@ -152,6 +175,7 @@ def _counting(monkeypatch) -> dict[str, int]:
         def counted(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return fn(*args, **kwargs)
+
         return counted
 
     for name in ("add_rms_norm", "rms_norm", "rotary_store", "matmul_silu", "decode_layer"):
@@ -164,7 +188,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
 
 def test_default_model_fused_equals_unfused_and_pytorch(monkeypatch) -> None:
     """The default model's fused path against its unfused native path (the Q4_1/Q8_0 file, int4 matmuls
-    in float32), batched and alone; and, loaded dense (quantization "none": fused norms, rotary and stores around PyTorch
+    in float32), batched and alone; and, loaded dense (quantization "none": fused norms, rotary and stores
+    around PyTorch
     matmuls), against the PyTorch path."""
     kwargs = {"kv_cache_memory": 0.05, "max_model_len": 256, "engine_process": False}
     _float32_matmuls(monkeypatch)
@@ -203,10 +228,20 @@ def test_tiny_quantized_llama_fused_equals_unfused_and_pytorch(tmp_path, monkeyp
     _assert_same(fallback, [(tokens[:12], logprobs[:12]) for tokens, logprobs in got[:3]], 5e-2)
 
 
-@pytest.mark.parametrize(("arch", "method"), [("default", None), ("llama", "int4"), ("llama", "int8"),
-                                             ("mistral-sw", "int4"), ("phi3-sw", "int8"), ("qwen2", "int4")])
-def test_decode_layer_equals_the_layers_modules_bit_for_bit(tmp_path, monkeypatch, arch: str,
-                                                            method: str | None) -> None:
+@pytest.mark.parametrize(
+    ("arch", "method"),
+    [
+        ("default", None),
+        ("llama", "int4"),
+        ("llama", "int8"),
+        ("mistral-sw", "int4"),
+        ("phi3-sw", "int8"),
+        ("qwen2", "int4"),
+    ],
+)
+def test_decode_layer_equals_the_layers_modules_bit_for_bit(
+    tmp_path, monkeypatch, arch: str, method: str | None
+) -> None:
     """ops.decode_layer runs a decode step's layer in one call with the kernels its modules call one by
     one, in the same order and threads: the same tokens and logprobs exactly, batched and alone; for the
     default model's Q4_1/Q8_0 file (int4 in bf16 arithmetic where the CPU has AVX512_BF16) and load-time

@@ -66,6 +66,7 @@ def _serve(argv: list[str]) -> tuple[argparse.Namespace, EngineArgs, ServerSetti
 
 # ---- Kubernetes -------------------------------------------------------------------------------
 
+
 def test_core_manifests_match_the_kubernetes_api():
     docs = _manifests()
     assert {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"} <= set(docs)
@@ -87,7 +88,9 @@ def test_deployment_probes_gpu_and_graceful_stop():
     assert port == ns.port
     for probe in (container.startup_probe, container.readiness_probe, container.liveness_probe):
         assert probe.http_get.path == "/health" and probe.http_get.port == "http"
-    assert str(container.resources.requests["nvidia.com/gpu"]) == str(container.resources.limits["nvidia.com/gpu"]) == "1"
+    assert (
+        str(container.resources.requests["nvidia.com/gpu"]) == str(container.resources.limits["nvidia.com/gpu"]) == "1"
+    )
     assert pod.security_context.run_as_non_root
     assert [e.value_from.secret_key_ref.name for e in container.env if e.name == "EMBER_API_KEY"] == ["ember-api-key"]
     labels = deployment.spec.template.metadata.labels
@@ -141,14 +144,22 @@ def test_rayservice_builds_the_ember_application():
 
 # ---- systemd ----------------------------------------------------------------------------------
 
+
 def test_systemd_unit(tmp_path):
     text = (DEPLOY / "systemd" / "ember.service").read_text()
     unit = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
     unit.optionxform = str
     unit.read_string(text)
     service = unit["Service"]
-    for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
-                       "PrivateTmp": "yes", "Restart": "on-failure", "KillSignal": "SIGTERM", "User": "ember"}.items():
+    for key, value in {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "Restart": "on-failure",
+        "KillSignal": "SIGTERM",
+        "User": "ember",
+    }.items():
         assert service[key] == value, key
     assert service["EnvironmentFile"].startswith("/etc/")
     assert service["ReadWritePaths"] and unit["Install"]["WantedBy"] == "multi-user.target"
@@ -159,11 +170,14 @@ def test_systemd_unit(tmp_path):
     checked = tmp_path / "ember.service"
     checked.write_text(text.replace("/opt/ember/.venv/bin/ember", str(BIN / "ember")))
     if shutil.which("systemd-analyze"):
-        result = subprocess.run(["systemd-analyze", "verify", str(checked)], check=False, capture_output=True, text=True)
+        result = subprocess.run(
+            ["systemd-analyze", "verify", str(checked)], check=False, capture_output=True, text=True
+        )
         assert result.returncode == 0, result.stderr
 
 
 # ---- Docker -----------------------------------------------------------------------------------
+
 
 def _instruction(text: str, name: str) -> list[str]:
     joined = text.replace("\\\n", " ")
@@ -201,6 +215,7 @@ def test_setup_script_defaults_to_the_pinned_cpu_torch():
 
 
 # ---- Grafana ----------------------------------------------------------------------------------
+
 
 def test_dashboard_queries_only_metrics_a_server_exports(llama_dir):
     dashboard = json.loads((DEPLOY / "grafana" / "ember-dashboard.json").read_text())

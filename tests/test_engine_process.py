@@ -48,6 +48,7 @@ LONG = {"ignore_eos": True, "temperature": 0}
 
 # ---- 1. the same results in and out of process --------------------------------------------------
 
+
 def _llm(model: Path, **kwargs) -> LLM:
     return LLM(str(model), device="cpu", dtype="float32", seed=0, **kwargs)
 
@@ -97,7 +98,7 @@ def _assert_same_results(got, ref, label: str) -> None:
 def _pick_stop_string(text: str) -> tuple[str, int] | None:
     """Three printable ASCII characters that first occur after the start of `text`."""
     for k in range(2, len(text) - 3):
-        s = text[k:k + 3]
+        s = text[k : k + 3]
         if all(c.isascii() and c.isalnum() for c in s) and text.find(s) == k:
             return s, k
     return None
@@ -111,9 +112,11 @@ def _mixed_requests(ref: LLM) -> tuple[list[tuple[list, list]], list[tuple[int, 
     prompts = _token_prompts(3, 6, 3, 120) + ["The quick brown fox", "Paris is the capital of"]
     params = [greedy] * len(prompts)
     prompts += [prompts[0], prompts[6], prompts[1]]
-    params += [SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=20, ignore_eos=True, logprobs=2),
-               SamplingParams(n=2, temperature=0.7, top_k=50, seed=3, max_tokens=20, ignore_eos=True),
-               SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True, logprobs=1)]
+    params += [
+        SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=20, ignore_eos=True, logprobs=2),
+        SamplingParams(n=2, temperature=0.7, top_k=50, seed=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True, logprobs=1),
+    ]
     # Stop strings: the front end finds them in the text and aborts the request in the core.
     probe_prompts = _token_prompts(8, 6, 5, 60) + ["Large language models generate"]
     full = ref.generate(probe_prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
@@ -124,14 +127,17 @@ def _mixed_requests(ref: LLM) -> tuple[list[tuple[list, list]], list[tuple[int, 
             stop, at = found
             stops.append((len(prompts), stop, out.outputs[0].text[:at], out.outputs[0].token_ids))
             prompts.append(p)
-            params.append(SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop, "~~never~~"],
-                                         logprobs=1))
+            params.append(
+                SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop, "~~never~~"], logprobs=1)
+            )
     assert len(stops) >= 3, "the probe texts should offer stop strings"
     host_sync_prompts = _token_prompts(5, 3, 4, 90) + ["Paris is the capital of"]
-    host_sync_params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1,
-                                       prompt_logprobs=3)] * 3
-    host_sync_params.append(SamplingParams(n=2, temperature=1.0, seed=21, max_tokens=12, ignore_eos=True,
-                                           prompt_logprobs=0))
+    host_sync_params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=3)
+    ] * 3
+    host_sync_params.append(
+        SamplingParams(n=2, temperature=1.0, seed=21, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    )
     return [(prompts, params), (host_sync_prompts, host_sync_params)], stops
 
 
@@ -141,8 +147,9 @@ def _preemption_requests() -> list[tuple[list, list]]:
     prompts = _token_prompts(1, 32, 3, 200)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)] * 32
     prompts += prompts[:4]
-    params += [SamplingParams(n=2, temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True, logprobs=1)
-               for i in range(4)]
+    params += [
+        SamplingParams(n=2, temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True, logprobs=1) for i in range(4)
+    ]
     return [(prompts, params)]
 
 
@@ -169,10 +176,11 @@ def test_engine_process_matches_in_process(llama_dir, config):
         for row, stop, text, full_ids in stops:
             out = expected[0][row].outputs[0]
             assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, text)
-            assert len(out.token_ids) < len(full_ids) and out.token_ids == full_ids[:len(out.token_ids)]
+            assert len(out.token_ids) < len(full_ids) and out.token_ids == full_ids[: len(out.token_ids)]
         # Seeds per sequence: a request's n samples differ from each other.
-        assert any(len(o.outputs) > 1 and len({tuple(c.token_ids) for c in o.outputs}) == len(o.outputs)
-                   for o in expected[0])
+        assert any(
+            len(o.outputs) > 1 and len({tuple(c.token_ids) for c in o.outputs}) == len(o.outputs) for o in expected[0]
+        )
         for name, llm in others.items():
             for i, (prompts, params) in enumerate(calls):
                 _assert_same_results(llm.generate(prompts, params, use_tqdm=False), expected[i], f"{name} call {i}")
@@ -189,11 +197,11 @@ def test_engine_process_matches_in_process(llama_dir, config):
 
 # ---- `ember serve` in a subprocess --------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def long_dir(tmp_path_factory) -> Path:
     """The tiny model with room for streams of thousands of tokens."""
     return make_checkpoint(tmp_path_factory.mktemp("long") / "llama", "llama", max_position_embeddings=8192)
-
 
 
 def _cmdline(pid: int) -> str:
@@ -216,9 +224,23 @@ class Serve:
         env.pop("EMBER_API_KEY", None)
         with open(log, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ember.server.launch", str(model_dir), "--port", str(self.port),
-                 "--device", "cpu", "--dtype", "float32", *flags],
-                stdout=subprocess.DEVNULL, stderr=err, env=env)
+                [
+                    sys.executable,
+                    "-m",
+                    "ember.server.launch",
+                    str(model_dir),
+                    "--port",
+                    str(self.port),
+                    "--device",
+                    "cpu",
+                    "--dtype",
+                    "float32",
+                    *flags,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+            )
         self.pids: set[int] = set()  # every descendant seen, killed at exit if still there
         self.core_pid = -1
 
@@ -305,7 +327,7 @@ class _Stream:
                     if line.startswith("data: "):
                         self.events.append(line[6:])
                         self.started.set()
-        except BaseException as e:  # reported by the test
+        except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
         finally:
             self.started.set()
@@ -330,11 +352,15 @@ def _polite_close(sock: socket.socket) -> None:
 
 def _all_idle(server: Serve) -> bool:
     m = server.metrics()
-    return (m["ember:kv_cache_usage_perc"], m["ember:num_requests_running"],
-            m["ember:num_requests_waiting"]) == (0, 0, 0)
+    return (m["ember:kv_cache_usage_perc"], m["ember:num_requests_running"], m["ember:num_requests_waiting"]) == (
+        0,
+        0,
+        0,
+    )
 
 
 # ---- 2. vanishing clients free every KV block ---------------------------------------------------
+
 
 def test_64_vanishing_streams_free_every_kv_block(long_dir, tmp_path):
     # 0.25 GiB holds 64 streams of the full 8192-token context: nothing waits or is preempted.
@@ -350,8 +376,10 @@ def test_64_vanishing_streams_free_every_kv_block(long_dir, tmp_path):
                     body["prompt"] = [5 + i, 17, 99, 203, 40 + i]
                 socks.append(raw_post(server.url, path, body))
             # Non-streaming requests whose client goes away are aborted the same way.
-            plain = [raw_post(server.url, "/v1/completions", {**LONG, "max_tokens": 7000, "prompt": [7, i, 9, 11]})
-                     for i in range(8)]
+            plain = [
+                raw_post(server.url, "/v1/completions", {**LONG, "max_tokens": 7000, "prompt": [7, i, 9, 11]})
+                for i in range(8)
+            ]
             for sock in socks:
                 _wait_for_data(sock)
             wait_until(lambda: server.metrics()["ember:num_requests_running"] == 72, timeout=30)
@@ -374,6 +402,7 @@ def test_64_vanishing_streams_free_every_kv_block(long_dir, tmp_path):
 
 
 # ---- 3. the core killed mid-stream --------------------------------------------------------------
+
 
 def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits_1(long_dir, tmp_path):
     with Serve(long_dir, tmp_path / "serve.err", "--kv-cache-memory", "0.05") as server:
@@ -413,12 +442,23 @@ def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits
 
 # ---- 4. SIGTERM under load ---------------------------------------------------------------------
 
+
 def test_sigterm_under_load_finishes_running_streams_then_both_processes_exit_0(long_dir, tmp_path):
     with Serve(long_dir, tmp_path / "serve.err", "--kv-cache-memory", "0.05", "--shutdown-timeout", "60") as server:
         core = server.core_pid
         max_tokens = 1500
-        streams = [_Stream(server.url, {**LONG, "prompt": [9, 17, i, 203, 40], "max_tokens": max_tokens,
-                                        "stream_options": {"include_usage": True}}) for i in range(4)]
+        streams = [
+            _Stream(
+                server.url,
+                {
+                    **LONG,
+                    "prompt": [9, 17, i, 203, 40],
+                    "max_tokens": max_tokens,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+            for i in range(4)
+        ]
         for s in streams:
             assert s.started.wait(30) and s.events
         wait_until(lambda: server.metrics()["ember:num_requests_running"] == 4, timeout=30)
@@ -444,6 +484,7 @@ def test_sigterm_under_load_finishes_running_streams_then_both_processes_exit_0(
 
 # ---- 5. the front end killed --------------------------------------------------------------------
 
+
 def test_kill_9_of_the_front_end_ends_the_core(llama_dir, tmp_path):
     with Serve(llama_dir, tmp_path / "serve.err", "--kv-cache-memory", "0.02") as server:
         core = server.core_pid
@@ -458,6 +499,7 @@ def test_kill_9_of_the_front_end_ends_the_core(llama_dir, tmp_path):
 
 # ---- 6. a core that cannot start ----------------------------------------------------------------
 
+
 def test_core_start_failure_is_a_one_line_error_naming_the_file(llama_dir, tmp_path):
     model = tmp_path / "corrupt"
     model.mkdir()
@@ -466,8 +508,14 @@ def test_core_start_failure_is_a_one_line_error_naming_the_file(llama_dir, tmp_p
     weights = model / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)  # an interrupted download
     env = {**os.environ, "EMBER_LOGGING_LEVEL": "WARNING"}
-    r = subprocess.run([sys.executable, "-m", "ember.server.launch", str(model), "--port", "0", "--device", "cpu"],
-                       capture_output=True, text=True, env=env, timeout=120, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "ember.server.launch", str(model), "--port", "0", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines and lines[-1].startswith("error:"), r.stderr
@@ -476,6 +524,7 @@ def test_core_start_failure_is_a_one_line_error_naming_the_file(llama_dir, tmp_p
 
 
 # ---- 7. no torch in the front end ---------------------------------------------------------------
+
 
 def test_front_end_never_imports_torch(llama_dir, tmp_path):
     with Serve(llama_dir, tmp_path / "serve.err", "--kv-cache-memory", "0.02") as server:

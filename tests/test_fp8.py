@@ -61,6 +61,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ---------------------------------------------------------------- weight quantization
 
+
 @pytest.mark.parametrize("n,k", [(256, 384), (200, 300), (1, 129)])
 def test_block_quantization_scales_each_128x128_tile(n: int, k: int) -> None:
     """One scale per tile (ragged edge tiles included) mapping the tile's largest weight to 448, and
@@ -71,14 +72,18 @@ def test_block_quantization_scales_each_128x128_tile(n: int, k: int) -> None:
     rows, cols = -(-n // 128), -(-k // 128)
     assert q.kind == "fp8" and q.qweight.dtype == FP8_DTYPE and q.block_rows == 128 and q.group_size == 128
     assert q.scales.shape == (rows, cols) and q.scales.dtype == torch.float32
-    tile_max = torch.stack([torch.stack([w[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128].abs().max()
-                                         for c in range(cols)]) for r in range(rows)])
+    tile_max = torch.stack(
+        [
+            torch.stack([w[r * 128 : (r + 1) * 128, c * 128 : (c + 1) * 128].abs().max() for c in range(cols)])
+            for r in range(rows)
+        ]
+    )
     torch.testing.assert_close(q.scales * 448, tile_max, rtol=1e-6, atol=0)
     err = (dequantize(q) - w).abs()
     scale = dequantize(QuantizedWeight("fp8", torch.ones(n, k).to(FP8_DTYPE), q.scales, None, 128, k, 128))
-    normal = w.abs() >= 2 ** -6 * scale  # e4m3's normal range: 3 mantissa bits, relative step 2^-3
-    assert (err[normal] <= w.abs()[normal] * 2 ** -4 * (1 + 1e-6)).all()
-    assert (err[~normal] <= 2 ** -10 * scale[~normal] * (1 + 1e-6)).all()  # subnormal step 2^-9
+    normal = w.abs() >= 2**-6 * scale  # e4m3's normal range: 3 mantissa bits, relative step 2^-3
+    assert (err[normal] <= w.abs()[normal] * 2**-4 * (1 + 1e-6)).all()
+    assert (err[~normal] <= 2**-10 * scale[~normal] * (1 + 1e-6)).all()  # subnormal step 2^-9
 
 
 def test_per_channel_stays_available_as_ptpc_fp8() -> None:
@@ -91,13 +96,14 @@ def test_per_channel_stays_available_as_ptpc_fp8() -> None:
 
 # ---------------------------------------------------------------- activation quantization
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k,group", [(5, 300, 128), (3, 256, 128), (4, 200, 200), (1, 1000, 64)])
 def test_activation_groups_match_reference_bit_for_bit(m: int, k: int, group: int, dtype: torch.dtype) -> None:
     """Codes and scales exactly as the PyTorch quantizer gives them, over values that saturate,
     round into subnormals, a zero group and a ragged last group."""
     gen = _gen(m, k, group, dtype)
-    x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10
     x[0, :group] = 0.0  # an all-zero group: scale the smallest normal, codes 0
     x[-1, 1:5] = torch.tensor([3e4, -3e-6, 1e-5, -0.0])
     x = x.to(dtype).to(DEVICE)
@@ -113,6 +119,7 @@ def test_activation_groups_match_reference_bit_for_bit(m: int, k: int, group: in
 
 # ---------------------------------------------------------------- block-scaled GEMM
 
+
 def random_fp8_weight(n: int, k: int, block_rows: int, group: int, gen: torch.Generator) -> QuantizedWeight:
     """Codes over e4m3's whole finite range and scales spread over four decades (so a misplaced scale
     shows); the scales are views into a tensor one row and column wider whose spares are NaN, so a
@@ -121,20 +128,25 @@ def random_fp8_weight(n: int, k: int, block_rows: int, group: int, gen: torch.Ge
     rows, cols = -(-n // block_rows), -(-k // group)
     spare = torch.full((rows + 1, cols + 1), float("nan"))
     spare[:rows, :cols] = 10 ** (torch.rand(rows, cols, generator=gen) * 4 - 6)
-    return QuantizedWeight("fp8", codes.to(FP8_DTYPE).to(DEVICE), spare[:rows, :cols].to(DEVICE), None, group, k,
-                           block_rows)
+    return QuantizedWeight(
+        "fp8", codes.to(FP8_DTYPE).to(DEVICE), spare[:rows, :cols].to(DEVICE), None, group, k, block_rows
+    )
 
 
 GEMM_CASES = [  # (M, N, K, block_rows, group): ragged N and K edges, per-channel rows, one row (decode)
-    (1, 200, 300, 128, 128), (17, 130, 257, 128, 128), (33, 64, 128, 128, 128), (4, 96, 640, 1, 128),
+    (1, 200, 300, 128, 128),
+    (17, 130, 257, 128, 128),
+    (33, 64, 128, 128, 128),
+    (4, 96, 640, 1, 128),
     (2, 48, 160, 128, 32),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,block_rows,group", GEMM_CASES)
-def test_block_matmul_matches_float64_reference(m: int, n: int, k: int, block_rows: int, group: int,
-                                                dtype: torch.dtype) -> None:
+def test_block_matmul_matches_float64_reference(
+    m: int, n: int, k: int, block_rows: int, group: int, dtype: torch.dtype
+) -> None:
     gen = _gen(m, n, k, block_rows, group, dtype)
     w = random_fp8_weight(n, k, block_rows, group, gen)
     x = (torch.randn(m, k, generator=gen) * 3).to(DEVICE)
@@ -145,7 +157,7 @@ def test_block_matmul_matches_float64_reference(m: int, n: int, k: int, block_ro
     # Each output within a fraction of the sum of its products' magnitudes: the interpreter adds in
     # float32; Hopper's fp8 tensor cores keep ~14 mantissa bits while adding up one K group (DeepSeek-V3
     # report, 3.3.2), which left 2.2e-4 of the largest output on the H200 against 1e-5 here.
-    rel = {torch.float32: 2 ** -10 if DEVICE == "cuda" else 1e-5, torch.bfloat16: 1e-2}[dtype]
+    rel = {torch.float32: 2**-10 if DEVICE == "cuda" else 1e-5, torch.bfloat16: 1e-2}[dtype]
     abs_w = dataclasses.replace(w, qweight=w.qweight.float().abs().to(FP8_DTYPE))
     magnitude = fp8_block_matmul_ref(xq.float().abs().to(FP8_DTYPE), x_scales, abs_w, torch.float64)
     assert ((out.double() - ref).abs() <= rel * magnitude).all()
@@ -181,6 +193,7 @@ def test_block_matmul_refuses_other_formats() -> None:
 
 # ---------------------------------------------------------------- the quantized layers
 
+
 @pytest.mark.parametrize("method", ["fp8", "ptpc_fp8"])
 def test_cpu_emulation_is_w8a8_and_close_to_the_float_layer(method: str) -> None:
     """On CPU an fp8 layer computes exactly the W8A8 product (activation codes times weight codes,
@@ -192,8 +205,7 @@ def test_cpu_emulation_is_w8a8_and_close_to_the_float_layer(method: str) -> None
     x = torch.randn(6, 300, generator=gen)
     xq, x_scales = quantize_fp8_activations(x, w.group_size)
     out = layer(x)
-    torch.testing.assert_close(out.double(), fp8_block_matmul_ref(xq, x_scales, w, torch.float64),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), fp8_block_matmul_ref(xq, x_scales, w, torch.float64), atol=1e-5, rtol=1e-5)
     exact = x @ dense.T
     assert torch.linalg.norm(out - exact) <= 0.06 * torch.linalg.norm(exact)
 
@@ -237,6 +249,7 @@ def test_embedding_rows_read_their_block_scales() -> None:
 
 # ---------------------------------------------------------------- fp8 KV cache with per-head scales
 
+
 def head_scales(num_kv_heads: int, lo: float, hi: float) -> torch.Tensor:
     """Scales a decade apart across heads, so a head read with its neighbour's scale shows."""
     return torch.logspace(math.log10(lo), math.log10(hi), num_kv_heads, dtype=torch.float32)
@@ -266,11 +279,20 @@ def test_per_head_scales_store_and_attend_like_the_torch_path(dtype: torch.dtype
     torch.testing.assert_close(kernel_out.float(), torch_out.float(), atol=tol, rtol=0)
 
     nd = meta.num_decodes
-    decode_ref = paged_decode_attention_ref(cpu["q"][:nd].float(), torch_k, torch_v, meta.block_tables[:nd],
-                                            meta.seq_lens[:nd], head_dim ** -0.5, **scales)
-    prefill_ref = paged_prefill_attention_ref(cpu["q"].float(), torch_k, torch_v, meta.block_tables[nd:],
-                                              meta.seq_lens[nd:], meta.query_start_loc[nd:], meta.max_query_len,
-                                              head_dim ** -0.5, **scales)
+    decode_ref = paged_decode_attention_ref(
+        cpu["q"][:nd].float(), torch_k, torch_v, meta.block_tables[:nd], meta.seq_lens[:nd], head_dim**-0.5, **scales
+    )
+    prefill_ref = paged_prefill_attention_ref(
+        cpu["q"].float(),
+        torch_k,
+        torch_v,
+        meta.block_tables[nd:],
+        meta.seq_lens[nd:],
+        meta.query_start_loc[nd:],
+        meta.max_query_len,
+        head_dim**-0.5,
+        **scales,
+    )
     torch.testing.assert_close(kernel_out[:nd].float(), decode_ref, atol=tol, rtol=0)
     torch.testing.assert_close(kernel_out[nd:].float(), prefill_ref[nd:], atol=tol, rtol=0)
 
@@ -280,11 +302,19 @@ def test_equal_per_head_scales_read_as_the_layer_scale() -> None:
     hk = cpu["k"].shape[1]
     t = {name: x.to(DEVICE) for name, x in cpu.items()}
     tables, lens = meta.block_tables[:2].to(DEVICE), meta.seq_lens[:2].to(DEVICE)
-    layer = paged_decode_attention(t["q"][:2], t["k_cache"], t["v_cache"], tables, lens, 0.125, k_scale=0.02,
-                                   v_scale=0.5)
-    per_head = paged_decode_attention(t["q"][:2], t["k_cache"], t["v_cache"], tables, lens, 0.125,
-                                      k_scale=torch.full((hk,), 0.02, device=DEVICE),
-                                      v_scale=torch.full((hk,), 0.5, device=DEVICE))
+    layer = paged_decode_attention(
+        t["q"][:2], t["k_cache"], t["v_cache"], tables, lens, 0.125, k_scale=0.02, v_scale=0.5
+    )
+    per_head = paged_decode_attention(
+        t["q"][:2],
+        t["k_cache"],
+        t["v_cache"],
+        tables,
+        lens,
+        0.125,
+        k_scale=torch.full((hk,), 0.02, device=DEVICE),
+        v_scale=torch.full((hk,), 0.5, device=DEVICE),
+    )
     torch.testing.assert_close(per_head, layer, atol=1e-2, rtol=1e-2)
 
 

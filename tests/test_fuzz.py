@@ -32,9 +32,14 @@ from ember.server.protocol import ChatCompletionRequest, CompletionRequest, Deto
 
 # Every route the app has, and the model of the body it reads (None: no body).
 ROUTES = {
-    ("GET", "/health"): None, ("GET", "/version"): None, ("GET", "/metrics"): None, ("GET", "/v1/models"): None,
-    ("POST", "/tokenize"): TokenizeRequest, ("POST", "/detokenize"): DetokenizeRequest,
-    ("POST", "/reset_prefix_cache"): None, ("POST", "/v1/completions"): CompletionRequest,
+    ("GET", "/health"): None,
+    ("GET", "/version"): None,
+    ("GET", "/metrics"): None,
+    ("GET", "/v1/models"): None,
+    ("POST", "/tokenize"): TokenizeRequest,
+    ("POST", "/detokenize"): DetokenizeRequest,
+    ("POST", "/reset_prefix_cache"): None,
+    ("POST", "/v1/completions"): CompletionRequest,
     ("POST", "/v1/chat/completions"): ChatCompletionRequest,
 }
 # Per operation, for the fuzzing phase; the coverage phase adds its own boundary cases. A deeper local
@@ -55,14 +60,16 @@ def _resolve(document: dict, ref: str) -> dict:
 
 def _refs(node) -> list[str]:
     if isinstance(node, dict):
-        return ([node["$ref"]] if isinstance(node.get("$ref"), str) else []) + [r for v in node.values()
-                                                                               for r in _refs(v)]
+        return ([node["$ref"]] if isinstance(node.get("$ref"), str) else []) + [
+            r for v in node.values() for r in _refs(v)
+        ]
     if isinstance(node, list):
         return [r for v in node for r in _refs(v)]
     return []
 
 
 # ---- the document ---------------------------------------------------------------------------
+
 
 def test_openapi_lists_every_route_with_its_request_and_response_schemas():
     app = build_app(_settings())
@@ -71,8 +78,9 @@ def test_openapi_lists_every_route_with_its_request_and_response_schemas():
     docs_page = client.get("/docs")
     assert doc["info"]["title"] == "Ember"
     listed = {(method.upper(), path): op for path, ops in doc["paths"].items() for method, op in ops.items()}
-    routed = {(m, r.path) for module in (chat, completions, health, models) for r in module.router.routes
-              for m in r.methods}
+    routed = {
+        (m, r.path) for module in (chat, completions, health, models) for r in module.router.routes for m in r.methods
+    }
     assert set(listed) == routed == set(ROUTES)
     for key, model in ROUTES.items():
         op = listed[key]
@@ -90,18 +98,27 @@ def test_openapi_lists_every_route_with_its_request_and_response_schemas():
         for status, response in op["responses"].items():
             if status != "200":
                 assert response["content"]["application/json"]["schema"] == {
-                    "$ref": "#/components/schemas/ErrorResponse"}, (key, status)
+                    "$ref": "#/components/schemas/ErrorResponse"
+                }, (key, status)
     # Each answer's model, and streams as server-sent events of their chunk model.
-    for key, name in [(("POST", "/v1/completions"), "CompletionResponse"), (("GET", "/v1/models"), "ModelList"),
-                      (("POST", "/v1/chat/completions"), "ChatCompletionResponse"),
-                      (("POST", "/tokenize"), "TokenizeResponse"), (("POST", "/detokenize"), "DetokenizeResponse")]:
+    for key, name in [
+        (("POST", "/v1/completions"), "CompletionResponse"),
+        (("GET", "/v1/models"), "ModelList"),
+        (("POST", "/v1/chat/completions"), "ChatCompletionResponse"),
+        (("POST", "/tokenize"), "TokenizeResponse"),
+        (("POST", "/detokenize"), "DetokenizeResponse"),
+    ]:
         assert listed[key]["responses"]["200"]["content"]["application/json"]["schema"] == {
-            "$ref": f"#/components/schemas/{name}"}
-    for key, chunk in [(("POST", "/v1/completions"), "CompletionResponse"),
-                       (("POST", "/v1/chat/completions"), "ChatCompletionChunk")]:
+            "$ref": f"#/components/schemas/{name}"
+        }
+    for key, chunk in [
+        (("POST", "/v1/completions"), "CompletionResponse"),
+        (("POST", "/v1/chat/completions"), "ChatCompletionChunk"),
+    ]:
         events = listed[key]["responses"]["200"]["content"]["text/event-stream"]["itemSchema"]
-        assert {"$ref": f"#/components/schemas/{chunk}"} in events["properties"]["data"]["anyOf"][0][
-            "contentSchema"]["anyOf"]
+        assert {"$ref": f"#/components/schemas/{chunk}"} in events["properties"]["data"]["anyOf"][0]["contentSchema"][
+            "anyOf"
+        ]
         assert set(listed[key]["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503"}
     assert set(listed[("GET", "/health")]["responses"]) == {"200", "503"}
     assert "content" not in listed[("GET", "/health")]["responses"]["200"]
@@ -121,8 +138,14 @@ def test_openapi_with_an_api_key_declares_bearer_auth_and_stays_open():
     assert client.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 503  # no engine
     assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     secured = {path for path, ops in doc["paths"].items() for op in ops.values() if "security" in op}
-    assert secured == {"/v1/models", "/tokenize", "/detokenize", "/reset_prefix_cache", "/v1/completions",
-                       "/v1/chat/completions"}
+    assert secured == {
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/reset_prefix_cache",
+        "/v1/completions",
+        "/v1/chat/completions",
+    }
 
 
 def _serve_settings(argv: list[str]) -> ServerSettings:
@@ -153,6 +176,7 @@ def test_disable_fastapi_docs_removes_the_document_and_its_pages(how, tmp_path):
 
 # ---- fuzzing a running server ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def fuzzed_server(llama_dir):
     with ServerThread(tiny_engine(llama_dir, max_model_len=MAX_MODEL_LEN)) as s:
@@ -171,8 +195,9 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def api_schema(fuzzed_server):
-    return schemathesis.openapi.from_url(fuzzed_server.url + "/openapi.json",
-                                         config=schemathesis.Config.from_dict(CONFIG))
+    return schemathesis.openapi.from_url(
+        fuzzed_server.url + "/openapi.json", config=schemathesis.Config.from_dict(CONFIG)
+    )
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
@@ -190,8 +215,9 @@ def _schemathesis_node_id(request):
 @schema.parametrize()
 @hypothesis.settings(deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
 def test_fuzz_every_operation(case):
-    case.call_and_validate(checks=[not_a_server_error, status_code_conformance, content_type_conformance,
-                                   response_schema_conformance])
+    case.call_and_validate(
+        checks=[not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    )
 
 
 def test_fuzzing_left_no_request_behind(fuzzed_server):
@@ -201,8 +227,12 @@ def test_fuzzing_left_no_request_behind(fuzzed_server):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         stats = engine.scheduler_stats
-        if (engine.num_live_requests == 0 and stats is not None and stats.num_running == stats.num_waiting == 0
-                and stats.kv_cache_usage == 0):
+        if (
+            engine.num_live_requests == 0
+            and stats is not None
+            and stats.num_running == stats.num_waiting == 0
+            and stats.kv_cache_usage == 0
+        ):
             break
         time.sleep(0.05)
     stats = engine.scheduler_stats

@@ -54,8 +54,9 @@ def _f16(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float16)
 
 
-def _write_tiny(path: str, arch: str = "llama", tensor_types: dict[str, QType] | None = None,
-                extra_tokens: tuple[str, ...] = ()) -> dict:
+def _write_tiny(
+    path: str, arch: str = "llama", tensor_types: dict[str, QType] | None = None, extra_tokens: tuple[str, ...] = ()
+) -> dict:
     """Write a 2-layer model and return the HF-layout weights it should load back as."""
     rng = np.random.default_rng(0)
     vocab = _vocab() + list(extra_tokens)
@@ -152,7 +153,11 @@ def test_tiny_config(tiny: tuple[str, dict]) -> None:
         "eos_token_id": 2,
         "torch_dtype": "float32",
     }
-    assert (model.vocab.bos_token, model.vocab.eos_token, model.vocab.eos_token_ids) == ("<|im_start|>", "<|im_end|>", [2])
+    assert (model.vocab.bos_token, model.vocab.eos_token, model.vocab.eos_token_ids) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        [2],
+    )
     assert model.add_bos_token is True
     assert model.vocab.chat_template == TEMPLATE
 
@@ -182,8 +187,14 @@ def _write_minimal(
 ) -> None:
     """A one-layer llama header with a byte-level or SentencePiece vocabulary and the given tensors."""
     writer = gguf.GGUFWriter(path, "llama")
-    for add, value in [("add_context_length", 64), ("add_embedding_length", 32), ("add_feed_forward_length", 64),
-                       ("add_block_count", 1), ("add_head_count", 2), ("add_layer_norm_rms_eps", 1e-6)]:
+    for add, value in [
+        ("add_context_length", 64),
+        ("add_embedding_length", 32),
+        ("add_feed_forward_length", 64),
+        ("add_block_count", 1),
+        ("add_head_count", 2),
+        ("add_layer_norm_rms_eps", 1e-6),
+    ]:
         getattr(writer, add)(value)
     writer.add_tokenizer_model(tokenizer)
     if tokenizer == "gpt2":
@@ -233,9 +244,31 @@ def test_qwen_is_not_permuted(tmp_path, arch: str) -> None:
 SPM_VOCAB = (
     [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)]
     + [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
-    + [(t, -float(i), 1) for i, t in enumerate(["\u2581", "h", "e", "l", "o", "w", "r", "d",
-                                                 "\u2581h", "ll", "\u2581he", "\u2581hell", "\u2581hello",
-                                                 "\u2581w", "or", "\u2581wor", "ld", "\u2581world"])]
+    + [
+        (t, -float(i), 1)
+        for i, t in enumerate(
+            [
+                "\u2581",
+                "h",
+                "e",
+                "l",
+                "o",
+                "w",
+                "r",
+                "d",
+                "\u2581h",
+                "ll",
+                "\u2581he",
+                "\u2581hell",
+                "\u2581hello",
+                "\u2581w",
+                "or",
+                "\u2581wor",
+                "ld",
+                "\u2581world",
+            ]
+        )
+    ]
 )
 
 
@@ -246,9 +279,7 @@ def test_sentencepiece_tokenizer(tmp_path) -> None:
     assert model.add_bos_token is True  # llama.cpp's default for SentencePiece vocabularies
     tokens = [token for token, _, _ in SPM_VOCAB]
     encoding = model.tokenizer.encode("hello world é")
-    assert [tokens[i] for i in encoding.ids] == [
-        "<s>", "\u2581hello", "\u2581world", "\u2581", "<0xC3>", "<0xA9>"
-    ]
+    assert [tokens[i] for i in encoding.ids] == ["<s>", "\u2581hello", "\u2581world", "\u2581", "<0xC3>", "<0xA9>"]
     assert model.tokenizer.decode(encoding.ids) == "hello world é"
     assert model.tokenizer.decode(model.tokenizer.encode("</s>").ids, skip_special_tokens=False) == "<s></s>"
 
@@ -262,8 +293,11 @@ def test_merge_of_unknown_tokens(tmp_path) -> None:
 def test_unknown_tensor_name(tmp_path) -> None:
     path = str(tmp_path / "odd.gguf")
     _write_minimal(path, {"blk.0.ffn_gate_exps.weight": np.ones((4, 32), dtype=np.float32)})
-    _assert_load_error(path, r"unexpected tensor 'blk.0.ffn_gate_exps.weight' for architecture 'llama' "
-                             r"\(supported: token_embd.weight, .*blk.N.ffn_down.weight")
+    _assert_load_error(
+        path,
+        r"unexpected tensor 'blk.0.ffn_gate_exps.weight' for architecture 'llama' "
+        r"\(supported: token_embd.weight, .*blk.N.ffn_down.weight",
+    )
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -294,15 +328,20 @@ def test_garbage_and_truncated_files(tmp_path, tiny: tuple[str, dict]) -> None:
 def test_unsupported_architecture(tmp_path) -> None:
     path = str(tmp_path / "gpt2.gguf")
     _write_tiny(path, arch="gpt2")
-    _assert_load_error(path, r"unsupported architecture 'gpt2' \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
-                             r"qwen3moe, gpt-oss\)")
+    _assert_load_error(
+        path,
+        r"unsupported architecture 'gpt2' \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
+        r"qwen3moe, gpt-oss\)",
+    )
 
 
 def test_unsupported_tensor_type(tmp_path) -> None:
     """I8 is a GGUF type llama-quantize never writes for weights; the error lists what loads."""
     path = str(tmp_path / "i8.gguf")
     _write_minimal(path, {"token_embd.weight": np.ones((257, 32), dtype=np.int8)})
-    _assert_load_error(path, r"tensor 'token_embd.weight' has unsupported type I8 \(supported: F32, F16, Q4_0, .*MXFP4\)")
+    _assert_load_error(
+        path, r"tensor 'token_embd.weight' has unsupported type I8 \(supported: F32, F16, Q4_0, .*MXFP4\)"
+    )
 
 
 # --- the real default model, against transformers' own GGUF loader -------------------------------

@@ -120,11 +120,19 @@ def test_kept_form_and_memory(qtype: QType) -> None:
 SHAPE = ModelShape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, vocab=320, arch="llama")
 MIX = {
     "token_embd": QType.Q5_1,
-    "blk.0.attn_q": QType.Q3_K, "blk.0.attn_k": QType.IQ4_NL, "blk.0.attn_v": QType.Q5_0,
-    "blk.0.attn_output": QType.IQ4_XS, "blk.0.ffn_gate": QType.Q2_K, "blk.0.ffn_up": QType.TQ2_0,
+    "blk.0.attn_q": QType.Q3_K,
+    "blk.0.attn_k": QType.IQ4_NL,
+    "blk.0.attn_v": QType.Q5_0,
+    "blk.0.attn_output": QType.IQ4_XS,
+    "blk.0.ffn_gate": QType.Q2_K,
+    "blk.0.ffn_up": QType.TQ2_0,
     "blk.0.ffn_down": QType.IQ2_XXS,
-    "blk.1.attn_q": QType.MXFP4, "blk.1.attn_k": QType.TQ1_0, "blk.1.attn_v": QType.BF16,
-    "blk.1.attn_output": QType.IQ3_S, "blk.1.ffn_gate": QType.F16, "blk.1.ffn_up": QType.Q6_K,
+    "blk.1.attn_q": QType.MXFP4,
+    "blk.1.attn_k": QType.TQ1_0,
+    "blk.1.attn_v": QType.BF16,
+    "blk.1.attn_output": QType.IQ3_S,
+    "blk.1.ffn_gate": QType.F16,
+    "blk.1.ffn_up": QType.Q6_K,
     "blk.1.ffn_down": QType.Q5_K,
 }
 
@@ -153,8 +161,14 @@ def test_mixed_model_tensors_kept_equal_decoded(mixed_model: str, caplog: pytest
     assert kept["model.layers.0.mlp.down_proj.weight"].kind == "int8"  # IQ2_XXS
     assert kept["model.layers.0.mlp.gate_proj.weight"].kind == "int4"  # Q2_K
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("mixed.gguf: "))
-    for part in ("BF16 x 1 -> float", "F32 x 5 -> float", "IQ2_XXS x 1 -> int8 g32 (kept)",
-                 "Q2_K x 1 -> int4 g16 (kept)", "Q5_1 x 1 -> int8 g32 (kept)", "TQ1_0 x 1 -> int8 g256 (kept)"):
+    for part in (
+        "BF16 x 1 -> float",
+        "F32 x 5 -> float",
+        "IQ2_XXS x 1 -> int8 g32 (kept)",
+        "Q2_K x 1 -> int4 g16 (kept)",
+        "Q5_1 x 1 -> int8 g32 (kept)",
+        "TQ1_0 x 1 -> int8 g256 (kept)",
+    ):
         assert part in line
 
 
@@ -165,8 +179,14 @@ def test_mixed_model_generates_the_float_decodings_tokens(mixed_model: str) -> N
     prompts = [{"prompt_token_ids": [5 + (i * 37) % 300 for i in range(n)]} for n in (3, 20)]
     outs = {}
     for mode in ("gguf", "none"):
-        llm = LLM(mixed_model, quantization=mode, dtype="float32", kv_cache_memory=0.01, max_model_len=128,
-                  engine_process=False)
+        llm = LLM(
+            mixed_model,
+            quantization=mode,
+            dtype="float32",
+            kv_cache_memory=0.01,
+            max_model_len=128,
+            engine_process=False,
+        )
         outs[mode] = llm.generate(prompts, params, use_tqdm=False)
     for kept, dense in zip(outs["gguf"], outs["none"]):
         assert kept.outputs[0].token_ids == dense.outputs[0].token_ids

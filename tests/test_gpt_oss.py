@@ -88,8 +88,11 @@ def test_sinks_change_the_output(checkpoint, references, tmp_path):
     """The references depend on the sinks: with every sink at -inf (no sink) the tokens differ."""
     d = shutil.copytree(checkpoint, tmp_path / "no-sinks")
     tensors = load_file(d / "model.safetensors")
-    save_file({n: torch.full_like(t, -1e4) if n.endswith(".sinks") else t for n, t in tensors.items()},
-              d / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {n: torch.full_like(t, -1e4) if n.endswith(".sinks") else t for n, t in tensors.items()},
+        d / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     outs = _llm(d).generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] != [tokens for tokens, _ in references]
 
@@ -100,12 +103,15 @@ def test_yarn_table_is_transformers():
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
-    for rope in ({"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
-                 {"factor": 8.0},
-                 {"factor": 4.0, "attention_factor": 1.25, "beta_fast": 16.0, "beta_slow": 2.0}):
+    for rope in (
+        {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+        {"factor": 8.0},
+        {"factor": 4.0, "attention_factor": 1.25, "beta_fast": 16.0, "beta_slow": 2.0},
+    ):
         params = {"rope_type": "yarn", "rope_theta": 150000.0, "original_max_position_embeddings": 64, **rope}
-        hf_cfg = GptOssConfig(head_dim=16, hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
-                              rope_parameters=params)
+        hf_cfg = GptOssConfig(
+            head_dim=16, hidden_size=64, num_attention_heads=4, max_position_embeddings=512, rope_parameters=params
+        )
         positions = torch.arange(300)[None]
         cos, sin = GptOssRotaryEmbedding(hf_cfg)(torch.zeros(1, dtype=torch.float32), positions)
         cfg = ModelConfig.from_hf_config({**hf_cfg.to_dict(), "architectures": ["GptOssForCausalLM"]})
@@ -157,9 +163,22 @@ def mxfp4_pair(checkpoint, tmp_path_factory) -> tuple[Path, Path]:
             packed[name] = decoded[name] = t
     save_file(packed, mxfp4 / "model.safetensors", metadata={"format": "pt"})
     save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
-    (mxfp4 / "config.json").write_text(json.dumps({**_config(checkpoint), "quantization_config": {
-        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                            "model.embed_tokens", "lm_head"]}}))
+    (mxfp4 / "config.json").write_text(
+        json.dumps(
+            {
+                **_config(checkpoint),
+                "quantization_config": {
+                    "quant_method": "mxfp4",
+                    "modules_to_not_convert": [
+                        "model.layers.*.self_attn",
+                        "model.layers.*.mlp.router",
+                        "model.embed_tokens",
+                        "lm_head",
+                    ],
+                },
+            }
+        )
+    )
     return mxfp4, twin
 
 
@@ -199,8 +218,7 @@ def test_mxfp4_checkpoint_matches_its_decoded_twin(mxfp4_pair):
     for a, b in zip(*outputs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in x.items()} == pytest.approx({t: v.logprob for t, v in y.items()},
-                                                                          abs=1e-5)
+            assert {t: v.logprob for t, v in x.items()} == pytest.approx({t: v.logprob for t, v in y.items()}, abs=1e-5)
 
 
 def test_mxfp4_unpaired_blocks_are_named(mxfp4_pair, tmp_path):
@@ -215,13 +233,23 @@ def test_mxfp4_unpaired_blocks_are_named(mxfp4_pair, tmp_path):
 
 # --- GGUF: llama.cpp's gpt-oss architecture --------------------------------------------------------
 
-_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
-               "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
-               "mlp.router.bias": "ffn_gate_inp.bias",
-               **{f"self_attn.{p}_proj.{s}": f"attn_{g}.{s}" for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
-                  for s in ("weight", "bias")}}
-_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+    **{
+        f"self_attn.{p}_proj.{s}": f"attn_{g}.{s}"
+        for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
+        for s in ("weight", "bias")
+    },
+}
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 # experts as llama.cpp's converter writes OpenAI's checkpoints: MXFP4 (down here in Q8_0, a second format)
 _EXPERT_TYPES = {"ffn_gate_exps": QType.MXFP4, "ffn_up_exps": QType.MXFP4, "ffn_down_exps": QType.Q8_0}
 
@@ -265,7 +293,9 @@ def _write_gguf(src: Path, path: Path, twin: Path) -> None:
         _, _, layer, rest = name.split(".", 3)
         blk = f"blk.{layer}"
         if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate and up interleaved
-            gate = _quantized(w, f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(weight[..., 0::2].transpose(0, 2, 1)))
+            gate = _quantized(
+                w, f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(weight[..., 0::2].transpose(0, 2, 1))
+            )
             up = _quantized(w, f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(weight[..., 1::2].transpose(0, 2, 1)))
             decoded[name] = np.stack([gate, up], axis=-1).transpose(0, 2, 1, 3).reshape(weight.shape).copy()
         elif rest == "mlp.experts.down_proj":  # [E, I, H]
@@ -301,8 +331,17 @@ def test_gguf_matches_its_dequantized_twin(gguf_pair):
         llm = _llm(model, block_size=8, max_num_batched_tokens=16)
         model_config = inproc_core(llm).runner.model.config
         twin_config = ModelConfig.from_hf_config(_config(twin))
-        for key in ("architecture", "moe", "layer_types", "sliding_window", "rope_theta", "rope_scaling",
-                    "attention_sinks", "o_proj_bias", "attention_bias"):
+        for key in (
+            "architecture",
+            "moe",
+            "layer_types",
+            "sliding_window",
+            "rope_theta",
+            "rope_scaling",
+            "attention_sinks",
+            "o_proj_bias",
+            "attention_bias",
+        ):
             assert getattr(model_config, key) == getattr(twin_config, key), key
         experts = inproc_core(llm).runner.model.model.layers[1].mlp.experts
         if model == path:  # MXFP4 gate/up and Q8_0 down both kept as exact int8 codes per 32
@@ -311,8 +350,7 @@ def test_gguf_matches_its_dequantized_twin(gguf_pair):
     for a, b in zip(*outputs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in x.items()} == pytest.approx({t: v.logprob for t, v in y.items()},
-                                                                          abs=1e-5)
+            assert {t: v.logprob for t, v in x.items()} == pytest.approx({t: v.logprob for t, v in y.items()}, abs=1e-5)
 
 
 # --- the GPU path (every Triton kernel; through the interpreter on CPU) -----------------------------
@@ -329,8 +367,9 @@ def test_triton_path_matches_torch_path(checkpoint, mxfp4_pair, monkeypatch, mod
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
 
     def run() -> list:
-        return _llm(path, kv_cache_memory=0.01, max_num_batched_tokens=16).generate(PROMPTS[2:3], params,
-                                                                                     use_tqdm=False)
+        return _llm(path, kv_cache_memory=0.01, max_num_batched_tokens=16).generate(
+            PROMPTS[2:3], params, use_tqdm=False
+        )
 
     torch_outs = run()
     monkeypatch.setattr(backend, "FORCE_TRITON", True)

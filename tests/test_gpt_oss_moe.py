@@ -33,12 +33,15 @@ def per_token_reference(x, w13, w2, b13, b2, weights, ids, swiglu=SWIGLU) -> tor
     return out
 
 
-@pytest.mark.parametrize("kind,dtype,m,e,k,h,inter,config", [
-    (torch.float32, torch.float32, 1, 4, 2, 64, 32, None),
-    (torch.float32, torch.float32, 9, 6, 2, 40, 24, SMALL_TILES),
-    (torch.bfloat16, torch.bfloat16, 5, 8, 3, 64, 32, None),
-    ("int8-g16", torch.float32, 7, 5, 2, 64, 48, SMALL_TILES),  # GGUF/HF MXFP4 experts load as int8 g32
-])
+@pytest.mark.parametrize(
+    "kind,dtype,m,e,k,h,inter,config",
+    [
+        (torch.float32, torch.float32, 1, 4, 2, 64, 32, None),
+        (torch.float32, torch.float32, 9, 6, 2, 40, 24, SMALL_TILES),
+        (torch.bfloat16, torch.bfloat16, 5, 8, 3, 64, 32, None),
+        ("int8-g16", torch.float32, 7, 5, 2, 64, 48, SMALL_TILES),  # GGUF/HF MXFP4 experts load as int8 g32
+    ],
+)
 def test_fused_moe_swiglu_with_biases(kind, dtype, m, e, k, h, inter, config):
     gen = _gen("gpt-oss", kind, dtype, m, e, k)
     w13, w2 = _experts(kind, e, h, inter, gen)
@@ -48,16 +51,29 @@ def test_fused_moe_swiglu_with_biases(kind, dtype, m, e, k, h, inter, config):
     out = fused_moe(hidden, w13, w2, weights, ids, config=config, b13=b13, b2=b2, swiglu=SWIGLU)
     ref = per_token_reference(hidden, w13, w2, b13, b2, weights, ids)
     torch.testing.assert_close(out.double().cpu(), ref, **TOL[dtype])
-    torch.testing.assert_close(fused_moe_ref(hidden.float(), w13, w2, weights, ids, b13=b13, b2=b2, swiglu=SWIGLU)
-                               .double().cpu(), ref, **TOL[dtype])
+    torch.testing.assert_close(
+        fused_moe_ref(hidden.float(), w13, w2, weights, ids, b13=b13, b2=b2, swiglu=SWIGLU).double().cpu(),
+        ref,
+        **TOL[dtype],
+    )
     # the clamps bite: without them the result moves
     unclamped = per_token_reference(hidden, w13, w2, b13, b2, weights, ids, swiglu=(SWIGLU[0], 1e9))
     assert not torch.allclose(unclamped, ref, **TOL[dtype])
 
 
 def _layout(inter: int, rank: int = 0, size: int = 1) -> ShardLayout:
-    return ShardLayout(rank=rank, size=size, head_dim=16, num_heads=4, num_kv_heads=2, kv_head_start=0,
-                       intermediate_size=inter, vocab_size=64, vocab_per_rank=64, moe_intermediate_size=inter // size)
+    return ShardLayout(
+        rank=rank,
+        size=size,
+        head_dim=16,
+        num_heads=4,
+        num_kv_heads=2,
+        kv_head_start=0,
+        intermediate_size=inter,
+        vocab_size=64,
+        vocab_per_rank=64,
+        moe_intermediate_size=inter // size,
+    )
 
 
 def _load(module: FusedExperts, tensors: dict[str, torch.Tensor]) -> FusedExperts:
@@ -72,14 +88,28 @@ def test_torch_expert_path_and_tensor_parallel_halves():
     the per-token reference; two ranks' halves (rank 1 holding no down bias) sum to it."""
     gen = _gen("gpt-oss-torch")
     e, h, inter, m, k = 4, 32, 32, 11, 2
-    gate, up, down, gate_b, up_b, down_b, x = (t.cpu() for t in (
-        _randn(e, inter, h, gen=gen, scale=0.3), _randn(e, inter, h, gen=gen, scale=0.3),
-        _randn(e, h, inter, gen=gen, scale=0.2), _randn(e, inter, gen=gen), _randn(e, inter, gen=gen),
-        _randn(e, h, gen=gen), _randn(m, h, gen=gen, scale=2.0)))
+    gate, up, down, gate_b, up_b, down_b, x = (
+        t.cpu()
+        for t in (
+            _randn(e, inter, h, gen=gen, scale=0.3),
+            _randn(e, inter, h, gen=gen, scale=0.3),
+            _randn(e, h, inter, gen=gen, scale=0.2),
+            _randn(e, inter, gen=gen),
+            _randn(e, inter, gen=gen),
+            _randn(e, h, gen=gen),
+            _randn(m, h, gen=gen, scale=2.0),
+        )
+    )
     weights, ids = (t.cpu() for t in _routing(m, e, k, gen))
     name = "model.layers.0.mlp.experts."
-    tensors = {name + "gate_proj.weight": gate, name + "up_proj.weight": up, name + "down_proj.weight": down,
-               name + "gate_proj.bias": gate_b, name + "up_proj.bias": up_b, name + "down_proj.bias": down_b}
+    tensors = {
+        name + "gate_proj.weight": gate,
+        name + "up_proj.weight": up,
+        name + "down_proj.weight": down,
+        name + "gate_proj.bias": gate_b,
+        name + "up_proj.bias": up_b,
+        name + "down_proj.bias": down_b,
+    }
     ref = per_token_reference(x, torch.cat([gate, up], 1), down, torch.cat([gate_b, up_b], 1), down_b, weights, ids)
     whole = _load(FusedExperts(e, h, _layout(inter), 0, bias=True, swiglu=SWIGLU), tensors)
     torch.testing.assert_close(whole(x, weights, ids).double(), ref, atol=1e-5, rtol=1e-5)

@@ -76,8 +76,11 @@ def test_step_bitmask_rows(manager, default_tokenizer):
     bitmask = manager.start_masks(rows).bitmask.result().numpy()
     words = bitmask.shape[1]
     for row, matcher in enumerate(rows):
-        expected = (np.full(words, -1, np.int32) if matcher is None
-                    else np.frombuffer(matcher.compute_bitmask(), np.int32)[:words])
+        expected = (
+            np.full(words, -1, np.int32)
+            if matcher is None
+            else np.frombuffer(matcher.compute_bitmask(), np.int32)[:words]
+        )
         assert np.array_equal(bitmask[row], expected), row
     assert manager.start_masks([None, None]) is None
 

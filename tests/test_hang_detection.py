@@ -42,6 +42,7 @@ _STATS = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0)
 
 # ---- 1. the verdict ------------------------------------------------------------------------------
 
+
 def test_silence_while_waiting_past_the_heartbeat_timeout_is_a_hang():
     watch = HangWatch(heartbeat_timeout=5.0, iteration_timeout=60.0)
     for _ in range(19):
@@ -158,8 +159,11 @@ def _fake_client(monkeypatch, script: list, heartbeat_timeout: float, iteration_
 
 def _heartbeats(iteration: int, seconds: float, every: float = 0.1, start: float = 0.0) -> list:
     """A loop inside one iteration for `seconds` (from `start` on), as its heartbeat thread reports it."""
-    return [x for k in range(1, round(seconds / every) + 1)
-            for x in (["sleep", every], ["heartbeat", iteration, round(start + k * every, 3)])]
+    return [
+        x
+        for k in range(1, round(seconds / every) + 1)
+        for x in (["sleep", every], ["heartbeat", iteration, round(start + k * every, 3)])
+    ]
 
 
 def _collect(client: MPClient, seconds: float) -> list:
@@ -190,9 +194,13 @@ def test_a_fake_core_stuck_in_one_step_is_reported_once_and_killed(monkeypatch):
 
 
 def test_a_fake_core_in_a_long_step_and_a_client_that_pauses_are_not_hangs(monkeypatch):
-    script = [["sleep", 1.0], ["ready"],  # loading sends no heartbeats: not held against the core
-              *_heartbeats(3, 1.5),  # a 1.5 s step: three heartbeat timeouts long
-              ["outputs"], *_heartbeats(4, 2.0, start=0.0)]
+    script = [
+        ["sleep", 1.0],
+        ["ready"],  # loading sends no heartbeats: not held against the core
+        *_heartbeats(3, 1.5),  # a 1.5 s step: three heartbeat timeouts long
+        ["outputs"],
+        *_heartbeats(4, 2.0, start=0.0),
+    ]
     client = _fake_client(monkeypatch, script, heartbeat_timeout=0.5, iteration_timeout=2.5)
     try:
         client.wait_ready(10)
@@ -213,6 +221,7 @@ def test_a_fake_core_in_a_long_step_and_a_client_that_pauses_are_not_hangs(monke
 
 
 # ---- 3. a real core: LLM(engine_process=True) --------------------------------------------------------
+
 
 def test_llm_with_its_core_stopped_raises_engine_dead_and_the_core_is_killed(llama_dir, monkeypatch):
     monkeypatch.setenv(HEARTBEAT_TIMEOUT_ENV, "0.5")
@@ -245,23 +254,36 @@ def test_llm_with_its_core_stopped_raises_engine_dead_and_the_core_is_killed(lla
 @pytest.fixture(scope="module")
 def wide_dir(tmp_path_factory) -> Path:
     """A model whose 8000-token prefill takes about a second on CPU."""
-    return make_checkpoint(tmp_path_factory.mktemp("wide") / "llama", "llama", max_position_embeddings=8192,
-                           hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("wide") / "llama",
+        "llama",
+        max_position_embeddings=8192,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+    )
 
 
 def test_a_real_step_several_heartbeat_timeouts_long_is_not_a_hang(wide_dir, monkeypatch):
     monkeypatch.setenv(HEARTBEAT_TIMEOUT_ENV, "0.3")
     monkeypatch.setenv(ITERATION_TIMEOUT_ENV, "30")
-    llm = LLM(str(wide_dir), device="cpu", dtype="float32", kv_cache_memory=0.1, max_num_batched_tokens=8192,
-              engine_process=True)
+    llm = LLM(
+        str(wide_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=0.1,
+        max_num_batched_tokens=8192,
+        engine_process=True,
+    )
     client = llm.llm_engine.client
     heard = []
     real_heard = client._watch.heard
     monkeypatch.setattr(client._watch, "heard", lambda m: (heard.append(m), real_heard(m)))
     try:
         start = time.monotonic()
-        out = llm.generate([{"prompt_token_ids": [5 + i % 400 for i in range(8000)]}], SamplingParams(max_tokens=1),
-                           use_tqdm=False)
+        out = llm.generate(
+            [{"prompt_token_ids": [5 + i % 400 for i in range(8000)]}], SamplingParams(max_tokens=1), use_tqdm=False
+        )
         took = time.monotonic() - start
         assert out[0].finished and client.is_alive
         longest = max((m.step_s for m in heard if isinstance(m, EngineCoreHeartbeat)), default=0.0)
@@ -274,6 +296,7 @@ def test_a_real_step_several_heartbeat_timeouts_long_is_not_a_hang(wide_dir, mon
 
 
 # ---- 4. `ember serve` with the default timeouts -----------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def long_dir(tmp_path_factory) -> Path:

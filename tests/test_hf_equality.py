@@ -25,16 +25,23 @@ TOP = 5
 def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
     model.generation_config.eos_token_id = None  # the equivalent of ignore_eos
     ids = torch.tensor([prompt_ids], device=DEVICE)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                         max_new_tokens=num_tokens, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=num_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).cpu()
     return tokens, logprobs
 
 
-def hf_references(checkpoints: dict[str, Path], prompts: list[dict], num_tokens: int
-                  ) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+def hf_references(
+    checkpoints: dict[str, Path], prompts: list[dict], num_tokens: int
+) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
     """HF's greedy tokens and logprobs (float32) for every checkpoint and token-id prompt."""
     from transformers import AutoModelForCausalLM
 
@@ -84,11 +91,14 @@ def test_default_gguf_matches_transformers():
 
     path = default_gguf_path()
     llm = LLM(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32", quantization="none")
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).to(DEVICE)
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).to(DEVICE)
     tok = llm.get_tokenizer()
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in
-             ("What is the capital of France?", "Write a haiku about the sea.", "用中文介绍一下你自己。")]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in ("What is the capital of France?", "Write a haiku about the sea.", "用中文介绍一下你自己。")
+    ]
     assert_matches_hf(llm, hf, ["The history of the Roman Empire", "def fibonacci(n):"] + chats)
 
 

@@ -48,11 +48,17 @@ FULL = os.environ.get("EMBER_KERNEL_TEST_FULL") == "1"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 NUM_KV_HEADS = 8 if FULL else 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ATTN_TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-            torch.float16: dict(atol=4e-3, rtol=4e-3)}
+ATTN_TOL = {
+    torch.float32: dict(atol=2e-4, rtol=2e-4),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+}
 # A unit or two in the last place: elementwise kernels round where their references do.
-ELEMENTWISE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=2e-3),
-                   torch.bfloat16: dict(atol=3e-2, rtol=3e-2) if INTERPRETED else dict(atol=1e-2, rtol=1.6e-2)}
+ELEMENTWISE_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2) if INTERPRETED else dict(atol=1e-2, rtol=1.6e-2),
+}
 # (block_size, GQA group, head_dim): every block size, group and head_dim appears at least once.
 GEOMETRIES = [(8, 1, 64), (16, 2, 128), (32, 4, 32), (16, 8, 80), (128, 4, 64), (8, 3, 128)]
 FP8 = torch.float8_e4m3fn
@@ -66,8 +72,9 @@ def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32)
     return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
 
 
-def paged_kv(seq_lens: list[int], block_size: int, head_dim: int, dtype: torch.dtype,
-             gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_kv(
+    seq_lens: list[int], block_size: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Caches holding each context in shuffled blocks, and block tables padded with block 0.
 
     Block 0, spare blocks and the slots past each context hold NaN, so a kernel that reads
@@ -113,6 +120,7 @@ def as_int32(values: list[int]) -> torch.Tensor:
 
 # ---------------------------------------------------------------- kv store
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_store_kv_writes_slots_and_skips_padding(dtype: torch.dtype, block_size: int) -> None:
@@ -120,8 +128,8 @@ def test_store_kv_writes_slots_and_skips_padding(dtype: torch.dtype, block_size:
     num_tokens, head_dim, num_blocks = (300, 128, 64) if FULL else (11, 80, 4)
     # k and v as strided views of a fused qkv projection output, as the engine produces them.
     qkv = randn(num_tokens, 3 * NUM_KV_HEADS * head_dim, gen=gen, dtype=dtype)
-    k = qkv[:, NUM_KV_HEADS * head_dim:2 * NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
-    v = qkv[:, 2 * NUM_KV_HEADS * head_dim:].view(num_tokens, NUM_KV_HEADS, head_dim)
+    k = qkv[:, NUM_KV_HEADS * head_dim : 2 * NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    v = qkv[:, 2 * NUM_KV_HEADS * head_dim :].view(num_tokens, NUM_KV_HEADS, head_dim)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::4] = -1
     slots = slots.to(DEVICE)
@@ -137,14 +145,22 @@ def test_store_kv_writes_slots_and_skips_padding(dtype: torch.dtype, block_size:
 
 # ---------------------------------------------------------------- decode attention
 
+
 def decode_seq_lens(gen: torch.Generator) -> list[int]:
     if FULL:
         return [1, 7, 17, 4096] + torch.randint(1, 4097, (60,), generator=gen).tolist()
     return [1, 7, 17, 130, 64]
 
 
-def run_decode(block_size: int, group: int, head_dim: int, dtype: torch.dtype, num_splits: int | str,
-               cache_dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def run_decode(
+    block_size: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_splits: int | str,
+    cache_dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's output on q of `dtype` over caches of `cache_dtype`, and the float32 reference's
     over the values the caches stand for."""
     gen = torch.Generator().manual_seed(seed)
@@ -152,7 +168,7 @@ def run_decode(block_size: int, group: int, head_dim: int, dtype: torch.dtype, n
     k_cache, v_cache, tables = paged_kv(seq_lens, block_size, head_dim, cache_dtype, gen)
     q = randn(len(seq_lens), NUM_KV_HEADS * group, head_dim, gen=gen, dtype=dtype)
     lens = as_int32(seq_lens)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     # "auto" with a generous max_seq_len bound forces several splits even on tiny CPU shapes.
     splits = dict(num_splits=None, max_seq_len=1024) if num_splits == "auto" else dict(num_splits=num_splits)
 
@@ -165,10 +181,12 @@ def run_decode(block_size: int, group: int, head_dim: int, dtype: torch.dtype, n
 @pytest.mark.parametrize("num_splits", [1, 3, "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,group,head_dim", GEOMETRIES)
-def test_decode_attention_matches_reference(block_size: int, group: int, head_dim: int, dtype: torch.dtype,
-                                            num_splits: int | str) -> None:
-    out, ref = run_decode(block_size, group, head_dim, dtype, num_splits, dtype,
-                          seed=block_size * 100 + group * 10 + head_dim)
+def test_decode_attention_matches_reference(
+    block_size: int, group: int, head_dim: int, dtype: torch.dtype, num_splits: int | str
+) -> None:
+    out, ref = run_decode(
+        block_size, group, head_dim, dtype, num_splits, dtype, seed=block_size * 100 + group * 10 + head_dim
+    )
     torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
 
 
@@ -198,6 +216,7 @@ def test_choose_num_splits_fills_the_gpu_only_when_needed() -> None:
 
 # ---------------------------------------------------------------- prefill attention
 
+
 def prefill_chunks(gen: torch.Generator) -> list[tuple[int, int]]:
     """(cached prefix length, query length) per sequence: fresh prompts, chunks over long prefixes,
     one-token chunks, and a sequence with no queries this step."""
@@ -209,9 +228,16 @@ def prefill_chunks(gen: torch.Generator) -> list[tuple[int, int]]:
     return chunks
 
 
-def run_prefill(chunks: list[tuple[int, int]], block_size: int, group: int, head_dim: int,
-                dtype: torch.dtype, gen: torch.Generator, q_padding: int = 0,
-                cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_prefill(
+    chunks: list[tuple[int, int]],
+    block_size: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    q_padding: int = 0,
+    cache_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """As run_decode, for prefill chunks; the caches are of q's dtype unless `cache_dtype` says."""
     seq_lens = [c + n for c, n in chunks]
     cache_dtype = cache_dtype or dtype
@@ -222,32 +248,35 @@ def run_prefill(chunks: list[tuple[int, int]], block_size: int, group: int, head
     num_heads = NUM_KV_HEADS * group
     # q_padding > 0 makes q a strided view of a wider (fused projection) buffer.
     q_buf = randn(starts[-1], num_heads * head_dim + q_padding, gen=gen, dtype=dtype)
-    q = q_buf[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+    q = q_buf[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
     lens, qsl = as_int32(seq_lens), as_int32(starts)
     max_q = max(n for _, n in chunks)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
 
     out = paged_prefill_attention(q, k_cache, v_cache, tables, lens, qsl, max_q, scale, **kv_scales(cache_dtype))
-    ref = paged_prefill_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, max_q, scale,
-                                      **kv_scales(cache_dtype))
+    ref = paged_prefill_attention_ref(
+        q.float(), k_cache, v_cache, tables, lens, qsl, max_q, scale, **kv_scales(cache_dtype)
+    )
     return out, ref
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,group,head_dim", GEOMETRIES)
-def test_prefill_attention_matches_reference(block_size: int, group: int, head_dim: int,
-                                             dtype: torch.dtype) -> None:
+def test_prefill_attention_matches_reference(block_size: int, group: int, head_dim: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(block_size * 100 + group * 10 + head_dim)
     out, ref = run_prefill(prefill_chunks(gen), block_size, group, head_dim, dtype, gen)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
 
 
-@pytest.mark.parametrize("chunks", [
-    [(0, 1), (5, 1), (63, 1), (64, 1)],   # all one-token queries: the smallest row tiles
-    [(0, 64), (0, 1)],                    # query blocks ending exactly on a K/V tile
-    [(127, 40), (0, 2)],                  # long prefix whose end straddles a tile boundary
-])
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [(0, 1), (5, 1), (63, 1), (64, 1)],  # all one-token queries: the smallest row tiles
+        [(0, 64), (0, 1)],  # query blocks ending exactly on a K/V tile
+        [(127, 40), (0, 2)],  # long prefix whose end straddles a tile boundary
+    ],
+)
 def test_prefill_attention_edge_chunks_and_strided_q(chunks: list[tuple[int, int]]) -> None:
     gen = torch.Generator().manual_seed(len(chunks))
     out, ref = run_prefill(chunks, 16, 4, 64, torch.float32, gen, q_padding=96)
@@ -261,11 +290,20 @@ def test_attention_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_decode_attention(q, k_cache, v_cache, tables, as_int32([5]), 0.125)
     with pytest.raises(ValueError, match="share a dtype"):
-        paged_prefill_attention(randn(1, NUM_KV_HEADS, 64, gen=gen, dtype=torch.float16), k_cache, v_cache,
-                                tables, as_int32([5]), as_int32([0, 1]), 1, 0.125)
+        paged_prefill_attention(
+            randn(1, NUM_KV_HEADS, 64, gen=gen, dtype=torch.float16),
+            k_cache,
+            v_cache,
+            tables,
+            as_int32([5]),
+            as_int32([0, 1]),
+            1,
+            0.125,
+        )
 
 
 # ---------------------------------------------------------------- fp8 KV cache
+
 
 def fp8_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     """Bitwise, so NaN and -0.0 count too."""
@@ -277,12 +315,12 @@ def test_store_kv_fp8_rounds_like_reference_and_saturates(dtype: torch.dtype) ->
     gen = torch.Generator().manual_seed(11)
     num_tokens, head_dim, block_size, num_blocks = 11, 80, 16, 4
     qkv = randn(num_tokens, 3 * NUM_KV_HEADS * head_dim, gen=gen, dtype=dtype) * 3
-    k = qkv[:, NUM_KV_HEADS * head_dim:2 * NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
-    v = qkv[:, 2 * NUM_KV_HEADS * head_dim:].view(num_tokens, NUM_KV_HEADS, head_dim)
+    k = qkv[:, NUM_KV_HEADS * head_dim : 2 * NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    v = qkv[:, 2 * NUM_KV_HEADS * head_dim :].view(num_tokens, NUM_KV_HEADS, head_dim)
     # Past 448 * scale (saturate, never NaN), signed zero, and values that round into subnormals or to 0.
     extremes = torch.tensor([1e4, -1e4, float("inf"), float("-inf"), -0.0, 1e-6, -1e-6, 3e-5, -7e-5])
-    k[1, 0, :extremes.numel()] = extremes.to(dtype=dtype, device=DEVICE)
-    v[2, 1, :extremes.numel()] = extremes.to(dtype=dtype, device=DEVICE)
+    k[1, 0, : extremes.numel()] = extremes.to(dtype=dtype, device=DEVICE)
+    v[2, 1, : extremes.numel()] = extremes.to(dtype=dtype, device=DEVICE)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::4] = -1
     slots = slots.to(DEVICE)
@@ -307,16 +345,18 @@ def test_store_kv_fp8_rounds_like_reference_and_saturates(dtype: torch.dtype) ->
 @pytest.mark.parametrize("num_splits", [1, "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,group,head_dim", FP8_GEOMETRIES)
-def test_decode_attention_fp8_cache_matches_dequantized_reference(block_size: int, group: int, head_dim: int,
-                                                                  dtype: torch.dtype, num_splits: int | str) -> None:
+def test_decode_attention_fp8_cache_matches_dequantized_reference(
+    block_size: int, group: int, head_dim: int, dtype: torch.dtype, num_splits: int | str
+) -> None:
     out, ref = run_decode(block_size, group, head_dim, dtype, num_splits, FP8, seed=head_dim + group)
     torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,group,head_dim", FP8_GEOMETRIES)
-def test_prefill_attention_fp8_cache_matches_dequantized_reference(block_size: int, group: int, head_dim: int,
-                                                                   dtype: torch.dtype) -> None:
+def test_prefill_attention_fp8_cache_matches_dequantized_reference(
+    block_size: int, group: int, head_dim: int, dtype: torch.dtype
+) -> None:
     gen = torch.Generator().manual_seed(head_dim + group)
     out, ref = run_prefill(prefill_chunks(gen), block_size, group, head_dim, dtype, gen, cache_dtype=FP8)
     torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
@@ -325,13 +365,16 @@ def test_prefill_attention_fp8_cache_matches_dequantized_reference(block_size: i
 def test_fp8_cache_attention_stays_close_to_bf16_cache() -> None:
     """The cost of quantizing: e4m3 keeps 3 mantissa bits (a relative error of up to 1/16 per value),
     which attention's averaging shrinks."""
-    outs = [run_decode(16, 2, 128, torch.bfloat16, "auto", cache_dtype, seed=5)[0].float()
-            for cache_dtype in (torch.bfloat16, FP8)]
+    outs = [
+        run_decode(16, 2, 128, torch.bfloat16, "auto", cache_dtype, seed=5)[0].float()
+        for cache_dtype in (torch.bfloat16, FP8)
+    ]
     assert torch.linalg.norm(outs[1] - outs[0]) <= 0.05 * torch.linalg.norm(outs[0])  # measured: 0.028
 
 
-def fp8_attention_batch(dtype: torch.dtype, block_size: int, group: int, head_dim: int,
-                        gen: torch.Generator) -> tuple[AttentionMetadata, dict[str, torch.Tensor]]:
+def fp8_attention_batch(
+    dtype: torch.dtype, block_size: int, group: int, head_dim: int, gen: torch.Generator
+) -> tuple[AttentionMetadata, dict[str, torch.Tensor]]:
     """Two decodes, then a fresh prompt and a chunk over a cached prefix, as the engine lays out a
     step, over fp8 caches whose cached context is random and whose new slots are still to be written."""
     chunks = [(4, 1), (39, 1), (0, 9), (20, 12)]  # (cached context, new tokens)
@@ -349,10 +392,16 @@ def fp8_attention_batch(dtype: torch.dtype, block_size: int, group: int, head_di
     for _, n in chunks:
         starts.append(starts[-1] + n)
     meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots), block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32), num_decodes=2,
-        max_query_len=max(n for _, n in chunks[2:]), max_seq_len=max(seq_lens), seq_lens_host=seq_lens,
-        query_start_host=starts)
+        slot_mapping=torch.cat(slots),
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        num_decodes=2,
+        max_query_len=max(n for _, n in chunks[2:]),
+        max_seq_len=max(seq_lens),
+        seq_lens_host=seq_lens,
+        query_start_host=starts,
+    )
     shape = (1 + sum(blocks) + 2, block_size, NUM_KV_HEADS, head_dim)
     new = starts[-1]
     tensors = dict(
@@ -360,12 +409,14 @@ def fp8_attention_batch(dtype: torch.dtype, block_size: int, group: int, head_di
         v_cache=quantize_kv(torch.randn(shape, generator=gen), FP8, FP8_SCALES["v_scale"]),
         q=torch.randn(new, NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype),
         k=torch.randn(new, NUM_KV_HEADS, head_dim, generator=gen).to(dtype),
-        v=torch.randn(new, NUM_KV_HEADS, head_dim, generator=gen).to(dtype))
+        v=torch.randn(new, NUM_KV_HEADS, head_dim, generator=gen).to(dtype),
+    )
     return meta, tensors
 
 
-def store_and_attend(meta: AttentionMetadata, cpu: dict[str, torch.Tensor], device: str, scales: dict
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def store_and_attend(
+    meta: AttentionMetadata, cpu: dict[str, torch.Tensor], device: str, scales: dict
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step through ember.model.attention on `device` (PyTorch ops on CPU tensors, the kernels on
     CUDA or when forced): store the new k/v into copies of the caches, attend; returns (out, k_cache,
     v_cache) on CPU. Each call writes its own caches."""
@@ -450,7 +501,7 @@ def test_rms_norm_per_head_on_strided_view(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
     tokens, heads, head_dim = (128, 32, 128) if FULL else (6, 4, 80)
     qkv = randn(tokens, (heads + 2) * head_dim, gen=gen, dtype=dtype)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # row stride != heads * head_dim
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # row stride != heads * head_dim
     weight = (1 + 0.1 * randn(head_dim, gen=gen)).to(dtype)
 
     y = rms_norm(q, weight, 1e-6)
@@ -460,6 +511,7 @@ def test_rms_norm_per_head_on_strided_view(dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------- rotary
+
 
 def rotary_tables(head_dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -477,8 +529,8 @@ def test_rotary_matches_hf_formula(head_dim: int, group: int, dtype: torch.dtype
     cos, sin = rotary_tables(head_dim, max_pos)
     positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(DEVICE)
     qkv = randn(tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, gen=gen, dtype=dtype)
-    q = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:(num_heads + NUM_KV_HEADS) * head_dim].view(tokens, NUM_KV_HEADS, head_dim)
+    q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + NUM_KV_HEADS) * head_dim].view(tokens, NUM_KV_HEADS, head_dim)
     qkv_before = qkv.clone()
 
     q_rot, k_rot = apply_rotary(positions, q, k, cos, sin)
@@ -490,6 +542,7 @@ def test_rotary_matches_hf_formula(head_dim: int, group: int, dtype: torch.dtype
 
 
 # ---------------------------------------------------------------- activation
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [128, 1000, 2500])

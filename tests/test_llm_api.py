@@ -33,8 +33,11 @@ def test_outputs_in_input_order_with_prompt_fields(llm):
 
 
 def test_per_prompt_sampling_params(llm):
-    outs = llm.generate([_ids(10), _ids(10)], [SamplingParams(max_tokens=3, ignore_eos=True),
-                                               SamplingParams(max_tokens=7, ignore_eos=True)], use_tqdm=False)
+    outs = llm.generate(
+        [_ids(10), _ids(10)],
+        [SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=7, ignore_eos=True)],
+        use_tqdm=False,
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7]
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     with pytest.raises(ValueError, match="sampling_params"):
@@ -55,8 +58,11 @@ def test_seed_is_independent_of_batch_mates(llm):
     seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
     alone = llm.generate(_ids(30), seeded, use_tqdm=False)[0].outputs[0].token_ids
     mates = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 5
-    outs = llm.generate([_ids(9, 11), _ids(40, 3), _ids(30), _ids(5), _ids(17, 2), _ids(60)],
-                        mates[:2] + [seeded] + mates[2:], use_tqdm=False)
+    outs = llm.generate(
+        [_ids(9, 11), _ids(40, 3), _ids(30), _ids(5), _ids(17, 2), _ids(60)],
+        mates[:2] + [seeded] + mates[2:],
+        use_tqdm=False,
+    )
     assert outs[2].outputs[0].token_ids == alone
 
 
@@ -67,17 +73,26 @@ def test_unseeded_sampling_varies(llm):
 
 
 def test_stop_token_ids_and_min_tokens(llm):
-    base = llm.generate(_ids(25), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
+    base = (
+        llm.generate(_ids(25), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     stop_tok = base[5]
     first = base.index(stop_tok)
-    out = llm.generate(_ids(25), SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
-                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        _ids(25),
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == base[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     # min_tokens forbids the stop token until enough tokens exist.
-    out = llm.generate(_ids(25), SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
-                                                min_tokens=first + 3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        _ids(25),
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok], min_tokens=first + 3, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(out.token_ids) >= first + 3
     assert stop_tok not in out.token_ids[: first + 2]
 
@@ -90,8 +105,9 @@ def test_eos_stops_unless_ignored(default_llm):
     assert stopped.token_ids[-1] in eos and len(stopped.token_ids) < 64
     assert "Paris" in stopped.text and "<|im_end|>" not in stopped.text
     n = len(stopped.token_ids)
-    ignored = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=n + 5, ignore_eos=True),
-                               use_tqdm=False)[0].outputs[0]
+    ignored = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=n + 5, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert ignored.token_ids[:n] == stopped.token_ids
     assert len(ignored.token_ids) == n + 5 and ignored.finish_reason == "length"
 
@@ -132,16 +148,19 @@ def test_default_max_tokens_fills_context(llm):
     assert [r.max_tokens for r in processed.core_requests] == [12]
 
 
-@pytest.mark.parametrize("prompt,params,match", [
-    ("", SamplingParams(), "prompt"),
-    ({"prompt_token_ids": []}, SamplingParams(), "prompt"),
-    ({"prompt_token_ids": [1, 2, 10**6]}, SamplingParams(), "prompt_token_ids"),
-    ({"prompt_token_ids": [1, "a"]}, SamplingParams(), "prompt_token_ids"),
-    ({"nothing": 1}, SamplingParams(), "prompt"),
-    (_ids(500), SamplingParams(max_tokens=100), "maximum context length is 512"),
-    (_ids(600), SamplingParams(max_tokens=None), "maximum context length"),
-    (3.5, SamplingParams(), "prompt"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ("", SamplingParams(), "prompt"),
+        ({"prompt_token_ids": []}, SamplingParams(), "prompt"),
+        ({"prompt_token_ids": [1, 2, 10**6]}, SamplingParams(), "prompt_token_ids"),
+        ({"prompt_token_ids": [1, "a"]}, SamplingParams(), "prompt_token_ids"),
+        ({"nothing": 1}, SamplingParams(), "prompt"),
+        (_ids(500), SamplingParams(max_tokens=100), "maximum context length is 512"),
+        (_ids(600), SamplingParams(max_tokens=None), "maximum context length"),
+        (3.5, SamplingParams(), "prompt"),
+    ],
+)
 def test_invalid_requests_are_rejected(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(prompt, params, use_tqdm=False)
@@ -196,14 +215,17 @@ def test_unknown_engine_argument(llama_dir):
         LLM(str(llama_dir), no_such_flag=1)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"block_size": 12}, "block_size"),
-    ({"max_num_seqs": 0}, "max_num_seqs"),
-    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-    ({"dtype": "int3"}, "dtype"),
-    ({"load_format": "pickle"}, "load_format"),
-    ({"kv_cache_memory": -1}, "kv_cache_memory"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"block_size": 12}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"load_format": "pickle"}, "load_format"),
+        ({"kv_cache_memory": -1}, "kv_cache_memory"),
+    ],
+)
 def test_bad_engine_arguments(llama_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(str(llama_dir), **kwargs)
@@ -217,9 +239,11 @@ def test_chat_applies_template(default_llm):
     assert out.prompt == expected
     assert out.prompt.endswith("<|im_start|>assistant\n")
     assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
-    two = default_llm.chat([conv, conv + [{"role": "assistant", "content": "Red."},
-                                          {"role": "user", "content": "Another?"}]],
-                           SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    two = default_llm.chat(
+        [conv, conv + [{"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another?"}]],
+        SamplingParams(temperature=0, max_tokens=8),
+        use_tqdm=False,
+    )
     assert two[0].outputs[0].token_ids == out.outputs[0].token_ids
     assert "Another?" in two[1].prompt and "Red." in two[1].prompt
     with pytest.raises(ValueError, match="role"):
@@ -245,8 +269,9 @@ def test_stop_strings_cut_text_and_are_never_streamed(default_llm):
     assert final.outputs[0].text == text[:cut]
     assert "".join(deltas) == text[:cut]
     assert all(stop not in d for d in deltas)
-    incl = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60, stop=stop,
-                                                       include_stop_str_in_output=True), use_tqdm=False)[0]
+    incl = default_llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=60, stop=stop, include_stop_str_in_output=True), use_tqdm=False
+    )[0]
     assert incl.outputs[0].text == text[: cut + len(stop)]
 
 

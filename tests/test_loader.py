@@ -77,8 +77,11 @@ def test_unknown_architecture(llama_dir, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"config\.json: unsupported architecture 'GPT2LMHeadModel' \(supported: "
-                                         r"LlamaForCausalLM, .*Gemma2ForCausalLM, Gemma3ForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json: unsupported architecture 'GPT2LMHeadModel' \(supported: "
+        r"LlamaForCausalLM, .*Gemma2ForCausalLM, Gemma3ForCausalLM",
+    ):
         LLM(str(d))
 
 
@@ -108,8 +111,9 @@ def test_dummy_weights_from_config_alone(llama_dir, tmp_path):
 
 def test_generation_config_defaults_and_chat_template_file(llama_dir, tmp_path):
     d = _copy(llama_dir, tmp_path / "m")
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4], "temperature": 0.25,
-                                                          "top_p": 0.5, "top_k": 7}))
+    (d / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 4], "temperature": 0.25, "top_p": 0.5, "top_k": 7})
+    )
     (d / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     llm = LLM(str(d), kv_cache_memory=0.02)
     p = llm.get_default_sampling_params()

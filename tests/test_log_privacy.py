@@ -35,10 +35,28 @@ def _serve(model_dir, level: str, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "EMBER_LOGGING_LEVEL": level, "PYTHONUNBUFFERED": "1"}
     env.pop("EMBER_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "ember.server.launch", str(model_dir), "--port", str(port),
-                             "--kv-cache-memory", "0.02", "--max-model-len", "256", "--log-requests",
-                             "--uvicorn-log-level", "trace" if level == "DEBUG" else level.lower(), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ember.server.launch",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--kv-cache-memory",
+            "0.02",
+            "--max-model-len",
+            "256",
+            "--log-requests",
+            "--uvicorn-log-level",
+            "trace" if level == "DEBUG" else level.lower(),
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, poll=0.1)
     return proc, url
@@ -46,8 +64,10 @@ def _serve(model_dir, level: str, *flags: str) -> tuple[subprocess.Popen, str]:
 
 def _requests(url: str) -> tuple[dict[str, str], list[str]]:
     """Send every kind of request; returns the markers (by where they were) and the generated texts."""
-    m = {k: f"zq{k}{uuid.uuid4().hex[:10]}" for k in ("prompt", "stop", "stream", "system", "user", "role",
-                                                      "toolong", "model", "tokenize", "json")}
+    m = {
+        k: f"zq{k}{uuid.uuid4().hex[:10]}"
+        for k in ("prompt", "stop", "stream", "system", "user", "role", "toolong", "model", "tokenize", "json")
+    }
     base = {"temperature": 0, "max_tokens": 6}
     outputs = []
 
@@ -58,19 +78,26 @@ def _requests(url: str) -> tuple[dict[str, str], list[str]]:
 
     r = post("/v1/completions", {**base, "prompt": f"Tell me about {m['prompt']}", "stop": [m["stop"]]})
     outputs.append(r.json()["choices"][0]["text"])
-    with httpx.stream("POST", url + "/v1/completions", json={**base, "prompt": m["stream"], "stream": True},
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**base, "prompt": m["stream"], "stream": True}, timeout=60
+    ) as r:
         assert r.status_code == 200
         r.read()
-    r = post("/v1/chat/completions", {**base, "messages": [{"role": "system", "content": m["system"]},
-                                                           {"role": "user", "content": m["user"]}]})
+    r = post(
+        "/v1/chat/completions",
+        {**base, "messages": [{"role": "system", "content": m["system"]}, {"role": "user", "content": m["user"]}]},
+    )
     outputs.append(r.json()["choices"][0]["message"]["content"])
     post("/v1/chat/completions", {**base, "messages": [{"role": m["role"], "content": "hi"}]}, 400)
     post("/v1/completions", {**base, "prompt": f"{m['toolong']} " * 100, "max_tokens": 200}, 400)
     post("/v1/completions", {**base, "prompt": "hi", "model": m["model"]}, 404)  # the error quotes the name
     post("/tokenize", {"prompt": m["tokenize"]})
-    r = httpx.post(url + "/v1/completions", content=f'{{"prompt": "{m["json"]}', timeout=60,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        url + "/v1/completions",
+        content=f'{{"prompt": "{m["json"]}',
+        timeout=60,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400
     return m, outputs
 

@@ -59,8 +59,11 @@ def test_masked_step_samples_once_its_masks_arrive_and_next_launch_prepares_firs
     pending = runner.launch(first, lambda requests: masks)
     prepared_while_filling = []
     prepare = model_runner.prepare_step
-    monkeypatch.setattr(model_runner, "prepare_step",
-                        lambda *a, **k: prepared_while_filling.append(not masks.done()) or prepare(*a, **k))
+    monkeypatch.setattr(
+        model_runner,
+        "prepare_step",
+        lambda *a, **k: prepared_while_filling.append(not masks.done()) or prepare(*a, **k),
+    )
     launcher, launched = _in_thread(lambda: runner.launch(second))
     time.sleep(0.2)
     assert prepared_while_filling == [True] and launcher.is_alive(), "the next step waited for the masks first"
@@ -96,11 +99,19 @@ def test_core_reads_the_mask_threads_feeding_only_once_done(monkeypatch):
         return consume_all(self, pairs)
 
     monkeypatch.setattr(GrammarManager, "consume_all", slow)
-    llm = LLM(kv_cache_memory=0.25, max_model_len=1024, device=DEVICE, dtype="float32", engine_process=False,
-              async_scheduling=True)
+    llm = LLM(
+        kv_cache_memory=0.25,
+        max_model_len=1024,
+        device=DEVICE,
+        dtype="float32",
+        engine_process=False,
+        async_scheduling=True,
+    )
     schemas = [SCHEMAS[i] for i in (0, 6, 11, 13)]
-    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=s))
-              for s in schemas]
+    params = [
+        SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=s))
+        for s in schemas
+    ]
     outs = llm.generate([f"Item {i} as JSON:" for i in range(len(schemas))], params, use_tqdm=False)
     for out, schema in zip(outs, schemas):
         assert out.outputs[0].finish_reason == "stop", out.outputs[0]

@@ -36,8 +36,11 @@ from ember.quant.formats import pack_int4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Outputs are O(1); bf16/fp16 round the activations, the intermediate and the output.
-TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 5e-3, "rtol": 5e-3},
-       torch.bfloat16: {"atol": 4e-2, "rtol": 4e-2}}
+TOL = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 5e-3, "rtol": 5e-3},
+    torch.bfloat16: {"atol": 4e-2, "rtol": 4e-2},
+}
 # Small tiles: several N tiles, K tiles and sorted-slot blocks even on these tiny shapes.
 SMALL_TILES = MoeConfig(16, GemmTiles(16, 16, 2, 1), GemmTiles(16, 32, 2, 1))
 
@@ -57,8 +60,9 @@ def _routing(m: int, e: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor
     return weights.to(DEVICE), ids.to(DEVICE)
 
 
-def _random_experts(kind: str, e: int, n: int, k: int, group: int, zeros: bool,
-                    gen: torch.Generator) -> QuantizedExperts:
+def _random_experts(
+    kind: str, e: int, n: int, k: int, group: int, zeros: bool, gen: torch.Generator
+) -> QuantizedExperts:
     """Random codes over the kind's range, scaled so x @ w.T is O(1) for x ~ N(0, 1); int4 zeros
     centre the unsigned codes, as GGUF's Q4 mins and load-time int4 do."""
     groups = -(-k // group)
@@ -66,7 +70,7 @@ def _random_experts(kind: str, e: int, n: int, k: int, group: int, zeros: bool,
         qweight, levels = torch.randint(-128, 128, (e, n, k), generator=gen, dtype=torch.int8), 128
     else:
         qweight, levels = pack_int4(torch.randint(0, 16, (e * n, k), generator=gen)).view(e, n, -1), 8
-    scales = (0.5 + torch.rand(e, n, groups, generator=gen)) / (levels * k ** 0.5)
+    scales = (0.5 + torch.rand(e, n, groups, generator=gen)) / (levels * k**0.5)
     offsets = None
     if zeros:
         centre = -8 * scales if kind == "int4" else 0
@@ -78,19 +82,25 @@ def _experts(kind: str, e: int, h: int, inter: int, gen: torch.Generator):
     """(w13, w2) of one storage kind: a torch dtype, or quantized 'int8-channel', 'int8-g16', 'int4-g16',
     'int4-g32', 'fp8-channel'."""
     if isinstance(kind, torch.dtype):
-        return _randn(e, 2 * inter, h, gen=gen, scale=h ** -0.5, dtype=kind), _randn(e, h, inter, gen=gen,
-                                                                                    scale=inter ** -0.5, dtype=kind)
+        return _randn(e, 2 * inter, h, gen=gen, scale=h**-0.5, dtype=kind), _randn(
+            e, h, inter, gen=gen, scale=inter**-0.5, dtype=kind
+        )
     name, form = kind.split("-")
     if name == "fp8":
-        return (quantize_experts(_randn(e, 2 * inter, h, gen=gen, scale=h ** -0.5), "fp8"),
-                quantize_experts(_randn(e, h, inter, gen=gen, scale=inter ** -0.5), "fp8"))
+        return (
+            quantize_experts(_randn(e, 2 * inter, h, gen=gen, scale=h**-0.5), "fp8"),
+            quantize_experts(_randn(e, h, inter, gen=gen, scale=inter**-0.5), "fp8"),
+        )
     zeros = name == "int4" or form != "channel"
     group13, group2 = (h, inter) if form == "channel" else (int(form[1:]),) * 2
-    return (_random_experts(name, e, 2 * inter, h, group13, zeros, gen),
-            _random_experts(name, e, h, inter, group2, zeros, gen))
+    return (
+        _random_experts(name, e, 2 * inter, h, group13, zeros, gen),
+        _random_experts(name, e, h, inter, group2, zeros, gen),
+    )
 
 
 # --- routing -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("m,e,k", [(1, 8, 2), (9, 10, 3), (3, 128, 8)])
@@ -117,6 +127,7 @@ def test_route_rejects_bad_top_k() -> None:
 
 # --- alignment -----------------------------------------------------------------------------------
 
+
 def _check_alignment(topk_ids: torch.Tensor, e: int, block_m: int) -> None:
     align = moe_align_block_size(topk_ids, e, block_m)
     ids = topk_ids.flatten().cpu().long()
@@ -130,17 +141,18 @@ def _check_alignment(topk_ids: torch.Tensor, e: int, block_m: int) -> None:
     real = sorted_ids[sorted_ids < num_slots]
     assert torch.equal(real.sort().values, torch.arange(num_slots))  # every slot once
     assert torch.all(sorted_ids[sorted_ids >= num_slots] == num_slots)  # padding is the sentinel
-    assert torch.all(sorted_ids[total:] == num_slots) and torch.all(expert_ids[total // block_m:] == -1)
+    assert torch.all(sorted_ids[total:] == num_slots) and torch.all(expert_ids[total // block_m :] == -1)
     blocks = sorted_ids[:total].view(-1, block_m)
-    for b, expert in enumerate(expert_ids[:total // block_m].tolist()):
+    for b, expert in enumerate(expert_ids[: total // block_m].tolist()):
         slots = blocks[b][blocks[b] < num_slots]
         assert slots.numel() > 0 and torch.all(ids[slots] == expert)  # one expert per block, none empty
         assert torch.all(slots[1:] > slots[:-1])  # slot order within an expert: deterministic
-    assert expert_ids[:total // block_m].tolist() == sorted(expert_ids[:total // block_m].tolist())
+    assert expert_ids[: total // block_m].tolist() == sorted(expert_ids[: total // block_m].tolist())
 
 
-@pytest.mark.parametrize("m,e,k,block_m", [(13, 7, 3, 4), (1, 8, 2, 16), (30, 128, 8, 16), (40, 4, 2, 64),
-                                           (600, 8, 2, 16)])
+@pytest.mark.parametrize(
+    "m,e,k,block_m", [(13, 7, 3, 4), (1, 8, 2, 16), (30, 128, 8, 16), (40, 4, 2, 64), (600, 8, 2, 16)]
+)
 def test_alignment_groups_slots_by_expert(m: int, e: int, k: int, block_m: int) -> None:
     gen = _gen("align", m, e, k)
     _check_alignment(_routing(m, e, k, gen)[1], e, block_m)
@@ -151,6 +163,7 @@ def test_alignment_all_tokens_to_one_expert() -> None:
 
 
 # --- grouped GEMMs and fused_moe -----------------------------------------------------------------
+
 
 def test_grouped_gemms_match_per_slot_products() -> None:
     """gate_up gives silu(gate) * up per slot, down the routing weight times the product, before the sum."""
@@ -172,8 +185,9 @@ def test_grouped_gemms_match_per_slot_products() -> None:
     torch.testing.assert_close(y, expected_y, **TOL[torch.float32])
 
 
-def _check_fused(hidden: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
-                 config: MoeConfig | None, tol: dict) -> None:
+def _check_fused(
+    hidden: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, config: MoeConfig | None, tol: dict
+) -> None:
     out = fused_moe(hidden, w13, w2, weights, ids, config=config)
     assert out.dtype == hidden.dtype and out.shape == hidden.shape
     ref = fused_moe_ref(hidden.float(), w13, w2, weights, ids)
@@ -198,11 +212,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind,dtype,m,e,k,h,inter,config", CASES,
-                         ids=[f"{c[0] if isinstance(c[0], str) else str(c[0])[6:]}-{str(c[1])[6:]}-M{c[2]}-E{c[3]}"
-                              f"-k{c[4]}{'-small' if c[7] else ''}" for c in CASES])
-def test_fused_moe_matches_reference(kind, dtype: torch.dtype, m: int, e: int, k: int, h: int, inter: int,
-                                     config: MoeConfig | None) -> None:
+@pytest.mark.parametrize(
+    "kind,dtype,m,e,k,h,inter,config",
+    CASES,
+    ids=[
+        f"{c[0] if isinstance(c[0], str) else str(c[0])[6:]}-{str(c[1])[6:]}-M{c[2]}-E{c[3]}"
+        f"-k{c[4]}{'-small' if c[7] else ''}"
+        for c in CASES
+    ],
+)
+def test_fused_moe_matches_reference(
+    kind, dtype: torch.dtype, m: int, e: int, k: int, h: int, inter: int, config: MoeConfig | None
+) -> None:
     gen = _gen("fused", kind, dtype, m, e, k)
     w13, w2 = _experts(kind, e, h, inter, gen)
     weights, ids = _routing(m, e, k, gen)
@@ -232,9 +253,14 @@ def test_tensor_parallel_slices_sum_to_the_whole() -> None:
     parts = []
     for rank in range(2):
         gate, up = w13.narrow(0, rank * half, half), w13.narrow(0, inter + rank * half, half)
-        w13_rank = QuantizedExperts(gate.kind, torch.cat([gate.qweight, up.qweight], 1),
-                                    torch.cat([gate.scales, up.scales], 1), torch.cat([gate.zeros, up.zeros], 1),
-                                    gate.group_size, gate.in_features)
+        w13_rank = QuantizedExperts(
+            gate.kind,
+            torch.cat([gate.qweight, up.qweight], 1),
+            torch.cat([gate.scales, up.scales], 1),
+            torch.cat([gate.zeros, up.zeros], 1),
+            gate.group_size,
+            gate.in_features,
+        )
         parts.append(fused_moe(x, w13_rank, w2.narrow(1, rank * half, half), weights, ids))
     torch.testing.assert_close(parts[0] + parts[1], fused_moe_ref(x, w13, w2, weights, ids), **TOL[torch.float32])
 
@@ -249,6 +275,7 @@ def test_fused_moe_rejects_mismatched_shapes() -> None:
 
 
 # --- configs -------------------------------------------------------------------------------------
+
 
 def test_config_table_lookup_and_fallback() -> None:
     entry = MoeConfig(32, GemmTiles(128, 64, 8, 3), GemmTiles(64, 128, 4, 4))

@@ -53,8 +53,7 @@ from ember.quant.experts import (
 from ember.quant.quantize import quantize_int4
 
 ARCHS = ("qwen3-moe", "qwen3-moe-step2", "mixtral")
-MOE_LAYERS = {"qwen3-moe": [True, False, True], "qwen3-moe-step2": [False, True, False, True],
-              "mixtral": [True, True]}
+MOE_LAYERS = {"qwen3-moe": [True, False, True], "qwen3-moe-step2": [False, True, False, True], "mixtral": [True, True]}
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +84,15 @@ SCENARIOS = {
 
 # (qwen3-moe-step2 differs from qwen3-moe in which layers are sparse and in top-3 renormalised routing,
 # neither of which preemption touches: it runs batched only, to keep the file's CI time down)
-@pytest.mark.parametrize("arch,scenario", [(arch, scenario) for arch in ARCHS for scenario in SCENARIOS
-                                           if (arch, scenario) != ("qwen3-moe-step2", "preempted")])
+@pytest.mark.parametrize(
+    "arch,scenario",
+    [
+        (arch, scenario)
+        for arch in ARCHS
+        for scenario in SCENARIOS
+        if (arch, scenario) != ("qwen3-moe-step2", "preempted")
+    ],
+)
 def test_matches_transformers(moe_checkpoints, references, arch, scenario):
     path = moe_checkpoints[arch]
     args = dict(SCENARIOS[scenario])
@@ -106,12 +112,15 @@ def _moe_layers(llm: LLM) -> list[bool]:
     return [isinstance(layer.mlp, SparseMoeBlock) for layer in inproc_core(llm).runner.model.model.layers]
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("use_sliding_window", True, "use_sliding_window is not supported"),
-    ("shared_expert_intermediate_size", 64, "shared_expert_intermediate_size: shared experts are not supported"),
-    ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
-    ("num_experts_per_tok", 9, "num_experts_per_tok 9 must be between 1 and the number of experts"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("use_sliding_window", True, "use_sliding_window is not supported"),
+        ("shared_expert_intermediate_size", 64, "shared_expert_intermediate_size: shared experts are not supported"),
+        ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok 9 must be between 1 and the number of experts"),
+    ],
+)
 def test_unsupported_moe_variant_names_the_field(moe_checkpoints, tmp_path, key, value, message):
     d = shutil.copytree(moe_checkpoints["qwen3-moe"], tmp_path / "variant")
     (d / "config.json").write_text(json.dumps({**_config(d), key: value}))
@@ -160,8 +169,18 @@ def test_grouped_experts_match_a_per_token_reference(kind, routing):
 
 
 def _layout(inter: int, rank: int = 0, size: int = 1) -> ShardLayout:
-    return ShardLayout(rank=rank, size=size, head_dim=16, num_heads=4, num_kv_heads=2, kv_head_start=0,
-                       intermediate_size=256, vocab_size=64, vocab_per_rank=64, moe_intermediate_size=inter // size)
+    return ShardLayout(
+        rank=rank,
+        size=size,
+        head_dim=16,
+        num_heads=4,
+        num_kv_heads=2,
+        kv_head_start=0,
+        intermediate_size=256,
+        vocab_size=64,
+        vocab_per_rank=64,
+        moe_intermediate_size=inter // size,
+    )
 
 
 def _dense(w) -> torch.Tensor:
@@ -175,19 +194,28 @@ def test_expert_tensors_load_in_every_form(form, rank, size):
     stacked quantized gate and up of one format stay quantized, of two formats they are decoded."""
     torch.manual_seed(0)
     experts, hidden, inter = 4, 64, 64
-    gate, up, down = torch.randn(experts, inter, hidden), torch.randn(experts, inter, hidden), \
-        torch.randn(experts, hidden, inter)
+    gate, up, down = (
+        torch.randn(experts, inter, hidden),
+        torch.randn(experts, inter, hidden),
+        torch.randn(experts, hidden, inter),
+    )
     name = "model.layers.0.mlp.experts."
     if form == "per-expert":
-        tensors = {f"{name}{e}.{p}.weight": w[e] for e in range(experts)
-                   for p, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))}
+        tensors = {
+            f"{name}{e}.{p}.weight": w[e]
+            for e in range(experts)
+            for p, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))
+        }
     elif form == "stacked":
         tensors = {name + "gate_proj.weight": gate, name + "up_proj.weight": up, name + "down_proj.weight": down}
     elif form == "gate_up":  # transformers' in-memory names
         tensors = {name + "gate_up_proj": torch.cat([gate, up], dim=1), name + "down_proj": down}
     else:
         # down in groups of 32 inputs, so that two ranks split it on group boundaries
-        q = [quantize_experts(w, kind) for w, kind in zip((gate, up), ("int4", "int4" if form == "quantized" else "int8"))]
+        q = [
+            quantize_experts(w, kind)
+            for w, kind in zip((gate, up), ("int4", "int4" if form == "quantized" else "int8"))
+        ]
         q.append(stack_experts([quantize_int4(w, group_size=32) for w in down]))
         gate, up, down = (dequantize_experts(w) for w in q)
         tensors = dict(zip((name + "gate_proj.weight", name + "up_proj.weight", name + "down_proj.weight"), q))
@@ -207,8 +235,11 @@ def test_missing_expert_is_named():
     module = FusedExperts(4, 64, _layout(32), layer=3)
     for e in (0, 1, 3):
         for p in ("gate_proj", "up_proj", "down_proj"):
-            module.load(f"model.layers.3.mlp.experts.{e}.{p}.weight", torch.zeros(64 if p == "down_proj" else 32,
-                                                                                   32 if p == "down_proj" else 64), "x")
+            module.load(
+                f"model.layers.3.mlp.experts.{e}.{p}.weight",
+                torch.zeros(64 if p == "down_proj" else 32, 32 if p == "down_proj" else 64),
+                "x",
+            )
     with pytest.raises(ValueError, match=r"missing the gate projection of experts \[2\] in layer 3"):
         module.finish_loading("x")
 
@@ -242,12 +273,19 @@ def test_load_time_quantization_quantizes_the_experts(moe_checkpoints):
     for ref, got in zip(outs[None], outs["int8"]):
         assert got.token_ids[0] == ref.token_ids[0]
         assert {t: v.logprob for t, v in got.logprobs[0].items()} == pytest.approx(
-            {t: v.logprob for t, v in ref.logprobs[0].items()}, abs=0.25)
+            {t: v.logprob for t, v in ref.logprobs[0].items()}, abs=0.25
+        )
 
 
 def test_dummy_weights_run(moe_checkpoints):
-    llm = LLM(str(moe_checkpoints["mixtral"]), device=DEVICE, dtype="float32", engine_process=False,
-              kv_cache_memory=0.01, load_format="dummy")
+    llm = LLM(
+        str(moe_checkpoints["mixtral"]),
+        device=DEVICE,
+        dtype="float32",
+        engine_process=False,
+        kv_cache_memory=0.01,
+        load_format="dummy",
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate(PROMPTS[:2], params, use_tqdm=False)[1].outputs[0].token_ids) == 4
 
@@ -264,16 +302,33 @@ def test_tp2_matches_tp1(moe_checkpoints):
 
 # llama.cpp's names (gguf-py's tensor_mapping); experts as ffn_*_exps [E, N, K], the router ffn_gate_inp
 _GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
     "block_sparse_moe.gate": "ffn_gate_inp",
 }
-_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
-                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_EXPERT_PARTS = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+}
 # gate and up in one format (w13 stays quantized), down in another
 _EXPERT_TYPES = {"ffn_gate_exps": QType.Q4_0, "ffn_up_exps": QType.Q4_0, "ffn_down_exps": QType.Q8_0}
 
@@ -334,7 +389,8 @@ def _write_moe_gguf(src: Path, path: Path, twin: Path) -> None:
             _, _, layer, rest = name.split(".", 3)
             gguf_name = f"blk.{layer}.{_GGUF_LAYER[rest.rsplit('.', 1)[0]]}.weight"
         heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(
-            gguf_name.split(".")[-2])
+            gguf_name.split(".")[-2]
+        )
         stored = _llamacpp_permute(weight, heads) if mixtral and heads else weight
         w.add_tensor(gguf_name, stored)
         decoded[name] = _llamacpp_unpermute(stored, heads) if mixtral and heads else stored
@@ -347,8 +403,10 @@ def gguf_twins(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     llama.cpp always renormalises Qwen3-MoE's top-k weights, so the source checkpoint does too."""
     root = tmp_path_factory.mktemp("moe-gguf")
     twins = {}
-    for arch, extra in (("qwen3-moe", {"moe_intermediate_size": 64, "norm_topk_prob": True}),
-                        ("mixtral", {"intermediate_size": 64})):
+    for arch, extra in (
+        ("qwen3-moe", {"moe_intermediate_size": 64, "norm_topk_prob": True}),
+        ("mixtral", {"intermediate_size": 64}),
+    ):
         src = make_checkpoint(root / arch, arch, **extra)
         twins[arch] = root / f"{arch}.gguf", root / f"{arch}-twin"
         _write_moe_gguf(src, *twins[arch])
@@ -363,12 +421,21 @@ def test_gguf_with_quantized_experts_matches_its_dequantized_twin(gguf_twins, ar
     path, twin = gguf_twins[arch]
     outputs = []
     for model in (path, twin):
-        llm = LLM(str(model), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02,
-                  block_size=8, max_num_batched_tokens=16)
+        llm = LLM(
+            str(model),
+            device=DEVICE,
+            dtype="float32",
+            engine_process=False,
+            kv_cache_memory=0.02,
+            block_size=8,
+            max_num_batched_tokens=16,
+        )
         runner = inproc_core(llm).runner
         twin_config = ModelConfig.from_hf_config(_config(twin))
-        assert (runner.model.config.architecture, runner.model.config.moe) == (twin_config.architecture,
-                                                                             twin_config.moe)
+        assert (runner.model.config.architecture, runner.model.config.moe) == (
+            twin_config.architecture,
+            twin_config.moe,
+        )
         assert _moe_layers(llm) == MOE_LAYERS[arch]
         experts = runner.model.model.layers[0].mlp.experts
         assert isinstance(experts.w13, QuantizedExperts) == (model == path)
@@ -379,8 +446,7 @@ def test_gguf_with_quantized_experts_matches_its_dequantized_twin(gguf_twins, ar
     for gguf_out, twin_out in zip(*outputs):
         assert gguf_out.outputs[0].token_ids == twin_out.outputs[0].token_ids
         for a, b in zip(gguf_out.outputs[0].logprobs, twin_out.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in a.items()} == pytest.approx({t: v.logprob for t, v in b.items()},
-                                                                          abs=1e-5)
+            assert {t: v.logprob for t, v in a.items()} == pytest.approx({t: v.logprob for t, v in b.items()}, abs=1e-5)
 
 
 def test_tp2_gguf_quantized_experts(gguf_twins):
@@ -403,8 +469,14 @@ def test_triton_path_matches_torch_path(moe_checkpoints, gguf_twins, monkeypatch
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
 
     def run() -> list:
-        llm = LLM(str(path), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.01,
-                  max_num_batched_tokens=16)
+        llm = LLM(
+            str(path),
+            device=DEVICE,
+            dtype="float32",
+            engine_process=False,
+            kv_cache_memory=0.01,
+            max_num_batched_tokens=16,
+        )
         return llm.generate(PROMPTS[1:2], params, use_tqdm=False)
 
     torch_outs = run()

@@ -68,8 +68,13 @@ def test_matches_transformers_beyond_the_window(checkpoints, references, arch, s
     args = dict(SCENARIOS[scenario])
     if scenario == "preempted":  # 14 blocks of 8 hold about two of these sequences at once
         args["kv_cache_memory"] = 14 * _block_bytes(arch, 8) / 2**30
-    llm = LLM(str(checkpoints[arch]), device=DEVICE, dtype="float32", engine_process=False,
-              **{"kv_cache_memory": 0.02, **args})
+    llm = LLM(
+        str(checkpoints[arch]),
+        device=DEVICE,
+        dtype="float32",
+        engine_process=False,
+        **{"kv_cache_memory": 0.02, **args},
+    )
     assert_scenario_matches(llm, scenario, references[arch])
 
 
@@ -82,8 +87,7 @@ def assert_scenario_matches(llm: LLM, scenario: str, references: list) -> None:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     if scenario == "prefix-cached":  # again: the prompts' full blocks now come from the cache
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert all(o.num_cached_tokens >= 4 * ((len(p["prompt_token_ids"]) - 1) // 4)
-                   for o, p in zip(outs, PROMPTS))
+        assert all(o.num_cached_tokens >= 4 * ((len(p["prompt_token_ids"]) - 1) // 4) for o, p in zip(outs, PROMPTS))
         assert max(o.num_cached_tokens for o in outs) >= 36
     if scenario == "preempted":
         assert llm.llm_engine.scheduler_stats().num_preemptions > 0
@@ -108,8 +112,9 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_
     import transformers
 
     text = json.loads((checkpoints["gemma3"] / "config.json").read_text())
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=32, patch_size=8)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
     cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
     model = transformers.Gemma3ForConditionalGeneration(cfg)
     causal = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints["gemma3"]), dtype=torch.float32)
@@ -129,8 +134,9 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_
     prompts = PROMPTS[2:4]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     reference = [hf_greedy(causal, p["prompt_token_ids"], 16)[0] for p in prompts]
-    got = LLM(str(new), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02,
-              block_size=4).generate(prompts, params, use_tqdm=False)
+    got = LLM(
+        str(new), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02, block_size=4
+    ).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == reference
 
     # the same model under transformers' in-memory names (model.language_model.*, model.vision_tower.*)
@@ -138,16 +144,20 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_
     weights = load_file(other / "model.safetensors")
     renamed = {}
     for name, weight in weights.items():
-        for old, now in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                         ("vision_tower.", "model.vision_tower."),
-                         ("multi_modal_projector.", "model.multi_modal_projector.")):
+        for old, now in (
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+        ):
             if name.startswith(old):
-                name = now + name[len(old):]
+                name = now + name[len(old) :]
                 break
         renamed[name] = weight
     save_file(renamed, other / "model.safetensors", metadata={"format": "pt"})
-    got = LLM(str(other), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02,
-              block_size=4).generate(prompts, params, use_tqdm=False)
+    got = LLM(
+        str(other), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02, block_size=4
+    ).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == reference
 
 
@@ -155,25 +165,50 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_
 
 # llama.cpp's layer tensor names (gguf-py's tensor_mapping) for the HF ones; Gemma's extra norms
 _GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "post_attention_layernorm": "ffn_norm",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_attention_layernorm": "ffn_norm",
 }
-_GGUF_GEMMA_LAYER = {**_GGUF_LAYER, "post_attention_layernorm": "post_attention_norm",
-                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-_TYPES = {"token_embd": QType.Q8_0, "attn_q": QType.F16, "attn_v": QType.Q8_0, "ffn_down": QType.Q8_0,
-          "ffn_up": QType.F16}
+_GGUF_GEMMA_LAYER = {
+    **_GGUF_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_TYPES = {
+    "token_embd": QType.Q8_0,
+    "attn_q": QType.F16,
+    "attn_v": QType.Q8_0,
+    "ffn_down": QType.Q8_0,
+    "ffn_up": QType.F16,
+}
 # What llama.cpp cannot express is fixed there: Gemma's attention scale is head_dim (but for the 27B
 # models), Gemma 3's local rope base is 10000 and every 6th layer is global. The twins follow suit.
 _GGUF_COMPATIBLE = {
     "mistral-sw": {},
     "gemma2": dict(query_pre_attn_scalar=16),
-    "gemma3": dict(query_pre_attn_scalar=16, num_hidden_layers=6, layer_types=None, rope_parameters={
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "gemma3": dict(
+        query_pre_attn_scalar=16,
+        num_hidden_layers=6,
+        layer_types=None,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
 
 
@@ -254,20 +289,33 @@ def test_gguf_twin_gives_the_same_tokens(tmp_path, arch):
     _write_gguf_twin(src, path, twin)
     outputs, chats = [], []
     for model in (path, twin):
-        llm = LLM(str(model), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02,
-                  block_size=8, max_num_batched_tokens=16, quantization="none")
+        llm = LLM(
+            str(model),
+            device=DEVICE,
+            dtype="float32",
+            engine_process=False,
+            kv_cache_memory=0.02,
+            block_size=8,
+            max_num_batched_tokens=16,
+            quantization="none",
+        )
         outputs.append(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         # the GGUF file's own chat template; the twin is given the same one
         template = None if model == path else GEMMA2_TEMPLATE if arch == "gemma2" else GEMMA3_TEMPLATE
-        chats.append(llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False,
-                              chat_template=template)[0])
+        chats.append(
+            llm.chat(
+                [{"role": "user", "content": "Hi"}],
+                SamplingParams(max_tokens=2),
+                use_tqdm=False,
+                chat_template=template,
+            )[0]
+        )
     assert chats[0].prompt == chats[1].prompt and chats[0].prompt_token_ids == chats[1].prompt_token_ids
     assert chats[0].prompt_token_ids.count(1) == 1 and chats[0].prompt_token_ids[0] == 1  # one BOS, the template's
     for gguf_out, twin_out in zip(*outputs):
         assert gguf_out.outputs[0].token_ids == twin_out.outputs[0].token_ids
         for a, b in zip(gguf_out.outputs[0].logprobs, twin_out.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in a.items()} == pytest.approx({t: v.logprob for t, v in b.items()},
-                                                                          abs=1e-5)
+            assert {t: v.logprob for t, v in a.items()} == pytest.approx({t: v.logprob for t, v in b.items()}, abs=1e-5)
 
 
 # --- the PyTorch attention path against a dense reference ----------------------------------------
@@ -303,7 +351,7 @@ def test_torch_paged_attention_window_and_soft_cap(window, cap, decode_lens, nat
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
     start = 0
     for i, nb in enumerate(blocks_per_seq):
-        tables[i, :nb] = torch.tensor(ids[start:start + nb])
+        tables[i, :nb] = torch.tensor(ids[start : start + nb])
         start += nb
     k_cache = torch.randn(len(ids), block_size, hk, d)
     v_cache = torch.randn(len(ids), block_size, hk, d)
@@ -312,14 +360,20 @@ def test_torch_paged_attention_window_and_soft_cap(window, cap, decode_lens, nat
     for n in q_lens:
         starts.append(starts[-1] + n)
     meta = AttentionMetadata(
-        slot_mapping=torch.full((len(q),), -1), block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32), num_decodes=len(decode_lens),
-        max_query_len=max(q for q, _ in prefills), max_seq_len=max(lens), seq_lens_host=lens,
-        query_start_host=starts)
+        slot_mapping=torch.full((len(q),), -1),
+        block_tables=tables,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        num_decodes=len(decode_lens),
+        max_query_len=max(q for q, _ in prefills),
+        max_seq_len=max(lens),
+        seq_lens_host=lens,
+        query_start_host=starts,
+    )
     out = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding_window=window, logits_soft_cap=cap)
     for i, n in enumerate(lens):
-        k = k_cache[tables[i, :blocks_per_seq[i]].long()].flatten(0, 1)
-        v = v_cache[tables[i, :blocks_per_seq[i]].long()].flatten(0, 1)
+        k = k_cache[tables[i, : blocks_per_seq[i]].long()].flatten(0, 1)
+        v = v_cache[tables[i, : blocks_per_seq[i]].long()].flatten(0, 1)
         for row in range(starts[i], starts[i + 1]):
             pos = n - (starts[i + 1] - row)
             ref = _dense_reference(q[row], k, v, pos, 0.3, window, cap)
@@ -384,8 +438,11 @@ GEMMA3_TEMPLATE = """{{ bos_token }}
 """
 CONVERSATIONS = {
     "one turn": [{"role": "user", "content": "  Hi there \n"}],
-    "three turns": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-                    {"role": "user", "content": [{"type": "text", "text": "How are you?"}]}],
+    "three turns": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": [{"type": "text", "text": "How are you?"}]},
+    ],
     "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
     "not alternating": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi again"}],
 }
@@ -403,11 +460,19 @@ def test_gemma_chat_templates_render_as_transformers(checkpoints, template, conv
     messages = CONVERSATIONS[conversation]
     ours = load_hf_tokenizer(path, [])
     # Ember hands templates OpenAI text parts joined into one string (Gemma 2's template would print the list)
-    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else
-             "".join(part["text"] for part in m["content"])} for m in messages]
+    flat = [
+        {
+            **m,
+            "content": m["content"]
+            if isinstance(m["content"], str)
+            else "".join(part["text"] for part in m["content"]),
+        }
+        for m in messages
+    ]
     try:
         expected = AutoTokenizer.from_pretrained(path).apply_chat_template(
-            flat, chat_template=template, tokenize=False, add_generation_prompt=True)
+            flat, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
     except TemplateError as e:
         with pytest.raises(ValueError, match=f"chat template failed: {e}"):
             ours.apply_chat_template(messages, chat_template=template)
@@ -427,8 +492,12 @@ def test_gemma3_config_in_transformers_4_format_gives_the_same_model(checkpoints
     cfg = json.loads((d / "config.json").read_text())
     for key in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
         cfg.pop(key)
-    cfg.update(rope_theta=50000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_local_base_freq=1000.0,
-               sliding_window_pattern=2)
+    cfg.update(
+        rope_theta=50000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        rope_local_base_freq=1000.0,
+        sliding_window_pattern=2,
+    )
     (d / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(d), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02, block_size=8)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -439,16 +508,28 @@ def test_gemma3_multimodal_config_takes_transformers_defaults():
     """The Hub's Gemma 3 4B config.json gives little more than sizes under text_config."""
     from ember.config import ModelConfig
 
-    cfg = ModelConfig.from_hf_config({
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
-                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                        "sliding_window": 1024},
-        "vision_config": {"hidden_size": 1152}})
+    cfg = ModelConfig.from_hf_config(
+        {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "text_config": {
+                "hidden_size": 2560,
+                "intermediate_size": 10240,
+                "model_type": "gemma3_text",
+                "num_hidden_layers": 34,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 1024,
+            },
+            "vision_config": {"hidden_size": 1152},
+        }
+    )
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262_208)
     assert cfg.query_pre_attn_scalar == 256 and cfg.tie_word_embeddings and cfg.qk_norm and cfg.gemma_norms
     assert cfg.layer_types == tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(34))
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_local_theta, cfg.rope_local_scaling) == (
-        1_000_000.0, {"factor": 8.0, "rope_type": "linear"}, 10_000.0, None)
+        1_000_000.0,
+        {"factor": 8.0, "rope_type": "linear"},
+        10_000.0,
+        None,
+    )
     assert [cfg.layer_window(i) for i in (0, 5)] == [1024, None]
     assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None

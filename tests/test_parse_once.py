@@ -40,8 +40,23 @@ def serve(tmp_path):
     env = {**os.environ, "EMBER_LOGGING_LEVEL": "DEBUG"}
     env.pop("EMBER_API_KEY", None)
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", "--port", str(port), "--kv-cache-memory",
-                                 "0.25", "--max-model-len", "2048"], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ember.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--kv-cache-memory",
+                "0.25",
+                "--max-model-len",
+                "2048",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url)
@@ -57,9 +72,16 @@ def test_serve_parses_the_gguf_once_per_process_and_the_core_builds_its_tokenize
     assert started.pop(front_end) == {PARSED_GGUF: 1, BUILT_TOKENIZER: 1}
     assert list(started.values()) == [{PARSED_GGUF: 1}]  # the engine core: config and weights in one parse
 
-    r = httpx.post(url + "/v1/completions", timeout=120, json={
-        "prompt": "Is the sky blue? Answer:", "max_tokens": 5, "temperature": 0,
-        "structured_outputs": {"choice": ["yes", "no"]}})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=120,
+        json={
+            "prompt": "Is the sky blue? Answer:",
+            "max_tokens": 5,
+            "temperature": 0,
+            "structured_outputs": {"choice": ["yes", "no"]},
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] in ("yes", "no")
 
@@ -97,8 +119,11 @@ def test_run_batch_builds_no_second_engine_or_tokenizer(default_llm, tmp_path, m
     logger.setLevel(logging.DEBUG)
     try:
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
-        summary = default_llm.run_batch([{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-                                          "body": body}], tmp_path / "out.jsonl", use_tqdm=False)
+        summary = default_llm.run_batch(
+            [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}],
+            tmp_path / "out.jsonl",
+            use_tqdm=False,
+        )
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)

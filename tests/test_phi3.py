@@ -104,8 +104,14 @@ def test_batched_with_chunked_prefill_and_preemption(phi):
     hold about one sequence, so the scheduler preempts and recomputes."""
     _, path, prompts, refs = phi
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head_dim, fp32
-    llm = _llm(path, kv_cache_memory=16 * block_bytes / 2**30, block_size=16, max_model_len=256,
-               max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm = _llm(
+        path,
+        kv_cache_memory=16 * block_bytes / 2**30,
+        block_size=16,
+        max_model_len=256,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
     assert_outputs_match(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
     stats = llm.llm_engine.scheduler_stats()
     assert stats.num_preemptions > 0 and stats.kv_cache_usage == 0.0
@@ -149,21 +155,39 @@ def test_partial_rotary_through_the_triton_kernel_matches_torch(monkeypatch):
 
 
 def _longrope_scaling(rotary_dim: int) -> dict:
-    return {"rope_type": "longrope", "original_max_position_embeddings": ORIGINAL_MAX, "attention_factor": 1.3,
-            "short_factor": [1.0 + 0.1 * i for i in range(rotary_dim // 2)],
-            "long_factor": [2.0 + i for i in range(rotary_dim // 2)]}
+    return {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": ORIGINAL_MAX,
+        "attention_factor": 1.3,
+        "short_factor": [1.0 + 0.1 * i for i in range(rotary_dim // 2)],
+        "long_factor": [2.0 + i for i in range(rotary_dim // 2)],
+    }
 
 
 # --- the same models as llama.cpp GGUF files -----------------------------------------------------
 
 # llama.cpp's names for the HF tensors Phi-3 checkpoints hold (no q/k row permutation for this arch).
-_GGUF_NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+_GGUF_NAMES = {
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 # A mix of what llama-quantize writes: Q8_0 and F16 matrices, F32 vectors.
-_TYPES = {"attn_qkv": QType.Q8_0, "ffn_up": QType.Q8_0, "ffn_down": QType.F16, "attn_output": QType.F16,
-          "token_embd": QType.Q8_0}
+_TYPES = {
+    "attn_qkv": QType.Q8_0,
+    "ffn_up": QType.Q8_0,
+    "ffn_down": QType.F16,
+    "attn_output": QType.F16,
+    "token_embd": QType.Q8_0,
+}
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -223,8 +247,10 @@ def test_gguf_matches_its_safetensors_twin(tmp_path, variant, quantization):
     assert isinstance(qkv, QuantLinear) == (quantization is None)
     assert_outputs_match(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
     messages = [{"role": "user", "content": "Hi!"}]
-    assert llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
-        "<|user|>\nHi!<|end|>\n<|assistant|>\n"
+    assert (
+        llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        == "<|user|>\nHi!<|end|>\n<|assistant|>\n"
+    )
 
 
 def _dense_logprobs(out) -> torch.Tensor:

@@ -13,20 +13,26 @@ from ember.core.request import Request
 
 
 def _req(rid: str, tokens: list[int]) -> Request:
-    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=4),
-                   max_tokens=4, eos_token_ids=[], arrival_time=0.0)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=4),
+        max_tokens=4,
+        eos_token_ids=[],
+        arrival_time=0.0,
+    )
 
 
 def test_outputs_identical_with_and_without_prefix_caching(llama_dir):
     rng = random.Random(3)
     system = [rng.randint(5, 511) for _ in range(70)]
-    prompts = [{"prompt_token_ids": system + [rng.randint(5, 511) for _ in range(rng.randint(1, 40))]}
-               for _ in range(12)]
+    prompts = [
+        {"prompt_token_ids": system + [rng.randint(5, 511) for _ in range(rng.randint(1, 40))]} for _ in range(12)
+    ]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     results = {}
     for enabled in (False, True):
-        llm = LLM(str(llama_dir), kv_cache_memory=0.05, enable_prefix_caching=enabled, device=DEVICE,
-                  dtype="float32")
+        llm = LLM(str(llama_dir), kv_cache_memory=0.05, enable_prefix_caching=enabled, device=DEVICE, dtype="float32")
         # Two rounds: the second round finds the first round's blocks in the cache.
         stats = llm.llm_engine.scheduler_stats
         first = llm.generate(prompts, params, use_tqdm=False)

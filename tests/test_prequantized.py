@@ -35,6 +35,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: word nibble i holds column
 
 # ---- packers, from each format's description ------------------------------------------------
 
+
 def _words(values: torch.Tensor, bits: int) -> torch.Tensor:
     """[R, C] unsigned codes -> int32 [R, ceil(C * bits / 32)], code i of each run in bits i*bits.."""
     per = 32 // bits
@@ -58,8 +59,9 @@ class IntQuant:
         return (self.q - self.z[:, self.g_idx]).float() * self.s[:, self.g_idx].float()
 
 
-def int_quantize(w: torch.Tensor, bits: int, group: int, sym: bool, scale_dtype=torch.float16,
-                 act_order: bool = False, seed: int = 0) -> IntQuant:
+def int_quantize(
+    w: torch.Tensor, bits: int, group: int, sym: bool, scale_dtype=torch.float16, act_order: bool = False, seed: int = 0
+) -> IntQuant:
     n, k = w.shape
     group = k if group == -1 else group
     g_idx = torch.arange(k) // group
@@ -89,21 +91,32 @@ def int_quantize(w: torch.Tensor, bits: int, group: int, sym: bool, scale_dtype=
 def pack_awq(iq: IntQuant) -> dict[str, torch.Tensor]:
     def interleave(v: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R, C] in AWQ's nibble order
         return v.view(v.shape[0], -1, 8)[:, :, list(AWQ_ORDER)].reshape(v.shape)
-    return {"qweight": _words(interleave(iq.q.t()), 4), "qzeros": _words(interleave(iq.z.t()), 4),
-            "scales": iq.s.t().contiguous()}
+
+    return {
+        "qweight": _words(interleave(iq.q.t()), 4),
+        "qzeros": _words(interleave(iq.z.t()), 4),
+        "scales": iq.s.t().contiguous(),
+    }
 
 
 def pack_gptq(iq: IntQuant, bits: int, v2: bool) -> dict[str, torch.Tensor]:
     stored_zeros = (iq.z - (0 if v2 else 1)) & (2**bits - 1)  # v1 stores zero - 1
-    return {"qweight": _words(iq.q, bits).t().contiguous(), "qzeros": _words(stored_zeros.t(), bits),
-            "scales": iq.s.t().contiguous(), "g_idx": iq.g_idx.to(torch.int32)}
+    return {
+        "qweight": _words(iq.q, bits).t().contiguous(),
+        "qzeros": _words(stored_zeros.t(), bits),
+        "scales": iq.s.t().contiguous(),
+        "g_idx": iq.g_idx.to(torch.int32),
+    }
 
 
 def pack_compressed(iq: IntQuant, bits: int, sym: bool) -> dict[str, torch.Tensor]:
     """compressed-tensors stores signed values (q - 2^(bits-1)) shifted back by 2^(bits-1): the same codes."""
     offset = 2 ** (bits - 1)
-    tensors = {"weight_packed": _words(iq.q, bits), "weight_scale": iq.s.contiguous(),
-               "weight_shape": torch.tensor(list(iq.q.shape), dtype=torch.int64)}
+    tensors = {
+        "weight_packed": _words(iq.q, bits),
+        "weight_scale": iq.s.contiguous(),
+        "weight_shape": torch.tensor(list(iq.q.shape), dtype=torch.int64),
+    }
     if not sym:  # signed zero points, packed along the output dimension
         signed_zero = iq.z - offset
         tensors["weight_zero_point"] = _words(signed_zero.t() + offset, bits).t().contiguous()
@@ -127,6 +140,7 @@ def fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.
 
 # ---- checkpoints ---------------------------------------------------------------------------
 
+
 @dataclass
 class Case:
     """One quantized checkpoint: how to quantize each projection and the quantization_config."""
@@ -144,6 +158,7 @@ def _int_case(name, config, bits, group, sym, packer, scale_dtype=torch.float16,
         # the seed is the name's length: q/k/v share a column order (they fuse), gate/up do not
         iq = int_quantize(w, bits, group, sym, scale_dtype, act_order, seed=len(module))
         return packer(iq), iq.reference()
+
     return Case(name, config, f"int{bits}", pack, **kw)
 
 
@@ -155,22 +170,41 @@ def _fp8_case(name, config, block, scale_name="weight_scale", per_tensor=False, 
             return {"weight": codes, scale_name: scale}, codes.float() * scale
         codes, scale, reference = fp8_quantize(w, block)
         return {"weight": codes, scale_name: scale}, reference
+
     return Case(name, config, "fp8", pack, **kw)
 
 
 def _ct_config(fmt: str, weights: dict, ignore=("lm_head",)) -> dict:
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "ignore": list(ignore), "kv_cache_scheme": None, "config_groups": {"group_0": {
-                "targets": ["Linear"], "format": fmt, "input_activations": None, "output_activations": None,
-                "weights": {"dynamic": False, "observer": "minmax", "actorder": None, **weights}}}}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "format": fmt,
+                "input_activations": None,
+                "output_activations": None,
+                "weights": {"dynamic": False, "observer": "minmax", "actorder": None, **weights},
+            }
+        },
+    }
 
 
 def _ct_mixed_config() -> dict:
     """W4A16 for every Linear, W8A16 for down_proj through a more specific pattern, o_proj ignored."""
-    config = _ct_config("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                           "group_size": 16}, ignore=("lm_head", "re:.*o_proj"))
-    w8 = {**config["config_groups"]["group_0"], "targets": ["re:.*down_proj$"],
-          "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
+    config = _ct_config(
+        "pack-quantized",
+        {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16},
+        ignore=("lm_head", "re:.*o_proj"),
+    )
+    w8 = {
+        **config["config_groups"]["group_0"],
+        "targets": ["re:.*down_proj$"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+    }
     return {**config, "config_groups": {**config["config_groups"], "group_1": w8}}
 
 
@@ -181,48 +215,136 @@ def _mixed_pack(module: str, w: torch.Tensor):
 
 
 def _gptq_config(bits, group, desc_act, sym, fmt="gptq") -> dict:
-    return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
-            "checkpoint_format": fmt, "damp_percent": 0.01, "true_sequential": True}
+    return {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group,
+        "desc_act": desc_act,
+        "sym": sym,
+        "checkpoint_format": fmt,
+        "damp_percent": 0.01,
+        "true_sequential": True,
+    }
 
 
 # Group sizes of 16 keep int4 weights off PyTorch's packed CPU kernels (groups of 32-256, bf16
 # activations), so an engine computes with exactly the dequantized float32 weights.
-CASES = {c.name: c for c in [
-    _int_case("awq-qwen2", {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True,
-                            "version": "gemm", "modules_to_not_convert": None}, 4, 16, False, pack_awq, arch="qwen2"),
-    _int_case("gptq4-sym-v1", _gptq_config(4, 16, False, True), 4, 16, True, lambda iq: pack_gptq(iq, 4, False)),
-    _int_case("gptq4-asym-act-order-v2", _gptq_config(4, 16, True, False, "gptq_v2"), 4, 16, False,
-              lambda iq: pack_gptq(iq, 4, True), act_order=True),
-    _int_case("gptq8-sym-act-order", _gptq_config(8, 32, True, True), 8, 32, True,
-              lambda iq: pack_gptq(iq, 8, False), act_order=True),
-    _int_case("gptq8-asym-channel", _gptq_config(8, -1, False, False), 8, -1, False,
-              lambda iq: pack_gptq(iq, 8, False)),
-    _int_case("ct-w4a16-sym", _ct_config("pack-quantized", {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}),
-        4, 16, True, lambda iq: pack_compressed(iq, 4, True), scale_dtype=torch.bfloat16),
-    _int_case("ct-w4a16-asym-ignore", _ct_config("pack-quantized", {
-        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 16},
-        ignore=("lm_head", "re:.*down_proj$")), 4, 16, False, lambda iq: pack_compressed(iq, 4, False),
-        scale_dtype=torch.bfloat16, dense_modules=("down_proj",)),
-    Case("ct-mixed-w4-w8", _ct_mixed_config(), "int4", _mixed_pack, dense_modules=("o_proj",)),
-    _int_case("ct-w8a16-asym-channel", _ct_config("pack-quantized", {
-        "num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}),
-        8, -1, False, lambda iq: pack_compressed(iq, 8, False), scale_dtype=torch.bfloat16),
-    _fp8_case("ct-fp8-channel", _ct_config("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True,
-                                                              "strategy": "channel"}), None),
-    _fp8_case("ct-fp8-tensor", _ct_config("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True,
-                                                             "strategy": "tensor"}), None, per_tensor=True),
-    _fp8_case("ct-fp8-block", _ct_config("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True,
-                                                            "strategy": "block", "block_structure": [32, 32]}),
-              (32, 32)),
-    _fp8_case("hf-fp8-block128", {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}, (128, 128), "weight_scale_inv"),
-    _fp8_case("hf-fp8-block32", {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                 "weight_block_size": [32, 32]}, (32, 32), "weight_scale_inv"),
-    # some block-scaled files name the block scales weight_scale
-    _fp8_case("hf-fp8-block32-weight-scale", {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                              "weight_block_size": [32, 32]}, (32, 32)),
-]}
+CASES = {
+    c.name: c
+    for c in [
+        _int_case(
+            "awq-qwen2",
+            {
+                "quant_method": "awq",
+                "bits": 4,
+                "group_size": 16,
+                "zero_point": True,
+                "version": "gemm",
+                "modules_to_not_convert": None,
+            },
+            4,
+            16,
+            False,
+            pack_awq,
+            arch="qwen2",
+        ),
+        _int_case("gptq4-sym-v1", _gptq_config(4, 16, False, True), 4, 16, True, lambda iq: pack_gptq(iq, 4, False)),
+        _int_case(
+            "gptq4-asym-act-order-v2",
+            _gptq_config(4, 16, True, False, "gptq_v2"),
+            4,
+            16,
+            False,
+            lambda iq: pack_gptq(iq, 4, True),
+            act_order=True,
+        ),
+        _int_case(
+            "gptq8-sym-act-order",
+            _gptq_config(8, 32, True, True),
+            8,
+            32,
+            True,
+            lambda iq: pack_gptq(iq, 8, False),
+            act_order=True,
+        ),
+        _int_case(
+            "gptq8-asym-channel", _gptq_config(8, -1, False, False), 8, -1, False, lambda iq: pack_gptq(iq, 8, False)
+        ),
+        _int_case(
+            "ct-w4a16-sym",
+            _ct_config(
+                "pack-quantized",
+                {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16},
+            ),
+            4,
+            16,
+            True,
+            lambda iq: pack_compressed(iq, 4, True),
+            scale_dtype=torch.bfloat16,
+        ),
+        _int_case(
+            "ct-w4a16-asym-ignore",
+            _ct_config(
+                "pack-quantized",
+                {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 16},
+                ignore=("lm_head", "re:.*down_proj$"),
+            ),
+            4,
+            16,
+            False,
+            lambda iq: pack_compressed(iq, 4, False),
+            scale_dtype=torch.bfloat16,
+            dense_modules=("down_proj",),
+        ),
+        Case("ct-mixed-w4-w8", _ct_mixed_config(), "int4", _mixed_pack, dense_modules=("o_proj",)),
+        _int_case(
+            "ct-w8a16-asym-channel",
+            _ct_config("pack-quantized", {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}),
+            8,
+            -1,
+            False,
+            lambda iq: pack_compressed(iq, 8, False),
+            scale_dtype=torch.bfloat16,
+        ),
+        _fp8_case(
+            "ct-fp8-channel",
+            _ct_config("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}),
+            None,
+        ),
+        _fp8_case(
+            "ct-fp8-tensor",
+            _ct_config("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}),
+            None,
+            per_tensor=True,
+        ),
+        _fp8_case(
+            "ct-fp8-block",
+            _ct_config(
+                "float-quantized",
+                {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [32, 32]},
+            ),
+            (32, 32),
+        ),
+        _fp8_case(
+            "hf-fp8-block128",
+            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+            (128, 128),
+            "weight_scale_inv",
+        ),
+        _fp8_case(
+            "hf-fp8-block32",
+            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
+            (32, 32),
+            "weight_scale_inv",
+        ),
+        # some block-scaled files name the block scales weight_scale
+        _fp8_case(
+            "hf-fp8-block32-weight-scale",
+            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
+            (32, 32),
+        ),
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +374,10 @@ def write_case(case: Case, base: Path, root: Path) -> tuple[Path, Path, dict[str
         quantized.update({f"{prefix}.{suffix}": t for suffix, t in parts.items()})
         dense[name] = references[name] = reference
     config = json.loads((base / "config.json").read_text())
-    for directory, state, cfg in ((quant_dir, quantized, {**config, "quantization_config": case.config}),
-                                  (dense_dir, dense, config)):
+    for directory, state, cfg in (
+        (quant_dir, quantized, {**config, "quantization_config": case.config}),
+        (dense_dir, dense, config),
+    ):
         directory.mkdir()
         save_file(state, directory / "model.safetensors")
         (directory / "config.json").write_text(json.dumps(cfg))
@@ -282,13 +406,22 @@ def test_loaded_weights_equal_the_dequantized_reference(name, bases, tmp_path):
     for module in case.dense_modules:  # ignored modules load as the plain tensors they are
         assert all(not isinstance(w, QuantizedWeight) for n, w in weights.items() if f".{module}." in n)
     if "block" in case.name:
-        assert weights["model.layers.0.mlp.down_proj.weight"].block_rows == case.config.get(
-            "weight_block_size", [32])[0]
+        assert (
+            weights["model.layers.0.mlp.down_proj.weight"].block_rows == case.config.get("weight_block_size", [32])[0]
+        )
 
 
 def _greedy(path: Path, tp: int = 1) -> list[list[int]]:
-    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=0.02, max_model_len=128, seed=0,
-              tensor_parallel_size=tp, engine_process=False if tp == 1 else None)
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=0.02,
+        max_model_len=128,
+        seed=0,
+        tensor_parallel_size=tp,
+        engine_process=False if tp == 1 else None,
+    )
     try:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
@@ -328,8 +461,9 @@ def test_act_order_layer_on_the_packed_kernel(seeds, fused_parts):
     parts that share one column order fuse into one matmul, others run one matmul each."""
     gen = torch.Generator().manual_seed(3)
     k = 64
-    reader = gptq.read({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "gptq_v2"},
-                       "config.json")
+    reader = gptq.read(
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "gptq_v2"}, "config.json"
+    )
     weights = []
     for seed in seeds:
         iq = int_quantize(torch.randn(32, k, generator=gen) * 0.1, 4, 32, False, act_order=True, seed=seed)
@@ -349,18 +483,32 @@ def _with_config(bases, tmp_path, qcfg: dict) -> Path:
     return path
 
 
-@pytest.mark.parametrize("qcfg,message", [
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"},
-     r"quantization_config.version = 'gemv' is not supported .*'gemm'"),
-    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"quantization_config.bits = 3 .*4, 8"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
-     r"checkpoint_format = 'marlin'.*'gptq', 'gptq_v2'"),
-    ({**_ct_config("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}),
-      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, r"kv_cache_scheme: calibrated"),
-    ({"quant_method": "bitsandbytes"}, r"quant_method = 'bitsandbytes' .*awq, gptq, compressed-tensors, fp8"),
-    (_ct_config("int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"}),
-     r"config_groups.group_0.format = 'int-quantized' .*pack-quantized, float-quantized"),
-])
+@pytest.mark.parametrize(
+    "qcfg,message",
+    [
+        (
+            {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"},
+            r"quantization_config.version = 'gemv' is not supported .*'gemm'",
+        ),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"quantization_config.bits = 3 .*4, 8"),
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+            r"checkpoint_format = 'marlin'.*'gptq', 'gptq_v2'",
+        ),
+        (
+            {
+                **_ct_config("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}),
+                "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+            },
+            r"kv_cache_scheme: calibrated",
+        ),
+        ({"quant_method": "bitsandbytes"}, r"quant_method = 'bitsandbytes' .*awq, gptq, compressed-tensors, fp8"),
+        (
+            _ct_config("int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"}),
+            r"config_groups.group_0.format = 'int-quantized' .*pack-quantized, float-quantized",
+        ),
+    ],
+)
 def test_unsupported_variants_name_the_file_and_field(bases, tmp_path, qcfg, message):
     path = _with_config(bases, tmp_path, qcfg)
     with pytest.raises(ModelLoadError, match=message) as err:
@@ -371,8 +519,11 @@ def test_unsupported_variants_name_the_file_and_field(bases, tmp_path, qcfg, mes
 def test_explicit_quantization_must_agree_with_the_checkpoint(bases, tmp_path):
     path = _with_config(bases, tmp_path, CASES["hf-fp8-block32"].config)
     assert load_model_files(EngineArgs(model=str(path), quantization="fp8")).quantization == "fp8"
-    with pytest.raises(ValueError, match=r"'int4' conflicts with the checkpoint's quantization_config.quant_method "
-                                         r"'fp8'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'int4' conflicts with the checkpoint's quantization_config.quant_method "
+        r"'fp8'",
+    ):
         load_model_files(EngineArgs(model=str(path), quantization="int4"))
     with pytest.raises(ValueError, match="'gptq' needs a checkpoint stored that way"):
         load_model_files(EngineArgs(model=str(bases["llama"]), quantization="gptq"))
@@ -383,13 +534,17 @@ def test_missing_part_is_a_clear_error(bases, tmp_path):
     tensors = load_file(quant_dir / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.scales"]
     save_file(tensors, quant_dir / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.up_proj' has no tensor "
-                                             r"model.layers.1.mlp.up_proj.scales"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"'model.layers.1.mlp.up_proj' has no tensor "
+        r"model.layers.1.mlp.up_proj.scales",
+    ):
         loaded_weights(quant_dir)
 
 
-@pytest.mark.parametrize("name,gate_up_parts", [("gptq4-sym-v1", 1), ("gptq4-asym-act-order-v2", 2),
-                                                ("ct-fp8-block", 1)])
+@pytest.mark.parametrize(
+    "name,gate_up_parts", [("gptq4-sym-v1", 1), ("gptq4-asym-act-order-v2", 2), ("ct-fp8-block", 1)]
+)
 def test_loaded_projections_fuse_when_their_formats_agree(name, gate_up_parts, bases, tmp_path):
     """q/k/v share a format (and, with act-order, a column order) and fuse into one matmul; gate and
     up fuse too unless their column orders differ (here they do for the act-order file)."""

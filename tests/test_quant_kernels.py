@@ -50,12 +50,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 PER_CHANNEL = 0  # stands for group_size = K
 # Outputs are O(1); bf16/fp16 round the dequantized weight and the output once each.
-MATMUL_TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 4e-3, "rtol": 4e-3},
-              torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2} if INTERPRETED else {"atol": 2e-2, "rtol": 2e-2}}
+MATMUL_TOL = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2} if INTERPRETED else {"atol": 2e-2, "rtol": 2e-2},
+}
 
 
-def _case(kind: str, group: int, zeros: bool, dtype: torch.dtype, shape: tuple[int, int, int],
-          bias: bool) -> pytest.ParameterSet:
+def _case(
+    kind: str, group: int, zeros: bool, dtype: torch.dtype, shape: tuple[int, int, int], bias: bool
+) -> pytest.ParameterSet:
     name = f"{kind}-g{group or 'K'}-{'zeros' if zeros else 'sym'}-{str(dtype)[6:]}-{'x'.join(map(str, shape))}"
     return pytest.param(kind, group, zeros, dtype, shape, bias, id=name + ("-bias" if bias else ""))
 
@@ -65,8 +69,10 @@ def _cases() -> list[pytest.ParameterSet]:
     period (5) coprime to the others, so each dtype and group meets every shape without running the
     whole product."""
     if FULL:
-        return [_case(kind, 128, zeros, dtype, (m, 4096, 4096), True)
-                for kind, zeros, dtype, m in itertools.product(["int8", "int4"], [False, True], DTYPES, [1, 16, 256])]
+        return [
+            _case(kind, 128, zeros, dtype, (m, 4096, 4096), True)
+            for kind, zeros, dtype, m in itertools.product(["int8", "int4"], [False, True], DTYPES, [1, 16, 256])
+        ]
     shapes = [(1, 17, 129), (3, 64, 40), (33, 17, 256), (1, 64, 256), (3, 17, 129)]
     mixes = itertools.product(["int8", "int4"], [16, 32, 128, PER_CHANNEL], [False, True], DTYPES)
     return [_case(*mix, shapes[i % len(shapes)], i % 2 == 0) for i, mix in enumerate(mixes)]
@@ -90,7 +96,7 @@ def make_weight(kind: str, n: int, k: int, group_size: int, with_zeros: bool, ge
         if k % 2:
             qweight[:, -1] |= 0xF0
     scales = torch.full((n, num_groups + 1), float("nan"))
-    scales[:, :num_groups] = (0.5 + torch.rand(n, num_groups, generator=gen)) / (levels * k ** 0.5)
+    scales[:, :num_groups] = (0.5 + torch.rand(n, num_groups, generator=gen)) / (levels * k**0.5)
     zeros = None
     if with_zeros:
         zeros = torch.full((n, num_groups + 1), float("nan"))
@@ -116,8 +122,9 @@ def expected_f64(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None)
     return out if bias is None else out + bias.double()
 
 
-def check_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
-                 config: QuantMatmulConfig | None = None) -> None:
+def check_matmul(
+    x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, config: QuantMatmulConfig | None = None
+) -> None:
     out = quant_matmul(x, w, bias, config=config)
     assert out.dtype == x.dtype and out.shape == (x.shape[0], w.out_features)
     expected = expected_f64(x, w, bias)
@@ -126,8 +133,9 @@ def check_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
 
 
 @pytest.mark.parametrize("kind,group,zeros,dtype,shape,with_bias", _cases())
-def test_quant_matmul_matches_float64(kind: str, group: int, zeros: bool, dtype: torch.dtype,
-                                      shape: tuple[int, int, int], with_bias: bool) -> None:
+def test_quant_matmul_matches_float64(
+    kind: str, group: int, zeros: bool, dtype: torch.dtype, shape: tuple[int, int, int], with_bias: bool
+) -> None:
     m, n, k = shape
     gen = _gen(kind, group, zeros, dtype, shape)
     w = make_weight(kind, n, k, group or k, zeros, gen)
@@ -150,11 +158,11 @@ TILINGS = [
 @pytest.mark.skipif(FULL, reason="tiny ragged shapes: the FULL run covers serving sizes")
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("m,n,k,group,config", TILINGS)
-def test_quant_matmul_tilings(kind: str, m: int, n: int, k: int, group: int,
-                              config: QuantMatmulConfig | None) -> None:
+def test_quant_matmul_tilings(kind: str, m: int, n: int, k: int, group: int, config: QuantMatmulConfig | None) -> None:
     gen = _gen(kind, m, n, k, group)
-    check_matmul(make_input(m, k, torch.float32, gen), make_weight(kind, n, k, group, kind == "int4", gen), None,
-                 config)
+    check_matmul(
+        make_input(m, k, torch.float32, gen), make_weight(kind, n, k, group, kind == "int4", gen), None, config
+    )
 
 
 def test_config_fills_the_gpu_for_decode() -> None:
@@ -178,7 +186,7 @@ def test_dequantize_kernel_matches_formats(kind: str, zeros: bool, dtype: torch.
     out = dequantize_kernel(w, dtype)
     expected = dequantize(w, dtype)
     if dtype == torch.bfloat16 and INTERPRETED:
-        torch.testing.assert_close(out, expected, atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
     else:
         assert torch.equal(out, expected)
 
@@ -211,13 +219,16 @@ PACKED_CASES = [
 def _packed_id(case: tuple) -> str:
     kind, group, zeros, dtype, shape, cfg = case
     variant = f"{cfg.variant}-split{cfg.split_k}" if cfg else "auto"
-    return f"{kind}-g{group or 'K'}-{'zeros' if zeros else 'sym'}-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-{variant}"
+    return (
+        f"{kind}-g{group or 'K'}-{'zeros' if zeros else 'sym'}-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-{variant}"
+    )
 
 
 @pytest.mark.skipif(FULL, reason="tiny ragged shapes: the FULL run covers serving sizes")
 @pytest.mark.parametrize("kind,group,zeros,dtype,shape,config", PACKED_CASES, ids=map(_packed_id, PACKED_CASES))
-def test_packed_matmul_matches_float64(kind: str, group: int, zeros: bool, dtype: torch.dtype,
-                                       shape: tuple[int, int, int], config: PackedConfig | None) -> None:
+def test_packed_matmul_matches_float64(
+    kind: str, group: int, zeros: bool, dtype: torch.dtype, shape: tuple[int, int, int], config: PackedConfig | None
+) -> None:
     m, n, k = shape
     gen = _gen("packed", kind, group, zeros, shape)
     w = make_weight(kind, n, k, group or k, zeros, gen)
@@ -228,8 +239,10 @@ def test_packed_matmul_matches_float64(kind: str, group: int, zeros: bool, dtype
     torch.testing.assert_close(out.double(), expected_f64(x, w, bias), **MATMUL_TOL[dtype])
 
 
-@pytest.mark.parametrize("kind,zeros,group,k", [("int4", True, 32, 301), ("int4", False, 128, 256),
-                                                 ("int8", False, PER_CHANNEL, 129), ("int8", True, 16, 200)])
+@pytest.mark.parametrize(
+    "kind,zeros,group,k",
+    [("int4", True, 32, 301), ("int4", False, 128, 256), ("int8", False, PER_CHANNEL, 129), ("int8", True, 16, 200)],
+)
 def test_packed_layout_keeps_the_weight_exactly(kind: str, zeros: bool, group: int, k: int) -> None:
     """Packing is lossless: the packed codes dequantize to formats.dequantize bit for bit."""
     w = make_weight(kind, 37, k, group or k, zeros, _gen("layout", kind, zeros, group, k))
@@ -284,9 +297,22 @@ def test_packed_config_table_and_heuristic(tmp_path: pathlib.Path) -> None:
     from the table get the heuristic: one-row FMA programs for decode, filling the SMs with split-K."""
     tuned = PackedConfig("dot", 16, 64, 2, 4, 3)
     table = tmp_path / "table.json"
-    table.write_text(json.dumps({"entries": [
-        {"kind": "int4", "n": 4096, "k": 4096, "m": 1, "config": PackedConfig("fma", 1, 128, 8, 4, 2)._asdict()},
-        {"kind": "int4", "n": 4096, "k": 4096, "m": 16, "config": tuned._asdict()}]}))
+    table.write_text(
+        json.dumps(
+            {
+                "entries": [
+                    {
+                        "kind": "int4",
+                        "n": 4096,
+                        "k": 4096,
+                        "m": 1,
+                        "config": PackedConfig("fma", 1, 128, 8, 4, 2)._asdict(),
+                    },
+                    {"kind": "int4", "n": 4096, "k": 4096, "m": 16, "config": tuned._asdict()},
+                ]
+            }
+        )
+    )
     assert choose_packed_config(1, 4096, 4096, "int4", 132, str(table)).variant == "fma"
     assert choose_packed_config(4, 4096, 4096, "int4", 132, str(table)) == tuned
     assert choose_packed_config(64, 4096, 4096, "int4", 132, str(table)) == tuned
@@ -303,10 +329,12 @@ def test_gpu_matmul_takes_the_packed_kernel_then_cublas() -> None:
     w = make_weight("int4", 24, 256, 32, True, gen)
     for m in (2, PACKED_MAX_ROWS + 1):
         x = make_input(m, 256, torch.float32, gen)
-        torch.testing.assert_close(gpu_matmul(x, w, pack_weight(w)).double(), expected_f64(x, w, None),
-                                   **MATMUL_TOL[torch.float32])
+        torch.testing.assert_close(
+            gpu_matmul(x, w, pack_weight(w)).double(), expected_f64(x, w, None), **MATMUL_TOL[torch.float32]
+        )
     odd = make_weight("int8", 24, 64, 8, False, gen)
     assert not packable(odd)
     x = make_input(1, 64, torch.float32, gen)
-    torch.testing.assert_close(gpu_matmul(x, odd, None).double(), expected_f64(x, odd, None),
-                               **MATMUL_TOL[torch.float32])
+    torch.testing.assert_close(
+        gpu_matmul(x, odd, None).double(), expected_f64(x, odd, None), **MATMUL_TOL[torch.float32]
+    )

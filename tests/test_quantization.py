@@ -54,15 +54,21 @@ def test_quantizers_bound_their_error(k: int) -> None:
     f8 = quantize_fp8_per_channel(w)  # block-scaled fp8: tests/test_fp8.py
     assert f8.qweight.dtype == torch.float8_e4m3fn
     # e4m3 keeps 3 mantissa bits: relative error at most 2^-4 above the subnormal range
-    big = w.abs() > 2 ** -6 * f8.scales
-    assert ((dequantize(f8) - w).abs()[big] <= w.abs()[big] * 2 ** -4 + 1e-7).all()
+    big = w.abs() > 2**-6 * f8.scales
+    assert ((dequantize(f8) - w).abs()[big] <= w.abs()[big] * 2**-4 + 1e-7).all()
 
 
 def _quantized_weights(n: int, k: int) -> list[QuantizedWeight]:
     gen = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=gen) * 0.05
-    int8_grouped = QuantizedWeight("int8", torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8),
-                                   torch.rand(n, -(-k // 32), generator=gen) * 1e-3, None, 32, k)
+    int8_grouped = QuantizedWeight(
+        "int8",
+        torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8),
+        torch.rand(n, -(-k // 32), generator=gen) * 1e-3,
+        None,
+        32,
+        k,
+    )
     return [quantize_int8(w), quantize_int4(w), quantize_int4(w, group_size=32), int8_grouped]
 
 
@@ -164,8 +170,9 @@ def test_weight_memory_is_measured(llama_dir, mode: str, ratio: float) -> None:
     K = 64 makes per-row scales weigh more than at real sizes, and on CPU its int4 rows are padded to
     one whole group of 128 for the packed kernel (the 8B shape is measured in benchmarks/latency.py)."""
     dense = LLM(str(llama_dir), device=DEVICE, dtype="bfloat16", kv_cache_memory=0.01).llm_engine.ready
-    quant = LLM(str(llama_dir), device=DEVICE, dtype="bfloat16", kv_cache_memory=0.01,
-                quantization=mode).llm_engine.ready
+    quant = LLM(
+        str(llama_dir), device=DEVICE, dtype="bfloat16", kv_cache_memory=0.01, quantization=mode
+    ).llm_engine.ready
     with safe_open(str(llama_dir / "model.safetensors"), framework="pt") as f:
         sizes = {name: math.prod(f.get_slice(name).get_shape()) for name in f.keys()}
     params = sum(sizes.values())
@@ -179,7 +186,7 @@ def test_weight_memory_is_measured(llama_dir, mode: str, ratio: float) -> None:
 def text_windows() -> list[list[int]]:
     tok = LLM(kv_cache_memory=0.05, max_model_len=512, device=DEVICE).get_tokenizer()
     ids = tok.encode(TEXT)
-    return [ids[i:i + 256] for i in range(0, 512, 256)]
+    return [ids[i : i + 256] for i in range(0, 512, 256)]
 
 
 GREEDY_TOKENS = 24

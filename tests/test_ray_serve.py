@@ -23,16 +23,33 @@ GREEDY = {"temperature": 0, "max_tokens": 4}
 SHARED = "You are a terse assistant. Answer in one word. " * 12
 
 
-
 @pytest.fixture(scope="module")
 def url():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        engine_args, settings, options, _ = parse([
-            default_gguf_path(), "--served-model-name", MODEL, "--device", "cpu", "--kv-cache-memory", "0.05", "--max-model-len", "512",
-            "--max-num-seqs", "4", "--num-replicas", "2", "--replica-cpus", "1", "--shutdown-timeout", "1"])
+        engine_args, settings, options, _ = parse(
+            [
+                default_gguf_path(),
+                "--served-model-name",
+                MODEL,
+                "--device",
+                "cpu",
+                "--kv-cache-memory",
+                "0.05",
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "4",
+                "--num-replicas",
+                "2",
+                "--replica-cpus",
+                "1",
+                "--shutdown-timeout",
+                "1",
+            ]
+        )
         serve.run(build_application(engine_args, settings, options), name="ember", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -98,7 +115,10 @@ def test_routing_prefix_is_the_prompts_opening():
     assert routing_prefix("/v1/completions", b'{"prompt": "abcdef"}', 4) == "abcd"
     assert routing_prefix("/v1/completions", b'{"prompt": ["abc", "xyz"]}', 4) == "abc"  # a batch: its first
     assert routing_prefix("/v1/completions", b'{"prompt": [[5, 17], [9]]}', 9) == "5 17 "
-    chat = b'{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}'
+    chat = (
+        b'{"messages": [{"role": "system", "content": "Be brief."}, '
+        b'{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}'
+    )
     assert routing_prefix("/v1/chat/completions", chat, 100) == "system:Be brief.\nuser:Hi\n"
     assert routing_prefix("/v1/models", b"", 100) == routing_prefix("/v1/completions", b"[1,", 100) == ""
 
@@ -123,12 +143,15 @@ def test_killing_a_replica_loses_no_request_that_had_not_answered(url, client):
     assert victim not in {replica for _, replica in answered}
 
 
-@pytest.mark.parametrize(("flags", "needle"), [
-    (["--num-replicas", "0"], "num_replicas must be >= 1"),
-    (["--num-replicas", "3", "--max-replicas", "2"], "max_replicas (2) must be >= num_replicas (3)"),
-    (["--prefix-chars", "0"], "prefix_chars must be >= 1"),
-    (["--max-num-seqs", "0"], "max_num_seqs"),
-])
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--num-replicas", "0"], "num_replicas must be >= 1"),
+        (["--num-replicas", "3", "--max-replicas", "2"], "max_replicas (2) must be >= num_replicas (3)"),
+        (["--prefix-chars", "0"], "prefix_chars must be >= 1"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+    ],
+)
 def test_bad_flags_are_one_clear_error(flags, needle, capsys):
     from ember.integrations.ray_serve.__main__ import main
 

@@ -18,14 +18,22 @@ from ember.server.chat_answer import AnswerParser
 from ember.server.reasoning import REASONING_PARSERS, ReasoningParser, split_reasoning
 
 CASES = [  # (parser, answer, reasoning, content)
-    ("qwen3", "<think>\nThe user wants a greeting.\n</think>\n\nHello there!", "\nThe user wants a greeting.\n",
-     "Hello there!"),
+    (
+        "qwen3",
+        "<think>\nThe user wants a greeting.\n</think>\n\nHello there!",
+        "\nThe user wants a greeting.\n",
+        "Hello there!",
+    ),
     ("qwen3", "Hello there, no thinking.", None, "Hello there, no thinking."),
     ("qwen3", "  <think>a < b and c </thin k></think>x</think>", "a < b and c </thin k>", "x</think>"),
     ("qwen3", "<think>cut off before the end", "cut off before the end", ""),
     ("qwen3", "<thin", None, "<thin"),
-    ("deepseek_r1", "Let me think: 2 + 2 = 4.</think>\n\nThe answer is 4.", "Let me think: 2 + 2 = 4.",
-     "The answer is 4."),
+    (
+        "deepseek_r1",
+        "Let me think: 2 + 2 = 4.</think>\n\nThe answer is 4.",
+        "Let me think: 2 + 2 = 4.",
+        "The answer is 4.",
+    ),
     ("deepseek_r1", "<think>repeated tag</think>answer", "repeated tag", "answer"),
     ("deepseek_r1", "only reasoning, cut off", "only reasoning, cut off", ""),
 ]
@@ -93,8 +101,14 @@ TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
 def server(tmp_path_factory):
     template = tmp_path_factory.mktemp("reasoning") / "template.jinja"
     template.write_text(TEMPLATE)
-    args = EngineArgs(kv_cache_memory=0.1, max_model_len=512, device=DEVICE, dtype="float32",
-                      chat_template=str(template), engine_process=False)
+    args = EngineArgs(
+        kv_cache_memory=0.1,
+        max_model_len=512,
+        device=DEVICE,
+        dtype="float32",
+        chat_template=str(template),
+        engine_process=False,
+    )
     with ServerThread(AsyncLLM(args, served_model_name=MODEL), reasoning_parser="qwen3") as s:
         yield s
 
@@ -104,9 +118,13 @@ def test_server_reasoning_content_and_template_kwargs(server):
     here it makes the small model write a think block, and the answer splits, streamed or not."""
     client = server.client(timeout=120)
     pattern = r"<think>[a-z ]{1,12}</think>[A-Z][a-z]{1,8}"
-    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 40,
-              "extra_body": {"structured_outputs": {"regex": pattern},
-                             "chat_template_kwargs": {"enable_thinking": False}}}
+    kwargs = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "temperature": 0,
+        "max_tokens": 40,
+        "extra_body": {"structured_outputs": {"regex": pattern}, "chat_template_kwargs": {"enable_thinking": False}},
+    }
     whole = client.chat.completions.create(**kwargs)
     message = whole.choices[0].message
     reasoning = message.model_extra["reasoning_content"]
@@ -119,15 +137,21 @@ def test_server_reasoning_content_and_template_kwargs(server):
     assert streamed == {"reasoning_content": reasoning, "content": message.content}
     thinking = client.chat.completions.create(**{**kwargs, "extra_body": {"chat_template_kwargs": {}}, "max_tokens": 1})
     assert whole.usage.prompt_tokens - thinking.usage.prompt_tokens == len(
-        load_model_info(EngineArgs()).tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+        load_model_info(EngineArgs()).tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    )
 
 
 def test_server_constraint_waits_for_the_end_of_thinking(server):
     """With thinking on, a choice constraint leaves the think block free: the small model never closes
     it within the budget, so the answer runs to max_tokens instead of being one of the choices."""
     client = server.client(timeout=120)
-    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
-                                         max_tokens=12, extra_body={"structured_outputs": {"choice": ["Yes", "No"]}})
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        temperature=0,
+        max_tokens=12,
+        extra_body={"structured_outputs": {"choice": ["Yes", "No"]}},
+    )
     assert out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 12
 
@@ -136,11 +160,14 @@ def test_think_first_grammar(tokenizer):
     """The wrapped grammar: free text up to the first </think>, optional whitespace, then the
     constraint, complete at its end; the constraint is enforced after the block."""
     manager = GrammarManager(EngineArgs(), tokenizer.vocab_size)
-    params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
-                                           "required": ["a"]}, after_think=True)
-    for text, ok in [('<think>hmm {"b": 1} is it?</think>\n\n{"a": 42}', True),
-                     ('<think>x</think>{"b": 1}', False),
-                     ('<think>one</think> two </think>{"a": 1}', False)]:
+    params = StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, after_think=True
+    )
+    for text, ok in [
+        ('<think>hmm {"b": 1} is it?</think>\n\n{"a": 42}', True),
+        ('<think>x</think>{"b": 1}', False),
+        ('<think>one</think> two </think>{"a": 1}', False),
+    ]:
         matcher = manager.matcher(params)
         accepted = all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
         assert accepted == ok and matcher.is_accepting() == ok, text

@@ -47,20 +47,36 @@ BAD = [
     (CHAT, {"messages": USER, "top_logprobs": HUGE, "logprobs": True}, 400, "top_logprobs"),
     ("/detokenize", {"tokens": [HUGE]}, 400, "tokens[0]"),
     (CHAT, {"messages": USER, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
-    (CHAT, {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False, "tokenizer": 1}}, 400,
-     "chat_template_kwargs"),
+    (
+        CHAT,
+        {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False, "tokenizer": 1}},
+        400,
+        "chat_template_kwargs",
+    ),
     (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"grammar": ""}}, 400, "structured_outputs.grammar"),
     (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"regex": "a{1000000}"}}, 400, "structured_outputs.regex"),
-    (COMPLETIONS, {"prompt": [5, 6], "structured_outputs": {"regex": "a{1000000}"}}, 400,
-     "structured_outputs.regex"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {
-        "type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}}}}, 400,
-     "response_format.json_schema.schema"),
+    (COMPLETIONS, {"prompt": [5, 6], "structured_outputs": {"regex": "a{1000000}"}}, 400, "structured_outputs.regex"),
+    (
+        CHAT,
+        {
+            "messages": USER,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}},
+            },
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     (COMPLETIONS, {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-     400, "messages[0].content"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+        400,
+        "messages[0].content",
+    ),
     (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     (COMPLETIONS, {"prompt": "x" * (1 << 20)}, 413, None),
 ]
@@ -130,8 +146,11 @@ def test_the_request_ends_once_whatever_fails_after_it_was_accepted(server, monk
 
     monkeypatch.setattr(engine.client, "send", failing_send)
     for stream in (False, True):  # n=2: the first sequence reached the core, the second did not
-        r = httpx.post(server.url + COMPLETIONS, json={"model": MODEL, "prompt": "hi", "n": 2, "max_tokens": 50,
-                                                        "ignore_eos": True, "stream": stream}, timeout=60)
+        r = httpx.post(
+            server.url + COMPLETIONS,
+            json={"model": MODEL, "prompt": "hi", "n": 2, "max_tokens": 50, "ignore_eos": True, "stream": stream},
+            timeout=60,
+        )
         assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
     monkeypatch.setattr(engine.client, "send", send)
     wait_until(lambda: _core_stats(engine).num_requests == 0)
@@ -155,8 +174,13 @@ def test_grammar_failing_inside_the_engine_is_the_requests_400(server, monkeypat
 
 
 def test_library_rejects_the_same_values_naming_the_field(llama_dir):
-    for kwargs, field in [({"seed": HUGE}, "seed"), ({"top_k": HUGE}, "top_k"), ({"stop_token_ids": [HUGE]},
-                          "stop_token_ids"), ({"min_tokens": -1}, "min_tokens"), ({"max_tokens": HUGE}, "max_tokens")]:
+    for kwargs, field in [
+        ({"seed": HUGE}, "seed"),
+        ({"top_k": HUGE}, "top_k"),
+        ({"stop_token_ids": [HUGE]}, "stop_token_ids"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"max_tokens": HUGE}, "max_tokens"),
+    ]:
         with pytest.raises(ValueError, match=f"^{field}"):
             SamplingParams(**kwargs)
     # the largest seed stays valid for every sequence of n (seed + i wraps within 64 bits)
@@ -166,12 +190,15 @@ def test_library_rejects_the_same_values_naming_the_field(llama_dir):
 
     llm = LLM(str(llama_dir), kv_cache_memory=0.02, dtype="float32", engine_process=False, max_model_len=256)
     try:
-        for params, field in [(SamplingParams(top_k=100_000), "top_k"), (SamplingParams(stop_token_ids=[512]),
-                              "stop_token_ids"),
-                              (SamplingParams(structured_outputs=StructuredOutputsParams(regex="a{1000000}")),
-                               "structured_outputs.regex"),
-                              (SamplingParams(structured_outputs=StructuredOutputsParams(grammar="")),
-                               "structured_outputs.grammar")]:
+        for params, field in [
+            (SamplingParams(top_k=100_000), "top_k"),
+            (SamplingParams(stop_token_ids=[512]), "stop_token_ids"),
+            (
+                SamplingParams(structured_outputs=StructuredOutputsParams(regex="a{1000000}")),
+                "structured_outputs.regex",
+            ),
+            (SamplingParams(structured_outputs=StructuredOutputsParams(grammar="")), "structured_outputs.grammar"),
+        ]:
             with pytest.raises(ValueError, match=f"^{field}"):
                 llm.generate("hi", params, use_tqdm=False)
         out = llm.generate("hi", SamplingParams(seed=2**63 - 1, n=3, temperature=1.0, max_tokens=3), use_tqdm=False)
@@ -193,8 +220,9 @@ def test_idle_sigterm_after_every_bad_request_exits_at_once(llama_dir):
             _check_error(httpx.post(url + path, json=_body(body), timeout=60), status, param)
         _check_error(httpx.post(url + COMPLETIONS, content=DEEP), 400, None)
         # a client that leaves mid-stream
-        with httpx.stream("POST", url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True,
-                                                           "stream": True}) as r:
+        with httpx.stream(
+            "POST", url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        ) as r:
             next(r.iter_lines())
         wait_until(lambda: _gauges(url) == {"running": 0.0, "waiting": 0.0, "kv": 0.0})
         sent = time.monotonic()
@@ -209,8 +237,11 @@ def test_idle_sigterm_after_every_bad_request_exits_at_once(llama_dir):
 def _gauges(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = {"ember:num_requests_running": "running", "ember:num_requests_waiting": "waiting",
-             "ember:kv_cache_usage_perc": "kv"}
+    names = {
+        "ember:num_requests_running": "running",
+        "ember:num_requests_waiting": "waiting",
+        "ember:kv_cache_usage_perc": "kv",
+    }
     values = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for sample in family.samples:
@@ -223,8 +254,12 @@ def test_taken_port_fails_at_once_without_starting_the_core(llama_dir):
     port = free_port()
     with socket.create_server(("127.0.0.1", port)):
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "ember.server.launch", str(llama_dir), "--port", str(port)],
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ember.server.launch", str(llama_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         elapsed = time.monotonic() - start
     assert proc.returncode == 2
     assert f"error: cannot listen on 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr

@@ -30,13 +30,24 @@ COMPLETIONS = "/v1/completions"
 
 
 def chat_body(text: str, max_tokens: int = 8) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 def completion_body(text: str, max_tokens: int = 8) -> dict:
-    return {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "logprobs": 2}
+    return {
+        "model": MODEL,
+        "prompt": text,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
 
 
 def line(custom_id: str, url: str, body: dict) -> str:
@@ -54,15 +65,27 @@ BAD_LINES = [  # (line text, custom_id, error code, status of the server's own a
     ("{not json", None, "invalid_json", None),
     (json.dumps({"method": "POST", "url": CHAT, "body": chat_body("x")}), None, "missing_custom_id", None),
     (line("bad-url", "/v1/embeddings", {"input": "x"}), "bad-url", "invalid_url", None),
-    (json.dumps({"custom_id": "bad-method", "method": "GET", "url": CHAT, "body": {}}), "bad-method",
-     "invalid_method", None),
+    (
+        json.dumps({"custom_id": "bad-method", "method": "GET", "url": CHAT, "body": {}}),
+        "bad-method",
+        "invalid_method",
+        None,
+    ),
     (line("stream", CHAT, {**chat_body("x"), "stream": True}), "stream", "invalid_body", None),
     (line("chat-0", CHAT, chat_body("a duplicate")), "chat-0", "duplicate_custom_id", None),
     (line("no-messages", CHAT, {"model": MODEL, "max_tokens": 4}), "no-messages", "invalid_request_error", 400),
-    (line("bad-range", COMPLETIONS, {**completion_body("x"), "temperature": -1}), "bad-range",
-     "invalid_request_error", 400),
-    (line("other-model", COMPLETIONS, {**completion_body("x"), "model": "gpt-4o"}), "other-model",
-     "model_not_found", 404),
+    (
+        line("bad-range", COMPLETIONS, {**completion_body("x"), "temperature": -1}),
+        "bad-range",
+        "invalid_request_error",
+        400,
+    ),
+    (
+        line("other-model", COMPLETIONS, {**completion_body("x"), "model": "gpt-4o"}),
+        "other-model",
+        "model_not_found",
+        404,
+    ),
 ]
 
 
@@ -101,8 +124,9 @@ def assert_same(a, b, where: str = "") -> None:
 
 
 def run_batch_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember.cli", "run-batch", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ember.cli", "run-batch", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +179,9 @@ def check_mixed_output(records: list[dict], expected: dict[str, dict], stderr: s
 def test_cli_in_process_matches_server_and_reports_bad_lines(model_dir, tmp_path, expected):
     (tmp_path / "in.jsonl").write_text("\n".join(mixed_lines()) + "\n\n")
     out = tmp_path / "out.jsonl"
-    done = run_batch_cli("-i", str(tmp_path / "in.jsonl"), "-o", str(out), str(model_dir), *ENGINE_FLAGS,
-                         "--no-progress")
+    done = run_batch_cli(
+        "-i", str(tmp_path / "in.jsonl"), "-o", str(out), str(model_dir), *ENGINE_FLAGS, "--no-progress"
+    )
     assert done.returncode == 0, done.stderr
     check_mixed_output(read_records(out), expected, done.stderr)
     assert "4 succeeded, 9 failed, 0 already done" in done.stderr
@@ -180,8 +205,20 @@ def test_cli_url_mode_retries_connection_failures_then_writes_errors(tmp_path):
     (tmp_path / "in.jsonl").write_text(line("a", CHAT, chat_body("x")) + "\n")
     out = tmp_path / "out.jsonl"
     started = time.monotonic()
-    done = run_batch_cli("-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--url", "http://127.0.0.1:9",
-                         "--max-retries", "2", "--retry-delay", "0.2", "--no-progress", timeout=60)
+    done = run_batch_cli(
+        "-i",
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(out),
+        "--url",
+        "http://127.0.0.1:9",
+        "--max-retries",
+        "2",
+        "--retry-delay",
+        "0.2",
+        "--no-progress",
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - started >= 0.2 + 0.4  # two backoff waits before the final error
     [record] = read_records(out)
@@ -190,14 +227,28 @@ def test_cli_url_mode_retries_connection_failures_then_writes_errors(tmp_path):
     assert "2 retries" in done.stderr
 
 
-def _job_with_output(model_dir, tmp_path, lines: list[str], concurrency: int, written: int, **popen
-                     ) -> tuple[list[str], Path, subprocess.Popen]:
+def _job_with_output(
+    model_dir, tmp_path, lines: list[str], concurrency: int, written: int, **popen
+) -> tuple[list[str], Path, subprocess.Popen]:
     """Start `ember run-batch` on `lines` in a subprocess and return (its command, the output path, the
     process) once it has written `written` result lines."""
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "ember.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
-           str(model_dir), *ENGINE_FLAGS, "--max-concurrency", str(concurrency), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ember.cli",
+        "run-batch",
+        "-i",
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(out),
+        str(model_dir),
+        *ENGINE_FLAGS,
+        "--max-concurrency",
+        str(concurrency),
+        "--no-progress",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
     deadline = time.monotonic() + 180
     while not (out.exists() and out.read_text().count("\n") >= written):
@@ -209,8 +260,14 @@ def _job_with_output(model_dir, tmp_path, lines: list[str], concurrency: int, wr
 
 def test_kill_9_mid_run_then_rerun_answers_every_line_once(model_dir, tmp_path):
     ids = [f"req-{i:03d}" for i in range(12)]
-    lines = [line(cid, CHAT if i % 2 else COMPLETIONS,
-                  (chat_body if i % 2 else completion_body)(f"request {i}", max_tokens=32)) for i, cid in enumerate(ids)]
+    lines = [
+        line(
+            cid,
+            CHAT if i % 2 else COMPLETIONS,
+            (chat_body if i % 2 else completion_body)(f"request {i}", max_tokens=32),
+        )
+        for i, cid in enumerate(ids)
+    ]
     cmd, out, proc = _job_with_output(model_dir, tmp_path, lines, concurrency=2, written=2, start_new_session=True)
     os.killpg(proc.pid, signal.SIGKILL)  # the job and its engine core process, as the OOM killer would
     proc.wait(30)
@@ -224,7 +281,7 @@ def test_kill_9_mid_run_then_rerun_answers_every_line_once(model_dir, tmp_path):
     records = read_records(out)
     assert sorted(r["custom_id"] for r in records) == ids
     assert all(r["error"] is None for r in records)
-    assert records[:len(first)] == first  # what the killed run wrote is kept as it was
+    assert records[: len(first)] == first  # what the killed run wrote is kept as it was
 
 
 class Flaky:
@@ -248,22 +305,24 @@ class Flaky:
 
 
 def test_retries_with_backoff_then_error_shape(model_dir, tmp_path):
-    unavailable = Reply(503, {"error": {"message": "busy", "type": "service_unavailable",
-                                        "code": "service_unavailable"}})
+    unavailable = Reply(
+        503, {"error": {"message": "busy", "type": "service_unavailable", "code": "service_unavailable"}}
+    )
     bad = Reply(400, {"error": {"message": "nope", "type": "invalid_request_error", "code": None}})
     body = chat_body("The quick brown fox")
     lines = [line(user, CHAT, {**body, "user": user}) for user in ("plain", "twice", "always", "final", "slow")]
-    args = EngineArgs(model=str(model_dir), kv_cache_memory=0.05, device=DEVICE, dtype="float32",
-                      served_model_name=MODEL)
+    args = EngineArgs(
+        model=str(model_dir), kv_cache_memory=0.05, device=DEVICE, dtype="float32", served_model_name=MODEL
+    )
 
     async def run() -> tuple[Flaky, object]:
         engine = AsyncLLM(args, served_model_name=MODEL)
         try:
-            flaky = Flaky(EngineTarget(ServerState(settings_for(args), engine)),
-                          {"twice": (2, unavailable), "always": (99, unavailable), "final": (99, bad),
-                           "slow": (1, None)})
-            options = BatchOptions(max_concurrency=4, max_retries=2, retry_delay=0.1, request_timeout=3,
-                                   progress=False)
+            flaky = Flaky(
+                EngineTarget(ServerState(settings_for(args), engine)),
+                {"twice": (2, unavailable), "always": (99, unavailable), "final": (99, bad), "slow": (1, None)},
+            )
+            options = BatchOptions(max_concurrency=4, max_retries=2, retry_delay=0.1, request_timeout=3, progress=False)
             summary = await BatchRunner(flaky, tmp_path / "out.jsonl", options).run(lines)
             return flaky, summary
         finally:

@@ -127,7 +127,8 @@ def test_greedy_is_argmax() -> None:
 def test_mixed_batch_keeps_greedy_rows_exact() -> None:
     logits = random_logits(8, 50)
     params = [
-        SamplingParams(temperature=0.0, top_k=3) if i % 2 == 0
+        SamplingParams(temperature=0.0, top_k=3)
+        if i % 2 == 0
         else SamplingParams(temperature=1.5, top_k=10, top_p=0.9, min_p=0.01, seed=i)
         for i in range(8)
     ]
@@ -165,7 +166,8 @@ def test_seeded_row_independent_of_batch_mates() -> None:
                 logits[position] = target
                 params = [
                     SamplingParams(seed=i if mates_seeded else None, top_k=5 + i, temperature=0.5)
-                    if i % 3 else SamplingParams(temperature=0.0)
+                    if i % 3
+                    else SamplingParams(temperature=0.0)
                     for i in range(size)
                 ]
                 params[position] = target_params
@@ -259,8 +261,12 @@ def test_penalties_match_reference(seed: int) -> None:
     gen = _gen(seed)
     rows, vocab = 5, 12
     logits = torch.randn(rows, vocab, generator=gen) * 3
-    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(0, 8, (rows,), generator=gen)]
-    outputs = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(0, 10, (rows,), generator=gen)]
+    prompts = [
+        torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(0, 8, (rows,), generator=gen)
+    ]
+    outputs = [
+        torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(0, 10, (rows,), generator=gen)
+    ]
     outputs[0] = []  # a row with no output yet
     params = [
         SamplingParams(
@@ -367,7 +373,7 @@ def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
     """[N, V] bool -> llguidance's packed words: token t is bit t % 32 of int32 word t // 32."""
     packed = np.packbits(allowed.numpy(), axis=1, bitorder="little")
     words = np.zeros((allowed.shape[0], -(-allowed.shape[1] // 32) * 4), dtype=np.uint8)
-    words[:, :packed.shape[1]] = packed
+    words[:, : packed.shape[1]] = packed
     return torch.from_numpy(words.view(np.int32))
 
 

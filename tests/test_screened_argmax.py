@@ -17,7 +17,7 @@ def test_screen_matches_float32_argmax_on_near_ties() -> None:
     weight = torch.randn(4096, 256, generator=gen) * 0.05
     x = torch.randn(64, 256, generator=gen) * 10
     best = F.linear(x, weight).argmax(dim=1)
-    for row, token in enumerate(best.tolist()):
+    for token in best.tolist():
         twin = (token * 7 + 1) % weight.shape[0]
         weight[twin] = weight[token] + 1e-5 * torch.randn(256, generator=gen)
     screened = ScreenedArgmax(weight)
@@ -40,8 +40,8 @@ def test_default_model_greedy_tokens_match_full_logits(monkeypatch) -> None:
     head = inproc_core(default_llm).runner.model.model.embed_tokens
     assert head.screen is not None
     prompts = ["What is the capital of France?", "The history of the Roman Empire"] * 2
-    plain = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                                 use_tqdm=False)
-    full = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0),
-                                use_tqdm=False)
+    plain = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    full = default_llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in full]

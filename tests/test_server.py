@@ -31,8 +31,11 @@ class ServerThread:
         self.state = self.app.state.ember
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_config=None, log_level="warning",
-                                                    access_log=False, timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app, log_config=None, log_level="warning", access_log=False, timeout_graceful_shutdown=2
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ServerThread:
@@ -48,8 +51,9 @@ class ServerThread:
         self.thread.join(30)
 
     def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
-                             **kwargs)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs
+        )
 
     def post(self, path: str, body=None, **kwargs) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=60, **kwargs)
@@ -77,6 +81,7 @@ GREEDY = dict(temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
 
 # ---- endpoints through the openai client ----------------------------------------------------
 
+
 def test_models_health_version(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
@@ -95,8 +100,11 @@ def test_completion_and_stream_agree(server, client):
     assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_len, 8)
     assert full.usage.total_tokens == prompt_len + 8
 
-    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown fox", stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="The quick brown fox", stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert all(c.usage is None for c in chunks[:-1])
@@ -127,8 +135,12 @@ def test_token_id_prompts_and_echo(server, client):
 
     echoed = client.completions.create(model=MODEL, prompt="Large language models", echo=True, **GREEDY)
     assert echoed.choices[0].text == "Large language models" + by_text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="Large language models", echo=True, stream=True, **GREEDY))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="Large language models", echo=True, stream=True, **GREEDY
+        )
+    )
     assert streamed == "Large language models" + by_text
 
 
@@ -149,8 +161,9 @@ def test_echo_with_logprobs_covers_the_prompt(server, client):
     plain = client.completions.create(model=MODEL, prompt=ids, logprobs=2, **GREEDY).choices[0]
     for stream in (False, True):
         if stream:
-            chunks = list(client.completions.create(model=MODEL, prompt=ids, logprobs=2, echo=True, stream=True,
-                                                    **GREEDY))
+            chunks = list(
+                client.completions.create(model=MODEL, prompt=ids, logprobs=2, echo=True, stream=True, **GREEDY)
+            )
             lp = chunks[0].choices[0].logprobs
             for c in chunks[1:]:
                 if c.choices and c.choices[0].logprobs:
@@ -170,38 +183,46 @@ def test_completion_logprobs(client):
     out = client.completions.create(model=MODEL, prompt="def add(a, b):", logprobs=3, **GREEDY)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert logprob <= 0 and 1 <= len(top) <= 4  # texts of byte tokens may coincide
         assert logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model=MODEL, prompt="def add(a, b):", logprobs=3, stream=True, **GREEDY)]
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(model=MODEL, prompt="def add(a, b):", logprobs=3, stream=True, **GREEDY)
+    ]
     assert [t for s in streamed for t in s.tokens] == lp.tokens
     assert [t for s in streamed for t in s.text_offset] == lp.text_offset
 
 
 def test_chat_multi_turn_and_stream(server, client):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Hello"},
-                {"role": "assistant", "content": "Hi there"},
-                {"role": "user", "content": [{"type": "text", "text": "How "}, {"type": "text", "text": "are you?"}]}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi there"},
+        {"role": "user", "content": [{"type": "text", "text": "How "}, {"type": "text", "text": "are you?"}]},
+    ]
     full = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
     choice = full.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
     templated = server.post("/tokenize", {"messages": messages}).json()
     assert full.usage.prompt_tokens == templated["count"] and full.usage.completion_tokens == 8
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
     assert chunks[-1].usage.model_dump() == full.usage.model_dump()
 
-    longer = client.chat.completions.create(model=MODEL, max_completion_tokens=3, messages=messages,
-                                            temperature=0, extra_body={"ignore_eos": True})
+    longer = client.chat.completions.create(
+        model=MODEL, max_completion_tokens=3, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert longer.usage.completion_tokens == 3
 
 
@@ -217,8 +238,9 @@ def test_chat_logprobs(client):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
 
-    chunks = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=2,
-                                            stream=True, **GREEDY)
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, logprobs=True, top_logprobs=2, stream=True, **GREEDY
+    )
     streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert streamed == [e.token for e in content]
 
@@ -244,14 +266,23 @@ def test_metrics_rise_with_traffic(server, client):
     client.completions.create(model=MODEL, prompt="warm up", **GREEDY)
     before = httpx.get(server.url + "/metrics")
     assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
-    for name in ("ember:num_requests_running", "ember:kv_cache_usage_perc", "ember:generation_tokens_total",
-                 "ember:prompt_tokens_total", "ember:time_to_first_token_seconds_bucket",
-                 "ember:request_success_total"):
+    for name in (
+        "ember:num_requests_running",
+        "ember:kv_cache_usage_perc",
+        "ember:generation_tokens_total",
+        "ember:prompt_tokens_total",
+        "ember:time_to_first_token_seconds_bucket",
+        "ember:request_success_total",
+    ):
         assert name in before.text
     client.completions.create(model=MODEL, prompt="The quick brown fox", **GREEDY)
     after = httpx.get(server.url + "/metrics").text
-    for name in ("ember:generation_tokens_total", "ember:prompt_tokens_total", "ember:request_success_total",
-                 "ember:e2e_request_latency_seconds_count"):
+    for name in (
+        "ember:generation_tokens_total",
+        "ember:prompt_tokens_total",
+        "ember:request_success_total",
+        "ember:e2e_request_latency_seconds_count",
+    ):
         assert _metric(after, name) > _metric(before.text, name), name
     assert _metric(after, "ember:generation_tokens_total") - _metric(before.text, "ember:generation_tokens_total") == 8
 
@@ -279,8 +310,11 @@ ERRORS = [
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": "hi"}, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content",
+    ),
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"messages": USER, "presence_penalty": 3}, "presence_penalty"),
@@ -316,23 +350,31 @@ def test_openai_client_raises_bad_request(client):
         client.chat.completions.create(model="gpt-4", messages=USER)
 
 
-@pytest.mark.parametrize("content", [b'{"prompt": "hi",', b'{"prompt": "\xff\xfe"}', b'{"prompt": "\\ud800 hi"}', b"",
-                                     b"[1, 2]"])
+@pytest.mark.parametrize(
+    "content", [b'{"prompt": "hi",', b'{"prompt": "\xff\xfe"}', b'{"prompt": "\\ud800 hi"}', b"", b"[1, 2]"]
+)
 def test_malformed_bodies_are_400(server, content):
     r = httpx.post(server.url + COMPLETIONS, content=content, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_body_without_json_content_type_is_still_parsed(server):
-    r = httpx.post(server.url + COMPLETIONS, content=json.dumps({"prompt": "hi", "max_tokens": 2}),
-                   headers={"content-type": "application/x-www-form-urlencoded"})
+    r = httpx.post(
+        server.url + COMPLETIONS,
+        content=json.dumps({"prompt": "hi", "max_tokens": 2}),
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
 
 
 def test_unknown_model_route_method_and_size(server):
     r = server.post(COMPLETIONS, {"model": "gpt-4", "prompt": "hi"})
     assert r.status_code == 404 and r.json()["error"] | {"message": ""} == {
-        "message": "", "type": "not_found_error", "param": "model", "code": "model_not_found"}
+        "message": "",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
     r = httpx.get(server.url + "/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(server.url + COMPLETIONS)
@@ -378,12 +420,16 @@ def test_chat_answers_paris_with_the_default_model():
     engine = AsyncLLM(EngineArgs(kv_cache_memory=0.1, max_model_len=2048, device=DEVICE, dtype="float32"))
     with ServerThread(engine, model_name="smollm2") as s:
         out = s.client().chat.completions.create(
-            model="smollm2", temperature=0, max_tokens=24,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            model="smollm2",
+            temperature=0,
+            max_tokens=24,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
     assert "Paris" in out.choices[0].message.content
 
 
 # ---- the command line and --config ------------------------------------------------------------
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ember")
@@ -412,8 +458,10 @@ def test_serve_flags_and_defaults(monkeypatch):
 
 def test_config_yaml_under_the_command_line(tmp_path):
     cfg = tmp_path / "ember.yaml"
-    cfg.write_text("model: from/yaml\nport: 9000\nmax-model-len: 512\nenable_prefix_caching: false\n"
-                   "served_model_name: yaml-name\nlog-requests: true\nshutdown_timeout: 5\n")
+    cfg.write_text(
+        "model: from/yaml\nport: 9000\nmax-model-len: 512\nenable_prefix_caching: false\n"
+        "served_model_name: yaml-name\nlog-requests: true\nshutdown_timeout: 5\n"
+    )
     ns = _parse(["--config", str(cfg)])
     args, settings = settings_from_args(ns)
     assert (ns.port, args.max_model_len, args.enable_prefix_caching, args.model) == (9000, 512, False, "from/yaml")
@@ -426,8 +474,15 @@ def test_config_yaml_under_the_command_line(tmp_path):
     assert settings_from_args(_parse(["--config", str(cfg), "--model", "flag/model"]))[0].model == "flag/model"
 
 
-@pytest.mark.parametrize("text,needle", [("nope: 1\n", "nope"), ("port: eighty\n", "port"),
-                                         ("enforce-eager: maybe\n", "enforce-eager"), ("- a\n", "mapping")])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("nope: 1\n", "nope"),
+        ("port: eighty\n", "port"),
+        ("enforce-eager: maybe\n", "enforce-eager"),
+        ("- a\n", "mapping"),
+    ],
+)
 def test_bad_config_is_one_clear_error(tmp_path, text, needle):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(text)
@@ -439,18 +494,24 @@ def test_serve_module_reports_bad_model_in_one_line(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "ember.server.launch", str(tmp_path / "missing"), "--port", "0"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ember.server.launch", str(tmp_path / "missing"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error:"), r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_asyncio_not_blocked_by_generation(server):
     """Health answers quickly while a long generation runs: the engine never holds the event loop."""
+
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-            long = asyncio.create_task(http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 600,
-                                                                    "ignore_eos": True}))
+            long = asyncio.create_task(
+                http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 600, "ignore_eos": True})
+            )
             await asyncio.sleep(0.1)
             start = time.monotonic()
             assert (await http.get("/health")).status_code == 200
@@ -467,9 +528,18 @@ def test_stream_without_tokenizer_sends_a_chunk_per_token(tmp_path, llama_dir):
     token since the client's last read: the tiny model's steps can outrun the stream.)"""
     (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
     with ServerThread(tiny_engine(tmp_path, load_format="dummy")) as s:
-        with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
-                "prompt": [5, 6, 7], "max_tokens": 64, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}) as r:
+        with httpx.stream(
+            "POST",
+            s.url + "/v1/completions",
+            timeout=60,
+            json={
+                "prompt": [5, 6, 7],
+                "max_tokens": 64,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     choices = [e["choices"][0] for e in events if e["choices"]]
     assert 1 < len(choices) <= 64 and all(c["text"] == "" for c in choices)

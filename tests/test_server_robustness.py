@@ -47,8 +47,11 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
     u = urlparse(url)
     sock = socket.create_connection((u.hostname, u.port))
     data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -58,10 +61,15 @@ def all_blocks_free(engine) -> bool:
     return stats is not None and stats.kv_cache_usage == 0 and stats.num_running == stats.num_waiting == 0
 
 
-@pytest.mark.parametrize("path,extra", [("/v1/completions", {"stream": True}),
-                                        ("/v1/completions", {}),
-                                        ("/v1/chat/completions", {"stream": True}),
-                                        ("/v1/chat/completions", {})])
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        ("/v1/completions", {"stream": True}),
+        ("/v1/completions", {}),
+        ("/v1/chat/completions", {"stream": True}),
+        ("/v1/chat/completions", {}),
+    ],
+)
 def test_client_disconnect_aborts_and_frees_all_blocks(server, path, extra):
     engine = server.state.engine
     body = {**LONG, "max_tokens": 7000, **extra}
@@ -117,11 +125,13 @@ def test_request_failing_inside_the_engine_is_500_and_others_carry_on(inproc_ser
 
     monkeypatch.setattr(Request, "check_stop", check_stop)
     results = {}
-    good = threading.Thread(target=lambda: results.update(good=server.post(
-        "/v1/completions", {**LONG, "max_tokens": 400})))
+    good = threading.Thread(
+        target=lambda: results.update(good=server.post("/v1/completions", {**LONG, "max_tokens": 400}))
+    )
     good.start()
-    wait_until(lambda: server.state.engine.scheduler_stats is not None
-               and server.state.engine.scheduler_stats.num_running == 1)
+    wait_until(
+        lambda: server.state.engine.scheduler_stats is not None and server.state.engine.scheduler_stats.num_running == 1
+    )
     bad = server.post("/v1/completions", {"prompt": doomed, "max_tokens": 50, "ignore_eos": True})
     good.join(60)
     assert bad.status_code == 500, bad.text
@@ -132,8 +142,12 @@ def test_request_failing_inside_the_engine_is_500_and_others_carry_on(inproc_ser
     # Streaming: a failure after the stream started arrives as an error event, then the stream ends
     # properly; one that reaches the server together with the first tokens (a fast engine's steps
     # coalesce) is still answered before any byte was sent, so as a 500 error.
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                      json={"prompt": doomed, "max_tokens": 50, "ignore_eos": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"prompt": doomed, "max_tokens": 50, "ignore_eos": True, "stream": True},
+    ) as r:
         assert r.status_code in (200, 500)
         if r.status_code == 500:
             r.read()
@@ -152,9 +166,23 @@ def _start_serve(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "EMBER_LOGGING_LEVEL": "INFO"}
     env.pop("EMBER_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "ember.server.launch", str(model_dir), "--port", str(port),
-                             "--kv-cache-memory", "0.05", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ember.server.launch",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--kv-cache-memory",
+            "0.05",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url)
     return proc, url

@@ -28,12 +28,15 @@ class WindowedStandIn:
     """Steps the scheduler like the engine core (one step at a time) with a fake attention of the
     given window over a slot -> token-prefix map."""
 
-    def __init__(self, window: int, num_blocks: int, freeing: bool, prefix_caching: bool = True,
-                 max_num_batched_tokens: int = 16) -> None:
+    def __init__(
+        self, window: int, num_blocks: int, freeing: bool, prefix_caching: bool = True, max_num_batched_tokens: int = 16
+    ) -> None:
         self.window = window
         self.manager = BlockManager(num_blocks, BLOCK_SIZE, prefix_caching, sliding_window=window if freeing else None)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens,
-                                                   max_model_len=512), self.manager)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, max_model_len=512),
+            self.manager,
+        )
         self.slots: dict[int, tuple[int, ...]] = {}
         self.peak_blocks = 0
 
@@ -49,13 +52,13 @@ class WindowedStandIn:
             start = request.num_computed_tokens
             tokens = request.all_token_ids
             for pos in range(start, start + n):
-                self.slots[self._slot(request, pos)] = tuple(tokens[:pos + 1])
+                self.slots[self._slot(request, pos)] = tuple(tokens[: pos + 1])
             for pos in range(start, start + n):  # each query reads its window back
                 read = []
                 for j in range(max(0, pos - self.window + 1), pos + 1):
                     assert self.manager.blocks[request.block_ids[j // BLOCK_SIZE]].ref_cnt > 0, "read a released block"
                     read.append(self.slots[self._slot(request, j)])
-                    assert read[-1] == tuple(tokens[:j + 1]), f"{request.request_id} position {j} holds other KV"
+                    assert read[-1] == tuple(tokens[: j + 1]), f"{request.request_id} position {j} holds other KV"
                 last_reads[request.request_id] = read
         for request in self.scheduler.advance(batch):
             request.num_inflight_tokens -= 1
@@ -68,8 +71,10 @@ class WindowedStandIn:
                 self.scheduler.cache_full_blocks(request)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        requests = [Request(str(i), p, SamplingParams(max_tokens=max_tokens), max_tokens, [], 0.0)
-                    for i, p in enumerate(prompts)]
+        requests = [
+            Request(str(i), p, SamplingParams(max_tokens=max_tokens), max_tokens, [], 0.0)
+            for i, p in enumerate(prompts)
+        ]
         for request in requests:
             self.scheduler.add(request)
         while any(not r.status.finished for r in requests):

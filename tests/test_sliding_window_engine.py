@@ -26,10 +26,20 @@ def test_triton_path_matches_transformers_beyond_the_window(checkpoints, arch, m
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoints[arch]), dtype="float32").to(DEVICE)
     refs = [hf_greedy(hf, p, 6) for p in prompts]
     monkeypatch.setattr(backend, "FORCE_TRITON", True)
-    llm = LLM(str(checkpoints[arch]), device=DEVICE, dtype="float32", engine_process=False, kv_cache_memory=0.02,
-              block_size=4, max_num_batched_tokens=16)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=TOP), use_tqdm=False)
+    llm = LLM(
+        str(checkpoints[arch]),
+        device=DEVICE,
+        dtype="float32",
+        engine_process=False,
+        kv_cache_memory=0.02,
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=TOP),
+        use_tqdm=False,
+    )
     for prompt, out, (tokens, logprobs) in zip(prompts, outs, refs):
         assert_output_matches(out.outputs[0], tokens, logprobs, prompt)
 
@@ -37,8 +47,9 @@ def test_triton_path_matches_transformers_beyond_the_window(checkpoints, arch, m
 def peak_blocks_while_decoding(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
     """One request stepped to its end: its tokens, and the most KV blocks in use after its prompt."""
     engine = llm.llm_engine
-    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                         ignore_eos=True))
+    engine.add_request(
+        "r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    )
     peak, tokens, steps = 0, [], 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -58,8 +69,15 @@ def test_blocks_that_leave_every_window_are_released(checkpoints):
     prompt = list(range(5, 45))
     total_blocks = (len(prompt) + 40) // 4
     for arch, bound in (("mistral-sw", WINDOW // 4 + 2), ("gemma3", total_blocks)):
-        llm = LLM(str(checkpoints[arch]), device=DEVICE, dtype="float32", engine_process=False,
-                  kv_cache_memory=0.02, block_size=4, enable_prefix_caching=False)
+        llm = LLM(
+            str(checkpoints[arch]),
+            device=DEVICE,
+            dtype="float32",
+            engine_process=False,
+            kv_cache_memory=0.02,
+            block_size=4,
+            enable_prefix_caching=False,
+        )
         tokens, peak = peak_blocks_while_decoding(llm, prompt, 40)
         hf = AutoModelForCausalLM.from_pretrained(str(checkpoints[arch]), dtype="float32").to(DEVICE)
         assert tokens == hf_greedy(hf, prompt, 40)[0]

@@ -36,14 +36,23 @@ from ember.ops.functional import paged_attention
 FP8_NAN = 0x7F
 
 
-def dense_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
-              scale: float, window: int | None, cap: float | None, k_scale: float = 1.0,
-              v_scale: float = 1.0) -> torch.Tensor:
+def dense_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    window: int | None,
+    cap: float | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
     """float64 attention of one sequence's last q.shape[0] positions over its first seq_len keys."""
     block_size = k_cache.shape[1]
     pos = torch.arange(seq_len)
     blocks, offsets = table.cpu().long()[pos // block_size], pos % block_size
-    k = k_cache.cpu()[blocks, offsets].double() * k_scale           # [S, Hk, D]
+    k = k_cache.cpu()[blocks, offsets].double() * k_scale  # [S, Hk, D]
     v = v_cache.cpu()[blocks, offsets].double() * v_scale
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -58,8 +67,9 @@ def dense_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     return torch.einsum("hqs,shd->qhd", probs, v)
 
 
-def poison_left_of_window(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, first_query: int,
-                          window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def poison_left_of_window(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, first_query: int, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of the caches with every key and value that no query at or after `first_query` may see
     (positions <= first_query - window) set to NaN."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
@@ -85,27 +95,48 @@ def check(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None
 
 DECODE_LENS = [1, 7, 40, 70, 133]
 WINDOWS = [1, 5, 16, 37, 70, 500]  # a single token, within one block, one block, not a block multiple,
-                                   # equal to one context, longer than every context
+# equal to one context, longer than every context
 
 
-def run_decode(window: int | None, cap: float | None, *, block_size: int = 16, group: int = 2, head_dim: int = 32,
-               dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None,
-               num_splits: int | None = 1, q_gain: float = 1.0) -> None:
+def run_decode(
+    window: int | None,
+    cap: float | None,
+    *,
+    block_size: int = 16,
+    group: int = 2,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
+    num_splits: int | None = 1,
+    q_gain: float = 1.0,
+) -> None:
     gen = torch.Generator().manual_seed(1000 * (window or 0) + group * 10 + block_size)
     cache_dtype = cache_dtype or dtype
     k_clean, v_clean, tables = paged_kv(DECODE_LENS, block_size, head_dim, cache_dtype, gen)
     q = randn(len(DECODE_LENS), NUM_KV_HEADS * group, head_dim, gen=gen, dtype=dtype) * q_gain
-    scale, scales = head_dim ** -0.5, kv_scales(cache_dtype)
+    scale, scales = head_dim**-0.5, kv_scales(cache_dtype)
     k_cache, v_cache = k_clean, v_clean
     for b, n in enumerate(DECODE_LENS):  # blocks are private to a sequence, so poisoning one touches no other
         k_cache, v_cache = poison_left_of_window(k_cache, v_cache, tables[b], n - 1, window)
     splits = {"num_splits": None, "max_seq_len": 1024} if num_splits is None else {"num_splits": num_splits}
 
-    out = paged_decode_attention(q, k_cache, v_cache, tables, as_int32(DECODE_LENS), scale, **splits, **scales,
-                                 sliding_window=window, logits_soft_cap=cap)
+    out = paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        as_int32(DECODE_LENS),
+        scale,
+        **splits,
+        **scales,
+        sliding_window=window,
+        logits_soft_cap=cap,
+    )
 
     for b, n in enumerate(DECODE_LENS):
-        check(out[b:b + 1], dense_ref(q[b:b + 1], k_clean, v_clean, tables[b], n, scale, window, cap, **scales), dtype)
+        check(
+            out[b : b + 1], dense_ref(q[b : b + 1], k_clean, v_clean, tables[b], n, scale, window, cap, **scales), dtype
+        )
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -141,9 +172,18 @@ def test_decode_window_bf16() -> None:
 PREFILL_CHUNKS = [(0, 1), (0, 23), (9, 1), (30, 17), (100, 3), (15, 0), (70, 40), (50, 2)]
 
 
-def run_prefill(window: int | None, cap: float | None, *, block_size: int = 16, group: int = 2,
-                head_dim: int = 32, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None,
-                q_gain: float = 1.0, chunks: list[tuple[int, int]] = PREFILL_CHUNKS) -> None:
+def run_prefill(
+    window: int | None,
+    cap: float | None,
+    *,
+    block_size: int = 16,
+    group: int = 2,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
+    q_gain: float = 1.0,
+    chunks: list[tuple[int, int]] = PREFILL_CHUNKS,
+) -> None:
     gen = torch.Generator().manual_seed(1000 * (window or 0) + group * 10 + block_size + 1)
     cache_dtype = cache_dtype or dtype
     seq_lens = [c + n for c, n in chunks]
@@ -152,14 +192,25 @@ def run_prefill(window: int | None, cap: float | None, *, block_size: int = 16, 
     for _, n in chunks:
         starts.append(starts[-1] + n)
     q = randn(starts[-1], NUM_KV_HEADS * group, head_dim, gen=gen, dtype=dtype) * q_gain
-    scale, scales = head_dim ** -0.5, kv_scales(cache_dtype)
+    scale, scales = head_dim**-0.5, kv_scales(cache_dtype)
     k_cache, v_cache = k_clean, v_clean
     for b, (ctx, _) in enumerate(chunks):
         k_cache, v_cache = poison_left_of_window(k_cache, v_cache, tables[b], ctx, window)
     max_q = max(n for _, n in chunks)
 
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, as_int32(seq_lens), as_int32(starts), max_q, scale,
-                                  **scales, sliding_window=window, logits_soft_cap=cap)
+    out = paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        as_int32(seq_lens),
+        as_int32(starts),
+        max_q,
+        scale,
+        **scales,
+        sliding_window=window,
+        logits_soft_cap=cap,
+    )
 
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
@@ -199,18 +250,21 @@ def test_refs_follow_the_same_rule() -> None:
     k_cache, v_cache, tables = paged_kv(seq_lens, 8, 32, torch.float32, gen)
     q = randn(2, NUM_KV_HEADS * 2, 32, gen=gen) * 3
     lens = as_int32(seq_lens)
-    decode = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.2, sliding_window=window,
-                                        logits_soft_cap=cap)
-    prefill = paged_prefill_attention_ref(q, k_cache, v_cache, tables, lens, as_int32([0, 1, 2]), 1, 0.2,
-                                          sliding_window=window, logits_soft_cap=cap)
+    decode = paged_decode_attention_ref(
+        q, k_cache, v_cache, tables, lens, 0.2, sliding_window=window, logits_soft_cap=cap
+    )
+    prefill = paged_prefill_attention_ref(
+        q, k_cache, v_cache, tables, lens, as_int32([0, 1, 2]), 1, 0.2, sliding_window=window, logits_soft_cap=cap
+    )
     for b, n in enumerate(seq_lens):
-        expected = dense_ref(q[b:b + 1], k_cache, v_cache, tables[b], n, 0.2, window, cap)
-        check(decode[b:b + 1], expected, torch.float32)
-        check(prefill[b:b + 1], expected, torch.float32)
+        expected = dense_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, 0.2, window, cap)
+        check(decode[b : b + 1], expected, torch.float32)
+        check(prefill[b : b + 1], expected, torch.float32)
 
 
-@pytest.mark.parametrize("bad", [{"sliding_window": 0}, {"sliding_window": 2.5}, {"logits_soft_cap": 0.0},
-                                 {"logits_soft_cap": -1.0}])
+@pytest.mark.parametrize(
+    "bad", [{"sliding_window": 0}, {"sliding_window": 2.5}, {"logits_soft_cap": 0.0}, {"logits_soft_cap": -1.0}]
+)
 def test_bad_window_or_cap_is_a_clear_error(bad: dict) -> None:
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache, tables = paged_kv([5], 16, 32, torch.float32, gen)
@@ -223,6 +277,7 @@ def test_bad_window_or_cap_is_a_clear_error(bad: dict) -> None:
 
 
 # ---------------------------------------------------------------- through ember.model.attention
+
 
 def test_model_attention_forwards_window_and_cap_to_both_kernels(monkeypatch) -> None:
     """A step as the engine lays it out (two decodes, then a fresh prompt and a chunk over a cached
@@ -237,9 +292,16 @@ def test_model_attention_forwards_window_and_cap_to_both_kernels(monkeypatch) ->
         starts.append(starts[-1] + n)
     q = randn(starts[-1], NUM_KV_HEADS * 2, 32, gen=gen) * 3
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long, device=DEVICE), block_tables=tables,
-        seq_lens=as_int32(seq_lens), query_start_loc=as_int32(starts), num_decodes=2, max_query_len=25,
-        max_seq_len=max(seq_lens), seq_lens_host=seq_lens, query_start_host=starts)
+        slot_mapping=torch.empty(0, dtype=torch.long, device=DEVICE),
+        block_tables=tables,
+        seq_lens=as_int32(seq_lens),
+        query_start_loc=as_int32(starts),
+        num_decodes=2,
+        max_query_len=25,
+        max_seq_len=max(seq_lens),
+        seq_lens_host=seq_lens,
+        query_start_host=starts,
+    )
     window, cap = 10, 4.0
 
     out = paged_attention(q, k_cache, v_cache, meta, 0.2, sliding_window=window, logits_soft_cap=cap)
@@ -263,8 +325,18 @@ def test_windowed_and_capped_decode_replay_in_one_cuda_graph() -> None:
 
     def step() -> None:
         for (window, cap), out in zip(layers, outs):
-            paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=out, max_seq_len=256,
-                                   sliding_window=window, logits_soft_cap=cap)
+            paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                lens,
+                0.125,
+                out=out,
+                max_seq_len=256,
+                sliding_window=window,
+                logits_soft_cap=cap,
+            )
 
     step()  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -277,5 +349,8 @@ def test_windowed_and_capped_decode_replay_in_one_cuda_graph() -> None:
 
     for (window, cap), out in zip(layers, outs):
         for b, n in enumerate(new_lens):
-            check(out[b:b + 1], dense_ref(q[b:b + 1], k_cache, v_cache, tables[b], n, 0.125, window, cap),
-                  torch.bfloat16)
+            check(
+                out[b : b + 1],
+                dense_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, 0.125, window, cap),
+                torch.bfloat16,
+            )

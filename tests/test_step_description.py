@@ -27,8 +27,10 @@ def _check_mirrors(batch: ScheduledBatch, states: RequestStates) -> None:
         assert state.request_id == req.request_id
         assert state.token_ids == req.all_token_ids and state.output_token_ids == req.output_token_ids
         assert state.block_ids == req.block_ids
-        assert (state.num_computed_tokens, state.num_inflight_tokens) == (req.num_computed_tokens,
-                                                                          req.num_inflight_tokens)
+        assert (state.num_computed_tokens, state.num_inflight_tokens) == (
+            req.num_computed_tokens,
+            req.num_inflight_tokens,
+        )
 
 
 def _collect(batch: ScheduledBatch, sampled: list[Request], scheduler: Scheduler) -> None:
@@ -64,8 +66,9 @@ def test_runner_state_follows_the_core_through_preemption_and_prefix_hits(depth:
     shared = [rng.randrange(VOCAB) for _ in range(20)]
     prompts = [shared + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(10)]
     manager = BlockManager(24, 4, enable_prefix_caching=True)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN),
-                          manager)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN), manager
+    )
     states = RequestStates(torch.device("cpu"))
     requests = [Request(str(i), p, SamplingParams(max_tokens=20), 20, [], 0.0) for i, p in enumerate(prompts)]
     _run(scheduler, states, requests, depth)

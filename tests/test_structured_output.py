@@ -24,8 +24,14 @@ MAX_TOKENS = 96
 def server():
     # The core in a thread: the grammar path is the same, and the wire form is checked on its own below.
     # Async scheduling on, as on a GPU: constrained requests must make the core step one at a time.
-    args = EngineArgs(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32",
-                      engine_process=False, async_scheduling=True)
+    args = EngineArgs(
+        kv_cache_memory=0.25,
+        max_model_len=2048,
+        device=DEVICE,
+        dtype="float32",
+        engine_process=False,
+        async_scheduling=True,
+    )
     with ServerThread(AsyncLLM(args, served_model_name=MODEL)) as s:
         yield s
 
@@ -45,8 +51,13 @@ def _schema_format(i: int, schema: dict) -> dict:
 
 def _chat(client, schema_index: int, stream: bool) -> tuple[str, str]:
     schema = SCHEMAS[schema_index]
-    kwargs = dict(model=MODEL, messages=_messages(schema), temperature=0, max_tokens=MAX_TOKENS,
-                  response_format=_schema_format(schema_index, schema))
+    kwargs = dict(
+        model=MODEL,
+        messages=_messages(schema),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        response_format=_schema_format(schema_index, schema),
+    )
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
         return choice.message.content, choice.finish_reason
@@ -71,8 +82,13 @@ def test_json_schemas_validate(client, stream):
 
 
 def test_json_object_on_completions(client):
-    out = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:", temperature=0,
-                                    max_tokens=MAX_TOKENS, extra_body={"response_format": {"type": "json_object"}})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="A JSON object describing a cat:",
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].text), dict)
 
@@ -80,15 +96,28 @@ def test_json_object_on_completions(client):
 def test_regex_and_choice_hold(client):
     pattern = r"[A-Z][a-z]{2,5} [0-9]{1,3}"
     prompts = ["Name and number:", "The winner is", "Code: ", "Write anything"]
-    outs = client.completions.create(model=MODEL, prompt=prompts, temperature=0.8, seed=1, max_tokens=20,
-                                     extra_body={"structured_outputs": {"regex": pattern}})
+    outs = client.completions.create(
+        model=MODEL,
+        prompt=prompts,
+        temperature=0.8,
+        seed=1,
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": pattern}},
+    )
     assert len(outs.choices) == len(prompts)
     for c in outs.choices:
         assert re.fullmatch(pattern, c.text), c.text
     choices = ["positive", "negative", "neutral"]
     for stream in (False, True):
-        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Sentiment of 'I love it'?"}], n=3,
-                      temperature=1.0, seed=3, max_tokens=10, extra_body={"structured_outputs": {"choice": choices}})
+        kwargs = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Sentiment of 'I love it'?"}],
+            n=3,
+            temperature=1.0,
+            seed=3,
+            max_tokens=10,
+            extra_body={"structured_outputs": {"choice": choices}},
+        )
         if stream:
             texts = {}
             for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -102,8 +131,13 @@ def test_regex_and_choice_hold(client):
 
 def test_lark_grammar(client):
     grammar = 'start: "(" num " " op " " num ")"\nop: "+" | "-"\nnum: /[1-9][0-9]?/'
-    out = client.completions.create(model=MODEL, prompt="An arithmetic expression:", temperature=0, max_tokens=20,
-                                    extra_body={"structured_outputs": {"grammar": grammar}})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="An arithmetic expression:",
+        temperature=0,
+        max_tokens=20,
+        extra_body={"structured_outputs": {"grammar": grammar}},
+    )
     assert re.fullmatch(r"\([1-9][0-9]? [+-] [1-9][0-9]?\)", out.choices[0].text), out.choices[0].text
 
 
@@ -124,17 +158,24 @@ def test_mixed_batch_leaves_free_requests_alone(client):
     assert [r for (kind, _), r in zip(jobs, results) if kind == "free"] == alone
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
-     "response_format.json_schema.schema"),
-    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
-    ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs.grammar"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ],
+)
 def test_bad_constraints_are_400_naming_the_field(server, body, param):
-    for path, base in (("/v1/completions", {"prompt": "x"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+    for path, base in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
         r = server.post(path, {"model": MODEL, "max_tokens": 4, **base, **body})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
@@ -161,12 +202,18 @@ def test_library_structured_outputs(default_llm):
     with pytest.raises(ValueError, match=r"^structured_outputs\.grammar: "):
         default_llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(grammar="start: ???")))
     schemas = [SCHEMAS[6], SCHEMAS[11], SCHEMAS[19]]
-    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(json=s))
-              for s in schemas]
-    params.append(SamplingParams(temperature=0, max_tokens=8,
-                                 structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])))
-    outs = default_llm.generate(["A user as JSON:", "A ticket as JSON:", "A task as JSON:", "Pick one:"], params,
-                                use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(json=s))
+        for s in schemas
+    ]
+    params.append(
+        SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])
+        )
+    )
+    outs = default_llm.generate(
+        ["A user as JSON:", "A ticket as JSON:", "A task as JSON:", "Pick one:"], params, use_tqdm=False
+    )
     for out, schema in zip(outs, schemas):
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
@@ -177,12 +224,21 @@ def test_dead_end_fails_the_request_not_the_engine(server, client):
     """min_tokens holds EOS back after a complete choice, so no token can follow: the request ends with
     an error naming structured output (the request's own constraint: a 400, short, without the grammar),
     and the engine goes on serving."""
-    r = server.post("/v1/completions", {"model": MODEL, "prompt": "Pick:", "max_tokens": 8, "min_tokens": 4,
-                                        "structured_outputs": {"choice": ["yes", "no"]}})
+    r = server.post(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "Pick:",
+            "max_tokens": 8,
+            "min_tokens": 4,
+            "structured_outputs": {"choice": ["yes", "no"]},
+        },
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "structured_outputs" and error["message"].startswith("structured output failed")
     assert "<grammar>" not in error["message"] and len(error["message"]) < 200
-    out = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=8,
-                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    out = client.completions.create(
+        model=MODEL, prompt="Pick:", max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+    )
     assert out.choices[0].text in ("yes", "no")

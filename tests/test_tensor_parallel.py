@@ -33,8 +33,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprob
 
 
 def _llm(model: str, tp: int, **kwargs) -> LLM:
-    return LLM(model, tensor_parallel_size=tp, device="cpu", dtype="float32", kv_cache_memory=0.02,
-               max_model_len=256, seed=0, **kwargs)
+    return LLM(
+        model,
+        tensor_parallel_size=tp,
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=0.02,
+        max_model_len=256,
+        seed=0,
+        **kwargs,
+    )
 
 
 def _greedy(model: str, tp: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -77,8 +85,14 @@ def test_tp2_gguf_kept_quantized(tmp_path):
     per-channel int8 kernel, which rounds activations to bf16, so TP=1 and TP=2 would differ by
     that rounding rather than by float32 summation order. Splitting columns is checked exactly below."""
     path = str(tmp_path / "tiny.gguf")
-    _write_tiny(path, tensor_types={"blk.0.attn_q.weight": QType.Q4_0, "blk.1.ffn_gate.weight": QType.Q4_1,
-                                    "blk.1.ffn_down.weight": QType.Q8_0})
+    _write_tiny(
+        path,
+        tensor_types={
+            "blk.0.attn_q.weight": QType.Q4_0,
+            "blk.1.ffn_gate.weight": QType.Q4_1,
+            "blk.1.ffn_down.weight": QType.Q8_0,
+        },
+    )
     _assert_same(path)
 
 
@@ -150,8 +164,11 @@ def test_server_with_tp2_answers_like_tp1_and_sigterm_ends_every_process(checkpo
     model = str(checkpoints["qwen3"])
     body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     llm = _llm(model, 1)
-    expected = llm.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].text
+    expected = (
+        llm.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     proc, url = _start_serve(model, "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32")
     try:
         children = _descendants(proc.pid)
@@ -173,12 +190,41 @@ def test_server_with_tp2_answers_like_tp1_and_sigterm_ends_every_process(checkpo
 
 def test_torchrun_launch_matches_tp1(checkpoints):
     """Ranks started by torchrun (multi-node style, env:// rendezvous) instead of spawned by Ember."""
-    flags = ["--model", str(checkpoints["llama"]), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory",
-             "0.02", "--max-tokens", "8", "--temperature", "0", PROMPTS[1]]
-    one = subprocess.run([sys.executable, "-m", "ember.cli", "generate", *flags], capture_output=True, text=True,
-                         timeout=120)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ember.cli",
-                          "generate", "--tensor-parallel-size", "2", *flags], capture_output=True, text=True,
-                         timeout=120)
+    flags = [
+        "--model",
+        str(checkpoints["llama"]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "0.02",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        PROMPTS[1],
+    ]
+    one = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "generate", *flags], capture_output=True, text=True, timeout=120
+    )
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "ember.cli",
+            "generate",
+            "--tensor-parallel-size",
+            "2",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert one.stdout and two.stdout == one.stdout

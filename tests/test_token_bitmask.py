@@ -25,10 +25,10 @@ SHAPES = [(3, 32 * 7 + 5, 8), (2, 64, 2), (4, 100, 6), (3, 9000, 290)]
 def _random_bitmask(rows: int, words: int, gen: torch.Generator) -> torch.Tensor:
     """Random words, with row 0 all ones (an unconstrained row) and a sparse row (most tokens banned, as
     a JSON grammar's masks are)."""
-    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
     bitmask[0] = -1
-    bitmask[-1] &= torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
-    bitmask[-1] &= torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
+    bitmask[-1] &= torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
+    bitmask[-1] &= torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
     return bitmask
 
 

@@ -17,14 +17,25 @@ from ember.server.chat_answer import AnswerParser, ToolMode
 from ember.server.reasoning import REASONING_PARSERS
 from ember.server.tool_parsers import TOOL_PARSERS, ToolCallStream, parse_tool_calls, parser_for_template
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-        "required": ["zone"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}},
+]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 # A Hermes-style ChatML template (what Qwen's teaches): tools in the system turn, calls in <tool_call> tags.
@@ -49,13 +60,21 @@ Call tools as <tool_call>{"name": ..., "arguments": ...}</tool_call>. Tools:
 {% endif %}"""
 
 SCRIPTED = {
-    "hermes": ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
-               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
-               "Let me check."),
-    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
-                    '{"name": "get_time", "parameters": {"zone": "CET"}}', ""),
-    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
-                '{"name": "get_time", "arguments": {"zone": "CET"}}]', ""),
+    "hermes": (
+        'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+        "Let me check.",
+    ),
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "get_time", "parameters": {"zone": "CET"}}',
+        "",
+    ),
+    "mistral": (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+        "",
+    ),
     "pythonic": ('[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]', ""),
 }
 EXPECTED = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
@@ -115,12 +134,11 @@ def test_parser_picked_from_template():
 
 def test_reasoning_then_tool_calls():
     """Tool calls are read after the think block only: a call inside the reasoning is not one."""
-    text = ('<think>maybe <tool_call>{"name": "x", "arguments": {}}</tool_call>?</think>\n\n'
-            + SCRIPTED["hermes"][0])
+    text = '<think>maybe <tool_call>{"name": "x", "arguments": {}}</tool_call>?</think>\n\n' + SCRIPTED["hermes"][0]
     parser = AnswerParser(REASONING_PARSERS["qwen3"], ToolMode("auto", fmt=TOOL_PARSERS["hermes"]))
     delta = parser.feed(text[:7])
     for i in range(7, len(text), 5):
-        delta = delta + parser.feed(text[i:i + 5])
+        delta = delta + parser.feed(text[i : i + 5])
     delta = delta + parser.finish()
     assert delta.reasoning == 'maybe <tool_call>{"name": "x", "arguments": {}}</tool_call>?'
     assert delta.content == "Let me check."
@@ -129,12 +147,19 @@ def test_reasoning_then_tool_calls():
 
 # ---- on a server ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     template = tmp_path_factory.mktemp("tools") / "template.jinja"
     template.write_text(TEMPLATE)
-    args = EngineArgs(kv_cache_memory=0.25, max_model_len=2048, device=DEVICE, dtype="float32",
-                      chat_template=str(template), engine_process=False)
+    args = EngineArgs(
+        kv_cache_memory=0.25,
+        max_model_len=2048,
+        device=DEVICE,
+        dtype="float32",
+        chat_template=str(template),
+        engine_process=False,
+    )
     with ServerThread(AsyncLLM(args, served_model_name=MODEL)) as s:
         yield s
 
@@ -163,8 +188,14 @@ def _stream_calls(chunks) -> tuple[list[tuple[str, str]], str]:
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_forced_tools_validate_and_stream_the_same(client, tool_choice):
-    kwargs = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": tool_choice, "temperature": 0,
-              "max_tokens": 80}
+    kwargs = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "temperature": 0,
+        "max_tokens": 80,
+    }
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls
@@ -175,29 +206,50 @@ def test_forced_tools_validate_and_stream_the_same(client, tool_choice):
         assert [c.function.name for c in calls] == ["get_time"]
     streamed, finish = _stream_calls(client.chat.completions.create(stream=True, **kwargs))
     assert finish == "tool_calls"
-    assert [(n, json.loads(a)) for n, a in streamed] == [(c.function.name, json.loads(c.function.arguments))
-                                                       for c in calls]
+    assert [(n, json.loads(a)) for n, a in streamed] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls
+    ]
 
 
 def test_parallel_tool_calls_false_gives_one_call(client):
-    out = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
-                                         parallel_tool_calls=False, temperature=0, max_tokens=80)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+    )
     assert len(out.choices[0].message.tool_calls) == 1
 
 
 def test_round_trip_with_tool_message(server, client):
-    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                           max_tokens=80).choices[0].message
+    first = (
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            tools=TOOLS,
+            temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=80,
+        )
+        .choices[0]
+        .message
+    )
     call = first.tool_calls[0]
-    messages = [*QUESTION, first.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    messages = [
+        *QUESTION,
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ]
     rendered = server.post("/tokenize", {"model": MODEL, "messages": messages}).json()
     text = server.post("/detokenize", {"model": MODEL, "tokens": rendered["tokens"]}).json()["prompt"]
     assert "<tool_response>18 degrees and sunny</tool_response>" in text
     assert f'"name": "get_weather", "arguments": {json.dumps(json.loads(call.function.arguments))}' in text
-    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="auto",
-                                            temperature=0, max_tokens=24)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=24
+    )
     choice = answer.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert choice.message.content or choice.message.tool_calls
@@ -205,13 +257,17 @@ def test_round_trip_with_tool_message(server, client):
 
 def test_tool_errors(server):
     base = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "max_tokens": 8}
-    r = server.post("/v1/chat/completions", {**base, "tool_choice": {"type": "function",
-                                                                    "function": {"name": "nope"}}})
+    r = server.post("/v1/chat/completions", {**base, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    r = server.post("/v1/chat/completions", {**base, "tool_choice": "required",
-                                             "response_format": {"type": "json_object"}})
+    r = server.post(
+        "/v1/chat/completions", {**base, "tool_choice": "required", "response_format": {"type": "json_object"}}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "bogus"}}}}}]
+    bad = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}},
+        }
+    ]
     r = server.post("/v1/chat/completions", {**base, "tools": bad, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

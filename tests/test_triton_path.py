@@ -29,8 +29,9 @@ def test_triton_engine_matches_torch_engine(checkpoints, arch, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
 
     def run() -> list:
-        llm = LLM(str(checkpoints[arch]), kv_cache_memory=0.02, max_num_batched_tokens=48, dtype="float32",
-                  device=DEVICE)
+        llm = LLM(
+            str(checkpoints[arch]), kv_cache_memory=0.02, max_num_batched_tokens=48, dtype="float32", device=DEVICE
+        )
         return llm.generate(prompts, params, use_tqdm=False)
 
     torch_outs = run()

@@ -27,16 +27,24 @@ def add_run_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run-batch", help="run an OpenAI Batch API file (JSONL) on the engine or a server")
     g = p.add_argument_group("batch")
     g.add_argument("-i", "--input-file", required=True, help="JSONL, one {custom_id, method, url, body} a line")
-    g.add_argument("-o", "--output-file", required=True,
-                   help="JSONL results; lines it already answers are skipped, so a rerun resumes")
+    g.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        help="JSONL results; lines it already answers are skipped, so a rerun resumes",
+    )
     g.add_argument("--url", default=None, help="send the lines to this running server instead of loading a model")
-    g.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight (default: 2 x --max-num-seqs)")
+    g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight (default: 2 x --max-num-seqs)")
     g.add_argument("--max-retries", type=int, default=3, help="retries of a line after a 408, 429, 5xx or no answer")
-    g.add_argument("--retry-delay", type=float, default=1.0,
-                   help="seconds before the first retry, doubling for each next one")
-    g.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds one attempt may take before it counts as failed (default: no limit)")
+    g.add_argument(
+        "--retry-delay", type=float, default=1.0, help="seconds before the first retry, doubling for each next one"
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds one attempt may take before it counts as failed (default: no limit)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_serve_args(p)
     p.set_defaults(func=cmd_run_batch)
@@ -50,9 +58,13 @@ def cmd_run_batch(ns: argparse.Namespace) -> int:
         raise ValueError(f"--input-file {ns.input_file}: no such file")
     from ember.batch.runner import BatchAborted, BatchOptions
 
-    options = BatchOptions(max_concurrency=ns.max_concurrency or 2 * args.max_num_seqs, max_retries=ns.max_retries,
-                           retry_delay=ns.retry_delay, request_timeout=ns.request_timeout,
-                           progress=not ns.no_progress)
+    options = BatchOptions(
+        max_concurrency=ns.max_concurrency or 2 * args.max_num_seqs,
+        max_retries=ns.max_retries,
+        retry_delay=ns.retry_delay,
+        request_timeout=ns.request_timeout,
+        progress=not ns.no_progress,
+    )
     try:
         if ns.url is not None:
             from ember.batch.remote import ServerTarget
@@ -69,8 +81,9 @@ def cmd_run_batch(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _run_local(ns: argparse.Namespace, args: EngineArgs, settings: ServerSettings,
-               options: BatchOptions) -> BatchSummary:
+def _run_local(
+    ns: argparse.Namespace, args: EngineArgs, settings: ServerSettings, options: BatchOptions
+) -> BatchSummary:
     from ember.batch.local import run_on_engine
     from ember.frontend.async_llm import AsyncLLM
 

@@ -50,15 +50,18 @@ class EngineTarget:
             if dead is not None:
                 raise BatchAborted(f"the engine stopped: {dead}") from None
             return _error_reply(e)
-        except Exception as e:  # a bug: answered as the server's 500 would be, and retried
+        except Exception as e:  # noqa: BLE001 - a bug: answered as the server's 500 would be, and retried
             return _error_reply(internal_error(e))
         return Reply(200, response.model_dump(mode="json"))
 
 
 def _error_reply(e: APIError) -> Reply:
     retry_after = (e.headers or {}).get("Retry-After")
-    return Reply(e.status, ErrorResponse(error=e.info).model_dump(mode="json"),
-                 retry_after=float(retry_after) if retry_after else None)
+    return Reply(
+        e.status,
+        ErrorResponse(error=e.info).model_dump(mode="json"),
+        retry_after=float(retry_after) if retry_after else None,
+    )
 
 
 def settings_for(args: EngineArgs) -> ServerSettings:
@@ -67,19 +70,30 @@ def settings_for(args: EngineArgs) -> ServerSettings:
     return ServerSettings(model_name=args.served_model_name or str(root), model_root=str(root))
 
 
-async def run_on_engine(engine: AsyncLLM, settings: ServerSettings, requests: Requests,
-                        output_path: str | os.PathLike[str], options: BatchOptions) -> BatchSummary:
+async def run_on_engine(
+    engine: AsyncLLM,
+    settings: ServerSettings,
+    requests: Requests,
+    output_path: str | os.PathLike[str],
+    options: BatchOptions,
+) -> BatchSummary:
     return await BatchRunner(EngineTarget(ServerState(settings, engine)), output_path, options).run(requests)
 
 
-async def run_on_llm_engine(args: EngineArgs, llm_engine: LLMEngine, requests: Requests,
-                            output_path: str | os.PathLike[str], options: BatchOptions) -> BatchSummary:
+async def run_on_llm_engine(
+    args: EngineArgs,
+    llm_engine: LLMEngine,
+    requests: Requests,
+    output_path: str | os.PathLike[str],
+    options: BatchOptions,
+) -> BatchSummary:
     """`LLM.run_batch`: the LLM's engine driven from this event loop for the length of the job, through an
     `AsyncLLM` on its core client and its processor (tokenizer, content filter, grammar checks), so
     nothing is read or built again (a second front end cost a second GGUF parse and tokenizer build)."""
     settings = settings_for(args)
-    engine = AsyncLLM(args, served_model_name=settings.model_name, client=llm_engine.client,
-                      processor=llm_engine.processor)
+    engine = AsyncLLM(
+        args, served_model_name=settings.model_name, client=llm_engine.client, processor=llm_engine.processor
+    )
     try:
         return await run_on_engine(engine, settings, requests, output_path, options)
     finally:

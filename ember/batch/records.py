@@ -73,18 +73,32 @@ def parse_line(line: int, raw: str | dict[str, Any]) -> BatchLine | LineError:
 
 def success_record(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
     request_id = body.get("id") or f"req_{uuid.uuid4().hex}"
-    return {"id": _record_id(), "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+    return {
+        "id": _record_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
 
 
-def error_record(custom_id: str | None, line: int, code: str, message: str, status: int | None = None,
-                 body: dict[str, Any] | None = None) -> dict[str, Any]:
+def error_record(
+    custom_id: str | None,
+    line: int,
+    code: str,
+    message: str,
+    status: int | None = None,
+    body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A failed line; `status` and `body` are the server's error answer, if it gave one."""
     response = None
     if status is not None:
         response = {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}", "body": body}
-    return {"id": _record_id(), "custom_id": custom_id, "response": response,
-            "error": {"code": code, "message": message, "line": line}}
+    return {
+        "id": _record_id(),
+        "custom_id": custom_id,
+        "response": response,
+        "error": {"code": code, "message": message, "line": line},
+    }
 
 
 def _record_id() -> str:
@@ -133,6 +147,7 @@ def _cut_unfinished_line(path: str | os.PathLike[str]) -> None:
         if not data or data.endswith(b"\n"):
             return
         keep = data.rfind(b"\n") + 1
-        logger.warning("%s: dropping an unfinished last line (%d bytes) left by an interrupted run",
-                       path, len(data) - keep)
+        logger.warning(
+            "%s: dropping an unfinished last line (%d bytes) left by an interrupted run", path, len(data) - keep
+        )
         f.truncate(keep)

@@ -81,8 +81,8 @@ class BatchOptions:
 
 @dataclass
 class BatchSummary:
-    total: int = 0          # input lines
-    skipped: int = 0        # already answered by an earlier run
+    total: int = 0  # input lines
+    skipped: int = 0  # already answered by an earlier run
     succeeded: int = 0
     failed: int = 0
     retries: int = 0
@@ -91,9 +91,11 @@ class BatchSummary:
 
     def describe(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds else 0.0
-        return (f"{self.total} lines: {self.succeeded} succeeded, {self.failed} failed, {self.skipped} already done; "
-                f"{self.retries} retries; {self.output_tokens} output tokens in {self.seconds:.1f}s "
-                f"({rate:.1f} tok/s)")
+        return (
+            f"{self.total} lines: {self.succeeded} succeeded, {self.failed} failed, {self.skipped} already done; "
+            f"{self.retries} retries; {self.output_tokens} output tokens in {self.seconds:.1f}s "
+            f"({rate:.1f} tok/s)"
+        )
 
 
 Requests = str | os.PathLike[str] | Sequence[str | dict[str, Any]]
@@ -125,9 +127,12 @@ class BatchRunner:
         todo = [item for item in items if not done.covers(item)]
         self.summary.skipped = len(items) - len(todo)
         self._start = time.monotonic()
-        with open(self.output_path, "a", encoding="utf-8") as self._out, \
-                tqdm(total=len(todo), desc="Running batch", unit="req", dynamic_ncols=True,
-                     disable=not self.options.progress) as self._bar:
+        with (
+            open(self.output_path, "a", encoding="utf-8") as self._out,  # noqa: ASYNC230 - once per batch, append-only
+            tqdm(
+                total=len(todo), desc="Running batch", unit="req", dynamic_ncols=True, disable=not self.options.progress
+            ) as self._bar,
+        ):
             for item in todo:
                 if isinstance(item, LineError):
                     self._write(error_record(item.custom_id, item.line, item.code, item.message), item.message)
@@ -152,7 +157,7 @@ class BatchRunner:
             return Reply(0, code="timeout", message=f"no answer within {self.options.request_timeout:g}s")
 
     def _delay(self, attempt: int, reply: Reply) -> float:
-        delay = self.options.retry_delay * 2 ** attempt * (1 + _JITTER * random.random())
+        delay = self.options.retry_delay * 2**attempt * (1 + _JITTER * random.random())
         return max(delay, reply.retry_after or 0.0)
 
     def _finish(self, item: BatchLine, reply: Reply) -> None:
@@ -164,8 +169,10 @@ class BatchRunner:
         code, message = _error_fields(reply)
         where = f"line {item.line} (custom_id {item.custom_id!r})"
         status = reply.status or None
-        self._write(error_record(item.custom_id, item.line, code, message, status, reply.body),
-                    f"{where}: {f'HTTP {status}: ' if status else ''}{message}")
+        self._write(
+            error_record(item.custom_id, item.line, code, message, status, reply.body),
+            f"{where}: {f'HTTP {status}: ' if status else ''}{message}",
+        )
 
     def _write(self, record: dict[str, Any], error: str | None = None) -> None:
         """One whole line per write, flushed: a killed run leaves at most one unfinished line."""
@@ -178,8 +185,7 @@ class BatchRunner:
             self.summary.failed += 1
             tqdm.write(f"error: {error}", file=sys.stderr)
         elapsed = time.monotonic() - self._start
-        self._bar.set_postfix_str(f"output: {self.summary.output_tokens / max(elapsed, 1e-9):.1f} tok/s",
-                                  refresh=False)
+        self._bar.set_postfix_str(f"output: {self.summary.output_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
         self._bar.update(1)
 
 
@@ -189,9 +195,12 @@ def _check_unique(items: list[BatchLine | LineError]) -> list[BatchLine | LineEr
     checked: list[BatchLine | LineError] = []
     for item in items:
         if isinstance(item, BatchLine) and item.custom_id in first:
-            item = LineError(item.line, item.custom_id, "duplicate_custom_id",
-                             f"line {item.line}: custom_id {item.custom_id!r} is already used on line "
-                             f"{first[item.custom_id]}")
+            item = LineError(
+                item.line,
+                item.custom_id,
+                "duplicate_custom_id",
+                f"line {item.line}: custom_id {item.custom_id!r} is already used on line {first[item.custom_id]}",
+            )
         elif isinstance(item, BatchLine):
             first[item.custom_id] = item.line
         checked.append(item)

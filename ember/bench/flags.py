@@ -50,38 +50,85 @@ def add_serve_bench_args(p: argparse.ArgumentParser, omit: Collection[str] = ())
     them."""
     g = _Flags(p, "server", omit)
     g.add_argument("--base-url", default=DEFAULT_BASE_URL, help="the server's root URL (default: %(default)s)")
-    g.add_argument("--endpoint", default=COMPLETIONS, choices=(COMPLETIONS, CHAT),
-                   help="completions send token-id prompts; chat sends random words (default: %(default)s)")
+    g.add_argument(
+        "--endpoint",
+        default=COMPLETIONS,
+        choices=(COMPLETIONS, CHAT),
+        help="completions send token-id prompts; chat sends random words (default: %(default)s)",
+    )
     g.add_argument("--model", default=None, help="model name sent in requests (default: the first id of /v1/models)")
-    g.add_argument("--api-key", default=None,
-                   help="sent as 'Authorization: Bearer KEY' (default: $EMBER_API_KEY, as `ember serve` reads it)")
-    g.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds one request may take, connection to last byte, before it counts as failed")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="sent as 'Authorization: Bearer KEY' (default: $EMBER_API_KEY, as `ember serve` reads it)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds one request may take, connection to last byte, before it counts as failed",
+    )
     g = _Flags(p, "load", omit)
     g.add_argument("--num-prompts", type=int, default=200)
-    g.add_argument("--request-rate", type=_rate, default=math.inf,
-                   help="requests per second, Poisson arrivals (default: inf, every request at once)")
+    g.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default: inf, every request at once)",
+    )
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
     g = _Flags(p, "dataset", omit)
-    g.add_argument("--dataset", choices=("random", "fixed", "nano-vllm"), default="random",
-                   help="random: lengths uniform in [len*(1-r), len*(1+r)]; fixed: exactly the given lengths; "
-                        "nano-vllm: the offline benchmark's requests (benchmarks/throughput.py), token ids")
-    g.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=int, default=1024,
-                   help="prompt tokens (words for chat)")
-    g.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=int, default=128,
-                   help="max_tokens of each request")
+    g.add_argument(
+        "--dataset",
+        choices=("random", "fixed", "nano-vllm"),
+        default="random",
+        help="random: lengths uniform in [len*(1-r), len*(1+r)]; fixed: exactly the given lengths; "
+        "nano-vllm: the offline benchmark's requests (benchmarks/throughput.py), token ids",
+    )
+    g.add_argument(
+        "--random-input-len",
+        "--input-len",
+        dest="random_input_len",
+        type=int,
+        default=1024,
+        help="prompt tokens (words for chat)",
+    )
+    g.add_argument(
+        "--random-output-len",
+        "--output-len",
+        dest="random_output_len",
+        type=int,
+        default=128,
+        help="max_tokens of each request",
+    )
     g.add_argument("--random-range-ratio", type=float, default=0.0, help="r above, in [0, 1) (random dataset only)")
-    g.add_argument("--vocab-size", type=int, default=TOKEN_ID_HIGH,
-                   help="prompt token ids are drawn from [100, min(10000, this)); set it below a smaller vocabulary")
-    g.add_argument("--seed", type=int, default=0,
-                   help="draws the random and fixed prompts; nano-vllm: 0 sends its prompts exactly, another seed "
-                        "shifts every token id by it (the same lengths, prompts a prefix cache has not seen)")
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=TOKEN_ID_HIGH,
+        help="prompt token ids are drawn from [100, min(10000, this)); set it below a smaller vocabulary",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="draws the random and fixed prompts; nano-vllm: 0 sends its prompts exactly, another seed "
+        "shifts every token id by it (the same lengths, prompts a prefix cache has not seen)",
+    )
     g = _Flags(p, "sampling", omit)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="send ignore_eos: true so each request generates exactly its max_tokens (Ember, vLLM)")
-    g.add_argument("--extra-body", type=_json_object, default=None,
-                   help="JSON object merged into every request body, e.g. '{\"top_k\": 20}'")
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos: true so each request generates exactly its max_tokens (Ember, vLLM)",
+    )
+    g.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default=None,
+        help="JSON object merged into every request body, e.g. '{\"top_k\": 20}'",
+    )
     g = _Flags(p, "output", omit)
     g.add_argument("--result-file", default=None, help="write the results as JSON here")
     g.add_argument("--label", default=None, help="a name for this run, kept in the results")

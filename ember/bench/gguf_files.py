@@ -20,11 +20,28 @@ from gguf import GGMLQuantizationType as QType
 # scale over the top nibbles of four 16-bit words (any bytes decode finitely, if not always
 # usefully); MXFP4's one-byte power of two is set apart (_MXFP4_EXPONENTS).
 FP16_FIELDS: dict[QType, tuple[int, ...]] = {
-    QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q5_1: (0, 2), QType.Q8_0: (0,),
-    QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,),
-    QType.IQ4_NL: (0,), QType.IQ4_XS: (0,), QType.IQ3_XXS: (0,), QType.IQ3_S: (0,), QType.IQ2_XXS: (0,),
-    QType.IQ2_XS: (0,), QType.IQ2_S: (0,), QType.IQ1_S: (0,), QType.IQ1_M: (), QType.TQ1_0: (52,),
-    QType.TQ2_0: (64,), QType.MXFP4: (),
+    QType.Q4_0: (0,),
+    QType.Q4_1: (0, 2),
+    QType.Q5_0: (0,),
+    QType.Q5_1: (0, 2),
+    QType.Q8_0: (0,),
+    QType.Q2_K: (80, 82),
+    QType.Q3_K: (108,),
+    QType.Q4_K: (0, 2),
+    QType.Q5_K: (0, 2),
+    QType.Q6_K: (208,),
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),
+    QType.IQ3_XXS: (0,),
+    QType.IQ3_S: (0,),
+    QType.IQ2_XXS: (0,),
+    QType.IQ2_XS: (0,),
+    QType.IQ2_S: (0,),
+    QType.IQ1_S: (0,),
+    QType.IQ1_M: (),
+    QType.TQ1_0: (52,),
+    QType.TQ2_0: (64,),
+    QType.MXFP4: (),
 }
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 # Every type llama.cpp's llama-quantize writes.
@@ -36,13 +53,13 @@ _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 def random_tensor(qtype: QType, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 0.02) -> np.ndarray:
     """Stored bytes (float arrays for float types) of a tensor of numpy shape `shape`."""
     if qtype in FLOAT_TYPES:
-        values = (rng.standard_normal(shape, dtype=np.float32) * scale)
+        values = rng.standard_normal(shape, dtype=np.float32) * scale
         return values.astype(np.float16) if qtype == QType.F16 else gguf.quants.quantize(values, qtype)
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (math.prod(shape) // block_size, block_bytes), dtype=np.uint8)
     for offset in FP16_FIELDS[qtype]:
         field = (rng.standard_normal(len(blocks), dtype=np.float32) * scale / 8).astype(np.float16)
-        blocks[:, offset:offset + 2] = field.view(np.uint8).reshape(-1, 2)
+        blocks[:, offset : offset + 2] = field.view(np.uint8).reshape(-1, 2)
     if qtype == QType.MXFP4:
         blocks[:, 0] = rng.integers(*_MXFP4_EXPONENTS, len(blocks))
     return blocks.reshape(*shape[:-1], -1)
@@ -85,16 +102,23 @@ def tensor_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (s.vocab, s.hidden), "output_norm.weight": (s.hidden,)}
     for i in range(s.layers):
         p = f"blk.{i}."
-        shapes |= {p + "attn_norm.weight": (s.hidden,), p + "ffn_norm.weight": (s.hidden,),
-                   p + "attn_q.weight": (s.heads * head_dim, s.hidden),
-                   p + "attn_k.weight": (s.kv_heads * head_dim, s.hidden),
-                   p + "attn_v.weight": (s.kv_heads * head_dim, s.hidden),
-                   p + "attn_output.weight": (s.hidden, s.heads * head_dim),
-                   p + "ffn_gate.weight": (s.ffn, s.hidden), p + "ffn_up.weight": (s.ffn, s.hidden),
-                   p + "ffn_down.weight": (s.hidden, s.ffn)}
+        shapes |= {
+            p + "attn_norm.weight": (s.hidden,),
+            p + "ffn_norm.weight": (s.hidden,),
+            p + "attn_q.weight": (s.heads * head_dim, s.hidden),
+            p + "attn_k.weight": (s.kv_heads * head_dim, s.hidden),
+            p + "attn_v.weight": (s.kv_heads * head_dim, s.hidden),
+            p + "attn_output.weight": (s.hidden, s.heads * head_dim),
+            p + "ffn_gate.weight": (s.ffn, s.hidden),
+            p + "ffn_up.weight": (s.ffn, s.hidden),
+            p + "ffn_down.weight": (s.hidden, s.ffn),
+        }
         if s.arch == "qwen2":
-            shapes |= {p + "attn_q.bias": (s.heads * head_dim,), p + "attn_k.bias": (s.kv_heads * head_dim,),
-                       p + "attn_v.bias": (s.kv_heads * head_dim,)}
+            shapes |= {
+                p + "attn_q.bias": (s.heads * head_dim,),
+                p + "attn_k.bias": (s.kv_heads * head_dim,),
+                p + "attn_v.bias": (s.kv_heads * head_dim,),
+            }
     return shapes
 
 

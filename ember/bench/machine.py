@@ -30,6 +30,7 @@ def cpu_model() -> str:
 def git_commit() -> str | None:
     """HEAD of the checkout Ember runs from, "+dirty" when files differ from it; else $EMBER_COMMIT
     (a copy without .git, e.g. on a lent GPU machine, where the caller says which commit it is)."""
+
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
@@ -52,8 +53,14 @@ def load_average() -> list[float] | None:
 
 
 def basic_machine_info() -> dict[str, Any]:
-    return {"hostname": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(),
-            "python": platform.python_version(), "ember_commit": git_commit(), "loadavg": load_average()}
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "ember_commit": git_commit(),
+        "loadavg": load_average(),
+    }
 
 
 def client_machine_info() -> dict[str, Any]:

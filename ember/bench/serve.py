@@ -62,8 +62,16 @@ class InFlight:
             self.now -= 1
 
 
-async def send_request(url: str, body: dict[str, Any], headers: dict[str, str], chat: bool, spec: RequestSpec,
-                       timeout: float, t0: float, in_flight: InFlight) -> RequestResult:
+async def send_request(
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    chat: bool,
+    spec: RequestSpec,
+    timeout: float,
+    t0: float,
+    in_flight: InFlight,
+) -> RequestResult:
     """Never raises for a failed request: the failure is recorded in the result."""
     res = RequestResult(spec.prompt_len, spec.output_len)
     start = time.perf_counter()
@@ -81,8 +89,9 @@ async def send_request(url: str, body: dict[str, Any], headers: dict[str, str], 
     return res
 
 
-async def run_requests(args: argparse.Namespace, model: str, specs: Sequence[RequestSpec],
-                       headers: dict[str, str]) -> tuple[list[RequestResult], float, int]:
+async def run_requests(
+    args: argparse.Namespace, model: str, specs: Sequence[RequestSpec], headers: dict[str, str]
+) -> tuple[list[RequestResult], float, int]:
     """All requests at their arrival times; returns the results, the duration and the most requests in flight."""
     url = args.base_url.rstrip("/") + args.endpoint
     chat = args.endpoint == CHAT
@@ -143,8 +152,14 @@ async def _resolve_model(args: argparse.Namespace, headers: dict[str, str]) -> t
     url = args.base_url.rstrip("/") + "/v1/models"
     try:
         models = await get_json(url, headers)
-    except (asyncio.TimeoutError, OSError, ProtocolError, HTTPStatusError, ValueError,
-            asyncio.IncompleteReadError) as e:
+    except (
+        asyncio.TimeoutError,
+        OSError,
+        ProtocolError,
+        HTTPStatusError,
+        ValueError,
+        asyncio.IncompleteReadError,
+    ) as e:
         if args.model is not None:  # not needed: carry on without the server's description
             return args.model, None
         why = str(e) if isinstance(e, HTTPStatusError) else f"{type(e).__name__}: {e}; is the server up?"
@@ -167,18 +182,32 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     specs = make_requests(args)
     _raise_open_files_limit(min(len(specs), args.max_concurrency or len(specs)) + 64)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
-    print(f"{len(specs)} requests to {args.base_url.rstrip('/')}{args.endpoint} (model {model}), request rate "
-          f"{rate}, max concurrency {args.max_concurrency or 'unlimited'}", flush=True)
+    print(
+        f"{len(specs)} requests to {args.base_url.rstrip('/')}{args.endpoint} (model {model}), request rate "
+        f"{rate}, max concurrency {args.max_concurrency or 'unlimited'}",
+        flush=True,
+    )
     results, duration, max_in_flight = await run_requests(args, model, specs, headers)
     summary = summarize(results, duration, max_in_flight)
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "command", "bench_command")}
     config["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate  # JSON has no inf
     config["api_key_set"] = bool(api_key)
-    return {"benchmark": "serve", "date": datetime.date.today().isoformat(), "label": args.label,
-            "machine": machine, "command": list(sys.argv),
-            "server": {"base_url": args.base_url, "endpoint": args.endpoint, "model": model,
-                       "models": models.get("data") if isinstance(models, dict) else None},
-            "config": config, "results": summary, "requests": request_records(results, args.save_detailed)}
+    return {
+        "benchmark": "serve",
+        "date": datetime.date.today().isoformat(),
+        "label": args.label,
+        "machine": machine,
+        "command": list(sys.argv),
+        "server": {
+            "base_url": args.base_url,
+            "endpoint": args.endpoint,
+            "model": model,
+            "models": models.get("data") if isinstance(models, dict) else None,
+        },
+        "config": config,
+        "results": summary,
+        "requests": request_records(results, args.save_detailed),
+    }
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -199,8 +228,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """`ember bench serve ...` under `ember`'s subcommands."""
     bench = subparsers.add_parser("bench", help="benchmark clients (serve: load a running OpenAI-compatible server)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    serve = kinds.add_parser("serve", help="measure TTFT, TPOT, ITL, latency and throughput of a running server",
-                             description=__doc__.split("\n\n")[0])
+    serve = kinds.add_parser(
+        "serve",
+        help="measure TTFT, TPOT, ITL, latency and throughput of a running server",
+        description=__doc__.split("\n\n")[0],
+    )
     add_serve_bench_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
     return bench

@@ -18,16 +18,174 @@ TOKEN_ID_LOW, TOKEN_ID_HIGH = 100, 10000
 
 # Chat prompts are random words: a chat template needs text, and these tokenize to about one token
 # each in the usual BPE vocabularies. Input token counts then come from the server's `usage`.
-WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "one", "all", "we", "their", "been", "has", "when", "who", "will", "more", "no", "if", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three", "small", "river", "light", "water", "house", "city"]
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "there",
+    "one",
+    "all",
+    "we",
+    "their",
+    "been",
+    "has",
+    "when",
+    "who",
+    "will",
+    "more",
+    "no",
+    "if",
+    "out",
+    "so",
+    "said",
+    "what",
+    "up",
+    "its",
+    "about",
+    "into",
+    "than",
+    "them",
+    "can",
+    "only",
+    "other",
+    "new",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "just",
+    "those",
+    "people",
+    "how",
+    "too",
+    "little",
+    "state",
+    "good",
+    "very",
+    "make",
+    "world",
+    "still",
+    "own",
+    "see",
+    "men",
+    "work",
+    "long",
+    "get",
+    "here",
+    "between",
+    "both",
+    "life",
+    "being",
+    "under",
+    "never",
+    "day",
+    "same",
+    "another",
+    "know",
+    "while",
+    "last",
+    "might",
+    "us",
+    "great",
+    "old",
+    "year",
+    "off",
+    "come",
+    "since",
+    "against",
+    "go",
+    "came",
+    "right",
+    "used",
+    "take",
+    "three",
+    "small",
+    "river",
+    "light",
+    "water",
+    "house",
+    "city",
+]
 
 
-def nano_vllm_requests(num_seqs: int = 256, min_input: int = 100, max_input: int = 1024, min_output: int = 100,
-                       max_output: int = 1024, vocab_size: int = 10001) -> tuple[list[list[int]], list[int]]:
+def nano_vllm_requests(
+    num_seqs: int = 256,
+    min_input: int = 100,
+    max_input: int = 1024,
+    min_output: int = 100,
+    max_output: int = 1024,
+    vocab_size: int = 10001,
+) -> tuple[list[list[int]], list[int]]:
     """(prompts, max_tokens) in nano-vllm's order: every prompt first, then every length; ids are folded into
     the vocabulary, a no-op above 10,000 tokens."""
     rng = random.Random(0)
-    prompts = [[rng.randint(0, 10000) % vocab_size for _ in range(rng.randint(min_input, max_input))]
-               for _ in range(num_seqs)]
+    prompts = [
+        [rng.randint(0, 10000) % vocab_size for _ in range(rng.randint(min_input, max_input))] for _ in range(num_seqs)
+    ]
     max_tokens = [rng.randint(min_output, max_output) for _ in range(num_seqs)]
     if (num_seqs, min_input, max_input, min_output, max_output) == (256, 100, 1024, 100, 1024):
         assert sum(max_tokens) == NANO_VLLM_OUTPUT_TOKENS, f"{sum(max_tokens)} output tokens, not nano-vllm's workload"
@@ -37,8 +195,8 @@ def nano_vllm_requests(num_seqs: int = 256, min_input: int = 100, max_input: int
 @dataclass
 class RequestSpec:
     prompt: list[int] | str
-    prompt_len: int   # tokens for a token-id prompt; words for a chat prompt (the server's usage counts tokens)
-    output_len: int   # max_tokens
+    prompt_len: int  # tokens for a token-id prompt; words for a chat prompt (the server's usage counts tokens)
+    output_len: int  # max_tokens
 
 
 def sample_lengths(rng: random.Random, n: int, length: int, ratio: float) -> list[int]:
@@ -84,12 +242,19 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
 
 
 def request_body(args: argparse.Namespace, model: str, spec: RequestSpec) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "temperature": args.temperature, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.endpoint == CHAT:
         # Both names: newer servers read max_completion_tokens, older ones (and llama.cpp) max_tokens.
-        body.update(messages=[{"role": "user", "content": spec.prompt}], max_completion_tokens=spec.output_len,
-                    max_tokens=spec.output_len)
+        body.update(
+            messages=[{"role": "user", "content": spec.prompt}],
+            max_completion_tokens=spec.output_len,
+            max_tokens=spec.output_len,
+        )
     else:
         body.update(prompt=spec.prompt, max_tokens=spec.output_len)
     if args.ignore_eos:

@@ -46,8 +46,9 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 sliding_window: int | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, sliding_window: int | None = None
+    ) -> None:
         """`sliding_window`: the window every layer attends through, or None (some or all layers
         see the whole context) to keep each request's blocks until it ends."""
         if num_blocks < 1:
@@ -75,7 +76,7 @@ class BlockManager:
 
     def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
         start = index * self.block_size
-        return tuple(request.all_token_ids[start:start + self.block_size])
+        return tuple(request.all_token_ids[start : start + self.block_size])
 
     def _ensure_hashes(self, request: Request, num_full_blocks: int) -> None:
         hashes = request.block_hashes
@@ -100,8 +101,9 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, request: Request, num_new_tokens: int,
-                 prefix_blocks: list[int] | None = None) -> Allocation | None:
+    def allocate(
+        self, request: Request, num_new_tokens: int, prefix_blocks: list[int] | None = None
+    ) -> Allocation | None:
         """Give the request enough blocks for `num_new_tokens` more tokens, or change nothing and return None.
 
         `prefix_blocks` (from `match_prefix`, maybe empty) is passed exactly when a request that holds
@@ -141,7 +143,9 @@ class BlockManager:
         host) fill, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        start = max(self.num_hashed_blocks.get(request.request_id, 0), self.num_dropped_blocks.get(request.request_id, 0))
+        start = max(
+            self.num_hashed_blocks.get(request.request_id, 0), self.num_dropped_blocks.get(request.request_id, 0)
+        )
         num_full = num_tokens // self.block_size
         if num_full <= start:
             return
@@ -180,7 +184,7 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks first so a shared prefix outlives its suffixes."""
-        for block_id in reversed(request.block_ids[self.num_dropped_blocks.pop(request.request_id, 0):]):
+        for block_id in reversed(request.block_ids[self.num_dropped_blocks.pop(request.request_id, 0) :]):
             self._release(block_id)
         request.block_ids = []
         self.num_hashed_blocks.pop(request.request_id, None)

@@ -67,8 +67,7 @@ def _cpu_flags() -> str:
 
 def _compiler_version(cc: str) -> str:
     try:
-        done = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S)
+        done = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise BuildError(f"C compiler {cc!r} cannot run: {e}") from e
     if done.returncode != 0:
@@ -80,9 +79,15 @@ def library_path(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """Where the build for this source, these flags, this compiler, Python ABI and CPU lives."""
     key = hashlib.sha256()
     sources = b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCES.glob("*.[ch]")))
-    for part in (sources, " ".join(FLAGS + extra_flags).encode(), cc.encode(),
-                 _compiler_version(cc).encode(), sysconfig.get_config_var("EXT_SUFFIX").encode(),
-                 sys.version.encode(), _cpu_flags().encode()):
+    for part in (
+        sources,
+        " ".join(FLAGS + extra_flags).encode(),
+        cc.encode(),
+        _compiler_version(cc).encode(),
+        sysconfig.get_config_var("EXT_SUFFIX").encode(),
+        sys.version.encode(),
+        _cpu_flags().encode(),
+    ):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / f"kernels-{key.hexdigest()[:20]}{sysconfig.get_config_var('EXT_SUFFIX')}"
@@ -100,8 +105,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
     os.close(fd)
     cmd = [cc, *FLAGS, *extra_flags, f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", tmp, "-lm"]
     try:
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S)
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise BuildError(f"{' '.join(cmd)} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -131,8 +135,7 @@ def main() -> int:
     try:
         path = build()
     except BuildError as e:
-        print(f"warning: Ember's CPU kernels were not built ({e}); the CPU path will use PyTorch ops",
-              file=sys.stderr)
+        print(f"warning: Ember's CPU kernels were not built ({e}); the CPU path will use PyTorch ops", file=sys.stderr)
         return 0
     print(path)
     return 0

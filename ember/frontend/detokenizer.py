@@ -23,8 +23,13 @@ class IncrementalDetokenizer:
     phrase ends the text before it (finish reason "content_filter"), whatever `min_tokens` says.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], params: SamplingParams,
-                 content_filter: ContentFilter | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        content_filter: ContentFilter | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.content_filter = content_filter
         self.skip_special = params.skip_special_tokens
@@ -52,11 +57,11 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return None
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new = self._decode(self.ids[self.prefix_offset :])
         if len(new) <= len(prefix) or new.endswith("\ufffd"):
             return None
-        delta = new[len(prefix):]
+        delta = new[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         since = len(self.text)
         self.text += delta
@@ -65,11 +70,11 @@ class IncrementalDetokenizer:
             scan = self.content_filter.scan(self.text, since)
             self.safe_end = scan.safe_end
             if scan.blocked_at is not None and (stop is None or scan.blocked_at < stop[0]):
-                self.text = self.text[:scan.blocked_at]
+                self.text = self.text[: scan.blocked_at]
                 return "content_filter", None
         if stop is None:
             return None
-        self.text = self.text[:stop[0]]
+        self.text = self.text[: stop[0]]
         return "stop", stop[1]
 
     def blocked_alternatives(self, token_ids: list[int]) -> set[int]:
@@ -81,8 +86,8 @@ class IncrementalDetokenizer:
         Russian (the logprob entries themselves, without a filter, 40 us); nothing without a filter."""
         if self.tokenizer is None or self.content_filter is None or not token_ids:
             return set()
-        context = self.ids[self.prefix_offset:]
-        before = len(self._decode(self.ids[self.prefix_offset:self.read_offset]))
+        context = self.ids[self.prefix_offset :]
+        before = len(self._decode(self.ids[self.prefix_offset : self.read_offset]))
         texts = [self._decode(context + [t])[before:].rstrip("\ufffd") for t in token_ids]
         blocked = self.content_filter.completes_phrase(self.text, texts)
         return {t for t, b in zip(token_ids, blocked) if b}
@@ -102,8 +107,8 @@ class IncrementalDetokenizer:
     def flush(self) -> None:
         """At the end, emit whatever a last incomplete character left waiting."""
         if self.tokenizer is not None and self.read_offset < len(self.ids):
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset :])[len(prefix) :]
             self.read_offset = len(self.ids)
 
     def take_delta(self, finished: bool) -> str:
@@ -111,6 +116,6 @@ class IncrementalDetokenizer:
         if self.safe_end is not None:
             limit = min(limit, self.safe_end)
         end = len(self.text) if finished else max(self.emitted, limit)
-        delta = self.text[self.emitted:end]
+        delta = self.text[self.emitted : end]
         self.emitted = end
         return delta

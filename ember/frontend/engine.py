@@ -65,8 +65,14 @@ class LLMEngine(ModelFacts):
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, final_only: bool = False) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        final_only: bool = False,
+    ) -> str:
         """Validate and queue a request; raises ValueError (and queues nothing) when it can never run.
 
         With `final_only`, `step()` returns this request's output only once, when it finishes.

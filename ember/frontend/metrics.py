@@ -15,8 +15,30 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ember.messages import SchedulerStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 
 
 @dataclass
@@ -56,10 +78,12 @@ class PrometheusStatLogger:
         self.ttft = histogram("ember:time_to_first_token_seconds", "Arrival to first generated token.")
         self.itl = histogram("ember:inter_token_latency_seconds", "Time between consecutive generated tokens.")
         self.e2e = histogram("ember:e2e_request_latency_seconds", "Arrival to the end of the request.")
-        self.content_filtered = counter("ember:request_content_filtered",
-                                        "Sequences ended before a blocked phrase (--blocked-words).")
-        self._success = Counter("ember:request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=r)
+        self.content_filtered = counter(
+            "ember:request_content_filtered", "Sequences ended before a blocked phrase (--blocked-words)."
+        )
+        self._success = Counter(
+            "ember:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
+        )
         self.model_name = model_name
         self._seen = (0, 0, 0)
 

@@ -22,6 +22,7 @@ from ember.tokenizer import Tokenizer
 
 logger = logging.getLogger("ember")
 
+
 @dataclass
 class Logprob:
     logprob: float
@@ -68,8 +69,14 @@ class _Sequence:
     leave out the alternatives that would have completed a blocked phrase.
     """
 
-    def __init__(self, index: int, tokenizer: Tokenizer | None, prompt_token_ids: list[int],
-                 params: SamplingParams, content_filter: ContentFilter | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        tokenizer: Tokenizer | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        content_filter: ContentFilter | None = None,
+    ) -> None:
         self.index = index
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params, content_filter)
         self.filtered = content_filter is not None
@@ -90,8 +97,9 @@ class _Sequence:
         self.finish_reason, self.stop_reason = reason, stop_reason
         self.detok.flush()
 
-    def add(self, token_id: int, logprobs: dict[int, Logprob] | None, logprob: float, detokenize: bool
-            ) -> Finish | None:
+    def add(
+        self, token_id: int, logprobs: dict[int, Logprob] | None, logprob: float, detokenize: bool
+    ) -> Finish | None:
         """Append one token; returns how its text ended the sequence (a stop string or a blocked phrase),
         if it did. A stop token (EOS or one of `stop_token_ids`) is not detokenized: its text never
         appears, as in vLLM."""
@@ -141,21 +149,34 @@ class _Sequence:
         visible = len(self.token_ids)
         if self.filtered and not finished:
             visible = self._tokens_within(self.detok.emitted)
-        delta_tokens = self.token_ids[self.num_emitted:visible]
+        delta_tokens = self.token_ids[self.num_emitted : visible]
         self.num_emitted = max(self.num_emitted, visible)
         return CompletionOutput(
-            index=self.index, text=text, token_ids=self.token_ids[:visible],
+            index=self.index,
+            text=text,
+            token_ids=self.token_ids[:visible],
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=self._logprobs_within(visible), finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason, delta_text=delta_text, delta_token_ids=delta_tokens)
+            logprobs=self._logprobs_within(visible),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=delta_tokens,
+        )
 
 
 class RequestState:
     """A request between its arrival and its final output: n sequences, prompt logprobs, timings."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer | None, arrival_time: float, content_filter: ContentFilter | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer | None,
+        arrival_time: float,
+        content_filter: ContentFilter | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -164,7 +185,8 @@ class RequestState:
         self.arrival_time = arrival_time
         self.seqs = [_Sequence(i, tokenizer, prompt_token_ids, params, content_filter) for i in range(params.n)]
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            [None] if params.prompt_logprobs is not None else None)
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.num_cached_tokens = 0
         self.error: str | None = None
         self.first_token_time: float | None = None
@@ -175,8 +197,9 @@ class RequestState:
 
     def child_ids(self, unfinished_only: bool = False) -> list[str]:
         n = len(self.seqs)
-        return [child_request_id(self.request_id, s.index, n) for s in self.seqs
-                if not (unfinished_only and s.finished)]
+        return [
+            child_request_id(self.request_id, s.index, n) for s in self.seqs if not (unfinished_only and s.finished)
+        ]
 
     def abort(self, error: str | None = None) -> None:
         """End every unfinished sequence (client gone, core failure); `error` marks a failure."""
@@ -188,10 +211,16 @@ class RequestState:
 
     def output(self) -> RequestOutput:
         """Everything since the previous output, as one RequestOutput."""
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=[s.output() for s in self.seqs], finished=self.finished,
-                             num_cached_tokens=self.num_cached_tokens, error=self.error,
-                             prompt_logprobs=self.prompt_logprobs)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.output() for s in self.seqs],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
     def update(self, seq: _Sequence, out: EngineCoreOutput, now: float, stats: IterationStats) -> bool:
         """Apply one core output to one sequence; True when its text hit a stop string or a blocked phrase
@@ -205,8 +234,12 @@ class RequestState:
         last = len(out.new_token_ids) - 1
         for i, token in enumerate(out.new_token_ids):
             lp = out.new_logprobs.logprobs[i][0] if out.new_logprobs is not None else 0.0
-            finish = seq.add(token, logprobs[i] if logprobs is not None else None, lp,
-                             detokenize=not (i == last and out.finish_reason == "stop"))
+            finish = seq.add(
+                token,
+                logprobs[i] if logprobs is not None else None,
+                lp,
+                detokenize=not (i == last and out.finish_reason == "stop"),
+            )
             if finish is not None:
                 seq.finish(*finish)
                 return out.finish_reason is None
@@ -227,13 +260,17 @@ class RequestState:
         seq.last_token_time = now
 
     def _logprob_dicts(self, lps: Logprobs) -> list[dict[int, Logprob]]:
-        return [_logprob_dict(self.tokenizer, ids, values, rank)
-                for ids, values, rank in zip(lps.token_ids, lps.logprobs, lps.ranks)]
+        return [
+            _logprob_dict(self.tokenizer, ids, values, rank)
+            for ids, values, rank in zip(lps.token_ids, lps.logprobs, lps.ranks)
+        ]
 
 
-def _logprob_dict(tokenizer: Tokenizer | None, ids: list[int], values: list[float], chosen_rank: int
-                  ) -> dict[int, Logprob]:
+def _logprob_dict(
+    tokenizer: Tokenizer | None, ids: list[int], values: list[float], chosen_rank: int
+) -> dict[int, Logprob]:
     """vLLM's shape: the chosen token (first) and the top-N, each with its rank by logprob."""
+
     def text(tid: int) -> str | None:
         return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer else None
 
@@ -262,8 +299,9 @@ class OutputProcessor:
         for child_id, seq in zip(state.child_ids(), state.seqs):
             self._children[child_id] = (state, seq)
 
-    def abort(self, request_id: str, now: float, error: str | None = None
-              ) -> tuple[RequestState | None, list[str], IterationStats]:
+    def abort(
+        self, request_id: str, now: float, error: str | None = None
+    ) -> tuple[RequestState | None, list[str], IterationStats]:
         """End a request here; returns it, the core ids the core must abort, and the sequences it ended."""
         stats = IterationStats()
         state = self.requests.pop(request_id, None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Union
+from typing import Any
 
 from ember.frontend.content_filter import ContentFilter
 from ember.frontend.output import RequestState, child_request_id
@@ -21,7 +21,7 @@ from ember.sampling.params import INT64_MIN, SamplingParams
 from ember.sampling.structured import GrammarCheck, StructuredOutputsParams, check_grammar
 from ember.tokenizer import Tokenizer
 
-PromptType = Union[str, list[int], dict[str, Any]]
+PromptType = str | list[int] | dict[str, Any]
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -62,8 +62,9 @@ class Processor:
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults, as vLLM does."""
-        return SamplingParams(**{k: self.generation_config[k] for k in _GENERATION_DEFAULTS
-                                 if self.generation_config.get(k) is not None})
+        return SamplingParams(
+            **{k: self.generation_config[k] for k in _GENERATION_DEFAULTS if self.generation_config.get(k) is not None}
+        )
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -71,8 +72,9 @@ class Processor:
                 return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize_prompt(prompt["prompt"])
-            raise ValueError("prompt must be a string, a list of token ids, or a dict with 'prompt' or "
-                             "'prompt_token_ids'")
+            raise ValueError(
+                "prompt must be a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
+            )
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model was loaded without a tokenizer; pass prompt_token_ids")
@@ -92,14 +94,20 @@ class Processor:
     def _check_vocabulary_bounds(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids and top_k against this model's vocabulary."""
         if params.top_k > self.vocab_size:
-            raise ValueError(f"top_k must be -1, 0 or in [1, {self.vocab_size}] (the vocabulary size), "
-                             f"got {params.top_k}")
+            raise ValueError(
+                f"top_k must be -1, 0 or in [1, {self.vocab_size}] (the vocabulary size), got {params.top_k}"
+            )
         for t in params.stop_token_ids or ():
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {t}")
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                arrival_time: float | None = None) -> ProcessedRequest:
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> ProcessedRequest:
         """Tokenize and validate, touching no engine state (any thread may call it); a ValueError naming
         the field when the request can never run."""
         params = params or self.default_sampling_params()
@@ -110,17 +118,22 @@ class Processor:
         n_prompt = len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max_tokens > self.max_model_len or max_tokens < 1:
-            raise ValueError(f"max_tokens: this model's maximum context length is {self.max_model_len} tokens, "
-                             f"but {n_prompt + max(max_tokens, 1)} were requested ({n_prompt} in the prompt, "
-                             f"{max(max_tokens, 1)} to generate)")
+            raise ValueError(
+                f"max_tokens: this model's maximum context length is {self.max_model_len} tokens, "
+                f"but {n_prompt + max(max_tokens, 1)} were requested ({n_prompt} in the prompt, "
+                f"{max(max_tokens, 1)} to generate)"
+            )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(request_id, text, ids, params, self.tokenizer, arrival, self.content_filter)
         core = []
         for i in range(params.n):
             seed = None if params.seed is None else _child_seed(params.seed, i)
             child = replace(params, n=1, seed=seed, stop=None)
-            core.append(EngineCoreRequest(child_request_id(request_id, i, params.n), ids, child, max_tokens,
-                                          self.eos_token_ids, arrival))
+            core.append(
+                EngineCoreRequest(
+                    child_request_id(request_id, i, params.n), ids, child, max_tokens, self.eos_token_ids, arrival
+                )
+            )
         return ProcessedRequest(state, core)
 
 

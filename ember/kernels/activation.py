@@ -31,7 +31,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_BLOCK, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+    )
     return out
 
 

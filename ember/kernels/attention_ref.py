@@ -10,8 +10,15 @@ import torch
 from ember.quant.kv_scale import KVScale, dequantize_kv
 
 
-def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, *,
-                   k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    *,
+    k_scale: KVScale = 1.0,
+    v_scale: KVScale = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `seq_len` keys and values of one sequence, [seq_len, Hk, D] each; an fp8 cache's
     are dequantized to float32, so the kernels are held to exactly the values the cache stands for."""
     blocks = block_table[: -(-seq_len // k_cache.shape[1])].long()
@@ -20,15 +27,23 @@ def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: to
     return k, v
 
 
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  context_len: int, *, sliding_window: int | None = None,
-                  logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    context_len: int,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Float32 attention of queries [Q, Hq, D] at positions context_len.. over keys [S, Hk, D],
     each query at p seeing keys j with p - sliding_window < j <= p (no lower bound without a
     window); scores capped to cap * tanh(s / cap) with `logits_soft_cap`; `sinks` [Hq]: one more
     logit per head in each row's softmax, whose probability is dropped (it has no value)."""
     group = q.shape[1] // k.shape[1]
-    qf = q.float().transpose(0, 1)                                 # [Hq, Q, D]
+    qf = q.float().transpose(0, 1)  # [Hq, Q, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = qf @ kf.transpose(1, 2) * scale
@@ -45,4 +60,4 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     else:
         probs = scores.softmax(-1)
-    return (probs @ vf).transpose(0, 1)                            # [Q, Hq, D]
+    return (probs @ vf).transpose(0, 1)  # [Q, Hq, D]

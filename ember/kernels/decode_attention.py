@@ -40,7 +40,7 @@ from ember.kernels.paged import (
 from ember.quant.kv_scale import KVScale
 
 # Measured on an H200 (bf16, D=128): these reach 3.3-4.3 TB/s; BLOCK_N=128 or 8 warps were no better.
-_BLOCK_N = 64              # context tokens per K/V tile
+_BLOCK_N = 64  # context tokens per K/V tile
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split costs more in merging than it gains in parallelism
@@ -50,17 +50,45 @@ _WAVES = 2
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    qk_scale, k_scale, v_scale, cap, window,
-    stride_qb, stride_qh, stride_ob, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    sinks_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    qk_scale,
+    k_scale,
+    v_scale,
+    cap,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    group, head_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr, HEAD_SCALES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    group,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,8 +100,11 @@ def _decode_kernel(
     row_mask = rows < group
     dim_mask = dims < head_dim
     q_heads = kv_head * group + rows
-    q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(DOT_DTYPE)
+    q = tl.load(
+        q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     first = 0
@@ -93,17 +124,47 @@ def _decode_kernel(
     q_pos = tl.full([GROUP_PAD], seq_len - 1, tl.int32)
     for tile in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, tile, end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, cap, window,
-            dims, dim_mask, BLOCK_SIZE, BLOCK_N, True, False, SOFT_CAP, DOT_DTYPE, PRECISION)
+            q,
+            m_i,
+            l_i,
+            acc,
+            tile,
+            end,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            kv_head,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            qk_scale,
+            cap,
+            window,
+            dims,
+            dim_mask,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            False,
+            SOFT_CAP,
+            DOT_DTYPE,
+            PRECISION,
+        )
     acc = acc * v_scale  # fp8 values' scale, once per program rather than per tile (see attend_tile)
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
         # A zero-length sequence (a padded CUDA-graph slot) yields zeros rather than NaN.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
     else:
         # Scratch is [B, Hq, NUM_SPLITS] (+ [head_dim]) in fp32, contiguous.
         part = (seq * (group * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split
@@ -114,9 +175,17 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    stride_ob, stride_oh, num_heads, head_dim,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -126,16 +195,20 @@ def _merge_splits_kernel(
     part = (seq * num_heads + head) * NUM_SPLITS + splits
     m = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
     l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * head_dim + dims[None, :],
-                  mask=split_mask[:, None] & (dims[None, :] < head_dim), other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * head_dim + dims[None, :],
+        mask=split_mask[:, None] & (dims[None, :] < head_dim),
+        other=0.0,
+    )
     m_max = tl.max(m, axis=0)
     # Empty splits carry m = -inf; if every split is empty the sequence is padding.
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)
     total = tl.sum(w * l, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < head_dim)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim
+    )
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
@@ -147,12 +220,23 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, num_splits: int | None = None,
-                           max_seq_len: int | None = None, *, k_scale: KVScale = 1.0,
-                           v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    *,
+    k_scale: KVScale = 1.0,
+    v_scale: KVScale = 1.0,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [B, Hq, D] attends to its sequence's `seq_lens[b]` cached tokens -> out [B, Hq, D]; with
     `sliding_window` only to the last that many, and with `logits_soft_cap` its scaled scores s
     become cap * tanh(s / cap) first (Gemma 2), both as in HF transformers. `sinks` (float32 [Hq],
@@ -191,45 +275,100 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = triton.next_power_of_2(head_dim)
     qk_scale, cap, k_scale, v_scale, per_head = kernel_scales(scale, k_scale, v_scale, logits_soft_cap)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, q if sinks is None else sinks,
-        out, part_acc, part_max, part_sum,
-        qk_scale, k_scale, v_scale, cap, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        q if sinks is None else sinks,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        qk_scale,
+        k_scale,
+        v_scale,
+        cap,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        group, head_dim,
-        NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-        WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None, HEAD_SCALES=per_head,
+        group,
+        head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=block_d,
+        WINDOWED=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
+        HEAD_SCALES=per_head,
         HAS_SINKS=sinks is not None,
-        DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype), PRECISION=dot_precision(q.dtype),
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype),
+        PRECISION=dot_precision(q.dtype),
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
-            out, part_acc, part_max, part_sum,
-            out.stride(0), out.stride(1), num_heads, head_dim,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
             num_warps=4,
         )
     return out
 
 
-def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               out: torch.Tensor | None = None, num_splits: int | None = None,
-                               max_seq_len: int | None = None, *, k_scale: KVScale = 1.0,
-                               v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                               logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    *,
+    k_scale: KVScale = 1.0,
+    v_scale: KVScale = 1.0,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
         k, v = gather_context(k_cache, v_cache, block_tables[b], int(seq_lens[b]), k_scale=k_scale, v_scale=v_scale)
-        outs.append(attention_ref(q[b:b + 1], k, v, scale, context_len=int(seq_lens[b]) - 1,
-                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks))
+        outs.append(
+            attention_ref(
+                q[b : b + 1],
+                k,
+                v,
+                scale,
+                context_len=int(seq_lens[b]) - 1,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+                sinks=sinks,
+            )
+        )
     result = torch.cat(outs).to(q.dtype)
     if out is not None:
         out.copy_(result)
         return out
     return result
-

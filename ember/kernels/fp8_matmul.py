@@ -52,21 +52,34 @@ _TILES = (
 
 
 @triton.jit
-def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                            GROUP: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+def _quantize_groups_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    stride_sg,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), _FP8_MAX), _TINY)  # IEEE, as PyTorch's
-    tl.store(q_ptr + row * stride_qm + cols, quantize_e4m3(x, scale, ROUND_IN_FP32).to(q_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        q_ptr + row * stride_qm + cols, quantize_e4m3(x, scale, ROUND_IN_FP32).to(q_ptr.dtype.element_ty), mask=mask
+    )
     tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
-def quantize_fp8_groups(x: torch.Tensor, group_size: int,
-                        column_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_groups(
+    x: torch.Tensor, group_size: int, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> e4m3 codes [M, K] and float32 scales [M, ceil(K / group_size)], bit for bit
     `ember.quant.quantize.quantize_fp8_activations`. `column_major_scales` lays the scales out with
     stride (1, M), as cuBLAS's blockwise `torch._scaled_mm` reads them."""
@@ -75,13 +88,25 @@ def quantize_fp8_groups(x: torch.Tensor, group_size: int,
         raise ValueError("quantize_fp8_groups: x needs a contiguous last dimension")
     groups = triton.cdiv(k, group_size)
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scales = (torch.empty(groups, m, dtype=torch.float32, device=x.device).t() if column_major_scales
-              else torch.empty(m, groups, dtype=torch.float32, device=x.device))
+    scales = (
+        torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+        if column_major_scales
+        else torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    )
     if m:
         block = triton.next_power_of_2(group_size)
         _quantize_groups_kernel[(m, groups)](
-            x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-            GROUP=group_size, BLOCK=block, ROUND_IN_FP32=triton.knobs.runtime.interpret,
+            x,
+            q,
+            scales,
+            k,
+            x.stride(0),
+            q.stride(0),
+            scales.stride(0),
+            scales.stride(1),
+            GROUP=group_size,
+            BLOCK=block,
+            ROUND_IN_FP32=triton.knobs.runtime.interpret,
             num_warps=max(1, min(16, block // 256)),
         )
     return q, scales
@@ -89,11 +114,30 @@ def quantize_fp8_groups(x: torch.Tensor, group_size: int,
 
 @triton.jit
 def _fp8_block_matmul_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, groups_per_split,
-    stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsg, stride_om,
-    BLOCK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    groups_per_split,
+    stride_am,
+    stride_asm,
+    stride_asg,
+    stride_bn,
+    stride_bsn,
+    stride_bsg,
+    stride_om,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -142,12 +186,19 @@ def choose_fp8_matmul_config(m: int, n: int, k: int, group_size: int, num_sms: i
 def _check_weight(w: QuantizedWeight) -> None:
     g = w.group_size
     if w.kind != "fp8" or g < 16 or g & (g - 1):
-        raise ValueError(f"fp8_block_matmul takes fp8 weights with a power-of-two group of 16 or more inputs, "
-                         f"got {w.kind} with groups of {g}")
+        raise ValueError(
+            f"fp8_block_matmul takes fp8 weights with a power-of-two group of 16 or more inputs, "
+            f"got {w.kind} with groups of {g}"
+        )
 
 
-def fp8_block_matmul(xq: torch.Tensor, x_scales: torch.Tensor, w: QuantizedWeight, out_dtype: torch.dtype,
-                     config: Fp8MatmulConfig | None = None) -> torch.Tensor:
+def fp8_block_matmul(
+    xq: torch.Tensor,
+    x_scales: torch.Tensor,
+    w: QuantizedWeight,
+    out_dtype: torch.dtype,
+    config: Fp8MatmulConfig | None = None,
+) -> torch.Tensor:
     """xq [M, K] e4m3 with scales [M, K / g] (`quantize_fp8_groups` with the weight's g) times W^T,
     W e4m3 [N, K] with scales [N / block_rows, K / g] -> [M, N] in `out_dtype`."""
     _check_weight(w)
@@ -167,18 +218,39 @@ def fp8_block_matmul(xq: torch.Tensor, x_scales: torch.Tensor, w: QuantizedWeigh
         return out
     part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     _fp8_block_matmul_kernel[(grid_m, grid_n, split)](
-        xq, x_scales, w.qweight, w.scales, out, part, tile_counters(xq.device),
-        m, n, k, per_split,
-        xq.stride(0), x_scales.stride(0), x_scales.stride(1), w.qweight.stride(0), w.scales.stride(0),
-        w.scales.stride(1), out.stride(0),
-        BLOCK_ROWS=w.block_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=w.group_size,
-        SPLIT=split > 1, UPCAST=triton.knobs.runtime.interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        xq,
+        x_scales,
+        w.qweight,
+        w.scales,
+        out,
+        part,
+        tile_counters(xq.device),
+        m,
+        n,
+        k,
+        per_split,
+        xq.stride(0),
+        x_scales.stride(0),
+        x_scales.stride(1),
+        w.qweight.stride(0),
+        w.scales.stride(0),
+        w.scales.stride(1),
+        out.stride(0),
+        BLOCK_ROWS=w.block_rows,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=w.group_size,
+        SPLIT=split > 1,
+        UPCAST=triton.knobs.runtime.interpret,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
 
-def fp8_block_matmul_ref(xq: torch.Tensor, x_scales: torch.Tensor, w: QuantizedWeight,
-                         out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_block_matmul_ref(
+    xq: torch.Tensor, x_scales: torch.Tensor, w: QuantizedWeight, out_dtype: torch.dtype
+) -> torch.Tensor:
     """The float64 product of the dequantized activations and weight."""
     cols = torch.arange(xq.shape[1], device=xq.device) // w.group_size
     x = xq.double() * x_scales.double()[:, cols]

@@ -50,30 +50,98 @@ def _tile_coords(num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, num_groups, stride_wn, stride_sn, stride_zn,
-                 QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                 UNIFORM_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weight_tile(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    offs_n,
+    n_mask,
+    k0,
+    K,
+    num_groups,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    QUANT: tl.constexpr,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    UNIFORM_GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """One expert's weight rows offs_n, columns [k0, k0 + BLOCK_K), as [BLOCK_N, BLOCK_K]."""
     if QUANT:
-        w = dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, num_groups, stride_wn, stride_sn, stride_zn,
-                          GROUP, INT4, HAS_ZEROS, UNIFORM_GROUP, BLOCK_K)
+        w = dequant_tile(
+            w_ptr,
+            s_ptr,
+            z_ptr,
+            offs_n,
+            n_mask,
+            k0,
+            K,
+            num_groups,
+            stride_wn,
+            stride_sn,
+            stride_zn,
+            GROUP,
+            INT4,
+            HAS_ZEROS,
+            UNIFORM_GROUP,
+            BLOCK_K,
+        )
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        w = tl.load(
+            w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+            mask=n_mask[:, None] & (offs_k[None, :] < K),
+            other=0.0,
+        )
     return w
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
 def _grouped_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, route_w_ptr, sorted_ptr, expert_ids_ptr, total_ptr, bias_ptr,
-    num_slots, N, K, num_groups, num_m_blocks, alpha, limit,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_om, stride_be,
-    SLOTS_PER_ROW: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    route_w_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    bias_ptr,
+    num_slots,
+    N,
+    K,
+    num_groups,
+    num_m_blocks,
+    alpha,
+    limit,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_zn,
+    stride_om,
+    stride_be,
+    SLOTS_PER_ROW: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
     UNIFORM_GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """out[s, n] for one block of sorted slots and one N tile. x row of slot s: s // SLOTS_PER_ROW
     (top_k for gate_up, whose x is the tokens' hidden states; 1 for down). GATED: weight rows n and
@@ -98,12 +166,46 @@ def _grouped_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(DOT_DTYPE)
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, num_groups, stride_wn, stride_sn, stride_zn,
-                         QUANT, GROUP, INT4, HAS_ZEROS, UNIFORM_GROUP, BLOCK_K)
+        w = _weight_tile(
+            w_ptr,
+            s_ptr,
+            z_ptr,
+            offs_n,
+            n_mask,
+            k0,
+            K,
+            num_groups,
+            stride_wn,
+            stride_sn,
+            stride_zn,
+            QUANT,
+            GROUP,
+            INT4,
+            HAS_ZEROS,
+            UNIFORM_GROUP,
+            BLOCK_K,
+        )
         acc = tl.dot(x, tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
         if GATED:
-            w_up = _weight_tile(w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k0, K, num_groups,
-                                stride_wn, stride_sn, stride_zn, QUANT, GROUP, INT4, HAS_ZEROS, UNIFORM_GROUP, BLOCK_K)
+            w_up = _weight_tile(
+                w_ptr,
+                s_ptr,
+                z_ptr,
+                offs_n + N,
+                n_mask,
+                k0,
+                K,
+                num_groups,
+                stride_wn,
+                stride_sn,
+                stride_zn,
+                QUANT,
+                GROUP,
+                INT4,
+                HAS_ZEROS,
+                UNIFORM_GROUP,
+                BLOCK_K,
+            )
             acc_up = tl.dot(x, tl.trans(w_up.to(DOT_DTYPE)), acc_up, input_precision=PRECISION)
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_be
@@ -136,6 +238,7 @@ def _sum_topk_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr
 
 class _Operand(NamedTuple):
     """An expert weight as the GEMM kernel takes it: codes or values, scales, zeros and their strides."""
+
     w: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
@@ -149,8 +252,9 @@ class _Operand(NamedTuple):
 def _operand(w: Experts) -> _Operand:
     if isinstance(w, QuantizedExperts):
         zeros = w.zeros if w.zeros is not None else w.scales
-        return _Operand(w.qweight, w.scales, zeros, True, w.group_size, w.kind == "int4", w.zeros is not None,
-                        w.scales.shape[2])
+        return _Operand(
+            w.qweight, w.scales, zeros, True, w.group_size, w.kind == "int4", w.zeros is not None, w.scales.shape[2]
+        )
     return _Operand(w, w, w, False, 1, False, False, 1)
 
 
@@ -174,8 +278,9 @@ def _shape(w: Experts) -> tuple[int, int, int]:
     return w.shape[0], w.shape[1], w.shape[2]
 
 
-def _check(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> tuple[int, int]:
+def _check(
+    hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> tuple[int, int]:
     """(E, I) after checking every shape against hidden [M, H]."""
     if hidden.dim() != 2 or hidden.stride(1) != 1:
         raise ValueError(f"hidden must be [M, H] with a contiguous last dim, got {tuple(hidden.shape)}")
@@ -183,19 +288,31 @@ def _check(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.
     e, two_i, h13 = _shape(w13)
     e2, h2, inter = _shape(w2)
     if two_i % 2 or h13 != h or (e2, h2, inter) != (e, h, two_i // 2):
-        raise ValueError(f"w13 [E, 2I, H] and w2 [E, H, I] disagree with each other or with hidden [M, {h}]: "
-                         f"w13 {(e, two_i, h13)}, w2 {(e2, h2, inter)}")
+        raise ValueError(
+            f"w13 [E, 2I, H] and w2 [E, H, I] disagree with each other or with hidden [M, {h}]: "
+            f"w13 {(e, two_i, h13)}, w2 {(e2, h2, inter)}"
+        )
     if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 or topk_ids.shape[0] != m:
         raise ValueError(f"topk_ids must be int32 [{m}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights must be float32 {tuple(topk_ids.shape)}, got "
-                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+        raise ValueError(
+            f"topk_weights must be float32 {tuple(topk_ids.shape)}, got "
+            f"{topk_weights.dtype} {tuple(topk_weights.shape)}"
+        )
     return e, inter
 
 
-def grouped_gemm(x: torch.Tensor, w: Experts, out: torch.Tensor, align: MoeAlignment, tiles: GemmTiles,
-                 slots_per_row: int, route_weights: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 swiglu: tuple[float, float] | None = None) -> None:
+def grouped_gemm(
+    x: torch.Tensor,
+    w: Experts,
+    out: torch.Tensor,
+    align: MoeAlignment,
+    tiles: GemmTiles,
+    slots_per_row: int,
+    route_weights: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
+) -> None:
     """out[s] for every sorted slot s: silu-and-mul (or `swiglu`) of the gate and up halves of w
     (route_weights None), else route_weights[s] times the product; `bias` [E, N] joins the product."""
     op = _operand(w)
@@ -207,17 +324,49 @@ def grouped_gemm(x: torch.Tensor, w: Experts, out: torch.Tensor, align: MoeAlign
     num_m_blocks = align.expert_ids.numel()
     grid = (num_m_blocks * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
-        x, op.w, op.scales, op.zeros, out, out if gated else route_weights,
-        align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, out if bias is None else bias,
-        num_slots, n, k, op.num_groups, num_m_blocks, alpha, limit,
-        x.stride(0), op.w.stride(0), op.w.stride(1), op.scales.stride(0), op.scales.stride(1),
-        op.zeros.stride(0), op.zeros.stride(1), out.stride(0), 0 if bias is None else bias.stride(0),
-        SLOTS_PER_ROW=slots_per_row, GATED=gated, HAS_BIAS=bias is not None, SWIGLU=swiglu is not None,
-        QUANT=op.quant, GROUP=op.group, INT4=op.int4, HAS_ZEROS=op.has_zeros,
+        x,
+        op.w,
+        op.scales,
+        op.zeros,
+        out,
+        out if gated else route_weights,
+        align.sorted_token_ids,
+        align.expert_ids,
+        align.num_tokens_post_padded,
+        out if bias is None else bias,
+        num_slots,
+        n,
+        k,
+        op.num_groups,
+        num_m_blocks,
+        alpha,
+        limit,
+        x.stride(0),
+        op.w.stride(0),
+        op.w.stride(1),
+        op.scales.stride(0),
+        op.scales.stride(1),
+        op.zeros.stride(0),
+        op.zeros.stride(1),
+        out.stride(0),
+        0 if bias is None else bias.stride(0),
+        SLOTS_PER_ROW=slots_per_row,
+        GATED=gated,
+        HAS_BIAS=bias is not None,
+        SWIGLU=swiglu is not None,
+        QUANT=op.quant,
+        GROUP=op.group,
+        INT4=op.int4,
+        HAS_ZEROS=op.has_zeros,
         UNIFORM_GROUP=op.group % tiles.block_k == 0 or op.group >= k,
-        BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=_GROUP_M,
-        DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_M=align.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        GROUP_M=_GROUP_M,
+        DOT_DTYPE=dot_dtype(x.dtype),
+        PRECISION=dot_precision(x.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
 
@@ -238,9 +387,18 @@ def moe_config_for(hidden: torch.Tensor, w13: Experts, w2: Experts, top_k: int) 
     return choose_moe_config(hidden.shape[0], top_k, e, h, two_i // 2, weight_kind(w13), hidden.device, (g13, g2))
 
 
-def fused_moe(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | None = None, *, b13: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeConfig | None = None,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
+) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) -> [M, H] in hidden's dtype.
 
     w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]: dense or QuantizedExperts. `config`
@@ -269,9 +427,17 @@ def _check_biases(b13: torch.Tensor | None, b2: torch.Tensor | None, e: int, int
             raise ValueError(f"{name} must be {shape} with a contiguous last dim, got {tuple(b.shape)}")
 
 
-def fused_moe_ref(hidden: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                  swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+def fused_moe_ref(
+    hidden: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
+) -> torch.Tensor:
     """The same MoE in float32 torch, one expert at a time over the tokens routed to it."""
     dense13 = dequantize_experts(w13) if isinstance(w13, QuantizedExperts) else w13.float()
     dense2 = dequantize_experts(w2) if isinstance(w2, QuantizedExperts) else w2.float()

@@ -13,12 +13,25 @@ from ember.quant.kv_scale import KVScale, check_kv_scales, quantize_kv
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    k_scale, v_scale,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cs, stride_ch,
-    num_kv_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, HEAD_SCALES: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale,
+    v_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_ch,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -41,8 +54,16 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> None:
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: KVScale = 1.0,
+    v_scale: KVScale = 1.0,
+) -> None:
     """Write k, v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at `slot_mapping` [T].
 
     k and v may be strided views (e.g. slices of a fused qkv projection) as long as the head
@@ -61,18 +82,39 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k_scale, v_scale,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
-        num_kv_heads, head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=k_cache.dtype == FP8_DTYPE, HEAD_SCALES=isinstance(k_scale, torch.Tensor), ROUND_IN_FP32=triton.knobs.runtime.interpret,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_kv_heads,
+        head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=k_cache.dtype == FP8_DTYPE,
+        HEAD_SCALES=isinstance(k_scale, torch.Tensor),
+        ROUND_IN_FP32=triton.knobs.runtime.interpret,
     )
 
 
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, *, k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> None:
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: KVScale = 1.0,
+    v_scale: KVScale = 1.0,
+) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = quantize_kv(k[keep], k_cache.dtype, k_scale)

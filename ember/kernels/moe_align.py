@@ -30,8 +30,8 @@ _TILE_ELEMENTS = 8192  # one-hot slots x experts per program
 
 
 class MoeAlignment(NamedTuple):
-    sorted_token_ids: torch.Tensor        # int32 [max_padded_slots]: slot ids grouped by expert; padding = M * k
-    expert_ids: torch.Tensor              # int32 [max_padded_slots / block_m]: each block's expert; -1 past the end
+    sorted_token_ids: torch.Tensor  # int32 [max_padded_slots]: slot ids grouped by expert; padding = M * k
+    expert_ids: torch.Tensor  # int32 [max_padded_slots / block_m]: each block's expert; -1 past the end
     num_tokens_post_padded: torch.Tensor  # int32 [1]: the padded total, on the device
     block_m: int
 
@@ -55,8 +55,18 @@ def _chunk_ranks(ids_ptr, chunk, num_slots, CHUNK: tl.constexpr, BLOCK_E: tl.con
 
 
 @triton.jit
-def _write_layout(counts, sorted_ptr, expert_ids_ptr, total_ptr, E, num_slots, num_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TILE: tl.constexpr):
+def _write_layout(
+    counts,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    E,
+    num_slots,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TILE: tl.constexpr,
+):
     """From the slots per expert: the padded total, each block's expert (-1 past the total), every
     place of the sorted ids set to the padding sentinel; returns each expert's first place."""
     e_mask = tl.arange(0, BLOCK_E) < E
@@ -71,19 +81,42 @@ def _write_layout(counts, sorted_ptr, expert_ids_ptr, total_ptr, E, num_slots, n
         expert = tl.sum(((ends[None, :] <= first_slot[:, None]) & e_mask[None, :]).to(tl.int32), axis=1)
         tl.store(expert_ids_ptr + blocks, tl.where(first_slot < total, expert, -1), mask=blocks < num_blocks)
         places = first_slot[:, None] + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(sorted_ptr + places, tl.zeros([BLOCK_TILE, BLOCK_M], tl.int32) + num_slots,
-                 mask=(blocks < num_blocks)[:, None])
+        tl.store(
+            sorted_ptr + places,
+            tl.zeros([BLOCK_TILE, BLOCK_M], tl.int32) + num_slots,
+            mask=(blocks < num_blocks)[:, None],
+        )
     return ends - padded
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
-def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, num_slots, E, num_blocks,
-                              BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                              BLOCK_TILE: tl.constexpr):
+def _align_one_program_kernel(
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    num_slots,
+    E,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_TILE: tl.constexpr,
+):
     """All three steps in one program when every slot fits one chunk (decode): one launch, not three."""
     slots, onehot, ranks = _chunk_ranks(ids_ptr, 0, num_slots, CHUNK, BLOCK_E)
-    starts = _write_layout(tl.sum(onehot, axis=0), sorted_ptr, expert_ids_ptr, total_ptr, E, num_slots,
-                           num_blocks, BLOCK_M, BLOCK_E, BLOCK_TILE)
+    starts = _write_layout(
+        tl.sum(onehot, axis=0),
+        sorted_ptr,
+        expert_ids_ptr,
+        total_ptr,
+        E,
+        num_slots,
+        num_blocks,
+        BLOCK_M,
+        BLOCK_E,
+        BLOCK_TILE,
+    )
     tl.debug_barrier()  # the sentinel fill above lands before the slots overwrite it
     place = tl.sum(onehot * starts[None, :], axis=1) + ranks
     tl.store(sorted_ptr + place, slots, mask=slots < num_slots)
@@ -99,9 +132,21 @@ def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_slots, E, CHUNK: tl.conste
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_chunks", "num_blocks"])
-def _offsets_kernel(counts_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, num_slots, num_chunks, E,
-                    num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_TILE: tl.constexpr,
-                    BLOCK_TILE: tl.constexpr):
+def _offsets_kernel(
+    counts_ptr,
+    starts_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    num_slots,
+    num_chunks,
+    E,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK_TILE: tl.constexpr,
+    BLOCK_TILE: tl.constexpr,
+):
     """Turns each chunk's counts into the slots of earlier chunks per expert, then the layout."""
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < E
@@ -113,8 +158,9 @@ def _offsets_kernel(counts_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, total_pt
         counts = tl.load(ptrs, mask=mask, other=0)
         tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + running[None, :], mask=mask)
         running += tl.sum(counts, axis=0)
-    starts = _write_layout(running, sorted_ptr, expert_ids_ptr, total_ptr, E, num_slots, num_blocks,
-                           BLOCK_M, BLOCK_E, BLOCK_TILE)
+    starts = _write_layout(
+        running, sorted_ptr, expert_ids_ptr, total_ptr, E, num_slots, num_blocks, BLOCK_M, BLOCK_E, BLOCK_TILE
+    )
     tl.store(starts_ptr + experts, starts, mask=e_mask)
 
 
@@ -124,8 +170,11 @@ def _scatter_kernel(ids_ptr, ranks_ptr, offsets_ptr, starts_ptr, sorted_ptr, num
     slots = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = slots < num_slots
     ids = tl.load(ids_ptr + slots, mask=mask, other=0)
-    place = (tl.load(starts_ptr + ids, mask=mask, other=0) + tl.load(offsets_ptr + chunk * E + ids, mask=mask, other=0)
-             + tl.load(ranks_ptr + slots, mask=mask, other=0))
+    place = (
+        tl.load(starts_ptr + ids, mask=mask, other=0)
+        + tl.load(offsets_ptr + chunk * E + ids, mask=mask, other=0)
+        + tl.load(ranks_ptr + slots, mask=mask, other=0)
+    )
     tl.store(sorted_ptr + place, slots, mask=mask)
 
 
@@ -144,15 +193,27 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     block_tile = max(1, _TILE_ELEMENTS // 2 // max(block_e, block_m))
     layout = {"BLOCK_M": block_m, "BLOCK_E": block_e, "BLOCK_TILE": block_tile}
     if num_slots <= chunk:
-        _align_one_program_kernel[(1,)](ids, sorted_ids, expert_ids, total, num_slots, num_experts, num_blocks,
-                                        CHUNK=chunk, **layout)
+        _align_one_program_kernel[(1,)](
+            ids, sorted_ids, expert_ids, total, num_slots, num_experts, num_blocks, CHUNK=chunk, **layout
+        )
         return MoeAlignment(sorted_ids, expert_ids, total, block_m)
     num_chunks = triton.cdiv(num_slots, chunk)
     counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
     ranks = torch.empty(num_slots, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
     _count_kernel[(num_chunks,)](ids, counts, ranks, num_slots, num_experts, CHUNK=chunk, BLOCK_E=block_e)
-    _offsets_kernel[(1,)](counts, starts, sorted_ids, expert_ids, total, num_slots, num_chunks, num_experts,
-                          num_blocks, CHUNK_TILE=max(1, _TILE_ELEMENTS // 2 // block_e), **layout)
+    _offsets_kernel[(1,)](
+        counts,
+        starts,
+        sorted_ids,
+        expert_ids,
+        total,
+        num_slots,
+        num_chunks,
+        num_experts,
+        num_blocks,
+        CHUNK_TILE=max(1, _TILE_ELEMENTS // 2 // block_e),
+        **layout,
+    )
     _scatter_kernel[(num_chunks,)](ids, ranks, counts, starts, sorted_ids, num_slots, num_experts, CHUNK=chunk)
     return MoeAlignment(sorted_ids, expert_ids, total, block_m)

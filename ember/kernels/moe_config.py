@@ -89,17 +89,28 @@ def fit_tiles(tiles: GemmTiles, n: int, k: int, group_size: int | None) -> GemmT
     block_k = tiles.block_k
     if group_size is not None and group_size < k and group_size >= 16 and group_size & (group_size - 1) == 0:
         block_k = min(block_k, group_size)
-    return tiles._replace(block_n=min(tiles.block_n, max(16, triton.next_power_of_2(n))),
-                          block_k=min(block_k, max(16, triton.next_power_of_2(k))))
+    return tiles._replace(
+        block_n=min(tiles.block_n, max(16, triton.next_power_of_2(n))),
+        block_k=min(block_k, max(16, triton.next_power_of_2(k))),
+    )
 
 
-def choose_moe_config(m: int, top_k: int, num_experts: int, hidden: int, inter: int, kind: str,
-                      device: torch.device, groups: tuple[int | None, int | None] = (None, None)) -> MoeConfig:
+def choose_moe_config(
+    m: int,
+    top_k: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    kind: str,
+    device: torch.device,
+    groups: tuple[int | None, int | None] = (None, None),
+) -> MoeConfig:
     """The tuned entry for this GPU and problem, else the heuristic; fitted to the problem either way.
     `groups`: the gate_up and down weights' quantization group sizes (None for dense)."""
     cfg = lookup(device_key(device), problem_key(num_experts, hidden, inter, kind), m)
     if cfg is None:
         cfg = default_moe_config(m * top_k, num_experts)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(m * top_k)))
-    return MoeConfig(block_m, fit_tiles(cfg.gate_up, inter, hidden, groups[0]),
-                     fit_tiles(cfg.down, hidden, inter, groups[1]))
+    return MoeConfig(
+        block_m, fit_tiles(cfg.gate_up, inter, hidden, groups[0]), fit_tiles(cfg.down, hidden, inter, groups[1])
+    )

@@ -16,14 +16,27 @@ _TILE_ELEMENTS = 4096  # tokens x experts per program: a [BLOCK_T, E] tile held 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, stride_lm,
-                      TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    M,
+    E,
+    stride_lm,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_mask = rows < M
-    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lm + cols[None, :],
-                     mask=row_mask[:, None] & (cols[None, :] < E), other=float("-inf")).to(tl.float32)
+    logits = tl.load(
+        logits_ptr + rows[:, None].to(tl.int64) * stride_lm + cols[None, :],
+        mask=row_mask[:, None] & (cols[None, :] < E),
+        other=float("-inf"),
+    ).to(tl.float32)
     # Padding rows are all -inf; shifting them by 0 and dividing by 1 keeps their (unused) softmax finite.
     row_max = tl.where(row_mask, tl.max(logits, axis=1), 0.0)
     p = tl.exp(logits - row_max[:, None])
@@ -62,9 +75,19 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     block_e = triton.next_power_of_2(e)
     block_t = max(1, min(triton.next_power_of_2(m), _TILE_ELEMENTS // block_e))
     _moe_route_kernel[(triton.cdiv(m, block_t),)](
-        router_logits, weights, ids, m, e, router_logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+        router_logits,
+        weights,
+        ids,
+        m,
+        e,
+        router_logits.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4,
+    )
     return weights, ids
 
 

@@ -17,8 +17,9 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 _LOG2E = 1.4426950408889634
 
 
-def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     k_scale: KVScale, v_scale: KVScale) -> None:
+def check_paged_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: KVScale, v_scale: KVScale
+) -> None:
     """q [*, Hq, D] against caches [num_blocks, block_size, Hk, D]. fp8 caches are read into q's
     dtype, so only they may differ from it."""
     num_heads, head_dim = q.shape[-2:]
@@ -28,13 +29,17 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size} must be a power of two")
     if head_dim != cache_head_dim or k_cache.shape != v_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
-                         f"{tuple(v_cache.shape)} disagree on head_dim or cache shape")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
+            f"{tuple(v_cache.shape)} disagree on head_dim or cache shape"
+        )
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous head dimension")
     if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE):
-        raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype "
-                         "unless the caches are fp8")
+        raise ValueError(
+            f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype "
+            "unless the caches are fp8"
+        )
     check_kv_scales(k_cache.dtype, k_scale, v_scale, num_kv_heads)
 
 
@@ -55,8 +60,9 @@ def score_scales(scale: float, k_scale: float, logits_soft_cap: float | None) ->
     return scale * k_scale * 2 * _LOG2E / logits_soft_cap, logits_soft_cap * _LOG2E
 
 
-def kernel_scales(scale: float, k_scale: KVScale, v_scale: KVScale,
-                  logits_soft_cap: float | None) -> tuple[float, float, KVScale, KVScale, bool]:
+def kernel_scales(
+    scale: float, k_scale: KVScale, v_scale: KVScale, logits_soft_cap: float | None
+) -> tuple[float, float, KVScale, KVScale, bool]:
     """(qk_scale, cap, k_scale, v_scale, HEAD_SCALES) as the attention kernels take them: a layer's
     k_scale is folded into qk_scale on the host, per-head scales stay tensors that each program reads
     once at its KV head (`head_scales`)."""
@@ -79,8 +85,10 @@ def head_scales(qk_scale, k_scale, v_scale, kv_head, HEAD_SCALES: tl.constexpr):
 
 def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or sinks.stride(0) != 1):
-        raise ValueError(f"sinks must be a contiguous float32 tensor [{num_heads}] (one per query head), got "
-                         f"{sinks.dtype} {tuple(sinks.shape)}")
+        raise ValueError(
+            f"sinks must be a contiguous float32 tensor [{num_heads}] (one per query head), got "
+            f"{sinks.dtype} {tuple(sinks.shape)}"
+        )
 
 
 @triton.jit
@@ -137,13 +145,35 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def attend_tile(
-    q, m_i, l_i, acc, tile, kv_end, q_pos,
-    k_cache_ptr, v_cache_ptr, table, kv_head,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    qk_scale, cap, window, dims, dim_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    WINDOW_MASK: tl.constexpr, SOFT_CAP: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    tile,
+    kv_end,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    kv_head,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    qk_scale,
+    cap,
+    window,
+    dims,
+    dim_mask,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    WINDOW_MASK: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One online-softmax step over context positions [tile, tile + BLOCK_N), shared by the decode and
     prefill kernels. MASKED hides positions at or past `kv_end` and past each row's own position
@@ -160,10 +190,16 @@ def attend_tile(
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
     offset = pos % BLOCK_SIZE
     kv_mask = pos_mask[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    k = tl.load(
+        k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+        mask=kv_mask,
+        other=0.0,
+    ).to(DOT_DTYPE)
+    v = tl.load(
+        v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+        mask=kv_mask,
+        other=0.0,
+    ).to(DOT_DTYPE)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if SOFT_CAP:
         s = cap * (1.0 - 2.0 / (tl.exp2(s) + 1.0))

@@ -44,15 +44,43 @@ _NUM_STAGES = 3
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr, out_ptr,
-    qk_scale, k_scale, v_scale, cap, window,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, head_dim,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr, HEAD_SCALES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    sinks_ptr,
+    out_ptr,
+    qk_scale,
+    k_scale,
+    v_scale,
+    cap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -75,8 +103,9 @@ def _prefill_kernel(
     dim_mask = dims < head_dim
     io_mask = row_mask[:, None] & dim_mask[None, :]
     q_tok = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + q_tok[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=io_mask, other=0.0).to(DOT_DTYPE)
+    q = tl.load(
+        q_ptr + q_tok[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0
+    ).to(DOT_DTYPE)
     q_pos = context_len + q_idx
 
     m_i, l_i = init_softmax(sinks_ptr, heads, row_mask, True, BLOCK_M, HAS_SINKS)
@@ -99,25 +128,109 @@ def _prefill_kernel(
         masked_start = tl.maximum(unmasked_start, unmasked_end)
         for tile in range(first, tl.minimum(unmasked_start, kv_end), BLOCK_N):
             m_i, l_i, acc = attend_tile(
-                q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, cap, window,
-                dims, dim_mask, BLOCK_SIZE, BLOCK_N, True, True, SOFT_CAP, DOT_DTYPE, PRECISION)
+                q,
+                m_i,
+                l_i,
+                acc,
+                tile,
+                kv_end,
+                q_pos,
+                k_cache_ptr,
+                v_cache_ptr,
+                table,
+                kv_head,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                qk_scale,
+                cap,
+                window,
+                dims,
+                dim_mask,
+                BLOCK_SIZE,
+                BLOCK_N,
+                True,
+                True,
+                SOFT_CAP,
+                DOT_DTYPE,
+                PRECISION,
+            )
     for tile in range(unmasked_start, unmasked_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, cap, window,
-            dims, dim_mask, BLOCK_SIZE, BLOCK_N, False, False, SOFT_CAP, DOT_DTYPE, PRECISION)
+            q,
+            m_i,
+            l_i,
+            acc,
+            tile,
+            kv_end,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            kv_head,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            qk_scale,
+            cap,
+            window,
+            dims,
+            dim_mask,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            False,
+            SOFT_CAP,
+            DOT_DTYPE,
+            PRECISION,
+        )
     for tile in range(masked_start, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, tile, kv_end, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, cap, window,
-            dims, dim_mask, BLOCK_SIZE, BLOCK_N, True, False, SOFT_CAP, DOT_DTYPE, PRECISION)
+            q,
+            m_i,
+            l_i,
+            acc,
+            tile,
+            kv_end,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            kv_head,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            qk_scale,
+            cap,
+            window,
+            dims,
+            dim_mask,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            False,
+            SOFT_CAP,
+            DOT_DTYPE,
+            PRECISION,
+        )
 
     if WINDOWED:  # padding rows past the chunk may have seen no key at all; they are not stored
         l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc * v_scale / l_i[:, None]  # v_scale: fp8 values' scale, applied once (see attend_tile)
-    tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(
+        out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
 def _block_m(max_query_len: int, group: int) -> int:
@@ -137,12 +250,23 @@ def _tiling(block_m: int, dtype: torch.dtype, block_d: int) -> tuple[int, int]:
     return (128 if block_m >= 128 and dtype != torch.float32 else 64), _NUM_STAGES
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                            out: torch.Tensor | None = None, *, k_scale: KVScale = 1.0,
-                            v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                            logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    k_scale: KVScale = 1.0,
+    v_scale: KVScale = 1.0,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [T, Hq, D] holds each sequence's chunk at positions seq_lens[b] - q_len .. seq_lens[b] - 1;
     each query attends causally over its whole cached context (with `sliding_window`, over its last
     that many positions, itself included) -> out [T, Hq, D]; `logits_soft_cap` caps the scaled
@@ -173,35 +297,80 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_d = triton.next_power_of_2(head_dim)
     block_n, num_stages = _tiling(block_m, q.dtype, block_d)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q if sinks is None else sinks, out,
-        qk_scale, k_scale, v_scale, cap, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), head_dim,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=block_d,
-        WINDOWED=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None, HEAD_SCALES=per_head,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        q if sinks is None else sinks,
+        out,
+        qk_scale,
+        k_scale,
+        v_scale,
+        cap,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        head_dim,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        WINDOWED=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
+        HEAD_SCALES=per_head,
         HAS_SINKS=sinks is not None,
-        DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype), PRECISION=dot_precision(q.dtype),
-        num_warps=8 if block_m >= 128 else 4, num_stages=num_stages,
+        DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype),
+        PRECISION=dot_precision(q.dtype),
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=num_stages,
     )
     return out
 
 
-def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                                out: torch.Tensor | None = None, *, k_scale: KVScale = 1.0,
-                                v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    k_scale: KVScale = 1.0,
+    v_scale: KVScale = 1.0,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     result = torch.empty_like(q) if out is None else out
     for b in range(seq_lens.shape[0]):
         start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
         if end == start:
             continue
         k, v = gather_context(k_cache, v_cache, block_tables[b], seq_len, k_scale=k_scale, v_scale=v_scale)
-        result[start:end] = attention_ref(q[start:end], k, v, scale, context_len=seq_len - (end - start),
-                                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                          sinks=sinks)
+        result[start:end] = attention_ref(
+            q[start:end],
+            k,
+            v,
+            scale,
+            context_len=seq_len - (end - start),
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            sinks=sinks,
+        )
     return result

@@ -74,10 +74,24 @@ def choose_quant_matmul_config(m: int, n: int, k: int, group_size: int, num_sms:
 
 
 @triton.jit
-def dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups,
-                  stride_qn, stride_sn, stride_zn,
-                  GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                  UNIFORM_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+def dequant_tile(
+    q_ptr,
+    scales_ptr,
+    zeros_ptr,
+    offs_n,
+    n_mask,
+    k0,
+    K,
+    num_groups,
+    stride_qn,
+    stride_sn,
+    stride_zn,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    UNIFORM_GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Weight rows `offs_n`, columns [k0, k0 + BLOCK_K), as fp32 [BLOCK_N, BLOCK_K].
 
     int4 loads the tile's BLOCK_K / 2 bytes per row and interleaves their nibbles, so each byte is
@@ -89,12 +103,14 @@ def dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if INT4:
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(q_ptr + rows * stride_qn + offs_b[None, :],
-                         mask=n_mask[:, None] & (offs_b[None, :] < (K + 1) // 2), other=0)
+        packed = tl.load(
+            q_ptr + rows * stride_qn + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < (K + 1) // 2), other=0
+        )
         q = tl.interleave(packed & 0xF, packed >> 4).to(tl.float32)
     else:
-        q = tl.load(q_ptr + rows * stride_qn + offs_k[None, :],
-                    mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        q = tl.load(
+            q_ptr + rows * stride_qn + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0
+        ).to(tl.float32)
     if UNIFORM_GROUP:
         group = k0 // GROUP
         g_mask = n_mask[:, None]
@@ -109,13 +125,33 @@ def dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups
 
 @triton.jit
 def _quant_matmul_kernel(
-    x_ptr, q_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
-    M, N, K, num_groups, k_per_split,
-    stride_xm, stride_qn, stride_sn, stride_zn, stride_om,
-    GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    UNIFORM_GROUP: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    scales_ptr,
+    zeros_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    num_groups,
+    k_per_split,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_zn,
+    stride_om,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UNIFORM_GROUP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile over one K split. SPLIT: store the fp32 partial product
     at out_ptr[split] ([split_k, M, N], contiguous) for _split_k_reduce_kernel; else add the bias
@@ -131,8 +167,24 @@ def _quant_matmul_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-        w = dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups,
-                          stride_qn, stride_sn, stride_zn, GROUP, INT4, HAS_ZEROS, UNIFORM_GROUP, BLOCK_K)
+        w = dequant_tile(
+            q_ptr,
+            scales_ptr,
+            zeros_ptr,
+            offs_n,
+            n_mask,
+            k0,
+            K,
+            num_groups,
+            stride_qn,
+            stride_sn,
+            stride_zn,
+            GROUP,
+            INT4,
+            HAS_ZEROS,
+            UNIFORM_GROUP,
+            BLOCK_K,
+        )
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -147,8 +199,9 @@ def _quant_matmul_kernel(
 
 
 @triton.jit
-def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_k_reduce_kernel(
+    part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """out[row] = sum of the split partials in split order (+ bias), rounded once."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,8 +229,9 @@ def matmul_output(op: str, x: torch.Tensor, in_features: int, out_features: int)
     return torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
 
 
-def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
-                 config: QuantMatmulConfig | None = None) -> torch.Tensor:
+def quant_matmul(
+    x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None, config: QuantMatmulConfig | None = None
+) -> torch.Tensor:
     """x [M, K] @ dequantize(w).T (+ bias) -> [M, N] in x.dtype, reading only w's codes and scales.
 
     `config` overrides choose_quant_matmul_config (for tuning and tests). A split_k above what K
@@ -199,14 +253,35 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     uniform_group = w.group_size % cfg.block_k == 0 or w.group_size >= k
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
     _quant_matmul_kernel[grid](
-        x, w.qweight, w.scales, zeros, bias if bias is not None else out, part,
-        m, n, k, w.num_groups, k_per_split,
-        x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0),
-        GROUP=w.group_size, INT4=w.kind == "int4", HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
-        UNIFORM_GROUP=uniform_group, SPLIT=split_k > 1,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x,
+        w.qweight,
+        w.scales,
+        zeros,
+        bias if bias is not None else out,
+        part,
+        m,
+        n,
+        k,
+        w.num_groups,
+        k_per_split,
+        x.stride(0),
+        w.qweight.stride(0),
+        w.scales.stride(0),
+        zeros.stride(0),
+        out.stride(0),
+        GROUP=w.group_size,
+        INT4=w.kind == "int4",
+        HAS_ZEROS=w.zeros is not None,
+        HAS_BIAS=bias is not None,
+        UNIFORM_GROUP=uniform_group,
+        SPLIT=split_k > 1,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_DTYPE=dot_dtype(x.dtype),
+        PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split_k > 1:
         _reduce_splits(part, bias, out)
@@ -216,8 +291,17 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
 def _reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     split_k, m, n = part.shape
     _split_k_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK_N))](
-        part, bias if bias is not None else out, out, m, n, out.stride(0),
-        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4)
+        part,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        out.stride(0),
+        SPLIT_K=split_k,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=_REDUCE_BLOCK_N,
+        num_warps=4,
+    )
 
 
 def quant_matmul_ref(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,18 +312,50 @@ def quant_matmul_ref(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
 
 
 @triton.jit
-def _dequantize_kernel(q_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, num_groups,
-                       stride_qn, stride_sn, stride_zn,
-                       GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantize_kernel(
+    q_ptr,
+    scales_ptr,
+    zeros_ptr,
+    out_ptr,
+    N,
+    K,
+    num_groups,
+    stride_qn,
+    stride_sn,
+    stride_zn,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    w = dequant_tile(q_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k0, K, num_groups,
-                      stride_qn, stride_sn, stride_zn, GROUP, INT4, HAS_ZEROS, False, BLOCK_K)
-    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & (offs_k[None, :] < K))
+    w = dequant_tile(
+        q_ptr,
+        scales_ptr,
+        zeros_ptr,
+        offs_n,
+        n_mask,
+        k0,
+        K,
+        num_groups,
+        stride_qn,
+        stride_sn,
+        stride_zn,
+        GROUP,
+        INT4,
+        HAS_ZEROS,
+        False,
+        BLOCK_K,
+    )
+    tl.store(
+        out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+        w.to(out_ptr.dtype.element_ty),
+        mask=n_mask[:, None] & (offs_k[None, :] < K),
+    )
 
 
 def dequantize_kernel(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -256,9 +372,22 @@ def dequantize_kernel(w: QuantizedWeight, dtype: torch.dtype = torch.float32) ->
         return out
     zeros = w.zeros if w.zeros is not None else w.scales
     _dequantize_kernel[(triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(k, _DEQUANT_BLOCK_K))](
-        w.qweight, w.scales, zeros, out, n, k, w.num_groups,
-        w.qweight.stride(0), w.scales.stride(0), zeros.stride(0),
-        GROUP=w.group_size, INT4=w.kind == "int4", HAS_ZEROS=w.zeros is not None,
-        BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=_DEQUANT_BLOCK_K, num_warps=4, enable_fp_fusion=False,
+        w.qweight,
+        w.scales,
+        zeros,
+        out,
+        n,
+        k,
+        w.num_groups,
+        w.qweight.stride(0),
+        w.scales.stride(0),
+        zeros.stride(0),
+        GROUP=w.group_size,
+        INT4=w.kind == "int4",
+        HAS_ZEROS=w.zeros is not None,
+        BLOCK_N=_DEQUANT_BLOCK_N,
+        BLOCK_K=_DEQUANT_BLOCK_K,
+        num_warps=4,
+        enable_fp_fusion=False,
     )
     return out

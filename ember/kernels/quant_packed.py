@@ -67,9 +67,9 @@ class PackedQuantWeight:
     """A QuantizedWeight's codes, scales and zeros in the kernel's layout (see the module docstring);
     made by `pack_weight`, the same weight exactly."""
 
-    kind: str                   # "int4" or "int8"
-    qweight: torch.Tensor       # int32 [N, K_pad / (32 / bits)]
-    scales: torch.Tensor        # float32 [num_groups, N]
+    kind: str  # "int4" or "int8"
+    qweight: torch.Tensor  # int32 [N, K_pad / (32 / bits)]
+    scales: torch.Tensor  # float32 [num_groups, N]
     zeros: torch.Tensor | None  # float32 [num_groups, N]
     group_size: int
     in_features: int
@@ -97,8 +97,7 @@ class PackedQuantWeight:
 def packable(w: QuantizedWeight) -> bool:
     """int4/int8 weights whose groups each cover whole code slots (every group size that is a
     multiple of 16, per-channel scales, every GGUF form); others keep to quant_matmul."""
-    return (w.kind in _BITS and w.block_rows == 1
-            and (w.group_size % SLOT == 0 or w.num_groups == 1))
+    return w.kind in _BITS and w.block_rows == 1 and (w.group_size % SLOT == 0 or w.num_groups == 1)
 
 
 def _tile_k(kind: str) -> int:
@@ -108,21 +107,29 @@ def _tile_k(kind: str) -> int:
 def pack_weight(w: QuantizedWeight) -> PackedQuantWeight:
     """The weight in the packed kernel's layout, made once at load (on the weight's device)."""
     if not packable(w):
-        raise ValueError(f"cannot pack a {w.kind} weight with groups of {w.group_size} (block_rows "
-                         f"{w.block_rows}) for the packed kernel")
+        raise ValueError(
+            f"cannot pack a {w.kind} weight with groups of {w.group_size} (block_rows "
+            f"{w.block_rows}) for the packed kernel"
+        )
     bits, k, tile_k = _BITS[w.kind], w.in_features, _tile_k(w.kind)
     per_word, k_pad = 32 // bits, triton.cdiv(w.in_features, tile_k) * tile_k
     shifts = torch.arange(per_word, device=w.qweight.device).view(1, 1, per_word, 1) * bits
     chunks = [torch.empty(0, k_pad // per_word, dtype=torch.int32, device=w.qweight.device)]
     for start in range(0, w.out_features, _PACK_ROWS):
-        rows = w.qweight[start:start + _PACK_ROWS]
+        rows = w.qweight[start : start + _PACK_ROWS]
         u = (unpack_int4(rows, k) if w.kind == "int4" else rows).to(torch.int64) + _BIAS[w.kind]
         u = F.pad(u, (0, k_pad - k)).view(rows.shape[0], k_pad // tile_k, per_word, SLOT)
         words = (u << shifts).sum(dim=2)  # [rows, tiles, SLOT]: input t * tile_k + i * SLOT + j in field i
-        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+        words = torch.where(words >= 2**31, words - 2**32, words)
         chunks.append(words.view(rows.shape[0], -1).to(torch.int32))
-    return PackedQuantWeight(w.kind, torch.cat(chunks), w.scales.t().contiguous(),
-                             None if w.zeros is None else w.zeros.t().contiguous(), w.group_size, k)
+    return PackedQuantWeight(
+        w.kind,
+        torch.cat(chunks),
+        w.scales.t().contiguous(),
+        None if w.zeros is None else w.zeros.t().contiguous(),
+        w.group_size,
+        k,
+    )
 
 
 class PackedConfig(NamedTuple):
@@ -149,8 +156,7 @@ def _table(path: str) -> dict[tuple[str, int, int], list[tuple[int, PackedConfig
     return {key: sorted(rows) for key, rows in table.items()}
 
 
-def choose_packed_config(m: int, n: int, k: int, kind: str, sms: int,
-                         table_path: str = CONFIG_TABLE) -> PackedConfig:
+def choose_packed_config(m: int, n: int, k: int, kind: str, sms: int, table_path: str = CONFIG_TABLE) -> PackedConfig:
     """The table's entry for the smallest tuned M at or above m (else the largest tuned M), or the
     heuristic: one-row FMA programs for M <= 2, 16-row tensor-core tiles above, and split-K until
     about _PROGRAMS_PER_SM programs per SM."""
@@ -178,7 +184,7 @@ def _code(words, I: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr):
     HIGH: tl.constexpr = I * BITS + BITS > 23
     SHIFT: tl.constexpr = I * BITS - 16 * HIGH
     field = ((words >> (16 * HIGH)) & (((1 << BITS) - 1) << SHIFT)) | 0x4B000000
-    return field.to(tl.float32, bitcast=True) * (2.0 ** -SHIFT) - (2.0 ** (23 - SHIFT) + BIAS)
+    return field.to(tl.float32, bitcast=True) * (2.0**-SHIFT) - (2.0 ** (23 - SHIFT) + BIAS)
 
 
 @triton.jit
@@ -203,10 +209,29 @@ def _outer(x, v, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _slots(part, x_sum, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_xm,
-           FIRST: tl.constexpr, COUNT: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
-           HAS_ZEROS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, SLOT_K: tl.constexpr,
-           DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+def _slots(
+    part,
+    x_sum,
+    words,
+    x_ptr,
+    offs_m,
+    m_mask,
+    offs_j,
+    row,
+    t,
+    K,
+    stride_xm,
+    FIRST: tl.constexpr,
+    COUNT: tl.constexpr,
+    BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SLOT_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Add code slots FIRST.. FIRST + COUNT of tile t, unscaled, to `part` ([BLOCK_N, SLOT_K] per-lane
     products for "fma", [BLOCK_M, BLOCK_N] for "dot"), and their activations to `x_sum` (the zero
     term's factor, [SLOT_K] per lane or [BLOCK_M, BLOCK_N] per row; with HAS_ZEROS only)."""
@@ -237,12 +262,38 @@ def _slots(part, x_sum, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_
 
 @triton.jit
 def _packed_matmul_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, num_groups, tiles_per_split, num_tiles, row_words, stride_xm, stride_om,
-    GROUP: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, SLOTS_PER_GROUP: tl.constexpr,
-    ONE_GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLOT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    num_groups,
+    tiles_per_split,
+    num_tiles,
+    row_words,
+    stride_xm,
+    stride_om,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SLOTS_PER_GROUP: tl.constexpr,
+    ONE_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLOT_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile over K tiles [pid_k * tiles_per_split, ...). ONE_GROUP
     (per-channel scales): products accumulate unscaled and the scale applies once, at the end.
@@ -278,13 +329,54 @@ def _packed_matmul_kernel(
             # (the last iteration reloads its own tile, which is in cache, rather than masking)
             next_words = tl.load(word_ptrs + tl.minimum(t + 1, t_end - 1) * SLOT_K, mask=n_mask[:, None], other=0)
         if ONE_GROUP:
-            acc, x_total = _slots(acc, x_total, words, x_ptr, offs_m, m_mask, offs_j, row, t, K, stride_xm,
-                                  0, PER_WORD, BITS, BIAS, HAS_ZEROS, USE_DOT, EVEN_K, SLOT_K, DOT_DTYPE, PRECISION)
+            acc, x_total = _slots(
+                acc,
+                x_total,
+                words,
+                x_ptr,
+                offs_m,
+                m_mask,
+                offs_j,
+                row,
+                t,
+                K,
+                stride_xm,
+                0,
+                PER_WORD,
+                BITS,
+                BIAS,
+                HAS_ZEROS,
+                USE_DOT,
+                EVEN_K,
+                SLOT_K,
+                DOT_DTYPE,
+                PRECISION,
+            )
         else:
             for b in tl.static_range(PER_WORD // SLOTS_PER_GROUP):
-                part, x_sum = _slots(tl.zeros_like(acc), tl.zeros_like(x_total), words, x_ptr, offs_m, m_mask,
-                                     offs_j, row, t, K, stride_xm, b * SLOTS_PER_GROUP, SLOTS_PER_GROUP,
-                                     BITS, BIAS, HAS_ZEROS, USE_DOT, EVEN_K, SLOT_K, DOT_DTYPE, PRECISION)
+                part, x_sum = _slots(
+                    tl.zeros_like(acc),
+                    tl.zeros_like(x_total),
+                    words,
+                    x_ptr,
+                    offs_m,
+                    m_mask,
+                    offs_j,
+                    row,
+                    t,
+                    K,
+                    stride_xm,
+                    b * SLOTS_PER_GROUP,
+                    SLOTS_PER_GROUP,
+                    BITS,
+                    BIAS,
+                    HAS_ZEROS,
+                    USE_DOT,
+                    EVEN_K,
+                    SLOT_K,
+                    DOT_DTYPE,
+                    PRECISION,
+                )
                 # A block wholly in K's padding has zero activations; clamping keeps its loads in bounds.
                 group = tl.minimum((t * TILE_K + b * SLOTS_PER_GROUP * SLOT_K) // GROUP, num_groups - 1)
                 acc += _per_n(part, tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0), USE_DOT)
@@ -322,8 +414,9 @@ def _slots_per_group(w: PackedQuantWeight) -> int:
     return 1
 
 
-def packed_matmul(x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | None = None,
-                  config: PackedConfig | None = None) -> torch.Tensor:
+def packed_matmul(
+    x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | None = None, config: PackedConfig | None = None
+) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) -> [M, N] in x.dtype. `config` overrides choose_packed_config."""
     m, k = x.shape
     n = w.out_features
@@ -342,29 +435,70 @@ def packed_matmul(x: torch.Tensor, w: PackedQuantWeight, bias: torch.Tensor | No
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     zeros = w.zeros if w.zeros is not None else w.scales
     _packed_matmul_kernel[(grid_m, grid_n, split_k)](
-        x, w.qweight, w.scales, zeros, bias if bias is not None else out, out, part, tile_counters(x.device),
-        m, n, k, w.num_groups, tiles_per_split, num_tiles, w.qweight.shape[1], x.stride(0), out.stride(0),
-        GROUP=w.group_size, BITS=w.bits, BIAS=_BIAS[w.kind], SLOTS_PER_GROUP=_slots_per_group(w),
-        ONE_GROUP=w.num_groups == 1, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        USE_DOT=cfg.variant == "dot", EVEN_K=k % w.tile_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SLOT_K=SLOT,
-        DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x,
+        w.qweight,
+        w.scales,
+        zeros,
+        bias if bias is not None else out,
+        out,
+        part,
+        tile_counters(x.device),
+        m,
+        n,
+        k,
+        w.num_groups,
+        tiles_per_split,
+        num_tiles,
+        w.qweight.shape[1],
+        x.stride(0),
+        out.stride(0),
+        GROUP=w.group_size,
+        BITS=w.bits,
+        BIAS=_BIAS[w.kind],
+        SLOTS_PER_GROUP=_slots_per_group(w),
+        ONE_GROUP=w.num_groups == 1,
+        HAS_ZEROS=w.zeros is not None,
+        HAS_BIAS=bias is not None,
+        SPLIT=split_k > 1,
+        USE_DOT=cfg.variant == "dot",
+        EVEN_K=k % w.tile_k == 0,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        SLOT_K=SLOT,
+        DOT_DTYPE=dot_dtype(x.dtype),
+        PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
 
 @triton.jit
-def _dequantize_packed_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups, row_words,
-                              GROUP: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
-                              HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_K: tl.constexpr):
+def _dequantize_packed_kernel(
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    N,
+    K,
+    num_groups,
+    row_words,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLOT_K: tl.constexpr,
+):
     """Rows pid(0) * BLOCK_N.., K tile pid(1) of the dense W [N, K]: q * scale, then + zero."""
     PER_WORD: tl.constexpr = 32 // BITS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.program_id(1)
     offs_j = tl.arange(0, SLOT_K)
     n_mask = offs_n < N
-    words = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * row_words + (t * SLOT_K + offs_j)[None, :],
-                    mask=n_mask[:, None], other=0)
+    words = tl.load(
+        q_ptr + offs_n[:, None].to(tl.int64) * row_words + (t * SLOT_K + offs_j)[None, :], mask=n_mask[:, None], other=0
+    )
     for i in tl.static_range(PER_WORD):
         offs_k = t * PER_WORD * SLOT_K + i * SLOT_K + offs_j
         group = offs_k[None, :] // GROUP
@@ -373,7 +507,9 @@ def _dequantize_packed_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups, ro
         w = _code(words, i, BITS, BIAS) * tl.load(s_ptr + group * N + offs_n[:, None], mask=g_mask, other=0.0)
         if HAS_ZEROS:
             w += tl.load(z_ptr + group * N + offs_n[:, None], mask=g_mask, other=0.0)
-        tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask
+        )
 
 
 def dequantize_packed(w: PackedQuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -385,8 +521,21 @@ def dequantize_packed(w: PackedQuantWeight, dtype: torch.dtype = torch.float32) 
         return out
     zeros = w.zeros if w.zeros is not None else w.scales
     _dequantize_packed_kernel[(triton.cdiv(n, _DEQUANT_BLOCK_N), w.qweight.shape[1] // SLOT)](
-        w.qweight, w.scales, zeros, out, n, k, w.num_groups, w.qweight.shape[1],
-        GROUP=w.group_size, BITS=w.bits, BIAS=_BIAS[w.kind], HAS_ZEROS=w.zeros is not None,
-        BLOCK_N=_DEQUANT_BLOCK_N, SLOT_K=SLOT, num_warps=4, enable_fp_fusion=False,
+        w.qweight,
+        w.scales,
+        zeros,
+        out,
+        n,
+        k,
+        w.num_groups,
+        w.qweight.shape[1],
+        GROUP=w.group_size,
+        BITS=w.bits,
+        BIAS=_BIAS[w.kind],
+        HAS_ZEROS=w.zeros is not None,
+        BLOCK_N=_DEQUANT_BLOCK_N,
+        SLOT_K=SLOT,
+        num_warps=4,
+        enable_fp_fusion=False,
     )
     return out

@@ -14,9 +14,20 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-    stride_x0, stride_x1, stride_r0, stride_r1, inner_rows, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    stride_x0,
+    stride_x1,
+    stride_r0,
+    stride_r1,
+    inner_rows,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     outer = (row // inner_rows).to(tl.int64)
@@ -36,8 +47,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row.to(tl.int64) * hidden + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() not in (2, 3) or x.stride(-1) != 1:
         raise ValueError(f"rms_norm: x must be 2-D or 3-D with a contiguous last dim, got {tuple(x.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
@@ -54,11 +66,20 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         return out, new_residual
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(rows,)](
-        x3, x3 if r3 is None else r3, weight, out, out if new_residual is None else new_residual,
-        x3.stride(0), x3.stride(1),
-        0 if r3 is None else r3.stride(0), 0 if r3 is None else r3.stride(1),
-        x3.shape[1], hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        x3,
+        x3 if r3 is None else r3,
+        weight,
+        out,
+        out if new_residual is None else new_residual,
+        x3.stride(0),
+        x3.stride(1),
+        0 if r3 is None else r3.stride(0),
+        0 if r3 is None else r3.stride(1),
+        x3.shape[1],
+        hidden,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
     )
     return out, new_residual
@@ -73,8 +94,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; both new tensors, inputs untouched."""
     out, new_residual = _launch(x, residual, weight, eps)
     assert new_residual is not None  # _launch returns one whenever it is given a residual
@@ -87,7 +109,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (weight.float() * normed.to(x.dtype).float()).to(x.dtype)
 
 
-def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = x + residual
     return rms_norm_ref(new_residual, weight, eps), new_residual

@@ -14,9 +14,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, token,
-            num_heads, c1, c2, s1, s2, half,
-            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate(
+    x_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    token,
+    num_heads,
+    c1,
+    c2,
+    s1,
+    s2,
+    half,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (cols < half)
@@ -36,10 +50,28 @@ def _rotate(x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, token,
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-    stride_table, num_q_heads, num_k_heads, half,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_table,
+    num_q_heads,
+    num_k_heads,
+    half,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -52,14 +84,45 @@ def _rotary_kernel(
     c2 = tl.load(cos_ptr + table + half, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
     s1 = tl.load(sin_ptr + table, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
     s2 = tl.load(sin_ptr + table + half, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
-    _rotate(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token,
-            num_q_heads, c1, c2, s1, s2, half, BLOCK_HQ, BLOCK_HALF)
-    _rotate(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token,
-            num_k_heads, c1, c2, s1, s2, half, BLOCK_HK, BLOCK_HALF)
+    _rotate(
+        q_ptr,
+        q_out_ptr,
+        stride_qt,
+        stride_qh,
+        stride_qot,
+        stride_qoh,
+        token,
+        num_q_heads,
+        c1,
+        c2,
+        s1,
+        s2,
+        half,
+        BLOCK_HQ,
+        BLOCK_HALF,
+    )
+    _rotate(
+        k_ptr,
+        k_out_ptr,
+        stride_kt,
+        stride_kh,
+        stride_kot,
+        stride_koh,
+        token,
+        num_k_heads,
+        c1,
+        c2,
+        s1,
+        s2,
+        half,
+        BLOCK_HK,
+        BLOCK_HALF,
+    )
 
 
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D] by the rows `positions` [T] of cos/sin [max_pos, D].
 
     The tables are the full-width fp32 ones (cat(freqs, freqs) before cos/sin, as HF and
@@ -70,8 +133,10 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     if head_dim % 2 or k.shape[2] != head_dim or cos.shape[-1] != head_dim or sin.shape != cos.shape:
-        raise ValueError(f"apply_rotary: head_dim {head_dim} must be even and match k {tuple(k.shape)} "
-                         f"and the tables {tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(
+            f"apply_rotary: head_dim {head_dim} must be even and match k {tuple(k.shape)} "
+            f"and the tables {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     if k.dtype != q.dtype:
         raise ValueError(f"apply_rotary: q ({q.dtype}) and k ({k.dtype}) must share a dtype")
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
@@ -81,19 +146,36 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
     if num_tokens == 0:
         return q_out, k_out
     _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos, sin, q_out, k_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        cos.stride(0), num_q_heads, num_k_heads, head_dim // 2,
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_k_heads),
+        positions,
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        cos.stride(0),
+        num_q_heads,
+        num_k_heads,
+        head_dim // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HK=triton.next_power_of_2(num_k_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         enable_fp_fusion=False,  # a fused multiply-add would skip the product rounding HF does
     )
     return q_out, k_out
 
 
-def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     c = cos[positions].unsqueeze(1).to(q.dtype)
     s = sin[positions].unsqueeze(1).to(q.dtype)
 

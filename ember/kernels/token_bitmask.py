@@ -23,8 +23,11 @@ def _apply_token_bitmask_kernel(logits_ptr, bitmask_ptr, stride_l, stride_b, voc
     in_vocab = tokens < vocab
     words = tl.load(bitmask_ptr + row * stride_b + tokens // 32, mask=in_vocab, other=-1)
     banned = ((words >> (tokens % 32)) & 1) == 0
-    tl.store(logits_ptr + row * stride_l + tokens, tl.full([BLOCK], float("-inf"), logits_ptr.dtype.element_ty),
-             mask=in_vocab & banned)
+    tl.store(
+        logits_ptr + row * stride_l + tokens,
+        tl.full([BLOCK], float("-inf"), logits_ptr.dtype.element_ty),
+        mask=in_vocab & banned,
+    )
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -32,14 +35,17 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     has a 0 bit; returns logits."""
     num_rows, vocab = logits.shape
     if bitmask.dtype != torch.int32 or bitmask.shape[0] != num_rows or 32 * bitmask.shape[1] < vocab:
-        raise ValueError(f"apply_token_bitmask: bitmask must be int32 [{num_rows}, >= {(vocab + 31) // 32}], "
-                         f"got {bitmask.dtype} {tuple(bitmask.shape)}")
+        raise ValueError(
+            f"apply_token_bitmask: bitmask must be int32 [{num_rows}, >= {(vocab + 31) // 32}], "
+            f"got {bitmask.dtype} {tuple(bitmask.shape)}"
+        )
     if logits.stride(1) != 1 or bitmask.stride(1) != 1:
         raise ValueError("apply_token_bitmask: logits and bitmask need a contiguous last dim")
     if num_rows == 0:
         return logits
     _apply_token_bitmask_kernel[(num_rows, triton.cdiv(vocab, _BLOCK))](
-        logits, bitmask, logits.stride(0), bitmask.stride(0), vocab, BLOCK=_BLOCK, num_warps=4)
+        logits, bitmask, logits.stride(0), bitmask.stride(0), vocab, BLOCK=_BLOCK, num_warps=4
+    )
     return logits
 
 

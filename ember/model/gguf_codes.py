@@ -30,7 +30,7 @@ _CRUMB_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
 
 def fp16_field(blocks: np.ndarray, start: int) -> np.ndarray:
     """An fp16 field at byte `start` of every block, as a float32 column for broadcasting."""
-    return blocks[:, start:start + 2].view(np.float16).astype(np.float32)
+    return blocks[:, start : start + 2].view(np.float16).astype(np.float32)
 
 
 def _fp16_at(offset: int) -> Callable[[np.ndarray], Affine]:
@@ -87,6 +87,7 @@ def _crumbs(packed: np.ndarray) -> np.ndarray:
 
 # --- 32-element blocks --------------------------------------------------------------------------
 
+
 def _q8_0_codes(b: np.ndarray) -> np.ndarray:  # [d: fp16][32 x int8]
     return b[:, 2:].view(np.int8)
 
@@ -102,7 +103,7 @@ def _q4_1_affine(b: np.ndarray) -> Affine:  # [d: fp16][m: fp16][16 bytes of spl
 
 def _q5_codes(b: np.ndarray, start: int, offset: int) -> np.ndarray:
     # [4 bytes: bit i is element i's fifth bit][16 bytes of split nibbles], from byte `start` on.
-    q = _split_nibbles(b[:, start + 4:start + 20]) | (_bits(b[:, start:start + 4]) << 4)
+    q = _split_nibbles(b[:, start + 4 : start + 20]) | (_bits(b[:, start : start + 4]) << 4)
     return q.view(np.int8) - np.int8(offset) if offset else q.view(np.int8)
 
 
@@ -218,7 +219,9 @@ def _q3_k_affine(b: np.ndarray) -> Affine:
     return fp16_field(b, 108) * scales, None
 
 
-def _iq4_xs_codes(b: np.ndarray) -> np.ndarray:  # [d][2 bytes high scales][4 bytes low scales][8 runs of 16 split nibbles]
+def _iq4_xs_codes(
+    b: np.ndarray,
+) -> np.ndarray:  # [d][2 bytes high scales][4 bytes low scales][8 runs of 16 split nibbles]
     return _IQ4_VALUES[_split_nibbles(b[:, 8:].reshape(len(b), 8, 16))]
 
 
@@ -235,8 +238,11 @@ def _tq1_0_codes(b: np.ndarray) -> np.ndarray:
     """[48 bytes, 5 base-3 digits each][4 bytes, 4 digits each][d]. A byte holds digits scaled into
     0..255 so that multiplying by 3^k (mod 256) brings digit k to the top: (x * 3) >> 8 reads it."""
     n = len(b)
-    parts = [(b[:, None, :32] * _TERNARY_POWERS), (b[:, None, 32:48] * _TERNARY_POWERS),
-             (b[:, None, 48:52] * _TERNARY_POWERS[:4])]
+    parts = [
+        (b[:, None, :32] * _TERNARY_POWERS),
+        (b[:, None, 32:48] * _TERNARY_POWERS),
+        (b[:, None, 48:52] * _TERNARY_POWERS[:4]),
+    ]
     digits = np.concatenate([p.reshape(n, -1) for p in parts], axis=1)
     return ((digits.astype(np.uint16) * 3) >> 8).astype(np.int8) - np.int8(1)
 
@@ -251,8 +257,8 @@ class BlockCodes(NamedTuple):
     where a type has a faster way, writes the QuantizedWeight's codes (Ember's int4 packing for int4,
     straight from the file's bytes) into a given output, sparing a temporary and a copy per chunk."""
 
-    kind: str          # QuantizedWeight kind that holds the codes: "int8" or "int4"
-    group_size: int    # elements sharing one scale (and zero)
+    kind: str  # QuantizedWeight kind that holds the codes: "int8" or "int4"
+    group_size: int  # elements sharing one scale (and zero)
     has_zeros: bool
     codes: Callable[[np.ndarray], np.ndarray]
     affine: Callable[[np.ndarray], Affine]
@@ -261,8 +267,14 @@ class BlockCodes(NamedTuple):
 
 def _nibble_type(start: int, run: int, group_size: int, affine: Callable[[np.ndarray], Affine]) -> BlockCodes:
     """An int4 type whose bytes from `start` on are runs of `run` split-nibble bytes."""
-    return BlockCodes("int4", group_size, True, lambda b: _split_nibbles(b[:, start:].reshape(len(b), -1, run)),
-                      affine, lambda b, out: pack_split_nibbles(b[:, start:], run, out))
+    return BlockCodes(
+        "int4",
+        group_size,
+        True,
+        lambda b: _split_nibbles(b[:, start:].reshape(len(b), -1, run)),
+        affine,
+        lambda b, out: pack_split_nibbles(b[:, start:], run, out),
+    )
 
 
 BLOCK_CODES: dict[QType, BlockCodes] = {

@@ -83,12 +83,21 @@ class GGUFVocab:
     def read(cls, meta: GGUFMetadata) -> GGUFVocab:
         tokens: list[str] = meta.require("tokenizer.ggml.tokens")
         model = meta.require("tokenizer.ggml.model")
-        eos_ids = [token_id for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-                   if (token_id := meta.get(f"tokenizer.ggml.{key}")) is not None]
-        return cls(meta.tokenizer_part(), tokens, model, meta.get("tokenizer.ggml.bos_token_id"),
-                   meta.get("tokenizer.ggml.eos_token_id"), list(dict.fromkeys(eos_ids)),
-                   bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
-                   meta.get("tokenizer.chat_template"))
+        eos_ids = [
+            token_id
+            for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+            if (token_id := meta.get(f"tokenizer.ggml.{key}")) is not None
+        ]
+        return cls(
+            meta.tokenizer_part(),
+            tokens,
+            model,
+            meta.get("tokenizer.ggml.bos_token_id"),
+            meta.get("tokenizer.ggml.eos_token_id"),
+            list(dict.fromkeys(eos_ids)),
+            bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+            meta.get("tokenizer.chat_template"),
+        )
 
     @property
     def bos_token(self) -> str | None:
@@ -103,9 +112,7 @@ class GGUFVocab:
             return _tokenizer(self.meta, self.model, self.tokens, self.bos_id if self.add_bos_token else None)
 
 
-def _tokenizer(
-    meta: GGUFMetadata, model: str, tokens: list[str], bos_id: int | None
-) -> tokenizers.Tokenizer:
+def _tokenizer(meta: GGUFMetadata, model: str, tokens: list[str], bos_id: int | None) -> tokenizers.Tokenizer:
     """Rebuild the HF tokenizer llama.cpp derived its vocabulary from.
 
     `bos_id` is the token to prepend to every encoding, or None when the model wants none.
@@ -118,11 +125,13 @@ def _tokenizer(
         raise ModelLoadError(meta.path, f"unsupported tokenizer model {model!r} (supported: gpt2, llama)")
 
     token_types = meta.get("tokenizer.ggml.token_type", [])
-    tokenizer.add_special_tokens([
-        AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tokens, token_types)
-        if kind in (_CONTROL, _USER_DEFINED)
-    ])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token, kind in zip(tokens, token_types)
+            if kind in (_CONTROL, _USER_DEFINED)
+        ]
+    )
     if bos_id is not None:
         bos = tokens[bos_id]
         tokenizer.post_processor = processors.TemplateProcessing(
@@ -155,15 +164,20 @@ def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Tokeniz
     tokenizer = tokenizers.Tokenizer(_bpe(meta, _vocab(tokens), merges, ignore_merges=llama3))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre == "smollm":
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     elif llama3 or pre == "qwen2":
         split = _LLAMA3_SPLIT if llama3 else _QWEN2_SPLIT
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level,
-        ])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                byte_level,
+            ]
+        )
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -188,14 +202,11 @@ def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Toke
     merges = [(tokens[left], tokens[right]) for _, left, right in candidates]
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else ("<unk>" if "<unk>" in vocab else None)
-    tokenizer = tokenizers.Tokenizer(
-        _bpe(meta, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
-    )
+    tokenizer = tokenizers.Tokenizer(_bpe(meta, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     space = "\u2581"
     tokenizer.normalizer = normalizers.Sequence(
-        ([normalizers.Prepend(space)] if add_space_prefix else [])
-        + [normalizers.Replace(" ", space)]
+        ([normalizers.Prepend(space)] if add_space_prefix else []) + [normalizers.Replace(" ", space)]
     )
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()]

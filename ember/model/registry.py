@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
 
 def model_class(cfg: ModelConfig, source: str) -> type[CausalLM]:
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(source, f"unsupported architecture {cfg.architecture!r} "
-                                     f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ModelLoadError(
+            source, f"unsupported architecture {cfg.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     return CausalLM

@@ -35,12 +35,12 @@ class ShardLayout:
     rank: int
     size: int
     head_dim: int
-    num_heads: int          # query heads on this rank
-    num_kv_heads: int       # KV heads on this rank
-    kv_head_start: int      # first KV head (of the checkpoint's) this rank holds
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    kv_head_start: int  # first KV head (of the checkpoint's) this rank holds
     intermediate_size: int  # MLP width on this rank
-    vocab_size: int         # the whole vocabulary
-    vocab_per_rank: int     # embedding / LM head rows per rank (the last rank's may be partly padding)
+    vocab_size: int  # the whole vocabulary
+    vocab_per_rank: int  # embedding / LM head rows per rank (the last rank's may be partly padding)
     moe_intermediate_size: int = 0  # each expert's intermediate rows on this rank (0: no experts)
 
     @classmethod
@@ -51,10 +51,18 @@ class ShardLayout:
             local_kv, kv_start = kv_heads // size, rank * (kv_heads // size)
         else:
             local_kv, kv_start = 1, rank // (size // kv_heads)
-        return cls(rank=rank, size=size, head_dim=cfg.head_dim, num_heads=heads // size, num_kv_heads=local_kv,
-                   kv_head_start=kv_start, intermediate_size=cfg.intermediate_size // size,
-                   vocab_size=cfg.vocab_size, vocab_per_rank=-(-cfg.vocab_size // size),
-                   moe_intermediate_size=cfg.moe.intermediate_size // size if cfg.moe else 0)
+        return cls(
+            rank=rank,
+            size=size,
+            head_dim=cfg.head_dim,
+            num_heads=heads // size,
+            num_kv_heads=local_kv,
+            kv_head_start=kv_start,
+            intermediate_size=cfg.intermediate_size // size,
+            vocab_size=cfg.vocab_size,
+            vocab_per_rank=-(-cfg.vocab_size // size),
+            moe_intermediate_size=cfg.moe.intermediate_size // size if cfg.moe else 0,
+        )
 
     @property
     def vocab_start(self) -> int:

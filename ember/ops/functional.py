@@ -11,17 +11,34 @@ from ember.ops.attention import AttentionMetadata, AttentionShape, Masking
 from ember.quant.kv_scale import KVScale
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> None:
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: KVScale = 1.0,
+    v_scale: KVScale = 1.0,
+) -> None:
     """k, v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]; the scales as in `quantize_kv`."""
     impl = registry.attention_impl(registry.target(k.device, k.dtype), _shape(k.shape[1], k_cache))
     impl.store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, *, k_scale: KVScale = 1.0,
-                    v_scale: KVScale = 1.0, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    k_scale: KVScale = 1.0,
+    v_scale: KVScale = 1.0,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Keys/values for the new tokens must already be stored; fp8
     caches are read through their scales (see `dequantize_kv`).
 

@@ -41,8 +41,13 @@ class Int8PackLinear:
     @staticmethod
     def can_implement(target: Target, w: QuantizedWeight) -> bool:
         # K in 16s, or the kernel crashes
-        return (target.cpu and w.kind == "int8" and w.in_features % 16 == 0 and w.zeros is None
-                and w.group_size == w.in_features)
+        return (
+            target.cpu
+            and w.kind == "int8"
+            and w.in_features % 16 == 0
+            and w.zeros is None
+            and w.group_size == w.in_features
+        )
 
     def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self.weight = w
@@ -162,7 +167,9 @@ def _dense(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     n, groups = w.scales.shape
     out = torch.empty(n, w.in_features)
     dense = out.numpy().reshape(n, groups, w.group_size)
-    np.multiply(w.qweight.numpy().reshape(dense.shape), w.scales.float().numpy()[:, :, None], out=dense, dtype=np.float32)
+    np.multiply(
+        w.qweight.numpy().reshape(dense.shape), w.scales.float().numpy()[:, :, None], out=dense, dtype=np.float32
+    )
     if w.zeros is not None:
         dense += w.zeros.float().numpy()[:, :, None]
     return out.to(dtype)
@@ -184,8 +191,12 @@ def _int4pack(w: QuantizedWeight) -> torch.Tensor:
     reads, numpy writes it straight from the packed codes: 13x less CPU time than unpacking to int32
     for `torch._convert_weight_to_int4pack_for_cpu` on an 8960x1536 weight (4.4 against 58 ms), which
     made up most of the default model's CPU packing at load."""
-    if w.out_features % _PACK_BLOCK_N == 0 and w.in_features % 2 == 0 and _padded_k(w) == w.in_features \
-            and _int4pack_is_blocked():
+    if (
+        w.out_features % _PACK_BLOCK_N == 0
+        and w.in_features % 2 == 0
+        and _padded_k(w) == w.in_features
+        and _int4pack_is_blocked()
+    ):
         return _int4pack_blocked(w.qweight)
     q = codes(w).to(torch.int32)
     if _padded_k(w) != w.in_features:

@@ -172,5 +172,10 @@ def _blockwise_scaled_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 def _block_scaled_mm_fits(rows: int, w: QuantizedWeight) -> bool:
     """cuBLAS's blockwise scaling takes 128x128 weight blocks over whole blocks only."""
-    return (FP8_BLOCK_SCALED_MM_MIN_ROWS is not None and rows >= FP8_BLOCK_SCALED_MM_MIN_ROWS
-            and w.group_size == w.block_rows == 128 and w.in_features % 128 == 0 and w.out_features % 128 == 0)
+    return (
+        FP8_BLOCK_SCALED_MM_MIN_ROWS is not None
+        and rows >= FP8_BLOCK_SCALED_MM_MIN_ROWS
+        and w.group_size == w.block_rows == 128
+        and w.in_features % 128 == 0
+        and w.out_features % 128 == 0
+    )

@@ -71,8 +71,7 @@ class NativeLinear:
         """silu(gate) * up of this weight's output, for a fused gate/up projection (rows [0, I) gate,
         [I, 2I) up), in one native call (`ops.matmul_silu`) where x, float32 [M, K], takes the native GEMV
         (as a call would); else None."""
-        if (x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
-                or x.shape[0] >= self.expand_min_rows):
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[0] >= self.expand_min_rows:
             return None
         return native.matmul_silu(x, self.native)
 

@@ -25,13 +25,15 @@ class TritonMoe:
     def can_implement(target: Target) -> bool:
         return target.triton
 
-    def __call__(self, experts: Any, x: torch.Tensor, logits: torch.Tensor, top_k: int,
-                 renormalize: bool) -> torch.Tensor:
+    def __call__(
+        self, experts: Any, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> torch.Tensor:
         from ember.kernels import fused_moe, moe_route
 
         weights, ids = moe_route(logits, top_k, renormalize)
-        return fused_moe(x, experts.w13, experts.w2, weights, ids, b13=experts.b13, b2=experts.b2,
-                         swiglu=experts.swiglu)
+        return fused_moe(
+            x, experts.w13, experts.w2, weights, ids, b13=experts.b13, b2=experts.b2, swiglu=experts.swiglu
+        )
 
 
 class TorchMoe:
@@ -39,6 +41,7 @@ class TorchMoe:
     def can_implement(target: Target) -> bool:
         return True
 
-    def __call__(self, experts: Any, x: torch.Tensor, logits: torch.Tensor, top_k: int,
-                 renormalize: bool) -> torch.Tensor:
+    def __call__(
+        self, experts: Any, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> torch.Tensor:
         return experts(x, *route(logits, top_k, renormalize))

@@ -20,8 +20,9 @@ NormOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class NormImpl(Protocol):
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> NormOutput: ...
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> NormOutput: ...
 
 
 class TritonRMSNorm:
@@ -29,8 +30,7 @@ class TritonRMSNorm:
     def can_implement(target: Target, style: str) -> bool:
         return target.triton
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> NormOutput:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> NormOutput:
         from ember.kernels import fused_add_rms_norm, rms_norm
 
         if residual is None:
@@ -45,8 +45,7 @@ class TorchRMSNorm:
     def can_implement(target: Target, style: str) -> bool:
         return style == "llama"
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> NormOutput:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> NormOutput:
         if residual is not None:
             x = x + residual
             return _llama_norm(x, weight, eps), x
@@ -73,8 +72,7 @@ class TorchGemmaRMSNorm:
     def can_implement(target: Target, style: str) -> bool:
         return style == "gemma"
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> NormOutput:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> NormOutput:
         if residual is not None:
             x = x + residual
             return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype), x
@@ -93,8 +91,7 @@ class NativeRMSNorm:
     def __init__(self, fallback: NormImpl) -> None:
         self.fallback = fallback
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> NormOutput:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> NormOutput:
         if not _native_norm_fits(x, residual, weight):
             return self.fallback(x, residual, weight, eps)
         if residual is None:
@@ -105,5 +102,10 @@ class NativeRMSNorm:
 def _native_norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
     """Whether the native residual add + norm takes these: contiguous float32 [M, N] rows on CPU, a
     float32 weight; other dtypes round as HF does, through the PyTorch ops."""
-    return (x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.is_cpu and x.is_contiguous()
-            and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous())))
+    return (
+        x.dtype == weight.dtype == torch.float32
+        and x.dim() == 2
+        and x.is_cpu
+        and x.is_contiguous()
+        and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
+    )

@@ -19,8 +19,9 @@ from ember.ops.target import Target
 class _Rotary:
     """The partial-rotary split around an implementation's `rotate` of whole heads."""
 
-    def __call__(self, rope: Any, positions: torch.Tensor, q: torch.Tensor,
-                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, rope: Any, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]."""
         rot = rope.rotary_dim
         if rot == q.shape[-1]:
@@ -28,14 +29,16 @@ class _Rotary:
         q_rot, k_rot = self.rotate(rope, positions, q[..., :rot], k[..., :rot])
         return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
 
-    def rotate_qk(self, rope: Any, positions: torch.Tensor, qk: torch.Tensor,
-                  num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate_qk(
+        self, rope: Any, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same for queries and keys that are adjacent in each row: qk is [T, Hq + Hk, D], the query
         heads first (the fused QKV output's first columns)."""
         return self(rope, positions, qk[:, :num_q_heads], qk[:, num_q_heads:])
 
-    def rotate(self, rope: Any, positions: torch.Tensor, q: torch.Tensor,
-               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(
+        self, rope: Any, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
@@ -44,8 +47,9 @@ class TritonRotary(_Rotary):
     def can_implement(target: Target, full: bool) -> bool:
         return target.triton
 
-    def rotate(self, rope: Any, positions: torch.Tensor, q: torch.Tensor,
-               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(
+        self, rope: Any, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from ember.kernels import apply_rotary
 
         return apply_rotary(positions, q, k, rope.cos, rope.sin)
@@ -56,8 +60,9 @@ class TorchRotary(_Rotary):
     def can_implement(target: Target, full: bool) -> bool:
         return True
 
-    def rotate(self, rope: Any, positions: torch.Tensor, q: torch.Tensor,
-               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(
+        self, rope: Any, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope.rows(positions, q.dtype)
         half = q.shape[-1] // 2
         return (q * cos).add_(q.roll(half, dims=-1) * sin), (k * cos).add_(k.roll(half, dims=-1) * sin)
@@ -71,8 +76,9 @@ class TorchFullRotary(TorchRotary):
     def can_implement(target: Target, full: bool) -> bool:
         return full
 
-    def rotate_qk(self, rope: Any, positions: torch.Tensor, qk: torch.Tensor,
-                  num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate_qk(
+        self, rope: Any, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope.rows(positions, qk.dtype)
         out = (qk * cos).add_(qk.roll(qk.shape[-1] // 2, dims=-1) * sin)
         return out[:, :num_q_heads], out[:, num_q_heads:]
@@ -86,20 +92,25 @@ class NativeRotaryStore:
     or shapes) where the layer's rotary and store run."""
 
     @staticmethod
-    def can_implement(target: Target, cache_dtype: torch.dtype, tables: tuple[torch.Tensor, torch.Tensor] | None,
-                      qk_norm: bool) -> bool:
-        return (target.native and cache_dtype == target.dtype == torch.float32 and tables is not None
-                and not qk_norm)
+    def can_implement(
+        target: Target, cache_dtype: torch.dtype, tables: tuple[torch.Tensor, torch.Tensor] | None, qk_norm: bool
+    ) -> bool:
+        return target.native and cache_dtype == target.dtype == torch.float32 and tables is not None and not qk_norm
 
     def __init__(self, tables: tuple[torch.Tensor, torch.Tensor], num_heads: int, head_dim: int) -> None:
         self.cos, self.sin_signed = tables
         self.num_heads = num_heads
         self.head_dim = head_dim
 
-    def __call__(self, positions: torch.Tensor, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor | None:
         if not native.rotary_store_fits(qkv, positions, self.cos, k_cache, slot_mapping):
             return None
         native.rotary_store(qkv, positions, self.cos, self.sin_signed, k_cache, v_cache, slot_mapping, self.num_heads)
-        return qkv[:, :self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)
-
+        return qkv[:, : self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)

@@ -26,7 +26,7 @@ def _coefficients(weight: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     """[2, N]: the bound on row m's logit n is |x_m| c[0, n] + |dx_m| c[1, n] (plus the output
     rounding). `rounded` is the screen's weight in float32; it is overwritten."""
     rounded_norms = torch.linalg.vector_norm(rounded, dim=1)
-    accumulation = torch.linalg.vector_norm(weight, dim=1).mul_(weight.shape[1] * 2.0 ** -22)
+    accumulation = torch.linalg.vector_norm(weight, dim=1).mul_(weight.shape[1] * 2.0**-22)
     rounding = torch.linalg.vector_norm(rounded.sub_(weight), dim=1)
     return torch.stack([rounding.add_(accumulation), rounded_norms])
 
@@ -44,7 +44,7 @@ class ScreenedArgmax:
         xb = x.to(torch.bfloat16)
         logits = F.linear(xb, self.bf16).float()
         norms = torch.stack([x.norm(dim=1), (x - xb.float()).norm(dim=1)], dim=1)  # [M, 2]
-        slack = torch.addmm(logits.abs().mul_(2.0 ** -8), norms, self.coefficients)
+        slack = torch.addmm(logits.abs().mul_(2.0**-8), norms, self.coefficients)
         best = logits.argmax(dim=1, keepdim=True)
         lower = logits.gather(1, best) - slack.gather(1, best)
         rows, cols = (slack.add_(logits) >= lower).nonzero(as_tuple=True)

@@ -12,8 +12,8 @@ import torch
 class Target:
     device: torch.device
     dtype: torch.dtype  # the activations' (the model's dtype)
-    triton: bool        # the Triton kernels run: a CUDA device, or any while registry.FORCE_TRITON
-    native: bool        # the native CPU kernels (ember/cpu_native) are built and enabled, on a CPU device
+    triton: bool  # the Triton kernels run: a CUDA device, or any while registry.FORCE_TRITON
+    native: bool  # the native CPU kernels (ember/cpu_native) are built and enabled, on a CPU device
 
     @property
     def cpu(self) -> bool:

@@ -88,8 +88,7 @@ def quantize_fp8_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Te
 
 # --quantization methods -> quantizers. "fp8" is block-scaled, as fp8 checkpoints are stored today;
 # "ptpc_fp8" (vLLM's name: per-token activation, per-channel weight scales) keeps one scale per row.
-QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4, "fp8": quantize_fp8,
-              "ptpc_fp8": quantize_fp8_per_channel}
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4, "fp8": quantize_fp8, "ptpc_fp8": quantize_fp8_per_channel}
 
 
 # The method a `--quantization` method quantizes the LM head (and a tied embedding) with, where it differs:

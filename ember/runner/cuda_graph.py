@@ -25,9 +25,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 def decode_metadata(buffers: InputBuffers, batch: int, max_seq_len: int) -> AttentionMetadata:
     return AttentionMetadata(
-        slot_mapping=buffers.slot_mapping.dev[:batch], block_tables=buffers.block_tables.dev[:batch],
-        seq_lens=buffers.seq_lens.dev[:batch], query_start_loc=buffers.query_start_loc.dev[:batch + 1],
-        num_decodes=batch, max_query_len=0, max_seq_len=max_seq_len, seq_lens_host=[], query_start_host=[])
+        slot_mapping=buffers.slot_mapping.dev[:batch],
+        block_tables=buffers.block_tables.dev[:batch],
+        seq_lens=buffers.seq_lens.dev[:batch],
+        query_start_loc=buffers.query_start_loc.dev[: batch + 1],
+        num_decodes=batch,
+        max_query_len=0,
+        max_seq_len=max_seq_len,
+        seq_lens_host=[],
+        query_start_host=[],
+    )
 
 
 class DecodeGraphs:
@@ -48,8 +55,12 @@ class DecodeGraphs:
                 self.outputs[bs] = model(ids, pos, meta)
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for %d decode batch sizes (up to %d) in %.1fs",
-                    len(self.sizes), self.sizes[-1], time.monotonic() - start)
+        logger.info(
+            "captured CUDA graphs for %d decode batch sizes (up to %d) in %.1fs",
+            len(self.sizes),
+            self.sizes[-1],
+            time.monotonic() - start,
+        )
 
     def padded_size(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)

@@ -40,8 +40,15 @@ class InputBuffers:
         self.seq_lens = _Buffer((max_seqs,), torch.int32, device)
         self.query_start_loc = _Buffer((max_seqs + 1,), torch.int32, device)
         self.logits_indices = _Buffer((max_seqs,), torch.int64, device)
-        self._all = [self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.seq_lens,
-                     self.query_start_loc, self.logits_indices]
+        self._all = [
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.logits_indices,
+        ]
         self._turn = 0
 
     def next_set(self) -> None:

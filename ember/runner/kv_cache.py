@@ -14,8 +14,15 @@ from ember.model.llama import Attention
 
 
 class KVCache:
-    def __init__(self, layers: list[Attention], num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: list[Attention],
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.layers = layers
         self.block_shape = (block_size, num_kv_heads, head_dim)
         self.dtype = dtype

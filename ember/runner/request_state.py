@@ -86,8 +86,13 @@ class RequestStates:
             states[new.request_id] = RequestState.from_new(new, self.device)
         scheduled = []
         for request_id, computed, inflight, tokens, blocks in zip(
-                step.request_ids, step.num_computed_tokens, step.num_inflight_tokens, step.new_token_ids,
-                step.new_block_ids, strict=True):
+            step.request_ids,
+            step.num_computed_tokens,
+            step.num_inflight_tokens,
+            step.new_token_ids,
+            step.new_block_ids,
+            strict=True,
+        ):
             state = states[request_id]
             if tokens:
                 state.append_tokens(tokens)

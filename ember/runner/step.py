@@ -52,8 +52,15 @@ class StepDescription:
     def __len__(self) -> int:
         return len(self.request_ids)
 
-    def add(self, request_id: str, num_new_tokens: int, num_computed_tokens: int, num_inflight_tokens: int,
-            new_token_ids: list[int], new_block_ids: list[int]) -> None:
+    def add(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        num_inflight_tokens: int,
+        new_token_ids: list[int],
+        new_block_ids: list[int],
+    ) -> None:
         self.request_ids.append(request_id)
         self.num_new_tokens.append(num_new_tokens)
         self.num_computed_tokens.append(num_computed_tokens)

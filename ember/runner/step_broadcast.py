@@ -24,9 +24,9 @@ class StepHeader:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
-    padded: int         # CUDA graph batch size to replay, 0 for an eager forward
-    num_sample: int     # rows whose logits are computed for sampling
-    table_width: int    # block-table columns in use
+    padded: int  # CUDA graph batch size to replay, 0 for an eager forward
+    num_sample: int  # rows whose logits are computed for sampling
+    table_width: int  # block-table columns in use
     # per request wanting prompt logprobs: (first flat row, number of rows)
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
 
@@ -45,9 +45,15 @@ _HEADER_LEN = 2 + len(_SCALARS)  # kind, the scalars, number of prompt-row pairs
 
 def _payload_parts(h: StepHeader, b: InputBuffers) -> list[np.ndarray]:
     """Views of the host buffers a step reads, in the order they travel."""
-    return [b.input_ids.np[:h.tokens], b.positions.np[:h.tokens], b.slot_mapping.np[:h.tokens],
-            b.seq_lens.np[:h.rows], b.query_start_loc.np[:h.num_seqs + 1], b.logits_indices.np[:h.num_sample],
-            b.block_tables.np[:h.rows, :h.table_width]]
+    return [
+        b.input_ids.np[: h.tokens],
+        b.positions.np[: h.tokens],
+        b.slot_mapping.np[: h.tokens],
+        b.seq_lens.np[: h.rows],
+        b.query_start_loc.np[: h.num_seqs + 1],
+        b.logits_indices.np[: h.num_sample],
+        b.block_tables.np[: h.rows, : h.table_width],
+    ]
 
 
 def _broadcast(t: torch.Tensor) -> None:
@@ -81,7 +87,7 @@ def receive_step(buffers: InputBuffers) -> StepHeader | None:
     flat = payload.numpy()
     offset = 0
     for part, size in zip(parts, sizes):
-        part[...] = flat[offset:offset + size].reshape(part.shape)
+        part[...] = flat[offset : offset + size].reshape(part.shape)
         offset += size
     h.prompt_rows = [tuple(pair) for pair in flat[offset:].reshape(-1, 2).tolist()]
     return h

@@ -36,8 +36,13 @@ class PreparedStep:
     inflight_rows: list[tuple[int, RequestState]]  # (flat row, request) whose input token is still on the device
 
 
-def prepare_step(requests: list[RequestState], num_new_tokens: list[int], buffers: InputBuffers, block_size: int,
-                 graph_size: Callable[[int], int | None] | None) -> PreparedStep:
+def prepare_step(
+    requests: list[RequestState],
+    num_new_tokens: list[int],
+    buffers: InputBuffers,
+    block_size: int,
+    graph_size: Callable[[int], int | None] | None,
+) -> PreparedStep:
     """Fill the host buffers for this step's requests, each computing its `num_new_tokens` next tokens.
     `graph_size(num_seqs)` gives the captured CUDA graph size to pad a decode-only batch to (None: run
     eagerly)."""
@@ -64,9 +69,9 @@ def prepare_step(requests: list[RequestState], num_new_tokens: list[int], buffer
         else:
             max_query_len = max(max_query_len, n)
             p = np.arange(start, end)
-            ids[t:t + n] = req.token_ids[start:end]
-            pos[t:t + n] = p
-            slots[t:t + n] = tables[row, p // block_size] * block_size + p % block_size
+            ids[t : t + n] = req.token_ids[start:end]
+            pos[t : t + n] = p
+            slots[t : t + n] = tables[row, p // block_size] * block_size + p % block_size
         if req.sampling_params.prompt_logprobs is not None:
             last = min(end, req.num_prompt_tokens - 1)  # logits at position p predict prompt token p + 1
             if start < last:
@@ -85,8 +90,15 @@ def prepare_step(requests: list[RequestState], num_new_tokens: list[int], buffer
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = -1
         seq_lens[num_seqs:padded] = 1
-    header = StepHeader(num_tokens=num_tokens, num_seqs=num_seqs, num_decodes=num_decodes,
-                        max_query_len=max_query_len, max_seq_len=max_seq_len, padded=padded or 0,
-                        num_sample=len(samplers), table_width=-(-max_seq_len // block_size),
-                        prompt_rows=[(r.first_row, r.count) for r in prompt_rows])
+    header = StepHeader(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_decodes=num_decodes,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        padded=padded or 0,
+        num_sample=len(samplers),
+        table_width=-(-max_seq_len // block_size),
+        prompt_rows=[(r.first_row, r.count) for r in prompt_rows],
+    )
     return PreparedStep(header, samplers, prompt_rows, inflight)

@@ -30,8 +30,12 @@ class StepTimer:
         event.record()
         return event
 
-    def finished(self, start: torch.cuda.Event, end: torch.cuda.Event,
-                 mask_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+    def finished(
+        self,
+        start: torch.cuda.Event,
+        end: torch.cuda.Event,
+        mask_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+    ) -> None:
         """Account a step whose `end` event has completed (steps in launch order); `mask_wait`: its
         forward's end and the masks' arrival, for a step with grammar masks."""
         if self._last_end is not None:

@@ -23,8 +23,9 @@ _CHUNK_LENGTHS = (2, 3, 5, 9, 17, 33, 65, 129)  # query rows next_power_of_2(len
 _FIRST_ROW_BUCKET = 256  # the largest decode batch CUDA graphs capture: smaller row counts are compiled then
 
 
-def _add_request(step: StepDescription, name: str, num_tokens: int, num_computed: int, block_size: int,
-                 first_block: int) -> int:
+def _add_request(
+    step: StepDescription, name: str, num_tokens: int, num_computed: int, block_size: int, first_block: int
+) -> int:
     """Schedule a new greedy request of `num_tokens` zeros, all but the first `num_computed` of them
     computed in this step, over consecutive blocks from `first_block`; returns its number of blocks."""
     num_blocks = -(-num_tokens // block_size)
@@ -33,8 +34,9 @@ def _add_request(step: StepDescription, name: str, num_tokens: int, num_computed
     return num_blocks
 
 
-def warm_up_batches(block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    max_model_len: int) -> list[StepDescription]:
+def warm_up_batches(
+    block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+) -> list[StepDescription]:
     """One batch per chunk length: a decode over one block of context (when two sequences fit in a
     batch), and a chunk after one block of context; within the scheduler's limits. Block contents
     are whatever the pool holds: only the kernels' compilation matters."""
@@ -51,8 +53,9 @@ def warm_up_batches(block_size: int, num_blocks: int, max_num_seqs: int, max_num
     return batches + _row_bucket_batches(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len)
 
 
-def _row_bucket_batches(block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                        max_model_len: int) -> list[StepDescription]:
+def _row_bucket_batches(
+    block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+) -> list[StepDescription]:
     """Fresh prefills of 2^k + 1 tokens in all for each power of two 2^k from _FIRST_ROW_BUCKET on that
     leaves a larger batch possible (the start-up forward covers the full one), cut into sequences of
     at most max_model_len tokens. They all write the same blocks: only the kernels' compilation matters."""

@@ -33,7 +33,9 @@ def _float(name: str, value: object) -> float:
     try:
         value = float(value)
     except OverflowError:  # an int past float's range
-        raise ValueError(f"{name} must be finite, got an integer of {int(math.trunc(value)).bit_length()} bits") from None
+        raise ValueError(
+            f"{name} must be finite, got an integer of {int(math.trunc(value)).bit_length()} bits"
+        ) from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
@@ -122,18 +124,14 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}"
-            )
+            raise ValueError(f"min_tokens must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}")
 
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
 
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
-        self.include_stop_str_in_output = _bool(
-            "include_stop_str_in_output", self.include_stop_str_in_output
-        )
+        self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
 
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -59,8 +59,13 @@ class SamplingBatch:
     @property
     def argmax_only(self) -> bool:
         """Every row takes its largest raw logit and reports nothing else: the logits themselves are not needed."""
-        return (self.all_greedy and self.penalties is None and self.min_tokens_mask is None
-                and self.max_num_logprobs is None and self.token_bitmask is None)
+        return (
+            self.all_greedy
+            and self.penalties is None
+            and self.min_tokens_mask is None
+            and self.max_num_logprobs is None
+            and self.token_bitmask is None
+        )
 
     @classmethod
     def build(
@@ -101,15 +106,12 @@ class SamplingBatch:
 
         temperature = None
         if any(p.temperature != 1.0 for p in random_params):
-            temperature = per_row(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32
-            )
+            temperature = per_row([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)
 
         top_k = None
         if any(0 < p.top_k < vocab_size for p in random_params):
             top_k = per_row(
-                [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size)
-                 for p, g in zip(params, greedy)],
+                [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)],
                 torch.int64,
             )
 
@@ -122,19 +124,14 @@ class SamplingBatch:
             min_p = per_row([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
 
         penalties = None
-        if any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-            for p in params
-        ):
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0 for p in params):
             needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
             penalties = Penalties(
                 presence=per_row([p.presence_penalty for p in params], torch.float32),
                 frequency=per_row([p.frequency_penalty for p in params], torch.float32),
                 repetition=per_row([p.repetition_penalty for p in params], torch.float32),
                 output_token_ids=_pad_token_ids(output_token_ids, vocab_size, device),
-                prompt_token_ids=(
-                    _pad_token_ids(prompt_token_ids, vocab_size, device) if needs_prompt else None
-                ),
+                prompt_token_ids=(_pad_token_ids(prompt_token_ids, vocab_size, device) if needs_prompt else None),
             )
 
         mask_rows: list[int] = []
@@ -163,11 +160,7 @@ class SamplingBatch:
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
-            generators={
-                row: gen
-                for row, (gen, g) in enumerate(zip(generators, greedy))
-                if gen is not None and not g
-            },
+            generators={row: gen for row, (gen, g) in enumerate(zip(generators, greedy)) if gen is not None and not g},
             penalties=penalties,
             min_tokens_mask=min_tokens_mask,
             max_num_logprobs=max(requested) if requested else None,
@@ -196,9 +189,7 @@ def _pad_token_ids(rows: list[list[int]], vocab_size: int, device: torch.device)
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[N, L] padded ids -> [N, V] occurrence counts."""
-    counts = torch.zeros(
-        token_ids.shape[0], vocab_size + 1, dtype=torch.int32, device=token_ids.device
-    )
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int32, device=token_ids.device)
     counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.int32))
     return counts[:, :vocab_size]
 
@@ -258,9 +249,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 TOP_CANDIDATES = 1024
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask everything outside each row's top-k and then its top-p nucleus.
 
     Tries the `TOP_CANDIDATES` largest logits first; only when some row's nucleus may extend past
@@ -294,8 +283,11 @@ def _top_k_top_p_candidates(
     if top_p is not None:
         kept = values.masked_fill(~keep, float("-inf"))
         # Probabilities renormalised over what top-k kept (the whole vocabulary without top-k).
-        log_norm = torch.where(k_on.unsqueeze(1), torch.logsumexp(kept, dim=-1, keepdim=True),
-                               torch.logsumexp(logits, dim=-1, keepdim=True))
+        log_norm = torch.where(
+            k_on.unsqueeze(1),
+            torch.logsumexp(kept, dim=-1, keepdim=True),
+            torch.logsumexp(logits, dim=-1, keepdim=True),
+        )
         probs = (kept - log_norm).exp()
         if num < vocab_size and bool((p_on & ~k_on & (probs.sum(dim=-1) < top_p)).any()):
             return None  # some nucleus reaches past the candidates
@@ -386,9 +378,7 @@ class Sampler:
         otherwise `pick` applies it, so this part may run while the mask is still being filled."""
         # vLLM reports logprobs of the model's own distribution, before any sampling transform.
         raw_logprobs = (
-            torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-            if batch.max_num_logprobs is not None
-            else None
+            torch.log_softmax(logits, dim=-1, dtype=torch.float32) if batch.max_num_logprobs is not None else None
         )
         logits = apply_min_tokens(logits, batch)
         logits = apply_penalties(logits, batch)

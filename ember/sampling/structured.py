@@ -39,7 +39,7 @@ GRAMMAR_FAILED = "structured output failed"
 
 # A think block first (any text, up to the first </think>, which the lazy match stops at), then the
 # constraint. Whitespace between the two is free: models put newlines there.
-_THINK_FIRST = 'start: think WS? @answer\nthink[lazy]: /(?s:.*)<\\/think>/\nWS: /[ \\t\\r\\n]+/\n'
+_THINK_FIRST = "start: think WS? @answer\nthink[lazy]: /(?s:.*)<\\/think>/\nWS: /[ \\t\\r\\n]+/\n"
 
 
 @dataclass
@@ -60,12 +60,19 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         set_fields = [name for name in _KINDS if getattr(self, name) not in (None, False)]
         if len(set_fields) != 1:
-            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
-                             f"got {set_fields or 'none'}")
+            raise ValueError(
+                "structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
+                f"got {set_fields or 'none'}"
+            )
         kind = set_fields[0]
         value = getattr(self, kind)
-        types: dict[str, type | tuple[type, ...]] = {"json": (str, dict), "regex": str, "choice": list, "grammar": str,
-                                                     "json_object": bool}
+        types: dict[str, type | tuple[type, ...]] = {
+            "json": (str, dict),
+            "regex": str,
+            "choice": list,
+            "grammar": str,
+            "json_object": bool,
+        }
         expected = types[kind]
         if not isinstance(value, expected):
             raise ValueError(f"structured_outputs.{kind}: wrong type {type(value).__name__}")
@@ -102,11 +109,10 @@ def _constraint_source(params: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
             assert params.choice is not None
-            return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in params.choice))
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
         assert params.grammar is not None
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
-    except Exception as e:  # the GBNF converter raises a bare Exception ("No 'root' rule found")
+    except Exception as e:  # noqa: BLE001 - the GBNF converter raises a bare Exception ("No 'root' rule found")
         raise ValueError(f"structured_outputs.{kind}: {e}") from None
 
 

@@ -37,10 +37,16 @@ def build_app(settings: ServerSettings, engine: AsyncLLM | None = None) -> FastA
         await state.close()
 
     docs = settings.fastapi_docs
-    app = FastAPI(title="Ember", version=ember.__version__, lifespan=lifespan,
-                  description="The OpenAI-compatible API of Ember, an LLM inference engine",
-                  openapi_url="/openapi.json" if docs else None, docs_url="/docs" if docs else None,
-                  redoc_url="/redoc" if docs else None, separate_input_output_schemas=False)
+    app = FastAPI(
+        title="Ember",
+        version=ember.__version__,
+        lifespan=lifespan,
+        description="The OpenAI-compatible API of Ember, an LLM inference engine",
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        separate_input_output_schemas=False,
+    )
     app.state.ember = state
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

@@ -51,31 +51,59 @@ class _Default:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help=f"HF model directory, .gguf file, or '{DEFAULT_MODEL}' (default)")
+    parser.add_argument(
+        "model", nargs="?", default=None, help=f"HF model directory, .gguf file, or '{DEFAULT_MODEL}' (default)"
+    )
     g = parser.add_argument_group("server")
     g.add_argument("--config", default=None, help="YAML file of flags (dashes or underscores); the command line wins")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model path)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $EMBER_API_KEY)")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 429 once this many requests wait for the engine (default: no limit)")
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 429 once this many requests wait for the engine (default: no limit)",
+    )
     g.add_argument("--max-request-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
-    g.add_argument("--log-requests", action="store_true",
-                   help="log one line per request: ids, timings, token counts, sampling parameters (no text)")
-    g.add_argument("--log-request-text", action="store_true",
-                   help="let prompts, outputs and error messages reach the logs (off: they never do)")
-    g.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
-                   help="uvicorn's own log level (Ember's: $EMBER_LOGGING_LEVEL)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM/SIGINT")
-    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="how tool calls appear in the model's answers (default: from the chat template)")
-    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                   help="move the answer's <think>...</think> part into reasoning_content")
-    g.add_argument("--disable-fastapi-docs", action="store_true",
-                   help="serve no /openapi.json, /docs (Swagger UI) or /redoc")
+    g.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log one line per request: ids, timings, token counts, sampling parameters (no text)",
+    )
+    g.add_argument(
+        "--log-request-text",
+        action="store_true",
+        help="let prompts, outputs and error messages reach the logs (off: they never do)",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=UVICORN_LOG_LEVELS,
+        help="uvicorn's own log level (Ember's: $EMBER_LOGGING_LEVEL)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM/SIGINT",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how tool calls appear in the model's answers (default: from the chat template)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="move the answer's <think>...</think> part into reasoning_content",
+    )
+    g.add_argument(
+        "--disable-fastapi-docs", action="store_true", help="serve no /openapi.json, /docs (Swagger UI) or /redoc"
+    )
     EngineArgs.add_cli_args(parser)
     for action in parser._actions:
         if action.default is not argparse.SUPPRESS:
@@ -114,8 +142,9 @@ def _read_config(path: str) -> dict[str, Any]:
     return {d: v.value if isinstance(v, _Default) else v for d, v in parsed.items() if d in dests}
 
 
-def mapping_to_argv(parser: argparse.ArgumentParser, config: dict[str, Any],
-                    source: str) -> tuple[list[str], list[str]]:
+def mapping_to_argv(
+    parser: argparse.ArgumentParser, config: dict[str, Any], source: str
+) -> tuple[list[str], list[str]]:
     """`{flag_name: value}` (dashes or underscores) as the command line that gives those values (and
     the destinations it sets), so a mapping (a YAML file, a Ray Serve application's args) gets the
     parser's checks like typed flags."""
@@ -151,10 +180,16 @@ def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettin
         raise ValueError(f"shutdown_timeout must be >= 0, got {ns.shutdown_timeout}")
     args = EngineArgs.from_cli_args(ns)
     root = args.model or DEFAULT_MODEL
-    settings = ServerSettings(model_name=ns.served_model_name or root, model_root=root,
-                              api_key=ns.api_key or os.environ.get("EMBER_API_KEY") or None,
-                              max_body_bytes=ns.max_request_body_bytes, log_requests=ns.log_requests,
-                              log_request_text=ns.log_request_text,
-                              shutdown_timeout=ns.shutdown_timeout, tool_call_parser=ns.tool_call_parser,
-                              reasoning_parser=ns.reasoning_parser, fastapi_docs=not ns.disable_fastapi_docs)
+    settings = ServerSettings(
+        model_name=ns.served_model_name or root,
+        model_root=root,
+        api_key=ns.api_key or os.environ.get("EMBER_API_KEY") or None,
+        max_body_bytes=ns.max_request_body_bytes,
+        log_requests=ns.log_requests,
+        log_request_text=ns.log_request_text,
+        shutdown_timeout=ns.shutdown_timeout,
+        tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
+        fastapi_docs=not ns.disable_fastapi_docs,
+    )
     return args, settings

@@ -62,8 +62,15 @@ from ember.tokenizer import Tokenizer
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
 
-@router.post("/v1/chat/completions", **route_docs(body=ChatCompletionRequest, response=ChatCompletionResponse,
-                                                  stream_chunk=ChatCompletionChunk, errors=GENERATION_ERRORS))
+@router.post(
+    "/v1/chat/completions",
+    **route_docs(
+        body=ChatCompletionRequest,
+        response=ChatCompletionResponse,
+        stream_chunk=ChatCompletionChunk,
+        errors=GENERATION_ERRORS,
+    ),
+)
 async def create_chat_completion(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> Response:
     body = await read_body(request, ChatCompletionRequest)
     chat = await _start(get_state(request), engine, body)
@@ -83,8 +90,10 @@ async def _start(state: ServerState, engine: AsyncLLM, body: ChatCompletionReque
     tools = body.tool_dicts()
     if mode is not None and mode.kind != "auto":
         if params.structured_outputs is not None:
-            raise bad_request("tool_choice: a required or named tool cannot be combined with response_format or "
-                              "structured_outputs", "tool_choice")
+            raise bad_request(
+                "tool_choice: a required or named tool cannot be combined with response_format or structured_outputs",
+                "tool_choice",
+            )
         assert tools is not None  # a tool mode implies tools (_tool_mode)
         params.structured_outputs = tool_constraint(tools, mode, body.parallel_tool_calls)
         assert params.structured_outputs is not None  # required and named modes always constrain
@@ -115,24 +124,32 @@ def _tool_mode(body: ChatCompletionRequest, state: ServerState, tokenizer: Token
         assert body.tools is not None and not isinstance(choice, str)  # tool_dicts() is None otherwise
         names = [t.function.name for t in body.tools]
         if choice.function.name not in names:
-            raise bad_request(f"tool_choice: function {choice.function.name!r} is not among the tools {names}",
-                              "tool_choice")
+            raise bad_request(
+                f"tool_choice: function {choice.function.name!r} is not among the tools {names}", "tool_choice"
+            )
         return ToolMode("named", function=choice.function.name)
     parser = state.settings.tool_call_parser or parser_for_template(tokenizer.chat_template)
     if parser is None:
-        raise bad_request("tool_choice: 'auto' needs to know how this model writes tool calls, and its chat "
-                          "template does not say; start the server with --tool-call-parser, or use 'required' "
-                          "or a named function", "tool_choice")
+        raise bad_request(
+            "tool_choice: 'auto' needs to know how this model writes tool calls, and its chat "
+            "template does not say; start the server with --tool-call-parser, or use 'required' "
+            "or a named function",
+            "tool_choice",
+        )
     return ToolMode("auto", fmt=TOOL_PARSERS[parser])
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                add_special_tokens: bool, variables: dict[str, Any] | None = None) -> dict[str, Any]:
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+    variables: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Template and tokenize off the event loop: a long conversation takes milliseconds. `variables`
     (tools, chat_template_kwargs) reach the template beside its standard ones."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             variables=variables)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, variables=variables)
     except ValueError as e:  # a bad role or content part, or the template itself refused
         error = value_error(e, ChatCompletionRequest)
         error.info.param = error.info.param or "messages"
@@ -148,8 +165,16 @@ def _top_logprob(token_id: int, lp: Logprob, tokenizer: Tokenizer) -> TopLogprob
 class _ChatCompletion:
     """One chat request's engine run, and how its outputs become chat choices or stream chunks."""
 
-    def __init__(self, state: ServerState, engine: AsyncLLM, body: ChatCompletionRequest, params: SamplingParams,
-                 tokenizer: Tokenizer, prompt: dict[str, Any], tools: ToolMode | None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        engine: AsyncLLM,
+        body: ChatCompletionRequest,
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        prompt: dict[str, Any],
+        tools: ToolMode | None,
+    ) -> None:
         self.state = state
         self.body = body
         self.params = params
@@ -169,14 +194,18 @@ class _ChatCompletion:
         content = []
         for tid, entries in zip(token_ids, lps):
             top = sorted(((t, lp) for t, lp in entries.items() if lp.rank <= self.top_n), key=lambda e: e[1].rank)
-            content.append(ChatTokenLogprob(
-                **_top_logprob(tid, entries[tid], self.tokenizer).model_dump(),
-                top_logprobs=[_top_logprob(t, lp, self.tokenizer) for t, lp in top]))
+            content.append(
+                ChatTokenLogprob(
+                    **_top_logprob(tid, entries[tid], self.tokenizer).model_dump(),
+                    top_logprobs=[_top_logprob(t, lp, self.tokenizer) for t, lp in top],
+                )
+            )
         return ChatLogprobs(content=content)
 
     def chunk(self, choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.rid, model=self.state.settings.model_name,
-                                   choices=[choice] if choice else [], usage=usage)
+        return ChatCompletionChunk(
+            id=self.rid, model=self.state.settings.model_name, choices=[choice] if choice else [], usage=usage
+        )
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         for idx in range(self.params.n):
@@ -204,8 +233,13 @@ class _ChatCompletion:
             if tail is not None:
                 yield ChatChunkChoice(index=o.index, delta=tail)
             lps = self._unsent_logprobs(o)
-            yield ChatChunkChoice(index=o.index, delta=DeltaMessage(), finish_reason=self._finish_reason(o),
-                                  stop_reason=o.stop_reason, logprobs=lps if lps and lps.content else None)
+            yield ChatChunkChoice(
+                index=o.index,
+                delta=DeltaMessage(),
+                finish_reason=self._finish_reason(o),
+                stop_reason=o.stop_reason,
+                logprobs=lps if lps and lps.content else None,
+            )
 
     def _delta(self, index: int, text: str, final: bool) -> DeltaMessage | None:
         """A choice's new text as a delta (None when it holds nothing to send)."""
@@ -215,8 +249,10 @@ class _ChatCompletion:
         d = (answer.feed(text) + answer.finish()) if final else answer.feed(text)
         if not (d.content or d.reasoning or d.tool_calls):
             return None
-        calls = [DeltaToolCall(index=c.index, id=c.id, function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
-                 for c in d.tool_calls]
+        calls = [
+            DeltaToolCall(index=c.index, id=c.id, function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+            for c in d.tool_calls
+        ]
         return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
 
     def _finish_reason(self, o: CompletionOutput) -> str | None:
@@ -235,14 +271,24 @@ class _ChatCompletion:
         answer = self._answers[o.index]
         d: AnswerDelta = answer.feed(o.text) + answer.finish()
         calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in answer.calls]
-        return AssistantMessage(content=d.content if d.content or not calls else None,
-                                reasoning_content=d.reasoning if answer.thought or d.reasoning else None,
-                                tool_calls=calls or None)
+        return AssistantMessage(
+            content=d.content if d.content or not calls else None,
+            reasoning_content=d.reasoning if answer.thought or d.reasoning else None,
+            tool_calls=calls or None,
+        )
 
     def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
         out = finals[0]
-        choices = [ChatChoice(index=o.index, message=self._message(o),
-                              logprobs=self.logprobs(o.token_ids, o.logprobs), finish_reason=self._finish_reason(o),
-                              stop_reason=o.stop_reason) for o in out.outputs]
-        return ChatCompletionResponse(id=self.rid, model=self.state.settings.model_name, choices=choices,
-                                      usage=usage(finals))
+        choices = [
+            ChatChoice(
+                index=o.index,
+                message=self._message(o),
+                logprobs=self.logprobs(o.token_ids, o.logprobs),
+                finish_reason=self._finish_reason(o),
+                stop_reason=o.stop_reason,
+            )
+            for o in out.outputs
+        ]
+        return ChatCompletionResponse(
+            id=self.rid, model=self.state.settings.model_name, choices=choices, usage=usage(finals)
+        )

@@ -38,9 +38,15 @@ def tool_constraint(tools: list[dict[str, Any]], mode: ToolMode, parallel: bool)
         return StructuredOutputsParams(json=schemas[mode.function])
     if mode.kind != "required":
         return None
-    call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-             "required": ["name", "parameters"], "additionalProperties": False}
-            for name, schema in schemas.items()]
+    call = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": schema},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, schema in schemas.items()
+    ]
     array = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
     if not parallel:
         array["maxItems"] = 1
@@ -54,8 +60,9 @@ class AnswerDelta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def __add__(self, other: AnswerDelta) -> AnswerDelta:
-        return AnswerDelta(self.reasoning + other.reasoning, self.content + other.content,
-                           self.tool_calls + other.tool_calls)
+        return AnswerDelta(
+            self.reasoning + other.reasoning, self.content + other.content, self.tool_calls + other.tool_calls
+        )
 
 
 class AnswerParser:
@@ -113,9 +120,16 @@ class AnswerParser:
         if not final:
             return AnswerDelta()
         self._required = _required_calls(self._forced)
-        return AnswerDelta(tool_calls=[d for i, call in enumerate(self._required)
-                                       for d in (ToolCallDelta(i, id=call.id, name=call.name, arguments=""),
-                                                 ToolCallDelta(i, arguments=call.arguments))])
+        return AnswerDelta(
+            tool_calls=[
+                d
+                for i, call in enumerate(self._required)
+                for d in (
+                    ToolCallDelta(i, id=call.id, name=call.name, arguments=""),
+                    ToolCallDelta(i, arguments=call.arguments),
+                )
+            ]
+        )
 
 
 def _required_calls(answer: str) -> list[ToolCall]:

@@ -37,8 +37,12 @@ from ember.server.state import ServerState, get_state
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
 
-@router.post("/v1/completions", **route_docs(body=CompletionRequest, response=CompletionResponse,
-                                             stream_chunk=CompletionResponse, errors=GENERATION_ERRORS))
+@router.post(
+    "/v1/completions",
+    **route_docs(
+        body=CompletionRequest, response=CompletionResponse, stream_chunk=CompletionResponse, errors=GENERATION_ERRORS
+    ),
+)
 async def create_completion(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> Response:
     body = await read_body(request, CompletionRequest)
     completion = await _start(get_state(request), engine, body)
@@ -67,8 +71,9 @@ def _prompts(body: CompletionRequest) -> list[Any]:
 class _Completion:
     """One completion request's engine run, and how its outputs become choices or stream chunks."""
 
-    def __init__(self, state: ServerState, engine: AsyncLLM, body: CompletionRequest, params: SamplingParams,
-                 prompts: list[Any]) -> None:
+    def __init__(
+        self, state: ServerState, engine: AsyncLLM, body: CompletionRequest, params: SamplingParams, prompts: list[Any]
+    ) -> None:
         self.state = state
         self.engine = engine
         self.body = body
@@ -87,8 +92,13 @@ class _Completion:
         tokenizer = require_tokenizer(self.engine)
         return tokenizer.decode(out.prompt_token_ids, skip_special_tokens=self.params.skip_special_tokens)
 
-    def logprobs(self, token_ids: list[int], lps: Sequence[dict[int, Logprob] | None] | None, offset: int,
-                 result: CompletionLogprobs | None = None) -> tuple[CompletionLogprobs | None, int]:
+    def logprobs(
+        self,
+        token_ids: list[int],
+        lps: Sequence[dict[int, Logprob] | None] | None,
+        offset: int,
+        result: CompletionLogprobs | None = None,
+    ) -> tuple[CompletionLogprobs | None, int]:
         """Append these tokens' logprobs to `result` (a new one if None); return it and the next text offset."""
         if lps is None:
             return result, offset
@@ -128,8 +138,12 @@ class _Completion:
                 if choice is not None:
                     yield CompletionResponse(id=self.rid, model=self.state.settings.model_name, choices=[choice])
         if self.body.include_usage:
-            yield CompletionResponse(id=self.rid, model=self.state.settings.model_name, choices=[],
-                                     usage=usage(cast(list[RequestOutput], self.gen.final)))  # all set by now
+            yield CompletionResponse(
+                id=self.rid,
+                model=self.state.settings.model_name,
+                choices=[],
+                usage=usage(cast(list[RequestOutput], self.gen.final)),
+            )  # all set by now
 
     def _chunk_choice(self, idx: int, out: RequestOutput, o: CompletionOutput) -> CompletionChoice | None:
         """Choice `idx`'s news since its last chunk, or None if there is none."""
@@ -147,13 +161,15 @@ class _Completion:
         # Tokens whose text is held back (an unfinished character, a possible stop string, no
         # tokenizer) still get a chunk, as in vLLM, so clients see progress token by token.
         start = self._sent_tokens.get(idx, 0)
-        lps, self._offsets[idx] = self.logprobs(o.token_ids[start:], logprobs_since(o, start), self._offsets[idx],
-                                                prompt_lps)
+        lps, self._offsets[idx] = self.logprobs(
+            o.token_ids[start:], logprobs_since(o, start), self._offsets[idx], prompt_lps
+        )
         self._sent_tokens[idx] = len(o.token_ids)
         if o.finish_reason is not None:
             self._done.add(idx)
-        return CompletionChoice(index=idx, text=text, logprobs=lps, finish_reason=o.finish_reason,
-                                stop_reason=o.stop_reason)
+        return CompletionChoice(
+            index=idx, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason
+        )
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
@@ -161,8 +177,15 @@ class _Completion:
             prefix = self.prompt_text(out) if self.body.echo else ""
             for o in out.outputs:
                 lps, _ = self.logprobs(o.token_ids, o.logprobs, len(prefix), self.echoed_logprobs(out)[0])
-                choices.append(CompletionChoice(index=i * self.params.n + o.index, text=prefix + o.text,
-                                                logprobs=lps, finish_reason=o.finish_reason,
-                                                stop_reason=o.stop_reason))
-        return CompletionResponse(id=self.rid, model=self.state.settings.model_name, choices=choices,
-                                  usage=usage(finals))
+                choices.append(
+                    CompletionChoice(
+                        index=i * self.params.n + o.index,
+                        text=prefix + o.text,
+                        logprobs=lps,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                )
+        return CompletionResponse(
+            id=self.rid, model=self.state.settings.model_name, choices=choices, usage=usage(finals)
+        )

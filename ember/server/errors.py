@@ -33,8 +33,15 @@ RETRY_AFTER_UNAVAILABLE_S = 5
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
@@ -50,11 +57,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def unavailable(message: str) -> APIError:
-    return APIError(503, message, "service_unavailable", code="service_unavailable",
-                    headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+    return APIError(
+        503,
+        message,
+        "service_unavailable",
+        code="service_unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)},
+    )
 
 
 # ---- exception handlers -------------------------------------------------------------------
+
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
@@ -62,8 +75,9 @@ async def api_error_handler(request: Request, exc: Exception) -> Response:
     if settings.log_requests and not exc.logged:
         # The message often quotes the request (a bad role, a stop string): only with --log-request-text.
         detail = f": {exc}" if settings.log_request_text else ""
-        logger.info("request %s %s rejected (%d %s)%s", request.method, request.url.path, exc.status, exc.info.type,
-                    detail)
+        logger.info(
+            "request %s %s rejected (%d %s)%s", request.method, request.url.path, exc.status, exc.info.type, detail
+        )
     return exc.response()
 
 
@@ -110,8 +124,13 @@ def value_error(e: ValueError, model: type[BaseModel]) -> APIError:
 
 def engine_error(e: Exception, state: ServerState, model: type[BaseModel]) -> APIError:
     if isinstance(e, QueueFullError):
-        return APIError(429, f"The server is busy: {e}", "rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
+        return APIError(
+            429,
+            f"The server is busy: {e}",
+            "rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)},
+        )
     if isinstance(e, ValueError):
         return value_error(e, model)
     if isinstance(e, EngineDeadError):

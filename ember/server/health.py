@@ -19,8 +19,7 @@ from ember.server.state import get_state
 router = APIRouter()
 
 
-@router.get("/health", **route_docs(success={"description": "The engine is ready (an empty body)"},
-                                   errors=[503]))
+@router.get("/health", **route_docs(success={"description": "The engine is ready (an empty body)"}, errors=[503]))
 async def health(request: Request) -> Response:
     try:
         available_engine(get_state(request))
@@ -34,9 +33,15 @@ async def version() -> dict[str, str]:
     return {"version": ember.__version__}
 
 
-@router.get("/metrics", **route_docs(success={
-    "description": "Prometheus metrics (empty while the model loads)",
-    "content": {"text/plain": {"schema": {"type": "string"}}}}))
+@router.get(
+    "/metrics",
+    **route_docs(
+        success={
+            "description": "Prometheus metrics (empty while the model loads)",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    ),
+)
 async def metrics(request: Request) -> Response:
     engine = get_state(request).engine
     body = prometheus_client.generate_latest(engine.metrics_registry) if engine is not None else b""

@@ -18,8 +18,9 @@ from ember.server.args import add_serve_args, resolve_args, settings_from_args
 def bind_socket(host: str, port: int) -> socket.socket:
     """The server's listening socket, bound; a ValueError saying why when it cannot be (port taken)."""
     try:
-        family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                           flags=socket.AI_PASSIVE)[0]
+        family, type_, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, type_, proto)
     except OSError as e:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

@@ -34,8 +34,9 @@ router = APIRouter(dependencies=[Depends(check_api_key)])
 async def list_models(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> ModelList:
     state = get_state(request)
     s = state.settings
-    return ModelList(data=[ModelCard(id=s.model_name, created=state.created, root=s.model_root,
-                                     max_model_len=engine.max_model_len)])
+    return ModelList(
+        data=[ModelCard(id=s.model_name, created=state.created, root=s.model_root, max_model_len=engine.max_model_len)]
+    )
 
 
 @router.post("/tokenize", **route_docs(body=TokenizeRequest, response=TokenizeResponse, errors=BODY_ERRORS))
@@ -47,8 +48,9 @@ async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -
     if body.messages is not None:
         messages = template_messages(body.messages)
         add_special = bool(body.add_special_tokens)
-        ids = (await asyncio.to_thread(render_chat, tokenizer, messages, body.add_generation_prompt,
-                                       add_special))["prompt_token_ids"]
+        ids = (await asyncio.to_thread(render_chat, tokenizer, messages, body.add_generation_prompt, add_special))[
+            "prompt_token_ids"
+        ]
     else:
         assert body.prompt is not None  # exactly one of prompt and messages, checked above
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -56,8 +58,7 @@ async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 
 
-@router.post("/detokenize", **route_docs(body=DetokenizeRequest, response=DetokenizeResponse,
-                                          errors=BODY_ERRORS))
+@router.post("/detokenize", **route_docs(body=DetokenizeRequest, response=DetokenizeResponse, errors=BODY_ERRORS))
 async def detokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> DetokenizeResponse:
     body = await read_body(request, DetokenizeRequest)
     tokenizer = require_tokenizer(engine)

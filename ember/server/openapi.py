@@ -41,7 +41,7 @@ ERROR_DESCRIPTIONS = {
     429: "The engine's queue is full (--max-waiting-requests); retry after Retry-After seconds",
     500: "Internal error: a request failed inside the engine, or a bug",
     503: "The model is still loading, the engine is not running, or the server is shutting down; "
-         "retry after Retry-After seconds",
+    "retry after Retry-After seconds",
 }
 # The groups of errors the routes share (see plumbing.py and errors.py for where each comes from).
 ENGINE_ERRORS = (401, 500, 503)  # behind the API key, needs the loaded engine
@@ -75,9 +75,14 @@ def error_responses(statuses: Iterable[int]) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[s]} for s in sorted(statuses)}
 
 
-def route_docs(*, body: type[BaseModel] | None = None, response: type[BaseModel] | None = None,
-               stream_chunk: type[BaseModel] | None = None, errors: Iterable[int] = (),
-               success: dict[str, Any] | None = None) -> dict[str, Any]:
+def route_docs(
+    *,
+    body: type[BaseModel] | None = None,
+    response: type[BaseModel] | None = None,
+    stream_chunk: type[BaseModel] | None = None,
+    errors: Iterable[int] = (),
+    success: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The keyword arguments of a route decorator that document it.
 
     body: the JSON request body's model; the route reads it with `read_body`.
@@ -96,22 +101,38 @@ def route_docs(*, body: type[BaseModel] | None = None, response: type[BaseModel]
         kwargs["response_class"] = Response
         responses[200] = success
     if stream_chunk is not None:
-        responses[200] = {"content": {"text/event-stream": {"itemSchema": _event_schema(stream_chunk)}},
-                          "description": "The answer as JSON, or with `\"stream\": true` as server-sent events"}
+        responses[200] = {
+            "content": {"text/event-stream": {"itemSchema": _event_schema(stream_chunk)}},
+            "description": 'The answer as JSON, or with `"stream": true` as server-sent events',
+        }
     if body is not None:
-        kwargs["openapi_extra"] = {"requestBody": {
-            "required": True, "content": {"application/json": {"schema": _ref(body)}}}}
+        kwargs["openapi_extra"] = {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
+        }
     return kwargs
 
 
 def _event_schema(chunk: type[BaseModel]) -> dict[str, Any]:
     """One server-sent event of a stream (the `itemSchema` of OpenAPI 3.2, as FastAPI writes it)."""
-    return {"type": "object", "required": ["data"], "properties": {
-        "data": {"anyOf": [
-            {"type": "string", "contentMediaType": "application/json",
-             "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}},
-            {"const": "[DONE]", "description": "The stream's last event"}]},
-        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer", "minimum": 0}}}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]},
+                    },
+                    {"const": "[DONE]", "description": "The stream's last event"},
+                ]
+            },
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer", "minimum": 0},
+        },
+    }
 
 
 def install(app: FastAPI, *, api_key: bool) -> None:

@@ -45,14 +45,20 @@ MAX_JSON_DEPTH = 100
 
 # ---- access -------------------------------------------------------------------------------
 
+
 async def check_api_key(request: Request) -> None:
     key = get_state(request).settings.api_key
     if key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'",
-                       "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401,
+            "Invalid or missing API key; send 'Authorization: Bearer <key>'",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def available_engine(state: ServerState) -> AsyncLLM:
@@ -72,6 +78,7 @@ async def ready_engine(request: Request) -> AsyncLLM:
 
 # ---- request bodies -----------------------------------------------------------------------
 
+
 def validate_body(state: ServerState, data: Any, model: type[M]) -> M:
     """A decoded JSON body as `model`, or the 400 (wrong fields or types) or 404 (another model's name)
     that the server answers for it. Shared with `ember run-batch`, which has bodies but no HTTP request."""
@@ -90,8 +97,9 @@ def validate_body(state: ServerState, data: Any, model: type[M]) -> M:
 
 async def _read_body_bytes(request: Request) -> bytearray:
     limit = get_state(request).settings.max_body_bytes
-    too_large = APIError(413, f"Request body is larger than {limit} bytes", "invalid_request_error",
-                         code="request_too_large")
+    too_large = APIError(
+        413, f"Request body is larger than {limit} bytes", "invalid_request_error", code="request_too_large"
+    )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
@@ -170,13 +178,15 @@ async def sampling_params(body: CompletionRequest | ChatCompletionRequest, engin
             err.info.param = "max_completion_tokens"
         raise err from None
     if params.structured_outputs is not None:
-        await check_constraint(engine, params.structured_outputs, body.constraint_field(params.structured_outputs),
-                               type(body))
+        await check_constraint(
+            engine, params.structured_outputs, body.constraint_field(params.structured_outputs), type(body)
+        )
     return params
 
 
-async def check_constraint(engine: AsyncLLM, constraint: StructuredOutputsParams, field: str,
-                           model: type[BaseModel]) -> None:
+async def check_constraint(
+    engine: AsyncLLM, constraint: StructuredOutputsParams, field: str, model: type[BaseModel]
+) -> None:
     """A 400 naming `field` when the constraint cannot run on this model: compiled against its
     vocabulary under llguidance's limits in a worker thread (a new grammar takes milliseconds)."""
     try:
@@ -186,6 +196,7 @@ async def check_constraint(engine: AsyncLLM, constraint: StructuredOutputsParams
 
 
 # ---- tokens, logprobs, usage --------------------------------------------------------------
+
 
 def require_tokenizer(engine: AsyncLLM) -> Tokenizer:
     if engine.tokenizer is None:

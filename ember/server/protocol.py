@@ -90,8 +90,9 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, defaults: SamplingParams, max_tokens: int | None,
-                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(
+        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises ValueError whose message starts with the offending field's name."""
         self._unsupported()
 
@@ -100,19 +101,32 @@ class _SamplingRequest(BaseModel):
             return getattr(defaults, name) if value is None else value
 
         return SamplingParams(
-            n=self.n, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
-            min_p=pick("min_p"), presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=pick("repetition_penalty"),
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            n=self.n,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=pick("repetition_penalty"),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.constraint())
+            structured_outputs=self.constraint(),
+        )
 
     def _unsupported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of: not supported (best_of={self.best_of} with n={self.n}); "
-                             "send n alone, or best_of equal to n")
+            raise ValueError(
+                f"best_of: not supported (best_of={self.best_of} with n={self.n}); send n alone, or best_of equal to n"
+            )
         if self.logit_bias:
             raise ValueError("logit_bias: not supported yet")
 
@@ -131,8 +145,9 @@ class _SamplingRequest(BaseModel):
                 params = StructuredOutputsParams(json=self.response_format.json_schema.schema_)
         elif self.structured_outputs is not None:
             so = self.structured_outputs
-            params = StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                             json_object=so.json_object)
+            params = StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=so.json_object
+            )
         else:
             return None
         check_grammar(params, self.constraint_field(params))
@@ -147,9 +162,12 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     # Token-id prompts come before strings so `[1, 2]` is one token prompt, not an error.
-    prompt: (Annotated[list[int], Field(min_length=1)] | Annotated[list[Annotated[list[int], Field(min_length=1)]],
-                                                                  Field(min_length=1)]
-             | str | Annotated[list[str], Field(min_length=1)])
+    prompt: (
+        Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+        | str
+        | Annotated[list[str], Field(min_length=1)]
+    )
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
     logprobs: LogprobCount | None = None
     echo: bool = False
@@ -159,8 +177,7 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix:
             raise ValueError("suffix: not supported")
         # With echo, OpenAI's logprobs cover the prompt tokens too.
-        return self._sampling_params(defaults, self.max_tokens, self.logprobs,
-                                     self.logprobs if self.echo else None)
+        return self._sampling_params(defaults, self.max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
 
 class TextPart(BaseModel):
@@ -184,8 +201,10 @@ class ChatMessage(BaseModel):
             for i, part in enumerate(value):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if isinstance(kind, str) and kind != "text":
-                    raise ValueError(f"content[{i}] is a {kind!r} part; Ember reads text parts only "
-                                     "(images and other media are not supported yet)")
+                    raise ValueError(
+                        f"content[{i}] is a {kind!r} part; Ember reads text parts only "
+                        "(images and other media are not supported yet)"
+                    )
         return value
 
 
@@ -269,6 +288,7 @@ class DetokenizeRequest(BaseModel):
 
 
 # ---- responses ----------------------------------------------------------------------------
+
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
@@ -384,9 +404,16 @@ class DeltaMessage(BaseModel):
     @model_serializer
     def _drop_unset(self) -> dict[str, Any]:
         # OpenAI sends only what changed: {"role": ...} first, then {"content": ...}, finally {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content),
-                                  ("reasoning_content", self.reasoning_content), ("tool_calls", self.tool_calls))
-                if v is not None}
+        return {
+            k: v
+            for k, v in (
+                ("role", self.role),
+                ("content", self.content),
+                ("reasoning_content", self.reasoning_content),
+                ("tool_calls", self.tool_calls),
+            )
+            if v is not None
+        }
 
 
 class ChatChunkChoice(BaseModel):

@@ -22,8 +22,7 @@ class ReasoningFormat:
     starts_inside: bool  # the answer begins inside the think block
 
 
-REASONING_PARSERS = {"qwen3": ReasoningFormat(starts_inside=False),
-                     "deepseek_r1": ReasoningFormat(starts_inside=True)}
+REASONING_PARSERS = {"qwen3": ReasoningFormat(starts_inside=False), "deepseek_r1": ReasoningFormat(starts_inside=True)}
 
 
 def partial_tag_length(text: str, tag: str) -> int:
@@ -56,7 +55,7 @@ class ReasoningParser:
         if self._state == "opening":
             stripped = self._buffer.lstrip()
             if stripped.startswith(START):
-                self._buffer, self._state = stripped[len(START):], "thinking"
+                self._buffer, self._state = stripped[len(START) :], "thinking"
             elif START.startswith(stripped):
                 return "", ""  # may still become <think>
             else:
@@ -67,7 +66,7 @@ class ReasoningParser:
                 cut = len(self._buffer) - partial_tag_length(self._buffer, END)
                 reasoning, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return reasoning, ""
-            reasoning, self._buffer, self._state = self._buffer[:end], self._buffer[end + len(END):], "answer"
+            reasoning, self._buffer, self._state = self._buffer[:end], self._buffer[end + len(END) :], "answer"
             self._after_end = self._after_think = True
         content, self._buffer = self._buffer, ""
         if self._after_end:

@@ -39,8 +39,9 @@ _CONNECTION_CLOSE_GRACE_S = 5  # an int: uvicorn's Config takes whole seconds
 _DEAD_ENGINE_GRACE_S = 2.0
 
 
-def run_server(ns: argparse.Namespace, sock: socket.socket, args: EngineArgs, settings: ServerSettings,
-               client: EngineCoreClient) -> int:
+def run_server(
+    ns: argparse.Namespace, sock: socket.socket, args: EngineArgs, settings: ServerSettings, client: EngineCoreClient
+) -> int:
     """Serve on `sock` (bound by `ember.server.launch`) until stopped."""
     try:
         return asyncio.run(_serve(ns, sock, args, settings, client))
@@ -79,8 +80,11 @@ class _Server(uvicorn.Server):
             logger.warning("second %s: stopping now", signal.Signals(sig).name)
             self.should_exit = self.force_exit = True
             return
-        logger.info("%s: refusing new requests; running ones get up to %gs to finish",
-                    signal.Signals(sig).name, self.state.settings.shutdown_timeout)
+        logger.info(
+            "%s: refusing new requests; running ones get up to %gs to finish",
+            signal.Signals(sig).name,
+            self.state.settings.shutdown_timeout,
+        )
         self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
@@ -107,7 +111,7 @@ async def _load_in_daemon_thread(make: Callable[[], AsyncLLM]) -> AsyncLLM:
     def run() -> None:
         try:
             result = make()
-        except BaseException as e:  # delivered to the awaiting task
+        except BaseException as e:  # noqa: BLE001 - delivered to the awaiting task
             loop.call_soon_threadsafe(settle, None, e)
         else:
             loop.call_soon_threadsafe(settle, result, None)
@@ -117,7 +121,7 @@ async def _load_in_daemon_thread(make: Callable[[], AsyncLLM]) -> AsyncLLM:
 
 
 async def _exit_when_engine_dies(server: _Server, engine: AsyncLLM) -> None:
-    while engine.dead_reason is None:
+    while engine.dead_reason is None:  # noqa: ASYNC110 - set by the engine's output thread, not this loop
         await asyncio.sleep(0.1)
     logger.error("the engine stopped (%s); exiting in %gs", engine.dead_reason, _DEAD_ENGINE_GRACE_S)
     await asyncio.sleep(_DEAD_ENGINE_GRACE_S)
@@ -125,20 +129,30 @@ async def _exit_when_engine_dies(server: _Server, engine: AsyncLLM) -> None:
     server.should_exit = True
 
 
-async def _serve(ns: argparse.Namespace, sock: socket.socket, args: EngineArgs, settings: ServerSettings,
-                 client: EngineCoreClient) -> int:
+async def _serve(
+    ns: argparse.Namespace, sock: socket.socket, args: EngineArgs, settings: ServerSettings, client: EngineCoreClient
+) -> int:
     host, port = sock.getsockname()[:2]
     app = build_app(settings)
     state: ServerState = app.state.ember
     route_server_logs(hide_text=not settings.log_request_text)
     # By default uvicorn's own INFO lines would repeat what our one start-up line says; warnings still show.
-    config = uvicorn.Config(app, log_config=None, log_level=ns.uvicorn_log_level, access_log=False,
-                            timeout_graceful_shutdown=_CONNECTION_CLOSE_GRACE_S)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=ns.uvicorn_log_level,
+        access_log=False,
+        timeout_graceful_shutdown=_CONNECTION_CLOSE_GRACE_S,
+    )
     server = _Server(config, state)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
-    loading = asyncio.ensure_future(_load_in_daemon_thread(
-        lambda: AsyncLLM(args, max_waiting_requests=ns.max_waiting_requests,
-                         served_model_name=settings.model_name, client=client)))
+    loading = asyncio.ensure_future(
+        _load_in_daemon_thread(
+            lambda: AsyncLLM(
+                args, max_waiting_requests=ns.max_waiting_requests, served_model_name=settings.model_name, client=client
+            )
+        )
+    )
     await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():  # stopped by a signal while loading
         loading.cancel()

@@ -39,8 +39,13 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                                f"'{self.settings.model_name}'", "not_found_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.settings.model_name}'",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
 
 
 def get_state(request: Request) -> ServerState:

@@ -62,8 +62,9 @@ def _calls_from_objects(values: list[Any]) -> list[ToolCall] | None:
     calls = []
     for value in values:
         for obj in value if isinstance(value, list) else [value]:
-            call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters"))) if isinstance(obj, dict) \
-                else None
+            call = (
+                _call(obj.get("name"), obj.get("arguments", obj.get("parameters"))) if isinstance(obj, dict) else None
+            )
             if call is None:
                 return None
             calls.append(call)
@@ -88,9 +89,9 @@ class HermesFormat(ToolFormat):
 
     def calls(self, region: str, final: bool) -> list[ToolCall] | None:
         bodies = self._CALL.findall(region)
-        tail = region[region.rfind("</tool_call>") + len("</tool_call>"):] if bodies else region
+        tail = region[region.rfind("</tool_call>") + len("</tool_call>") :] if bodies else region
         if final and tail.strip().startswith(self.marker):  # the model stopped before closing its last call
-            bodies.append(tail.strip()[len(self.marker):])
+            bodies.append(tail.strip()[len(self.marker) :])
         calls = []
         for body in bodies:
             values, rest = _json_values(body)
@@ -117,11 +118,11 @@ class MistralFormat(ToolFormat):
     _NAMED = re.compile(r"\s*([A-Za-z_][\w.-]*)\[ARGS\]")
 
     def calls(self, region: str, final: bool) -> list[ToolCall] | None:
-        body = region[len(self.marker):]
+        body = region[len(self.marker) :]
         calls: list[ToolCall] = []
         for part in body.split(self.marker):  # v11: [TOOL_CALLS]name[ARGS]{...} per call
             named = self._NAMED.match(part)
-            values, rest = _json_values(part[named.end():] if named else part)
+            values, rest = _json_values(part[named.end() :] if named else part)
             if named:
                 call = _call(named.group(1), values[0]) if values and isinstance(values[0], dict) else None
                 parsed = [call] if call is not None else None
@@ -160,8 +161,9 @@ class PythonicFormat(ToolFormat):
         return calls
 
 
-TOOL_PARSERS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(),
-                                                              PythonicFormat())}
+TOOL_PARSERS: dict[str, ToolFormat] = {
+    f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), PythonicFormat())
+}
 
 
 def parser_for_template(template: str | None) -> str | None:
@@ -218,8 +220,8 @@ class ToolCallStream:
             self._pending, self._region = "", text[at:]
             return text[:at], self._new_calls(self.fmt.calls(self._region, final=False) or [])
         keep = partial_tag_length(text, self.fmt.marker)
-        self._pending = text[len(text) - keep:]
-        return text[:len(text) - keep], []
+        self._pending = text[len(text) - keep :]
+        return text[: len(text) - keep], []
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """The rest at the end of the answer: remaining calls, or the held text as content when what
@@ -234,11 +236,13 @@ class ToolCallStream:
 
     def _new_calls(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
         deltas = []
-        for call in calls[len(self.calls):]:
+        for call in calls[len(self.calls) :]:
             index = len(self.calls)
             self.calls.append(call)
-            deltas += [ToolCallDelta(index, id=call.id, name=call.name, arguments=""),
-                       ToolCallDelta(index, arguments=call.arguments)]
+            deltas += [
+                ToolCallDelta(index, id=call.id, name=call.name, arguments=""),
+                ToolCallDelta(index, arguments=call.arguments),
+            ]
         return deltas
 
 

@@ -7,12 +7,12 @@ requests in flight; `app_builder` is the same application for `serve run` and Ku
 """
 
 from ember.integrations.ray_serve.app import (
-                                              ReplicaOptions,
-                                              add_replica_args,
-                                              app_builder,
-                                              build_application,
-                                              make_parser,
-                                              parse,
+    ReplicaOptions,
+    add_replica_args,
+    app_builder,
+    build_application,
+    make_parser,
+    parse,
 )
 
 __all__ = ["ReplicaOptions", "add_replica_args", "app_builder", "build_application", "make_parser", "parse"]

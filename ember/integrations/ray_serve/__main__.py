@@ -19,8 +19,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ray.init(address=ns.ray_address)
     serve.start(http_options={"host": ns.host, "port": ns.port})
-    serve.run(build_application(engine_args, settings, options, ns.max_waiting_requests), name="ember",
-              route_prefix="/", blocking=True)
+    serve.run(
+        build_application(engine_args, settings, options, ns.max_waiting_requests),
+        name="ember",
+        route_prefix="/",
+        blocking=True,
+    )
     return 0
 
 

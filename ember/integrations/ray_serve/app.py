@@ -58,25 +58,52 @@ class ReplicaOptions:
 def add_replica_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("Ray Serve replicas")
     g.add_argument("--num-replicas", type=int, default=1, help="engine replicas (the minimum when autoscaling)")
-    g.add_argument("--max-replicas", type=int, default=None,
-                   help="autoscale up to this many replicas on queue length (default: a fixed --num-replicas)")
-    g.add_argument("--target-ongoing-requests", type=int, default=None,
-                   help="autoscaling target of requests in flight per replica (default: --max-num-seqs)")
-    g.add_argument("--max-ongoing-requests", type=int, default=None,
-                   help="requests in flight per replica; more wait in the router (default: 2x --max-num-seqs)")
+    g.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="autoscale up to this many replicas on queue length (default: a fixed --num-replicas)",
+    )
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=int,
+        default=None,
+        help="autoscaling target of requests in flight per replica (default: --max-num-seqs)",
+    )
+    g.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=None,
+        help="requests in flight per replica; more wait in the router (default: 2x --max-num-seqs)",
+    )
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPU cores each replica reserves")
-    g.add_argument("--replica-gpus", type=float, default=0.0,
-                   help="GPUs each replica owns (set it to --tensor-parallel-size on GPU clusters)")
-    g.add_argument("--prefix-chars", type=int, default=256,
-                   help="prompt characters hashed to pick a replica (requests sharing them share one)")
-    g.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction, default=True,
-                   help="route by prompt prefix (--no-prefix-routing: least-loaded replica)")
+    g.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=0.0,
+        help="GPUs each replica owns (set it to --tensor-parallel-size on GPU clusters)",
+    )
+    g.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=256,
+        help="prompt characters hashed to pick a replica (requests sharing them share one)",
+    )
+    g.add_argument(
+        "--prefix-routing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="route by prompt prefix (--no-prefix-routing: least-loaded replica)",
+    )
     g.add_argument("--ray-address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS or a local one)")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ember.integrations.ray_serve", exit_on_error=False,
-                                     description="Ember replicas on Ray Serve behind one OpenAI-compatible ingress")
+    parser = argparse.ArgumentParser(
+        prog="python -m ember.integrations.ray_serve",
+        exit_on_error=False,
+        description="Ember replicas on Ray Serve behind one OpenAI-compatible ingress",
+    )
     add_serve_args(parser)
     add_replica_args(parser)  # after add_serve_args: these are not `--config` YAML keys
     return parser
@@ -89,26 +116,37 @@ def parse(argv: list[str]) -> tuple[EngineArgs, ServerSettings, ReplicaOptions, 
     return engine_args, settings, options, ns
 
 
-def build_application(engine_args: EngineArgs, settings: ServerSettings, options: ReplicaOptions,
-                      max_waiting_requests: int | None = None) -> Application:
+def build_application(
+    engine_args: EngineArgs, settings: ServerSettings, options: ReplicaOptions, max_waiting_requests: int | None = None
+) -> Application:
     seqs = engine_args.max_num_seqs
     max_ongoing = options.max_ongoing_requests or 2 * seqs
     scaling: dict[str, Any] = {"num_replicas": options.num_replicas}
     if options.max_replicas is not None:
-        scaling = {"autoscaling_config": {
-            "min_replicas": options.num_replicas, "max_replicas": options.max_replicas,
-            "target_ongoing_requests": options.target_ongoing_requests or seqs}}
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": options.num_replicas,
+                "max_replicas": options.max_replicas,
+                "target_ongoing_requests": options.target_ongoing_requests or seqs,
+            }
+        }
     replica = serve.deployment(EmberReplica).options(  # type: ignore[attr-defined]  # Ray's overloads miss a class
-        name="EmberReplica", max_ongoing_requests=max_ongoing,
+        name="EmberReplica",
+        max_ongoing_requests=max_ongoing,
         ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
         graceful_shutdown_timeout_s=settings.shutdown_timeout + 5,
         # the ignore: Ray annotates every keyword of RequestRouterConfig as dict[str, Any]
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,  # type: ignore[arg-type]
-                                                  request_router_kwargs={"prefix_routing": options.prefix_routing}),
-        **scaling)
+        request_router_config=RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter,  # type: ignore[arg-type]
+            request_router_kwargs={"prefix_routing": options.prefix_routing},
+        ),
+        **scaling,
+    )
     ingress = serve.deployment(EmberIngress).options(  # type: ignore[attr-defined]  # as above
-        name="EmberIngress", ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=max_ongoing * (options.max_replicas or options.num_replicas))
+        name="EmberIngress",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max_ongoing * (options.max_replicas or options.num_replicas),
+    )
     return ingress.bind(replica.bind(engine_args, settings, max_waiting_requests), options.prefix_chars)
 
 

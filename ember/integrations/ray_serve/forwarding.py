@@ -64,7 +64,17 @@ async def call_asgi(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Me
 
 
 def _scope(request: ForwardedRequest) -> dict[str, Any]:
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
-            "method": request.method, "path": request.path, "raw_path": request.path.encode(),
-            "query_string": request.query_string, "root_path": "", "headers": request.headers,
-            "client": None, "server": None}
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "scheme": "http",
+        "method": request.method,
+        "path": request.path,
+        "raw_path": request.path.encode(),
+        "query_string": request.query_string,
+        "root_path": "",
+        "headers": request.headers,
+        "client": None,
+        "server": None,
+    }

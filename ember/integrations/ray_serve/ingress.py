@@ -80,10 +80,14 @@ class EmberIngress:
     async def forward(self, request: Request) -> Response:
         body = await request.body()
         forwarded = ForwardedRequest(
-            method=request.method, path=request.url.path, query_string=request.scope["query_string"],
-            headers=list(request.scope["headers"]), body=body,
+            method=request.method,
+            path=request.url.path,
+            query_string=request.scope["query_string"],
+            headers=list(request.scope["headers"]),
+            body=body,
             prefix=routing_prefix(request.url.path, body, self.prefix_chars),
-            replica=request.headers.get(REPLICA_HEADER))
+            replica=request.headers.get(REPLICA_HEADER),
+        )
         try:
             messages, start = await self._start(forwarded)
         except RayActorError as e:

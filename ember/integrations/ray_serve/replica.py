@@ -17,11 +17,11 @@ REPLICA_HEADER = "x-ember-replica"
 
 
 class EmberReplica:
-    def __init__(self, engine_args: EngineArgs, settings: ServerSettings,
-                 max_waiting_requests: int | None = None) -> None:
+    def __init__(
+        self, engine_args: EngineArgs, settings: ServerSettings, max_waiting_requests: int | None = None
+    ) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        engine = AsyncLLM(engine_args, max_waiting_requests=max_waiting_requests,
-                          served_model_name=settings.model_name)
+        engine = AsyncLLM(engine_args, max_waiting_requests=max_waiting_requests, served_model_name=settings.model_name)
         self.app = build_app(settings, engine)
         self.state = self.app.state.ember
 

@@ -30,8 +30,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         """`prefix_routing=False` sends prompts to the least-loaded replica too (for comparison)."""
         self.prefix_routing = prefix_routing
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         request = _forwarded(pending_request)
         if request is not None and request.replica is not None:
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == request.replica]
@@ -39,8 +40,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                 return [pinned]
         if request is None or not request.prefix or not self.prefix_routing:
             return [candidate_replicas]
-        ranked = sorted(candidate_replicas, key=lambda r: _weight(request.prefix, r.replica_id.unique_id),
-                        reverse=True)
+        ranked = sorted(candidate_replicas, key=lambda r: _weight(request.prefix, r.replica_id.unique_id), reverse=True)
         return [ranked[:1], ranked[1:]]
 
 

@@ -1,5 +1,5 @@
-"""Pre-quantized Hugging Face checkpoints (AWQ, GPTQ, compressed-tensors, fp8; gpt-oss's MXFP4 experts) read straight into
-Ember's QuantizedWeight, without re-quantizing: each format's dequantization maps exactly onto
+"""Pre-quantized Hugging Face checkpoints (AWQ, GPTQ, compressed-tensors, fp8; gpt-oss's MXFP4 experts)
+read straight into Ember's QuantizedWeight, without re-quantizing: each format's dequantization maps exactly onto
 Ember's affine form (see packing.py), so the model computes with the file's own weights.
 
 config.json's `quantization_config.quant_method` picks the format; `quantized_weights` then turns
@@ -19,8 +19,13 @@ from ember.quant.checkpoints import awq, compressed_tensors, fp8, gptq, mxfp4
 from ember.quant.checkpoints.base import CheckpointFormat, FormatReader
 from ember.quant.formats import FP8_DTYPE, QuantizedWeight
 
-READERS: dict[str, FormatReader] = {"awq": awq.read, "gptq": gptq.read, "compressed-tensors": compressed_tensors.read,
-                                    "fp8": fp8.read, "mxfp4": mxfp4.read}
+READERS: dict[str, FormatReader] = {
+    "awq": awq.read,
+    "gptq": gptq.read,
+    "compressed-tensors": compressed_tensors.read,
+    "fp8": fp8.read,
+    "mxfp4": mxfp4.read,
+}
 METHODS = tuple(READERS)
 
 
@@ -32,13 +37,15 @@ def checkpoint_format(cfg: dict[str, Any], source: str) -> CheckpointFormat | No
     method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
     method = method.lower() if isinstance(method, str) else method
     if method not in READERS:
-        raise ModelLoadError(source, f"quantization_config.quant_method = {method!r} is not supported "
-                                     f"(supported: {', '.join(METHODS)})")
+        raise ModelLoadError(
+            source, f"quantization_config.quant_method = {method!r} is not supported (supported: {', '.join(METHODS)})"
+        )
     return READERS[method](qcfg, source)
 
 
-def quantized_weights(weights: Iterator[tuple[str, Any]], fmt: CheckpointFormat,
-                      source: str) -> Iterator[tuple[str, Any]]:
+def quantized_weights(
+    weights: Iterator[tuple[str, Any]], fmt: CheckpointFormat, source: str
+) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors with each quantized module's parts replaced by one QuantizedWeight.
 
     Parts are read as they come and assembled once every file has been read (a module's tensors
@@ -59,8 +66,10 @@ def _assemble(fmt: CheckpointFormat, module: str, parts: dict[str, torch.Tensor]
     try:
         return fmt.assemble(module, parts)
     except KeyError as e:
-        raise ModelLoadError(source, f"{fmt.method} module {module!r} has no tensor {module}.{e.args[0]} "
-                                     f"(found: {', '.join(sorted(parts))})") from e
+        raise ModelLoadError(
+            source,
+            f"{fmt.method} module {module!r} has no tensor {module}.{e.args[0]} (found: {', '.join(sorted(parts))})",
+        ) from e
     except ValueError as e:
         raise ModelLoadError(source, f"{fmt.method} module {module!r}: {e}") from e
 

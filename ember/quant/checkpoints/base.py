@@ -17,9 +17,9 @@ class CheckpointFormat:
     """How one `quantization_config.quant_method` stores a linear layer: which of a module's
     tensors it owns (`claims`) and how they become one QuantizedWeight (`assemble`)."""
 
-    method: str           # quant_method as config.json names it
-    source: str           # config.json, for errors
-    fp8: bool             # whether (some) weights are fp8: GPUs need fp8 tensor cores for them
+    method: str  # quant_method as config.json names it
+    source: str  # config.json, for errors
+    fp8: bool  # whether (some) weights are fp8: GPUs need fp8 tensor cores for them
 
     def claims(self, suffix: str, is_fp8: bool) -> bool:
         """Whether a tensor named `<module>.<suffix>` (stored as e4m3 when is_fp8) is part of a
@@ -38,9 +38,12 @@ def field(qcfg: dict[str, Any], name: str, source: str, supported: tuple[Any, ..
     if isinstance(value, str):
         value = value.lower()
     if value not in supported:
-        raise ModelLoadError(source, f"quantization_config.{name} = {value!r} is not supported for "
-                                     f"{qcfg.get('quant_method')!r} checkpoints (supported: "
-                                     f"{', '.join(map(repr, supported))})")
+        raise ModelLoadError(
+            source,
+            f"quantization_config.{name} = {value!r} is not supported for "
+            f"{qcfg.get('quant_method')!r} checkpoints (supported: "
+            f"{', '.join(map(repr, supported))})",
+        )
     return value
 
 

@@ -55,7 +55,8 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 
 def read(qcfg: dict[str, Any], source: str) -> FP8Format:
     block = qcfg.get("weight_block_size")
-    if block is not None and not (isinstance(block, list) and len(block) == 2
-                                  and all(isinstance(b, int) and b > 0 for b in block)):
+    if block is not None and not (
+        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
+    ):
         raise ModelLoadError(source, f"quantization_config.weight_block_size = {block!r}: expected [rows, columns]")
     return FP8Format("fp8", source, fp8=True, block=None if block is None else (block[0], block[1]))

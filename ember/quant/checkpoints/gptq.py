@@ -57,5 +57,11 @@ def read(qcfg: dict[str, Any], source: str) -> GPTQFormat:
     bits = field(qcfg, "bits", source, (4, 8))
     key = "checkpoint_format" if "checkpoint_format" in qcfg else "format"
     version = field(qcfg, key, source, ("gptq", "gptq_v2"), "gptq")
-    return GPTQFormat("gptq", source, fp8=False, bits=bits, group_size=group_size(qcfg, source),
-                      zero_offset=1 if version == "gptq" else 0)
+    return GPTQFormat(
+        "gptq",
+        source,
+        fp8=False,
+        bits=bits,
+        group_size=group_size(qcfg, source),
+        zero_offset=1 if version == "gptq" else 0,
+    )

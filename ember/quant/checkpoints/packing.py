@@ -26,8 +26,9 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return unpacked.reshape(*words.shape[:-1], words.shape[-1] * per_word).movedim(-1, dim)
 
 
-def affine_weight(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, group_size: int,
-                  in_perm: torch.Tensor | None = None) -> QuantizedWeight:
+def affine_weight(
+    q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, group_size: int, in_perm: torch.Tensor | None = None
+) -> QuantizedWeight:
     """Ember's form of w[n, k] = (q[n, k] - z[n, g]) * s[n, g], g = k // group_size, with unsigned
     `bits`-bit codes q [N, K] and integer zero points z [N, G] (exact: see the module docstring).
 
