@@ -15,14 +15,14 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-_ERROR_BODY_LIMIT = 64 * 1024     # bytes of an error response read for its message
-_LINE_LIMIT = 16 * 1024 * 1024    # longest header or SSE line accepted
+_ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error response read for its message
+_LINE_LIMIT = 16 * 1024 * 1024  # longest header or SSE line accepted
 _GET_TIMEOUT_S = 30.0
 
 
@@ -43,8 +43,9 @@ class StreamError(Exception):
 class Response:
     """Status and headers of one response, and its body, read once as bytes, or as server-sent events."""
 
-    def __init__(self, status: int, headers: dict[str, str], reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, status: int, headers: dict[str, str], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         self.status = status
         self.headers = headers
         self._reader = reader
@@ -92,7 +93,7 @@ class Response:
                 return bytes(body[:limit])
         return bytes(body)
 
-    async def iter_sse(self) -> AsyncIterator[str]:
+    async def iter_sse(self) -> AsyncGenerator[str, None]:
         """The `data` of each server-sent event (several `data:` lines of one event joined by newlines)."""
         buffer = b""
         data: list[str] = []
@@ -135,8 +136,13 @@ async def http_request(method: str, url: str, body: Any = None, headers: dict[st
         if parts.port is not None:
             host_header += f":{parts.port}"
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}", "User-Agent: ember-bench",
-                 "Accept: */*", "Connection: close"]
+        lines = [
+            f"{method} {target} HTTP/1.1",
+            f"Host: {host_header}",
+            "User-Agent: ember-bench",
+            "Accept: */*",
+            "Connection: close",
+        ]
         payload = b""
         if body is not None:
             payload = json.dumps(body).encode("utf-8")
@@ -212,12 +218,12 @@ async def get_json(url: str, headers: dict[str, str], timeout: float = _GET_TIME
 class StreamTiming:
     """What the client saw of one stream. Keyword-only, so that a result that adds its own fields can extend it."""
 
-    ttft: float | None = None            # seconds from sending to the first chunk that carries output
-    e2e: float | None = None             # seconds from sending to the end of the stream
+    ttft: float | None = None  # seconds from sending to the first chunk that carries output
+    e2e: float | None = None  # seconds from sending to the end of the stream
     itl: list[float] = field(default_factory=list)  # seconds between consecutive output chunks
     text_chunks: int = 0
-    prompt_tokens: int | None = None     # from the server's usage
-    output_tokens: int | None = None     # from the server's usage, else text_chunks
+    prompt_tokens: int | None = None  # from the server's usage
+    output_tokens: int | None = None  # from the server's usage, else text_chunks
     _last_output: float | None = field(default=None, init=False, repr=False, compare=False)
 
     def output_chunk(self, now: float, start: float) -> None:
@@ -245,8 +251,9 @@ def carries_output(choice: dict[str, Any], chat: bool) -> bool:
     return bool(text) or (choice.get("finish_reason") is None and not delta.get("role"))
 
 
-async def stream_completion(url: str, body: dict[str, Any], headers: dict[str, str], chat: bool,
-                            timing: StreamTiming, start: float) -> None:
+async def stream_completion(
+    url: str, body: dict[str, Any], headers: dict[str, str], chat: bool, timing: StreamTiming, start: float
+) -> None:
     """POST a streaming request sent at `start` (perf_counter) and time its chunks into `timing` as they arrive, so
     that a stream cut short keeps what it saw. Raises HTTPStatusError, StreamError or ProtocolError."""
     resp = await http_request("POST", url, body, headers)

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm.auto import tqdm
 
@@ -42,13 +42,17 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
+        # casts: one prompt and a list of them are told apart by their first item, which no type narrows
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+            prompts = [cast(PromptType, prompts)]
+        prompts = list(cast(Sequence[PromptType], prompts))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -59,25 +63,40 @@ class LLM:
                 raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
         return self._run(prompts, params_list, use_tqdm)
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer, and this model was loaded without one")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # cast: one conversation and a list of them are told apart by their first item, which no type narrows
+        conversations = cast(
+            list[Conversation], [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        )
         prompts: list[PromptType] = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template)
+            text = tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def run_batch(self, requests: str | os.PathLike[str] | Sequence[str | dict[str, Any]],
-                  output_path: str | os.PathLike[str], max_concurrency: int | None = None, max_retries: int = 3,
-                  retry_delay: float = 1.0, request_timeout: float | None = None,
-                  use_tqdm: bool = True) -> BatchSummary:
+    def run_batch(
+        self,
+        requests: str | os.PathLike[str] | Sequence[str | dict[str, Any]],
+        output_path: str | os.PathLike[str],
+        max_concurrency: int | None = None,
+        max_retries: int = 3,
+        retry_delay: float = 1.0,
+        request_timeout: float | None = None,
+        use_tqdm: bool = True,
+    ) -> BatchSummary:
         """`ember run-batch` in the library: an OpenAI Batch API JSONL file (or a list of its lines as
         dicts) through the server's request code on this engine, all at once; records go to
         `output_path` as they finish, and lines it already answers are skipped (see docs/batch.md).
@@ -85,9 +104,13 @@ class LLM:
         from ember.batch.local import run_on_llm_engine
         from ember.batch.runner import BatchOptions
 
-        options = BatchOptions(max_concurrency=max_concurrency or 2 * self.engine_args.max_num_seqs,
-                               max_retries=max_retries, retry_delay=retry_delay, request_timeout=request_timeout,
-                               progress=use_tqdm)
+        options = BatchOptions(
+            max_concurrency=max_concurrency or 2 * self.engine_args.max_num_seqs,
+            max_retries=max_retries,
+            retry_delay=retry_delay,
+            request_timeout=request_timeout,
+            progress=use_tqdm,
+        )
         return asyncio.run(run_on_llm_engine(self.engine_args, self.llm_engine, requests, output_path, options))
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 from abc import ABC, abstractmethod
-from typing import IO, Any, Union
+from typing import IO, Any
 
 import msgspec
 
@@ -147,8 +147,8 @@ class EngineCoreHeartbeat(_Message):
     step_s: float = 0.0  # how long that iteration has been working; 0 while the loop waits for input
 
 
-CoreInput = Union[EngineCoreRequest, AbortRequests, UtilityCall]
-CoreOutput = Union[EngineCoreOutputs, UtilityResult, EngineCoreReady, EngineCoreFailed, EngineCoreHeartbeat]
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall
+CoreOutput = EngineCoreOutputs | UtilityResult | EngineCoreReady | EngineCoreFailed | EngineCoreHeartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)
@@ -159,11 +159,11 @@ def encode(message: CoreInput | CoreOutput) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_input(data: bytes) -> CoreInput:
+def decode_input(data: bytes | memoryview) -> CoreInput:
     return _input_decoder.decode(data)
 
 
-def decode_output(data: bytes) -> CoreOutput:
+def decode_output(data: bytes | memoryview) -> CoreOutput:
     return _output_decoder.decode(data)
 
 
@@ -182,8 +182,7 @@ class EngineCoreClient(ABC):
         """The core's fixed facts once it is ready; EngineStartError when it could not start."""
 
     @abstractmethod
-    def send(self, message: CoreInput) -> None:
-        ...
+    def send(self, message: CoreInput) -> None: ...
 
     @abstractmethod
     def get_output(self, timeout: float | None = None) -> list[CoreOutput]:

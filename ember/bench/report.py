@@ -14,10 +14,14 @@ from typing import Any
 
 from ember.http_client import StreamTiming
 
-ERRORS_KEPT = 5                   # distinct error messages kept in the result, in order of first sight
+ERRORS_KEPT = 5  # distinct error messages kept in the result, in order of first sight
 STATS = ("mean", "median", "std", "p90", "p99")
-METRICS = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
-           ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL"))
+METRICS = (
+    ("ttft", "Time to First Token", "TTFT"),
+    ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+    ("itl", "Inter-token Latency", "ITL"),
+    ("e2el", "End-to-end Latency", "E2EL"),
+)
 
 
 @dataclass
@@ -28,12 +32,13 @@ class RequestResult(StreamTiming):
     max_tokens: int
     success: bool = False
     error: str | None = None
-    start_s: float = 0.0                 # when it was sent, seconds after the benchmark started
+    start_s: float = 0.0  # when it was sent, seconds after the benchmark started
 
     @property
     def tpot(self) -> float | None:
         if not self.success or self.output_tokens is None or self.output_tokens < 2:
             return None
+        assert self.e2e is not None and self.ttft is not None  # stream_completion sets both on success
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
     @property
@@ -56,14 +61,19 @@ def distribution(values_s: Sequence[float]) -> dict[str, float | None]:
     ms = sorted(v * 1e3 for v in values_s)
     mean = sum(ms) / len(ms)
     std = math.sqrt(sum((v - mean) ** 2 for v in ms) / len(ms))
-    return {"mean": round(mean, 3), "median": round(percentile(ms, 50), 3), "std": round(std, 3),
-            "p90": round(percentile(ms, 90), 3), "p99": round(percentile(ms, 99), 3)}
+    return {
+        "mean": round(mean, 3),
+        "median": round(percentile(ms, 50), 3),
+        "std": round(std, 3),
+        "p90": round(percentile(ms, 90), 3),
+        "p99": round(percentile(ms, 99), 3),
+    }
 
 
 def summarize(results: Sequence[RequestResult], duration: float, max_in_flight: int) -> dict[str, Any]:
-    ok = [r for r in results if r.success]
+    ok = [r for r in results if r.success]  # stream_completion set each one's ttft, e2e and output_tokens
     input_tokens = sum(r.input_tokens for r in ok)
-    output_tokens = sum(r.output_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok if r.output_tokens is not None)
     seconds = max(duration, 1e-9)
     errors = Counter(r.error for r in results if not r.success)
     summary: dict[str, Any] = {
@@ -78,11 +88,11 @@ def summarize(results: Sequence[RequestResult], duration: float, max_in_flight: 
         "total_token_throughput": round((input_tokens + output_tokens) / seconds, 3),
         "max_concurrency_observed": max_in_flight,
     }
-    per_metric = {
-        "ttft": [r.ttft for r in ok],
+    per_metric: dict[str, list[float]] = {
+        "ttft": [r.ttft for r in ok if r.ttft is not None],
         "tpot": [r.tpot for r in ok if r.tpot is not None],
         "itl": [gap for r in ok for gap in r.itl],
-        "e2el": [r.e2e for r in ok],
+        "e2el": [r.e2e for r in ok if r.e2e is not None],
     }
     for name, values in per_metric.items():
         for stat, value in distribution(values).items():
@@ -107,9 +117,17 @@ def request_records(results: Sequence[RequestResult], detailed: bool) -> list[di
 
     records = []
     for r in results:
-        rec = {"success": r.success, "error": r.error, "start_s": round(r.start_s, 4),
-               "prompt_tokens": r.input_tokens, "max_tokens": r.max_tokens, "output_tokens": r.output_tokens,
-               "ttft_ms": ms(r.ttft), "tpot_ms": ms(r.tpot), "e2el_ms": ms(r.e2e)}
+        rec: dict[str, Any] = {
+            "success": r.success,
+            "error": r.error,
+            "start_s": round(r.start_s, 4),
+            "prompt_tokens": r.input_tokens,
+            "max_tokens": r.max_tokens,
+            "output_tokens": r.output_tokens,
+            "ttft_ms": ms(r.ttft),
+            "tpot_ms": ms(r.tpot),
+            "e2el_ms": ms(r.e2e),
+        }
         if detailed:
             rec["itl_ms"] = [ms(v) for v in r.itl]
         records.append(rec)

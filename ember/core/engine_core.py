@@ -64,8 +64,13 @@ class EngineCore:
         self.tensor_parallel = _start_tensor_parallel(args, files.model_config)
         try:
             runner_device = self.tensor_parallel.device if self.tensor_parallel else device
-            self.runner = ModelRunner(files, args.runner_config(runner_device, files.checkpoint_dtype), cache_config,
-                                      self.scheduler_config, runner_device)
+            self.runner = ModelRunner(
+                files,
+                args.runner_config(runner_device, files.checkpoint_dtype),
+                cache_config,
+                self.scheduler_config,
+                runner_device,
+            )
             num_blocks = self.runner.prepare_cache()
         except RuntimeError as e:  # under tensor parallelism, often a rank that died
             if self.tensor_parallel is None:
@@ -80,16 +85,22 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.tensor_parallel.ready()
         self.runner.warm_up_kernels()
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                          sliding_window=_shared_window(files.model_config))
+        self.block_manager = BlockManager(
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            sliding_window=_shared_window(files.model_config),
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.grammar = GrammarManager(args, self.vocab_size, files.model_info)  # before anything below calls shutdown()
         capacity = num_blocks * cache_config.block_size
         if capacity < self.max_model_len:
             self.shutdown()  # otherwise a request within the context window could never be scheduled
-            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the KV cache can hold "
-                             f"({capacity} tokens); lower --max-model-len or raise --kv-cache-memory "
-                             f"/ --gpu-memory-utilization")
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the KV cache can hold "
+                f"({capacity} tokens); lower --max-model-len or raise --kv-cache-memory "
+                f"/ --gpu-memory-utilization"
+            )
         self.async_scheduling = _resolve_async_scheduling(args, runner_device.type)
         self.requests: dict[str, Request] = {}
         self._inflight: deque[tuple[ScheduledBatch, PendingStep]] = deque()
@@ -98,12 +109,12 @@ class EngineCore:
         self._num_steps = 0
         self._num_received = 0
         self._grammar_fed: Future | None = None  # the newest mask fill's feeding of late tokens
-        self.ready = self._ready_message(files.source, num_blocks, cache_config.block_size,
-                                         args.tensor_parallel_size, time.monotonic() - start)
+        self.ready = self._ready_message(
+            files.source, num_blocks, cache_config.block_size, args.tensor_parallel_size, time.monotonic() - start
+        )
         logger.debug(self.ready.description)
 
-    def _ready_message(self, source: str, num_blocks: int, block_size: int, tp: int, seconds: float
-                       ) -> EngineCoreReady:
+    def _ready_message(self, source: str, num_blocks: int, block_size: int, tp: int, seconds: float) -> EngineCoreReady:
         r = self.runner
         dtype, kv_dtype = (str(d).removeprefix("torch.") for d in (r.dtype, r.kv_dtype))
         description = (
@@ -111,15 +122,26 @@ class EngineCore:
             f"{r.weight_bytes / 2**30:.2f} GiB, KV {kv_dtype}): {num_blocks} KV blocks of {block_size} tokens "
             f"({num_blocks * r.bytes_per_block / 2**30:.2f} GiB), max concurrency "
             f"{num_blocks * block_size / self.max_model_len:.1f}x at {self.max_model_len} tokens; "
-            f"async scheduling {'on' if self.async_scheduling else 'off'}; ready in {seconds:.1f}s")
+            f"async scheduling {'on' if self.async_scheduling else 'off'}; ready in {seconds:.1f}s"
+        )
         return EngineCoreReady(
-            num_blocks=num_blocks, block_size=block_size, max_model_len=self.max_model_len,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_model_len=self.max_model_len,
             max_num_seqs=self.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, vocab_size=self.vocab_size,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            vocab_size=self.vocab_size,
             device=str(r.device),
-            dtype=dtype, kv_cache_dtype=kv_dtype, quantization=r.quantization, weight_bytes=r.weight_bytes,
-            bytes_per_block=r.bytes_per_block, cuda_graphs=r.graphs is not None,
-            async_scheduling=self.async_scheduling, tensor_parallel_size=tp, description=description)
+            dtype=dtype,
+            kv_cache_dtype=kv_dtype,
+            quantization=r.quantization,
+            weight_bytes=r.weight_bytes,
+            bytes_per_block=r.bytes_per_block,
+            cuda_graphs=r.graphs is not None,
+            async_scheduling=self.async_scheduling,
+            tensor_parallel_size=tp,
+            description=description,
+        )
 
     def shutdown(self) -> None:
         """End the tensor-parallel worker processes (nothing to do with one rank). Idempotent."""
@@ -156,8 +178,10 @@ class EngineCore:
         if not ids or any(not 0 <= t < self.vocab_size for t in ids):
             return f"prompt_token_ids must be a non-empty list of integers in [0, {self.vocab_size})"
         if msg.max_tokens < 1 or len(ids) + msg.max_tokens > self.max_model_len:
-            return (f"max_tokens: {len(ids)} prompt + {msg.max_tokens} new tokens exceed the context window of "
-                    f"{self.max_model_len}")
+            return (
+                f"max_tokens: {len(ids)} prompt + {msg.max_tokens} new tokens exceed the context window of "
+                f"{self.max_model_len}"
+            )
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -196,12 +220,19 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         bm, timer = self.block_manager, self.runner.timer
         return SchedulerStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self._num_steps, num_requests_received=self._num_received,
-            gpu_busy_s=timer.busy_s if timer else 0.0, gpu_idle_s=timer.idle_s if timer else 0.0,
-            gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0, num_requests=len(self.requests))
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps,
+            num_requests_received=self._num_received,
+            gpu_busy_s=timer.busy_s if timer else 0.0,
+            gpu_idle_s=timer.idle_s if timer else 0.0,
+            gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0,
+            num_requests=len(self.requests),
+        )
 
     def _launch(self, outputs: list[EngineCoreOutput]) -> bool:
         batch = self.scheduler.schedule()
@@ -211,7 +242,7 @@ class EngineCore:
             self.tensor_parallel.check()
         try:
             pending = self.runner.launch(batch.step, self._start_masks)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a failed launch fails its batch's requests; the engine keeps serving
             outputs += self._failed(batch, e)
             return True
         self.scheduler.advance(batch)
@@ -223,13 +254,14 @@ class EngineCore:
         (sampled by the step before, under async scheduling) get it fed to their matcher first, in
         the mask thread, once that step has finished; what feeding it gave is kept on the request."""
         requests = [self.requests[rid] for rid in request_ids]
-        late = [r for r in requests if r.matcher is not None and r.num_inflight_tokens]
+        late = [(r, r.matcher) for r in requests if r.matcher is not None and r.num_inflight_tokens]
         previous = self._inflight[-1][1] if late else None
 
         def catch_up() -> None:
-            tokens = self.runner.sampled_tokens(previous, [req.request_id for req in late])
-            errors = self.grammar.consume_all([(req.matcher, token) for req, token in zip(late, tokens)])
-            for req, error in zip(late, errors):
+            assert previous is not None  # catch_up runs only when some request is late
+            tokens = self.runner.sampled_tokens(previous, [req.request_id for req, _ in late])
+            errors = self.grammar.consume_all([(matcher, token) for (_, matcher), token in zip(late, tokens)])
+            for (req, _), error in zip(late, errors):
                 req.num_grammar_tokens += 1
                 req.grammar_error = error
 
@@ -243,7 +275,7 @@ class EngineCore:
         batch, pending = self._inflight.popleft()
         try:
             result = self.runner.wait(pending)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a failed step fails its batch's requests; the engine keeps serving
             return self._failed(batch, e)
         self._num_steps += 1
         outputs = self._sampled_outputs(batch, result)
@@ -256,9 +288,9 @@ class EngineCore:
         # The batch's own requests: an id may belong to a newer request once its first one has ended.
         by_id = {req.request_id: req for req in batch.requests}
         outputs: dict[str, EngineCoreOutput] = {}
-        for rid, (first, logprobs) in result.prompt_logprobs.items():
+        for rid, (first, prompt_logprobs) in result.prompt_logprobs.items():
             req = by_id[rid]
-            new = None if req.status.finished else _unsent_prompt_logprobs(req, first, logprobs)
+            new = None if req.status.finished else _unsent_prompt_logprobs(req, first, prompt_logprobs)
             if new is not None:
                 outputs[rid] = EngineCoreOutput(rid, [], new_prompt_logprobs=new)
         constrained: list[tuple[Request, int]] = []
@@ -271,7 +303,7 @@ class EngineCore:
             try:
                 if self._append(req, token, logprobs, out) and req.matcher is not None:
                     constrained.append((req, token))
-            except Exception as e:  # one request's bookkeeping failed: fail only that request
+            except Exception as e:  # noqa: BLE001 - one request's bookkeeping failed: fail only that request
                 outputs[req.request_id] = self._bookkeeping_failed(req, e)
         if constrained:
             self._check_grammars(constrained, outputs)
@@ -299,12 +331,13 @@ class EngineCore:
             out = outputs[req.request_id]
             try:
                 if req.num_grammar_tokens < req.num_output_tokens:
+                    assert req.matcher is not None  # items holds only requests with a grammar
                     req.num_grammar_tokens += 1
                     req.grammar_error = consume(req.matcher, token)
                 if req.grammar_error is not None:
                     out.error = req.grammar_error
                     self._end(req, RequestStatus.FINISHED_ABORTED, out)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the grammar step of one request fails that request only
                 outputs[req.request_id] = self._bookkeeping_failed(req, e)
 
     def _end(self, req: Request, status: RequestStatus, out: EngineCoreOutput) -> None:

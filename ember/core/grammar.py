@@ -50,14 +50,15 @@ _vocabularies: OrderedDict[tuple, llguidance.LLTokenizer] = OrderedDict()
 _vocabularies_lock = threading.Lock()
 
 
-def _ll_tokenizer(args: EngineArgs, vocab_size: int,
-                  model_info: Callable[[], ModelInfo] | None = None) -> llguidance.LLTokenizer:
+def _ll_tokenizer(
+    args: EngineArgs, vocab_size: int, model_info: Callable[[], ModelInfo] | None = None
+) -> llguidance.LLTokenizer:
     """llguidance's vocabulary, from this process's cache when the same files gave it before, else from
     `model_info`'s tokenizer (by default, read from the model's files)."""
     key = _vocabulary_key(args, vocab_size)
     with _vocabularies_lock:
         cached = _vocabularies.get(key) if key is not None else None
-        if cached is not None:
+        if cached is not None and key is not None:
             _vocabularies.move_to_end(key)
             return cached
     tokenizer = _build_ll_tokenizer(model_info or functools.partial(load_model_info, args), vocab_size)
@@ -145,8 +146,9 @@ class GrammarManager:
             self._vocabulary_built = self._worker.submit(self._build_vocabulary)
         return self._vocabulary_built.result()
 
-    def start_masks(self, matchers: list[llguidance.LLMatcher | None],
-                    before: Callable[[], None] | None = None) -> MaskFill | None:
+    def start_masks(
+        self, matchers: list[llguidance.LLMatcher | None], before: Callable[[], None] | None = None
+    ) -> MaskFill | None:
         """Start filling one bitmask row per batch row (all ones where the row has no matcher), after
         running `before` (which feeds the late tokens) in the same worker thread; None when no row is
         constrained."""
@@ -156,8 +158,9 @@ class GrammarManager:
         fed = self._worker.submit(self._prepare, rows, len(matchers), before)
         return MaskFill(fed, self._worker.submit(self._fill, rows, fed))
 
-    def _prepare(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int,
-                 before: Callable[[], None] | None) -> torch.Tensor:
+    def _prepare(
+        self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int, before: Callable[[], None] | None
+    ) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
         # llguidance writes every row it is given (stopped and failed matchers included), so only the
         # free rows need filling: at 256 constrained rows of a 152k vocabulary that skips 4.9 MB per step.

@@ -82,7 +82,7 @@ def _send_heartbeats(outputs: queue.SimpleQueue, loop: CoreLoop, interval: float
 def _receive_inputs(sock: zmq.Socket, loop: CoreLoop) -> None:
     try:
         while True:
-            loop.put(decode_input(sock.recv(copy=False).buffer))  # type: ignore[arg-type]  # msgspec decodes a buffer
+            loop.put(decode_input(sock.recv(copy=False).buffer))
     except zmq.ContextTerminated:
         sock.close(linger=0)
 
@@ -119,8 +119,12 @@ def main() -> int:
     threading.Thread(target=_receive_inputs, args=(in_sock, loop), name="ember-core-in", daemon=True).start()
     stop_heartbeat = threading.Event()
     if boot.heartbeat_interval > 0:
-        threading.Thread(target=_send_heartbeats, args=(outputs, loop, boot.heartbeat_interval, stop_heartbeat),
-                         name="ember-core-heartbeat", daemon=True).start()
+        threading.Thread(
+            target=_send_heartbeats,
+            args=(outputs, loop, boot.heartbeat_interval, stop_heartbeat),
+            name="ember-core-heartbeat",
+            daemon=True,
+        ).start()
     code = 0
     try:
         loop.run(outputs.put)

@@ -59,8 +59,14 @@ class Request:
 
     @classmethod
     def from_message(cls, msg: EngineCoreRequest) -> Request:
-        return cls(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.max_tokens, msg.eos_token_ids,
-                   msg.arrival_time)
+        return cls(
+            msg.request_id,
+            msg.prompt_token_ids,
+            msg.sampling_params,
+            msg.max_tokens,
+            msg.eos_token_ids,
+            msg.arrival_time,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,8 +93,12 @@ class Request:
         grammar's mask needs the last token too, but only on the host's side: the mask thread waits for it
         while the next forward runs (`EngineCore._start_masks`)."""
         p = self.sampling_params
-        return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-                or p.prompt_logprobs is not None)
+        return (
+            p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0
+            or p.prompt_logprobs is not None
+        )
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -100,6 +110,7 @@ class Request:
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+            assert params.stop_token_ids is not None  # SamplingParams.__post_init__ normalises it to a list
             if token_id in params.stop_token_ids:
                 self.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
@@ -109,5 +120,7 @@ class Request:
 
     def is_length_capped(self, max_model_len: int) -> bool:
         """Its tokens in flight already reach a length limit: nothing more to compute for it."""
-        return (self.num_output_tokens + self.num_inflight_tokens >= self.max_tokens
-                or self.num_scheduled_tokens >= max_model_len)
+        return (
+            self.num_output_tokens + self.num_inflight_tokens >= self.max_tokens
+            or self.num_scheduled_tokens >= max_model_len
+        )

@@ -71,19 +71,24 @@ class Scheduler:
                 continue
             self.block_manager.drop_out_of_window(request)
             n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
-            new_blocks = []
+            new_blocks: list[int] = []
             # Most decodes still have room in their last block: no allocation to ask for.
             if request.num_computed_tokens + n > len(request.block_ids) * block_size:
-                new_blocks = self._allocate_or_preempt(request, n)
-                if new_blocks is None:  # preempted itself, the newest running request: the loop ends
+                allocated = self._allocate_or_preempt(request, n)
+                if allocated is None:  # preempted itself, the newest running request: the loop ends
                     continue
+                new_blocks = allocated
             self._add(batch, request, n, new_blocks)
             budget -= n
             i += 1
 
         # Admitting new work right after a preemption would only thrash the cache.
-        while (self.num_preemptions == num_preemptions and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while (
+            self.num_preemptions == num_preemptions
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             if request.num_inflight_tokens:  # preempted mid-flight: readmitted once its token has arrived
                 break
@@ -121,11 +126,18 @@ class Scheduler:
     def _add(batch: ScheduledBatch, request: Request, n: int, new_block_ids: list[int]) -> None:
         """Put n tokens of the request in the batch, telling the runner what it has not heard of it yet."""
         if not request.num_tokens_sent:
-            batch.step.new_requests.append(NewRequest(request.request_id, request.prompt_token_ids,
-                                                      request.sampling_params, request.eos_token_ids))
+            batch.step.new_requests.append(
+                NewRequest(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_ids)
+            )
             request.num_tokens_sent = request.num_prompt_tokens
-        batch.step.add(request.request_id, n, request.num_computed_tokens, request.num_inflight_tokens,
-                       request.all_token_ids[request.num_tokens_sent:], new_block_ids)
+        batch.step.add(
+            request.request_id,
+            n,
+            request.num_computed_tokens,
+            request.num_inflight_tokens,
+            request.all_token_ids[request.num_tokens_sent :],
+            new_block_ids,
+        )
         request.num_tokens_sent = request.num_tokens
         batch.requests.append(request)
 

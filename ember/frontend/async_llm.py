@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from ember.config import EngineArgs
 from ember.frontend.core_client import EngineCoreClient, make_client
@@ -57,9 +57,14 @@ class _Stream:
 
 
 class AsyncLLM(ModelFacts):
-    def __init__(self, args: EngineArgs, max_waiting_requests: int | None = None,
-                 served_model_name: str | None = None, client: EngineCoreClient | None = None,
-                 processor: Processor | None = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        max_waiting_requests: int | None = None,
+        served_model_name: str | None = None,
+        client: EngineCoreClient | None = None,
+        processor: Processor | None = None,
+    ) -> None:
         """Blocks until the engine core is ready. `client` is a core client started earlier (so that
         `ember serve` can load the model while it imports the web stack), and `processor` the input side
         of a front end already on it (`LLM.run_batch` drives the LLM's engine so), whose tokenizer,
@@ -119,16 +124,18 @@ class AsyncLLM(ModelFacts):
 
     # ---- requests -------------------------------------------------------------------------
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield a RequestOutput each time the request makes progress; the last has `finished=True`."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         if not self._accepting:
             raise RuntimeError("the engine is shutting down and accepts no new requests")
         if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"{self.num_waiting} requests are already waiting "
-                                 f"(--max-waiting-requests {self.max_waiting_requests})")
+            raise QueueFullError(
+                f"{self.num_waiting} requests are already waiting (--max-waiting-requests {self.max_waiting_requests})"
+            )
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -209,7 +216,7 @@ class AsyncLLM(ModelFacts):
         (the core too, unless another front end still uses it: `stop_core=False`)."""
         self._accepting = False
         deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline and self._dead is None:
+        while self._streams and time.monotonic() < deadline and self._dead is None:  # noqa: ASYNC110 - the output thread ends the streams; polling keeps shutdown's deadline simple
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             await self.abort(request_id)

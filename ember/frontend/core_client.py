@@ -1,8 +1,8 @@
 """How a front end talks to its engine core: in-process or in the core's own process, one interface.
 
 `send` queues an input message, `get_output` returns the core's next output messages (waiting up
-to `timeout`), `shutdown` ends the core. `InprocClient` (`ember.core.inproc_client`) runs the core's loop in the caller's
-thread on `get_output` (`LLM`, `ember generate`, tests that patch the core); `MPClient` starts
+to `timeout`), `shutdown` ends the core. `InprocClient` (`ember.core.inproc_client`) runs the core's
+loop in the caller's thread on `get_output` (`LLM`, `ember generate`, tests that patch the core); `MPClient` starts
 `ember.core.process` and speaks msgpack over two ZMQ ipc sockets (`ember serve`,
 `AsyncLLM`, and `LLM(engine_process=True)`).
 
@@ -73,8 +73,9 @@ class HangWatch:
     asking for output (an `LLMEngine` between steps, a front end paused itself) cannot mistake the
     pause for the core's. A timeout of 0 or less turns its check off."""
 
-    def __init__(self, heartbeat_timeout: float = _HEARTBEAT_TIMEOUT_S,
-                 iteration_timeout: float = _ITERATION_TIMEOUT_S) -> None:
+    def __init__(
+        self, heartbeat_timeout: float = _HEARTBEAT_TIMEOUT_S, iteration_timeout: float = _ITERATION_TIMEOUT_S
+    ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.iteration_timeout = iteration_timeout
         self.silent_s = 0.0  # time waited since the last message
@@ -83,8 +84,10 @@ class HangWatch:
 
     @classmethod
     def from_env(cls) -> HangWatch:
-        return cls(_env_seconds(HEARTBEAT_TIMEOUT_ENV, _HEARTBEAT_TIMEOUT_S),
-                   _env_seconds(ITERATION_TIMEOUT_ENV, _ITERATION_TIMEOUT_S))
+        return cls(
+            _env_seconds(HEARTBEAT_TIMEOUT_ENV, _HEARTBEAT_TIMEOUT_S),
+            _env_seconds(ITERATION_TIMEOUT_ENV, _ITERATION_TIMEOUT_S),
+        )
 
     @property
     def heartbeat_interval(self) -> float:
@@ -110,8 +113,10 @@ class HangWatch:
         if 0 < self.heartbeat_timeout <= self.silent_s:
             return f"engine core stopped answering: no heartbeat for {self.silent_s:.1f}s"
         if 0 < self.iteration_timeout < self.step_s:
-            return (f"engine core stopped answering: its loop has been in one step for {self.step_s:.1f}s "
-                    f"(iteration {self.iteration}; {ITERATION_TIMEOUT_ENV}={self.iteration_timeout:g})")
+            return (
+                f"engine core stopped answering: its loop has been in one step for {self.step_s:.1f}s "
+                f"(iteration {self.iteration}; {ITERATION_TIMEOUT_ENV}={self.iteration_timeout:g})"
+            )
         return None
 
 
@@ -184,7 +189,7 @@ class MPClient(EngineCoreClient):
             while True:
                 try:
                     frame = self._output.recv(zmq.NOBLOCK, copy=False)
-                    message = decode_output(frame.buffer)  # type: ignore[arg-type]  # msgspec decodes a buffer
+                    message = decode_output(frame.buffer)
                 except zmq.Again:
                     break
                 self._watching |= isinstance(message, EngineCoreReady)

@@ -113,12 +113,16 @@ def _check_fp8_support(device: torch.device, files: ModelFiles) -> None:
     if not fp8:
         return
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"{files.source}: quantization {files.quantization!r} needs a CUDA GPU with fp8 tensor cores "
-                         "(compute capability 8.9+, e.g. L4, H100, H200); use int8 or int4 on this device, or "
-                         "--device cpu")
+        raise ValueError(
+            f"{files.source}: quantization {files.quantization!r} needs a CUDA GPU with fp8 tensor cores "
+            "(compute capability 8.9+, e.g. L4, H100, H200); use int8 or int4 on this device, or "
+            "--device cpu"
+        )
     if device.type == "cpu":
-        logger.warning("quantization %r on CPU is an exact emulation of the GPU's fp8 arithmetic, several times "
-                       "slower than int8", files.quantization)
+        logger.warning(
+            "quantization %r on CPU is an exact emulation of the GPU's fp8 arithmetic, several times slower than int8",
+            files.quantization,
+        )
 
 
 @contextmanager
@@ -155,8 +159,14 @@ class ModelRunner:
     other ranks `serve_steps`, mirroring every forward and logits computation so the collectives inside
     them line up."""
 
-    def __init__(self, files: ModelFiles, config: RunnerConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        files: ModelFiles,
+        config: RunnerConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device: torch.device,
+    ) -> None:
         self.device = device
         self.dtype: torch.dtype = getattr(torch, config.dtype)
         self.cache_config = cache_config
@@ -179,13 +189,23 @@ class ModelRunner:
         self.model.eval()
         _return_freed_memory_to_os()
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
-        self.kv_cache = KVCache(self.model.attention_layers(), self.model.layout.num_kv_heads, cfg.head_dim,
-                                self.block_size, self.kv_dtype, self.device)
+        self.kv_cache = KVCache(
+            self.model.attention_layers(),
+            self.model.layout.num_kv_heads,
+            cfg.head_dim,
+            self.block_size,
+            self.kv_dtype,
+            self.device,
+        )
         self.sampler = Sampler()
         self.enforce_eager = config.enforce_eager
         max_blocks = -(-scheduler_config.max_model_len // self.block_size)
-        self.buffers = InputBuffers(max(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
-                                    scheduler_config.max_num_seqs, max_blocks, self.device)
+        self.buffers = InputBuffers(
+            max(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
+            scheduler_config.max_num_seqs,
+            max_blocks,
+            self.device,
+        )
         self.graphs: DecodeGraphs | None = None
         self.timer = StepTimer() if self.device.type == "cuda" else None
         self.requests = RequestStates(self.device)
@@ -214,8 +234,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         sc = self.scheduler_config
-        for step in warm_up_batches(self.block_size, self.kv_cache.num_blocks, sc.max_num_seqs,
-                                    sc.max_num_batched_tokens, sc.max_model_len):
+        for step in warm_up_batches(
+            self.block_size, self.kv_cache.num_blocks, sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len
+        ):
             self.wait(self.launch(step))
         self._last_sampled = None
         self.requests.clear()
@@ -226,13 +247,17 @@ class ModelRunner:
         at the largest batch, and on CPU a fixed 4 GiB."""
         cap = self.scheduler_config.max_num_seqs * -(-self.scheduler_config.max_model_len // self.block_size)
         if self.cache_config.kv_cache_memory_bytes is not None:
-            budget = self.cache_config.kv_cache_memory_bytes
+            budget: float = self.cache_config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             peak = self._profile_peak_memory()
             budget = total * self.cache_config.gpu_memory_utilization - (total - free) - peak
-            logger.info("GPU memory: total %.1f GiB, in use %.2f GiB, activation peak %.2f GiB",
-                        total / 2**30, (total - free) / 2**30, peak / 2**30)
+            logger.info(
+                "GPU memory: total %.1f GiB, in use %.2f GiB, activation peak %.2f GiB",
+                total / 2**30,
+                (total - free) / 2**30,
+                peak / 2**30,
+            )
         else:
             budget = _DEFAULT_CPU_KV_BYTES
         num_blocks = min(int(budget // self.bytes_per_block), cap)
@@ -241,8 +266,9 @@ class ModelRunner:
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=host_group())
             num_blocks = int(agreed.item())
         if num_blocks < 1:
-            raise ValueError("not enough memory for a single KV cache block: raise --gpu-memory-utilization "
-                             "or --kv-cache-memory")
+            raise ValueError(
+                "not enough memory for a single KV cache block: raise --gpu-memory-utilization or --kv-cache-memory"
+            )
         return num_blocks
 
     def _profile_peak_memory(self) -> int:
@@ -265,11 +291,22 @@ class ModelRunner:
             starts.append(starts[-1] + n)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.cat([tables[r, : blocks[r]].repeat_interleave(self.block_size)[:n] * self.block_size
-                                    + torch.arange(n) % self.block_size for r, n in enumerate(lens)]).to(dev),
-            block_tables=tables.to(dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev), num_decodes=0,
-            max_query_len=max(lens), max_seq_len=max(lens), seq_lens_host=lens, query_start_host=starts)
+            slot_mapping=torch.cat(
+                [
+                    tables[r, : blocks[r]].repeat_interleave(self.block_size)[:n] * self.block_size
+                    + torch.arange(n) % self.block_size
+                    for r, n in enumerate(lens)
+                ]
+            ).to(dev),
+            block_tables=tables.to(dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            num_decodes=0,
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            seq_lens_host=lens,
+            query_start_host=starts,
+        )
         ids = torch.zeros(tokens, dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         with torch.inference_mode():
@@ -285,7 +322,7 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """Bytes of every parameter plus the codes, scales and zeros of quantized layers (a tied
         embedding and LM head counted once)."""
-        tensors = {id(p): p for p in self.model.parameters()}
+        tensors: dict[int, torch.Tensor] = {id(p): p for p in self.model.parameters()}
         for module in self.model.modules():
             if isinstance(module, (QuantLinear, QuantEmbedding, FusedExperts)):
                 tensors.update((id(t), t) for t in module.weight_tensors())
@@ -296,8 +333,12 @@ class ModelRunner:
             return
         before = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(self.model, self.buffers, self.scheduler_config.max_model_len,
-                                       capture_sizes(self.scheduler_config.max_num_seqs))
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.buffers,
+                self.scheduler_config.max_model_len,
+                capture_sizes(self.scheduler_config.max_num_seqs),
+            )
         logger.info("CUDA graph memory: %.2f GiB", (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
     # ---- one step -------------------------------------------------------------------------
@@ -307,24 +348,34 @@ class ModelRunner:
         b = self.buffers
         tokens, rows = h.tokens, h.rows
         meta = AttentionMetadata(
-            slot_mapping=b.slot_mapping.upload(tokens)[:h.num_tokens],
-            block_tables=b.block_tables.upload(rows)[:h.num_seqs],
-            seq_lens=b.seq_lens.upload(rows)[:h.num_seqs],
+            slot_mapping=b.slot_mapping.upload(tokens)[: h.num_tokens],
+            block_tables=b.block_tables.upload(rows)[: h.num_seqs],
+            seq_lens=b.seq_lens.upload(rows)[: h.num_seqs],
             query_start_loc=b.query_start_loc.upload(h.num_seqs + 1),
-            num_decodes=h.num_decodes, max_query_len=h.max_query_len, max_seq_len=h.max_seq_len,
-            seq_lens_host=b.seq_lens.np[:h.num_seqs].tolist(),
-            query_start_host=b.query_start_loc.np[:h.num_seqs + 1].tolist())
-        return _StepInputs(b.input_ids.upload(tokens)[:h.num_tokens], b.positions.upload(tokens)[:h.num_tokens], meta,
-                           b.logits_indices.upload(h.num_sample), h.padded or None)
+            num_decodes=h.num_decodes,
+            max_query_len=h.max_query_len,
+            max_seq_len=h.max_seq_len,
+            seq_lens_host=b.seq_lens.np[: h.num_seqs].tolist(),
+            query_start_host=b.query_start_loc.np[: h.num_seqs + 1].tolist(),
+        )
+        return _StepInputs(
+            b.input_ids.upload(tokens)[: h.num_tokens],
+            b.positions.upload(tokens)[: h.num_tokens],
+            meta,
+            b.logits_indices.upload(h.num_sample),
+            h.padded or None,
+        )
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         if inputs.padded is not None:
+            assert self.graphs is not None  # a step is padded only to a captured graph's size
             return self.graphs.replay(inputs.padded)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
-    def launch(self, step: StepDescription,
-               start_masks: Callable[[list[str]], Future[torch.Tensor] | None] | None = None) -> PendingStep:
+    def launch(
+        self, step: StepDescription, start_masks: Callable[[list[str]], Future[torch.Tensor] | None] | None = None
+    ) -> PendingStep:
         """Start a step: every device operation is queued, nothing waits for the device. `start_masks`
         starts filling the grammar bitmask of the sampling rows (their request ids, in row order); it runs while
         the forward is queued and computed. A step with masks is left open: its sampling waits for
@@ -342,16 +393,22 @@ class ModelRunner:
         here needs the step before."""
         requests = self.requests.update(description)
         self.buffers.next_set()
-        step = prepare_step(requests, description.num_new_tokens, self.buffers, self.block_size,
-                            self.graphs.padded_size if self.graphs is not None else None)
+        step = prepare_step(
+            requests,
+            description.num_new_tokens,
+            self.buffers,
+            self.block_size,
+            self.graphs.padded_size if self.graphs is not None else None,
+        )
         if tp_size() > 1:
             send_step(step.header, self.buffers)
         # Built before the forward so that its host-to-device copies overlap the GPU's work.
         sampling = self._sampling_batch(step.samplers) if step.samplers else None
         return _Prepared(self._upload(step.header), step, sampling)
 
-    def _start(self, prepared: _Prepared,
-               start_masks: Callable[[list[str]], Future[torch.Tensor] | None] | None) -> PendingStep:
+    def _start(
+        self, prepared: _Prepared, start_masks: Callable[[list[str]], Future[torch.Tensor] | None] | None
+    ) -> PendingStep:
         inputs, step, sampling = prepared.inputs, prepared.step, prepared.sampling
         start = StepTimer.record() if self.timer is not None else None
         if step.inflight_rows:
@@ -361,7 +418,11 @@ class ModelRunner:
             masks = start_masks([r.request_id for r in step.samplers])
         try:
             hidden = self._forward(inputs)
-            prompt = [(rows, *(to_host(t) for t in self._prompt_logprobs(rows, hidden))) for rows in step.prompt_rows]
+            prompt = [
+                (rows, to_host(ids), to_host(values), to_host(ranks))
+                for rows in step.prompt_rows
+                for ids, values, ranks in [self._prompt_logprobs(rows, hidden)]
+            ]
             pending = PendingStep(step.samplers, prompt_logprobs=prompt)
             if sampling is None:
                 self._last_sampled = None
@@ -393,25 +454,32 @@ class ModelRunner:
     def _close(self, pending: PendingStep) -> None:
         """Queue an open step's sampling once its masks are in. A failure is the step's: `wait` raises it."""
         self._open, u = None, pending.unsampled
+        assert u is not None  # an open step keeps its sampling until it is closed
         pending.unsampled = None
         try:
             u.sampling.token_bitmask = u.masks.result().to(self.device, non_blocking=True)  # pinned on CUDA hosts
-            arrived = StepTimer.record() if u.forward_end is not None else None
+            mask_wait = (u.forward_end, StepTimer.record()) if u.forward_end is not None else None
             if u.scores is None:  # a row filters by probability: all of sampling comes after the mask
                 u.scores = self.sampler.score(u.logits, u.sampling)
             out = self.sampler.pick(u.scores, u.sampling)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - kept on the step and raised by wait(), in the core's thread
             pending.error = e
             self._last_sampled = None
             return
-        self._sampled(pending, out, u.start, (u.forward_end, arrived) if arrived is not None else None)
+        self._sampled(pending, out, u.start, mask_wait)
 
-    def _sampled(self, pending: PendingStep, out: SamplerOutput, start: torch.cuda.Event | None,
-                 mask_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+    def _sampled(
+        self,
+        pending: PendingStep,
+        out: SamplerOutput,
+        start: torch.cuda.Event | None,
+        mask_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+    ) -> None:
         """Queue the copies of a step's samples to the host."""
         self._last_sampled = (out.sampled_token_ids, {r.request_id: i for i, r in enumerate(pending.requests)})
         pending.sampled = to_host(out.sampled_token_ids)
         if out.logprobs is not None:
+            assert out.logprob_token_ids is not None and out.sampled_ranks is not None  # the sampler sets all three
             pending.logprobs = (to_host(out.logprob_token_ids), to_host(out.logprobs), to_host(out.sampled_ranks))
         pending.events, pending.mask_wait = self._end_events(start), mask_wait
 
@@ -445,8 +513,10 @@ class ModelRunner:
     def _fill_inflight_tokens(self, input_ids: torch.Tensor, rows: list[tuple[int, RequestState]]) -> None:
         """Input tokens sampled by the previous step, still on the device: copied there, never to the host."""
         if self._last_sampled is None:
-            raise RuntimeError("a step needs tokens in flight, but the step before sampled none (none was "
-                               "launched, or its sampling failed)")
+            raise RuntimeError(
+                "a step needs tokens in flight, but the step before sampled none (none was "
+                "launched, or its sampling failed)"
+            )
         sampled, row_of = self._last_sampled
         try:
             src = [row_of[req.request_id] for _, req in rows]
@@ -454,7 +524,7 @@ class ModelRunner:
             raise RuntimeError("a step needs a token that the previous step did not sample") from None
         dst = [t for t, _ in rows]
         if src == dst == list(range(len(rows))):  # a decode batch of the same requests in the same order
-            input_ids[:len(rows)] = sampled[:len(rows)]
+            input_ids[: len(rows)] = sampled[: len(rows)]
             return
         input_ids[to_device(dst, torch.int64, self.device)] = sampled[to_device(src, torch.int64, self.device)]
 
@@ -467,6 +537,7 @@ class ModelRunner:
         if pending.events is not None:
             pending.events[1].synchronize()
         row = {r.request_id: i for i, r in enumerate(pending.requests)}
+        assert pending.sampled is not None  # asked only of a step that sampled these requests
         sampled = pending.sampled.tolist()  # one conversion, not a tensor index per request (256 of them)
         return [sampled[row[r]] for r in request_ids]
 
@@ -478,6 +549,7 @@ class ModelRunner:
             raise pending.error
         if pending.events is not None:
             pending.events[1].synchronize()
+            assert self.timer is not None  # events are recorded only with a timer
             self.timer.finished(*pending.events, pending.mask_wait)
         if pending.sampled is None:
             return StepResult([], [], [], self._prompt_results(pending))
@@ -494,8 +566,10 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_results(pending: PendingStep) -> dict[str, tuple[int, Logprobs]]:
-        return {rows.request.request_id: (rows.start + 1, Logprobs(ids.tolist(), vals.tolist(), ranks.tolist()))
-                for rows, ids, vals, ranks in pending.prompt_logprobs}
+        return {
+            rows.request.request_id: (rows.start + 1, Logprobs(ids.tolist(), vals.tolist(), ranks.tolist()))
+            for rows, ids, vals, ranks in pending.prompt_logprobs
+        }
 
     @torch.inference_mode()
     def serve_steps(self) -> None:
@@ -507,14 +581,15 @@ class ModelRunner:
             hidden = self._forward(inputs)
             for first_row, n in header.prompt_rows:
                 for lo, hi in _prompt_logit_slices(n):
-                    self.model.compute_logits(hidden[first_row + lo:first_row + hi])
+                    self.model.compute_logits(hidden[first_row + lo : first_row + hi])
             if header.num_sample:
                 self.model.compute_logits(hidden[inputs.logits_indices])
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
 
-    def _prompt_logprobs(self, rows: PromptRows, hidden: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _prompt_logprobs(
+        self, rows: PromptRows, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Logprobs of prompt tokens start + 1 .. start + count on the device: per position the prompt
         token then the top-N (ids, values), and the prompt token's rank. Computed in slices that bound
         the [rows, vocab] logits."""
@@ -522,13 +597,15 @@ class ModelRunner:
         prompt = rows.request.prompt_token_ids
         ids, vals, ranks = [], [], []
         for lo, hi in _prompt_logit_slices(rows.count):
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows.first_row + lo:rows.first_row + hi]),
-                                         dim=-1)
-            targets = to_device(prompt[rows.start + lo + 1:rows.start + hi + 1], torch.int64, logprobs.device)[:, None]
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[rows.first_row + lo : rows.first_row + hi]), dim=-1
+            )
+            targets = to_device(prompt[rows.start + lo + 1 : rows.start + hi + 1], torch.int64, logprobs.device)[
+                :, None
+            ]
             target_lp = logprobs.gather(1, targets)
             ranks.append((logprobs > target_lp).sum(dim=-1) + 1)
             top = logprobs.topk(k, dim=-1) if k else None
             ids.append(targets if top is None else torch.cat([targets, top.indices], dim=1))
             vals.append(target_lp if top is None else torch.cat([target_lp, top.values], dim=1))
         return torch.cat(ids), torch.cat(vals), torch.cat(ranks)
-

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import os
 import socket
 import sys
@@ -55,8 +56,7 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
 
-def run_worker(args: EngineArgs, rank: int, size: int, init_method: str, local_rank: int,
-               errors: Any = None) -> None:
+def run_worker(args: EngineArgs, rank: int, size: int, init_method: str, local_rank: int, errors: Any = None) -> None:
     """The life of rank 1..N-1: join, load its shard, build its KV cache, then mirror rank 0's steps."""
     device = rank_device(args, local_rank)
     threading.Thread(target=_exit_with_parent, name="ember-tp-parent", daemon=True).start()
@@ -64,8 +64,13 @@ def run_worker(args: EngineArgs, rank: int, size: int, init_method: str, local_r
         _share_cpu_cores(device, size)
         init_tensor_parallel(rank, size, init_method, device)
         files = load_model_files(args)
-        runner = ModelRunner(files, args.runner_config(device, files.checkpoint_dtype), args.cache_config(),
-                             args.scheduler_config(files.model_config, device), device)
+        runner = ModelRunner(
+            files,
+            args.runner_config(device, files.checkpoint_dtype),
+            args.cache_config(),
+            args.scheduler_config(files.model_config, device),
+            device,
+        )
         runner.prepare_cache()
         runner.serve_steps()
     except BaseException as e:
@@ -103,26 +108,33 @@ class TensorParallelGroup:
         self.size = args.tensor_parallel_size
         self.device = rank_device(args, 0)
         self.failure: str | None = None
-        self._procs: list[multiprocessing.Process] = []
+        self._procs: list[multiprocessing.process.BaseProcess] = []
         self._stopping = False
         self._serving = False
         self._threads = torch.get_num_threads()  # this is the caller's process: restored at stop
         if launched_by_torchrun():
             if int(os.environ["WORLD_SIZE"]) != self.size:
-                raise ValueError(f"tensor_parallel_size ({self.size}) must equal torchrun's world size "
-                                 f"({os.environ['WORLD_SIZE']})")
+                raise ValueError(
+                    f"tensor_parallel_size ({self.size}) must equal torchrun's world size ({os.environ['WORLD_SIZE']})"
+                )
             init_method = "env://"
         else:
             if self.device.type == "cuda" and torch.cuda.device_count() < self.size:
-                raise ValueError(f"tensor_parallel_size {self.size} needs {self.size} GPUs on this machine, "
-                                 f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)")
+                raise ValueError(
+                    f"tensor_parallel_size {self.size} needs {self.size} GPUs on this machine, "
+                    f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)"
+                )
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             _use_loopback_for_gloo()
             ctx = multiprocessing.get_context("spawn")
             self._errors = ctx.SimpleQueue()
             for rank in range(1, self.size):
-                proc = ctx.Process(target=run_worker, args=(args, rank, self.size, init_method, rank, self._errors),
-                                   name=f"ember-tp-rank{rank}", daemon=True)
+                proc = ctx.Process(
+                    target=run_worker,
+                    args=(args, rank, self.size, init_method, rank, self._errors),
+                    name=f"ember-tp-rank{rank}",
+                    daemon=True,
+                )
                 proc.start()
                 self._procs.append(proc)
             self._watcher = threading.Thread(target=self._watch, name="ember-tp-watch", daemon=True)
@@ -142,7 +154,7 @@ class TensorParallelGroup:
         def join() -> None:
             try:
                 init_tensor_parallel(0, self.size, init_method, self.device)
-            except BaseException as e:  # re-raised in the caller's thread
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 error.append(e)
 
         thread = threading.Thread(target=join, name="ember-tp-join", daemon=True)
@@ -158,14 +170,17 @@ class TensorParallelGroup:
         ready = multiprocessing.connection.wait(list(sentinels))
         if self._stopping:
             return
+        assert isinstance(ready[0], int)  # wait() returns the sentinels it was given
         dead = sentinels[ready[0]]
         dead.join()
         reasons = []
         while not self._errors.empty():
             rank, message = self._errors.get()
             reasons.append(f"rank {rank}: {message}")
-        self.failure = (f"tensor-parallel rank {dead.name.removeprefix('ember-tp-rank')} (pid {dead.pid}) exited "
-                        f"with code {dead.exitcode}" + (f" ({'; '.join(reasons)})" if reasons else ""))
+        self.failure = (
+            f"tensor-parallel rank {dead.name.removeprefix('ember-tp-rank')} (pid {dead.pid}) exited "
+            f"with code {dead.exitcode}" + (f" ({'; '.join(reasons)})" if reasons else "")
+        )
         logger.error("%s; stopping the engine", self.failure)
         self._kill_all()
         if torch.distributed.is_initialized() and self.device.type == "cuda":

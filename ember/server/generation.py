@@ -3,9 +3,9 @@
 `Generation` merges the engine streams of a request's prompts into one and, with `--log-requests`,
 logs how the request ended: ids, timings, token counts, finish reasons and sampling parameters, but
 no text (prompts, outputs, stop strings, error messages, which can quote the prompt) unless
-`--log-request-text` is given too; `respond` turns it into one JSON answer or a stream of server-sent events (`EventStream`), and
-cancels the engine requests as soon as the client goes away, so a dropped connection never keeps KV
-blocks busy until `max_tokens`.
+`--log-request-text` is given too; `respond` turns it into one JSON answer or a stream of server-sent
+events (`EventStream`), and cancels the engine requests as soon as the client goes away, so a dropped
+connection never keeps KV blocks busy until `max_tokens`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import fields
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -72,16 +72,25 @@ class Generation:
     (bad length, full queue) only then, and that must become an HTTP error before any streamed byte.
     """
 
-    def __init__(self, state: ServerState, engine: AsyncLLM, request_id: str, prompts: list[Any],
-                 params: SamplingParams, request_model: type[BaseModel]) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        engine: AsyncLLM,
+        request_id: str,
+        prompts: list[Any],
+        params: SamplingParams,
+        request_model: type[BaseModel],
+    ) -> None:
         self.state = state
         self.request_id = request_id
         self.params = params
         self.request_model = request_model
         self.final: list[RequestOutput | None] = [None] * len(prompts)
         self.prompts = prompts
-        self._gens = [engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
-                      for i, p in enumerate(prompts)]
+        self._gens = [
+            engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+            for i, p in enumerate(prompts)
+        ]
         self._merged = self._merge()
         self._buffered: list[tuple[int, RequestOutput]] = []
         self._started = time.monotonic()
@@ -92,8 +101,7 @@ class Generation:
 
     async def _merge(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         if len(self._gens) == 1:
-            # AsyncLLM.generate is an async generator, though annotated as an AsyncIterator
-            async with aclosing(cast(AsyncGenerator[RequestOutput, None], self._gens[0])) as gen:
+            async with aclosing(self._gens[0]) as gen:
                 async for out in gen:
                     yield 0, out
             return
@@ -104,7 +112,7 @@ class Generation:
                 async for out in gen:
                     queue.put_nowait((i, out))
                 queue.put_nowait((i, None))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - delivered to the merged stream, which answers it
                 queue.put_nowait((i, e))
 
         tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self._gens)]
@@ -128,7 +136,7 @@ class Generation:
             i, out = await anext(self._merged)
         except StopAsyncIteration:
             return None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any engine failure becomes the request's error answer
             error = engine_error(e, self.state, self.request_model)
         else:
             if not (out.finished and any(o.finish_reason == "abort" for o in out.outputs)):
@@ -136,8 +144,11 @@ class Generation:
                     self._first_token = time.monotonic()
                 self.final[i] = out
                 return i, out
-            error = (unavailable("The server shut down before this request finished") if self.state.draining else
-                     APIError(500, out.error or "The engine aborted the request", "internal_server_error"))
+            error = (
+                unavailable("The server shut down before this request finished")
+                if self.state.draining
+                else APIError(500, out.error or "The engine aborted the request", "internal_server_error")
+            )
         self._outcome = f"failed ({error.status} {error.info.type})"
         self._error = str(error)
         error.logged = True  # close() logs this request's end
@@ -178,13 +189,17 @@ class Generation:
         now = time.monotonic()
         first = "" if self._first_token is None else f", first token after {self._first_token - self._started:.2f}s"
         reasons = ",".join(str(c.finish_reason) for o in done for c in o.outputs)
-        line = (f"request {self.request_id} {self._outcome} after {now - self._started:.2f}s{first}: "
-                f"{sum(len(o.prompt_token_ids) for o in done)} prompt + "
-                f"{sum(len(c.token_ids) for o in done for c in o.outputs)} completion tokens, "
-                f"finish reasons [{reasons}]; {describe_params(self.params, self.state.settings.log_request_text)}")
+        line = (
+            f"request {self.request_id} {self._outcome} after {now - self._started:.2f}s{first}: "
+            f"{sum(len(o.prompt_token_ids) for o in done)} prompt + "
+            f"{sum(len(c.token_ids) for o in done for c in o.outputs)} completion tokens, "
+            f"finish reasons [{reasons}]; {describe_params(self.params, self.state.settings.log_request_text)}"
+        )
         if self.state.settings.log_request_text:
-            text: dict[str, Any] = {"prompts": [_prompt_text(p) for p in self.prompts],
-                    "outputs": [[c.text for c in o.outputs] for o in done]}
+            text: dict[str, Any] = {
+                "prompts": [_prompt_text(p) for p in self.prompts],
+                "outputs": [[c.text for c in o.outputs] for o in done],
+            }
             if self._error is not None:
                 text["error"] = self._error
             line += "; " + json.dumps(text, ensure_ascii=False)
@@ -230,9 +245,13 @@ def _size(value: object) -> str:
     return type(value).__name__
 
 
-async def respond(request: Request, gen: Generation, stream: bool,
-                  make_chunks: Callable[[], AsyncIterator[BaseModel]],
-                  make_response: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+async def respond(
+    request: Request,
+    gen: Generation,
+    stream: bool,
+    make_chunks: Callable[[], AsyncIterator[BaseModel]],
+    make_response: Callable[[list[RequestOutput]], BaseModel],
+) -> Response:
     """The shared tail of completions and chat: errors before the first output are plain HTTP
     errors, streams become SSE, and everything is cancelled when the client leaves."""
     try:
