@@ -33,7 +33,7 @@ from test_hf_equality import hf_references
 from test_new_archs import GREEDY, NUM_TOKENS, PROMPTS, SCENARIOS, assert_scenario_matches
 
 from ember import LLM, SamplingParams
-from ember.config import ModelConfig
+from ember.model.hf_config import ModelConfig
 from ember.model.layers import RotaryEmbedding
 from ember.model.moe import SparseMoeBlock
 from ember.quant.experts import QuantizedExperts, dequantize_experts

@@ -40,7 +40,7 @@ from test_new_archs import (
 from test_tensor_parallel import _assert_same
 
 from ember import LLM, SamplingParams
-from ember.config import ModelConfig
+from ember.model.hf_config import ModelConfig
 from ember.model.moe import FusedExperts, SparseMoeBlock
 from ember.model.sharding import ShardLayout
 from ember.ops.moe import route

@@ -506,7 +506,7 @@ def test_gemma3_config_in_transformers_4_format_gives_the_same_model(checkpoints
 
 def test_gemma3_multimodal_config_takes_transformers_defaults():
     """The Hub's Gemma 3 4B config.json gives little more than sizes under text_config."""
-    from ember.config import ModelConfig
+    from ember.model.hf_config import ModelConfig
 
     cfg = ModelConfig.from_hf_config(
         {

@@ -22,8 +22,8 @@ from test_gguf import _write_tiny
 from test_server_robustness import _start_serve
 
 from ember import LLM, SamplingParams
-from ember.config import ModelConfig
 from ember.frontend.errors import EngineDeadError
+from ember.model.hf_config import ModelConfig
 from ember.model.sharding import ShardLayout
 from ember.quant.formats import dequantize
 from ember.quant.quantize import QUANTIZERS

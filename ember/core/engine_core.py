@@ -27,7 +27,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from ember.config import EngineArgs, ModelConfig
+from ember.config import EngineArgs
 from ember.core.block_manager import BlockManager
 from ember.core.grammar import GrammarManager, consume
 from ember.core.request import Request, RequestStatus
@@ -40,6 +40,7 @@ from ember.messages import (
     Logprobs,
     SchedulerStats,
 )
+from ember.model.hf_config import ModelConfig
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
 from ember.runner.device import resolve_device

@@ -60,8 +60,11 @@ def model_path(args: EngineArgs) -> tuple[str, bool]:
     """The model's path and whether it is a GGUF file; a ModelLoadError when it is neither kind."""
     path = resolve_model(args.model)
     if not os.path.exists(path):
-        raise ModelLoadError(path, f"no such file or directory (expected an HF model directory, a .gguf file, "
-                                   f"or '{DEFAULT_MODEL}'; Ember never downloads models)")
+        raise ModelLoadError(
+            path,
+            f"no such file or directory (expected an HF model directory, a .gguf file, "
+            f"or '{DEFAULT_MODEL}'; Ember never downloads models)",
+        )
     if os.path.isfile(path) and (path.endswith(".gguf") or args.load_format == "gguf"):
         return path, True
     if os.path.isdir(path) or os.path.basename(path) == "config.json":
@@ -87,8 +90,13 @@ def gguf_info(args: EngineArgs, vocab: GGUFVocab) -> ModelInfo:
     if args.tokenizer is not None:
         tok = load_hf_tokenizer(args.tokenizer, eos_ids)
     else:
-        tok = Tokenizer(vocab.build(), bos_token=vocab.bos_token, eos_token=vocab.eos_token, eos_token_ids=eos_ids,
-                        chat_template=vocab.chat_template)
+        tok = Tokenizer(
+            vocab.build(),
+            bos_token=vocab.bos_token,
+            eos_token=vocab.eos_token,
+            eos_token_ids=eos_ids,
+            chat_template=vocab.chat_template,
+        )
     return ModelInfo(source=vocab.meta.path, tokenizer=tok, model_eos_token_ids=eos_ids)
 
 
@@ -138,10 +146,14 @@ def load_hf_tokenizer(path: str, generation_eos: list[int]) -> Tokenizer:
     # The model's EOS ids, as far as this tokenizer has them (a tokenizer given with --tokenizer may be smaller).
     eos_ids = [i for i in generation_eos if i < tok.get_vocab_size(with_added_tokens=True)]
     if len(eos_ids) < len(generation_eos):
-        logger.warning("%s: EOS ids %s are outside this tokenizer's vocabulary; not used", tok_file,
-                       sorted(set(generation_eos) - set(eos_ids)))
-    if eos is not None and tok.token_to_id(eos) is not None:
-        eos_ids.append(tok.token_to_id(eos))
+        logger.warning(
+            "%s: EOS ids %s are outside this tokenizer's vocabulary; not used",
+            tok_file,
+            sorted(set(generation_eos) - set(eos_ids)),
+        )
+    eos_id = None if eos is None else tok.token_to_id(eos)
+    if eos_id is not None:
+        eos_ids.append(eos_id)
     return Tokenizer(tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, chat_template=template)
 
 

@@ -39,9 +39,16 @@ from ember.quant.formats import QuantizedWeight
 
 logger = logging.getLogger("ember")
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
+}
 _GEMMA = ("gemma2", "gemma3")
 
 _GLOBAL_TENSORS = {
@@ -64,18 +71,27 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 # Gemma's four norms per layer: llama.cpp's ffn_norm is the one before the MLP in both layouts.
-_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
-                        "post_attention_norm": "post_attention_layernorm",
-                        "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Where an architecture's tensor differs from the table above: Phi-3's ffn_up holds gate and up stacked;
 # gpt-oss's norm before the MLP is post_attention_norm, and its attention sinks are one vector per layer.
-_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
-                       "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}}
+_ARCH_LAYER_TENSORS = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
+}
 _UNSUFFIXED = {"self_attn.sinks"}  # HF names without .weight
 # Files with `{arch}.expert_count` (qwen3moe; llama: Mixtral): the router and each projection stacked over
 # experts (3-D, ember/model/moe.py).
-_MOE_LAYER_TENSORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
-                      "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+_MOE_LAYER_TENSORS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's llama3 rope scaling, precomputed per frequency; HF derives it from config instead.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -87,8 +103,11 @@ _CONFIG_TENSORS = {_ROPE_FREQS, *_ROPE_FACTORS.values()}
 @functools.cache
 def _layer_tensors(arch: str, experts: bool = False) -> dict[str, str]:
     """llama.cpp's per-layer tensor names -> HF's, for one architecture (with experts or without)."""
-    return {**(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS), **_ARCH_LAYER_TENSORS.get(arch, {}),
-            **(_MOE_LAYER_TENSORS if experts else {})}
+    return {
+        **(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS),
+        **_ARCH_LAYER_TENSORS.get(arch, {}),
+        **(_MOE_LAYER_TENSORS if experts else {}),
+    }
 
 
 def _hf_tensor_name(name: str, arch: str, experts: bool) -> str | None:
@@ -138,8 +157,9 @@ class GGUFModel:
     def add_bos_token(self) -> bool:
         return self.vocab.add_bos_token
 
-    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight |
-                                                                      QuantizedExperts]]:
+    def tensors(
+        self, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, np.ndarray | QuantizedWeight | QuantizedExperts]]:
         """Yield (HF name, weight) one tensor at a time, so peak memory stays near one tensor
         beyond the memory-mapped file.
 
@@ -167,21 +187,28 @@ class GGUFModel:
                 # than the decoded codes, scales and zeros (torch's strided uint8 copy of the codes
                 # cost 1.8 s of the default model's 2.2 s load on a busy machine).
                 data, n_head = _unpermute(data.reshape(shape[0], -1), n_head), None
+            weight: np.ndarray | QuantizedWeight | QuantizedExperts
             if keep_quantized and _keeps_quantized(tensor):
                 weight = quantized_tensor(data, tensor.tensor_type, shape)
             else:
-                weight = dequantize(data, tensor.tensor_type, shape)
-            if n_head is not None:
-                weight = _unpermute(weight, n_head)
-            if arch in _GEMMA and tensor.name.endswith("norm.weight"):
-                weight = _unshift_norm(weight)
+                array = dequantize(data, tensor.tensor_type, shape)
+                # Only arrays reach these: a kept-quantized tensor is a matrix (n_head was cleared
+                # above) and never a norm.
+                if n_head is not None:
+                    array = _unpermute(array, n_head)
+                if arch in _GEMMA and tensor.name.endswith("norm.weight"):
+                    array = _unshift_norm(array)
+                weight = array
             yield hf_name, weight
 
     def _type_summary(self, keep_quantized: bool) -> str:
         """One line: each tensor type with its count and what it becomes, e.g.
         "F32 x 49 -> float, IQ3_S x 24 -> int8 g32 (kept), Q4_K x 120 -> int4 g32 (kept)"."""
-        forms = Counter((t.tensor_type.name, _form(t, keep_quantized))
-                        for t in self._reader.tensors if t.name not in _CONFIG_TENSORS)
+        forms = Counter(
+            (t.tensor_type.name, _form(t, keep_quantized))
+            for t in self._reader.tensors
+            if t.name not in _CONFIG_TENSORS
+        )
         return ", ".join(f"{name} x {count} -> {form}" for (name, form), count in sorted(forms.items()))
 
 
@@ -215,8 +242,14 @@ def quantized_tensor(data: np.ndarray, qtype, shape: tuple[int, ...]) -> Quantiz
         return quantized(data, qtype, shape)
     e, n, k = shape
     w = quantized(data, qtype, (e * n, k))
-    return QuantizedExperts(w.kind, w.qweight.view(e, n, -1), w.scales.view(e, n, -1),
-                            None if w.zeros is None else w.zeros.view(e, n, -1), w.group_size, w.in_features)
+    return QuantizedExperts(
+        w.kind,
+        w.qweight.view(e, n, -1),
+        w.scales.view(e, n, -1),
+        None if w.zeros is None else w.zeros.view(e, n, -1),
+        w.group_size,
+        w.in_features,
+    )
 
 
 def _numpy_shape(tensor: GGUFTensor) -> tuple[int, ...]:
@@ -237,23 +270,28 @@ def load_gguf(path: str) -> GGUFModel:
         raise ModelLoadError(path, "file not found")
     meta = open_gguf(path)
     reader = meta.reader
+    assert reader is not None  # open_gguf keeps the file's reader
 
     arch = meta.require("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ModelLoadError(
-            path, f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
-        )
+        raise ModelLoadError(path, f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
     names = {tensor.name for tensor in reader.tensors}
     experts = bool(meta.get(f"{arch}.expert_count"))
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
         if _hf_tensor_name(tensor.name, arch, experts) is None:
-            raise ModelLoadError(path, f"unexpected tensor {tensor.name!r} for architecture {arch!r} "
-                                       f"(supported: {_known_tensor_names(arch, experts)})")
+            raise ModelLoadError(
+                path,
+                f"unexpected tensor {tensor.name!r} for architecture {arch!r} "
+                f"(supported: {_known_tensor_names(arch, experts)})",
+            )
         if tensor.tensor_type not in SUPPORTED_TYPES:
-            raise ModelLoadError(path, f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name} "
-                                       f"(supported: {supported_names()})")
+            raise ModelLoadError(
+                path,
+                f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name} "
+                f"(supported: {supported_names()})",
+            )
 
     vocab = GGUFVocab.read(meta)
     hf_config = _hf_config(meta, arch, names, len(vocab.tokens), vocab.bos_id, vocab.eos_id)
@@ -263,8 +301,12 @@ def load_gguf(path: str) -> GGUFModel:
 
 
 def _hf_config(
-    meta: GGUFMetadata, arch: str, tensor_names: set[str], n_tokens: int,
-    bos_id: int | None, eos_id: int | None,
+    meta: GGUFMetadata,
+    arch: str,
+    tensor_names: set[str],
+    n_tokens: int,
+    bos_id: int | None,
+    eos_id: int | None,
 ) -> dict:
     hidden = meta.require(f"{arch}.embedding_length")
     heads = meta.require(f"{arch}.attention.head_count")
@@ -302,12 +344,19 @@ def _moe_config(meta: GGUFMetadata, arch: str, tensor_names: set[str]) -> dict:
     if arch == "llama":  # Mixtral, whose feed_forward_length is one expert's
         return {"architectures": ["MixtralForCausalLM"], "num_local_experts": experts, "num_experts_per_tok": top_k}
     if arch == "gpt-oss":  # every layer sparse; transformers' intermediate_size is one expert's
-        return {"num_local_experts": experts, "num_experts_per_tok": top_k,
-                "intermediate_size": meta.require(f"{arch}.expert_feed_forward_length")}
+        return {
+            "num_local_experts": experts,
+            "num_experts_per_tok": top_k,
+            "intermediate_size": meta.require(f"{arch}.expert_feed_forward_length"),
+        }
     layers = meta.require(f"{arch}.block_count")
-    return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
-            "moe_intermediate_size": meta.require(f"{arch}.expert_feed_forward_length"),
-            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "norm_topk_prob": True,
+        "moe_intermediate_size": meta.require(f"{arch}.expert_feed_forward_length"),
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+    }
 
 
 # llama.cpp's fixed Gemma facts (llama-model.cpp): every 2nd (Gemma 2) / 6th (Gemma 3) layer is global,
@@ -326,8 +375,10 @@ def _sliding_window_config(meta: GGUFMetadata, arch: str) -> dict:
         return {}
     if arch == "gpt-oss":  # llama.cpp's fixed pattern: even layers slide, odd ones are global
         layers = meta.require(f"{arch}.block_count")
-        return {"sliding_window": window,
-                "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]}
+        return {
+            "sliding_window": window,
+            "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)],
+        }
     if arch not in _GEMMA:
         return {} if window is None else {"architectures": ["MistralForCausalLM"], "sliding_window": window}
     hidden = meta.require(f"{arch}.embedding_length")
@@ -345,6 +396,8 @@ def _sliding_window_config(meta: GGUFMetadata, arch: str) -> dict:
     else:
         config["rope_local_base_freq"] = 10_000.0
     return config
+
+
 def _phi3_config(meta: GGUFMetadata, hf_config: dict, tensors: dict[str, GGUFTensor]) -> dict:
     """What llama.cpp's converter keeps of Phi-3's config apart from the common keys: the rotated share
     of a head (Phi-4-mini rotates 3/4), the sliding window (0: none) and LongRoPE, whose factors are
@@ -357,8 +410,10 @@ def _phi3_config(meta: GGUFMetadata, hf_config: dict, tensors: dict[str, GGUFTen
     extra = {"partial_rotary_factor": partial, "sliding_window": meta.get("phi3.attention.sliding_window") or None}
     if all(name in tensors for name in _ROPE_FACTORS.values()):
         original = meta.require("phi3.rope.scaling.original_context_length")
-        rope = {key: dequantize(tensors[name].data, tensors[name].tensor_type, _numpy_shape(tensors[name])).tolist()
-                for key, name in _ROPE_FACTORS.items()}
+        rope = {
+            key: dequantize(tensors[name].data, tensors[name].tensor_type, _numpy_shape(tensors[name])).tolist()
+            for key, name in _ROPE_FACTORS.items()
+        }
         rope.update(rope_type="longrope", original_max_position_embeddings=original)
         attention_factor = meta.get("phi3.rope.scaling.attn_factor")
         if attention_factor is not None:
@@ -378,9 +433,7 @@ def _rope_scaling(meta: GGUFMetadata, arch: str) -> dict | None:
         return {
             "rope_type": "yarn",
             "factor": factor,
-            "original_max_position_embeddings": meta.require(
-                f"{arch}.rope.scaling.original_context_length"
-            ),
+            "original_max_position_embeddings": meta.require(f"{arch}.rope.scaling.original_context_length"),
             # gpt-oss's config.json (which the file does not carry) turns truncation off; transformers'
             # default, and so other models', is on
             "truncate": arch != "gpt-oss",

@@ -35,7 +35,7 @@ from ember.quant.formats import QuantizedWeight
 _BLOCKS_PER_CHUNK = 1 << 11
 _pools: dict[int, ThreadPoolExecutor] = {}
 
-_TORCH_DTYPES = {np.uint8: torch.uint8, np.int8: torch.int8, np.float32: torch.float32}
+_TORCH_DTYPES: dict[type, torch.dtype] = {np.uint8: torch.uint8, np.int8: torch.int8, np.float32: torch.float32}
 _CODES: dict[QType, BlockCodes] = BLOCK_CODES | GRID_CODES
 FLOAT_TYPES = frozenset({QType.F32, QType.F16, QType.BF16})
 QUANTIZED_TYPES = frozenset(_CODES)  # types that can stay quantized
@@ -118,6 +118,7 @@ def dequantize(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> np.ndar
 
     def decode(rows: slice) -> None:
         _dense(blocks[rows], _CODES[qtype], out[rows])
+
     _each_chunk(len(blocks), decode)
     return out.reshape(shape)
 
@@ -130,8 +131,10 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
     scales) instead of a float copy.
     """
     if qtype not in QUANTIZED_TYPES or len(shape) != 2:
-        raise ValueError(f"a {qtype.name} tensor of shape {shape} has no quantized form "
-                         f"(2-D tensors of {', '.join(t.name for t in QUANTIZED_TYPES)} only)")
+        raise ValueError(
+            f"a {qtype.name} tensor of shape {shape} has no quantized form "
+            f"(2-D tensors of {', '.join(t.name for t in QUANTIZED_TYPES)} only)"
+        )
     fmt = _CODES[qtype]
     blocks = _stored_blocks(raw, qtype, shape)
     n, block_size = len(blocks), gguf.GGML_QUANT_SIZES[qtype][0]
@@ -153,6 +156,7 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
         scales[rows], chunk_zeros = fmt.affine(chunk)
         if zeros is not None:
             zeros[rows] = chunk_zeros
+
     _each_chunk(n, decode)
     out_features, in_features = shape
     return QuantizedWeight(

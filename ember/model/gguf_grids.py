@@ -18,9 +18,10 @@ from gguf.quants import IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 from ember.model.gguf_codes import Affine, BlockCodes, fp16_field, nibble_pairs
 
 
-def _table(cls: type) -> np.ndarray:
+def _table(cls: type[IQ1_S | IQ2_XXS | IQ2_XS | IQ2_S | IQ3_XXS | IQ3_S]) -> np.ndarray:
     """A reference class's lattice as int8 [points, dims]."""
     cls.init_grid()
+    assert cls.grid is not None  # init_grid sets it
     return cls.grid.reshape(cls.grid_shape).astype(np.int8)
 
 
@@ -35,7 +36,7 @@ def _signs(bits: np.ndarray) -> np.ndarray:
 
 
 def _u32(b: np.ndarray, start: int, count: int) -> np.ndarray:
-    return np.ascontiguousarray(b[:, start:start + 4 * count]).view(np.uint32)
+    return np.ascontiguousarray(b[:, start : start + 4 * count]).view(np.uint32)
 
 
 # IQ2_XXS [d][8 x (4 lattice indices, u32: 4 x 7-bit sign indices, 4-bit scale)]: groups of 32.
@@ -59,7 +60,7 @@ def _iq2_xs_codes(b: np.ndarray) -> np.ndarray:
 
 def _iq2_scales(b: np.ndarray, start: int) -> Affine:
     """8 bytes of 4-bit scales s, one per 16 weights: d * (1/2 + s) / 4."""
-    return fp16_field(b, 0) * (np.float32(0.5) + nibble_pairs(b[:, start:start + 8])) * np.float32(0.25), None
+    return fp16_field(b, 0) * (np.float32(0.5) + nibble_pairs(b[:, start : start + 8])) * np.float32(0.25), None
 
 
 # IQ2_S [d][32 index low bytes][32 sign bytes][8 bytes: 2-bit index highs][8 bytes: 4-bit scales].

@@ -28,7 +28,7 @@ _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _ALIGNMENT_KEY = "general.alignment"
 _DEFAULT_ALIGNMENT = 32
-_SCALARS: dict[GGUFValueType, struct.Struct] = {
+_SCALARS: dict[int, struct.Struct] = {
     GGUFValueType.UINT8: struct.Struct("<B"),
     GGUFValueType.INT8: struct.Struct("<b"),
     GGUFValueType.UINT16: struct.Struct("<H"),
@@ -42,9 +42,7 @@ _SCALARS: dict[GGUFValueType, struct.Struct] = {
     GGUFValueType.FLOAT64: struct.Struct("<d"),
 }
 # Arrays of scalars are read whole by numpy, which spells these types as struct does.
-_ARRAY_DTYPES: dict[GGUFValueType, np.dtype] = {
-    vtype: np.dtype(fmt.format) for vtype, fmt in _SCALARS.items()
-}
+_ARRAY_DTYPES: dict[int, np.dtype] = {vtype: np.dtype(fmt.format) for vtype, fmt in _SCALARS.items()}
 
 
 class GGUFFormatError(ValueError):
@@ -57,8 +55,8 @@ class GGUFTensor(NamedTuple):
     name: str
     tensor_type: QType
     shape: tuple[int, ...]  # GGML order: innermost dimension first
-    data: np.ndarray        # uint8 view of the memory-mapped file: no copy, nothing read yet
-    offset: int             # where `data` starts in the file
+    data: np.ndarray  # uint8 view of the memory-mapped file: no copy, nothing read yet
+    offset: int  # where `data` starts in the file
 
 
 class _Cursor:
@@ -83,7 +81,7 @@ class _Cursor:
     def string(self) -> str:
         size = self.scalar(_U64)
         start = self.skip(size)
-        return str(self.buf[start:self.pos], "utf-8")
+        return str(self.buf[start : self.pos], "utf-8")
 
     def value(self, vtype: int) -> Any:
         """A metadata value: a Python scalar, str, or a list of them (lists of lists when nested)."""
@@ -139,7 +137,7 @@ class GGUFFile:
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._data = np.frombuffer(self._map, dtype=np.uint8)
-        cursor = _Cursor(memoryview(self._data))
+        cursor = _Cursor(memoryview(self._data))  # type: ignore[arg-type]  # numpy stubs: ndarray lacks __buffer__
         try:
             self.version, tensor_count, kv_count = self._read_header(cursor)
             self.fields = self._read_fields(cursor, kv_count)
@@ -201,14 +199,14 @@ class GGUFFile:
             raise GGUFFormatError(f"tensor {name!r} has unknown type {raw_type}") from None
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         if shape and shape[0] % block_size:
-            raise GGUFFormatError(f"tensor {name!r} of type {qtype.name} has a row of {shape[0]} elements, "
-                                  f"not a multiple of its {block_size}-element blocks")
+            raise GGUFFormatError(
+                f"tensor {name!r} of type {qtype.name} has a row of {shape[0]} elements, "
+                f"not a multiple of its {block_size}-element blocks"
+            )
         start = self.data_offset + offset
         end = start + math.prod(shape) // block_size * block_bytes
         if end > len(self._data):
-            raise GGUFFormatError(
-                f"tensor {name!r} needs bytes {start}-{end} of a {len(self._data)}-byte file"
-            )
+            raise GGUFFormatError(f"tensor {name!r} needs bytes {start}-{end} of a {len(self._data)}-byte file")
         return GGUFTensor(name, qtype, shape, self._data[start:end], start)
 
     def populated(self, tensors: list[GGUFTensor]) -> Iterator[GGUFTensor]:

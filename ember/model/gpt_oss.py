@@ -55,8 +55,10 @@ def checkpoint_tensors(weights: Iterable[tuple[str, Any]], source: str) -> Itera
             tensor = _read(tensor)
             yield from _experts(name, tensor if kind.endswith("_bias") else tensor.transpose(1, 2), source)
     for base, parts in pending.items():
-        raise ModelLoadError(source, f"MXFP4 tensor {base}_{next(iter(parts))} has no "
-                                     f"{base}_{'scales' if 'blocks' in parts else 'blocks'}")
+        raise ModelLoadError(
+            source,
+            f"MXFP4 tensor {base}_{next(iter(parts))} has no {base}_{'scales' if 'blocks' in parts else 'blocks'}",
+        )
 
 
 def _experts(name: str, tensor: torch.Tensor | QuantizedExperts, source: str) -> Iterator[tuple[str, Any]]:
@@ -77,8 +79,9 @@ def _rows(tensor: torch.Tensor | QuantizedExperts, first: int) -> torch.Tensor |
     if isinstance(tensor, QuantizedExperts):
         index = torch.arange(first, tensor.out_features, 2)
         zeros = None if tensor.zeros is None else tensor.zeros[:, index]
-        return QuantizedExperts(tensor.kind, tensor.qweight[:, index], tensor.scales[:, index], zeros,
-                                tensor.group_size, tensor.in_features)
+        return QuantizedExperts(
+            tensor.kind, tensor.qweight[:, index], tensor.scales[:, index], zeros, tensor.group_size, tensor.in_features
+        )
     return tensor[:, first::2].contiguous()
 
 
@@ -89,12 +92,21 @@ def _read(tensor: Any) -> torch.Tensor:
 
 def mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor, name: str = "experts") -> QuantizedExperts:
     """transformers' MXFP4 blocks [E, N, G, 16] and scales [E, N, G] -> QuantizedExperts [E, N, 32 G]."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4 or blocks.shape[-1] != 16 \
-            or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"{name}: MXFP4 blocks must be uint8 [E, N, G, 16] with scales uint8 [E, N, G], got "
-                         f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    if (
+        blocks.dtype != torch.uint8
+        or scales.dtype != torch.uint8
+        or blocks.dim() != 4
+        or blocks.shape[-1] != 16
+        or tuple(blocks.shape[:-1]) != tuple(scales.shape)
+    ):
+        raise ValueError(
+            f"{name}: MXFP4 blocks must be uint8 [E, N, G, 16] with scales uint8 [E, N, G], got "
+            f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}"
+        )
     e, n, g, _ = blocks.shape
     packed = blocks.numpy()
     codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(e, n, g, _MXFP4_BLOCK)  # element order
     gguf_blocks = np.concatenate([scales.numpy()[..., None], codes[..., :16] | (codes[..., 16:] << 4)], axis=-1)
-    return quantized_tensor(gguf_blocks, QType.MXFP4, (e, n, g * _MXFP4_BLOCK))
+    experts = quantized_tensor(gguf_blocks, QType.MXFP4, (e, n, g * _MXFP4_BLOCK))
+    assert isinstance(experts, QuantizedExperts)  # a 3-D shape gives stacked experts
+    return experts

@@ -75,8 +75,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} (supported: default, linear, llama3, "
-                     "longrope, yarn)")
+    raise ValueError(
+        f"rope_scaling: unsupported rope type {rope_type!r} (supported: default, linear, llama3, longrope, yarn)"
+    )
 
 
 def _longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -121,8 +122,14 @@ class RotaryEmbedding(nn.Module):
     are looked up once and reused by every layer.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 rotary_dim: int | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        rotary_dim: int | None = None,
+    ) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
         inv_freq = _inv_freq(self.rotary_dim, theta, scaling)
@@ -133,8 +140,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
         half = self.rotary_dim // 2
-        self.register_buffer("sin_signed", torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1),
-                             persistent=False)
+        self.register_buffer(
+            "sin_signed", torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1), persistent=False
+        )
         self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +150,9 @@ class RotaryEmbedding(nn.Module):
         direct call; the model's layers call the one they chose at load)."""
         return self.implementation(registry.target(q.device, q.dtype), q.shape[-1])(self, positions, q, k)
 
-    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor,
-                  num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate_qk(
+        self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for queries and keys that are adjacent in each row: qk is [T, Hq + Hk, D], the query
         heads first (the fused QKV output's first columns)."""
         impl = self.implementation(registry.target(qk.device, qk.dtype), qk.shape[-1])

@@ -25,8 +25,9 @@ class QuantLinear(nn.Module):
     """y = x @ W^T + b with W quantized. `parts` of different formats (GGUF files mix types inside a
     fused q/k/v) run one matmul each and concatenate; parts of one format are fused into one."""
 
-    def __init__(self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         if len(parts) > 1 and all(isinstance(p, QuantizedWeight) for p in parts) and same_format(parts):
             parts = [concat_out(parts)]
@@ -112,8 +113,14 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight_q
         scale_rows = ids // w.block_rows
-        rows = QuantizedWeight(w.kind, w.qweight[ids], w.scales[scale_rows],
-                               None if w.zeros is None else w.zeros[scale_rows], w.group_size, w.in_features)
+        rows = QuantizedWeight(
+            w.kind,
+            w.qweight[ids],
+            w.scales[scale_rows],
+            None if w.zeros is None else w.zeros[scale_rows],
+            w.group_size,
+            w.in_features,
+        )
         return dequantize(rows, self.dtype)
 
     def attend(self, hidden: torch.Tensor) -> torch.Tensor:

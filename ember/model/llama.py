@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.config import ModelConfig
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.errors import ModelLoadError
 from ember.model import gpt_oss
+from ember.model.hf_config import ModelConfig
 from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from ember.model.linear import QuantEmbedding, QuantLinear, quantize_module
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
@@ -76,8 +76,14 @@ class Attention(nn.Module):
         shape = AttentionShape(k_cache.dtype, self.num_heads, num_kv_heads, head_dim, block_size)
         self._attention = registry.attention_impl(self._target, shape)
         self._masking = Masking(self.sliding_window, self.logits_soft_cap, self.sinks)
-        self._rotary_store = registry.rotary_store_impl(self._target, k_cache.dtype, self.native_rotary_tables(),
-                                                        self.q_norm is not None, self.num_heads, self.head_dim)
+        self._rotary_store = registry.rotary_store_impl(
+            self._target,
+            k_cache.dtype,
+            self.native_rotary_tables(),
+            self.q_norm is not None,
+            self.num_heads,
+            self.head_dim,
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -89,14 +95,16 @@ class Attention(nn.Module):
             if self.q_norm is None:
                 q, k = self._rope.rotate_qk(self.rotary, positions, qk, self.num_heads)
             else:
-                q, k = self._rope(self.rotary, positions, self.q_norm(qk[:, :self.num_heads]),
-                                  self.k_norm(qk[:, self.num_heads:]))
+                q, k = self._rope(
+                    self.rotary, positions, self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])
+                )
             self._attention.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         o = self._attention(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
-    def _native_rotary_store(self, positions: torch.Tensor, qkv: torch.Tensor,
-                             meta: AttentionMetadata) -> torch.Tensor | None:
+    def _native_rotary_store(
+        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
         """Rotary and the KV store in one native call where the layer chose it (ember/ops/rotary.py,
         NativeRotaryStore): the queries [T, Hq, D], or None where the PyTorch path runs."""
         return self._rotary_store(positions, qkv, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -131,8 +139,9 @@ class DecoderLayer(nn.Module):
         it computes; asked again once the weights are loaded or quantized (CausalLM._choose_kernels)."""
         self._decode = registry.decode_layer_impl(self._target, self)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MLP output and the residual stream; the next norm adds them (fused)."""
         fused = self._native_decode(positions, h, residual, meta)
         if fused is not None:
@@ -148,8 +157,9 @@ class DecoderLayer(nn.Module):
         h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
         return self.post_feedforward_layernorm(all_reduce(self.mlp(h))), residual
 
-    def _native_decode(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _native_decode(
+        self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode step of the whole layer in one native call where the layer chose it; None where the
         modules run (prefill rows, other layers, other devices)."""
         return self._decode(positions, h, residual, meta, self.self_attn.k_cache, self.self_attn.v_cache)
@@ -160,14 +170,21 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.layout = layout
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
-        local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_local_theta, cfg.rope_local_scaling, cfg.rotary_dim)
+        local = (
+            rotary
+            if cfg.rope_local_theta is None
+            else RotaryEmbedding(
+                cfg.head_dim, max_positions, cfg.rope_local_theta, cfg.rope_local_scaling, cfg.rotary_dim
+            )
+        )
         self.embed_tokens = Embedding(layout.vocab_per_rank, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, rotary if cfg.layer_window(i) is None else local, i)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, layout, rotary if cfg.layer_window(i) is None else local, i)
+            for i in range(cfg.num_hidden_layers)
+        )
         self.norm = _norm(cfg, cfg.hidden_size)
         # Gemma: sqrt(hidden) rounded to the model dtype, as transformers' embedding scale is
-        scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(torch.get_default_dtype())
+        scale = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(torch.get_default_dtype())
         self.register_buffer("embed_scale", scale if cfg.gemma_norms else None, persistent=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -200,8 +217,11 @@ _FUSED = {
 }
 _SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
 # Gemma3ForConditionalGeneration: the language model's tensors under transformers < 5's and >= 5's names
-_LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                            "language_model.lm_head.": "lm_head."}
+_LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
@@ -211,8 +231,10 @@ def _language_model_name(name: str) -> str | None:
         return None
     for prefix, replacement in _LANGUAGE_MODEL_PREFIXES.items():
         if name.startswith(prefix):
-            return replacement + name[len(prefix):]
+            return replacement + name[len(prefix) :]
     return name
+
+
 # fused checkpoint tensor (Phi-3) -> the parts it stacks, in order
 _STACKED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -226,8 +248,9 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.layout = ShardLayout.of(cfg, tp_rank(), tp_size())
         self.model = DecoderModel(cfg, self.layout, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.layout.vocab_per_rank,
-                                                                      bias=False)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.layout.vocab_per_rank, bias=False)
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
@@ -241,7 +264,7 @@ class CausalLM(nn.Module):
         if layout.size > 1:
             if logits.shape[-1] < layout.vocab_per_rank:
                 logits = F.pad(logits, (0, layout.vocab_per_rank - logits.shape[-1]))
-            logits = all_gather_last_dim(logits)[:, :layout.vocab_size]
+            logits = all_gather_last_dim(logits)[:, : layout.vocab_size]
         logits = logits.float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -251,8 +274,12 @@ class CausalLM(nn.Module):
         one rank: under tensor parallelism the other ranks take part in compute_logits' all-gather).
         Not with a logit soft cap: tanh keeps the order but can round distinct logits to one value,
         and argmax then takes the first of them as transformers does."""
-        if (self.layout.size == 1 and isinstance(self.model.embed_tokens, QuantEmbedding) and self.lm_head is None
-                and self.config.final_logit_softcapping is None):
+        if (
+            self.layout.size == 1
+            and isinstance(self.model.embed_tokens, QuantEmbedding)
+            and self.lm_head is None
+            and self.config.final_logit_softcapping is None
+        ):
             return self.model.embed_tokens.argmax(hidden)
         return self.compute_logits(hidden).argmax(dim=-1)
 
@@ -286,8 +313,9 @@ class CausalLM(nn.Module):
         except AttributeError:
             experts = None
         if not isinstance(experts, FusedExperts):
-            raise ModelLoadError(source, f"unexpected tensor {name!r} for {self.config.architecture} (no experts "
-                                         "in that layer)")
+            raise ModelLoadError(
+                source, f"unexpected tensor {name!r} for {self.config.architecture} (no experts in that layer)"
+            )
         return experts
 
     def attention_layers(self) -> list[Attention]:
@@ -314,8 +342,11 @@ class CausalLM(nn.Module):
         for name, tensor in self._unstacked(weights, source):
             if self.config.architecture == "Gemma3ForConditionalGeneration":
                 name = _language_model_name(name)
-            if name is None or name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and
-                                                                        name == "lm_head.weight"):
+            if (
+                name is None
+                or name.endswith("rotary_emb.inv_freq")
+                or (self.lm_head is None and name == "lm_head.weight")
+            ):
                 continue
             name = moe_tensor_name(name)
             if FusedExperts.owns(name):
@@ -336,11 +367,12 @@ class CausalLM(nn.Module):
                 raise ModelLoadError(source, f"unexpected tensor {name!r} for {self.config.architecture}")
             dest = param.data if size is None else param.data.narrow(0, offset, size)
             if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-                param.data[self.layout.vocab_rows:].zero_()  # the last rank's padding rows
+                param.data[self.layout.vocab_rows :].zero_()  # the last rank's padding rows
                 dest = dest[: self.layout.vocab_rows]
             if tuple(dest.shape) != tuple(tensor.shape):
-                raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                             f"expected {tuple(dest.shape)}")
+                raise ModelLoadError(
+                    source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
             if isinstance(tensor, QuantizedWeight):
                 quantized.setdefault(target, {})[shard] = tensor.to(dest.device)
             else:
@@ -356,8 +388,9 @@ class CausalLM(nn.Module):
             experts.finish_loading(source)
         self._choose_kernels()
 
-    def _unstacked(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
-                   source: str) -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def _unstacked(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], source: str
+    ) -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Checkpoint tensors with stacked q/k/v or gate/up (Phi-3's qkv_proj, gate_up_proj) cut into
         their parts, so tensor-parallel slicing and quantized shards see what separate tensors give.
         A lazily read safetensors part is read whole here (each rank then keeps its slice)."""
@@ -370,8 +403,10 @@ class CausalLM(nn.Module):
                 yield name, tensor
                 continue
             if tensor.shape[0] != sum(sizes[stacked]):
-                raise ModelLoadError(source, f"tensor {name!r} has {tensor.shape[0]} rows, expected "
-                                             f"{' + '.join(map(str, sizes[stacked]))}")
+                raise ModelLoadError(
+                    source,
+                    f"tensor {name!r} has {tensor.shape[0]} rows, expected {' + '.join(map(str, sizes[stacked]))}",
+                )
             offset = 0
             for part, size in zip(_STACKED[stacked], sizes[stacked]):
                 yield name.replace(stacked, part), tensor.narrow(0, offset, size)

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ember.config import EngineArgs, ModelConfig
+from ember.config import EngineArgs
 from ember.errors import ModelLoadError
 from ember.model.files import ModelInfo, gguf_info, hf_info, model_path, read_config, read_json
 from ember.model.gguf import load_gguf
+from ember.model.hf_config import ModelConfig
 from ember.model.registry import model_class
 from ember.quant.checkpoints import METHODS, checkpoint_format, quantized_weights
 from ember.quant.checkpoints.base import CheckpointFormat
@@ -65,25 +66,41 @@ def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str
     the same), else the requested load-time mode."""
     if files.prequantized:
         if requested not in (None, files.quantization):
-            raise ValueError(f"quantization {requested!r} conflicts with the checkpoint's quantization_config."
-                             f"quant_method {files.quantization!r} ({os.path.join(path, 'config.json')}); omit "
-                             "--quantization to load it as stored")
+            raise ValueError(
+                f"quantization {requested!r} conflicts with the checkpoint's quantization_config."
+                f"quant_method {files.quantization!r} ({os.path.join(path, 'config.json')}); omit "
+                "--quantization to load it as stored"
+            )
         return files.quantization
     if requested == "gguf":
-        raise ValueError(f"quantization 'gguf' needs a .gguf model file; use int8, int4 or fp8 to quantize {path} "
-                         "at load")
+        raise ValueError(
+            f"quantization 'gguf' needs a .gguf model file; use int8, int4 or fp8 to quantize {path} at load"
+        )
     if requested in METHODS and requested not in QUANTIZERS:
-        raise ValueError(f"quantization {requested!r} needs a checkpoint stored that way ({path} has no "
-                         "quantization_config in config.json); use int8, int4 or fp8 to quantize it at load")
+        raise ValueError(
+            f"quantization {requested!r} needs a checkpoint stored that way ({path} has no "
+            "quantization_config in config.json); use int8, int4 or fp8 to quantize it at load"
+        )
     return requested or "none"
 
 
 def _gguf_files(args: EngineArgs, path: str, keep_quantized: bool) -> ModelFiles:
     g, dummy = load_gguf(path), args.load_format == "dummy"
-    weights = None if dummy else lambda: ((name, torch.from_numpy(t) if isinstance(t, np.ndarray) else t)
-                                          for name, t in g.tensors(keep_quantized=keep_quantized))
-    return ModelFiles(source=path, model_config=_model_config(g.hf_config, path), checkpoint_dtype=None,
-                      model_info=functools.partial(gguf_info, args, g.vocab), weights=weights)
+    weights = (
+        None
+        if dummy
+        else lambda: (
+            (name, torch.from_numpy(t) if isinstance(t, np.ndarray) else t)
+            for name, t in g.tensors(keep_quantized=keep_quantized)
+        )
+    )
+    return ModelFiles(
+        source=path,
+        model_config=_model_config(g.hf_config, path),
+        checkpoint_dtype=None,
+        model_info=functools.partial(gguf_info, args, g.vocab),
+        weights=weights,
+    )
 
 
 def _hf_files(args: EngineArgs, path: str) -> ModelFiles:
@@ -93,15 +110,19 @@ def _hf_files(args: EngineArgs, path: str) -> ModelFiles:
     fmt = checkpoint_format(cfg, config_file)
     if fmt is not None and weights is not None:
         weights = _assembled(weights, fmt, path)
-    return ModelFiles(source=path, model_config=_model_config(cfg, config_file),
-                      checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-                      model_info=functools.partial(hf_info, args, path, cfg), weights=weights,
-                      quantization=fmt.method if fmt is not None else "none", prequantized=fmt is not None,
-                      fp8_weights=fmt is not None and fmt.fp8)
+    return ModelFiles(
+        source=path,
+        model_config=_model_config(cfg, config_file),
+        checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        model_info=functools.partial(hf_info, args, path, cfg),
+        weights=weights,
+        quantization=fmt.method if fmt is not None else "none",
+        prequantized=fmt is not None,
+        fp8_weights=fmt is not None and fmt.fp8,
+    )
 
 
-def _assembled(weights: Callable[[], WeightIterator], fmt: CheckpointFormat,
-               path: str) -> Callable[[], WeightIterator]:
+def _assembled(weights: Callable[[], WeightIterator], fmt: CheckpointFormat, path: str) -> Callable[[], WeightIterator]:
     return lambda: quantized_weights(weights(), fmt, path)
 
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.config import ModelConfig
 from ember.errors import ModelLoadError
+from ember.model.hf_config import ModelConfig
 from ember.model.layers import GatedMLP
 from ember.model.sharding import ShardLayout, read_shard
 from ember.ops import registry
@@ -33,8 +33,12 @@ from ember.quant.formats import dequantize, same_format
 
 _EXPERTS = ".mlp.experts."
 # Mixtral's checkpoint names -> Qwen3-MoE's, which the model's parameters use
-_MIXTRAL_NAMES = {".block_sparse_moe.gate.": ".mlp.gate.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
-                  ".w2.": ".down_proj."}
+_MIXTRAL_NAMES = {
+    ".block_sparse_moe.gate.": ".mlp.gate.",
+    ".w1.": ".gate_proj.",
+    ".w3.": ".up_proj.",
+    ".w2.": ".down_proj.",
+}
 _PARTS = ("gate", "up", "down")
 _BIASES = ("gate_bias", "up_bias", "down_bias")
 
@@ -99,8 +103,15 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, swiglu: tuple[float, 
 class FusedExperts(nn.Module):
     """Every expert of one layer (this rank's slice of each), and the PyTorch path over them."""
 
-    def __init__(self, num_experts: int, hidden_size: int, layout: ShardLayout, layer: int, bias: bool = False,
-                 swiglu: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        layout: ShardLayout,
+        layer: int,
+        bias: bool = False,
+        swiglu: tuple[float, float] | None = None,
+    ) -> None:
         super().__init__()
         inter = layout.moe_intermediate_size
         self.num_experts = num_experts
@@ -119,9 +130,11 @@ class FusedExperts(nn.Module):
         # 17 GB of Q4_K experts. The device is the one the model is built on (under torch.device(...)).
         self._device = torch.empty(0).device
         self.w13: torch.Tensor | QuantizedExperts = nn.Parameter(
-            torch.empty(num_experts, 2 * inter, hidden_size, device="meta"))
-        self.w2: torch.Tensor | QuantizedExperts = nn.Parameter(torch.empty(num_experts, hidden_size, inter,
-                                                                            device="meta"))
+            torch.empty(num_experts, 2 * inter, hidden_size, device="meta")
+        )
+        self.w2: torch.Tensor | QuantizedExperts = nn.Parameter(
+            torch.empty(num_experts, hidden_size, inter, device="meta")
+        )
         self._filled: dict[str, set[int]] = {part: set() for part in _PARTS + (_BIASES if bias else ())}
         self._quantized: dict[str, QuantizedExperts] = {}
 
@@ -138,7 +151,7 @@ class FusedExperts(nn.Module):
 
     @staticmethod
     def module_name(name: str) -> str:
-        return name[:name.index(_EXPERTS) + len(_EXPERTS) - 1]
+        return name[: name.index(_EXPERTS) + len(_EXPERTS) - 1]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert (a stable sort of the flattened choices), one gate/up and one down
@@ -178,7 +191,7 @@ class FusedExperts(nn.Module):
         if name.endswith(".bias"):
             self._load_bias(name, tensor, source)
             return
-        key = name[name.index(_EXPERTS) + len(_EXPERTS):].removesuffix(".weight").split(".")
+        key = name[name.index(_EXPERTS) + len(_EXPERTS) :].removesuffix(".weight").split(".")
         expert = int(key[0]) if len(key) == 2 and key[0].isdigit() else None
         proj = key[-1]
         if proj == "gate_up_proj" and len(key) == 1:
@@ -190,8 +203,9 @@ class FusedExperts(nn.Module):
         if part is None or len(key) > 2 or (len(key) == 2 and (expert is None or expert >= self.num_experts)):
             raise ModelLoadError(source, f"unexpected tensor {name!r}")
         dim = (1 if part == "down" else 0) + (1 if expert is None and not isinstance(tensor, QuantizedExperts) else 0)
-        self._load_part(name, part, expert, read_shard(tensor, (dim, self.start, self.inter) if self.split else None),
-                        source)
+        self._load_part(
+            name, part, expert, read_shard(tensor, (dim, self.start, self.inter) if self.split else None), source
+        )
 
     def _load_bias(self, name: str, tensor, source: str) -> None:
         """Every expert's bias of one projection, stacked: [E, I] for gate and up, [E, H] for down."""
@@ -207,7 +221,9 @@ class FusedExperts(nn.Module):
             dest = self.b13.data.narrow(1, 0 if part == "gate" else self.inter, self.inter)
             tensor = read_shard(tensor, (1, self.start, self.inter) if self.split else None)
         if tuple(tensor.shape) != tuple(dest.shape):
-            raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            raise ModelLoadError(
+                source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
         dest.copy_(tensor)
         self._filled[f"{part}_bias"].update(range(self.num_experts))
 
@@ -216,13 +232,16 @@ class FusedExperts(nn.Module):
         dest = self._dest(part, expert)
         if isinstance(tensor, QuantizedExperts):
             if expert is not None or (tensor.num_experts, tensor.out_features, tensor.in_features) != tuple(dest.shape):
-                raise ModelLoadError(source, f"quantized tensor {name!r} does not hold every expert in the "
-                                             f"expected shape {tuple(dest.shape)}")
+                raise ModelLoadError(
+                    source,
+                    f"quantized tensor {name!r} does not hold every expert in the expected shape {tuple(dest.shape)}",
+                )
             self._quantized[part] = tensor.to(self._device)
         else:
             if tuple(tensor.shape) != tuple(dest.shape):
-                raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                                             f"{tuple(dest.shape)}")
+                raise ModelLoadError(
+                    source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
             self.materialize()
             self._dest(part, expert).copy_(tensor)
         self._filled[part].update(range(self.num_experts) if expert is None else (expert,))
@@ -238,8 +257,9 @@ class FusedExperts(nn.Module):
             if len(filled) != self.num_experts:
                 missing = sorted(set(range(self.num_experts)) - filled)
                 what = part.replace("_", " ") if part in _BIASES else f"{part} projection"
-                raise ModelLoadError(source, f"checkpoint is missing the {what} of experts {missing} "
-                                             f"in layer {self.layer}")
+                raise ModelLoadError(
+                    source, f"checkpoint is missing the {what} of experts {missing} in layer {self.layer}"
+                )
         gate, up = self._quantized.get("gate"), self._quantized.get("up")
         if gate is not None and up is not None and same_format([gate.expert(0), up.expert(0)]):
             self._install("w13", _concat_rows(gate, up))
@@ -265,12 +285,23 @@ class FusedExperts(nn.Module):
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The quantized experts' codes, scales and zeros (dense ones are parameters), for memory accounting."""
-        return [t for w in (self.w13, self.w2) if isinstance(w, QuantizedExperts)
-                for t in (w.qweight, w.scales, w.zeros) if t is not None]
+        return [
+            t
+            for w in (self.w13, self.w2)
+            if isinstance(w, QuantizedExperts)
+            for t in (w.qweight, w.scales, w.zeros)
+            if t is not None
+        ]
 
 
 def _concat_rows(a: QuantizedExperts, b: QuantizedExperts) -> QuantizedExperts:
     """Each expert's rows of a, then its rows of b (one format: groups run along K, so this is exact)."""
     zeros = None if a.zeros is None else torch.cat([a.zeros, b.zeros], dim=1)
-    return QuantizedExperts(a.kind, torch.cat([a.qweight, b.qweight], dim=1), torch.cat([a.scales, b.scales], dim=1),
-                            zeros, a.group_size, a.in_features)
+    return QuantizedExperts(
+        a.kind,
+        torch.cat([a.qweight, b.qweight], dim=1),
+        torch.cat([a.scales, b.scales], dim=1),
+        zeros,
+        a.group_size,
+        a.in_features,
+    )

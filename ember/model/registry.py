@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ember.config import ModelConfig
 from ember.errors import ModelLoadError
+from ember.model.hf_config import ModelConfig
 from ember.model.llama import CausalLM
 
 SUPPORTED_ARCHITECTURES = (

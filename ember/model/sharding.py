@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ember.config import ModelConfig
+from ember.model.hf_config import ModelConfig
 
 # A checkpoint tensor's slice: (dimension, start, length)
 Shard = tuple[int, int, int]

@@ -33,19 +33,20 @@ from ember.quant.kv_scale import KVScale, check_kv_scales, dequantize_kv, quanti
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor      # [T] int64: cache slot of each new token (-1: padding, skipped)
-    block_tables: torch.Tensor      # [B, W] int32, decode rows first, padded with 0
-    seq_lens: torch.Tensor          # [B] int32: context length including the new tokens
-    query_start_loc: torch.Tensor   # [B + 1] int32
-    num_decodes: int                # the first num_decodes sequences have exactly one query token
-    max_query_len: int              # longest prefill chunk (0 when there is none)
-    max_seq_len: int                # longest context in the batch (sizes the decode kernel's split)
-    seq_lens_host: list[int]        # the same values on the host, for the PyTorch path
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (-1: padding, skipped)
+    block_tables: torch.Tensor  # [B, W] int32, decode rows first, padded with 0
+    seq_lens: torch.Tensor  # [B] int32: context length including the new tokens
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    max_query_len: int  # longest prefill chunk (0 when there is none)
+    max_seq_len: int  # longest context in the batch (sizes the decode kernel's split)
+    seq_lens_host: list[int]  # the same values on the host, for the PyTorch path
     query_start_host: list[int]
     # the PyTorch path's decode gather plans (block ids, keys per query, key mask) per sliding window (None:
     # global layers), each made by the first layer of a step that uses it
-    cpu_decode: dict[int | None, tuple[torch.Tensor, int, torch.Tensor | None]] = field(default_factory=dict,
-                                                                                         repr=False)
+    cpu_decode: dict[int | None, tuple[torch.Tensor, int, torch.Tensor | None]] = field(
+        default_factory=dict, repr=False
+    )
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,31 @@ class TritonAttention:
     def can_implement(target: Target, shape: AttentionShape) -> bool:
         return target.triton
 
-    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor, k_scale: KVScale, v_scale: KVScale) -> None:
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: KVScale,
+        v_scale: KVScale,
+    ) -> None:
         from ember.kernels import store_kv
 
         store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, k_scale: KVScale, v_scale: KVScale, masking: Masking) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: KVScale,
+        v_scale: KVScale,
+        masking: Masking,
+    ) -> torch.Tensor:
         """Each layer passes its own window, cap and sinks (a tensor the kernels read on the device),
         constant from step to step, so one captured CUDA graph replays every layer's kernels with the
         right ones."""
@@ -96,15 +114,39 @@ class TritonAttention:
 
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        kwargs = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": masking.window,
-                  "logits_soft_cap": masking.soft_cap, "sinks": masking.sinks}
+        kwargs = {
+            "k_scale": k_scale,
+            "v_scale": v_scale,
+            "sliding_window": masking.window,
+            "logits_soft_cap": masking.soft_cap,
+            "sinks": masking.sinks,
+        }
         if nd:
-            paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                   out=out[:nd], max_seq_len=meta.max_seq_len, **kwargs)
+            paged_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                scale,
+                out=out[:nd],
+                max_seq_len=meta.max_seq_len,
+                **kwargs,
+            )
         if meta.max_query_len:
             # Prefill rows index the full q/out through their own query_start_loc entries.
-            paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                                    meta.query_start_loc[nd:], meta.max_query_len, scale, out=out, **kwargs)
+            paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                meta.seq_lens[nd:],
+                meta.query_start_loc[nd:],
+                meta.max_query_len,
+                scale,
+                out=out,
+                **kwargs,
+            )
         return out
 
 
@@ -116,14 +158,31 @@ class TorchAttention:
     def can_implement(target: Target, shape: AttentionShape) -> bool:
         return True
 
-    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor, k_scale: KVScale, v_scale: KVScale) -> None:
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: KVScale,
+        v_scale: KVScale,
+    ) -> None:
         check_kv_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
         _copy_to_slots(k_cache, slot_mapping, quantize_kv(k, k_cache.dtype, k_scale))
         _copy_to_slots(v_cache, slot_mapping, quantize_kv(v, v_cache.dtype, v_scale))
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, k_scale: KVScale, v_scale: KVScale, masking: Masking) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: KVScale,
+        v_scale: KVScale,
+        masking: Masking,
+    ) -> torch.Tensor:
         check_kv_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
         if meta.num_decodes == q.shape[0]:  # one-token queries only: their SDPA output is the result, no copy
             return self.decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, masking)
@@ -131,8 +190,17 @@ class TorchAttention:
         self._prefill(q, k_cache, v_cache, meta, scale, out, k_scale, v_scale, masking)
         return out
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, k_scale: KVScale, v_scale: KVScale, masking: Masking) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: KVScale,
+        v_scale: KVScale,
+        masking: Masking,
+    ) -> torch.Tensor:
         """The one-token queries q [nd, Hq, D] -> [nd, Hq, D], gathered for one SDPA call."""
         block_size = k_cache.shape[1]
         nd = meta.num_decodes
@@ -146,8 +214,18 @@ class TorchAttention:
         v = dequantize_kv(v_cache.index_select(0, ids).view(shape)[:, :keys], v_scale, q.dtype).transpose(1, 2)
         return _attend(q.unsqueeze(2), k, v, mask, scale, masking).squeeze(2)
 
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, out: torch.Tensor, k_scale: KVScale, v_scale: KVScale, masking: Masking) -> None:
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+        k_scale: KVScale,
+        v_scale: KVScale,
+        masking: Masking,
+    ) -> None:
         """fp8 caches are dequantized to q's dtype block by block as they are gathered, never whole. With a
         window, a sequence's blocks wholly before it are not gathered (a 4096-key window on a 32k context
         reads an eighth of the keys)."""
@@ -161,7 +239,7 @@ class TorchAttention:
             q_len, seq_len = end - start, meta.seq_lens_host[i]
             ctx = seq_len - q_len
             first = _first_block(ctx, window, block_size)
-            block_ids = meta.block_tables[i, first: -(-seq_len // block_size)]
+            block_ids = meta.block_tables[i, first : -(-seq_len // block_size)]
             keys = seq_len - first * block_size
             k = dequantize_kv(k_cache.index_select(0, block_ids).flatten(0, 1)[:keys], k_scale, q.dtype).transpose(0, 1)
             v = dequantize_kv(v_cache.index_select(0, block_ids).flatten(0, 1)[:keys], v_scale, q.dtype).transpose(0, 1)
@@ -187,13 +265,34 @@ class NativeDecodeAttention(TorchAttention):
 
     @staticmethod
     def can_implement(target: Target, shape: AttentionShape) -> bool:
-        return (target.native and shape.dtype == target.dtype == torch.float32
-                and native.attention_shape_fits(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size))
+        return (
+            target.native
+            and shape.dtype == target.dtype == torch.float32
+            and native.attention_shape_fits(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size)
+        )
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, k_scale: KVScale, v_scale: KVScale, masking: Masking) -> torch.Tensor:
-        return native.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                             window=masking.window, soft_cap=masking.soft_cap, sinks=masking.sinks)
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: KVScale,
+        v_scale: KVScale,
+        masking: Masking,
+    ) -> torch.Tensor:
+        return native.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            window=masking.window,
+            soft_cap=masking.soft_cap,
+            sinks=masking.sinks,
+        )
 
 
 def _first_block(first_query_pos: int, window: int | None, block_size: int) -> int:
@@ -201,8 +300,9 @@ def _first_block(first_query_pos: int, window: int | None, block_size: int) -> i
     return 0 if window is None else max(0, first_query_pos - window + 1) // block_size
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int,
-                 window: int | None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+def _decode_plan(
+    meta: AttentionMetadata, block_size: int, window: int | None
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """Block ids to gather for the one-token queries (with a window, only the blocks it covers, from
     each sequence's own first one), the number of keys gathered per query, and which of them each
     query may see ([nd, 1, 1, S]; None when all are visible, which lets SDPA skip masking)."""
@@ -232,16 +332,22 @@ def _decode_plan(meta: AttentionMetadata, block_size: int,
     return ids, keys, visible[:, None, None, :]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            masking: Masking, causal: bool = False) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    masking: Masking,
+    causal: bool = False,
+) -> torch.Tensor:
     """q [B, Hq, Q, D], k/v [B, Hk, S, D], mask broadcastable to [B, 1, Q, S] (True: visible).
 
     SDPA has neither soft cap nor sinks, so such a layer takes the explicit path, ordered as
     transformers' eager attention: scores, scale, cap, mask, the sink column, softmax in float32."""
     soft_cap, sinks = masking.soft_cap, masking.sinks
     if soft_cap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     b, hq, nq, d = q.shape
     hk = k.shape[1]
     q5 = q.view(b, hk, hq // hk, nq, d)  # query heads grouped by their KV head

@@ -33,14 +33,35 @@ class NativeDecodeLayer:
         # rows below every projection's GEMV crossover
         self.max_rows = min(native_expand_min_rows(nat) for nat in (w.qkv, w.o, w.gate_up, w.down))
 
-    def __call__(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                 meta: AttentionMetadata, k_cache: torch.Tensor | None,
-                 v_cache: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if (meta.num_decodes != h.shape[0] or h.shape[0] >= self.max_rows or k_cache is None
-                or not native.decode_layer_fits(self.weights, h, residual, k_cache, positions, meta.slot_mapping)):
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor | None,
+        v_cache: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if (
+            meta.num_decodes != h.shape[0]
+            or h.shape[0] >= self.max_rows
+            or k_cache is None
+            or not native.decode_layer_fits(self.weights, h, residual, k_cache, positions, meta.slot_mapping)
+        ):
             return None
-        return native.decode_layer(self.weights, h, residual, positions, self.cos, self.sin_signed, k_cache, v_cache,
-                                   meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        return native.decode_layer(
+            self.weights,
+            h,
+            residual,
+            positions,
+            self.cos,
+            self.sin_signed,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+        )
 
 
 def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
@@ -49,9 +70,16 @@ def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
     cache, a SiLU gated MLP, every projection one native weight, one rank."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if (layer.sandwich or tp_size() != 1 or getattr(mlp, "act", None) != "silu"
-            or not all(map(_plain_rms_norm, norms)) or norms[0].eps != norms[1].eps or attn.sinks is not None
-            or not _plain_qk_norm(attn) or attn.native_rotary_tables() is None):
+    if (
+        layer.sandwich
+        or tp_size() != 1
+        or getattr(mlp, "act", None) != "silu"
+        or not all(map(_plain_rms_norm, norms))
+        or norms[0].eps != norms[1].eps
+        or attn.sinks is not None
+        or not _plain_qk_norm(attn)
+        or attn.native_rotary_tables() is None
+    ):
         return None
     # native weights exist only on CPU where the kernels were built at load (so no GPU model builds them)
     qkv = _native_gemv(attn.qkv_proj, "native_gemv_parts")
@@ -61,10 +89,20 @@ def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
     weights.insert(0, qkv[0])
     qk_norms = [None if n is None else n.weight.detach().contiguous() for n in (attn.q_norm, attn.k_norm)]
     return native.DecodeLayerWeights(
-        norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous(), norms[0].eps, *weights,
-        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.sliding_window or 0,
-        attn.logits_soft_cap or 0.0, *qk_norms, attn.q_norm.eps if attn.q_norm is not None else 0.0,
-        None if qkv[1] is None else qkv[1].contiguous())
+        norms[0].weight.detach().contiguous(),
+        norms[1].weight.detach().contiguous(),
+        norms[0].eps,
+        *weights,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        attn.scale,
+        attn.sliding_window or 0,
+        attn.logits_soft_cap or 0.0,
+        *qk_norms,
+        attn.q_norm.eps if attn.q_norm is not None else 0.0,
+        None if qkv[1] is None else qkv[1].contiguous(),
+    )
 
 
 def _native_gemv(linear: Any, method: str) -> Any:

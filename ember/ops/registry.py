@@ -38,8 +38,12 @@ NORM = (norm.TritonRMSNorm, norm.TorchRMSNorm, norm.TorchGemmaRMSNorm)
 NATIVE_NORM = (norm.NativeRMSNorm,)  # wrapping the PyTorch norm, which runs for the rows they do not take
 ROTARY = (rotary.TritonRotary, rotary.TorchFullRotary, rotary.TorchRotary)
 ROTARY_STORE = (rotary.NativeRotaryStore, Unfused)
-ACTIVATION = (activation.TorchGeluTanhAndMul, activation.TritonSiluAndMul, activation.NativeSiluAndMul,
-              activation.TorchSiluAndMul)
+ACTIVATION = (
+    activation.TorchGeluTanhAndMul,
+    activation.TritonSiluAndMul,
+    activation.NativeSiluAndMul,
+    activation.TorchSiluAndMul,
+)
 MOE = (moe.TritonMoe, moe.TorchMoe)
 DECODE_LAYER = (NativeDecodeLayer, Unfused)
 
@@ -63,8 +67,7 @@ def linear_impl(t: Target, w: QuantizedWeight | torch.Tensor, dtype: torch.dtype
     return impl
 
 
-def attention_impl(t: Target,
-                   shape: attention.AttentionShape) -> attention.TorchAttention | attention.TritonAttention:
+def attention_impl(t: Target, shape: attention.AttentionShape) -> attention.TorchAttention | attention.TritonAttention:
     return _first(ATTENTION, t, shape)()
 
 
@@ -80,8 +83,14 @@ def rotary_impl(t: Target, full: bool) -> rotary.TorchRotary | rotary.TritonRota
     return _first(ROTARY, t, full)()
 
 
-def rotary_store_impl(t: Target, cache_dtype: torch.dtype, tables: tuple[torch.Tensor, torch.Tensor] | None,
-                      qk_norm: bool, num_heads: int, head_dim: int) -> rotary.NativeRotaryStore | Unfused:
+def rotary_store_impl(
+    t: Target,
+    cache_dtype: torch.dtype,
+    tables: tuple[torch.Tensor, torch.Tensor] | None,
+    qk_norm: bool,
+    num_heads: int,
+    head_dim: int,
+) -> rotary.NativeRotaryStore | Unfused:
     cls = _first(ROTARY_STORE, t, cache_dtype, tables, qk_norm)
     return cls(tables, num_heads, head_dim)
 

@@ -18,9 +18,9 @@ from ember.quant.quantize import quantize
 
 @dataclass
 class QuantizedExperts:
-    kind: str                   # as QuantizedWeight.kind
-    qweight: torch.Tensor       # [E, N, K] int8 / fp8; uint8 [E, N, ceil(K / 2)] for int4
-    scales: torch.Tensor        # float32 [E, N, ceil(K / group_size)]
+    kind: str  # as QuantizedWeight.kind
+    qweight: torch.Tensor  # [E, N, K] int8 / fp8; uint8 [E, N, ceil(K / 2)] for int4
+    scales: torch.Tensor  # float32 [E, N, ceil(K / group_size)]
     zeros: torch.Tensor | None  # float32, shape of scales; None for symmetric formats
     group_size: int
     in_features: int
@@ -35,8 +35,14 @@ class QuantizedExperts:
 
     def expert(self, e: int) -> QuantizedWeight:
         """Expert e's weight as a view (no copy)."""
-        return QuantizedWeight(self.kind, self.qweight[e], self.scales[e],
-                               None if self.zeros is None else self.zeros[e], self.group_size, self.in_features)
+        return QuantizedWeight(
+            self.kind,
+            self.qweight[e],
+            self.scales[e],
+            None if self.zeros is None else self.zeros[e],
+            self.group_size,
+            self.in_features,
+        )
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedExperts:
         """Every expert's rows (dim 0) or columns (dim 1) start:start+length, with QuantizedWeight.narrow's
@@ -47,20 +53,32 @@ class QuantizedExperts:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
 
     def to(self, device: torch.device | str) -> QuantizedExperts:
-        return QuantizedExperts(self.kind, self.qweight.to(device), self.scales.to(device),
-                                None if self.zeros is None else self.zeros.to(device),
-                                self.group_size, self.in_features)
+        return QuantizedExperts(
+            self.kind,
+            self.qweight.to(device),
+            self.scales.to(device),
+            None if self.zeros is None else self.zeros.to(device),
+            self.group_size,
+            self.in_features,
+        )
 
 
 def stack_experts(weights: list[QuantizedWeight]) -> QuantizedExperts:
     if not same_format(weights) or len({w.out_features for w in weights}) != 1 or weights[0].block_rows != 1:
-        raise ValueError("experts of one projection must share one quantized format and shape: "
-                         + ", ".join(sorted({f"{w.kind}/g{w.group_size}/{w.out_features}x{w.in_features}"
-                                             for w in weights})))
+        raise ValueError(
+            "experts of one projection must share one quantized format and shape: "
+            + ", ".join(sorted({f"{w.kind}/g{w.group_size}/{w.out_features}x{w.in_features}" for w in weights}))
+        )
     first = weights[0]
     zeros = None if first.zeros is None else torch.stack([w.zeros for w in weights])
-    return QuantizedExperts(first.kind, torch.stack([w.qweight for w in weights]),
-                            torch.stack([w.scales for w in weights]), zeros, first.group_size, first.in_features)
+    return QuantizedExperts(
+        first.kind,
+        torch.stack([w.qweight for w in weights]),
+        torch.stack([w.scales for w in weights]),
+        zeros,
+        first.group_size,
+        first.in_features,
+    )
 
 
 def quantize_experts(w: torch.Tensor, method: str) -> QuantizedExperts:

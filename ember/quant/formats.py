@@ -33,13 +33,13 @@ _NUMPY_DTYPES = frozenset({torch.uint8, torch.int8, torch.int32, torch.float16, 
 
 @dataclass
 class QuantizedWeight:
-    kind: str                 # "int8" (int8 storage), "int4" (two unsigned nibbles per byte), "fp8"
-    qweight: torch.Tensor     # int8 [N, K]; uint8 [N, ceil(K / 2)] for int4; float8_e4m3fn [N, K] for fp8
-    scales: torch.Tensor      # float32 [N, ceil(K / group_size)]
+    kind: str  # "int8" (int8 storage), "int4" (two unsigned nibbles per byte), "fp8"
+    qweight: torch.Tensor  # int8 [N, K]; uint8 [N, ceil(K / 2)] for int4; float8_e4m3fn [N, K] for fp8
+    scales: torch.Tensor  # float32 [N, ceil(K / group_size)]
     zeros: torch.Tensor | None  # float32, shape of scales; None for symmetric formats
     group_size: int
-    in_features: int          # K (int4 storage alone cannot tell an odd K from K + 1)
-    block_rows: int = 1       # output rows sharing one row of scales (128 for block-scaled fp8)
+    in_features: int  # K (int4 storage alone cannot tell an odd K from K + 1)
+    block_rows: int = 1  # output rows sharing one row of scales (128 for block-scaled fp8)
     in_perm: torch.Tensor | None = None  # int64 [K]: stored column j multiplies input in_perm[j]; None: j
 
     @property
@@ -60,26 +60,45 @@ class QuantizedWeight:
         its own scales; the file's block size decides which splits are possible."""
         if dim == 0:
             if start % self.block_rows or (length % self.block_rows and start + length != self.out_features):
-                raise ValueError(f"cannot split a weight with scale blocks of {self.block_rows} rows at rows "
-                                 f"{start}:{start + length}; choose a tensor_parallel_size that splits on block boundaries")
+                raise ValueError(
+                    f"cannot split a weight with scale blocks of {self.block_rows} rows at rows "
+                    f"{start}:{start + length}; choose a tensor_parallel_size that splits on block boundaries"
+                )
             rows = slice(start // self.block_rows, -(-(start + length) // self.block_rows))
-            return QuantizedWeight(self.kind, self.qweight[start:start + length].clone(), self.scales[rows].clone(),
-                                   None if self.zeros is None else self.zeros[rows].clone(),
-                                   self.group_size, self.in_features, self.block_rows, self.in_perm)
+            return QuantizedWeight(
+                self.kind,
+                self.qweight[start : start + length].clone(),
+                self.scales[rows].clone(),
+                None if self.zeros is None else self.zeros[rows].clone(),
+                self.group_size,
+                self.in_features,
+                self.block_rows,
+                self.in_perm,
+            )
         if self.in_perm is not None:
-            raise ValueError("cannot split an act-order (GPTQ desc_act) weight by input columns: its groups "
-                             "are spread over all of them; use tensor_parallel_size 1 or a checkpoint without desc_act")
+            raise ValueError(
+                "cannot split an act-order (GPTQ desc_act) weight by input columns: its groups "
+                "are spread over all of them; use tensor_parallel_size 1 or a checkpoint without desc_act"
+            )
         end = start + length
         if start % self.group_size or (end % self.group_size and end != self.in_features):
-            raise ValueError(f"cannot split a {self.kind} weight with groups of {self.group_size} inputs at "
-                             f"columns {start}:{end}; choose a tensor_parallel_size that splits on group boundaries")
+            raise ValueError(
+                f"cannot split a {self.kind} weight with groups of {self.group_size} inputs at "
+                f"columns {start}:{end}; choose a tensor_parallel_size that splits on group boundaries"
+            )
         if self.kind == "int4" and start % 2:
             raise ValueError(f"cannot split packed int4 codes at the odd column {start}")
         cols = slice(start // 2, -(-end // 2)) if self.kind == "int4" else slice(start, end)
         groups = slice(start // self.group_size, -(-end // self.group_size))
-        return QuantizedWeight(self.kind, self.qweight[:, cols].contiguous(), self.scales[:, groups].contiguous(),
-                               None if self.zeros is None else self.zeros[:, groups].contiguous(),
-                               self.group_size, length, self.block_rows)
+        return QuantizedWeight(
+            self.kind,
+            self.qweight[:, cols].contiguous(),
+            self.scales[:, groups].contiguous(),
+            None if self.zeros is None else self.zeros[:, groups].contiguous(),
+            self.group_size,
+            length,
+            self.block_rows,
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qweight, self.scales, self.zeros, self.in_perm) if t is not None]
@@ -89,10 +108,16 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
-        return QuantizedWeight(self.kind, self.qweight.to(device), self.scales.to(device),
-                               None if self.zeros is None else self.zeros.to(device),
-                               self.group_size, self.in_features, self.block_rows,
-                               None if self.in_perm is None else self.in_perm.to(device))
+        return QuantizedWeight(
+            self.kind,
+            self.qweight.to(device),
+            self.scales.to(device),
+            None if self.zeros is None else self.zeros.to(device),
+            self.group_size,
+            self.in_features,
+            self.block_rows,
+            None if self.in_perm is None else self.in_perm.to(device),
+        )
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -150,19 +175,32 @@ def same_format(parts: list[QuantizedWeight]) -> bool:
     """Whether the weights can be stacked into one: same codes, groups, K, symmetry and column order."""
     key = {(p.kind, p.group_size, p.in_features, p.zeros is None, p.block_rows, p.in_perm is None) for p in parts}
     perms = [p.in_perm for p in parts if p.in_perm is not None]
-    return (len(key) == 1 and all(p.out_features % p.block_rows == 0 for p in parts[:-1])
-            and all(torch.equal(perms[0], q) for q in perms[1:]))
+    return (
+        len(key) == 1
+        and all(p.out_features % p.block_rows == 0 for p in parts[:-1])
+        and all(torch.equal(perms[0], q) for q in perms[1:])
+    )
 
 
 def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights along the output dimension (fused q/k/v or gate/up); groups run along K, so this is exact."""
     first = parts[0]
     if not same_format(parts):
-        raise ValueError("cannot fuse quantized weights of different formats: "
-                         + ", ".join(f"{p.kind}/g{p.group_size}/K{p.in_features}" for p in parts))
+        raise ValueError(
+            "cannot fuse quantized weights of different formats: "
+            + ", ".join(f"{p.kind}/g{p.group_size}/K{p.in_features}" for p in parts)
+        )
     zeros = None if first.zeros is None else _cat_rows([p.zeros for p in parts])
-    return QuantizedWeight(first.kind, _cat_rows([p.qweight for p in parts]), _cat_rows([p.scales for p in parts]),
-                           zeros, first.group_size, first.in_features, first.block_rows, first.in_perm)
+    return QuantizedWeight(
+        first.kind,
+        _cat_rows([p.qweight for p in parts]),
+        _cat_rows([p.scales for p in parts]),
+        zeros,
+        first.group_size,
+        first.in_features,
+        first.block_rows,
+        first.in_perm,
+    )
 
 
 def _cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -177,5 +215,6 @@ def shape_only(w: QuantizedWeight) -> QuantizedWeight:
     """`w` without its codes and scales, for a layer whose own layout of them replaced the file's: its
     format, shape and column order stay readable, and it holds no weight memory."""
     empty = torch.empty(w.out_features, 0)
-    return QuantizedWeight(w.kind, empty.to(w.qweight.dtype), empty, None, w.group_size, w.in_features,
-                           w.block_rows, w.in_perm)
+    return QuantizedWeight(
+        w.kind, empty.to(w.qweight.dtype), empty, None, w.group_size, w.in_features, w.block_rows, w.in_perm
+    )

@@ -19,21 +19,27 @@ from ember.quant.formats import FP8_DTYPE, FP8_MAX
 KVScale = float | torch.Tensor  # a host float for the layer, or float32 [num_kv_heads]
 
 
-def check_kv_scales(cache_dtype: torch.dtype, k_scale: KVScale, v_scale: KVScale,
-                    num_kv_heads: int | None = None) -> None:
+def check_kv_scales(
+    cache_dtype: torch.dtype, k_scale: KVScale, v_scale: KVScale, num_kv_heads: int | None = None
+) -> None:
     """Layer scales are host floats, so CUDA-graph capture never reads the device for them; per-head
     scales are tensors of one float32 per KV head, both of one kind. Only fp8 caches are scaled; a scale
     other than 1.0 on any other cache is a caller's mistake that would otherwise be silently ignored."""
-    tensors = [isinstance(s, torch.Tensor) for s in (k_scale, v_scale)]
-    if any(tensors):
-        if not all(tensors) or any(s.dtype != torch.float32 or s.dim() != 1 for s in (k_scale, v_scale)):
-            raise TypeError("k_scale and v_scale must be Python floats or both float32 tensors of one scale per "
-                            f"KV head, got {_describe(k_scale)} and {_describe(v_scale)}")
+    if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
+        if not (isinstance(k_scale, torch.Tensor) and isinstance(v_scale, torch.Tensor)) or any(
+            s.dtype != torch.float32 or s.dim() != 1 for s in (k_scale, v_scale)
+        ):
+            raise TypeError(
+                "k_scale and v_scale must be Python floats or both float32 tensors of one scale per "
+                f"KV head, got {_describe(k_scale)} and {_describe(v_scale)}"
+            )
         if cache_dtype != FP8_DTYPE:
             raise ValueError(f"per-head k_scale and v_scale apply only to fp8 caches, not {cache_dtype}")
         if num_kv_heads is not None and (k_scale.numel() != num_kv_heads or v_scale.numel() != num_kv_heads):
-            raise ValueError(f"per-head k_scale ({k_scale.numel()}) and v_scale ({v_scale.numel()}) need one "
-                             f"scale for each of the {num_kv_heads} KV heads")
+            raise ValueError(
+                f"per-head k_scale ({k_scale.numel()}) and v_scale ({v_scale.numel()}) need one "
+                f"scale for each of the {num_kv_heads} KV heads"
+            )
         return
     if not all(isinstance(s, (int, float)) for s in (k_scale, v_scale)):
         raise TypeError(f"k_scale and v_scale must be Python floats, got {type(k_scale)} and {type(v_scale)}")

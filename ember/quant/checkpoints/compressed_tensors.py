@@ -64,8 +64,12 @@ class CompressedTensorsFormat(CheckpointFormat):
         the module or matches it with an "re:" pattern, else the first targeting the class "Linear"."""
         if any(_match_rank(module, t) is not None for t in self.ignore):
             raise ValueError("stored quantized, but quantization_config.ignore lists it")
-        matches = [(rank, i) for i, scheme in enumerate(self.schemes) for t in scheme.targets
-                   if (rank := _match_rank(module, t)) is not None]
+        matches = [
+            (rank, i)
+            for i, scheme in enumerate(self.schemes)
+            for t in scheme.targets
+            if (rank := _match_rank(module, t)) is not None
+        ]
         if not matches:
             raise ValueError("stored quantized, but no quantization_config.config_groups entry targets it")
         return self.schemes[min(matches)[1]]
@@ -84,7 +88,11 @@ def _match_rank(module: str, target: str) -> int | None:
 def _packed_weight(scheme: Scheme, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
     n, k = (int(v) for v in parts["weight_shape"].tolist())
     bits, offset = scheme.bits, 1 << (scheme.bits - 1)
-    g = scheme.group_size if scheme.strategy == "group" else k
+    if scheme.strategy == "group":
+        assert scheme.group_size is not None  # _scheme requires a positive group_size for "group"
+        g = scheme.group_size
+    else:
+        g = k
     groups = -(-k // g)
     packed = parts["weight_packed"]
     check_shape("weight_packed", packed, (n, -(-k * bits // 32)))
@@ -107,7 +115,7 @@ def _packed_weight(scheme: Scheme, parts: dict[str, torch.Tensor]) -> QuantizedW
 
 def _scheme(name: str, group: dict[str, Any], default_format: str | None, source: str) -> Scheme:
     fmt = group.get("format") or default_format
-    weights = group.get("weights") or {}
+    weights: Any = group.get("weights") or {}  # JSON; its fields are checked below
     where = f"quantization_config.config_groups.{name}"
     if fmt not in FORMATS:
         raise ModelLoadError(source, f"{where}.format = {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
@@ -115,30 +123,48 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None, source
     expected = ("float", (8,), _FLOAT_STRATEGIES) if is_float else ("int", (4, 8), _INT_STRATEGIES)
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     if kind != expected[0] or bits not in expected[1] or strategy not in expected[2]:
-        raise ModelLoadError(source, f"{where}.weights (type {kind!r}, num_bits {bits!r}, strategy {strategy!r}) is "
-                                     f"not supported for {fmt} (supported: type {expected[0]!r}, num_bits "
-                                     f"{list(expected[1])}, strategy {list(expected[2])})")
+        raise ModelLoadError(
+            source,
+            f"{where}.weights (type {kind!r}, num_bits {bits!r}, strategy {strategy!r}) is "
+            f"not supported for {fmt} (supported: type {expected[0]!r}, num_bits "
+            f"{list(expected[1])}, strategy {list(expected[2])})",
+        )
     group_size = weights.get("group_size")
     if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
         raise ModelLoadError(source, f"{where}.weights.group_size = {group_size!r}: expected a positive integer")
     block = weights.get("block_structure") if strategy == "block" else None
     if strategy == "block" and not (isinstance(block, list) and len(block) == 2):
         raise ModelLoadError(source, f"{where}.weights.block_structure = {block!r}: expected [rows, columns]")
-    return Scheme(targets=tuple(group.get("targets") or ()), format=fmt, bits=bits,
-                  symmetric=bool(weights.get("symmetric", True)), strategy=strategy, group_size=group_size,
-                  block=None if block is None else (int(block[0]), int(block[1])))
+    return Scheme(
+        targets=tuple(group.get("targets") or ()),
+        format=fmt,
+        bits=bits,
+        symmetric=bool(weights.get("symmetric", True)),
+        strategy=strategy,
+        group_size=group_size,
+        block=None if block is None else (int(block[0]), int(block[1])),
+    )
 
 
 def read(qcfg: dict[str, Any], source: str) -> CompressedTensorsFormat:
     if qcfg.get("sparsity_config"):
-        raise ModelLoadError(source, "quantization_config.sparsity_config: sparse compressed-tensors checkpoints "
-                                     "are not supported")
+        raise ModelLoadError(
+            source, "quantization_config.sparsity_config: sparse compressed-tensors checkpoints are not supported"
+        )
     if qcfg.get("kv_cache_scheme"):
-        raise ModelLoadError(source, "quantization_config.kv_cache_scheme: calibrated KV cache scales are not read "
-                                     "(--kv-cache-dtype fp8 quantizes the cache with unit scales instead)")
+        raise ModelLoadError(
+            source,
+            "quantization_config.kv_cache_scheme: calibrated KV cache scales are not read "
+            "(--kv-cache-dtype fp8 quantizes the cache with unit scales instead)",
+        )
     groups = qcfg.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ModelLoadError(source, "quantization_config.config_groups: expected at least one group")
     schemes = tuple(_scheme(name, group, qcfg.get("format"), source) for name, group in groups.items())
-    return CompressedTensorsFormat("compressed-tensors", source, fp8=any(s.format == "float-quantized" for s in schemes),
-                                   schemes=schemes, ignore=tuple(qcfg.get("ignore") or ()))
+    return CompressedTensorsFormat(
+        "compressed-tensors",
+        source,
+        fp8=any(s.format == "float-quantized" for s in schemes),
+        schemes=schemes,
+        ignore=tuple(qcfg.get("ignore") or ()),
+    )

@@ -1,0 +1,338 @@
+"""A model's architecture as Ember runs it: `ModelConfig` from a Hugging Face config.json (GGUF
+metadata is mapped onto the same keys), with each model family's rules: Gemma's defaults, rope
+scaling (linear, llama3, yarn, longrope, partial rotary), sliding-window layer patterns, MoE shapes.
+
+Kept apart from `ember/config.py` (the user's flags) so that a new family touches only this file.
+No torch: the front end reads it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: E gated experts, each token's MLP the weighted sum of its top-k."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # one expert's
+    renormalize: bool  # top-k softmax weights divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # dense-MLP layers (Qwen3-MoE: mlp_only_layers, decoder_sparse_step)
+    bias: bool = False  # router and experts with biases (gpt-oss)
+    # gpt-oss's clamped SwiGLU (alpha, limit): (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit); None: silu(gate) * up
+    swiglu: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters, in Hugging Face `config.json` terms."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    # Gemma: (1 + w) norms, four norms per layer, embeddings scaled by sqrt(hidden), GELU-tanh MLP
+    gemma_norms: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (default: head_dim)
+    # "sliding_attention" / "full_attention" per layer; None: every layer attends to its whole context
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # keys a query sees in a sliding layer, itself included
+    # rope of the sliding layers where it differs from the global one (Gemma 3's local base)
+    rope_local_theta: float | None = None
+    rope_local_scaling: dict[str, Any] | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    o_proj_bias: bool = False  # gpt-oss: attention_bias covers the output projection too
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head in every softmax denominator
+
+    def layer_window(self, layer: int) -> int | None:
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    partial_rotary_factor: float = 1.0  # the share of each head that is rotated (Phi-4-mini: 0.75)
+    moe: MoeConfig | None = None  # mixture-of-experts models (Qwen3-MoE, Mixtral)
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch in _GEMMA_DEFAULTS:
+            if arch == "Gemma3ForConditionalGeneration":
+                cfg = cfg["text_config"]
+            cfg = {**_GEMMA_DEFAULTS[arch], **cfg}
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        head_dim = cfg.get("head_dim") or hidden // heads
+        rope_theta, rope_scaling = _rope(cfg, "full_attention")
+        gemma = arch in _GEMMA_DEFAULTS
+        local_theta, local_scaling = None, None
+        if arch in _GEMMA3:  # transformers' defaults: 1e6 for the global layers, 1e4 for the local ones
+            rope_theta = rope_theta or 1_000_000.0
+            local_theta, local_scaling = _rope(cfg, "sliding_attention")
+            local_theta = local_theta or 10_000.0
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or _DEFAULT_THETA.get(arch, 10000.0)),
+            rope_scaling=_resolve_yarn(_resolve_longrope(rope_scaling, cfg), cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", _GPT_OSS))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA3),
+            gemma_norms=gemma,
+            hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
+            layer_types=_layer_types(arch, cfg),
+            sliding_window=cfg.get("sliding_window") if arch in _SLIDING else None,
+            rope_local_theta=None if local_theta is None else float(local_theta),
+            rope_local_scaling=local_scaling,
+            # transformers' Gemma 3 attention ignores attn_logit_softcapping, so Ember does too
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+            partial_rotary_factor=_partial_rotary_factor(cfg),
+            moe=_moe(arch, cfg),
+            o_proj_bias=arch == _GPT_OSS and bool(cfg.get("attention_bias", True)),
+            attention_sinks=arch == _GPT_OSS,
+        )
+
+    def for_max_model_len(self, max_model_len: int) -> ModelConfig:
+        """This config with LongRoPE's factor set chosen for an engine whose sequences reach max_model_len.
+
+        As vLLM and llama.cpp do, one set serves every position of every sequence: the long factors
+        when sequences may outgrow original_max_position_embeddings, else the short ones. A token's
+        cached keys then never depend on how long its sequence grows later. transformers instead
+        rotates a sequence with the short factors until it passes that length and then recomputes its
+        whole context with the long ones; the two agree on every token while max_model_len stays
+        within the pre-training length, and otherwise on every token produced after the sequence
+        has passed it (a prompt longer than the pre-training length: all of them)."""
+        if self.rope_scaling is None or _rope_type(self.rope_scaling) != "longrope":
+            return self
+        use_long = max_model_len > self.rope_scaling["original_max_position_embeddings"]
+        return dataclasses.replace(self, rope_scaling={**self.rope_scaling, "use_long_factors": use_long})
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading channels of each head that RoPE rotates; the rest pass through (HF's rounding)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
+    """Qwen3-MoE and Mixtral route each token to its top-k experts by a softmax over all of them.
+    What they do not share is refused by name: shared experts (Qwen2-MoE's), other activations, and
+    Qwen3-MoE's sliding window (off in every released checkpoint)."""
+    if arch == _GPT_OSS:
+        return _gpt_oss_moe(cfg)
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return None
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if cfg.get(key):
+            raise ValueError(f"{key}: shared experts are not supported for {arch}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} experts (silu only)")
+    dense: tuple[int, ...]
+    if arch == "MixtralForCausalLM":
+        num_experts, inter, renormalize, dense = cfg["num_local_experts"], cfg["intermediate_size"], True, ()
+    else:
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"use_sliding_window is not supported for {arch}")
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        inter, renormalize = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
+        step, only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        dense = tuple(
+            i for i in range(cfg["num_hidden_layers"]) if i in only or num_experts == 0 or (i + 1) % step
+        )  # transformers' rule
+    top_k = cfg["num_experts_per_tok"]
+    if num_experts and not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
+    return MoeConfig(
+        num_experts=num_experts, top_k=top_k, intermediate_size=inter, renormalize=renormalize, dense_layers=dense
+    )
+
+
+def _gpt_oss_moe(cfg: dict[str, Any]) -> MoeConfig:
+    """gpt-oss takes the softmax of the top-k router logits, which is the softmax over all experts
+    renormalised over the top k; its config's hidden_act is unused (the experts' clamped SwiGLU is fixed)."""
+    num_experts, top_k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=cfg["intermediate_size"],
+        renormalize=True,
+        bias=True,
+        swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))),
+    )
+
+
+def _resolve_yarn(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """YaRN (gpt-oss) with its defaults resolved as transformers' `_compute_yarn_parameters` resolves
+    them: factor from the two lengths when absent, beta_fast 32 / beta_slow 1, truncate on, and the
+    cos/sin scale (attention_factor) from mscale / mscale_all_dim, else 0.1 ln(factor) + 1."""
+    if scaling is None or _rope_type(scaling) != "yarn":
+        return scaling
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_scaling: yarn needs original_max_position_embeddings")
+    factor = float(scaling.get("factor") or cfg["max_position_embeddings"] / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(scaling.get("beta_fast") or 32),
+        "beta_slow": float(scaling.get("beta_slow") or 1),
+        "truncate": bool(scaling.get("truncate", True)),
+        "attention_factor": float(attention_factor),
+    }
+
+
+def _rope_type(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """Top level in config.json (Phi-4-mini), inside `rope_parameters` in transformers >= 5's."""
+    params = cfg.get("rope_parameters")
+    return float(
+        cfg.get("partial_rotary_factor")
+        or (params if isinstance(params, dict) else {}).get("partial_rotary_factor")
+        or 1.0
+    )
+
+
+def _resolve_longrope(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """LongRoPE (Phi-3, also under its old name 'su') with every default resolved the way transformers'
+    `_compute_longrope_parameters` resolves it, so the rotary table needs nothing but this dict: the
+    pre-training length may sit beside the factors or at the top of config.json, `factor` defaults to
+    max_position_embeddings / original_max_position_embeddings, and the cos/sin scale to
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) (1 when factor <= 1)."""
+    if scaling is None or _rope_type(scaling) not in ("longrope", "su"):
+        return scaling
+    # transformers lets the top-level value win where both are given
+    original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_scaling: longrope needs original_max_position_embeddings")
+    original = int(original)
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return {
+        "rope_type": "longrope",
+        "short_factor": list(scaling["short_factor"]),
+        "long_factor": list(scaling["long_factor"]),
+        "original_max_position_embeddings": original,
+        "factor": float(factor),
+        "attention_factor": float(attention_factor),
+    }
+
+
+_GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# transformers' config defaults for keys that Gemma configs on the Hub leave out (Gemma 3's
+# multimodal configs give little more than the sizes under `text_config`)
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
+}
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": {
+        "vocab_size": 256_000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 2,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
+    **dict.fromkeys(_GEMMA3, _GEMMA3_DEFAULTS),
+}
+_GPT_OSS = "GptOssForCausalLM"
+_DEFAULT_THETA = {_GPT_OSS: 150_000.0}  # transformers' config defaults where config.json gives none
+# architectures whose `sliding_window` is used (Qwen2 configs carry one that is off unless use_sliding_window)
+_SLIDING = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", _GPT_OSS, *_GEMMA_DEFAULTS)
+
+
+def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[str, ...] | None:
+    """transformers 5 configs list each layer's type; older ones give a period where every
+    `sliding_window_pattern`-th layer is global (Gemma), or make every layer slide (Mistral)."""
+    if arch not in _SLIDING or cfg.get("sliding_window") is None:
+        return None
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    period = cfg.get("sliding_window_pattern") if arch in _GEMMA_DEFAULTS else 2 if arch == _GPT_OSS else None
+    return tuple(
+        "sliding_attention" if period is None or (i + 1) % period else "full_attention"
+        for i in range(cfg["num_hidden_layers"])
+    )
+
+
+def _rope(cfg: dict[str, Any], layer_type: str) -> tuple[float | None, dict[str, Any] | None]:
+    """(theta, scaling) of one layer type. transformers >= 5 puts them under `rope_parameters`, one dict
+    for all layers or one per layer type (Gemma 3); older configs give `rope_theta` and `rope_scaling`
+    (Gemma 3: for the global layers; the local ones use `rope_local_base_freq`, unscaled)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    if not isinstance(params, dict) or not ({"rope_theta", "rope_type"} & params.keys()):
+        params = {}
+    scaling = params if params.get("rope_type", "default") != "default" else None
+    if layer_type == "sliding_attention":
+        return params.get("rope_theta", cfg.get("rope_local_base_freq")), scaling
+    return cfg.get("rope_theta") or params.get("rope_theta"), cfg.get("rope_scaling") or scaling
