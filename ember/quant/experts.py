@@ -70,7 +70,8 @@ def stack_experts(weights: list[QuantizedWeight]) -> QuantizedExperts:
             + ", ".join(sorted({f"{w.kind}/g{w.group_size}/{w.out_features}x{w.in_features}" for w in weights}))
         )
     first = weights[0]
-    zeros = None if first.zeros is None else torch.stack([w.zeros for w in weights])
+    # one format (checked above): every expert has zeros or none has
+    zeros = None if first.zeros is None else torch.stack([w.zeros for w in weights if w.zeros is not None])
     return QuantizedExperts(
         first.kind,
         torch.stack([w.qweight for w in weights]),

@@ -190,7 +190,8 @@ def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
             "cannot fuse quantized weights of different formats: "
             + ", ".join(f"{p.kind}/g{p.group_size}/K{p.in_features}" for p in parts)
         )
-    zeros = None if first.zeros is None else _cat_rows([p.zeros for p in parts])
+    # same_format: every part has zeros or none has
+    zeros = None if first.zeros is None else _cat_rows([p.zeros for p in parts if p.zeros is not None])
     return QuantizedWeight(
         first.kind,
         _cat_rows([p.qweight for p in parts]),
