@@ -598,9 +598,8 @@ def _client_worker(
     in_flight: Any,
 ) -> None:
     """One client process: its share of the client loops; finished records go to `queue` each second."""
-    load = Load(args, base_url, model, chat_fraction > 0, 0, malformed)
-    load.chat_fraction = chat_fraction
-    load.next_malformed = itertools.count(index * len(malformed) // max(1, args.client_processes))
+    load = Load(args, base_url, model, chat_fraction > 0, 0, malformed)  # the same chat fraction as the parent's
+    load.next_malformed = itertools.count(index * len(malformed) // args.client_processes)
     load.t0, load.deadline = t0, deadline
 
     async def main() -> None:
