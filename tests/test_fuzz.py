@@ -24,11 +24,13 @@ from schemathesis.checks import (
 )
 from test_server import MODEL, ServerThread, tiny_engine
 
-from ember.server import chat, completions, health, models
+from ember.server import anthropic_messages, chat, completions, health, models, responses
+from ember.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from ember.server.app import build_app
 from ember.server.args import ServerSettings, add_serve_parser, resolve_args, settings_from_args
 from ember.server.openapi import REF_TEMPLATE
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ember.server.responses_protocol import ResponsesRequest
 
 # Every route the app has, and the model of the body it reads (None: no body).
 ROUTES = {
@@ -41,7 +43,14 @@ ROUTES = {
     ("POST", "/reset_prefix_cache"): None,
     ("POST", "/v1/completions"): CompletionRequest,
     ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+    ("POST", "/v1/responses"): ResponsesRequest,
+    ("GET", "/v1/responses/{response_id}"): None,
+    ("DELETE", "/v1/responses/{response_id}"): None,
+    ("POST", "/v1/responses/{response_id}/cancel"): None,
+    ("POST", "/v1/messages"): MessagesRequest,
+    ("POST", "/v1/messages/count_tokens"): CountTokensRequest,
 }
+ROUTE_MODULES = (chat, completions, health, models, responses, anthropic_messages)
 # Per operation, for the fuzzing phase; the coverage phase adds its own boundary cases. A deeper local
 # run, other cases each time: EMBER_FUZZ_EXAMPLES=1000 EMBER_FUZZ_SEED=$RANDOM pytest tests/test_fuzz.py
 MAX_EXAMPLES = int(os.environ.get("EMBER_FUZZ_EXAMPLES", "100"))
@@ -78,9 +87,7 @@ def test_openapi_lists_every_route_with_its_request_and_response_schemas():
     docs_page = client.get("/docs")
     assert doc["info"]["title"] == "Ember"
     listed = {(method.upper(), path): op for path, ops in doc["paths"].items() for method, op in ops.items()}
-    routed = {
-        (m, r.path) for module in (chat, completions, health, models) for r in module.router.routes for m in r.methods
-    }
+    routed = {(m, r.path) for module in ROUTE_MODULES for r in module.router.routes for m in r.methods}
     assert set(listed) == routed == set(ROUTES)
     for key, model in ROUTES.items():
         op = listed[key]
@@ -95,10 +102,11 @@ def test_openapi_lists_every_route_with_its_request_and_response_schemas():
             assert op["requestBody"]["required"] is True
         assert "422" not in op["responses"], key  # FastAPI validates nothing here: bad bodies are 400s
         assert op["responses"]["200"], key
+        error_model = "AnthropicError" if key[1].startswith("/v1/messages") else "ErrorResponse"
         for status, response in op["responses"].items():
             if status != "200":
                 assert response["content"]["application/json"]["schema"] == {
-                    "$ref": "#/components/schemas/ErrorResponse"
+                    "$ref": f"#/components/schemas/{error_model}"
                 }, (key, status)
     # Each answer's model, and streams as server-sent events of their chunk model.
     for key, name in [
@@ -107,6 +115,10 @@ def test_openapi_lists_every_route_with_its_request_and_response_schemas():
         (("POST", "/v1/chat/completions"), "ChatCompletionResponse"),
         (("POST", "/tokenize"), "TokenizeResponse"),
         (("POST", "/detokenize"), "DetokenizeResponse"),
+        (("POST", "/v1/responses"), "ResponseObject"),
+        (("GET", "/v1/responses/{response_id}"), "ResponseObject"),
+        (("POST", "/v1/messages"), "MessagesResponse"),
+        (("POST", "/v1/messages/count_tokens"), "CountTokensResponse"),
     ]:
         assert listed[key]["responses"]["200"]["content"]["application/json"]["schema"] == {
             "$ref": f"#/components/schemas/{name}"
@@ -114,6 +126,8 @@ def test_openapi_lists_every_route_with_its_request_and_response_schemas():
     for key, chunk in [
         (("POST", "/v1/completions"), "CompletionResponse"),
         (("POST", "/v1/chat/completions"), "ChatCompletionChunk"),
+        (("POST", "/v1/responses"), "ResponseStreamEvent"),
+        (("POST", "/v1/messages"), "MessageStreamEvent"),
     ]:
         events = listed[key]["responses"]["200"]["content"]["text/event-stream"]["itemSchema"]
         assert {"$ref": f"#/components/schemas/{chunk}"} in events["properties"]["data"]["anyOf"][0]["contentSchema"][
@@ -131,7 +145,7 @@ def test_openapi_lists_every_route_with_its_request_and_response_schemas():
 
 
 def test_openapi_with_an_api_key_declares_bearer_auth_and_stays_open():
-    app = build_app(_settings(api_key="sekrit"))
+    app = build_app(_settings(api_keys=("sekrit",)))
     client = TestClient(app)
     doc = client.get("/openapi.json").json()  # the document needs no key, like /health
     assert client.get("/v1/models").status_code == 401
@@ -145,6 +159,11 @@ def test_openapi_with_an_api_key_declares_bearer_auth_and_stays_open():
         "/reset_prefix_cache",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     }
 
 

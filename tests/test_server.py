@@ -391,7 +391,7 @@ def test_unknown_model_route_method_and_size(server):
 
 
 def test_api_key(llama_dir):
-    with ServerThread(tiny_engine(llama_dir), api_key="s3cret") as s:
+    with ServerThread(tiny_engine(llama_dir), api_keys=("s3cret",)) as s:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = s.post(COMPLETIONS, {"prompt": "hi"}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -442,7 +442,7 @@ def test_serve_flags_and_defaults(monkeypatch):
     ns = _parse([])
     args, settings = settings_from_args(ns)
     assert (ns.host, ns.port, ns.shutdown_timeout, ns.log_requests) == ("127.0.0.1", 8000, 30.0, False)
-    assert args.model is None and settings.model_name == "smollm2-135m-instruct" and settings.api_key is None
+    assert args.model is None and settings.model_name == "smollm2-135m-instruct" and settings.api_keys == ()
     assert settings.max_body_bytes == 1 << 20
 
     args, settings = settings_from_args(_parse(["some/dir", "--max-model-len", "512", "--no-enable-prefix-caching"]))
@@ -452,8 +452,8 @@ def test_serve_flags_and_defaults(monkeypatch):
     assert (args.model, settings.model_name, settings.model_root) == ("other", "m", "other")
 
     monkeypatch.setenv("EMBER_API_KEY", "from-env")
-    assert settings_from_args(_parse([]))[1].api_key == "from-env"
-    assert settings_from_args(_parse(["--api-key", "flag"]))[1].api_key == "flag"
+    assert settings_from_args(_parse([]))[1].api_keys == ("from-env",)
+    assert settings_from_args(_parse(["--api-key", "flag"]))[1].api_keys == ("flag",)
 
 
 def test_config_yaml_under_the_command_line(tmp_path):

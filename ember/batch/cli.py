@@ -70,7 +70,8 @@ def cmd_run_batch(ns: argparse.Namespace) -> int:
             from ember.batch.remote import ServerTarget
             from ember.batch.runner import BatchRunner
 
-            runner = BatchRunner(ServerTarget(ns.url, settings.api_key), ns.output_file, options)
+            key = settings.api_keys[0] if settings.api_keys else None
+            runner = BatchRunner(ServerTarget(ns.url, key), ns.output_file, options)
             summary = asyncio.run(runner.run(ns.input_file))
         else:
             summary = _run_local(ns, args, settings, options)

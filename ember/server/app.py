@@ -4,7 +4,8 @@
 engine once it has loaded, so `/health` can answer 503 while the weights are still being read.
 Every error leaves in OpenAI's JSON shape (errors.py), and a client that goes away aborts its engine
 requests at once (generation.py). The endpoints live one group per module, as in vLLM's
-`entrypoints/openai/`: health.py (open), models.py, completions.py and chat.py (behind the API key).
+`entrypoints/openai/`: health.py (open), models.py, completions.py, chat.py, responses.py and
+anthropic_messages.py (behind the API key); the last three share one path below HTTP (conversation.py).
 Their OpenAPI document (openapi.py) is served at /openapi.json, with /docs and /redoc, unless
 `--disable-fastapi-docs`.
 """
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ember
 from ember.frontend.async_llm import AsyncLLM
-from ember.server import chat, completions, health, models, openapi
+from ember.server import anthropic_messages, chat, completions, health, models, openapi, responses
 from ember.server.args import ServerSettings
 from ember.server.errors import APIError, api_error_handler, http_error_handler, unexpected_error_handler
 from ember.server.state import ServerState
@@ -51,7 +52,7 @@ def build_app(settings: ServerSettings, engine: AsyncLLM | None = None) -> FastA
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
-    for module in (health, models, completions, chat):
+    for module in (health, models, completions, chat, responses, anthropic_messages):
         app.include_router(module.router)
-    openapi.install(app, api_key=settings.api_key is not None)
+    openapi.install(app, api_key=bool(settings.api_keys))
     return app

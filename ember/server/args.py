@@ -15,6 +15,7 @@ import yaml
 
 from ember.config import DEFAULT_MODEL, EngineArgs
 from ember.server.reasoning import REASONING_PARSERS
+from ember.server.responses_store import MEMORY, StoreLimits
 from ember.server.tool_parsers import TOOL_PARSERS
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -24,7 +25,8 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 class ServerSettings:
     model_name: str  # the id clients send as `model` and see in /v1/models
     model_root: str  # where the weights came from, shown as the model's `root`
-    api_key: str | None = None
+    # Any one of them lets a request in; stored responses are kept apart per key (responses_store.py).
+    api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
     log_requests: bool = False
     log_request_text: bool = False  # prompts, outputs and error messages in the logs
@@ -32,6 +34,8 @@ class ServerSettings:
     tool_call_parser: str | None = None  # None: picked from the chat template, when it teaches one
     reasoning_parser: str | None = None
     fastapi_docs: bool = True  # /openapi.json, /docs and /redoc
+    responses_store_path: str = MEMORY  # the Responses API's stored responses; in memory unless a file is named
+    responses_store_limits: StoreLimits = StoreLimits()
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,7 +63,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model path)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $EMBER_API_KEY)")
+    g.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="require one of these keys, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+        "(default: $EMBER_API_KEY, several separated by commas)",
+    )
     g.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -103,6 +113,30 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--disable-fastapi-docs", action="store_true", help="serve no /openapi.json, /docs (Swagger UI) or /redoc"
+    )
+    limits = StoreLimits()
+    g.add_argument(
+        "--responses-store-path",
+        default=MEMORY,
+        help="SQLite file for the Responses API's stored responses, kept across restarts (default: in memory)",
+    )
+    g.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=limits.max_entries,
+        help="stored responses kept, the oldest dropped first (default: %(default)s)",
+    )
+    g.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=limits.max_bytes,
+        help="bytes of stored responses kept, the oldest dropped first (default: %(default)s)",
+    )
+    g.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=limits.ttl_s,
+        help="seconds a stored response is kept (default: %(default)s, 30 days)",
     )
     EngineArgs.add_cli_args(parser)
     for action in parser._actions:
@@ -164,9 +198,23 @@ def mapping_to_argv(
                 argv.append(flag if value else "--no-" + flag[2:])
             elif value:
                 argv.append(flag)
+        elif isinstance(value, list) and action.nargs in ("+", "*"):
+            argv += [flag, *map(str, value)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv, dests
+
+
+def _store_limits(ns: argparse.Namespace) -> StoreLimits:
+    for name in ("responses_store_max_entries", "responses_store_max_bytes", "responses_store_ttl"):
+        if getattr(ns, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(ns, name)}")
+    return StoreLimits(ns.responses_store_max_entries, ns.responses_store_max_bytes, ns.responses_store_ttl)
+
+
+def _api_keys(flag: list[str] | None) -> tuple[str, ...]:
+    keys = flag if flag is not None else os.environ.get("EMBER_API_KEY", "").split(",")
+    return tuple(k.strip() for k in keys if k.strip())
 
 
 def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettings]:
@@ -183,7 +231,7 @@ def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettin
     settings = ServerSettings(
         model_name=ns.served_model_name or root,
         model_root=root,
-        api_key=ns.api_key or os.environ.get("EMBER_API_KEY") or None,
+        api_keys=_api_keys(ns.api_key),
         max_body_bytes=ns.max_request_body_bytes,
         log_requests=ns.log_requests,
         log_request_text=ns.log_request_text,
@@ -191,5 +239,7 @@ def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettin
         tool_call_parser=ns.tool_call_parser,
         reasoning_parser=ns.reasoning_parser,
         fastapi_docs=not ns.disable_fastapi_docs,
+        responses_store_path=ns.responses_store_path,
+        responses_store_limits=_store_limits(ns),
     )
     return args, settings

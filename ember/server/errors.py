@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -48,8 +48,33 @@ class APIError(Exception):
         self.headers = headers
         self.logged = False  # `--log-requests` has already shown this request's end (generation.py)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), self.status, headers=self.headers)
+    def response(self, body: ErrorBody | None = None) -> JSONResponse:
+        """The error as JSON, in OpenAI's shape unless the endpoint writes its errors in another (`body`)."""
+        content = (body or openai_error_body)(self).model_dump()
+        return JSONResponse(content, self.status, headers=self.headers)
+
+
+ErrorBody = Callable[[APIError], BaseModel]
+
+
+def openai_error_body(e: APIError) -> BaseModel:
+    return ErrorResponse(error=e.info)
+
+
+def error_body(request: Request) -> ErrorBody:
+    """How this request's endpoint writes errors: OpenAI's `{"error": {...}}` unless its router said
+    otherwise (the Messages API, through `use_error_body`)."""
+    return getattr(request.state, "error_body", openai_error_body)
+
+
+def use_error_body(body: ErrorBody) -> Callable[[Request], None]:
+    """A router dependency (listed before the API key check, so a 401 has the shape too) that makes
+    every error of its routes leave in `body`'s shape."""
+
+    def mark(request: Request) -> None:
+        request.state.error_body = body
+
+    return mark
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -78,7 +103,7 @@ async def api_error_handler(request: Request, exc: Exception) -> Response:
         logger.info(
             "request %s %s rejected (%d %s)%s", request.method, request.url.path, exc.status, exc.info.type, detail
         )
-    return exc.response()
+    return exc.response(error_body(request))
 
 
 _HTTP_ERROR_TYPES = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
@@ -88,7 +113,7 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     type_, code = _HTTP_ERROR_TYPES.get(exc.status_code, ("invalid_request_error", None))
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return APIError(exc.status_code, message, type_, code=code, headers=exc.headers).response()
+    return APIError(exc.status_code, message, type_, code=code, headers=exc.headers).response(error_body(request))
 
 
 def internal_error(exc: Exception) -> APIError:
@@ -98,7 +123,7 @@ def internal_error(exc: Exception) -> APIError:
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
     # Starlette re-raises after this response, so uvicorn logs the traceback.
-    return internal_error(exc).response()
+    return internal_error(exc).response(error_body(request))
 
 
 # ---- engine exceptions --------------------------------------------------------------------
@@ -117,7 +142,8 @@ def value_error(e: ValueError, model: type[BaseModel]) -> APIError:
         root_match = re.match(r"\w+", name)
         assert root_match is not None  # _LEADING_NAME matched a word character first
         root = root_match.group(0)
-        param = _PARAM_ALIASES.get(root, name if root in model.model_fields else None)
+        aliases = {**_PARAM_ALIASES, **getattr(model, "param_aliases", {})}  # an API's own names for engine fields
+        param = aliases.get(root, name if root in model.model_fields else None)
     code = "context_length_exceeded" if "maximum context length" in message else None
     return bad_request(message, param, code)
 

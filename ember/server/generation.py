@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -26,8 +26,7 @@ from pydantic import BaseModel
 from ember.frontend.async_llm import AsyncLLM
 from ember.frontend.output import RequestOutput
 from ember.sampling.params import SamplingParams
-from ember.server.errors import APIError, engine_error, unavailable
-from ember.server.protocol import ErrorResponse
+from ember.server.errors import APIError, ErrorBody, engine_error, openai_error_body, unavailable
 from ember.server.state import ServerState
 
 logger = logging.getLogger("ember")
@@ -245,19 +244,34 @@ def _size(value: object) -> str:
     return type(value).__name__
 
 
+@dataclass(frozen=True)
+class EventFormat:
+    """How an API writes its server-sent events. OpenAI's completions and chat send bare `data:` lines and
+    end with `[DONE]`; the Responses and Messages APIs name each event after its `type` field and end with
+    an event of their own. `error` writes an error met after the stream answered 200."""
+
+    named: bool = False
+    done: str | None = "data: [DONE]\n\n"
+    error: ErrorBody = openai_error_body
+
+
+OPENAI_EVENTS = EventFormat()
+
+
 async def respond(
     request: Request,
     gen: Generation,
     stream: bool,
     make_chunks: Callable[[], AsyncIterator[BaseModel]],
     make_response: Callable[[list[RequestOutput]], BaseModel],
+    events: EventFormat = OPENAI_EVENTS,
 ) -> Response:
-    """The shared tail of completions and chat: errors before the first output are plain HTTP
+    """The shared tail of every generating endpoint: errors before the first output are plain HTTP
     errors, streams become SSE, and everything is cancelled when the client leaves."""
     try:
         await _until_disconnect(request, gen.start())
         if stream:
-            return EventStream(gen, make_chunks())
+            return EventStream(gen, make_chunks(), events)
         finals = await _until_disconnect(request, gen.run())
     except ClientDisconnected:
         await gen.close()
@@ -284,29 +298,33 @@ async def answer(gen: Generation, make_response: Callable[[list[RequestOutput]],
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def _event(message: BaseModel) -> str:
+def sse_event(message: BaseModel, named: bool = False) -> str:
     """One server-sent event: the message as JSON with those line breaks escaped (the same JSON), so the
-    event stays one line for every client."""
+    event stays one line for every client; `named` puts its `type` in an `event:` line first."""
     data = message.model_dump_json()
-    return f"data: {data if data.isascii() else data.translate(_LINE_BREAKS)}\n\n"
+    line = f"data: {data if data.isascii() else data.translate(_LINE_BREAKS)}\n\n"
+    return f"event: {vars(message)['type']}\n{line}" if named else line  # every named event has a `type` field
 
 
 class EventStream(StreamingResponse):
     """Server-sent events that close their generation however the response ends, including when the
     client leaves before the body iterator ever starts (and so before any cleanup inside it could run)."""
 
-    def __init__(self, gen: Generation, chunks: AsyncIterator[BaseModel]) -> None:
-        super().__init__(self._events(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, gen: Generation, chunks: AsyncIterator[BaseModel], fmt: EventFormat = OPENAI_EVENTS) -> None:
+        super().__init__(
+            self._events(chunks, fmt), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self.gen = gen
 
     @staticmethod
-    async def _events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    async def _events(chunks: AsyncIterator[BaseModel], fmt: EventFormat) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield _event(chunk)
+                yield sse_event(chunk, fmt.named)
         except APIError as e:  # the status is already 200, so the error travels in the stream, as in vLLM
-            yield _event(ErrorResponse(error=e.info))
-        yield "data: [DONE]\n\n"
+            yield sse_event(fmt.error(e), fmt.named)
+        if fmt.done is not None:
+            yield fmt.done
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:

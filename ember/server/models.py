@@ -1,7 +1,7 @@
 """GET /v1/models, POST /tokenize and POST /detokenize: what the served model is, and its tokenizer;
 POST /reset_prefix_cache (vLLM's name): forget cached prefixes, e.g. between benchmark runs.
 
-None of these runs the model; /tokenize renders chat messages through chat.py's `render_chat`, so a
+None of these runs the model; /tokenize renders chat messages through conversation.py's `render_chat`, so a
 client counts exactly the tokens a chat request would send.
 """
 
@@ -12,7 +12,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 
 from ember.frontend.async_llm import AsyncLLM
-from ember.server.chat import render_chat
+from ember.server.conversation import render_chat
 from ember.server.errors import bad_request
 from ember.server.openapi import BODY_ERRORS, ENGINE_ERRORS, ResetPrefixCacheResponse, route_docs
 from ember.server.plumbing import check_api_key, read_body, ready_engine, require_tokenizer
@@ -48,9 +48,10 @@ async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -
     if body.messages is not None:
         messages = template_messages(body.messages)
         add_special = bool(body.add_special_tokens)
-        ids = (await asyncio.to_thread(render_chat, tokenizer, messages, body.add_generation_prompt, add_special))[
-            "prompt_token_ids"
-        ]
+        rendered = await asyncio.to_thread(
+            render_chat, tokenizer, messages, body.add_generation_prompt, add_special, None, TokenizeRequest
+        )
+        ids = rendered["prompt_token_ids"]
     else:
         assert body.prompt is not None  # exactly one of prompt and messages, checked above
         add_special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -71,8 +71,8 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF_TEMPLATE.format(model=name)}
 
 
-def error_responses(statuses: Iterable[int]) -> dict[int | str, dict[str, Any]]:
-    return {s: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[s]} for s in sorted(statuses)}
+def error_responses(statuses: Iterable[int], model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    return {s: {"model": model, "description": ERROR_DESCRIPTIONS[s]} for s in sorted(statuses)}
 
 
 def route_docs(
@@ -82,18 +82,20 @@ def route_docs(
     stream_chunk: type[BaseModel] | None = None,
     errors: Iterable[int] = (),
     success: dict[str, Any] | None = None,
+    error_model: type[BaseModel] = ErrorResponse,
+    stream_done: bool = True,
 ) -> dict[str, Any]:
     """The keyword arguments of a route decorator that document it.
 
     body: the JSON request body's model; the route reads it with `read_body`.
     response: the 200 answer's model (as `response_model`: a route returning a `Response` is not re-validated).
     stream_chunk: with `"stream": true` the 200 answer is server-sent events, each `data:` one of these as
-        JSON (or an `ErrorResponse` when the request fails mid-stream), then `data: [DONE]`.
-    errors: the statuses of the `ErrorResponse` answers the route can give.
+        JSON (or an error when the request fails mid-stream), then `data: [DONE]` if `stream_done`.
+    errors: the statuses of the error answers the route can give, each an `error_model`.
     success: the 200 answer as an OpenAPI response object, for one that no model describes (the
         route then returns its own `Response`, so FastAPI does not also document a JSON 200).
     """
-    responses: dict[int | str, dict[str, Any]] = error_responses(errors)
+    responses: dict[int | str, dict[str, Any]] = error_responses(errors, error_model)
     kwargs: dict[str, Any] = {"responses": responses}
     if response is not None:
         kwargs["response_model"] = response
@@ -102,7 +104,7 @@ def route_docs(
         responses[200] = success
     if stream_chunk is not None:
         responses[200] = {
-            "content": {"text/event-stream": {"itemSchema": _event_schema(stream_chunk)}},
+            "content": {"text/event-stream": {"itemSchema": _event_schema(stream_chunk, error_model, stream_done)}},
             "description": 'The answer as JSON, or with `"stream": true` as server-sent events',
         }
     if body is not None:
@@ -112,22 +114,22 @@ def route_docs(
     return kwargs
 
 
-def _event_schema(chunk: type[BaseModel]) -> dict[str, Any]:
+def _event_schema(chunk: type[BaseModel], error: type[BaseModel], done: bool) -> dict[str, Any]:
     """One server-sent event of a stream (the `itemSchema` of OpenAPI 3.2, as FastAPI writes it)."""
+    data: list[dict[str, Any]] = [
+        {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref(chunk), _ref(error)]},
+        }
+    ]
+    if done:
+        data.append({"const": "[DONE]", "description": "The stream's last event"})
     return {
         "type": "object",
         "required": ["data"],
         "properties": {
-            "data": {
-                "anyOf": [
-                    {
-                        "type": "string",
-                        "contentMediaType": "application/json",
-                        "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]},
-                    },
-                    {"const": "[DONE]", "description": "The stream's last event"},
-                ]
-            },
+            "data": {"anyOf": data},
             "event": {"type": "string"},
             "id": {"type": "string"},
             "retry": {"type": "integer", "minimum": 0},
@@ -158,16 +160,31 @@ def _complete(document: dict[str, Any], api_key: bool) -> None:
         if refs[(m, "validation")] != {"$ref": REF_TEMPLATE.format(model=m.__name__)}:
             raise ValueError(f"pydantic names {m.__name__} {refs[(m, 'validation')]} in the OpenAPI document")
     for name, schema in defs.get("$defs", {}).items():
-        if name not in schemas:
-            schemas[name] = schema  # as pydantic writes it: FastAPI's models would make 2**63 - 1 a float
-        elif _as_fastapi_writes(schema) != schemas[name]:
+        if name in schemas and _as_fastapi_writes(schema) != schemas[name]:
             raise ValueError(f"two schemas named {name} in the OpenAPI document")
+        # As pydantic writes it, also where FastAPI wrote the same model for a response (FastAPI's models
+        # would make 2**63 - 1 a float and drop defaults): one model, one schema, whichever route names it.
+        schemas[name] = schema
+    _drop_path_validation_errors(document)
     if api_key:
         document["components"].setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
         for operations in document.get("paths", {}).values():
             for operation in operations.values():
                 if "401" in operation.get("responses", {}):  # the routes behind the key
                     operation["security"] = [{"bearer": []}]
+
+
+def _drop_path_validation_errors(document: dict[str, Any]) -> None:
+    """FastAPI documents a 422 for every route with parameters; a route whose only parameters are path
+    strings (`/v1/responses/{response_id}`) can never answer one, since any path segment is a string."""
+    for operations in document.get("paths", {}).values():
+        for operation in operations.values():
+            params = operation.get("parameters", [])
+            if params and all(p["in"] == "path" and p["schema"].get("type") == "string" for p in params):
+                operation.get("responses", {}).pop("422", None)
+    if not any("422" in op.get("responses", {}) for ops in document.get("paths", {}).values() for op in ops.values()):
+        for name in ("HTTPValidationError", "ValidationError"):
+            document["components"]["schemas"].pop(name, None)
 
 
 def _as_fastapi_writes(schema: dict[str, Any]) -> dict[str, Any]:

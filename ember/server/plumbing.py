@@ -8,12 +8,13 @@ answers: token text, clamped logprobs and usage counts. Running the request is g
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import operator
 import re
 from itertools import accumulate, count
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -24,9 +25,7 @@ from ember.sampling.params import SamplingParams
 from ember.sampling.structured import StructuredOutputsParams
 from ember.server.errors import APIError, bad_request, unavailable, value_error
 from ember.server.protocol import (
-    ChatCompletionRequest,
     ChatMessage,
-    CompletionRequest,
     StreamOptions,
     TextPart,
     UsageInfo,
@@ -47,18 +46,26 @@ MAX_JSON_DEPTH = 100
 
 
 async def check_api_key(request: Request) -> None:
-    key = get_state(request).settings.api_key
-    if key is None:
+    """Lets a request in with any of the server's keys, sent as a bearer token or as `x-api-key`
+    (Anthropic's header), and notes which key it was (`request.state.key_owner`, a digest that the
+    response store files its entries under)."""
+    keys = get_state(request).settings.api_keys
+    request.state.key_owner = ""
+    if not keys:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(
-            401,
-            "Invalid or missing API key; send 'Authorization: Bearer <key>'",
-            "authentication_error",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    sent = [bearer.strip() if scheme.lower() == "bearer" else "", request.headers.get("x-api-key", "").strip()]
+    for key in keys:
+        if any(hmac.compare_digest(s.encode(), key.encode()) for s in sent if s):
+            request.state.key_owner = hashlib.sha256(key.encode()).hexdigest()[:32]
+            return
+    raise APIError(
+        401,
+        "Invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+        "authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def available_engine(state: ServerState) -> AsyncLLM:
@@ -168,18 +175,27 @@ def _loc_to_param(loc: tuple[int | str, ...]) -> str:
     return param
 
 
-async def sampling_params(body: CompletionRequest | ChatCompletionRequest, engine: AsyncLLM) -> SamplingParams:
+class SamplingRequest(Protocol):
+    """A request body that carries sampling parameters (every generating API's request model)."""
+
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams: ...
+
+    def constraint_field(self, params: StructuredOutputsParams) -> str: ...
+
+
+async def sampling_params(body: SamplingRequest, engine: AsyncLLM) -> SamplingParams:
     """The request's sampling parameters, its constraint checked against the model (see `check_constraint`)."""
+    model = cast(type[BaseModel], type(body))  # every SamplingRequest is a request model
     try:
         params = body.to_sampling_params(engine.default_sampling_params())
     except ValueError as e:
-        err = value_error(e, type(body))
+        err = value_error(e, model)
         if err.info.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
             err.info.param = "max_completion_tokens"
         raise err from None
     if params.structured_outputs is not None:
         await check_constraint(
-            engine, params.structured_outputs, body.constraint_field(params.structured_outputs), type(body)
+            engine, params.structured_outputs, body.constraint_field(params.structured_outputs), model
         )
     return params
 

@@ -209,10 +209,14 @@ class ChatMessage(BaseModel):
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as chat templates expect them: an assistant's tool-call arguments as a mapping
-    (templates write them with `tojson`), as in vLLM and transformers."""
-    dumped = [m.model_dump(exclude_none=True) for m in messages]
-    for m in dumped:
+    """The messages as chat templates expect them (see `with_argument_mappings`)."""
+    return with_argument_mappings([m.model_dump(exclude_none=True) for m in messages])
+
+
+def with_argument_mappings(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant's tool-call arguments as a mapping (templates write them with `tojson`), as in vLLM
+    and transformers; every chat-shaped API's messages pass through here."""
+    for m in messages:
         for call in m.get("tool_calls") or []:
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict) and isinstance(function.get("arguments"), str):
@@ -220,7 +224,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     function["arguments"] = json.loads(function["arguments"])
                 except json.JSONDecodeError:
                     pass  # the template gets the text as it came
-    return dumped
+    return messages
 
 
 class FunctionDefinition(BaseModel):

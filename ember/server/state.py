@@ -6,6 +6,7 @@ can reach it without importing the app factory back.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from fastapi import Request
 from ember.frontend.async_llm import AsyncLLM
 from ember.server.args import ServerSettings
 from ember.server.errors import APIError
+from ember.server.responses_store import ResponseStore
 
 
 @dataclass
@@ -24,7 +26,14 @@ class ServerState:
     engine: AsyncLLM | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # The Responses API's stored responses, and the background ones still running (by response id).
+    response_store: ResponseStore = field(init=False)
+    background_responses: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
     _closed: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.response_store = ResponseStore(s.responses_store_path, s.responses_store_limits)
 
     async def drain(self) -> None:
         """Refuse new work at once (health and new requests get 503), give running requests up to
@@ -33,9 +42,16 @@ class ServerState:
         await self.close()
 
     async def close(self) -> None:
+        """Stop the engine (running requests get `shutdown_timeout` to finish), then the background
+        responses it did not finish (stored as cancelled), then the response store."""
         if self.engine is not None and not self._closed:
             self._closed = True
             await self.engine.shutdown(self.settings.shutdown_timeout)
+        tasks = list(self.background_responses.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.response_store.close()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
