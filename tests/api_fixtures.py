@@ -12,14 +12,34 @@ from typing import Any
 import httpx
 from conftest import DEVICE
 from test_server import MODEL, ServerThread
-from test_tool_calls import TEMPLATE
 
 from ember import AsyncLLM, EngineArgs
+
+# A Hermes-style ChatML template (what Qwen's teaches): tools in the system turn, calls in <tool_call> tags.
+TEMPLATE = """{%- if tools %}<|im_start|>system
+Call tools as <tool_call>{"name": ..., "arguments": ...}</tool_call>. Tools:
+{%- for t in tools %}
+{{ t.function | tojson }}
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{%- for c in m.tool_calls %}
+<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 
 @contextmanager
 def serve_default_model(tmp_path_factory: Any, **settings: Any) -> Iterator[ServerThread]:
-    """The default model behind a real uvicorn, with the Hermes-style template of test_tool_calls.py."""
+    """The default model behind a real uvicorn, with the Hermes-style `TEMPLATE`."""
     template = tmp_path_factory.mktemp("template") / "template.jinja"
     template.write_text(TEMPLATE)
     args = EngineArgs(

@@ -9,10 +9,10 @@ import random
 
 import jsonschema
 import pytest
-from conftest import DEVICE, token_pieces
-from test_server import MODEL, ServerThread
+from api_fixtures import TEMPLATE, serve_default_model
+from conftest import token_pieces
+from test_server import MODEL
 
-from ember import AsyncLLM, EngineArgs
 from ember.server.chat_answer import AnswerParser, ToolMode
 from ember.server.reasoning import REASONING_PARSERS
 from ember.server.tool_parsers import TOOL_PARSERS, ToolCallStream, parse_tool_calls, parser_for_template
@@ -37,27 +37,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-
-# A Hermes-style ChatML template (what Qwen's teaches): tools in the system turn, calls in <tool_call> tags.
-TEMPLATE = """{%- if tools %}<|im_start|>system
-Call tools as <tool_call>{"name": ..., "arguments": ...}</tool_call>. Tools:
-{%- for t in tools %}
-{{ t.function | tojson }}
-{%- endfor %}<|im_end|>
-{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
-{%- for c in m.tool_calls %}
-<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>
-{%- endfor %}<|im_end|>
-{% elif m.role == 'tool' %}<|im_start|>user
-<tool_response>{{ m.content }}</tool_response><|im_end|>
-{% else %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 SCRIPTED = {
     "hermes": (
@@ -150,17 +129,7 @@ def test_reasoning_then_tool_calls():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    template = tmp_path_factory.mktemp("tools") / "template.jinja"
-    template.write_text(TEMPLATE)
-    args = EngineArgs(
-        kv_cache_memory=0.25,
-        max_model_len=2048,
-        device=DEVICE,
-        dtype="float32",
-        chat_template=str(template),
-        engine_process=False,
-    )
-    with ServerThread(AsyncLLM(args, served_model_name=MODEL)) as s:
+    with serve_default_model(tmp_path_factory) as s:
         yield s
 
 

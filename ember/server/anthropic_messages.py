@@ -50,7 +50,7 @@ from ember.server.anthropic_protocol import (
 from ember.server.chat_answer import AnswerDelta
 from ember.server.conversation import ChatInput, ChatRun, ChoiceAnswer, count_prompt_tokens, start_chat
 from ember.server.errors import APIError, use_error_body, value_error
-from ember.server.generation import EventFormat, answer, respond
+from ember.server.generation import EventFormat, respond
 from ember.server.openapi import BODY_ERRORS, GENERATION_ERRORS, route_docs
 from ember.server.plumbing import check_api_key, read_body, ready_engine, sampling_params
 from ember.server.state import ServerState, get_state
@@ -90,12 +90,6 @@ async def create_message(request: Request, engine: AsyncLLM = Depends(ready_engi
     body = await read_body(request, MessagesRequest)
     message = await _start(get_state(request), engine, body)
     return await respond(request, message.run.gen, body.stream, message.events, message.response, EVENTS)
-
-
-async def complete_message(state: ServerState, engine: AsyncLLM, body: MessagesRequest) -> MessagesResponse:
-    """A validated non-streaming request's whole answer, without HTTP (`ember run-batch`)."""
-    message = await _start(state, engine, body)
-    return await answer(message.run.gen, message.response)
 
 
 @router.post(

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, RootModel, field_validator
 
 from ember.sampling.params import INT32_MAX, SamplingParams
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
-from ember.server.protocol import FunctionDefinition
+from ember.server.protocol import FunctionDefinition, refuse_unreadable
 
 # Anthropic's SDK rejects nothing here, but its API bounds temperature to [0, 1].
 Temperature = Annotated[float, Field(ge=0, le=1)]
@@ -70,16 +70,13 @@ _READABLE_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use", "tool_r
 
 
 def _readable_blocks(value: Any) -> Any:
-    """Say plainly which block cannot be read, rather than pydantic's union error."""
-    if isinstance(value, list):
-        for i, block in enumerate(value):
-            kind = block.get("type") if isinstance(block, dict) else None
-            if isinstance(kind, str) and kind not in _READABLE_BLOCKS:
-                raise ValueError(
-                    f"content[{i}] is a {kind!r} block; Ember reads {', '.join(_READABLE_BLOCKS)} blocks "
-                    "(images and documents are not supported yet)"
-                )
-    return value
+    return refuse_unreadable(
+        value,
+        _READABLE_BLOCKS,
+        "content[{i}] is a {kind!r} block; Ember reads "
+        + ", ".join(_READABLE_BLOCKS)
+        + " blocks (images and documents are not supported yet)",
+    )
 
 
 class InputMessage(BaseModel):

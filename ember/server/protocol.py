@@ -197,15 +197,24 @@ class ChatMessage(BaseModel):
     def _text_parts_only(cls, value: Any) -> Any:
         """Say plainly that an image (or audio, file) part is not read, rather than "Input should be a
         valid string" from the union's first member."""
-        if isinstance(value, list):
-            for i, part in enumerate(value):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind != "text":
-                    raise ValueError(
-                        f"content[{i}] is a {kind!r} part; Ember reads text parts only "
-                        "(images and other media are not supported yet)"
-                    )
-        return value
+        return refuse_unreadable(
+            value,
+            ("text",),
+            "content[{i}] is a {kind!r} part; Ember reads text parts only "
+            "(images and other media are not supported yet)",
+        )
+
+
+def refuse_unreadable(value: Any, readable: tuple[str, ...], message: str) -> Any:
+    """A `before` validator's check of a list of typed parts (content parts, blocks, items, tools): the first
+    whose `type` Ember cannot read is a ValueError saying so (`message` formatted with its index `i` and
+    `kind`), where pydantic would only say that no member of a union matched."""
+    if isinstance(value, list):
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in readable:
+                raise ValueError(message.format(i=i, kind=kind))
+    return value
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Discriminator, Field, RootModel, Tag, field_vali
 
 from ember.sampling.params import INT32_MAX, MAX_LOGPROBS, SamplingParams
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
-from ember.server.protocol import ChatTokenLogprob, with_argument_mappings
+from ember.server.protocol import ChatTokenLogprob, refuse_unreadable, with_argument_mappings
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -48,16 +48,13 @@ _READABLE_PARTS = ("input_text", "output_text", "refusal")
 
 
 def _readable_parts(value: Any) -> Any:
-    """Say plainly which part cannot be read, rather than pydantic's union error."""
-    if isinstance(value, list):
-        for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind not in _READABLE_PARTS:
-                raise ValueError(
-                    f"content[{i}] is a {kind!r} part; Ember reads {', '.join(_READABLE_PARTS)} parts "
-                    "(images, audio and files are not supported yet)"
-                )
-    return value
+    return refuse_unreadable(
+        value,
+        _READABLE_PARTS,
+        "content[{i}] is a {kind!r} part; Ember reads "
+        + ", ".join(_READABLE_PARTS)
+        + " parts (images, audio and files are not supported yet)",
+    )
 
 
 def _text(content: str | list[TextContent]) -> str:
@@ -203,16 +200,8 @@ class ReasoningConfig(BaseModel):
     summary: str | None = None
 
 
-_TOOL_TYPES = ("function",)
-
-
 def _function_tools_only(value: Any) -> Any:
-    if isinstance(value, list):
-        for i, tool in enumerate(value):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if isinstance(kind, str) and kind not in _TOOL_TYPES:
-                raise ValueError(f"[{i}] is a {kind!r} tool; Ember runs function tools only")
-    return value
+    return refuse_unreadable(value, ("function",), "[{i}] is a {kind!r} tool; Ember runs function tools only")
 
 
 class ResponsesRequest(BaseModel):
