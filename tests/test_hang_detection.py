@@ -176,7 +176,9 @@ def _collect(client: MPClient, seconds: float) -> list:
 def test_a_fake_core_stuck_in_one_step_is_reported_once_and_killed(monkeypatch):
     client = _fake_client(monkeypatch, [["ready"], *_heartbeats(7, 5.0)], heartbeat_timeout=5, iteration_timeout=1)
     try:
-        assert client.wait_ready(10).description == "fake"
+        ready = client.wait_ready(10)
+        assert ready.description == "fake"
+        assert client.wait_ready(0.01) is ready  # the handshake is answered again, not waited for
         start = time.monotonic()
         got = client.get_output(timeout=None)  # waits through the heartbeats, which it never returns
         took = time.monotonic() - start

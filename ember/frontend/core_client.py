@@ -133,6 +133,7 @@ class MPClient(EngineCoreClient):
         self._poller.register(self._output, zmq.POLLIN)
         self._watch = HangWatch.from_env()
         self._watching = False  # from EngineCoreReady on: loading may take long and sends no heartbeats
+        self._handshake: EngineCoreReady | None = None  # the core's EngineCoreReady, once received
         # The core never needs its own stdout; keeping stdin open tells it the front end lives.
         self.proc = subprocess.Popen([sys.executable, "-m", "ember.core.process"], stdin=subprocess.PIPE)
         boot = CoreBootstrap(args, self._address("in"), self._address("out"), self._watch.heartbeat_interval)
@@ -151,11 +152,14 @@ class MPClient(EngineCoreClient):
         return sock
 
     def wait_ready(self, timeout: float | None = None) -> EngineCoreReady:
+        """The core's handshake, waited for once: a later call answers the one already received."""
+        if self._handshake is not None:
+            return self._handshake
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             for message in self._receive(_POLL_S):
                 if isinstance(message, EngineCoreReady):
-                    self.ready = message
+                    self.ready = self._handshake = message
                     return message
                 if isinstance(message, EngineCoreFailed):
                     self.shutdown()
