@@ -96,15 +96,19 @@ class BlockManager:
         return record.block_ids if record is not None else []
 
     def _record(self, request: Request) -> _RequestBlocks:
-        return self._requests.setdefault(request.request_id, _RequestBlocks())
+        """The request's record, made on first use."""
+        record = self._requests.get(request.request_id)
+        if record is None:
+            record = self._requests[request.request_id] = _RequestBlocks()
+        return record
 
     def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
         start = index * self.block_size
         return tuple(request.all_token_ids[start : start + self.block_size])
 
-    def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+    def _hashes(self, record: _RequestBlocks, request: Request, num_full_blocks: int) -> list[int]:
         """The request's block hashes, computed up to at least `num_full_blocks`."""
-        hashes = self._record(request).block_hashes
+        hashes = record.block_hashes
         while len(hashes) < num_full_blocks:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, self._block_tokens(request, len(hashes))))
@@ -118,7 +122,7 @@ class BlockManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._hashes(request, max_blocks)
+        hashes = self._hashes(self._record(request), request, max_blocks)
         hits = []
         for i in range(max_blocks):
             block_id = self.cached_blocks.get(hashes[i])
@@ -175,7 +179,7 @@ class BlockManager:
         num_full = num_tokens // self.block_size
         if num_full <= start:
             return
-        hashes = self._hashes(request, num_full)
+        hashes = self._hashes(record, request, num_full)
         for i in range(start, num_full):
             block = self.blocks[record.block_ids[i]]
             h = hashes[i]
