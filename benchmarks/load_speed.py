@@ -46,7 +46,7 @@ from ember.model.loader import load_model_files
 
 
 def read_weights(path: str) -> None:
-    files = load_model_files(EngineArgs(model=path))
+    files = load_model_files(EngineArgs(model=path).load_config())
     for _ in files.weights():
         pass
 
@@ -148,7 +148,7 @@ def main() -> None:
 
     machine = machine_info()
     shape = dataclasses.replace(QWEN25_1_5B, layers=args.layers)
-    default_path, _ = model_path(EngineArgs())
+    default_path, _ = model_path(EngineArgs().load_config())
     files = {
         "default model": default_path,
         f"Qwen2.5-1.5B shape Q4_K_M ({args.layers} layers)": synthetic_file(args.cache_dir, shape),

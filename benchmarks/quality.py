@@ -79,11 +79,14 @@ def tokenize_text(args: argparse.Namespace, text: str) -> tuple[list[int], list[
     """The text's ids, the ids the tokenizer puts before any text (a BOS, or nothing), and whose tokenizer
     it was, read from the model's files (no weights). Without a tokenizer of its own, the model gets the
     default model's tokens folded into its vocabulary."""
-    config_only = EngineArgs(model=args.model, load_format="dummy")
+    config_only = EngineArgs(model=args.model, load_format="dummy").load_config()
     tokenizer: Tokenizer | None = load_model_info(config_only).tokenizer
     source = "model"
     if tokenizer is None:
-        tokenizer, source = load_model_info(EngineArgs(load_format="dummy")).tokenizer, "default model, folded"
+        tokenizer, source = (
+            load_model_info(EngineArgs(load_format="dummy").load_config()).tokenizer,
+            "default model, folded",
+        )
     vocab = load_model_files(config_only).model_config.vocab_size
     ids = [i % vocab for i in tokenizer.encode(text, add_special_tokens=False)]
     prefix = [i % vocab for i in tokenizer.encode("", add_special_tokens=True)]

@@ -56,7 +56,7 @@ from schemas import SCHEMAS  # noqa: E402 - after the sys.path lines above
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json  # noqa: E402 - after the sys.path lines above
 from benchmarks.step_profile import print_profile, profile_steps  # noqa: E402 - after the sys.path lines above
 from ember import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402 - after the sys.path lines above
-from ember.config import EngineArgs  # noqa: E402 - after the sys.path lines above
+from ember.config import EngineArgs, LoadConfig  # noqa: E402 - after the sys.path lines above
 from ember.core.grammar import GrammarManager  # noqa: E402 - after the sys.path lines above
 from ember.model.files import load_model_info  # noqa: E402 - after the sys.path lines above
 
@@ -97,8 +97,8 @@ def _p99_ms(seconds: list[float]) -> float:
     return round(float(np.percentile(seconds, 99)) * 1e3, 4)
 
 
-def bench_compile(args: EngineArgs, vocab_size: int, schemas: list[dict]) -> dict[str, Any]:
-    manager = GrammarManager(args, vocab_size)
+def bench_compile(load: LoadConfig, vocab_size: int, schemas: list[dict]) -> dict[str, Any]:
+    manager = GrammarManager(load, vocab_size)
     manager.matcher(StructuredOutputsParams(regex="warm"))  # waits for the vocabulary
     cold, cached = [], []
     for schema in schemas:
@@ -118,9 +118,9 @@ def bench_compile(args: EngineArgs, vocab_size: int, schemas: list[dict]) -> dic
     }
 
 
-def bench_masks(args: EngineArgs, vocab_size: int, counts: list[int], steps: int, deadline: Deadline) -> dict[str, Any]:
+def bench_masks(load: LoadConfig, vocab_size: int, counts: list[int], steps: int, deadline: Deadline) -> dict[str, Any]:
     """Each step: fill the masks, then advance every matcher by a random allowed token."""
-    manager = GrammarManager(args, vocab_size)
+    manager = GrammarManager(load, vocab_size)
     rng = np.random.default_rng(0)
     median, p99 = {}, {}
     for n in counts:
@@ -376,7 +376,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_dir = a.tokenizer or scratch
         if a.tokenizer is None:
-            default = load_model_info(EngineArgs()).tokenizer
+            default = load_model_info(EngineArgs().load_config()).tokenizer
             default.tok.save(os.path.join(scratch, "tokenizer.json"))
             write_json(os.path.join(scratch, "tokenizer_config.json"), {"eos_token": default.eos_token})
         args, llm = _engine(a.mode, tokenizer_dir, requests, in_process=a.profile_steps > 0)
@@ -393,8 +393,8 @@ def main() -> None:
             for name, p in results["profile"].items():
                 print_profile(p, f"{name} decode steps")
         llm.llm_engine.shutdown()
-        results["masks"] = bench_masks(args, vocab, counts, 3 if a.tiny else 32, deadline)
-        results["compile"] = bench_compile(args, vocab, SCHEMAS[:3] if a.tiny else SCHEMAS)
+        results["masks"] = bench_masks(args.load_config(), vocab, counts, 3 if a.tiny else 32, deadline)
+        results["compile"] = bench_compile(args.load_config(), vocab, SCHEMAS[:3] if a.tiny else SCHEMAS)
     deadline.cancel()
     results["stopped_by_time_limit"] = False
     report()

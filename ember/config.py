@@ -1,8 +1,12 @@
-"""Engine configuration: the user-facing `EngineArgs` and the resolved configs the engine runs on.
+"""Engine configuration: the user-facing `EngineArgs` and the frozen configs the engine runs on.
 
 `EngineArgs` holds exactly what a user can set (flag names follow vLLM's so users can switch
-without rereading docs); `EngineArgs.create_config()` resolves defaults that depend on the model
-and the machine into the frozen configs below.
+without rereading docs). It stays in the front end: `EngineArgs.engine_config()` builds the
+`EngineConfig` that the engine core is started with (sent to a core process in its bootstrap), and
+`EngineArgs.load_config()` the `LoadConfig` the front end reads the tokenizer with. Below the front
+end nothing sees `EngineArgs`: each part takes the config it reads. The defaults that depend on the
+model's files or the device (`SchedulerConfig`, `RunnerConfig`) are resolved in the core, which reads
+the files and imports torch; the front end does neither.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
+class LoadConfig:
+    """Which model files to read and how: the core loads the weights with it, the front end the tokenizer."""
+
+    model: str | None  # an HF directory, a .gguf file, or None / DEFAULT_MODEL's name: the default model
+    tokenizer: str | None  # a directory with tokenizer.json to use instead of the model's own
+    load_format: str  # one of LOAD_FORMATS
+    quantization: str | None  # one of QUANTIZATIONS, or None: what the model's files declare
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int
     enable_prefix_caching: bool
@@ -60,6 +74,43 @@ class RunnerConfig:
     kv_cache_dtype: str  # "auto" (the model's dtype) or "fp8"
     seed: int
     enforce_eager: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine core is started with: the user's engine flags less the front end's own, checked
+    and grouped by who reads them. What depends on the model or the device is resolved by the core
+    (`scheduler_config`, `runner_config`), as is the device itself."""
+
+    load: LoadConfig
+    cache: CacheConfig
+    device: str  # "auto", "cpu", "cuda" or "cuda:N" (ember/runner/device.py resolves it)
+    tensor_parallel_size: int
+    async_scheduling: bool | None  # None: on for one CUDA GPU (see EngineCore)
+    max_num_seqs: int
+    max_num_batched_tokens: int | None  # None: by device
+    max_model_len: int | None  # None: the model's
+    dtype: str  # "auto" (by device and checkpoint) or a torch dtype name: float32, float16 or bfloat16
+    kv_cache_dtype: str  # "auto" (the model's dtype) or "fp8"
+    seed: int
+    enforce_eager: bool
+
+    def runner_config(self, device: torch.device, checkpoint_dtype: str | None) -> RunnerConfig:
+        """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
+        if self.dtype != "auto":
+            dtype = self.dtype
+        elif device.type == "cpu":
+            dtype = "float32"
+        else:
+            dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
+        return RunnerConfig(
+            dtype=dtype, kv_cache_dtype=self.kv_cache_dtype, seed=self.seed, enforce_eager=self.enforce_eager
+        )
+
+    def scheduler_config(self, model_config: ModelConfig, device: torch.device) -> SchedulerConfig:
+        max_len = self.max_model_len or model_config.max_position_embeddings
+        budget = self.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_len)
 
 
 @dataclass
@@ -123,16 +174,28 @@ class EngineArgs:
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}")
 
-    def runner_config(self, device: torch.device, checkpoint_dtype: str | None) -> RunnerConfig:
-        """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
-        if self.dtype != "auto":
-            dtype = _DTYPES[self.dtype]
-        elif device.type == "cpu":
-            dtype = "float32"
-        else:
-            dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
-        kv = "auto" if self.kv_cache_dtype == "auto" else "fp8"
-        return RunnerConfig(dtype=dtype, kv_cache_dtype=kv, seed=self.seed, enforce_eager=self.enforce_eager)
+    def engine_config(self) -> EngineConfig:
+        """The engine core's part of the flags, dtype names spelled one way; the front end keeps the rest
+        (chat template, served model name, blocked words, whether the core gets its own process)."""
+        return EngineConfig(
+            load=self.load_config(),
+            cache=self.cache_config(),
+            device=self.device,
+            tensor_parallel_size=self.tensor_parallel_size,
+            async_scheduling=self.async_scheduling,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            dtype="auto" if self.dtype == "auto" else _DTYPES[self.dtype],
+            kv_cache_dtype="auto" if self.kv_cache_dtype == "auto" else "fp8",
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+        )
+
+    def load_config(self) -> LoadConfig:
+        return LoadConfig(
+            model=self.model, tokenizer=self.tokenizer, load_format=self.load_format, quantization=self.quantization
+        )
 
     def cache_config(self) -> CacheConfig:
         kv_bytes = None if self.kv_cache_memory is None else int(self.kv_cache_memory * (1 << 30))
@@ -142,11 +205,6 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_bytes,
         )
-
-    def scheduler_config(self, model_config: ModelConfig, device: torch.device) -> SchedulerConfig:
-        max_len = self.max_model_len or model_config.max_position_embeddings
-        budget = self.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_len)
 
     # ---- command line -------------------------------------------------------------------
 

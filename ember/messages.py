@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import msgspec
 
-from ember.config import EngineArgs
+from ember.config import EngineConfig
 from ember.sampling.params import SamplingParams
 
 
@@ -206,7 +206,7 @@ BOOTSTRAP_LENGTH = struct.Struct("<I")
 class CoreBootstrap(msgspec.Struct):
     """What a core process reads from its stdin first (length-prefixed msgpack)."""
 
-    args: EngineArgs
+    config: EngineConfig  # the core's part of the user's flags (`EngineArgs.engine_config`)
     input_address: str  # the front end's PUSH socket, bound
     output_address: str  # the front end's PULL socket, bound
     heartbeat_interval: float = 1.0  # seconds between heartbeats once ready; 0: none

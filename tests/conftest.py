@@ -344,7 +344,7 @@ def default_tokenizer():
     from ember import EngineArgs
     from ember.model.files import load_model_info
 
-    return load_model_info(EngineArgs()).tokenizer
+    return load_model_info(EngineArgs().load_config()).tokenizer
 
 
 def token_pieces(tokenizer, text: str) -> list[str]:

@@ -287,7 +287,9 @@ def test_sentencepiece_tokenizer(tmp_path) -> None:
 def test_merge_of_unknown_tokens(tmp_path) -> None:
     path = str(tmp_path / "merges.gguf")
     _write_minimal(path, {"token_embd.weight": np.ones((257, 32), dtype=np.float32)}, merges=("x yz",))
-    _assert_load_error(path, "invalid tokenizer vocabulary", lambda p: load_model_info(EngineArgs(model=p)))
+    _assert_load_error(
+        path, "invalid tokenizer vocabulary", lambda p: load_model_info(EngineArgs(model=p).load_config())
+    )
 
 
 def test_unknown_tensor_name(tmp_path) -> None:

@@ -19,20 +19,20 @@ from ember.sampling.structured import StructuredOutputsParams
 
 @pytest.fixture(scope="module")
 def manager(default_tokenizer):
-    m = GrammarManager(EngineArgs(), default_tokenizer.vocab_size)
+    m = GrammarManager(EngineArgs().load_config(), default_tokenizer.vocab_size)
     yield m
     m.shutdown()
 
 
 def test_vocabulary_is_built_once_per_tokenizer_file(tmp_path, default_tokenizer):
     default_tokenizer.tok.save(str(tmp_path / "tokenizer.json"))
-    args, vocab = EngineArgs(tokenizer=str(tmp_path)), default_tokenizer.vocab_size
-    first = grammar._ll_tokenizer(args, vocab)
-    assert grammar._ll_tokenizer(args, vocab) is first
-    assert grammar._ll_tokenizer(args, vocab + 32) is not first  # another logits width: another vocabulary
+    load, vocab = EngineArgs(tokenizer=str(tmp_path)).load_config(), default_tokenizer.vocab_size
+    first = grammar._ll_tokenizer(load, vocab)
+    assert grammar._ll_tokenizer(load, vocab) is first
+    assert grammar._ll_tokenizer(load, vocab + 32) is not first  # another logits width: another vocabulary
     stat = os.stat(tmp_path / "tokenizer.json")
     os.utime(tmp_path / "tokenizer.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file changed
-    assert grammar._ll_tokenizer(args, vocab) is not first
+    assert grammar._ll_tokenizer(load, vocab) is not first
 
 
 def test_tokenizer_dir_takes_the_models_eos_from_its_config(tmp_path, default_tokenizer):
@@ -46,17 +46,18 @@ def test_tokenizer_dir_takes_the_models_eos_from_its_config(tmp_path, default_to
     eos = default_tokenizer.eos_token_ids[0]
     (model / "config.json").write_text(json.dumps({"eos_token_id": [eos, 10**6]}))
     default_tokenizer.tok.save(str(tok / "tokenizer.json"))
-    args = EngineArgs(model=str(model), load_format="dummy", tokenizer=str(tok))
-    assert load_model_info(args).eos_token_ids == [eos]  # 10**6 is past this vocabulary: dropped
-    grammar._ll_tokenizer(args, default_tokenizer.vocab_size)
-    assert load_model_info(EngineArgs(model=str(model), load_format="dummy")).eos_token_ids == [eos, 10**6]
+    load = EngineArgs(model=str(model), load_format="dummy", tokenizer=str(tok)).load_config()
+    assert load_model_info(load).eos_token_ids == [eos]  # 10**6 is past this vocabulary: dropped
+    grammar._ll_tokenizer(load, default_tokenizer.vocab_size)
+    no_tokenizer = EngineArgs(model=str(model), load_format="dummy").load_config()
+    assert load_model_info(no_tokenizer).eos_token_ids == [eos, 10**6]
 
 
 def test_missing_tokenizer_is_the_requests_error_not_cached(tmp_path):
-    args = EngineArgs(tokenizer=str(tmp_path))  # no tokenizer.json there
+    load = EngineArgs(tokenizer=str(tmp_path)).load_config()  # no tokenizer.json there
     for _ in range(2):
         with pytest.raises(ValueError, match="structured_outputs: no vocabulary"):
-            grammar._ll_tokenizer(args, 100)
+            grammar._ll_tokenizer(load, 100)
 
 
 def test_step_bitmask_rows(manager, default_tokenizer):

@@ -154,7 +154,7 @@ def _fake_client(monkeypatch, script: list, heartbeat_timeout: float, iteration_
         return real_popen([sys.executable, "-c", _FAKE_CORE, json.dumps(script)], **kwargs)
 
     monkeypatch.setattr(core_client.subprocess, "Popen", popen)
-    return MPClient(EngineArgs())
+    return MPClient(EngineArgs().engine_config())
 
 
 def _heartbeats(iteration: int, seconds: float, every: float = 0.1, start: float = 0.0) -> list:

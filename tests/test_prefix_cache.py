@@ -77,7 +77,7 @@ def test_block_manager_refcounts_lru_and_token_check():
 
     b = _req("b", list(range(8)) + [99])
     hits = bm.match_prefix(b)
-    assert hits == a.block_ids[:2]
+    assert hits == bm.block_table("a")[:2]
     assert bm.allocate(b, 1, hits)
     assert [bm.blocks[i].ref_cnt for i in hits] == [2, 2]
 
@@ -87,7 +87,7 @@ def test_block_manager_refcounts_lru_and_token_check():
     # Cached blocks survive in the free queue and are handed out last (LRU).
     c = _req("c", list(range(100, 112)))
     assert bm.allocate(c, 12, bm.match_prefix(c))
-    assert not set(c.block_ids) & set(hits)
+    assert not set(bm.block_table("c")) & set(hits)
     assert len(bm.cached_blocks) == 2
     # A block whose hash matches but whose tokens differ is not a hit.
     blk = bm.blocks[hits[0]]
@@ -105,7 +105,7 @@ def test_allocate_failure_changes_nothing():
     bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
     r = _req("r", list(range(12)))
     assert not bm.allocate(r, 12, [])
-    assert r.block_ids == [] and bm.num_free_blocks == 2
+    assert bm.block_table("r") == [] and bm.num_free_blocks == 2
 
 
 def test_disabled_prefix_caching_never_hits():

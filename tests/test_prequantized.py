@@ -387,7 +387,7 @@ def write_case(case: Case, base: Path, root: Path) -> tuple[Path, Path, dict[str
 
 
 def loaded_weights(path: Path, **kwargs) -> tuple[ModelFiles, dict]:
-    files = load_model_files(EngineArgs(model=str(path), **kwargs))
+    files = load_model_files(EngineArgs(model=str(path), **kwargs).load_config())
     return files, dict(files.weights())
 
 
@@ -512,21 +512,21 @@ def _with_config(bases, tmp_path, qcfg: dict) -> Path:
 def test_unsupported_variants_name_the_file_and_field(bases, tmp_path, qcfg, message):
     path = _with_config(bases, tmp_path, qcfg)
     with pytest.raises(ModelLoadError, match=message) as err:
-        load_model_files(EngineArgs(model=str(path)))
+        load_model_files(EngineArgs(model=str(path)).load_config())
     assert err.value.path == str(path / "config.json")
 
 
 def test_explicit_quantization_must_agree_with_the_checkpoint(bases, tmp_path):
     path = _with_config(bases, tmp_path, CASES["hf-fp8-block32"].config)
-    assert load_model_files(EngineArgs(model=str(path), quantization="fp8")).quantization == "fp8"
+    assert load_model_files(EngineArgs(model=str(path), quantization="fp8").load_config()).quantization == "fp8"
     with pytest.raises(
         ValueError,
         match=r"'int4' conflicts with the checkpoint's quantization_config.quant_method "
         r"'fp8'",
     ):
-        load_model_files(EngineArgs(model=str(path), quantization="int4"))
+        load_model_files(EngineArgs(model=str(path), quantization="int4").load_config())
     with pytest.raises(ValueError, match="'gptq' needs a checkpoint stored that way"):
-        load_model_files(EngineArgs(model=str(bases["llama"]), quantization="gptq"))
+        load_model_files(EngineArgs(model=str(bases["llama"]), quantization="gptq").load_config())
 
 
 def test_missing_part_is_a_clear_error(bases, tmp_path):

@@ -137,7 +137,9 @@ def test_server_reasoning_content_and_template_kwargs(server):
     assert streamed == {"reasoning_content": reasoning, "content": message.content}
     thinking = client.chat.completions.create(**{**kwargs, "extra_body": {"chat_template_kwargs": {}}, "max_tokens": 1})
     assert whole.usage.prompt_tokens - thinking.usage.prompt_tokens == len(
-        load_model_info(EngineArgs()).tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+        load_model_info(EngineArgs().load_config()).tokenizer.encode(
+            "<think>\n\n</think>\n\n", add_special_tokens=False
+        )
     )
 
 
@@ -159,7 +161,7 @@ def test_server_constraint_waits_for_the_end_of_thinking(server):
 def test_think_first_grammar(tokenizer):
     """The wrapped grammar: free text up to the first </think>, optional whitespace, then the
     constraint, complete at its end; the constraint is enforced after the block."""
-    manager = GrammarManager(EngineArgs(), tokenizer.vocab_size)
+    manager = GrammarManager(EngineArgs().load_config(), tokenizer.vocab_size)
     params = StructuredOutputsParams(
         json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, after_think=True
     )

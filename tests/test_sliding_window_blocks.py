@@ -41,7 +41,7 @@ class WindowedStandIn:
         self.peak_blocks = 0
 
     def _slot(self, request: Request, pos: int) -> int:
-        return request.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        return self.manager.block_table(request.request_id)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
     def _step(self) -> None:
         batch = self.scheduler.schedule()
@@ -56,7 +56,8 @@ class WindowedStandIn:
             for pos in range(start, start + n):  # each query reads its window back
                 read = []
                 for j in range(max(0, pos - self.window + 1), pos + 1):
-                    assert self.manager.blocks[request.block_ids[j // BLOCK_SIZE]].ref_cnt > 0, "read a released block"
+                    block_id = self.manager.block_table(request.request_id)[j // BLOCK_SIZE]
+                    assert self.manager.blocks[block_id].ref_cnt > 0, "read a released block"
                     read.append(self.slots[self._slot(request, j)])
                     assert read[-1] == tuple(tokens[: j + 1]), f"{request.request_id} position {j} holds other KV"
                 last_reads[request.request_id] = read
@@ -81,6 +82,7 @@ class WindowedStandIn:
             self._step()
         assert self.manager.num_free_blocks == self.manager.num_blocks  # no leak
         assert all(block.ref_cnt == 0 for block in self.manager.blocks)
+        assert not any(self.manager.block_table(r.request_id) for r in requests)  # no table outlives its request
         return [r.output_token_ids for r in requests]
 
 
@@ -130,6 +132,6 @@ def test_released_blocks_are_not_cached_afterwards() -> None:
     manager.drop_out_of_window(request)  # the next query (position 12) sees 11 and 12 only
     assert manager.num_free_blocks == 16 - 1
     manager.cache_full_blocks(request, 12)
-    assert set(manager.cached_blocks.values()) == {request.block_ids[2]}
+    assert set(manager.cached_blocks.values()) == {manager.block_table("r")[2]}
     manager.free(request)
     assert manager.num_free_blocks == 16

@@ -22,11 +22,11 @@ VOCAB = 50
 MAX_MODEL_LEN = 256
 
 
-def _check_mirrors(batch: ScheduledBatch, states: RequestStates) -> None:
+def _check_mirrors(batch: ScheduledBatch, states: RequestStates, blocks: BlockManager) -> None:
     for req, state in zip(batch.requests, states.update(batch.step), strict=True):
         assert state.request_id == req.request_id
         assert state.token_ids == req.all_token_ids and state.output_token_ids == req.output_token_ids
-        assert state.block_ids == req.block_ids
+        assert state.block_ids == blocks.block_table(req.request_id)
         assert (state.num_computed_tokens, state.num_inflight_tokens) == (
             req.num_computed_tokens,
             req.num_inflight_tokens,
@@ -54,7 +54,7 @@ def _run(scheduler: Scheduler, states: RequestStates, requests: list[Request], d
     while any(not r.status.finished for r in requests) or inflight:
         batch = scheduler.schedule()
         if batch:
-            _check_mirrors(batch, states)
+            _check_mirrors(batch, states, scheduler.block_manager)
             inflight.append((batch, scheduler.advance(batch)))
         if inflight and (len(inflight) >= depth or not batch):
             _collect(*inflight.popleft(), scheduler)

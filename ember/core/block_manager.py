@@ -15,12 +15,17 @@ its contents stay exactly those tokens' KV until an allocation takes it; one tha
 is never cached afterwards, because it may already hold another request's KV by then. Stream order
 makes the early release safe under async scheduling: a step still running that reads such a block
 finishes before any later step can write into it.
+
+The manager owns each request's block table and prefix hashes (`block_table`) and never writes into
+`Request`: it reads the request's tokens and computed count, and answers the scheduler with what changed
+(`Allocation`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from ember.core.request import Request
 
@@ -39,6 +44,16 @@ class Allocation:
     the scheduler passes them on to the model runner, which keeps its own copy of the table."""
 
     block_ids: list[int]
+
+
+@dataclass
+class _RequestBlocks:
+    """The manager's record of one request, from its first prefix lookup or allocation until `free`."""
+
+    block_ids: list[int] = field(default_factory=list)  # the block table: position p is in block p // block_size
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks, computed lazily
+    num_hashed: int = 0  # leading blocks found in or registered with the prefix cache
+    num_dropped: int = 0  # leading blocks released by drop_out_of_window (placeholders in the table)
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -61,8 +76,7 @@ class BlockManager:
         # Front = next to hand out. Uncached blocks go to the front, cached ones to the back (LRU).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[int, int] = {}
-        self.num_hashed_blocks: dict[str, int] = {}
-        self.num_dropped_blocks: dict[str, int] = {}  # leading blocks released by drop_out_of_window
+        self._requests: dict[str, _RequestBlocks] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -74,15 +88,31 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def block_table(self, request_id: str) -> Sequence[int]:
+        """The request's block table, in position order; empty before its first allocation and after `free`.
+        The manager's own list, not a copy (the scheduler reads it every step): valid until the next call
+        that changes the request's blocks."""
+        record = self._requests.get(request_id)
+        return record.block_ids if record is not None else []
+
+    def _record(self, request: Request) -> _RequestBlocks:
+        """The request's record, made on first use."""
+        record = self._requests.get(request.request_id)
+        if record is None:
+            record = self._requests[request.request_id] = _RequestBlocks()
+        return record
+
     def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
         start = index * self.block_size
         return tuple(request.all_token_ids[start : start + self.block_size])
 
-    def _ensure_hashes(self, request: Request, num_full_blocks: int) -> None:
-        hashes = request.block_hashes
+    def _hashes(self, record: _RequestBlocks, request: Request, num_full_blocks: int) -> list[int]:
+        """The request's block hashes, computed up to at least `num_full_blocks`."""
+        hashes = record.block_hashes
         while len(hashes) < num_full_blocks:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, self._block_tokens(request, len(hashes))))
+        return hashes
 
     def match_prefix(self, request: Request) -> list[int]:
         """Cached blocks holding a prefix of the request's tokens; at least one token is left to compute.
@@ -92,10 +122,10 @@ class BlockManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        self._ensure_hashes(request, max_blocks)
+        hashes = self._hashes(self._record(request), request, max_blocks)
         hits = []
         for i in range(max_blocks):
-            block_id = self.cached_blocks.get(request.block_hashes[i])
+            block_id = self.cached_blocks.get(hashes[i])
             if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(request, i):
                 break
             hits.append(block_id)
@@ -113,7 +143,7 @@ class BlockManager:
         prefix_blocks = prefix_blocks or []
         num_computed = request.num_computed_tokens + len(prefix_blocks) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = needed - len(request.block_ids) - len(prefix_blocks)
+        num_new_blocks = needed - len(self.block_table(request.request_id)) - len(prefix_blocks)
         num_revived = sum(1 for b in prefix_blocks if self.blocks[b].ref_cnt == 0)
         if num_new_blocks + num_revived > self.num_free_blocks:
             return None
@@ -131,33 +161,33 @@ class BlockManager:
                 block.block_hash = block.token_ids = None
             block.ref_cnt = 1
             added.append(block_id)
-        request.block_ids.extend(added)
+        record = self._record(request)
+        record.block_ids.extend(added)
         if is_query and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(prefix_blocks) * self.block_size
-            self.num_hashed_blocks[request.request_id] = len(prefix_blocks)
+            record.num_hashed = len(prefix_blocks)
         return Allocation(added)
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that the request's first `num_tokens` tokens (computed, and known on the
         host) fill, so later requests can share them."""
-        if not self.enable_prefix_caching:
+        record = self._requests.get(request.request_id)
+        if not self.enable_prefix_caching or record is None:  # None: preempted since the step was scheduled
             return
-        start = max(
-            self.num_hashed_blocks.get(request.request_id, 0), self.num_dropped_blocks.get(request.request_id, 0)
-        )
+        start = max(record.num_hashed, record.num_dropped)
         num_full = num_tokens // self.block_size
         if num_full <= start:
             return
-        self._ensure_hashes(request, num_full)
+        hashes = self._hashes(record, request, num_full)
         for i in range(start, num_full):
-            block = self.blocks[request.block_ids[i]]
-            h = request.block_hashes[i]
+            block = self.blocks[record.block_ids[i]]
+            h = hashes[i]
             if block.block_hash is None and h not in self.cached_blocks:
                 block.block_hash = h
                 block.token_ids = self._block_tokens(request, i)
                 self.cached_blocks[h] = block.block_id
-        self.num_hashed_blocks[request.request_id] = num_full
+        record.num_hashed = num_full
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use, as in vLLM."""
@@ -171,23 +201,26 @@ class BlockManager:
     def drop_out_of_window(self, request: Request) -> None:
         """Release the request's blocks that no query from its next one on can see: the next query
         sits at num_computed_tokens and sees only positions above num_computed_tokens - sliding_window."""
-        if self.sliding_window is None:
+        record = self._requests.get(request.request_id)
+        if self.sliding_window is None or record is None:
             return
         dead = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
-        start = self.num_dropped_blocks.get(request.request_id, 0)
-        dead = min(dead, len(request.block_ids))
-        if dead <= start:
+        dead = min(dead, len(record.block_ids))
+        if dead <= record.num_dropped:
             return
-        for block_id in request.block_ids[start:dead]:
+        for block_id in record.block_ids[record.num_dropped : dead]:
             self._release(block_id)
-        self.num_dropped_blocks[request.request_id] = dead
+        record.num_dropped = dead
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks; tail blocks first so a shared prefix outlives its suffixes."""
-        for block_id in reversed(request.block_ids[self.num_dropped_blocks.pop(request.request_id, 0) :]):
+        """Release the request's blocks, tail blocks first so a shared prefix outlives its suffixes, and
+        forget its table and hashes: a preempted request computes its hashes again when it comes back, a
+        small cost beside recomputing its KV."""
+        record = self._requests.pop(request.request_id, None)
+        if record is None:
+            return
+        for block_id in reversed(record.block_ids[record.num_dropped :]):
             self._release(block_id)
-        request.block_ids = []
-        self.num_hashed_blocks.pop(request.request_id, None)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -27,7 +27,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from ember.config import EngineArgs
+from ember.config import EngineConfig
 from ember.core.block_manager import BlockManager
 from ember.core.grammar import GrammarManager, consume
 from ember.core.request import Request, RequestStatus
@@ -54,21 +54,20 @@ logger = logging.getLogger("ember")
 class EngineCore:
     UTILITIES = ("reset_prefix_cache", "stats")  # the methods a UtilityCall may name
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
-        files = load_model_files(args)
-        device = resolve_device(args.device)
-        cache_config = args.cache_config()
-        self.scheduler_config = args.scheduler_config(files.model_config, device)
+        files = load_model_files(config.load)
+        device = resolve_device(config.device)
+        self.scheduler_config = config.scheduler_config(files.model_config, device)
         self.max_model_len = self.scheduler_config.max_model_len
         self.vocab_size = files.model_config.vocab_size
-        self.tensor_parallel = _start_tensor_parallel(args, files.model_config)
+        self.tensor_parallel = _start_tensor_parallel(config, files.model_config)
         try:
             runner_device = self.tensor_parallel.device if self.tensor_parallel else device
             self.runner = ModelRunner(
                 files,
-                args.runner_config(runner_device, files.checkpoint_dtype),
-                cache_config,
+                config.runner_config(runner_device, files.checkpoint_dtype),
+                config.cache,
                 self.scheduler_config,
                 runner_device,
             )
@@ -88,13 +87,14 @@ class EngineCore:
         self.runner.warm_up_kernels()
         self.block_manager = BlockManager(
             num_blocks,
-            cache_config.block_size,
-            cache_config.enable_prefix_caching,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
             sliding_window=_shared_window(files.model_config),
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.grammar = GrammarManager(args, self.vocab_size, files.model_info)  # before anything below calls shutdown()
-        capacity = num_blocks * cache_config.block_size
+        # Before anything below calls shutdown().
+        self.grammar = GrammarManager(config.load, self.vocab_size, files.model_info)
+        capacity = num_blocks * config.cache.block_size
         if capacity < self.max_model_len:
             self.shutdown()  # otherwise a request within the context window could never be scheduled
             raise ValueError(
@@ -102,7 +102,9 @@ class EngineCore:
                 f"({capacity} tokens); lower --max-model-len or raise --kv-cache-memory "
                 f"/ --gpu-memory-utilization"
             )
-        self.async_scheduling = _resolve_async_scheduling(args, runner_device.type)
+        self.async_scheduling = _resolve_async_scheduling(
+            config.async_scheduling, config.tensor_parallel_size, runner_device.type
+        )
         self.requests: dict[str, Request] = {}
         self._inflight: deque[tuple[ScheduledBatch, PendingStep]] = deque()
         self._pending: list[EngineCoreOutput] = []  # rejections, sent with the next step's outputs
@@ -111,7 +113,7 @@ class EngineCore:
         self._num_received = 0
         self._grammar_fed: Future | None = None  # the newest mask fill's feeding of late tokens
         self.ready = self._ready_message(
-            files.source, num_blocks, cache_config.block_size, args.tensor_parallel_size, time.monotonic() - start
+            files.source, num_blocks, config.cache.block_size, config.tensor_parallel_size, time.monotonic() - start
         )
         logger.debug(self.ready.description)
 
@@ -379,11 +381,12 @@ def _unsent_prompt_logprobs(req: Request, first: int, logprobs: Logprobs) -> Log
     return Logprobs(logprobs.token_ids[skip:], logprobs.logprobs[skip:], logprobs.ranks[skip:])
 
 
-def _start_tensor_parallel(args: EngineArgs, model_config: ModelConfig) -> TensorParallelGroup | None:
-    if args.tensor_parallel_size == 1:
+def _start_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> TensorParallelGroup | None:
+    """The other ranks, started from the same config (they load their shards of the same files)."""
+    if config.tensor_parallel_size == 1:
         return None
-    check_divisible(model_config, args.tensor_parallel_size)
-    group = TensorParallelGroup(args)
+    check_divisible(model_config, config.tensor_parallel_size)
+    group = TensorParallelGroup(config)
     atexit.register(group.stop)
     return group
 
@@ -395,12 +398,12 @@ def _shared_window(cfg: ModelConfig) -> int | None:
     return windows.pop() if len(windows) == 1 else None
 
 
-def _resolve_async_scheduling(args: EngineArgs, device_type: str) -> bool:
+def _resolve_async_scheduling(requested: bool | None, tensor_parallel_size: int, device_type: str) -> bool:
     """On by default with one CUDA GPU, where it hides the host's per-step work behind the GPU's; on the
     CPU the same cores do both, so nothing is hidden. The tensor-parallel step broadcast sends token
     ids from the host, so it needs them there: one step at a time."""
-    if args.async_scheduling is None:
-        return device_type == "cuda" and args.tensor_parallel_size == 1
-    if args.async_scheduling and args.tensor_parallel_size > 1:
+    if requested is None:
+        return device_type == "cuda" and tensor_parallel_size == 1
+    if requested and tensor_parallel_size > 1:
         raise ValueError("async_scheduling: not supported with tensor parallelism (tensor_parallel_size > 1)")
-    return args.async_scheduling
+    return requested

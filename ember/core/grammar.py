@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from ember.config import EngineArgs
+from ember.config import LoadConfig
 from ember.model.files import ModelInfo, load_model_info, model_path
 from ember.sampling.structured import (
     GRAMMAR_FAILED,
@@ -51,17 +51,17 @@ _vocabularies_lock = threading.Lock()
 
 
 def _ll_tokenizer(
-    args: EngineArgs, vocab_size: int, model_info: Callable[[], ModelInfo] | None = None
+    load: LoadConfig, vocab_size: int, model_info: Callable[[], ModelInfo] | None = None
 ) -> llguidance.LLTokenizer:
     """llguidance's vocabulary, from this process's cache when the same files gave it before, else from
     `model_info`'s tokenizer (by default, read from the model's files)."""
-    key = _vocabulary_key(args, vocab_size)
+    key = _vocabulary_key(load, vocab_size)
     with _vocabularies_lock:
         cached = _vocabularies.get(key) if key is not None else None
         if cached is not None and key is not None:
             _vocabularies.move_to_end(key)
             return cached
-    tokenizer = _build_ll_tokenizer(model_info or functools.partial(load_model_info, args), vocab_size)
+    tokenizer = _build_ll_tokenizer(model_info or functools.partial(load_model_info, load), vocab_size)
     if key is not None:
         with _vocabularies_lock:
             _vocabularies[key] = tokenizer
@@ -70,13 +70,13 @@ def _ll_tokenizer(
     return tokenizer
 
 
-def _vocabulary_key(args: EngineArgs, vocab_size: int) -> tuple | None:
+def _vocabulary_key(load: LoadConfig, vocab_size: int) -> tuple | None:
     """What the vocabulary is built from: the model (its EOS ids), the tokenizer file as it is now (path,
     size, modification time) and the logits' width; None when that file cannot be found (no caching:
     the build then says what is missing)."""
     try:
-        path, _ = model_path(args)
-        source = args.tokenizer or path
+        path, _ = model_path(load)
+        source = load.tokenizer or path
         file = os.path.join(source, "tokenizer.json") if os.path.isdir(source) else source
         stat = os.stat(file)
     except (OSError, ValueError):
@@ -116,10 +116,10 @@ class GrammarManager:
     0.28 s against 0.32 s for tokenizer and vocabulary (medians of 5, 2026-12-05), for 8.8 MiB of
     vocabulary lists kept. Without it (tests, benchmarks) the model's files are read again."""
 
-    def __init__(self, args: EngineArgs, vocab_size: int, model_info: Callable[[], ModelInfo] | None = None) -> None:
+    def __init__(self, load: LoadConfig, vocab_size: int, model_info: Callable[[], ModelInfo] | None = None) -> None:
         self.vocab_size = vocab_size
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ember-grammar")
-        self._build_vocabulary = functools.partial(_ll_tokenizer, args, vocab_size, model_info)
+        self._build_vocabulary = functools.partial(_ll_tokenizer, load, vocab_size, model_info)
         self._vocabulary_built: Future[llguidance.LLTokenizer] | None = None
         self._executor = llguidance.LLExecutor()
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()

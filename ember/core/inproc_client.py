@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from ember.config import EngineArgs
+from ember.config import EngineConfig
 from ember.core.engine_core import EngineCore
 from ember.core.loop import CoreLoop
 from ember.messages import CoreInput, CoreOutput, EngineCoreClient, EngineCoreFailed, EngineCoreReady
@@ -19,8 +19,8 @@ logger = logging.getLogger("ember")
 class InprocClient(EngineCoreClient):
     """The core in this process; `get_output` runs one iteration of its loop in the caller's thread."""
 
-    def __init__(self, args: EngineArgs) -> None:
-        self.loop = CoreLoop(EngineCore(args))
+    def __init__(self, config: EngineConfig) -> None:
+        self.loop = CoreLoop(EngineCore(config))
         self.ready = self.loop.core.ready
 
     def wait_ready(self, timeout: float | None = None) -> EngineCoreReady:

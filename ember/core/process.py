@@ -8,7 +8,7 @@ engine for a GIL at all. Once ready, a fourth thread queues an `EngineCoreHeartb
 progress) every `heartbeat_interval` seconds: a core that stops answering (SIGSTOP, a deadlock)
 is then noticed by the front end (`MPClient`), while a long step still sends heartbeats.
 
-Start-up: the front end writes one `CoreBootstrap` (engine arguments, socket addresses) to this
+Start-up: the front end writes one `CoreBootstrap` (the `EngineConfig`, socket addresses) to this
 process's stdin and keeps the pipe open. EOF on it means the front end is gone, even by kill -9:
 the core then exits at once instead of living on as an orphan (tensor-parallel ranks watch the
 core the same way). The core ignores SIGINT and SIGTERM: a Ctrl-C in a terminal or systemd's
@@ -104,7 +104,7 @@ def main() -> int:
     in_sock.setsockopt(zmq.RCVHWM, 0)
     in_sock.connect(boot.input_address)
     try:
-        core = EngineCore(boot.args)
+        core = EngineCore(boot.config)
     except BaseException as e:  # reported to the front end, which shows it and exits
         if not isinstance(e, ValueError):  # bad flags or model files need no traceback; anything else does
             logger.exception("engine core failed to start")

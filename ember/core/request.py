@@ -1,7 +1,8 @@
-"""A sequence inside the engine core: its tokens, computed-token count, KV blocks and status.
+"""A sequence inside the engine core: its tokens, computed-token count and status.
 
-Shared by the scheduler and block manager; the front end never sees it (it gets `EngineCoreOutput`
-messages instead), nor does the model runner (it gets step descriptions, ember/runner/step.py).
+Written by the scheduler and the core; the block manager only reads it (it keeps the request's KV block
+table and prefix hashes itself, `BlockManager.block_table`). The front end never sees it (it gets
+`EngineCoreOutput` messages instead), nor does the model runner (it gets step descriptions, ember/runner/step.py).
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ class Request:
     num_cached_tokens: int = -1
     num_prompt_logprobs_sent: int = 1  # prompt position of the next prompt logprob to report
     num_tokens_sent: int = 0  # tokens the model runner has been told of; 0 until it has seen the request
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
     stop_reason: int | None = None
     matcher: llguidance.LLMatcher | None = None  # its structured-output grammar's state
     num_grammar_tokens: int = 0  # output tokens the matcher has consumed (it may run ahead of the host's list)

@@ -73,7 +73,8 @@ class Scheduler:
             n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
             new_blocks: list[int] = []
             # Most decodes still have room in their last block: no allocation to ask for.
-            if request.num_computed_tokens + n > len(request.block_ids) * block_size:
+            num_slots = len(self.block_manager.block_table(request.request_id)) * block_size
+            if request.num_computed_tokens + n > num_slots:
                 allocated = self._allocate_or_preempt(request, n)
                 if allocated is None:  # preempted itself, the newest running request: the loop ends
                     continue

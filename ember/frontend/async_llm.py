@@ -292,7 +292,7 @@ class AsyncLLM(ModelFacts):
 
 def _load_processor(args: EngineArgs, client: EngineCoreClient) -> Processor:
     content_filter = load_content_filter(args.blocked_words)
-    return Processor(load_model_info(args), client.wait_ready(), content_filter)
+    return Processor(load_model_info(args.load_config(), args.chat_template), client.wait_ready(), content_filter)
 
 
 def _set_events(streams: list[_Stream]) -> None:

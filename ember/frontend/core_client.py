@@ -25,7 +25,7 @@ import time
 
 import zmq
 
-from ember.config import EngineArgs, launched_by_torchrun
+from ember.config import EngineArgs, EngineConfig, launched_by_torchrun
 from ember.frontend.errors import EngineStartError
 from ember.messages import (
     CoreBootstrap,
@@ -124,7 +124,7 @@ class MPClient(EngineCoreClient):
     """Starts the core process at once; `wait_ready` then waits for its model to load, so the caller
     can do its own start-up (the web stack, the tokenizer) meanwhile."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self._dir = tempfile.mkdtemp(prefix="ember-core-")
         self._ctx = zmq.Context()
         self._input = self._bind(zmq.PUSH, "in")
@@ -136,7 +136,7 @@ class MPClient(EngineCoreClient):
         self._handshake: EngineCoreReady | None = None  # the core's EngineCoreReady, once received
         # The core never needs its own stdout; keeping stdin open tells it the front end lives.
         self.proc = subprocess.Popen([sys.executable, "-m", "ember.core.process"], stdin=subprocess.PIPE)
-        boot = CoreBootstrap(args, self._address("in"), self._address("out"), self._watch.heartbeat_interval)
+        boot = CoreBootstrap(config, self._address("in"), self._address("out"), self._watch.heartbeat_interval)
         assert self.proc.stdin is not None  # stdin=PIPE
         boot.write(self.proc.stdin)
         self._stopping = False
@@ -259,14 +259,15 @@ def _exit_description(code: int) -> str:
 
 
 def make_client(args: EngineArgs, engine_process: bool) -> EngineCoreClient:
-    """The client for this process's role. Under torchrun, ranks other than 0 become followers of rank
-    0's core here and never return."""
-    if args.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+    """The client for this process's role, its core started from the flags' `EngineConfig`. Under
+    torchrun, ranks other than 0 become followers of rank 0's core here and never return."""
+    config = args.engine_config()
+    if config.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         from ember.runner.tp_workers import serve_as_torchrun_worker
 
-        serve_as_torchrun_worker(args)
+        serve_as_torchrun_worker(config)
     if engine_process:
-        return MPClient(args)
+        return MPClient(config)
     from ember.core.inproc_client import InprocClient  # the one door from a front end into the core (torch)
 
-    return InprocClient(args)
+    return InprocClient(config)

@@ -43,7 +43,7 @@ class LLMEngine(ModelFacts):
     def __init__(self, args: EngineArgs) -> None:
         self.client: EngineCoreClient = make_client(args, args.engine_process is not False)
         try:
-            self.model_info = load_model_info(args)
+            self.model_info = load_model_info(args.load_config(), args.chat_template)
             content_filter = load_content_filter(args.blocked_words)
             self.ready = self.client.wait_ready()
         except BaseException:  # the model cannot load here either: no point waiting for the core

@@ -19,7 +19,7 @@ from typing import Any
 
 import tokenizers
 
-from ember.config import DEFAULT_MODEL, EngineArgs
+from ember.config import DEFAULT_MODEL, LoadConfig
 from ember.errors import ModelLoadError
 from ember.model.gguf_tokenizer import GGUFVocab, open_gguf
 from ember.model.reads import BUILT_TOKENIZER, PARSED_JSON, logged_read
@@ -56,39 +56,41 @@ def resolve_model(model: str | None) -> str:
     return files[0]
 
 
-def model_path(args: EngineArgs) -> tuple[str, bool]:
+def model_path(load: LoadConfig) -> tuple[str, bool]:
     """The model's path and whether it is a GGUF file; a ModelLoadError when it is neither kind."""
-    path = resolve_model(args.model)
+    path = resolve_model(load.model)
     if not os.path.exists(path):
         raise ModelLoadError(
             path,
             f"no such file or directory (expected an HF model directory, a .gguf file, "
             f"or '{DEFAULT_MODEL}'; Ember never downloads models)",
         )
-    if os.path.isfile(path) and (path.endswith(".gguf") or args.load_format == "gguf"):
+    if os.path.isfile(path) and (path.endswith(".gguf") or load.load_format == "gguf"):
         return path, True
     if os.path.isdir(path) or os.path.basename(path) == "config.json":
         return path if os.path.isdir(path) else os.path.dirname(path), False
     raise ModelLoadError(path, "not a model: expected an HF model directory or a .gguf file")
 
 
-def load_model_info(args: EngineArgs) -> ModelInfo:
-    path, is_gguf = model_path(args)
-    info = gguf_info(args, GGUFVocab.read(open_gguf(path))) if is_gguf else hf_info(args, path, read_config(path))
-    if args.chat_template is not None and info.tokenizer is not None:
+def load_model_info(load: LoadConfig, chat_template: str | None = None) -> ModelInfo:
+    """The model's facts read from its files; `chat_template` (a file or a template, `--chat-template`)
+    replaces the tokenizer's own."""
+    path, is_gguf = model_path(load)
+    info = gguf_info(load, GGUFVocab.read(open_gguf(path))) if is_gguf else hf_info(load, path, read_config(path))
+    if chat_template is not None and info.tokenizer is not None:
         # Imported here, as in Tokenizer.apply_chat_template: the engine core never needs Jinja2.
         from ember.chat_template import load_chat_template
 
-        info.tokenizer.chat_template = load_chat_template(args.chat_template)
+        info.tokenizer.chat_template = load_chat_template(chat_template)
     return info
 
 
-def gguf_info(args: EngineArgs, vocab: GGUFVocab) -> ModelInfo:
+def gguf_info(load: LoadConfig, vocab: GGUFVocab) -> ModelInfo:
     """A GGUF model's facts from its vocabulary as already read (by the front end, or by the engine core
     with the weights); one tokenizer is built: `--tokenizer`'s, else the file's own."""
     eos_ids = list(vocab.eos_token_ids)
-    if args.tokenizer is not None:
-        tok = load_hf_tokenizer(args.tokenizer, eos_ids)
+    if load.tokenizer is not None:
+        tok = load_hf_tokenizer(load.tokenizer, eos_ids)
     else:
         tok = Tokenizer(
             vocab.build(),
@@ -100,15 +102,15 @@ def gguf_info(args: EngineArgs, vocab: GGUFVocab) -> ModelInfo:
     return ModelInfo(source=vocab.meta.path, tokenizer=tok, model_eos_token_ids=eos_ids)
 
 
-def hf_info(args: EngineArgs, path: str, cfg: dict[str, Any]) -> ModelInfo:
+def hf_info(load: LoadConfig, path: str, cfg: dict[str, Any]) -> ModelInfo:
     """An HF directory's facts from its config.json as already parsed; one tokenizer is built: `--tokenizer`'s,
     else the directory's own (none for a config-only directory with --load-format dummy)."""
     gen = read_json(os.path.join(path, "generation_config.json")) or {}
     gen_eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
     gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-    if args.tokenizer is not None:
-        tok = load_hf_tokenizer(args.tokenizer, gen_eos)
-    elif os.path.isfile(os.path.join(path, "tokenizer.json")) or args.load_format != "dummy":
+    if load.tokenizer is not None:
+        tok = load_hf_tokenizer(load.tokenizer, gen_eos)
+    elif os.path.isfile(os.path.join(path, "tokenizer.json")) or load.load_format != "dummy":
         tok = load_hf_tokenizer(path, gen_eos)
     else:
         tok = None

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ember.config import EngineArgs
+from ember.config import LoadConfig
 from ember.errors import ModelLoadError
 from ember.model.files import ModelInfo, gguf_info, hf_info, model_path, read_config, read_json
 from ember.model.gguf import load_gguf
@@ -49,14 +49,14 @@ class ModelFiles:
         return self.quantization in QUANTIZERS and not self.prequantized
 
 
-def load_model_files(args: EngineArgs) -> ModelFiles:
-    path, is_gguf = model_path(args)
+def load_model_files(load: LoadConfig) -> ModelFiles:
+    path, is_gguf = model_path(load)
     if is_gguf:
-        quantization = args.quantization or "gguf"
-        files = _gguf_files(args, path, keep_quantized=quantization == "gguf")
+        quantization = load.quantization or "gguf"
+        files = _gguf_files(load, path, keep_quantized=quantization == "gguf")
     else:
-        files = _hf_files(args, path)
-        quantization = _hf_quantization(args.quantization, files, path)
+        files = _hf_files(load, path)
+        quantization = _hf_quantization(load.quantization, files, path)
     files.quantization = quantization
     return files
 
@@ -84,8 +84,8 @@ def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str
     return requested or "none"
 
 
-def _gguf_files(args: EngineArgs, path: str, keep_quantized: bool) -> ModelFiles:
-    g, dummy = load_gguf(path), args.load_format == "dummy"
+def _gguf_files(load: LoadConfig, path: str, keep_quantized: bool) -> ModelFiles:
+    g, dummy = load_gguf(path), load.load_format == "dummy"
     weights = (
         None
         if dummy
@@ -98,15 +98,15 @@ def _gguf_files(args: EngineArgs, path: str, keep_quantized: bool) -> ModelFiles
         source=path,
         model_config=_model_config(g.hf_config, path),
         checkpoint_dtype=None,
-        model_info=functools.partial(gguf_info, args, g.vocab),
+        model_info=functools.partial(gguf_info, load, g.vocab),
         weights=weights,
     )
 
 
-def _hf_files(args: EngineArgs, path: str) -> ModelFiles:
+def _hf_files(load: LoadConfig, path: str) -> ModelFiles:
     config_file = os.path.join(path, "config.json")
     cfg = read_config(path)
-    weights = None if args.load_format == "dummy" else _safetensors_weights(path)
+    weights = None if load.load_format == "dummy" else _safetensors_weights(path)
     fmt = checkpoint_format(cfg, config_file)
     if fmt is not None and weights is not None:
         weights = _assembled(weights, fmt, path)
@@ -114,7 +114,7 @@ def _hf_files(args: EngineArgs, path: str) -> ModelFiles:
         source=path,
         model_config=_model_config(cfg, config_file),
         checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        model_info=functools.partial(hf_info, args, path, cfg),
+        model_info=functools.partial(hf_info, load, path, cfg),
         weights=weights,
         quantization=fmt.method if fmt is not None else "none",
         prequantized=fmt is not None,

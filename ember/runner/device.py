@@ -1,6 +1,6 @@
 """The torch device that `--device` names, resolved where torch is imported anyway (the core side).
 
-`EngineArgs` keeps the string so that the front end, which reads the flags, never imports torch.
+The configs keep the string (`EngineConfig.device`) so that the front end, which builds them, never imports torch.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ember.config import EngineArgs, launched_by_torchrun
+from ember.config import EngineConfig, launched_by_torchrun
 from ember.distributed import destroy_tensor_parallel, init_tensor_parallel
 from ember.model.loader import load_model_files
 from ember.runner.device import resolve_device
@@ -36,9 +36,9 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or died: the ranks can no longer run steps together."""
 
 
-def rank_device(args: EngineArgs, local_rank: int) -> torch.device:
+def rank_device(device_name: str, local_rank: int) -> torch.device:
     """Rank r uses GPU r of its machine (CUDA_VISIBLE_DEVICES picks which), or the CPU."""
-    device = resolve_device(args.device)
+    device = resolve_device(device_name)
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
@@ -56,19 +56,22 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
 
-def run_worker(args: EngineArgs, rank: int, size: int, init_method: str, local_rank: int, errors: Any = None) -> None:
-    """The life of rank 1..N-1: join, load its shard, build its KV cache, then mirror rank 0's steps."""
-    device = rank_device(args, local_rank)
+def run_worker(
+    config: EngineConfig, rank: int, size: int, init_method: str, local_rank: int, errors: Any = None
+) -> None:
+    """The life of rank 1..N-1: join, load its shard, build its KV cache, then mirror rank 0's steps. It
+    resolves the configs from the same files and device kind as rank 0, so they match rank 0's."""
+    device = rank_device(config.device, local_rank)
     threading.Thread(target=_exit_with_parent, name="ember-tp-parent", daemon=True).start()
     try:
         _share_cpu_cores(device, size)
         init_tensor_parallel(rank, size, init_method, device)
-        files = load_model_files(args)
+        files = load_model_files(config.load)
         runner = ModelRunner(
             files,
-            args.runner_config(device, files.checkpoint_dtype),
-            args.cache_config(),
-            args.scheduler_config(files.model_config, device),
+            config.runner_config(device, files.checkpoint_dtype),
+            config.cache,
+            config.scheduler_config(files.model_config, device),
             device,
         )
         runner.prepare_cache()
@@ -81,9 +84,9 @@ def run_worker(args: EngineArgs, rank: int, size: int, init_method: str, local_r
         destroy_tensor_parallel()
 
 
-def serve_as_torchrun_worker(args: EngineArgs) -> None:
+def serve_as_torchrun_worker(config: EngineConfig) -> None:
     """Under torchrun, ranks other than 0 serve rank 0's engine and end the process when it stops."""
-    run_worker(args, int(os.environ["RANK"]), args.tensor_parallel_size, "env://", int(os.environ["LOCAL_RANK"]))
+    run_worker(config, int(os.environ["RANK"]), config.tensor_parallel_size, "env://", int(os.environ["LOCAL_RANK"]))
     sys.exit(0)
 
 
@@ -104,9 +107,9 @@ def _use_loopback_for_gloo() -> None:
 class TensorParallelGroup:
     """Rank 0's side of the group."""
 
-    def __init__(self, args: EngineArgs) -> None:
-        self.size = args.tensor_parallel_size
-        self.device = rank_device(args, 0)
+    def __init__(self, config: EngineConfig) -> None:
+        self.size = config.tensor_parallel_size
+        self.device = rank_device(config.device, 0)
         self.failure: str | None = None
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._stopping = False
@@ -131,7 +134,7 @@ class TensorParallelGroup:
             for rank in range(1, self.size):
                 proc = ctx.Process(
                     target=run_worker,
-                    args=(args, rank, self.size, init_method, rank, self._errors),
+                    args=(config, rank, self.size, init_method, rank, self._errors),
                     name=f"ember-tp-rank{rank}",
                     daemon=True,
                 )
