@@ -1,6 +1,7 @@
 """The HTTP client Ember's tools use to talk to an OpenAI-compatible server.
 
-`ember bench serve` streams completions through it and times their chunks; `ember run-batch --url`
+`ember bench serve` streams completions through it and times their chunks (OpenAI's completions, chat
+completions and Responses API, Anthropic's Messages API: `APIS`, one `Api` each); `ember run-batch --url`
 POSTs its lines through it. It is a small HTTP/1.1 client over `asyncio.open_connection`, one
 connection per request (`Connection: close`), with Content-Length, chunked and read-to-close bodies:
 Ember declares no HTTP client library as a dependency, and this keeps both tools usable with nothing
@@ -15,12 +16,13 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"  # OpenAI's Responses API, Anthropic's Messages API
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error response read for its message
 _LINE_LIMIT = 16 * 1024 * 1024  # longest header or SSE line accepted
 _GET_TIMEOUT_S = 30.0
@@ -251,46 +253,169 @@ def carries_output(choice: dict[str, Any], chat: bool) -> bool:
     return bool(text) or (choice.get("finish_reason") is None and not delta.get("role"))
 
 
+# ---- the APIs: how each asks for a stream and how its events read ------------------------------------
+
+# Times one decoded event that arrived at `now` for a request sent at `start` into the timing; True when
+# it says that the answer finished. It may raise StreamError for an error the API reports its own way.
+EventReader = Callable[[dict[str, Any], StreamTiming, float, float], bool]
+
+
+@dataclass(frozen=True)
+class Api:
+    """One streaming API, as a benchmark client sees it: the request fields that ask for a stream, carry the
+    prompt and cap the output, and how its events say output, usage and the end."""
+
+    endpoint: str
+    chat: bool  # the prompt is a user message's text (else a completions prompt: text or token ids)
+    stream: dict[str, Any]  # the fields that ask for a stream (with usage, where that must be asked for)
+    request: Callable[[Any, int], dict[str, Any]]  # (prompt, most output tokens) -> the fields that say them
+    read: EventReader
+    done: str | None = None  # a `data` line that ends the stream (OpenAI's [DONE]) ...
+    last_events: frozenset[str] = frozenset()  # ... or the `type`s of the events that do
+    ending: str = "a finish_reason or [DONE]"  # what a stream must end with, for the error when it does not
+
+
+def _openai_reader(chat: bool) -> EventReader:
+    def read(chunk: dict[str, Any], timing: StreamTiming, now: float, start: float) -> bool:
+        usage = chunk.get("usage")
+        if usage:
+            timing.prompt_tokens = usage.get("prompt_tokens", timing.prompt_tokens)
+            timing.output_tokens = usage.get("completion_tokens", timing.output_tokens)
+        finished = False
+        for choice in chunk.get("choices") or ():
+            if carries_output(choice, chat):
+                timing.output_chunk(now, start)
+            if choice.get("finish_reason") is not None:
+                finished = True
+                timing.finish(now, start)
+        return finished
+
+    return read
+
+
+_RESPONSES_OUTPUT = frozenset(
+    ("response.output_text.delta", "response.reasoning_text.delta", "response.function_call_arguments.delta")
+)
+_RESPONSES_LAST = frozenset(("response.completed", "response.incomplete"))  # Ember and vLLM send completed for both
+
+
+def _read_responses(event: dict[str, Any], timing: StreamTiming, now: float, start: float) -> bool:
+    kind = event.get("type")
+    if kind in _RESPONSES_OUTPUT:
+        timing.output_chunk(now, start)
+        return False
+    if kind == "error":
+        raise StreamError(f"error event in the stream: {str(event.get('message') or event)[:300]}")
+    if kind == "response.failed":
+        error = (event.get("response") or {}).get("error") or {}
+        raise StreamError(f"response.failed event in the stream: {error.get('message') or error}")
+    if kind not in _RESPONSES_LAST:
+        return False
+    usage = (event.get("response") or {}).get("usage") or {}
+    timing.prompt_tokens = usage.get("input_tokens", timing.prompt_tokens)
+    timing.output_tokens = usage.get("output_tokens", timing.output_tokens)
+    timing.finish(now, start)
+    return True
+
+
+def _read_messages(event: dict[str, Any], timing: StreamTiming, now: float, start: float) -> bool:
+    """Errors are {"type": "error", "error": {...}}, which `_parse_chunk` already raises."""
+    kind = event.get("type")
+    if kind == "content_block_delta":
+        timing.output_chunk(now, start)
+    elif kind == "message_start":
+        usage = (event.get("message") or {}).get("usage") or {}
+        if "input_tokens" in usage:  # Anthropic counts the tokens its prompt cache read or wrote apart
+            cached = ("cache_read_input_tokens", "cache_creation_input_tokens")
+            timing.prompt_tokens = usage["input_tokens"] + sum(usage.get(k) or 0 for k in cached)
+    elif kind == "message_delta":  # the stop reason, and the output tokens so far: all of them
+        timing.output_tokens = (event.get("usage") or {}).get("output_tokens", timing.output_tokens)
+        timing.finish(now, start)
+        return True
+    return False
+
+
+APIS = {
+    api.endpoint: api
+    for api in (
+        Api(
+            endpoint=COMPLETIONS,
+            chat=False,
+            stream={"stream": True, "stream_options": {"include_usage": True}},
+            request=lambda prompt, n: {"prompt": prompt, "max_tokens": n},
+            read=_openai_reader(chat=False),
+            done="[DONE]",
+        ),
+        Api(
+            endpoint=CHAT,
+            chat=True,
+            stream={"stream": True, "stream_options": {"include_usage": True}},
+            # Both names: newer servers read max_completion_tokens, older ones (and llama.cpp) max_tokens.
+            request=lambda prompt, n: {
+                "messages": [{"role": "user", "content": prompt}],
+                "max_completion_tokens": n,
+                "max_tokens": n,
+            },
+            read=_openai_reader(chat=True),
+            done="[DONE]",
+        ),
+        Api(
+            endpoint=RESPONSES,
+            chat=True,
+            stream={"stream": True},  # usage comes in response.completed
+            request=lambda prompt, n: {"input": prompt, "max_output_tokens": n},
+            read=_read_responses,
+            last_events=_RESPONSES_LAST,
+            ending="response.completed",
+        ),
+        Api(
+            endpoint=MESSAGES,
+            chat=True,
+            stream={"stream": True},  # usage comes in message_start (input) and message_delta (output)
+            request=lambda prompt, n: {"messages": [{"role": "user", "content": prompt}], "max_tokens": n},
+            read=_read_messages,
+            last_events=frozenset(("message_stop",)),
+            ending="message_delta and message_stop",
+        ),
+    )
+}
+
+
 async def stream_completion(
-    url: str, body: dict[str, Any], headers: dict[str, str], chat: bool, timing: StreamTiming, start: float
+    url: str, body: dict[str, Any], headers: dict[str, str], api: Api, timing: StreamTiming, start: float
 ) -> None:
-    """POST a streaming request sent at `start` (perf_counter) and time its chunks into `timing` as they arrive, so
-    that a stream cut short keeps what it saw. Raises HTTPStatusError, StreamError or ProtocolError."""
+    """POST a streaming request of `api` sent at `start` (perf_counter) and time its events into `timing` as they
+    arrive, so that a stream cut short keeps what it saw. Raises HTTPStatusError, StreamError or ProtocolError."""
     resp = await http_request("POST", url, body, headers)
     try:
         if resp.status != 200:
             raise HTTPStatusError(resp.status, error_message(await resp.read(_ERROR_BODY_LIMIT)))
-        ended = await _time_events(resp, chat, timing, start)
+        ended = await _time_events(resp, api, timing, start)
         timing.e2e = time.perf_counter() - start
     finally:
         await resp.close()
     if not ended:
-        raise ProtocolError("stream ended without a finish_reason or [DONE]")
+        raise ProtocolError(f"stream ended without {api.ending}")
     if timing.ttft is None:
         raise ProtocolError("stream ended without any output")
     if timing.output_tokens is None:
         timing.output_tokens = timing.text_chunks
 
 
-async def _time_events(resp: Response, chat: bool, timing: StreamTiming, start: float) -> bool:
-    """Reads the stream to its end; True when it ended as a stream should, with [DONE] or a finish_reason."""
+async def _time_events(resp: Response, api: Api, timing: StreamTiming, start: float) -> bool:
+    """Reads the stream to its end; True when it ended as a stream of `api` should: with its end marker or last
+    event, or (OpenAI) with the connection closing after a finish_reason."""
     finished = False
     async with contextlib.aclosing(resp.iter_sse()) as events:
         async for data in events:
             now = time.perf_counter()
-            if data.strip() == "[DONE]":
+            if api.done is not None and data.strip() == api.done:
                 return True
             chunk = _parse_chunk(data)
-            usage = chunk.get("usage")
-            if usage:
-                timing.prompt_tokens = usage.get("prompt_tokens", timing.prompt_tokens)
-                timing.output_tokens = usage.get("completion_tokens", timing.output_tokens)
-            for choice in chunk.get("choices") or ():
-                if carries_output(choice, chat):
-                    timing.output_chunk(now, start)
-                if choice.get("finish_reason") is not None:
-                    finished = True
-                    timing.finish(now, start)
+            if api.read(chunk, timing, now, start):
+                finished = True
+            if api.last_events and chunk.get("type") in api.last_events:
+                return finished
     return finished
 
 

@@ -16,6 +16,7 @@ from api_fixtures import assert_no_request_left, serve_default_model, sse_events
 from test_server import MODEL
 from test_tool_calls import SCHEMAS, TOOLS
 
+from ember.sampling.params import SamplingParams
 from ember.server.anthropic_messages import _Message, stop_reason
 from ember.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from ember.server.chat_answer import AnswerDelta
@@ -387,3 +388,10 @@ def test_messages_map_onto_chat_turns():
         {"role": "user", "content": "thanks"},
     ]
     assert body.template_kwargs() == {"enable_thinking": False}
+
+
+def test_ignore_eos_reaches_the_sampling_params():
+    """vLLM's extension, as on the OpenAI endpoints: `ember bench serve` sends it so every API generates alike."""
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    assert not MessagesRequest.model_validate(body).to_sampling_params(SamplingParams()).ignore_eos
+    assert MessagesRequest.model_validate({**body, "ignore_eos": True}).to_sampling_params(SamplingParams()).ignore_eos

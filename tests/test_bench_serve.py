@@ -24,7 +24,7 @@ from ember.bench import serve as bench
 from ember.bench.flags import add_serve_bench_args
 from ember.bench.report import STATS, RequestResult, distribution, error_kind
 from ember.bench.workloads import RequestSpec, arrival_times, make_requests, nano_vllm_requests, request_body
-from ember.http_client import COMPLETIONS, carries_output
+from ember.http_client import APIS, CHAT, COMPLETIONS, MESSAGES, RESPONSES, carries_output
 
 MAX_MODEL_LEN = 128
 RESULT_KEYS = {
@@ -228,6 +228,22 @@ def test_chat_endpoint(server_url, tmp_path):
     assert all(q["output_tokens"] == 6 and q["prompt_tokens"] > 3 for q in doc["requests"])
 
 
+def test_responses_and_messages_endpoints_send_the_chat_workload(server_url, tmp_path):
+    """The same prompts and lengths through each API's own request shape and events: the same token counts."""
+    flags = ("--base-url", server_url, "--num-prompts", "4", "--dataset", "fixed", "--input-len", "5")
+    tokens = {}
+    for endpoint in (CHAT, RESPONSES, MESSAGES):
+        rc, doc = run_bench(tmp_path, *flags, "--output-len", "6", "--endpoint", endpoint)
+        assert rc == 0
+        check_consistent(doc, 4)
+        assert doc["results"]["completed"] == 4, doc["results"]["errors"]
+        assert doc["server"]["endpoint"] == endpoint
+        tokens[endpoint] = [(q["prompt_tokens"], q["output_tokens"]) for q in doc["requests"]]
+        assert all(q["ttft_ms"] < q["e2el_ms"] and q["tpot_ms"] > 0 for q in doc["requests"])
+    assert tokens[RESPONSES] == tokens[MESSAGES] == tokens[CHAT]
+    assert all(p > 5 and n == 6 for p, n in tokens[CHAT])  # ignore_eos reached the engine through every API
+
+
 def test_requests_beyond_the_context_fail_cleanly(server_url, tmp_path):
     rc, doc = run_bench(
         tmp_path,
@@ -356,14 +372,15 @@ USAGE = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4, "t
 STREAM = sse(completion("a"), completion("b"), completion("cd"), completion("", "length"), USAGE, "[DONE]")
 
 
-def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = False):
+def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = False, endpoint: str = COMPLETIONS):
     """Run one request through `send_request` against a server that answers `response` in small pieces."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(f"POST {endpoint} ".encode())
         length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
         body = json.loads(await reader.readexactly(length))
-        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+        assert body["stream"] and body.get("stream_options") == APIS[endpoint].stream.get("stream_options")
         if hang:
             await asyncio.sleep(10)
         for i in range(0, len(response), piece):
@@ -375,14 +392,14 @@ def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = F
     async def main() -> RequestResult:
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        spec = RequestSpec([1, 2, 3], 3, 4)
-        args = argparse.Namespace(endpoint=COMPLETIONS, temperature=0.0, ignore_eos=True, extra_body=None)
+        spec = RequestSpec([1, 2, 3] if endpoint == COMPLETIONS else "a b c", 3, 4)
+        args = argparse.Namespace(endpoint=endpoint, temperature=0.0, ignore_eos=True, extra_body=None)
         try:
             return await bench.send_request(
-                f"http://127.0.0.1:{port}/v1/completions",
+                f"http://127.0.0.1:{port}{endpoint}",
                 request_body(args, "m", spec),
                 {},
-                False,
+                APIS[endpoint],
                 spec,
                 timeout=0.5 if hang else 10,
                 t0=time.perf_counter(),
@@ -434,6 +451,100 @@ def test_error_status_with_content_length():
 def test_broken_responses_are_failures(response, kind):
     res = canned(response)
     assert not res.success and error_kind(res.error) == kind, res.error
+
+
+def named(*events: dict) -> bytes:
+    """Server-sent events named after their `type`, as the Responses and Messages APIs send them."""
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
+
+
+def text_delta(text: str) -> dict:
+    return {"type": "response.output_text.delta", "delta": text}
+
+
+def completed(input_tokens: int, output_tokens: int) -> dict:
+    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+    return {"type": "response.completed", "response": {"status": "incomplete", "usage": usage}}
+
+
+RESPONSES_STREAM = named(
+    {"type": "response.created"},
+    {"type": "response.output_item.added"},
+    {"type": "response.reasoning_text.delta", "delta": "hm"},
+    text_delta("a"),
+    {"type": "response.function_call_arguments.delta", "delta": "{}"},
+    {"type": "response.output_text.done", "text": "a"},
+    completed(7, 4),
+)
+MESSAGE_START = {"type": "message_start", "message": {"usage": {"input_tokens": 5, "cache_read_input_tokens": 2}}}
+
+
+def block_delta(text: str) -> dict:
+    return {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
+
+
+MESSAGES_STREAM = named(
+    MESSAGE_START,
+    {"type": "ping"},
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    block_delta("a"),
+    block_delta("b"),
+    {"type": "content_block_stop", "index": 0},
+    {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 4}},
+    {"type": "message_stop"},
+)
+
+
+def test_request_bodies_in_each_apis_shape():
+    spec = RequestSpec("a b c", 3, 4)
+    args = argparse.Namespace(temperature=0.5, ignore_eos=True, extra_body={"top_k": 2})
+    bodies = {e: request_body(argparse.Namespace(**vars(args), endpoint=e), "m", spec) for e in APIS}
+    common = {"model": "m", "temperature": 0.5, "stream": True, "ignore_eos": True, "top_k": 2}
+    usage = {"stream_options": {"include_usage": True}}
+    message = [{"role": "user", "content": "a b c"}]
+    assert bodies[COMPLETIONS] == {**common, **usage, "prompt": "a b c", "max_tokens": 4}
+    assert bodies[CHAT] == {**common, **usage, "messages": message, "max_completion_tokens": 4, "max_tokens": 4}
+    assert bodies[RESPONSES] == {**common, "input": "a b c", "max_output_tokens": 4}
+    assert bodies[MESSAGES] == {**common, "messages": message, "max_tokens": 4}
+    bodies[CHAT]["stream_options"]["include_usage"] = False  # each body is its own: the table stays as it was
+    assert (
+        request_body(argparse.Namespace(**vars(args), endpoint=CHAT), "m", spec)["stream_options"]
+        == usage["stream_options"]
+    )
+
+
+@pytest.mark.parametrize(
+    "endpoint, stream, counts",
+    [
+        (RESPONSES, RESPONSES_STREAM, (7, 4, 3)),  # reasoning, text and arguments deltas all carry output
+        (MESSAGES, MESSAGES_STREAM, (7, 4, 2)),  # input tokens: read from the cache or not, all of them
+    ],
+)
+def test_responses_and_messages_streams_are_timed_by_their_events(endpoint, stream, counts):
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    res = canned(head + chunked(stream, 13), endpoint=endpoint)
+    assert res.success, res.error
+    assert (res.prompt_tokens, res.output_tokens, res.text_chunks) == counts
+    assert len(res.itl) == counts[2] - 1 and 0 < res.ttft <= res.e2e
+
+
+@pytest.mark.parametrize(
+    "endpoint, stream, kind",
+    [
+        (RESPONSES, named(text_delta("a"), {"type": "error", "code": "x", "message": "engine died"}), "error event"),
+        (
+            RESPONSES,
+            named(text_delta("a"), {"type": "response.failed", "response": {"error": {"message": "no"}}}),
+            "response.failed event",
+        ),
+        (RESPONSES, named(text_delta("a")), "ProtocolError"),  # no response.completed
+        (MESSAGES, named(MESSAGE_START, {"type": "error", "error": {"message": "overloaded"}}), "error event"),
+        (MESSAGES, named(MESSAGE_START, block_delta("a"), {"type": "message_stop"}), "ProtocolError"),  # no delta
+    ],
+)
+def test_broken_responses_and_messages_streams_are_failures(endpoint, stream, kind):
+    res = canned(b"HTTP/1.1 200 OK\r\n\r\n" + stream, endpoint=endpoint)
+    assert not res.success and error_kind(res.error).startswith(kind), res.error
 
 
 def test_timeout():

@@ -18,6 +18,7 @@ from api_fixtures import assert_no_request_left, serve_default_model, sse_events
 from test_server import MODEL
 from test_tool_calls import SCHEMAS, TOOLS
 
+from ember.sampling.params import SamplingParams
 from ember.server.chat_answer import AnswerDelta
 from ember.server.conversation import ChoiceEvent
 from ember.server.responses import _Response
@@ -370,3 +371,10 @@ def test_reasoning_message_and_calls_stream_as_items():
     assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "Thinking."}]
     assert final["output"][2]["arguments"] == "{}" and final["status"] == "completed"
     assert out[2]["item"]["content"] == [] and out[2]["item"]["status"] == "in_progress"
+
+
+def test_ignore_eos_reaches_the_sampling_params():
+    """vLLM's extension, as on the chat endpoint: `ember bench serve` sends it so every API generates alike."""
+    body = {"input": "hi", "max_output_tokens": 5}
+    assert not ResponsesRequest.model_validate(body).to_sampling_params(SamplingParams()).ignore_eos
+    assert ResponsesRequest.model_validate({**body, "ignore_eos": True}).to_sampling_params(SamplingParams()).ignore_eos

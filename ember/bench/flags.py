@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ember.bench.workloads import TOKEN_ID_HIGH
-from ember.http_client import CHAT, COMPLETIONS
+from ember.http_client import APIS, COMPLETIONS
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
@@ -53,8 +53,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser, omit: Collection[str] = ())
     g.add_argument(
         "--endpoint",
         default=COMPLETIONS,
-        choices=(COMPLETIONS, CHAT),
-        help="completions send token-id prompts; chat sends random words (default: %(default)s)",
+        choices=tuple(APIS),
+        help="completions send token-id prompts; chat, OpenAI's /v1/responses and Anthropic's /v1/messages send "
+        "random words as one user message (default: %(default)s)",
     )
     g.add_argument("--model", default=None, help="model name sent in requests (default: the first id of /v1/models)")
     g.add_argument(
@@ -121,7 +122,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser, omit: Collection[str] = ())
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="send ignore_eos: true so each request generates exactly its max_tokens (Ember, vLLM)",
+        help="send ignore_eos: true so each request generates exactly its max_tokens (Ember, vLLM; on every API)",
     )
     g.add_argument(
         "--extra-body",

@@ -16,6 +16,12 @@ names and definitions follow vLLM's `benchmark_serving`:
 Output token counts come from the stream's final `usage` chunk (`stream_options.include_usage`),
 or, where a server sends none, from the number of chunks that carried output.
 
+`--endpoint` picks the API: OpenAI's completions (token-id prompts) or chat completions, OpenAI's
+Responses API (`/v1/responses`) or Anthropic's Messages API (`/v1/messages`), the last three sending the
+same random-word user message in their own request shapes. For those two, an output-carrying chunk is a
+text, reasoning or tool-arguments delta event, the stream ends with `response.completed` /
+`message_stop`, and usage comes from their final events (`ember.http_client.APIS`).
+
     ember serve &                                               # or any OpenAI-compatible server
     ember bench serve --num-prompts 200 --random-input-len 512 --random-output-len 128 --request-rate 8 \\
         --result-file serve.json
@@ -43,7 +49,7 @@ from ember.bench.flags import add_serve_bench_args, check_args
 from ember.bench.machine import client_machine_info
 from ember.bench.report import RequestResult, print_report, request_records, summarize
 from ember.bench.workloads import RequestSpec, arrival_times, make_requests, request_body
-from ember.http_client import CHAT, HTTPStatusError, ProtocolError, StreamError, get_json, stream_completion
+from ember.http_client import APIS, Api, HTTPStatusError, ProtocolError, StreamError, get_json, stream_completion
 
 
 class InFlight:
@@ -66,7 +72,7 @@ async def send_request(
     url: str,
     body: dict[str, Any],
     headers: dict[str, str],
-    chat: bool,
+    api: Api,
     spec: RequestSpec,
     timeout: float,
     t0: float,
@@ -78,7 +84,7 @@ async def send_request(
     res.start_s = start - t0
     with in_flight.track():
         try:
-            await asyncio.wait_for(stream_completion(url, body, headers, chat, res, start), timeout)
+            await asyncio.wait_for(stream_completion(url, body, headers, api, res, start), timeout)
         except asyncio.TimeoutError:  # before OSError: it is one since Python 3.11
             res.error = f"timed out after {timeout:g} s"
         except (HTTPStatusError, StreamError) as e:
@@ -94,7 +100,7 @@ async def run_requests(
 ) -> tuple[list[RequestResult], float, int]:
     """All requests at their arrival times; returns the results, the duration and the most requests in flight."""
     url = args.base_url.rstrip("/") + args.endpoint
-    chat = args.endpoint == CHAT
+    api = APIS[args.endpoint]
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     in_flight = InFlight()
     progress = _progress(len(specs), args.disable_tqdm)
@@ -102,7 +108,7 @@ async def run_requests(
     async def one(spec: RequestSpec) -> RequestResult:
         body = request_body(args, model, spec)
         async with limit if limit is not None else contextlib.nullcontext():
-            res = await send_request(url, body, headers, chat, spec, args.request_timeout, t0, in_flight)
+            res = await send_request(url, body, headers, api, spec, args.request_timeout, t0, in_flight)
         if progress is not None:
             progress.update(1)
         return res

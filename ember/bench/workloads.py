@@ -4,12 +4,13 @@ offline and serving benchmarks, and `ember bench serve`'s seeded requests, their
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import random
 from dataclasses import dataclass
 from typing import Any
 
-from ember.http_client import CHAT
+from ember.http_client import APIS
 
 # 256 requests, prompts of 100-1024 tokens and 100-1024 new tokens, random.seed(0)
 NANO_VLLM_OUTPUT_TOKENS = 133_966
@@ -221,7 +222,7 @@ def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
     low = TOKEN_ID_LOW if high > TOKEN_ID_LOW else 0
     specs = []
     for n_in, n_out in zip(input_lens, output_lens):
-        if args.endpoint == CHAT:
+        if APIS[args.endpoint].chat:
             prompt: list[int] | str = " ".join(rng.choice(WORDS) for _ in range(n_in))
         else:
             prompt = [rng.randrange(low, high) for _ in range(n_in)]
@@ -242,21 +243,10 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
 
 
 def request_body(args: argparse.Namespace, model: str, spec: RequestSpec) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": model,
-        "temperature": args.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if args.endpoint == CHAT:
-        # Both names: newer servers read max_completion_tokens, older ones (and llama.cpp) max_tokens.
-        body.update(
-            messages=[{"role": "user", "content": spec.prompt}],
-            max_completion_tokens=spec.output_len,
-            max_tokens=spec.output_len,
-        )
-    else:
-        body.update(prompt=spec.prompt, max_tokens=spec.output_len)
+    """A streaming request of `args.endpoint`'s API, in its own shape (see `ember.http_client.APIS`)."""
+    api = APIS[args.endpoint]
+    body: dict[str, Any] = {"model": model, "temperature": args.temperature, **copy.deepcopy(api.stream)}
+    body.update(api.request(spec.prompt, spec.output_len))
     if args.ignore_eos:
         body["ignore_eos"] = True
     body.update(args.extra_body or {})

@@ -171,6 +171,10 @@ class CountTokensRequest(BaseModel):
 
 
 class MessagesRequest(CountTokensRequest):
+    """Anthropic's fields, plus vLLM's `ignore_eos` extension (as on the OpenAI endpoints): generate
+    `max_tokens` tokens whatever the model's end-of-sequence tokens say (benchmarks use it, so that every
+    API generates the same lengths)."""
+
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)]
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
     stream: bool = False
@@ -179,6 +183,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
+    ignore_eos: bool = False
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """Anthropic's default temperature is 1.0; None falls back to the model's generation config, as the
@@ -196,6 +201,7 @@ class MessagesRequest(CountTokensRequest):
             repetition_penalty=defaults.repetition_penalty,
             max_tokens=self.max_tokens,
             stop=self.stop_sequences,
+            ignore_eos=self.ignore_eos,
             structured_outputs=self._constraint(),
         )
 

@@ -205,6 +205,10 @@ def _function_tools_only(value: Any) -> Any:
 
 
 class ResponsesRequest(BaseModel):
+    """OpenAI's fields, plus vLLM's `ignore_eos` extension (as on the chat endpoint): generate
+    `max_output_tokens` tokens whatever the model's end-of-sequence tokens say (benchmarks use it, so that
+    every API generates the same lengths)."""
+
     # The engine's messages name its own fields; errors name this API's.
     param_aliases: ClassVar[dict[str, str]] = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
 
@@ -227,6 +231,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    ignore_eos: bool = False
 
     _check_items = field_validator("input", mode="before")(_readable_items)
     _check_tools = field_validator("tools", mode="before")(_function_tools_only)
@@ -249,6 +254,7 @@ class ResponsesRequest(BaseModel):
             min_p=defaults.min_p,
             repetition_penalty=defaults.repetition_penalty,
             max_tokens=self.max_output_tokens,
+            ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             structured_outputs=self.constraint(),
         )
