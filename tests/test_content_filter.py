@@ -524,6 +524,22 @@ def test_server_stops_before_the_phrase(server, cases, endpoint, streamed, n):
         assert data["usage"]["completion_tokens"] <= generated
 
 
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_agent_apis_stop_before_the_phrase(server, cases, api):
+    """The Responses and Messages APIs run the chat path, filter included: the same text, cut at the same
+    place, reported in each API's own words."""
+    full, word = cases["chat"]
+    body = {"model": MODEL, "temperature": 0, "ignore_eos": True}
+    if api == "messages":
+        data = server.post("/v1/messages", {**body, "messages": CHAT, "max_tokens": 200}).json()
+        text, stopped = data["content"][0]["text"], data["stop_reason"] == "refusal"
+    else:
+        data = server.post("/v1/responses", {**body, "input": CHAT, "max_output_tokens": 200}).json()
+        text = data["output"][0]["content"][0]["text"]
+        stopped = data["status"] == "incomplete" and data["incomplete_details"] == {"reason": "content_filter"}
+    assert text == full[: first_occurrence(full, [word])] and stopped, data
+
+
 def test_streamed_logprobs_show_no_part_of_the_phrase(server, cases):
     """Logprobs carry each token's text: they stream only as far as the text did, and a filtered choice
     keeps only the tokens before the cut (as many as the non-streamed answer reports)."""
