@@ -53,7 +53,9 @@ class GemmaRMSNorm(RMSNorm):
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in ("default", None):
         return inv_freq
     if rope_type == "linear":
@@ -122,6 +124,11 @@ class RotaryEmbedding(nn.Module):
     are looked up once and reused by every layer.
     """
 
+    # buffers (register_buffer): a row per position
+    cos: torch.Tensor
+    sin: torch.Tensor
+    sin_signed: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,
@@ -136,7 +143,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # LongRoPE and YaRN scale cos and sin (so each attention logit) by their attention_factor, as HF does.
-        scale = float(scaling["attention_factor"]) if (scaling or {}).get("rope_type") in ("longrope", "yarn") else 1.0
+        scale = 1.0
+        if scaling is not None and scaling.get("rope_type") in ("longrope", "yarn"):
+            scale = float(scaling["attention_factor"])
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
         half = self.rotary_dim // 2

@@ -29,15 +29,17 @@ class QuantLinear(nn.Module):
         self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        if len(parts) > 1 and all(isinstance(p, QuantizedWeight) for p in parts) and same_format(parts):
-            parts = [concat_out(parts)]
+        quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+        if len(parts) > 1 and len(quantized) == len(parts) and same_format(quantized):
+            parts = [concat_out(quantized)]
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.out_features = sum(p.out_features if isinstance(p, QuantizedWeight) else p.shape[0] for p in parts)
         target = registry.target(_device(parts[0]), dtype)
         self.matmuls = [registry.linear_impl(target, p, dtype) for p in parts]
         # what stays of each part: a layout that replaced the codes keeps only their shape
         self.parts = [m.weight for m in self.matmuls]
-        self._silu_gemv = self.matmuls[0] if self.native_gemv_weight() is not None else None
+        first = self.matmuls[0]
+        self._silu_gemv = first if isinstance(first, NativeLinear) and self.native_gemv_weight() is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the decoder's [tokens, features]: no reshapes (2 µs a call of a ~25 µs CPU decode GEMV)
@@ -124,6 +126,7 @@ class QuantEmbedding(nn.Module):
         return dequantize(rows, self.dtype)
 
     def attend(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.head is not None, "only a tied embedding serves as the LM head"
         return self.head(hidden)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -137,7 +140,7 @@ class QuantEmbedding(nn.Module):
         return self.weight_q.tensors() + head + (self.screen.tensors() if self.screen is not None else [])
 
 
-def quantize_module(module: nn.Module, method: str, dtype: torch.dtype, tied: bool) -> nn.Module:
+def quantize_module(module: nn.Linear | nn.Embedding, method: str, dtype: torch.dtype, tied: bool) -> nn.Module:
     """The quantized replacement of a dense nn.Linear or nn.Embedding (its float weight is dropped);
     a `tied` embedding also serves as the LM head. `method` is a `--quantization` method."""
     if isinstance(module, nn.Embedding):

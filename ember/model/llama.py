@@ -13,6 +13,7 @@ fused already, as Phi-3's, is first cut into its parts so both kinds take one pa
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,10 @@ from ember.model.hf_config import ModelConfig
 from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from ember.model.linear import QuantEmbedding, QuantLinear, quantize_module
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
-from ember.model.sharding import ShardLayout, read_shard
+from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.ops import registry
 from ember.ops.attention import AttentionMetadata, AttentionShape, Masking
+from ember.quant.experts import QuantizedExperts
 from ember.quant.formats import QuantizedWeight
 from ember.quant.quantize import method_for
 
@@ -86,28 +88,35 @@ class Attention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache, self.v_cache
+        assert k_cache is not None and v_cache is not None, "bind_cache sets the KV cache before any step"
         qkv = self.qkv_proj(x)
-        q = self._native_rotary_store(positions, qkv, meta)
+        q = self._native_rotary_store(positions, qkv, k_cache, v_cache, meta)
         if q is None:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
-            if self.q_norm is None:
+            if self.q_norm is None or self.k_norm is None:  # both or neither (cfg.qk_norm)
                 q, k = self._rope.rotate_qk(self.rotary, positions, qk, self.num_heads)
             else:
                 q, k = self._rope(
                     self.rotary, positions, self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])
                 )
-            self._attention.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        o = self._attention(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
+            self._attention.store(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        o = self._attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
     def _native_rotary_store(
-        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor | None:
         """Rotary and the KV store in one native call where the layer chose it (ember/ops/rotary.py,
         NativeRotaryStore): the queries [T, Hq, D], or None where the PyTorch path runs."""
-        return self._rotary_store(positions, qkv, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self._rotary_store(positions, qkv, k_cache, v_cache, meta.slot_mapping)
 
     def native_rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cos and signed sin tables the native fused rotary reads, where it computes this layer's
@@ -166,6 +175,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    embed_scale: torch.Tensor | None  # a buffer (register_buffer)
+
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, max_positions: int) -> None:
         super().__init__()
         self.layout = layout
@@ -205,6 +216,10 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             h, residual = layer(positions, h, residual, meta)
         return self.norm(h, residual)[0]
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers` as what they are (nn.ModuleList types its items as nn.Module): built above, never replaced."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
 
 # checkpoint name suffix -> (fused parameter suffix, shard index)
@@ -319,16 +334,16 @@ class CausalLM(nn.Module):
         return experts
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.model.decoder_layers()]
 
     def _shard_sizes(self, fused: str) -> list[int]:
         if fused.endswith("qkv_proj"):
-            attn = self.model.layers[0].self_attn
+            attn = self.attention_layers()[0]
             return [attn.q_size, attn.kv_size, attn.kv_size]
         size = self.layout.intermediate_size
         return [size, size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], source: str) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, WeightValue]], source: str) -> None:
         """Copy checkpoint tensors into parameters; every parameter must be filled exactly once.
 
         Quantized tensors (GGUF kept quantized) are collected per layer and replace that layer by its
@@ -339,9 +354,12 @@ class CausalLM(nn.Module):
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
         if self.config.architecture == gpt_oss.ARCHITECTURE:
             weights = gpt_oss.checkpoint_tensors(weights, source)
-        for name, tensor in self._unstacked(weights, source):
-            if self.config.architecture == "Gemma3ForConditionalGeneration":
-                name = _language_model_name(name)
+        for ckpt_name, value in self._unstacked(weights, source):
+            name = (
+                _language_model_name(ckpt_name)
+                if self.config.architecture == "Gemma3ForConditionalGeneration"
+                else ckpt_name
+            )
             if (
                 name is None
                 or name.endswith("rotary_emb.inv_freq")
@@ -350,10 +368,13 @@ class CausalLM(nn.Module):
                 continue
             name = moe_tensor_name(name)
             if FusedExperts.owns(name):
-                self._experts_of(name, source).load(name, tensor, source)
+                self._experts_of(name, source).load(name, value, source)
                 continue
-            tensor = read_shard(tensor, self.layout.shard(name))
+            tensor = read_shard(value, self.layout.shard(name))
+            if isinstance(tensor, QuantizedExperts):
+                raise ModelLoadError(source, f"unexpected stacked experts {name!r} for {self.config.architecture}")
             if self.layout.rank and ShardLayout.summed_once(name):
+                assert isinstance(tensor, torch.Tensor), "biases are never quantized (a checkpoint's nor at load)"
                 tensor = torch.zeros_like(tensor)
             target, offset, size, shard = name, 0, None, 0
             for ckpt, (fused, index) in _FUSED.items():
@@ -388,9 +409,7 @@ class CausalLM(nn.Module):
             experts.finish_loading(source)
         self._choose_kernels()
 
-    def _unstacked(
-        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], source: str
-    ) -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def _unstacked(self, weights: Iterable[tuple[str, WeightValue]], source: str) -> Iterable[tuple[str, WeightValue]]:
         """Checkpoint tensors with stacked q/k/v or gate/up (Phi-3's qkv_proj, gate_up_proj) cut into
         their parts, so tensor-parallel slicing and quantized shards see what separate tensors give.
         A lazily read safetensors part is read whole here (each rank then keeps its slice)."""
@@ -399,7 +418,7 @@ class CausalLM(nn.Module):
         sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
         for name, tensor in weights:
             stacked = next((s for s in _STACKED if f".{s}." in name), None)
-            if stacked is None:
+            if stacked is None or isinstance(tensor, QuantizedExperts):  # stacked experts: load_weights refuses them
                 yield name, tensor
                 continue
             if tensor.shape[0] != sum(sizes[stacked]):

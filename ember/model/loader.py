@@ -24,12 +24,12 @@ from ember.model.files import ModelInfo, gguf_info, hf_info, model_path, read_co
 from ember.model.gguf import load_gguf
 from ember.model.hf_config import ModelConfig
 from ember.model.registry import model_class
+from ember.model.sharding import WeightValue
 from ember.quant.checkpoints import METHODS, checkpoint_format, quantized_weights
 from ember.quant.checkpoints.base import CheckpointFormat
-from ember.quant.formats import QuantizedWeight
 from ember.quant.quantize import QUANTIZERS
 
-WeightIterator = Iterator[tuple[str, "torch.Tensor | QuantizedWeight | _LazyTensor"]]
+WeightIterator = Iterator[tuple[str, WeightValue]]
 
 
 @dataclass

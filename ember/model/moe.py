@@ -26,10 +26,10 @@ from torch import nn
 from ember.errors import ModelLoadError
 from ember.model.hf_config import ModelConfig
 from ember.model.layers import GatedMLP
-from ember.model.sharding import ShardLayout, read_shard
+from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.ops import registry
 from ember.quant.experts import QuantizedExperts, dequantize_experts, quantize_experts
-from ember.quant.formats import dequantize, same_format
+from ember.quant.formats import QuantizedWeight, dequantize, same_format
 
 _EXPERTS = ".mlp.experts."
 # Mixtral's checkpoint names -> Qwen3-MoE's, which the model's parameters use
@@ -75,6 +75,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, layer: int) -> None:
         super().__init__()
         moe = cfg.moe
+        assert moe is not None, "make_mlp builds it for the layers cfg.layer_is_moe names"
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.gate = Router(moe.num_experts, cfg.hidden_size, moe.bias)
@@ -170,7 +171,7 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            b13, b2 = (None, None) if self.b13 is None else (self.b13[e], self.b2[e])
+            b13, b2 = (None, None) if self.b13 is None or self.b2 is None else (self.b13[e], self.b2[e])
             gate, up = F.linear(x[tokens[rows]], _expert(self.w13, e, x.dtype), b13).chunk(2, dim=-1)
             act = gated_activation(gate, up, self.swiglu)
             results[rows] = F.linear(act, _expert(self.w2, e, x.dtype), b2) * scales[rows]
@@ -185,7 +186,7 @@ class FusedExperts(nn.Module):
 
     # ---- loading --------------------------------------------------------------------------
 
-    def load(self, name: str, tensor, source: str) -> None:
+    def load(self, name: str, tensor: WeightValue, source: str) -> None:
         """One checkpoint tensor of these experts: one expert's gate, up or down projection, the same
         stacked over experts (3-D; GGUF's may be quantized), or transformers' stacked gate_up."""
         if name.endswith(".bias"):
@@ -195,9 +196,11 @@ class FusedExperts(nn.Module):
         expert = int(key[0]) if len(key) == 2 and key[0].isdigit() else None
         proj = key[-1]
         if proj == "gate_up_proj" and len(key) == 1:
+            if isinstance(tensor, (QuantizedWeight, QuantizedExperts)):
+                raise ModelLoadError(source, f"quantized tensor {name!r}: transformers' stacked gate_up must be dense")
             half = tensor.shape[1] // 2
-            for part, offset in (("gate", 0), ("up", half)):
-                self._load_part(name, part, None, tensor.narrow(1, offset + self.start, self.inter), source)
+            for gate_or_up, offset in (("gate", 0), ("up", half)):
+                self._load_part(name, gate_or_up, None, tensor.narrow(1, offset + self.start, self.inter), source)
             return
         part = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}.get(proj)
         if part is None or len(key) > 2 or (len(key) == 2 and (expert is None or expert >= self.num_experts)):
@@ -207,27 +210,39 @@ class FusedExperts(nn.Module):
             name, part, expert, read_shard(tensor, (dim, self.start, self.inter) if self.split else None), source
         )
 
-    def _load_bias(self, name: str, tensor, source: str) -> None:
+    def _load_bias(self, name: str, tensor: WeightValue, source: str) -> None:
         """Every expert's bias of one projection, stacked: [E, I] for gate and up, [E, H] for down."""
         part = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}.get(name.split(".")[-2])
-        if self.b13 is None or part is None or not name.endswith(f"{_EXPERTS}{name.split('.')[-2]}.bias"):
+        if (
+            self.b13 is None
+            or self.b2 is None
+            or part is None
+            or not name.endswith(f"{_EXPERTS}{name.split('.')[-2]}.bias")
+        ):
             raise ModelLoadError(source, f"unexpected tensor {name!r}")
         if part == "down":
-            dest = self.b2.data
-            tensor = read_shard(tensor, None)
-            if self.rank:
-                tensor = torch.zeros_like(tensor)
+            dest, shard = self.b2.data, None
         else:
             dest = self.b13.data.narrow(1, 0 if part == "gate" else self.inter, self.inter)
-            tensor = read_shard(tensor, (1, self.start, self.inter) if self.split else None)
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ModelLoadError(
-                source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
+            shard = (1, self.start, self.inter) if self.split else None
+        bias = read_shard(tensor, shard)
+        if not isinstance(bias, torch.Tensor):
+            raise ModelLoadError(source, f"quantized tensor {name!r}: the experts' biases must be dense")
+        if part == "down" and self.rank:
+            bias = torch.zeros_like(bias)
+        if tuple(bias.shape) != tuple(dest.shape):
+            raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(bias.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(bias)
         self._filled[f"{part}_bias"].update(range(self.num_experts))
 
-    def _load_part(self, name: str, part: str, expert: int | None, tensor, source: str) -> None:
+    def _load_part(
+        self,
+        name: str,
+        part: str,
+        expert: int | None,
+        tensor: torch.Tensor | QuantizedWeight | QuantizedExperts,
+        source: str,
+    ) -> None:
         """Copy this rank's slice into place (rows of gate/up, columns of down), or keep it aside when quantized."""
         dest = self._dest(part, expert)
         if isinstance(tensor, QuantizedExperts):
@@ -237,6 +252,10 @@ class FusedExperts(nn.Module):
                     f"quantized tensor {name!r} does not hold every expert in the expected shape {tuple(dest.shape)}",
                 )
             self._quantized[part] = tensor.to(self._device)
+        elif isinstance(tensor, QuantizedWeight):
+            raise ModelLoadError(
+                source, f"quantized tensor {name!r}: quantized experts must come stacked, every expert in one tensor"
+            )
         else:
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ModelLoadError(
@@ -247,8 +266,10 @@ class FusedExperts(nn.Module):
         self._filled[part].update(range(self.num_experts) if expert is None else (expert,))
 
     def _dest(self, part: str, expert: int | None) -> torch.Tensor:
-        w = self.w2.data if part == "down" else self.w13.data.narrow(1, 0 if part == "gate" else self.inter, self.inter)
-        return w if expert is None else w[expert]
+        w = self.w2 if part == "down" else self.w13
+        assert isinstance(w, torch.Tensor), "written while loading, before finish_loading installs quantized experts"
+        dest = w.data if part == "down" else w.data.narrow(1, 0 if part == "gate" else self.inter, self.inter)
+        return dest if expert is None else dest[expert]
 
     def finish_loading(self, source: str) -> None:
         """Check that every expert's three projections arrived, and install quantized ones: w13 stays
@@ -267,7 +288,8 @@ class FusedExperts(nn.Module):
             for part, w in ((p, self._quantized.get(p)) for p in ("gate", "up")):
                 if w is not None:
                     self.materialize()
-                    self._dest(part, None).copy_(dequantize_experts(w, self.w13.dtype))
+                    dest = self._dest(part, None)
+                    dest.copy_(dequantize_experts(w, dest.dtype))
         if "down" in self._quantized:
             self._install("w2", self._quantized["down"])
         self._quantized.clear()
@@ -296,7 +318,8 @@ class FusedExperts(nn.Module):
 
 def _concat_rows(a: QuantizedExperts, b: QuantizedExperts) -> QuantizedExperts:
     """Each expert's rows of a, then its rows of b (one format: groups run along K, so this is exact)."""
-    zeros = None if a.zeros is None else torch.cat([a.zeros, b.zeros], dim=1)
+    # one format (the caller checked same_format): both have zeros or neither has
+    zeros = None if a.zeros is None or b.zeros is None else torch.cat([a.zeros, b.zeros], dim=1)
     return QuantizedExperts(
         a.kind,
         torch.cat([a.qweight, b.qweight], dim=1),

@@ -16,18 +16,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from ember.model.hf_config import ModelConfig
+from ember.quant.experts import QuantizedExperts
+from ember.quant.formats import QuantizedWeight
 
 # A checkpoint tensor's slice: (dimension, start, length)
 Shard = tuple[int, int, int]
 
 
-class Narrowable(Protocol):
-    """torch.Tensor, QuantizedWeight, or a lazily read checkpoint tensor."""
+class LazyTensor(Protocol):
+    """A checkpoint tensor not read yet (ember.model.loader's safetensors tensors): a tensor-parallel
+    rank reads only its slice of it."""
 
-    shape: tuple[int, ...]
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
-    def narrow(self, dim: int, start: int, length: int): ...
+    @property
+    def dtype(self) -> str: ...  # the file's name for it, e.g. safetensors' "F8_E4M3"
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+    def load(self) -> torch.Tensor: ...
+
+
+# One tensor of a checkpoint as the loader's weight iterator yields it and the model's `load_weights`
+# takes it: dense, quantized (GGUF kept quantized, a pre-quantized checkpoint's modules, stacked experts),
+# or not read yet. `read_shard` reads this rank's slice of any of them.
+WeightValue = torch.Tensor | QuantizedWeight | QuantizedExperts | LazyTensor
 
 
 @dataclass(frozen=True)
@@ -119,9 +136,10 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size {size} does not divide this model's " + ", ".join(problems))
 
 
-def read_shard(tensor: Narrowable, shard: Shard | None):
+def read_shard(tensor: WeightValue, shard: Shard | None) -> torch.Tensor | QuantizedWeight | QuantizedExperts:
     """The slice of a checkpoint tensor this rank keeps, read into memory."""
     if shard is not None:
         tensor = tensor.narrow(*shard)
-    load = getattr(tensor, "load", None)
-    return tensor if load is None else load()
+    if isinstance(tensor, (torch.Tensor, QuantizedWeight, QuantizedExperts)):
+        return tensor
+    return tensor.load()

@@ -19,6 +19,7 @@ is ember.ops.functional's `store_kv` and `paged_attention`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,16 @@ class AttentionShape:
     block_size: int
 
 
+class _KernelMasking(TypedDict):
+    """The keyword arguments the Triton decode and prefill kernels share: the cache's scales and the masking."""
+
+    k_scale: KVScale
+    v_scale: KVScale
+    sliding_window: int | None
+    logits_soft_cap: float | None
+    sinks: torch.Tensor | None
+
+
 class TritonAttention:
     @staticmethod
     def can_implement(target: Target, shape: AttentionShape) -> bool:
@@ -114,7 +125,7 @@ class TritonAttention:
 
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        kwargs = {
+        kwargs: _KernelMasking = {
             "k_scale": k_scale,
             "v_scale": v_scale,
             "sliding_window": masking.window,

@@ -28,7 +28,10 @@ class NativeDecodeLayer:
         return target.native and decode_layer_weights(layer) is not None
 
     def __init__(self, layer: Any) -> None:
-        self.weights = w = decode_layer_weights(layer)
+        w = decode_layer_weights(layer)
+        if w is None:
+            raise ValueError("NativeDecodeLayer: the layer is not one the native decode computes (see can_implement)")
+        self.weights = w
         self.cos, self.sin_signed = layer.self_attn.native_rotary_tables()
         # rows below every projection's GEMV crossover
         self.max_rows = min(native_expand_min_rows(nat) for nat in (w.qkv, w.o, w.gate_up, w.down))
@@ -46,6 +49,7 @@ class NativeDecodeLayer:
             meta.num_decodes != h.shape[0]
             or h.shape[0] >= self.max_rows
             or k_cache is None
+            or v_cache is None
             or not native.decode_layer_fits(self.weights, h, residual, k_cache, positions, meta.slot_mapping)
         ):
             return None
@@ -83,23 +87,28 @@ def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
         return None
     # native weights exist only on CPU where the kernels were built at load (so no GPU model builds them)
     qkv = _native_gemv(attn.qkv_proj, "native_gemv_parts")
-    weights = [_native_gemv(lin, "native_gemv_weight") for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    if qkv is None or any(w is None for w in weights):
+    o, gate_up, down = (
+        _native_gemv(lin, "native_gemv_weight") for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    )
+    if qkv is None or o is None or gate_up is None or down is None:
         return None
-    weights.insert(0, qkv[0])
-    qk_norms = [None if n is None else n.weight.detach().contiguous() for n in (attn.q_norm, attn.k_norm)]
+    q_norm, k_norm = (None if n is None else n.weight.detach().contiguous() for n in (attn.q_norm, attn.k_norm))
     return native.DecodeLayerWeights(
         norms[0].weight.detach().contiguous(),
         norms[1].weight.detach().contiguous(),
         norms[0].eps,
-        *weights,
+        qkv[0],
+        o,
+        gate_up,
+        down,
         attn.num_heads,
         attn.num_kv_heads,
         attn.head_dim,
         attn.scale,
         attn.sliding_window or 0,
         attn.logits_soft_cap or 0.0,
-        *qk_norms,
+        q_norm,
+        k_norm,
         attn.q_norm.eps if attn.q_norm is not None else 0.0,
         None if qkv[1] is None else qkv[1].contiguous(),
     )

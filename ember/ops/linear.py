@@ -20,7 +20,8 @@ from ember.quant.formats import QuantizedWeight, dequantize
 
 
 class LinearImpl(Protocol):
-    weight: QuantizedWeight | torch.Tensor
+    @property
+    def weight(self) -> QuantizedWeight | torch.Tensor: ...  # read-only here: each implementation's own is narrower
 
     def tensors(self) -> list[torch.Tensor]: ...
 

@@ -10,7 +10,8 @@ when a choice is made: layers built after it is set take the kernels.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -23,7 +24,30 @@ from ember.quant.formats import QuantizedWeight
 
 FORCE_TRITON = False
 
-LINEAR = (
+Built = TypeVar("Built", covariant=True)
+
+
+class Implementation(Protocol[Built]):
+    """An implementation as its op's table lists it: the class, which states what it can run
+    (`can_implement(target, ...)`, a staticmethod, from the facts the layer knows) and, called with the
+    layer's arguments, builds the `Built` the layer keeps and calls. The facts and the arguments are each
+    op's own; the table's annotation says what its implementations build."""
+
+    def can_implement(self, *facts: Any, **kwargs: Any) -> bool: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Built: ...
+
+
+class LinearImplementation(Implementation[linear.LinearImpl], Protocol):
+    permutes_input: bool  # its layout keeps an act-order weight's columns in that order (see linear.Permuted)
+
+
+Impl = TypeVar("Impl", bound=Implementation[Any])  # a table's element type, which `_first` returns as it is
+
+# The gated activation over the fused gate/up projection (ember/ops/activation.py): (proj, x) -> act(gate) * up
+Activation = Callable[[Any, torch.Tensor], torch.Tensor]
+
+LINEAR: tuple[LinearImplementation, ...] = (
     linear.DenseLinear,
     linear_gpu.TritonPackedLinear,
     linear_gpu.TritonQuantLinear,
@@ -33,19 +57,28 @@ LINEAR = (
     *linear_cpu.TORCH_CPU_LINEARS,
     linear.DequantizeLinear,
 )
-ATTENTION = (attention.TritonAttention, attention.NativeDecodeAttention, attention.TorchAttention)
-NORM = (norm.TritonRMSNorm, norm.TorchRMSNorm, norm.TorchGemmaRMSNorm)
-NATIVE_NORM = (norm.NativeRMSNorm,)  # wrapping the PyTorch norm, which runs for the rows they do not take
-ROTARY = (rotary.TritonRotary, rotary.TorchFullRotary, rotary.TorchRotary)
-ROTARY_STORE = (rotary.NativeRotaryStore, Unfused)
-ACTIVATION = (
+ATTENTION: tuple[Implementation[attention.TorchAttention | attention.TritonAttention], ...] = (
+    attention.TritonAttention,
+    attention.NativeDecodeAttention,
+    attention.TorchAttention,
+)
+NORM: tuple[Implementation[norm.NormImpl], ...] = (norm.TritonRMSNorm, norm.TorchRMSNorm, norm.TorchGemmaRMSNorm)
+# wrapping the PyTorch norm, which runs for the rows they do not take
+NATIVE_NORM: tuple[Implementation[norm.NormImpl], ...] = (norm.NativeRMSNorm,)
+ROTARY: tuple[Implementation[rotary.TorchRotary | rotary.TritonRotary], ...] = (
+    rotary.TritonRotary,
+    rotary.TorchFullRotary,
+    rotary.TorchRotary,
+)
+ROTARY_STORE: tuple[Implementation[rotary.NativeRotaryStore | Unfused], ...] = (rotary.NativeRotaryStore, Unfused)
+ACTIVATION: tuple[Implementation[Activation], ...] = (
     activation.TorchGeluTanhAndMul,
     activation.TritonSiluAndMul,
     activation.NativeSiluAndMul,
     activation.TorchSiluAndMul,
 )
-MOE = (moe.TritonMoe, moe.TorchMoe)
-DECODE_LAYER = (NativeDecodeLayer, Unfused)
+MOE: tuple[Implementation[moe.TritonMoe | moe.TorchMoe], ...] = (moe.TritonMoe, moe.TorchMoe)
+DECODE_LAYER: tuple[Implementation[NativeDecodeLayer | Unfused], ...] = (NativeDecodeLayer, Unfused)
 
 
 def target(device: torch.device, dtype: torch.dtype) -> Target:
@@ -54,7 +87,8 @@ def target(device: torch.device, dtype: torch.dtype) -> Target:
     return Target(device, dtype, triton, device.type == "cpu" and not triton and native.available())
 
 
-def _first(table: tuple[type, ...], *facts: Any) -> type:
+def _first(table: tuple[Impl, ...], *facts: Any) -> Impl:
+    """The table's first implementation that can run what `facts` describe."""
     return next(cls for cls in table if cls.can_implement(*facts))
 
 
@@ -95,7 +129,7 @@ def rotary_store_impl(
     return cls(tables, num_heads, head_dim)
 
 
-def activation_impl(t: Target, act: str, proj: Any) -> Any:
+def activation_impl(t: Target, act: str, proj: Any) -> Activation:
     """The gated activation `act` over the fused gate/up projection `proj` as it is after loading."""
     return _first(ACTIVATION, t, act, proj)()
 
