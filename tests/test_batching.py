@@ -136,3 +136,33 @@ def test_sampling_tensors_are_reused_only_for_the_same_rows_without_per_step_sta
     released = runner._sampling_batch([a, held])
     assert released.min_tokens_mask is None
     assert runner._sampling_batch([a, held]).temperature is released.temperature
+
+
+def test_static_bans_and_bias_are_reused_but_multi_token_bad_words_are_rebuilt(llama_dir):
+    """White-box: logit_bias, allowed_token_ids and one-token bad words never change during a request, so
+    the same rows' next step reuses their tensors; a bad word of several tokens bans by what the output
+    ends with, so its rows get tensors built for each step."""
+    from conftest import inproc_core
+
+    from ember.runner.request_state import RequestState
+
+    runner = inproc_core(
+        LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05, engine_process=False)
+    ).runner
+
+    def request(name: str, **params) -> RequestState:
+        return RequestState(name, [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, **params), [7])
+
+    static = request("static", logit_bias={5: 3.0}, allowed_token_ids=[5, 6, 9], bad_words_token_ids=[[6]])
+    first = runner._sampling_batch([static])
+    again = runner._sampling_batch([static])
+    assert again is not first and again.logit_bias is first.logit_bias
+    assert again.allowed_token_ids is first.allowed_token_ids and again.bad_words_mask is first.bad_words_mask
+
+    multi = request("multi", bad_words_token_ids=[[4, 5]])
+    assert runner._sampling_batch([static, multi]).bad_words_mask[0].tolist() == [0]  # only static's token 6
+    multi.output_token_ids.append(4)
+    rows, ids = runner._sampling_batch([static, multi]).bad_words_mask
+    assert list(zip(rows.tolist(), ids.tolist())) == [(0, 6), (1, 5)]
+    multi.output_token_ids.append(1)
+    assert runner._sampling_batch([static, multi]).bad_words_mask[0].tolist() == [0]

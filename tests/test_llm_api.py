@@ -97,6 +97,152 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert stop_tok not in out.token_ids[: first + 2]
 
 
+# ---- logit_bias, allowed_token_ids, bad_words, min_tokens ------------------------------------
+
+EOS = 2  # the tiny checkpoints' eos_token_id
+
+
+def _greedy(llm, prompt, max_tokens: int = 12, **params):
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **params), use_tqdm=False)
+    return out[0].outputs[0]
+
+
+def _occurs(seq: list[int], tokens: list[int]) -> bool:
+    return any(tokens[i : i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def _first_completion(sequences: list[list[int]], tokens: list[int]) -> int | None:
+    """The first position whose token would complete one of the sequences (vLLM's bad-words rule)."""
+    for k in range(len(tokens)):
+        if any(tokens[max(0, k - len(s) + 1) : k + 1] == s for s in sequences if len(s) <= k + 1):
+            return k
+    return None
+
+
+def test_logit_bias_end_to_end(llm):
+    forced = _greedy(llm, _ids(25), max_tokens=8, logit_bias={100: 100})
+    assert forced.token_ids == [100] * 8
+    base = _greedy(llm, _ids(25), max_tokens=8, ignore_eos=True).token_ids
+    banned = _greedy(llm, _ids(25), max_tokens=8, ignore_eos=True, logit_bias={base[0]: -100}).token_ids
+    assert banned[0] != base[0]
+    # Per request: a batch mate without logit_bias keeps its own answer.
+    both = llm.generate(
+        [_ids(25), _ids(25)],
+        [
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=8, logit_bias={100: 100}),
+        ],
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in both] == [base, [100] * 8]
+
+
+def test_allowed_token_ids_end_to_end(llm):
+    allowed = [10, 20, 30, 40, 300]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed)
+        for i in range(3)
+    ]
+    params.append(SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed))
+    params.append(SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    outs = [
+        o.outputs[0].token_ids
+        for o in llm.generate([_ids(12), _ids(30, 3), _ids(7), _ids(25), _ids(25)], params, use_tqdm=False)
+    ]
+    for tokens in outs[:4]:
+        assert len(tokens) == 16 and set(tokens) <= set(allowed)
+    assert len({t for tokens in outs[:3] for t in tokens}) > 1  # sampling still chooses among them
+    assert not set(outs[4]) <= set(allowed)  # the unrestricted answer would have left the set
+
+
+def test_bad_words_end_to_end(llm):
+    """A word from the greedy answer, tokenized by the front end as vLLM does: its token sequences
+    never appear, and the answer is the same up to where one would have been completed."""
+    prompt = _ids(25)
+    base = _greedy(llm, prompt, max_tokens=20, ignore_eos=True).token_ids
+    tok = llm.get_tokenizer()
+    # Two consecutive answer tokens, from the fourth on, that are how their text tokenizes.
+    start, word = next(
+        (i, text)
+        for i in range(3, len(base) - 1)
+        for text in [tok.decode(base[i : i + 2])]
+        if tok.encode(text.lstrip(), add_special_tokens=False) == base[i : i + 2]
+    )
+    sequences = llm.llm_engine.processor.bad_words_token_ids(SamplingParams(bad_words=[word]))
+    assert base[start : start + 2] in sequences and all(len(s) == 2 for s in sequences)
+    cut = _first_completion(sequences, base)
+    assert cut is not None and cut <= start + 1
+    out = _greedy(llm, prompt, max_tokens=20, ignore_eos=True, bad_words=[word]).token_ids
+    assert out[:cut] == base[:cut] and out[cut] != base[cut]
+    assert not any(_occurs(s, out) for s in sequences)
+    # Token sequences directly: one token banned everywhere, a pair only after its first token.
+    out = _greedy(llm, prompt, max_tokens=20, ignore_eos=True, bad_words_token_ids=[[base[0]]]).token_ids
+    assert base[0] not in out
+    pair = base[start : start + 2]
+    out = _greedy(llm, prompt, max_tokens=20, ignore_eos=True, bad_words_token_ids=[pair]).token_ids
+    assert not _occurs(pair, out) and out[: base.index(pair[1], start)] == base[: base.index(pair[1], start)]
+
+
+def test_bad_words_are_tokenized_in_the_front_end(llm):
+    """The core gets token ids only: bad_words is stripped, like stop strings, and every sequence of the
+    request (one per word, plus the word after a space when that is another token of the same length)."""
+    tok = llm.get_tokenizer()
+    processed = llm.llm_engine.processor.process(
+        "bw", _ids(5), SamplingParams(n=2, bad_words=["fox", "Paris"], stop="x")
+    )
+    assert processed.state.params.bad_words == ["fox", "Paris"]
+    expected = []
+    for word in ("fox", "Paris"):
+        bare, spaced = (tok.encode(w, add_special_tokens=False) for w in (word, " " + word))
+        expected.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            expected.append(spaced)
+    for core in processed.core_requests:
+        assert core.sampling_params.bad_words is None and core.sampling_params.stop == []
+        assert core.sampling_params.bad_words_token_ids == expected
+    assert [tok.decode(s) for s in expected][:1] == ["fox"]
+
+
+def test_min_tokens_holds_eos_back(llm):
+    eos_first = {EOS: 100.0}  # EOS would be every greedy token
+    assert _greedy(llm, _ids(25), logit_bias=eos_first).token_ids == [EOS]
+    out = _greedy(llm, _ids(25), logit_bias=eos_first, min_tokens=5)
+    assert len(out.token_ids) == 6 and EOS not in out.token_ids[:5] and out.token_ids[5] == EOS
+    assert out.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def async_llm(llama_dir) -> LLM:
+    return LLM(str(llama_dir), kv_cache_memory=0.05, max_model_len=512, async_scheduling=True, engine_process=False)
+
+
+def test_multi_token_bad_words_with_async_scheduling(llm, async_llm):
+    """Under async scheduling a step is launched before the last one's tokens reach the host; a request with
+    a bad word of several tokens waits for them (as penalties do), so the ban sees the whole output: the
+    batch answers as it does one step at a time, beside requests that run ahead."""
+    from conftest import inproc_core
+
+    assert inproc_core(async_llm).async_scheduling
+    prompts = [_ids(25), _ids(9, 11), _ids(40, 3), _ids(25)]
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    pairs = [b[4:6] for b in base]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, bad_words_token_ids=[pairs[0]]),
+        plain,
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, bad_words_token_ids=[pairs[2], [base[2][0]]]),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, bad_words_token_ids=pairs),
+    ]
+    sync = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    asynchronous = [o.outputs[0].token_ids for o in async_llm.generate(prompts, params, use_tqdm=False)]
+    assert asynchronous == sync
+    assert sync[1] == base[1]
+    assert not _occurs(pairs[0], sync[0]) and sync[0][:5] == base[0][:5]
+    assert not _occurs(pairs[2], sync[2]) and base[2][0] not in sync[2]
+    assert not any(_occurs(p, sync[3]) for p in pairs)
+    assert inproc_core(async_llm)._num_host_sync == 0
+
+
 def test_eos_stops_unless_ignored(default_llm):
     conv = [{"role": "user", "content": "What is the capital of France?"}]
     stopped = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
@@ -159,6 +305,9 @@ def test_default_max_tokens_fills_context(llm):
         (_ids(500), SamplingParams(max_tokens=100), "maximum context length is 512"),
         (_ids(600), SamplingParams(max_tokens=None), "maximum context length"),
         (3.5, SamplingParams(), "prompt"),
+        (_ids(3), SamplingParams(logit_bias={5: 1.0, 512: 1.0}), "^logit_bias must be token ids in \\[0, 512\\)"),
+        (_ids(3), SamplingParams(allowed_token_ids=[1, 512]), "^allowed_token_ids must be token ids"),
+        (_ids(3), SamplingParams(bad_words_token_ids=[[3, 600]]), "^bad_words_token_ids must be token ids"),
     ],
 )
 def test_invalid_requests_are_rejected(llm, prompt, params, match):

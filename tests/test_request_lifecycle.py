@@ -69,7 +69,10 @@ BAD = [
         "response_format.json_schema.schema",
     ),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 1000}}, 400, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"600": 1}}, 400, "logit_bias"),  # past the vocabulary (512)
+    (CHAT, {"messages": USER, "allowed_token_ids": [600]}, 400, "allowed_token_ids"),
+    (CHAT, {"messages": USER, "bad_words": [""], "stream": True}, 400, "bad_words"),
     (COMPLETIONS, {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     (
         CHAT,

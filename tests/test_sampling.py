@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from ember.sampling.params import SamplingParams
-from ember.sampling.sampler import Sampler, SamplingBatch, apply_min_tokens, apply_penalties
+from ember.sampling.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+)
 
 CPU = torch.device("cpu")
 EOS = 2
@@ -89,6 +97,25 @@ def random_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
         ("prompt_logprobs", {"prompt_logprobs": "3"}),
         ("ignore_eos", {"ignore_eos": 1}),
         ("skip_special_tokens", {"skip_special_tokens": None}),
+        ("logit_bias", {"logit_bias": {5: 100.5}}),
+        ("logit_bias", {"logit_bias": {5: -101}}),
+        ("logit_bias", {"logit_bias": {5: math.nan}}),
+        ("logit_bias", {"logit_bias": {5: "1"}}),
+        ("logit_bias", {"logit_bias": {"5": 1.0}}),
+        ("logit_bias", {"logit_bias": {-1: 1.0}}),
+        ("logit_bias", {"logit_bias": {True: 1.0}}),
+        ("logit_bias", {"logit_bias": [5]}),
+        ("allowed_token_ids", {"allowed_token_ids": []}),
+        ("allowed_token_ids", {"allowed_token_ids": [3, -1]}),
+        ("allowed_token_ids", {"allowed_token_ids": [1.0]}),
+        ("allowed_token_ids", {"allowed_token_ids": 5}),
+        ("bad_words", {"bad_words": "word"}),
+        ("bad_words", {"bad_words": ["ok", ""]}),
+        ("bad_words", {"bad_words": ["  "]}),
+        ("bad_words", {"bad_words": [3]}),
+        ("bad_words_token_ids", {"bad_words_token_ids": [[]]}),
+        ("bad_words_token_ids", {"bad_words_token_ids": [[3, -1]]}),
+        ("bad_words_token_ids", {"bad_words_token_ids": [3]}),
     ],
 )
 def test_invalid_params_name_the_field(field: str, kwargs: dict) -> None:
@@ -103,6 +130,29 @@ def test_params_normalisation() -> None:
     assert isinstance(p.temperature, float)
     assert SamplingParams().stop == [] and SamplingParams().stop_token_ids == []
     assert SamplingParams(stop_token_ids=(7, 8)).stop_token_ids == [7, 8]
+
+
+def test_sampling_field_normalisation() -> None:
+    p = SamplingParams(logit_bias={np.int64(5): 100, 7: np.float32(-2.5)}, allowed_token_ids=(3, 4), bad_words=("a",))
+    assert p.logit_bias == {5: 100.0, 7: -2.5} and all(type(k) is int for k in p.logit_bias)
+    assert all(type(v) is float for v in p.logit_bias.values())
+    assert p.allowed_token_ids == [3, 4] and p.bad_words == ["a"]
+    empty = SamplingParams(logit_bias={}, bad_words=[], bad_words_token_ids=[])
+    assert empty.logit_bias is None and empty.bad_words is None and empty.bad_words_token_ids is None
+
+
+def test_sampling_fields_round_trip_through_the_core_message() -> None:
+    """The core gets SamplingParams as msgpack: the new fields (int keys of logit_bias included) survive."""
+    import msgspec
+
+    from ember.messages import EngineCoreRequest
+
+    params = SamplingParams(
+        logit_bias={5: 100.0, 9: -3.25}, allowed_token_ids=[1, 5, 9], bad_words_token_ids=[[4], [6, 7]], min_tokens=2
+    )
+    msg = EngineCoreRequest("r", [1, 2], params, 8, [2], 0.0)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=EngineCoreRequest)
+    assert back.sampling_params == params and back.sampling_params.logit_bias == {5: 100.0, 9: -3.25}
 
 
 def test_is_greedy_and_clone() -> None:
@@ -309,6 +359,167 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert masked[1, EOS] == 5.0 and masked[1, 6] == -math.inf
     assert torch.equal(masked[2], logits[2])
     assert sample(logits, params, outputs=outputs).tolist() == [3, EOS, EOS]
+
+
+# --- allowed_token_ids, bad words, logit_bias -----------------------------------
+
+
+def _reference_bans_and_bias(
+    logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]
+) -> torch.Tensor:
+    """Row by row in plain torch, in vLLM's order: allowed tokens, bad words, min_tokens, logit_bias."""
+    ref = logits.clone()
+    for row, (p, out) in enumerate(zip(params, outputs)):
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(logits.shape[1], dtype=torch.bool)
+            keep[p.allowed_token_ids] = True
+            ref[row, ~keep] = -math.inf
+        for seq in p.bad_words_token_ids or []:
+            *prefix, last = seq
+            if len(out) >= len(prefix) and (not prefix or out[-len(prefix) :] == prefix):
+                ref[row, last] = -math.inf
+        if len(out) < p.min_tokens:
+            ref[row, [EOS, *p.stop_token_ids]] = -math.inf
+        for token, bias in (p.logit_bias or {}).items():
+            ref[row, token] += torch.tensor(bias, dtype=torch.float32)
+    return ref
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bans_and_bias_match_a_row_by_row_reference(seed: int) -> None:
+    gen = _gen(seed)
+    rows, vocab = 7, 40
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    outputs = [ids(int(n)) for n in torch.randint(0, 6, (rows,), generator=gen)]
+    outputs[3] = []
+    params = [
+        SamplingParams(
+            temperature=0.0, logit_bias={t: float(b) for t, b in zip(ids(5), torch.randn(5, generator=gen) * 30)}
+        ),
+        SamplingParams(temperature=0.0, allowed_token_ids=ids(4)),
+        SamplingParams(temperature=0.0, bad_words_token_ids=[ids(1), ids(1), outputs[2][-1:] + ids(1), ids(3)]),
+        SamplingParams(temperature=0.0, min_tokens=2, logit_bias={EOS: 100.0, 1: -100.0}, bad_words_token_ids=[[4, 5]]),
+        SamplingParams(temperature=0.0),
+        SamplingParams(
+            temperature=0.0,
+            allowed_token_ids=ids(6),
+            logit_bias={t: 50.0 for t in ids(3)},
+            bad_words_token_ids=[outputs[5][-2:] + ids(1), ids(1)],
+            min_tokens=10,
+            stop_token_ids=ids(2),
+        ),
+        SamplingParams(temperature=0.0, logit_bias={7: -100.0, 8: 100.0, 9: 0.5}),
+    ]
+    batch = make_batch(params, vocab, outputs=outputs)
+    got = Sampler().score(logits.clone(), batch).values  # all greedy: the logits as sampling sees them
+    expected = _reference_bans_and_bias(logits, params, outputs)
+    assert torch.equal(got, expected)  # the same float32 additions, exactly
+    assert torch.equal(got[4], logits[4])
+    assert torch.equal(Sampler()(logits.clone(), batch).sampled_token_ids, expected.argmax(dim=-1))
+
+
+def test_multi_token_bad_word_bans_its_last_token_only_after_the_rest() -> None:
+    """vLLM's rule: a bad word's last token is banned when the output so far ends with all its other
+    tokens; a partial match (its middle only, or its start further back) bans nothing."""
+    vocab = 12
+    word = [3, 4, 5]
+    params = [SamplingParams(temperature=0.0, bad_words_token_ids=[word, [9], [7, 7]])]
+    cases = [
+        ([], {9}),  # a one-token bad word is banned from the first token on
+        ([3], {9}),
+        ([4], {9}),  # the end of the prefix alone
+        ([1, 3, 4], {5, 9}),
+        ([3, 4], {5, 9}),
+        ([3, 4, 1], {9}),
+        ([3, 3, 4, 4], {9}),
+        ([7], {7, 9}),  # a word repeating one token bans it right after the first
+        (
+            [3, 4, 7],
+            {
+                7,
+                9,
+            },
+        ),
+    ]
+    for out, banned in cases:
+        batch = make_batch(params, vocab, outputs=[out])
+        assert batch.bad_words_per_step and not batch.reusable
+        masked = apply_bad_words(torch.zeros(1, vocab), batch)
+        assert set(torch.nonzero(masked[0].isinf()).flatten().tolist()) == banned, out
+
+
+def test_allowed_token_ids_mask_and_sampling() -> None:
+    """Random rows sample only allowed tokens; a row without the field is untouched; ids past the
+    vocabulary (the core refuses them first) allow nothing."""
+    vocab = 50
+    logits = random_logits(3, vocab, seed=5)
+    params = [
+        SamplingParams(allowed_token_ids=[3, 17, 17, 42], seed=1),
+        SamplingParams(seed=2),
+        SamplingParams(temperature=0.0, allowed_token_ids=[5, 60]),
+    ]
+    batch = make_batch(params, vocab)
+    masked = apply_allowed_token_ids(logits.clone(), batch)
+    assert torch.nonzero(~masked[0].isinf()).flatten().tolist() == [3, 17, 42]
+    assert torch.equal(masked[0, [3, 17, 42]], logits[0, [3, 17, 42]])
+    assert torch.equal(masked[1], logits[1])
+    assert torch.nonzero(~masked[2].isinf()).flatten().tolist() == [5]
+    many = [SamplingParams(allowed_token_ids=[3, 17, 42], temperature=2.0, top_p=0.99)] * 200
+    drawn = sample(random_logits(200, vocab, seed=6), many)
+    assert set(drawn.tolist()) == {3, 17, 42}
+
+
+def test_logit_bias_is_added_and_keeps_raw_logprobs() -> None:
+    vocab = 30
+    logits = random_logits(2, vocab, seed=8)
+    params = [SamplingParams(temperature=0.0, logprobs=2, logit_bias={4: 100.0, 5: -0.75}), SamplingParams(logprobs=1)]
+    batch = make_batch(params, vocab)
+    biased = apply_logit_bias(logits.clone(), batch)
+    expected = logits.clone()
+    expected[0, 4] += 100.0
+    expected[0, 5] -= 0.75
+    assert torch.equal(biased, expected)
+    out = Sampler()(logits.clone(), batch)
+    assert out.sampled_token_ids[0] == 4
+    # vLLM reports the model's own distribution: logprobs before any bias or ban.
+    torch.testing.assert_close(out.logprobs[0, 0], torch.log_softmax(logits, dim=-1)[0, 4])
+
+
+def test_bans_and_bias_keep_the_argmax_shortcut_honest() -> None:
+    """`argmax_only` (the runner then skips the logits) holds only when no row changes them; static bans
+    and bias may be reused by the next step of the same rows, bans that look at the output may not."""
+    vocab = 20
+    greedy = SamplingParams(temperature=0.0)
+    assert make_batch([greedy], vocab).argmax_only
+    for changed in (
+        SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=[3]),
+        SamplingParams(temperature=0.0, bad_words_token_ids=[[3]]),
+    ):
+        batch = make_batch([greedy, changed], vocab)
+        assert not batch.argmax_only and batch.reusable and batch.mask_can_wait
+    multi = make_batch([greedy, SamplingParams(temperature=0.0, bad_words_token_ids=[[3, 4]])], vocab)
+    assert multi.bad_words_mask is None and multi.argmax_only  # nothing banned yet
+    assert not multi.reusable  # but the next token may complete the prefix
+    with pytest.raises(ValueError, match="host"):  # its output must be on the host (no tokens in flight)
+        SamplingBatch.build(
+            [SamplingParams(bad_words_token_ids=[[3, 4]])], [[]], [[3]], [2], [None], [[EOS]], vocab, CPU
+        )
+
+
+def test_multi_token_bad_words_make_a_request_wait_for_host_tokens() -> None:
+    from ember.core.request import Request
+
+    def needs(**kwargs) -> bool:
+        return Request("r", [1], SamplingParams(**kwargs), 8, [EOS], 0.0).needs_host_tokens
+
+    assert needs(bad_words_token_ids=[[3], [4, 5]]) and needs(repetition_penalty=1.2)
+    assert not needs(bad_words_token_ids=[[3], [4]])
+    assert not needs(logit_bias={3: 5.0}, allowed_token_ids=[3, 4], min_tokens=3)
 
 
 # --- logprobs -------------------------------------------------------------------

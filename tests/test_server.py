@@ -287,6 +287,54 @@ def test_metrics_rise_with_traffic(server, client):
     assert _metric(after, "ember:generation_tokens_total") - _metric(before.text, "ember:generation_tokens_total") == 8
 
 
+# ---- logit_bias, allowed_token_ids, bad_words, min_tokens -------------------------------------
+
+EOS = 2  # the tiny checkpoint's eos_token_id
+
+
+def _token_id(server, text: str) -> int:
+    tokens = server.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert len(tokens) == 1, tokens
+    return tokens[0]
+
+
+def _answer(client, endpoint: str, **kwargs) -> tuple[str, str, int]:
+    """Text, finish_reason and completion tokens of one greedy choice, from completions or chat."""
+    kwargs = {"model": MODEL, "temperature": 0, "max_tokens": 8, **kwargs}
+    if endpoint == "completions":
+        r = client.completions.create(prompt="The quick brown fox", **kwargs)
+        text = r.choices[0].text
+    else:
+        r = client.chat.completions.create(messages=[{"role": "user", "content": "The quick brown fox"}], **kwargs)
+        text = r.choices[0].message.content
+    return text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_logit_bias_allowed_token_ids_and_bad_words(server, client, endpoint):
+    """OpenAI's logit_bias (string keys, through the official client) and vLLM's allowed_token_ids and
+    bad_words reach the sampler from both endpoints: "x" forced, then "xx" (two tokens) banned."""
+    x, y = _token_id(server, "x"), _token_id(server, "y")
+    assert server.post("/tokenize", {"prompt": "xx", "add_special_tokens": False}).json()["tokens"] == [x, x]
+    ignore_eos = {"ignore_eos": True}
+    assert _answer(client, endpoint, logit_bias={str(x): 100}, extra_body=ignore_eos)[0] == "x" * 8
+    only_xy = {"allowed_token_ids": [x, y], **ignore_eos}
+    sampled = _answer(client, endpoint, temperature=1.0, seed=5, extra_body=only_xy)[0]
+    assert len(sampled) == 8 and set(sampled) <= {"x", "y"}
+    biased = {"logit_bias": {str(x): 100}, "extra_body": {**only_xy, "bad_words": ["xx"]}}
+    assert _answer(client, endpoint, **biased)[0] == "xy" * 4  # an x never follows an x
+    biased["extra_body"]["bad_words"] = ["x"]
+    assert _answer(client, endpoint, **biased)[0] == "y" * 8
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_min_tokens_holds_eos_back(client, endpoint):
+    eos_first = {"logit_bias": {str(EOS): 100}}  # EOS would be every greedy token
+    assert _answer(client, endpoint, **eos_first) == ("", "stop", 1)
+    text, finish, tokens = _answer(client, endpoint, **eos_first, extra_body={"min_tokens": 3})
+    assert finish == "stop" and tokens == 4 and text  # three tokens, then EOS
+
+
 # ---- errors in OpenAI's shape -----------------------------------------------------------------
 
 CHAT = "/v1/chat/completions"
@@ -318,6 +366,19 @@ ERRORS = [
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"messages": USER, "presence_penalty": 3}, "presence_penalty"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 1, "512": 1}}, "logit_bias"),  # past the vocabulary
+    (CHAT, {"messages": USER, "logit_bias": {"-3": 1}}, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"5": "big"}}, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": [5]}, "logit_bias"),
+    (CHAT, {"messages": USER, "allowed_token_ids": []}, "allowed_token_ids"),
+    (COMPLETIONS, {"prompt": "hi", "allowed_token_ids": [3, 512]}, "allowed_token_ids"),
+    (CHAT, {"messages": USER, "allowed_token_ids": [3, 512]}, "allowed_token_ids"),
+    (COMPLETIONS, {"prompt": "hi", "allowed_token_ids": [-1]}, "allowed_token_ids[0]"),
+    (CHAT, {"messages": USER, "bad_words": [" "]}, "bad_words"),
+    (COMPLETIONS, {"prompt": "hi", "bad_words": "word"}, "bad_words"),
+    (COMPLETIONS, {"prompt": "hi", "bad_words": [5]}, "bad_words[0]"),
     ("/detokenize", {"tokens": [1, -5]}, "tokens[1]"),
     ("/tokenize", {}, "prompt"),
 ]

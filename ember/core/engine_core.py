@@ -180,6 +180,14 @@ class EngineCore:
             return f"request_id {msg.request_id!r} is already in use"
         if not ids or any(not 0 <= t < self.vocab_size for t in ids):
             return f"prompt_token_ids must be a non-empty list of integers in [0, {self.vocab_size})"
+        p = msg.sampling_params
+        for name, sampled_ids in (
+            ("logit_bias", p.logit_bias or ()),
+            ("allowed_token_ids", p.allowed_token_ids or ()),
+            ("bad_words_token_ids", [t for seq in p.bad_words_token_ids or () for t in seq]),
+        ):
+            if any(t >= self.vocab_size for t in sampled_ids):  # the sampler indexes logits by them
+                return f"{name} must be token ids in [0, {self.vocab_size})"
         if msg.max_tokens < 1 or len(ids) + msg.max_tokens > self.max_model_len:
             return (
                 f"max_tokens: {len(ids)} prompt + {msg.max_tokens} new tokens exceed the context window of "

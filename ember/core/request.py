@@ -87,16 +87,18 @@ class Request:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Its next step needs every earlier token on the host: penalties count the output tokens,
-        and prompt logprobs are read back while computing (async scheduling waits for such requests). A
-        grammar's mask needs the last token too, but only on the host's side: the mask thread waits for it
-        while the next forward runs (`EngineCore._start_masks`)."""
+        """Its next step needs every earlier token on the host: penalties count the output tokens, a
+        bad word of several tokens is banned by what the output ends with, and prompt logprobs are read
+        back while computing (async scheduling waits for such requests). A grammar's mask needs the last
+        token too, but only on the host's side: the mask thread waits for it while the next forward runs
+        (`EngineCore._start_masks`)."""
         p = self.sampling_params
         return (
             p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
             or p.repetition_penalty != 1.0
             or p.prompt_logprobs is not None
+            or any(len(seq) > 1 for seq in p.bad_words_token_ids or ())
         )
 
     def append_token(self, token_id: int) -> None:

@@ -3,8 +3,8 @@
 Tokenizes text prompts, checks token ids against the vocabulary, resolves `max_tokens` against
 the context window and rejects what can never run (the core's KV cache holds at least
 `max_model_len` tokens, checked at start, so the context window also bounds KV use). A prompt
-with `n > 1` becomes n core requests with seeds `seed + i`; text-only parameters (stop strings)
-stay here.
+with `n > 1` becomes n core requests with seeds `seed + i`; text-only parameters stay here (stop
+strings) or reach the core as token ids (`bad_words`, tokenized as vLLM does).
 """
 
 from __future__ import annotations
@@ -97,9 +97,37 @@ class Processor:
             raise ValueError(
                 f"top_k must be -1, 0 or in [1, {self.vocab_size}] (the vocabulary size), got {params.top_k}"
             )
-        for t in params.stop_token_ids or ():
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids or ()),
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words_token_ids", [t for seq in params.bad_words_token_ids or () for t in seq]),
+        ):
+            for t in ids:
+                if t >= self.vocab_size:
+                    raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got {t}")
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """`bad_words_token_ids` with `bad_words` tokenized and added, as vLLM's `update_from_tokenizer` does:
+        each word as given (leading spaces stripped) and, when that gives another first token in as many
+        tokens, after a space, so that the word is banned both at the start of the text and after a space."""
+        if not params.bad_words:
+            return params.bad_words_token_ids
+        if self.tokenizer is None:
+            raise ValueError("bad_words: this model was loaded without a tokenizer; pass bad_words_token_ids")
+        sequences = list(params.bad_words_token_ids or [])
+        for word in params.bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError(f"bad_words: {word!r} tokenizes to no tokens")
+            sequences.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        for t in (t for seq in sequences for t in seq):
             if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {t}")
+                raise ValueError(f"bad_words: a word's token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        return sequences
 
     def process(
         self,
@@ -112,6 +140,7 @@ class Processor:
         the field when the request can never run."""
         params = params or self.default_sampling_params()
         self._check_vocabulary_bounds(params)
+        bad_words_token_ids = self.bad_words_token_ids(params)
         if params.structured_outputs is not None:
             self.check_grammar(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
@@ -128,7 +157,7 @@ class Processor:
         core = []
         for i in range(params.n):
             seed = None if params.seed is None else _child_seed(params.seed, i)
-            child = replace(params, n=1, seed=seed, stop=None)
+            child = replace(params, n=1, seed=seed, stop=None, bad_words=None, bad_words_token_ids=bad_words_token_ids)
             core.append(
                 EngineCoreRequest(
                     child_request_id(request_id, i, params.n), ids, child, max_tokens, self.eos_token_ids, arrival

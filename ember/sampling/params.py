@@ -3,6 +3,7 @@
 import copy
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ember.sampling.structured import StructuredOutputsParams
@@ -15,6 +16,8 @@ MAX_LOGPROBS = 20
 # msgpack (which refuses anything past 2**64) and lands in int64 tensors. vLLM bounds `seed` the same way.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1  # token ids and counts: the processor bounds them by the vocabulary or the context
+# OpenAI's range for a logit_bias value: -100 bans a token in practice, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 def _int(name: str, value: object, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
@@ -78,6 +81,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrained decoding (vLLM's name): the output must match a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's field), each in [-100, 100].
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output must not contain. The front end tokenizes them into `bad_words_token_ids`
+    # (each as given and after a space, as vLLM does) and sends the core only those ids.
+    bad_words: list[str] | None = None
+    # Token sequences the output must not contain: a sequence's last token is banned wherever the output
+    # so far ends with the rest of it (a one-token sequence is banned everywhere). Filled from `bad_words`
+    # by the front end; may also be given directly.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -144,6 +158,14 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._token_id_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+        self.bad_words = self._normalise_bad_words(self.bad_words)
+        self.bad_words_token_ids = self._normalise_bad_words_token_ids(self.bad_words_token_ids)
+
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
         if stop is None:
@@ -166,6 +188,59 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
         return [_int("stop_token_ids", i, 0, INT32_MAX) for i in ids]
+
+    @staticmethod
+    def _token_id_list(name: str, ids: object) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
+        return [_int(name, i, 0, INT32_MAX) for i in ids]
+
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> dict[int, float] | None:
+        """Token id -> bias, ids as ints and biases as floats; empty is None (nothing to add)."""
+        if bias is None:
+            return None
+        if not isinstance(bias, Mapping):
+            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+        out = {}
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= int(token) <= INT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (ints in [0, {INT32_MAX}]), got {token!r}")
+            value = _float("logit_bias", value)
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {value} for token {token}"
+                )
+            out[int(token)] = value
+        return out or None
+
+    @staticmethod
+    def _normalise_bad_words(words: object) -> list[str] | None:
+        if words is None:
+            return None
+        if not isinstance(words, (list, tuple)):
+            raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+        for w in words:
+            if not isinstance(w, str):
+                raise ValueError(f"bad_words must contain only strings, got {w!r}")
+            if not w.strip():
+                raise ValueError(f"bad_words must not contain empty or blank strings, got {w!r}")
+        return list(words) or None
+
+    @staticmethod
+    def _normalise_bad_words_token_ids(sequences: object) -> list[list[int]] | None:
+        if sequences is None:
+            return None
+        if not isinstance(sequences, (list, tuple)):
+            raise ValueError(f"bad_words_token_ids must be a list of token id lists, got {sequences!r}")
+        out = []
+        for seq in sequences:
+            ids = SamplingParams._token_id_list("bad_words_token_ids", seq)
+            if not ids:
+                raise ValueError("bad_words_token_ids must not contain empty sequences")
+            out.append(ids)
+        return out or None
 
     @property
     def is_greedy(self) -> bool:

@@ -1,7 +1,9 @@
-"""Batched token sampling: penalties, temperature, min-p/top-k/top-p, greedy and seeded draws.
+"""Batched token sampling: allowed tokens, bad words, min_tokens, logit bias, penalties, temperature,
+min-p/top-k/top-p, greedy and seeded draws, in vLLM v1's order.
 
-Everything runs on the logits' device as whole-batch tensor ops; the only Python
-loop is over seeded rows, because each one owns its generator.
+Everything runs on the logits' device as whole-batch tensor ops; the only Python loop there is over
+seeded rows, because each one owns its generator. What varies per row is gathered into per-step
+tensors once per step by `SamplingBatch.build`, on the host.
 """
 
 from dataclasses import dataclass
@@ -47,6 +49,16 @@ class SamplingBatch:
     # (row indices, token ids) to set to -inf because the row has not reached min_tokens.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None  # None when no row asked for logprobs
+    # (row indices [R], [R, V] bool True where banned): the rows with allowed_token_ids and, per row,
+    # every token outside them.
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (row indices, token ids) to set to -inf this step: one-token bad words, and the last token of each
+    # longer bad word whose other tokens end the row's output so far.
+    bad_words_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (row indices, token ids, biases float32) to add to the logits: the rows' logit_bias entries.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Some row has a bad word of several tokens: `bad_words_mask` depends on the output so far.
+    bad_words_per_step: bool = False
     # [N, ceil(V / 32)] int32: bit j of word i allows token 32 * i + j (grammar masks; all ones for free rows).
     # Set by the model runner after the forward is queued, since it is computed meanwhile.
     token_bitmask: torch.Tensor | None = None
@@ -63,9 +75,20 @@ class SamplingBatch:
             self.all_greedy
             and self.penalties is None
             and self.min_tokens_mask is None
+            and self.allowed_token_ids is None
+            and self.bad_words_mask is None
+            and self.logit_bias is None
             and self.max_num_logprobs is None
             and self.token_bitmask is None
         )
+
+    @property
+    def reusable(self) -> bool:
+        """The next step of the same rows may sample with these tensors again: none of them depends on
+        the output so far (penalties count it, min_tokens holds EOS back until it is long enough, bad
+        words of several tokens look at its end). Static ones (temperature, logit_bias, allowed tokens,
+        one-token bad words) never change during a request."""
+        return self.penalties is None and self.min_tokens_mask is None and not self.bad_words_per_step
 
     @classmethod
     def build(
@@ -82,10 +105,11 @@ class SamplingBatch:
         """Lists are indexed by batch row.
 
         `num_output_tokens` counts tokens sampled so far, including any still on the device under
-        async scheduling (`output_token_ids` then lacks them, which only rows without penalties
-        may do). A random row is seeded iff its generator is given; the engine creates it from
-        params.seed on the logits' device and keeps it across steps so a request's draws continue
-        one stream. Generators of greedy rows are ignored.
+        async scheduling (`output_token_ids` then lacks them, which only rows without penalties or
+        bad words of several tokens may do: `Request.needs_host_tokens`). A random row is seeded iff
+        its generator is given; the engine creates it from params.seed on the logits' device and
+        keeps it across steps so a request's draws continue one stream. Generators of greedy rows
+        are ignored.
         """
         num_rows = len(params)
         for name, values in (
@@ -150,6 +174,59 @@ class SamplingBatch:
         if mask_rows:
             min_tokens_mask = (per_row(mask_rows, torch.int64), per_row(mask_ids, torch.int64))
 
+        allowed_token_ids = None
+        allowed_rows = [row for row, p in enumerate(params) if p.allowed_token_ids]
+        if allowed_rows:
+            # One scatter clears the allowed ids of an all-banned mask; padding lands in a scratch column.
+            padded = _pad_token_ids([params[row].allowed_token_ids or [] for row in allowed_rows], vocab_size, device)
+            outside = torch.ones(len(allowed_rows), vocab_size + 1, dtype=torch.bool, device=device)
+            outside.scatter_(1, padded.clamp_(max=vocab_size), False)
+            allowed_token_ids = (per_row(allowed_rows, torch.int64), outside[:, :vocab_size])
+
+        bad_rows: list[int] = []
+        bad_ids: list[int] = []
+        bad_words_per_step = False
+        for row, (p, out, count) in enumerate(zip(params, output_token_ids, num_output_tokens)):
+            if not p.bad_words_token_ids:
+                continue
+            banned_ids = set()
+            for seq in p.bad_words_token_ids:
+                if len(seq) == 1:
+                    banned_ids.add(seq[0])
+                    continue
+                bad_words_per_step = True
+                if len(out) != count:
+                    raise ValueError(
+                        f"row {row}: a bad word of several tokens needs every output token on the host "
+                        f"({len(out)} of {count})"
+                    )
+                prefix = len(seq) - 1
+                if len(out) >= prefix and out[len(out) - prefix :] == seq[:prefix]:
+                    banned_ids.add(seq[-1])
+            banned_in_vocab = sorted(t for t in banned_ids if t < vocab_size)
+            bad_rows.extend([row] * len(banned_in_vocab))
+            bad_ids.extend(banned_in_vocab)
+        bad_words_mask = None
+        if bad_rows:
+            bad_words_mask = (per_row(bad_rows, torch.int64), per_row(bad_ids, torch.int64))
+
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for row, p in enumerate(params):
+            for token, bias in (p.logit_bias or {}).items():
+                if token < vocab_size:
+                    bias_rows.append(row)
+                    bias_ids.append(token)
+                    bias_values.append(bias)
+        logit_bias = None
+        if bias_rows:
+            logit_bias = (
+                per_row(bias_rows, torch.int64),
+                per_row(bias_ids, torch.int64),
+                per_row(bias_values, torch.float32),
+            )
+
         requested = [p.logprobs for p in params if p.logprobs is not None]
 
         return cls(
@@ -164,6 +241,10 @@ class SamplingBatch:
             penalties=penalties,
             min_tokens_mask=min_tokens_mask,
             max_num_logprobs=max(requested) if requested else None,
+            allowed_token_ids=allowed_token_ids,
+            bad_words_mask=bad_words_mask,
+            logit_bias=logit_bias,
+            bad_words_per_step=bad_words_per_step,
         )
 
 
@@ -194,10 +275,33 @@ def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Rows with allowed_token_ids: every other token to -inf, in place."""
+    if batch.allowed_token_ids is not None:
+        rows, banned = batch.allowed_token_ids
+        logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.bad_words_mask is not None:
+        rows, ids = batch.bad_words_mask
+        logits[rows, ids] = float("-inf")
+    return logits
+
+
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.min_tokens_mask is not None:
         rows, ids = batch.min_tokens_mask
         logits[rows, ids] = float("-inf")
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each row's logit_bias added to its logits, in place (a banned token stays -inf)."""
+    if batch.logit_bias is not None:
+        rows, ids, values = batch.logit_bias
+        logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
     return logits
 
 
@@ -380,7 +484,11 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1, dtype=torch.float32) if batch.max_num_logprobs is not None else None
         )
+        # vLLM v1's order: allowed tokens, bad words, min_tokens, logit_bias, then the penalties.
+        logits = apply_allowed_token_ids(logits, batch)
+        logits = apply_bad_words(logits, batch)
         logits = apply_min_tokens(logits, batch)
+        logits = apply_logit_bias(logits, batch)
         logits = apply_penalties(logits, batch)
         if not batch.mask_can_wait:
             logits = apply_token_bitmask(logits, batch.token_bitmask)

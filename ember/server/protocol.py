@@ -1,24 +1,26 @@
 """The OpenAI API schema Ember serves, as pydantic models.
 
-Field names, defaults and shapes follow OpenAI's API (plus vLLM's sampling extensions such as
-`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`), so the official clients work unchanged.
-Unknown request fields are ignored, as vLLM does, because clients send parameters that change
-nothing (`user`, `store`, `metadata`, ...). Known fields that would change the answer and that
-Ember does not implement yet (`best_of` above `n`, a non-empty `logit_bias`, `suffix`) are a 400
-naming the field, never silently dropped. Semantic range checks live in `SamplingParams`, the one
-place the engine trusts; the models here bound every integer (so none can overflow the 64-bit
-ints of the core's messages and tensors) and check types and shapes.
+Field names, defaults and shapes follow OpenAI's API (`logit_bias` included, its keys token ids
+written as strings) plus vLLM's sampling extensions (`top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `min_tokens`, `allowed_token_ids`, `bad_words`, ...), so the official clients work
+unchanged. Unknown request fields are ignored, as vLLM does, because clients send parameters that
+change nothing (`user`, `store`, `metadata`, ...). Known fields that would change the answer and that
+Ember does not implement yet (`best_of` above `n`, `suffix`) are a 400 naming the field, never
+silently dropped. Semantic range checks live in `SamplingParams`, the one place the engine trusts;
+the models here bound every integer (so none can overflow the 64-bit ints of the core's messages
+and tensors) and check types and shapes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from ember.sampling.params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from ember.sampling.params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
 
 # OpenAI's own limit; a larger n would let one request allocate millions of sequences.
@@ -27,6 +29,8 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts; the processor bounds them by the context
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the processor bounds it by the vocabulary
 LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
 
 class StreamOptions(BaseModel):
@@ -82,9 +86,12 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    # Known to OpenAI's API, not built yet: refused when they would change the answer (see `_unsupported`).
+    # OpenAI's: token id (a JSON key, so a string) -> a bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, LogitBias] | None = None
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    # Known to OpenAI's API, not built yet: refused when it would change the answer (see `_unsupported`).
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -120,6 +127,9 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.constraint(),
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
     def _unsupported(self) -> None:
@@ -127,8 +137,15 @@ class _SamplingRequest(BaseModel):
             raise ValueError(
                 f"best_of: not supported (best_of={self.best_of} with n={self.n}); send n alone, or best_of equal to n"
             )
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported yet")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys as token ids."""
+        if not self.logit_bias:
+            return None
+        for key in self.logit_bias:
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"logit_bias keys must be token ids written as decimal integers, got {key!r}")
+        return {int(key): value for key, value in self.logit_bias.items()}
 
     def constraint(self) -> StructuredOutputsParams | None:
         """`response_format` or `structured_outputs` as checked parameters; a ValueError naming the
