@@ -277,6 +277,14 @@ def test_served_store_on_disk_survives_a_server_restart(tmp_path_factory, tmp_pa
         assert s.client().responses.retrieve(made.id).output_text == made.output_text
 
 
+def test_a_response_larger_than_the_store_is_answered_but_not_kept(tmp_path_factory):
+    with serve_default_model(tmp_path_factory, responses_store_limits=StoreLimits(max_bytes=200)) as s:
+        made = s.client().responses.create(model=MODEL, input="Say hello", max_output_tokens=3, temperature=0)
+        assert made.status == "incomplete" and made.output_text
+        with pytest.raises(openai.NotFoundError):
+            s.client().responses.retrieve(made.id)
+
+
 # ---- items and the event writer on scripted answers ----------------------------------------------
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -60,6 +61,7 @@ from ember.server.responses_protocol import (
 from ember.server.responses_store import StoredResponse
 from ember.server.state import ServerState, get_state
 
+logger = logging.getLogger("ember")
 EVENTS = EventFormat(named=True, done=None)
 TextDeltaKind = Literal["response.output_text.delta", "response.reasoning_text.delta"]
 TextDoneKind = Literal["response.output_text.done", "response.reasoning_text.done"]
@@ -191,10 +193,14 @@ class _Response:
     def store(self) -> None:
         """Synchronous on purpose: the store commits without an fsync (WAL, synchronous=NORMAL), tens of
         microseconds, and the next request may name this response as soon as it is answered."""
-        if self.body.store:
+        if not self.body.store:
+            return
+        try:
             self.state.response_store.put(
                 self.owner, self.obj.id, StoredResponse(self.obj.model_dump_json(), self.items)
             )
+        except ValueError as e:  # larger than the whole store: answered all the same, just not kept
+            logger.warning("response %s not stored: %s", self.obj.id, e)
 
     def _finish(self, finish_reason: str | None, finals: list[RequestOutput]) -> ResponseObject:
         u = self.run.usage()
