@@ -22,7 +22,7 @@ from ember.sampling.structured import GrammarCheck, StructuredOutputsParams, che
 from ember.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def needs_tokenizing(prompt: PromptType) -> bool:
@@ -63,7 +63,7 @@ class Processor:
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults, as vLLM does."""
         return SamplingParams(
-            **{k: self.generation_config[k] for k in _GENERATION_DEFAULTS if self.generation_config.get(k) is not None}
+            **{k: self.generation_config[k] for k in GENERATION_FIELDS if self.generation_config.get(k) is not None}
         )
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

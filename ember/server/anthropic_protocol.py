@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, RootModel, field_validator
 
 from ember.sampling.params import INT32_MAX, SamplingParams
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
-from ember.server.protocol import FunctionDefinition, refuse_unreadable
+from ember.server.protocol import FunctionDefinition, generation_defaults, refuse_unreadable
 
 # Anthropic's SDK rejects nothing here, but its API bounds temperature to [0, 1].
 Temperature = Annotated[float, Field(ge=0, le=1)]
@@ -189,16 +189,8 @@ class MessagesRequest(CountTokensRequest):
         """Anthropic's default temperature is 1.0; None falls back to the model's generation config, as the
         OpenAI endpoints do."""
 
-        def pick(name: str) -> Any:
-            value = getattr(self, name)
-            return getattr(defaults, name) if value is None else value
-
         return SamplingParams(
-            temperature=pick("temperature"),
-            top_p=pick("top_p"),
-            top_k=pick("top_k"),
-            min_p=defaults.min_p,
-            repetition_penalty=defaults.repetition_penalty,
+            **generation_defaults(self, defaults),
             max_tokens=self.max_tokens,
             stop=self.stop_sequences,
             ignore_eos=self.ignore_eos,

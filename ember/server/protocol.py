@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from ember.frontend.processor import GENERATION_FIELDS
 from ember.sampling.params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
 
@@ -31,6 +32,14 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the processor bounds it b
 LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")
+
+
+def generation_defaults(request: BaseModel, defaults: SamplingParams) -> dict[str, Any]:
+    """Each sampling field a model's generation_config.json may set (GENERATION_FIELDS) from the request
+    when it sent one, else from `defaults` (the model's value, as in vLLM); an API without the field
+    always gets the model's."""
+    picked = {name: getattr(request, name, None) for name in GENERATION_FIELDS}
+    return {name: getattr(defaults, name) if value is None else value for name, value in picked.items()}
 
 
 class StreamOptions(BaseModel):
@@ -103,19 +112,11 @@ class _SamplingRequest(BaseModel):
         """Raises ValueError whose message starts with the offending field's name."""
         self._unsupported()
 
-        def pick(name: str) -> Any:
-            value = getattr(self, name)
-            return getattr(defaults, name) if value is None else value
-
         return SamplingParams(
             n=self.n,
-            temperature=pick("temperature"),
-            top_p=pick("top_p"),
-            top_k=pick("top_k"),
-            min_p=pick("min_p"),
+            **generation_defaults(self, defaults),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=pick("repetition_penalty"),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Discriminator, Field, RootModel, Tag, field_vali
 
 from ember.sampling.params import INT32_MAX, MAX_LOGPROBS, SamplingParams
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
-from ember.server.protocol import ChatTokenLogprob, refuse_unreadable, with_argument_mappings
+from ember.server.protocol import ChatTokenLogprob, generation_defaults, refuse_unreadable, with_argument_mappings
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -242,17 +242,9 @@ class ResponsesRequest(BaseModel):
         return list(self.input)
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
-        def pick(name: str) -> Any:
-            value = getattr(self, name)
-            return getattr(defaults, name) if value is None else value
-
         logprobs = (self.top_logprobs or 0) if self.wants_logprobs else None
         return SamplingParams(
-            temperature=pick("temperature"),
-            top_p=pick("top_p"),
-            top_k=defaults.top_k,
-            min_p=defaults.min_p,
-            repetition_penalty=defaults.repetition_penalty,
+            **generation_defaults(self, defaults),
             max_tokens=self.max_output_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
