@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,77 @@ class RunnerConfig:
     enforce_eager: bool
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`, vLLM's fields. Every method drafts greedily and the target verifies by
+    rejection sampling (ember/sampling/rejection.py), so output follows the target's distribution
+    whatever the drafts are: greedy output is the same token for token.
+
+    `draft_token_budget` is the rule that turns speculation down as the batch grows: a step carries at
+    most that many draft tokens (split evenly over its running requests, none once they alone reach
+    it). Verifying costs about one step only while the step is bound by reading the weights; past the
+    ridge point it costs compute. None: by device (see `draft_budget_for`)."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # draft_model: an HF directory or .gguf; eagle3: the EAGLE-3 head's directory
+    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram to look up
+    prompt_lookup_max: int = 5  # ngram: longest, tried first
+    draft_token_budget: int | None = None
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """From a dict or its JSON (the CLI's and YAML's form), checked field by field."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a mapping, got {value!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(fields)}")
+        if value.get("method") not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {value.get('method')!r}"
+            )
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        config = cls(**value)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1)
+        _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        if self.draft_token_budget is not None:
+            _check_int("speculative_config.draft_token_budget", self.draft_token_budget, 0)
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model: the ngram method drafts from the prompt, without a model")
+        if self.method != "ngram" and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method!r}")
+
+    def draft_budget_for(self, device_type: str) -> int:
+        """Draft tokens a step may carry. On the H100/H200 a bf16 8B step stays bound by its weight read
+        up to about 128 tokens (ridge ~ 790 TFLOP/s / 4.3 TB/s ~ 184 FLOP per weight byte, i.e. ~184
+        tokens); on a CPU the matmuls become compute bound within a few rows."""
+        if self.draft_token_budget is not None:
+            return self.draft_token_budget
+        return 128 if device_type == "cuda" else 8
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.method != "ngram"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine core is started with: the user's engine flags less the front end's own, checked
@@ -94,6 +166,7 @@ class EngineConfig:
     kv_cache_dtype: str  # "auto" (the model's dtype) or "fp8"
     seed: int
     enforce_eager: bool
+    speculative: SpeculativeConfig | None = None
 
     def runner_config(self, device: torch.device, checkpoint_dtype: str | None) -> RunnerConfig:
         """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
@@ -142,6 +215,8 @@ class EngineArgs:
     engine_process: bool | None = None
     # Front end only: a file of phrases to stop before (one a line), or the phrases themselves (see content_filter.py).
     blocked_words: str | list[str] | None = None
+    # Draft tokens verified by the model (vLLM's form: a dict, or its JSON; see SpeculativeConfig).
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -173,6 +248,14 @@ class EngineArgs:
             raise ValueError(f"blocked_words must be a file path or a list of phrases, got {self.blocked_words!r}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config: not supported with tensor parallelism (tensor_parallel_size > 1)")
+            if self.async_scheduling:
+                raise ValueError(
+                    "speculative_config: not supported with --async-scheduling (drafts need the host's tokens)"
+                )
 
     def engine_config(self) -> EngineConfig:
         """The engine core's part of the flags, dtype names spelled one way; the front end keeps the rest
@@ -190,6 +273,7 @@ class EngineArgs:
             kv_cache_dtype="auto" if self.kv_cache_dtype == "auto" else "fp8",
             seed=self.seed,
             enforce_eager=self.enforce_eager,
+            speculative=SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None,
         )
 
     def load_config(self) -> LoadConfig:
@@ -278,6 +362,13 @@ class EngineArgs:
             default=None,
             help="phrases (one a line, case-insensitive, Unicode-normalised) that end a completion before "
             "they appear, with finish_reason 'content_filter'",
+        )
+        g.add_argument(
+            "--speculative-config",
+            metavar="JSON",
+            default=None,
+            help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\', '
+            "'draft_model' or 'eagle3' with \"model\": a path (see docs/speculative_decoding.md)",
         )
 
     @classmethod

@@ -75,6 +75,17 @@ class EngineCoreOutput(_Message):
     stop_reason: int | None = None  # the stop token id that ended the request
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     error: str | None = None  # the request failed inside the core (finish_reason is then "abort")
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified this step
+    num_accepted_tokens: int = 0  # of which the model accepted
+
+
+class SpecDecodeStats(_Message):
+    """Speculative decoding's counters since start (vLLM's spec_decode metrics)."""
+
+    num_drafts: int  # draft runs verified: a request's drafts in one step
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]  # accepted at draft position 0, 1, ...
 
 
 class SchedulerStats(_Message):
@@ -92,6 +103,7 @@ class SchedulerStats(_Message):
     gpu_idle_s: float = 0.0  # CUDA: time the GPU waited for the host between steps
     gpu_mask_wait_s: float = 0.0  # CUDA: time the GPU waited inside steps for grammar masks
     num_requests: int = 0  # requests the core holds in any state (0 when idle: nothing left behind)
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding
 
 
 class EngineCoreOutputs(_Message):

@@ -212,6 +212,21 @@ class BlockManager:
             self._release(block_id)
         record.num_dropped = dead
 
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """Release the request's tail blocks past its first `num_tokens` tokens (slots of rejected draft
+        tokens): the number of blocks it keeps, or None when nothing was released. Tail blocks hold no
+        full block of known tokens, so none is in the prefix cache."""
+        record = self._requests.get(request.request_id)
+        if record is None:
+            return None
+        keep = max(-(-num_tokens // self.block_size), record.num_dropped)
+        if keep >= len(record.block_ids):
+            return None
+        for block_id in reversed(record.block_ids[keep:]):
+            self._release(block_id)
+        del record.block_ids[keep:]
+        return keep
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail blocks first so a shared prefix outlives its suffixes, and
         forget its table and hashes: a preempted request computes its hashes again when it comes back, a

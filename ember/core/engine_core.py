@@ -27,11 +27,13 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from ember.config import EngineConfig
+from ember.config import EngineConfig, LoadConfig
 from ember.core.block_manager import BlockManager
 from ember.core.grammar import GrammarManager, consume
+from ember.core.ngram import propose_ngram
 from ember.core.request import Request, RequestStatus
-from ember.core.scheduler import ScheduledBatch, Scheduler
+from ember.core.scheduler import DraftPolicy, ScheduledBatch, Scheduler
+from ember.core.spec_stats import SpecDecodeCounts
 from ember.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -41,7 +43,7 @@ from ember.messages import (
     SchedulerStats,
 )
 from ember.model.hf_config import ModelConfig
-from ember.model.loader import load_model_files
+from ember.model.loader import ModelFiles, load_model_files
 from ember.model.sharding import check_divisible
 from ember.runner.device import resolve_device
 from ember.runner.model_runner import ModelRunner, PendingStep
@@ -70,6 +72,7 @@ class EngineCore:
                 config.cache,
                 self.scheduler_config,
                 runner_device,
+                _draft_files(config),
             )
             num_blocks = self.runner.prepare_cache()
         except RuntimeError as e:  # under tensor parallelism, often a rank that died
@@ -91,7 +94,11 @@ class EngineCore:
             config.cache.enable_prefix_caching,
             sliding_window=_shared_window(files.model_config),
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.speculative = config.speculative
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.block_manager, DraftPolicy.of(self.speculative, runner_device.type)
+        )
+        self.spec_counts = SpecDecodeCounts.empty(self.speculative.num_speculative_tokens if self.speculative else 0)
         # Before anything below calls shutdown().
         self.grammar = GrammarManager(config.load, self.vocab_size, files.model_info)
         capacity = num_blocks * config.cache.block_size
@@ -103,7 +110,7 @@ class EngineCore:
                 f"/ --gpu-memory-utilization"
             )
         self.async_scheduling = _resolve_async_scheduling(
-            config.async_scheduling, config.tensor_parallel_size, runner_device.type
+            config.async_scheduling, config.tensor_parallel_size, runner_device.type, self.speculative is not None
         )
         self.requests: dict[str, Request] = {}
         self._inflight: deque[tuple[ScheduledBatch, PendingStep]] = deque()
@@ -243,6 +250,7 @@ class EngineCore:
             gpu_idle_s=timer.idle_s if timer else 0.0,
             gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0,
             num_requests=len(self.requests),
+            spec_decode=self.spec_counts.message() if self.speculative else None,
         )
 
     def _launch(self, outputs: list[EngineCoreOutput]) -> bool:
@@ -304,31 +312,59 @@ class EngineCore:
             new = None if req.status.finished else _unsent_prompt_logprobs(req, first, prompt_logprobs)
             if new is not None:
                 outputs[rid] = EngineCoreOutput(rid, [], new_prompt_logprobs=new)
+        drafts = dict(zip(batch.step.request_ids, batch.step.spec_token_ids))
         constrained: list[tuple[Request, int]] = []
-        for rid, token, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
+        for rid, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             req = by_id[rid]
             req.num_inflight_tokens -= 1
+            num_drafts = len(drafts[rid])
+            if num_drafts:
+                self.spec_counts.add(num_drafts, len(tokens) - 1)
+                self.scheduler.reject_drafts(req, num_drafts - (len(tokens) - 1))
             if req.status.finished:  # aborted, or finished by the step before, while this one ran
                 continue
             out = outputs.setdefault(req.request_id, EngineCoreOutput(req.request_id, []))
+            out.num_draft_tokens, out.num_accepted_tokens = num_drafts, len(tokens) - 1
             try:
-                if self._append(req, token, logprobs, out) and req.matcher is not None:
-                    constrained.append((req, token))
+                if self._append(req, tokens, logprobs, out) and req.matcher is not None:
+                    constrained.append((req, tokens[-1]))
             except Exception as e:  # noqa: BLE001 - one request's bookkeeping failed: fail only that request
                 outputs[req.request_id] = self._bookkeeping_failed(req, e)
         if constrained:
             self._check_grammars(constrained, outputs)
+        if self.speculative is not None:
+            self._propose([by_id[rid] for rid in result.request_ids], result)
         return list(outputs.values())
 
-    def _append(self, req: Request, token: int, logprobs: Logprobs | None, out: EngineCoreOutput) -> bool:
-        """Record the token; False when it ended the request."""
-        req.append_token(token)
-        out.new_token_ids, out.new_logprobs = [token], logprobs
+    def _append(self, req: Request, tokens: list[int], logprobs: Logprobs | None, out: EngineCoreOutput) -> bool:
+        """Record the tokens up to the first that ends the request; False when one did."""
+        status, kept = None, 0
+        while status is None and kept < len(tokens):
+            req.append_token(tokens[kept])
+            status = req.check_stop(tokens[kept], self.max_model_len)
+            kept += 1
+        out.new_token_ids = tokens[:kept]
+        out.new_logprobs = logprobs if logprobs is None or kept == len(tokens) else _first_rows(logprobs, kept)
         out.num_cached_tokens = max(req.num_cached_tokens, 0)
-        status = req.check_stop(token, self.max_model_len)
         if status is not None:
             self._end(req, status, out)
         return status is None
+
+    def _propose(self, requests: list[Request], result: StepResult) -> None:
+        """Drafts for the next step of each request that sampled: the runner's draft model proposed them,
+        or the n-gram lookup does now. None for a request with a grammar (its mask is computed for one
+        token at a time) or when the batch is too large for drafts to pay."""
+        assert self.speculative is not None  # called only with speculative decoding
+        k = self.scheduler.num_draft_tokens()
+        for req in requests:
+            if req.status.finished:
+                continue
+            n = min(k, req.max_drafts(self.max_model_len)) if req.matcher is None else 0
+            if self.speculative.method == "ngram":
+                s = self.speculative
+                req.spec_token_ids = propose_ngram(req.all_token_ids, n, s.prompt_lookup_min, s.prompt_lookup_max)
+            else:
+                req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])[:n]
 
     def _check_grammars(self, items: list[tuple[Request, int]], outputs: dict[str, EngineCoreOutput]) -> None:
         """End the requests whose grammar cannot go on after their new token. A complete grammar allows
@@ -377,6 +413,10 @@ class EngineCore:
         return outputs
 
 
+def _first_rows(logprobs: Logprobs, n: int) -> Logprobs:
+    return Logprobs(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
+
+
 def _unsent_prompt_logprobs(req: Request, first: int, logprobs: Logprobs) -> Logprobs | None:
     """The part of a step's prompt logprobs not reported before (a preempted request recomputes its
     prompt, and its earlier positions were sent already)."""
@@ -399,6 +439,15 @@ def _start_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> T
     return group
 
 
+def _draft_files(config: EngineConfig) -> ModelFiles | None:
+    """The draft model's files (`draft_model`), read as the target's are (random weights with theirs)."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    load = LoadConfig(model=spec.model, tokenizer=None, load_format=config.load.load_format, quantization=None)
+    return load_model_files(load)
+
+
 def _shared_window(cfg: ModelConfig) -> int | None:
     """The window every layer attends through, or None: only then do a request's blocks leave all
     layers' windows, so that the block manager may release them before the request ends."""
@@ -406,12 +455,17 @@ def _shared_window(cfg: ModelConfig) -> int | None:
     return windows.pop() if len(windows) == 1 else None
 
 
-def _resolve_async_scheduling(requested: bool | None, tensor_parallel_size: int, device_type: str) -> bool:
+def _resolve_async_scheduling(
+    requested: bool | None, tensor_parallel_size: int, device_type: str, speculative: bool
+) -> bool:
     """On by default with one CUDA GPU, where it hides the host's per-step work behind the GPU's; on the
     CPU the same cores do both, so nothing is hidden. The tensor-parallel step broadcast sends token
-    ids from the host, so it needs them there: one step at a time."""
+    ids from the host, so it needs them there: one step at a time. So does speculative decoding: a
+    step's drafts and computed-token counts depend on how many drafts the step before accepted."""
     if requested is None:
-        return device_type == "cuda" and tensor_parallel_size == 1
+        return device_type == "cuda" and tensor_parallel_size == 1 and not speculative
+    if requested and speculative:
+        raise ValueError("async_scheduling: not supported with speculative decoding")
     if requested and tensor_parallel_size > 1:
         raise ValueError("async_scheduling: not supported with tensor parallelism (tensor_parallel_size > 1)")
     return requested

@@ -52,6 +52,7 @@ class Request:
     matcher: llguidance.LLMatcher | None = None  # its structured-output grammar's state
     num_grammar_tokens: int = 0  # output tokens the matcher has consumed (it may run ahead of the host's list)
     grammar_error: str | None = None  # why the grammar cannot go on, once a token it was fed ended it
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step to verify
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -118,6 +119,11 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def max_drafts(self, max_model_len: int) -> int:
+        """Drafts its next step may verify: all accepted, plus the model's own token, must stay within
+        max_tokens and the context window."""
+        return max(0, min(self.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens) - 1)
 
     def is_length_capped(self, max_model_len: int) -> bool:
         """Its tokens in flight already reach a length limit: nothing more to compute for it."""

@@ -12,6 +12,11 @@ Computed-token counts advance when a step is launched (`advance`), not when its 
 so that under async scheduling the next step can be planned while this one runs: a token sampled
 by a step still in flight counts as known (`Request.num_inflight_tokens`).
 
+With speculative decoding a decoding request also computes the draft tokens proposed for it
+(`Request.spec_token_ids`), which count against the token budget; the core rolls its computed
+tokens back past the drafts the model rejected, and `trim` releases blocks that then hold nothing.
+How many drafts a request gets shrinks as the batch grows (`num_draft_tokens`).
+
 Each batch carries the model runner's `StepDescription`: a request the runner has not seen in full,
 then per step only what changed (new tokens and blocks), and the ids of the requests preempted or
 finished since the last step, so the runner can keep its own per-request state.
@@ -22,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ember.config import SchedulerConfig
+from ember.config import SchedulerConfig, SpeculativeConfig
 from ember.core.block_manager import BlockManager
 from ember.core.request import Request, RequestStatus
 from ember.runner.step import NewRequest, StepDescription
@@ -44,19 +49,46 @@ class ScheduledBatch:
         return len(self.requests)
 
 
+@dataclass(frozen=True)
+class DraftPolicy:
+    """How many draft tokens requests get: `k` each while the batch's drafts stay within `budget`
+    (see SpeculativeConfig.draft_budget_for). `lookahead`: a draft model proposes inside the step,
+    writing its KV ahead of the tokens verified, so sampling requests get slots for k more tokens."""
+
+    k: int
+    budget: int
+    lookahead: bool
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig | None, device_type: str) -> DraftPolicy:
+        if config is None:
+            return cls(0, 0, False)
+        return cls(config.num_speculative_tokens, config.draft_budget_for(device_type), config.needs_draft_model)
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, drafts: DraftPolicy = DraftPolicy(0, 0, False)
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.drafts = drafts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Requests the runner must forget (or whose blocks it must drop) with the next step it gets.
         self._preempted_ids: list[str] = []
         self._finished_ids: list[str] = []
+        self._trimmed: dict[str, int] = {}  # request id -> blocks it keeps, for the runner's table
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def num_draft_tokens(self) -> int:
+        """Drafts per request for the batch as it is now: none once the running requests alone fill the
+        draft budget (at 256 concurrent the step is compute bound, and verifying would cost)."""
+        running = max(1, len(self.running))
+        return min(self.drafts.k, self.drafts.budget // running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -71,15 +103,18 @@ class Scheduler:
                 continue
             self.block_manager.drop_out_of_window(request)
             n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
+            drafts = request.spec_token_ids[: budget - n] if n == 1 else []
+            n += len(drafts)
+            slots = n + self._lookahead(request, request.num_computed_tokens + n)
             new_blocks: list[int] = []
             # Most decodes still have room in their last block: no allocation to ask for.
             num_slots = len(self.block_manager.block_table(request.request_id)) * block_size
-            if request.num_computed_tokens + n > num_slots:
-                allocated = self._allocate_or_preempt(request, n)
+            if request.num_computed_tokens + slots > num_slots:
+                allocated = self._allocate_or_preempt(request, slots)
                 if allocated is None:  # preempted itself, the newest running request: the loop ends
                     continue
                 new_blocks = allocated
-            self._add(batch, request, n, new_blocks)
+            self._add(batch, request, n, new_blocks, drafts)
             budget -= n
             i += 1
 
@@ -96,7 +131,9 @@ class Scheduler:
             prefix_blocks = self.block_manager.match_prefix(request)
             num_cached = len(prefix_blocks) * self.block_manager.block_size
             n = min(request.num_tokens - num_cached, budget)
-            allocation = self.block_manager.allocate(request, n, prefix_blocks)
+            allocation = self.block_manager.allocate(
+                request, n + self._lookahead(request, num_cached + n), prefix_blocks
+            )
             if allocation is None:
                 break
             self.waiting.popleft()
@@ -111,7 +148,18 @@ class Scheduler:
         if batch:  # an empty batch is never launched: its ids wait for the next one
             batch.step.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
             batch.step.finished_request_ids, self._finished_ids = self._finished_ids, []
+            batch.step.trimmed_block_counts, self._trimmed = self._trimmed, {}
+            if self.drafts.lookahead:
+                batch.step.num_speculative_tokens = self.num_draft_tokens()
         return batch
+
+    def _lookahead(self, request: Request, computed_after: int) -> int:
+        """Slots past the step's tokens that a draft model writes when the request samples in it, i.e. when
+        the step computes it up to `computed_after` >= its known tokens (clipped to the context window:
+        the runner writes nothing past the request's blocks)."""
+        if not self.drafts.lookahead or computed_after < request.num_scheduled_tokens:
+            return 0
+        return max(0, min(self.drafts.k, self.config.max_model_len - request.num_scheduled_tokens - 1))
 
     def _allocate_or_preempt(self, request: Request, n: int) -> list[int] | None:
         """Blocks for n more tokens of a running request, preempting the newest running requests until they
@@ -124,7 +172,9 @@ class Scheduler:
         return allocation.block_ids
 
     @staticmethod
-    def _add(batch: ScheduledBatch, request: Request, n: int, new_block_ids: list[int]) -> None:
+    def _add(
+        batch: ScheduledBatch, request: Request, n: int, new_block_ids: list[int], drafts: list[int] | None = None
+    ) -> None:
         """Put n tokens of the request in the batch, telling the runner what it has not heard of it yet."""
         if not request.num_tokens_sent:
             batch.step.new_requests.append(
@@ -138,6 +188,7 @@ class Scheduler:
             request.num_inflight_tokens,
             request.all_token_ids[request.num_tokens_sent :],
             new_block_ids,
+            drafts,
         )
         request.num_tokens_sent = request.num_tokens
         batch.requests.append(request)
@@ -145,6 +196,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -156,10 +208,20 @@ class Scheduler:
         sampling = []
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_scheduled_tokens:
+            if request.num_computed_tokens >= request.num_scheduled_tokens:  # past them by its drafts
                 request.num_inflight_tokens += 1
                 sampling.append(request)
         return sampling
+
+    def reject_drafts(self, request: Request, num_rejected: int) -> None:
+        """The model rejected the request's last `num_rejected` computed tokens (drafts): roll its
+        computed count back, so their slots are written again, and release blocks past what it holds."""
+        if not num_rejected:
+            return
+        request.num_computed_tokens -= num_rejected
+        kept = self.block_manager.trim(request, request.num_computed_tokens)
+        if kept is not None:
+            self._trimmed[request.request_id] = kept
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish blocks that steps have filled with known tokens to the prefix cache."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ember.messages import SchedulerStats
+from ember.messages import SchedulerStats, SpecDecodeStats
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -84,8 +84,20 @@ class PrometheusStatLogger:
         self._success = Counter(
             "ember:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
         )
+        self.spec_drafts = counter(
+            "ember:spec_decode_num_drafts", "Draft runs verified (a request's drafts in one step)."
+        )
+        self.spec_draft_tokens = counter("ember:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("ember:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter(
+            "ember:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            labels + ["position"],
+            registry=r,
+        )
         self.model_name = model_name
         self._seen = (0, 0, 0)
+        self._spec_seen = SpecDecodeStats(0, 0, 0, [])
 
     def record_scheduler(self, s: SchedulerStats) -> None:
         self.running.set(s.num_running)
@@ -96,6 +108,18 @@ class PrometheusStatLogger:
         self.prefix_hits.inc(s.prefix_cache_hits - hits)
         self.preemptions.inc(s.num_preemptions - preempted)
         self._seen = (s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions)
+        if s.spec_decode is not None:
+            self._record_spec(s.spec_decode)
+
+    def _record_spec(self, spec: SpecDecodeStats) -> None:
+        seen = self._spec_seen
+        self.spec_drafts.inc(spec.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted.inc(spec.num_accepted_tokens - seen.num_accepted_tokens)
+        before = seen.num_accepted_tokens_per_pos + [0] * len(spec.num_accepted_tokens_per_pos)
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            self._spec_per_pos.labels(self.model_name, str(pos)).inc(count - before[pos])
+        self._spec_seen = spec
 
     def record_iteration(self, it: IterationStats) -> None:
         self.prompt_tokens.inc(it.num_prompt_tokens)

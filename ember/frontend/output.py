@@ -44,6 +44,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Per-request figures, as vLLM's `RequestOutput.metrics`: timing, and speculative decoding's drafts
+    over all of the request's sequences."""
+
+    arrival_time: float
+    first_token_time: float | None = None  # time.monotonic() of the first generated token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -53,6 +68,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed inside the engine (finish_reason is then "abort")
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
+    metrics: RequestMetrics | None = None
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -190,6 +206,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.error: str | None = None
         self.first_token_time: float | None = None
+        self.num_draft_tokens = self.num_accepted_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -220,12 +237,17 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
             prompt_logprobs=self.prompt_logprobs,
+            metrics=RequestMetrics(
+                self.arrival_time, self.first_token_time, self.num_draft_tokens, self.num_accepted_tokens
+            ),
         )
 
     def update(self, seq: _Sequence, out: EngineCoreOutput, now: float, stats: IterationStats) -> bool:
         """Apply one core output to one sequence; True when its text hit a stop string or a blocked phrase
         (the core must then abort it)."""
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        self.num_draft_tokens += out.num_draft_tokens
+        self.num_accepted_tokens += out.num_accepted_tokens
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs)
         if out.new_token_ids:

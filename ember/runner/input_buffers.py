@@ -39,7 +39,7 @@ class InputBuffers:
         self.block_tables = _Buffer((max_seqs, max_blocks_per_seq), torch.int32, device)
         self.seq_lens = _Buffer((max_seqs,), torch.int32, device)
         self.query_start_loc = _Buffer((max_seqs + 1,), torch.int32, device)
-        self.logits_indices = _Buffer((max_seqs,), torch.int64, device)
+        self.logits_indices = _Buffer((max_tokens,), torch.int64, device)  # a row per draft too
         self._all = [
             self.input_ids,
             self.positions,

@@ -9,17 +9,13 @@ after that one has prepared its inputs, or by `wait`.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch import nn
 
 from ember.config import CacheConfig, RunnerConfig, SchedulerConfig
 from ember.distributed import host_group, tp_size
@@ -27,19 +23,21 @@ from ember.messages import Logprobs
 from ember.model.linear import QuantEmbedding, QuantLinear
 from ember.model.loader import ModelFiles
 from ember.model.moe import FusedExperts
-from ember.model.registry import model_class
 from ember.ops.attention import AttentionMetadata
 from ember.quant.formats import FP8_DTYPE
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
+from ember.runner.drafter import DraftModelDrafter, Proposal
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache
+from ember.runner.model_build import build_model
 from ember.runner.request_state import RequestState, RequestStates
 from ember.runner.step import StepDescription, StepResult
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
 from ember.runner.step_inputs import PreparedStep, PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
 from ember.runner.warmup import warm_up_batches
-from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, Scores
+from ember.sampling.rejection import DraftRows, Verified, verify
+from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, Scores, gather_logprobs
 from ember.transfer import to_device, to_host
 
 logger = logging.getLogger("ember")
@@ -65,12 +63,14 @@ class PendingStep:
 
     requests: list[RequestState]  # the requests that sample a token, in row order
     prompt_logprobs: list[tuple[PromptRows, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    sampled: torch.Tensor | None = None  # [N] int64 on the host (pinned on CUDA)
+    sampled: torch.Tensor | None = None  # [N] int64 on the host (pinned on CUDA); [N, K + 1] with drafts
+    num_sampled: torch.Tensor | None = None  # [N] int64 on the host: tokens per request, set with drafts
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ids, values, ranks on the host
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # start, end of its device work (CUDA)
     mask_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # forward's end, masks' arrival (CUDA)
     unsampled: _Unsampled | None = None  # set while the step is open (its sampling not queued yet)
     error: Exception | None = None  # its sampling failed; `wait` raises it
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # the draft model's proposals
 
 
 @dataclass
@@ -89,63 +89,7 @@ class _Prepared:
     inputs: _StepInputs
     step: PreparedStep
     sampling: SamplingBatch | None  # None when no row samples
-
-
-def _return_freed_memory_to_os() -> None:
-    """Loading builds float layers, then replaces them (quantized GGUF, --quantization); glibc keeps the
-    freed heap, about 250 MiB of idle RSS for the default model, unless asked to give it back. On CUDA
-    the caching allocator keeps them too, and the KV sizing would count them as in use (a GGUF
-    Qwen3-30B-A3B's float expert tensors, replaced by quantized ones, are 58 GB)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
-        pass
-
-
-def _check_fp8_support(device: torch.device, files: ModelFiles) -> None:
-    """fp8 weights (load-time `fp8` / `ptpc_fp8`, or a checkpoint's own) need fp8 tensor cores on a GPU
-    (Ada/Hopper and newer); fp8 KV needs only the fp8 dtype. On CPU fp8 weights run as an exact
-    emulation of the GPU's W8A8 arithmetic (what the GPU computes, for measuring quality), slowly."""
-    fp8 = files.fp8_weights or (files.quantize_at_load and files.quantization in ("fp8", "ptpc_fp8"))
-    if not fp8:
-        return
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(
-            f"{files.source}: quantization {files.quantization!r} needs a CUDA GPU with fp8 tensor cores "
-            "(compute capability 8.9+, e.g. L4, H100, H200); use int8 or int4 on this device, or "
-            "--device cpu"
-        )
-    if device.type == "cpu":
-        logger.warning(
-            "quantization %r on CPU is an exact emulation of the GPU's fp8 arithmetic, several times slower than int8",
-            files.quantization,
-        )
-
-
-@contextmanager
-def _skip_weight_init():
-    """Linear and embedding weights start uninitialised: the checkpoint (or the dummy init) fills every
-    one, and `load_weights` checks that. PyTorch's random init cost 0.7 s of the default model's load,
-    and touching float weights that quantized layers then replace costs resident memory."""
-    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
+    num_speculative_tokens: int  # drafts the draft model proposes for the next step
 
 
 def _prompt_logit_slices(n: int) -> list[tuple[int, int]]:
@@ -166,6 +110,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         device: torch.device,
+        draft_files: ModelFiles | None = None,
     ) -> None:
         self.device = device
         self.dtype: torch.dtype = getattr(torch, config.dtype)
@@ -174,20 +119,8 @@ class ModelRunner:
         self.model_config = cfg = files.model_config.for_max_model_len(scheduler_config.max_model_len)
         self.block_size = cache_config.block_size
         torch.manual_seed(config.seed)
-        max_positions = max(scheduler_config.max_model_len, cfg.max_position_embeddings)
-        with torch.device(self.device), _default_dtype(self.dtype), _skip_weight_init():
-            self.model = model_class(cfg, files.source)(cfg, max_positions)
+        self.model = build_model(files, cfg, scheduler_config.max_model_len, self.dtype, device, config.seed)
         self.quantization = files.quantization
-        _check_fp8_support(self.device, files)
-        with torch.no_grad():
-            if files.weights is None:
-                self.model.init_dummy_weights(config.seed)
-            else:
-                self.model.load_weights(files.weights(), files.source)
-            if files.quantize_at_load:
-                self.model.quantize(self.quantization)
-        self.model.eval()
-        _return_freed_memory_to_os()
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
         self.kv_cache = KVCache(
             self.model.attention_layers(),
@@ -198,6 +131,7 @@ class ModelRunner:
             self.device,
         )
         self.sampler = Sampler()
+        self.drafter = None if draft_files is None else self._drafter(draft_files, config.seed)
         self.enforce_eager = config.enforce_eager
         max_blocks = -(-scheduler_config.max_model_len // self.block_size)
         self.buffers = InputBuffers(
@@ -214,16 +148,39 @@ class ModelRunner:
         self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
         self._last_sampling: tuple[tuple[RequestState, ...], SamplingBatch] | None = None  # see _sampling_batch
 
+    def _drafter(self, files: ModelFiles, seed: int) -> DraftModelDrafter:
+        """The draft model, in the target's dtype, with KV tensors in the same dtype and block size."""
+        if files.model_config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft model's vocabulary ({files.model_config.vocab_size} tokens) "
+                f"differs from the target's ({self.model_config.vocab_size})"
+            )
+        cfg = files.model_config.for_max_model_len(self.scheduler_config.max_model_len)
+        model = build_model(files, cfg, self.scheduler_config.max_model_len, self.dtype, self.device, seed)
+        kv = KVCache(
+            model.attention_layers(),
+            model.layout.num_kv_heads,
+            cfg.head_dim,
+            self.block_size,
+            self.kv_dtype,
+            self.device,
+        )
+        return DraftModelDrafter(model, kv, self.block_size, self.device)
+
     # ---- KV cache -------------------------------------------------------------------------
 
     @property
     def bytes_per_block(self) -> int:
-        return self.kv_cache.bytes_per_block
+        """A block's bytes in every model that keeps KV for it: the target's and a draft model's."""
+        draft = self.drafter.kv_cache.bytes_per_block if self.drafter is not None else 0
+        return self.kv_cache.bytes_per_block + draft
 
     def prepare_cache(self) -> int:
         """Size, allocate and capture: every rank runs this same sequence (its collectives must pair up)."""
         num_blocks = self.determine_num_blocks()
         self.kv_cache.allocate(num_blocks)
+        if self.drafter is not None:
+            self.drafter.kv_cache.allocate(num_blocks)
         self.capture_cuda_graphs()
         return num_blocks
 
@@ -404,7 +361,7 @@ class ModelRunner:
             send_step(step.header, self.buffers)
         # Built before the forward so that its host-to-device copies overlap the GPU's work.
         sampling = self._sampling_batch(step.samplers) if step.samplers else None
-        return _Prepared(self._upload(step.header), step, sampling)
+        return _Prepared(self._upload(step.header), step, sampling, description.num_speculative_tokens)
 
     def _start(
         self, prepared: _Prepared, start_masks: Callable[[list[str]], Future[torch.Tensor] | None] | None
@@ -425,7 +382,16 @@ class ModelRunner:
             ]
             pending = PendingStep(step.samplers, prompt_logprobs=prompt)
             if sampling is None:
+                if self.drafter is not None and prepared.num_speculative_tokens:  # prompt chunks: the draft's KV
+                    self.drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
                 self._last_sampled = None
+                pending.events = self._end_events(start)
+                return pending
+            if self.drafter is not None or any(r.spec_token_ids for r in step.samplers):
+                verified = self._verify(hidden[inputs.logits_indices], sampling, step.samplers, masks)
+                self._verified(pending, verified)
+                if self.drafter is not None and prepared.num_speculative_tokens:
+                    pending.draft_token_ids = self._propose(prepared, verified[0])
                 pending.events = self._end_events(start)
                 return pending
             if masks is None:
@@ -443,6 +409,56 @@ class ModelRunner:
         pending.unsampled = _Unsampled(masks, logits, scores, sampling, start, forward_end)
         self._open = pending
         return pending
+
+    def _propose(self, prepared: _Prepared, verified: Verified) -> dict[str, list[int]]:
+        """The draft model's proposals for the next step, after its KV caught up with this one's tokens.
+        Reads the emitted-token counts back to the host (a step with drafts is never overlapped)."""
+        assert self.drafter is not None  # proposals are asked only with a draft model
+        inputs, reqs = prepared.inputs, prepared.step.samplers
+        self.drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
+        counts = verified.num_tokens.tolist()
+        last = verified.token_ids.gather(1, (verified.num_tokens - 1).unsqueeze(1)).squeeze(1)
+        positions = [r.num_tokens - 1 + c for r, c in zip(reqs, counts)]
+        drafts = self.drafter.propose(Proposal(reqs, last, positions), prepared.num_speculative_tokens)
+        return {r.request_id: d for r, d in zip(reqs, drafts)}
+
+    def _verify(
+        self,
+        rows: torch.Tensor,
+        sbatch: SamplingBatch,
+        reqs: list[RequestState],
+        masks: Future[torch.Tensor] | None,
+    ) -> tuple[Verified, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """Accept each request's drafts the target agrees with (ember/sampling/rejection.py), and the
+        logprobs of the tokens it emits, a row each. A request with a grammar is given no drafts (the
+        core's rule), so its mask row, repeated over its one row, is its mask."""
+        if masks is not None:
+            counts = to_device([1 + len(r.spec_token_ids) for r in reqs], torch.int64, self.device)
+            sbatch.token_bitmask = masks.result().to(self.device).repeat_interleave(counts, dim=0)
+        scores = self.sampler.target(self.model.compute_logits(rows), sbatch)
+        draft_rows = DraftRows.build([r.spec_token_ids for r in reqs], self.device)
+        greedy = to_device([r.sampling_params.is_greedy for r in reqs], torch.bool, self.device)
+        generators = {i: r.generator for i, r in enumerate(reqs) if r.generator is not None}
+        verified = verify(scores.values, greedy, draft_rows, generators)
+        if scores.raw_logprobs is None:
+            return verified, None
+        assert sbatch.max_num_logprobs is not None  # raw logprobs are computed only then
+        emitted = verified.token_ids.clamp(min=0).flatten()
+        return verified, gather_logprobs(
+            scores.raw_logprobs[draft_rows.row_index.flatten()], emitted, sbatch.max_num_logprobs
+        )
+
+    def _verified(
+        self, pending: PendingStep, out: tuple[Verified, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+    ) -> None:
+        """Queue the copies of a verified step's tokens to the host (no step after it takes them on the
+        device: speculation schedules one step at a time)."""
+        verified, logprobs = out
+        self._last_sampled = None
+        pending.sampled, pending.num_sampled = to_host(verified.token_ids), to_host(verified.num_tokens)
+        if logprobs is not None:
+            ids, values, ranks = logprobs
+            pending.logprobs = (to_host(ids), to_host(values), to_host(ranks))
 
     def _sample(self, rows: torch.Tensor, sbatch: SamplingBatch) -> SamplerOutput:
         """Sample the rows' next tokens from their final hidden states."""
@@ -489,6 +505,8 @@ class ModelRunner:
         min_tokens still holding EOS back, bad words of several tokens: `SamplingBatch.reusable`):
         building them is a pinned copy per per-row tensor, ~0.3 ms of the core thread per step at 256
         rows on the H200 host (py-spy, 256 JSON-schema requests)."""
+        if any(r.spec_token_ids for r in reqs):
+            return self._draft_sampling_batch(reqs)
         rows = tuple(reqs)
         if self._last_sampling is not None and self._last_sampling[0] == rows:
             return replace(self._last_sampling[1], token_bitmask=None)
@@ -504,6 +522,22 @@ class ModelRunner:
         )
         self._last_sampling = (rows, batch) if batch.reusable else None
         return batch
+
+    def _draft_sampling_batch(self, reqs: list[RequestState]) -> SamplingBatch:
+        """A row per draft position: row j of a request sees its output plus its first j drafts (penalties,
+        min_tokens and bad words count them). Verification draws from the requests' generators itself."""
+        rows = [(r, j) for r in reqs for j in range(len(r.spec_token_ids) + 1)]
+        self._last_sampling = None
+        return SamplingBatch.build(
+            params=[r.sampling_params for r, _ in rows],
+            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
+            output_token_ids=[r.output_token_ids + r.spec_token_ids[:j] for r, j in rows],
+            num_output_tokens=[r.num_output_tokens + j for r, j in rows],
+            generators=[None] * len(rows),
+            eos_token_ids=[r.eos_token_ids for r, _ in rows],
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+        )
 
     @staticmethod
     def _end_events(start: torch.cuda.Event | None) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
@@ -555,14 +589,24 @@ class ModelRunner:
             return StepResult([], [], [], self._prompt_results(pending))
         reqs = pending.requests
         ids = [r.request_id for r in reqs]
+        sampled = pending.sampled.tolist()
+        if pending.num_sampled is None:
+            tokens, width = [[t] for t in sampled], 1
+        else:
+            tokens, width = [row[:c] for row, c in zip(sampled, pending.num_sampled.tolist())], len(sampled[0])
         logprobs: list[Logprobs | None] = [None] * len(reqs)
         if pending.logprobs is not None:
             top_ids, values, ranks = (t.tolist() for t in pending.logprobs)
             for r, req in enumerate(reqs):
                 k = req.sampling_params.logprobs
                 if k is not None:
-                    logprobs[r] = Logprobs([top_ids[r][: 1 + k]], [values[r][: 1 + k]], [ranks[r]])
-        return StepResult(ids, pending.sampled.tolist(), logprobs, self._prompt_results(pending))
+                    flat = range(r * width, r * width + len(tokens[r]))  # a row per emitted token
+                    logprobs[r] = Logprobs(
+                        [top_ids[i][: 1 + k] for i in flat],
+                        [values[i][: 1 + k] for i in flat],
+                        [ranks[i] for i in flat],
+                    )
+        return StepResult(ids, tokens, logprobs, self._prompt_results(pending), pending.draft_token_ids)
 
     @staticmethod
     def _prompt_results(pending: PendingStep) -> dict[str, tuple[int, Logprobs]]:

@@ -28,6 +28,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_inflight_tokens: int = 0  # sampled, values still on the device
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts computed after the known tokens this step
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -59,6 +60,12 @@ class RequestState:
         """Tokens sampled so far, those in flight included."""
         return len(self.output_token_ids) + self.num_inflight_tokens
 
+    def input_token_ids(self, start: int, end: int) -> list[int]:
+        """The known tokens, then this step's drafts, from position start to end."""
+        if end <= len(self.token_ids):
+            return self.token_ids[start:end]
+        return (self.token_ids[start:] + self.spec_token_ids)[: end - start]
+
     def append_tokens(self, token_ids: list[int]) -> None:
         self.token_ids.extend(token_ids)
         self.output_token_ids.extend(token_ids)
@@ -78,6 +85,9 @@ class RequestStates:
         """Apply a step's description; returns the states of its requests, in its order. A new request
         replaces any state of the same id (warm-up reuses its ids)."""
         states = self._states
+        for request_id, kept in step.trimmed_block_counts.items():
+            if request_id in states:
+                del states[request_id].block_ids[kept:]
         for request_id in step.preempted_request_ids:
             states[request_id].block_ids = []
         for request_id in step.finished_request_ids:
@@ -85,12 +95,13 @@ class RequestStates:
         for new in step.new_requests:
             states[new.request_id] = RequestState.from_new(new, self.device)
         scheduled = []
-        for request_id, computed, inflight, tokens, blocks in zip(
+        for request_id, computed, inflight, tokens, blocks, drafts in zip(
             step.request_ids,
             step.num_computed_tokens,
             step.num_inflight_tokens,
             step.new_token_ids,
             step.new_block_ids,
+            step.spec_token_ids,
             strict=True,
         ):
             state = states[request_id]
@@ -99,6 +110,7 @@ class RequestStates:
             if blocks:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens, state.num_inflight_tokens = computed, inflight
+            state.spec_token_ids = drafts
             scheduled.append(state)
         return scheduled
 

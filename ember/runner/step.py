@@ -43,11 +43,17 @@ class StepDescription:
     num_inflight_tokens: list[int] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)  # output tokens new to the runner
     new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the request's block table
+    # Draft tokens computed after the request's known tokens and verified this step (part of num_new_tokens).
+    spec_token_ids: list[list[int]] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
     # Handled before this step's requests, preempted first: a request may be preempted, then end,
     # before the next step, and its id may then come back as a new request.
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    # Requests whose block tables lost their tail blocks (rejected drafts' slots): blocks each keeps.
+    trimmed_block_counts: dict[str, int] = field(default_factory=dict)
+    # Drafts a draft model or EAGLE-3 head proposes, per sampling request, for the next step (0: none).
+    num_speculative_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -60,6 +66,7 @@ class StepDescription:
         num_inflight_tokens: int,
         new_token_ids: list[int],
         new_block_ids: list[int],
+        spec_token_ids: list[int] | None = None,
     ) -> None:
         self.request_ids.append(request_id)
         self.num_new_tokens.append(num_new_tokens)
@@ -67,13 +74,15 @@ class StepDescription:
         self.num_inflight_tokens.append(num_inflight_tokens)
         self.new_token_ids.append(new_token_ids)
         self.new_block_ids.append(new_block_ids)
+        self.spec_token_ids.append(spec_token_ids or [])
 
 
 @dataclass
 class StepResult:
     """What a finished step sampled, on the host."""
 
-    request_ids: list[str]  # the requests that sampled a token, in row order
-    token_ids: list[int]
-    logprobs: list[Logprobs | None]  # per request; None where not asked
+    request_ids: list[str]  # the requests that sampled tokens, in row order
+    token_ids: list[list[int]]  # per request: its accepted draft tokens, then the one sampled (one without drafts)
+    logprobs: list[Logprobs | None]  # per request, a row per token; None where not asked
     prompt_logprobs: dict[str, tuple[int, Logprobs]] = field(default_factory=dict)  # (first position, rows)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a drafter model's proposals

@@ -31,7 +31,7 @@ class PromptRows:
 @dataclass
 class PreparedStep:
     header: StepHeader
-    samplers: list[RequestState]  # requests sampled this step, in logits-row order
+    samplers: list[RequestState]  # requests sampled this step, in logits-row order (1 + its drafts rows each)
     prompt_rows: list[PromptRows]
     inflight_rows: list[tuple[int, RequestState]]  # (flat row, request) whose input token is still on the device
 
@@ -50,7 +50,7 @@ def prepare_step(
     b = buffers
     ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
     tables, seq_lens, qsl, logits_idx = b.block_tables.np, b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
-    t = num_decodes = max_query_len = max_seq_len = 0
+    t = num_decodes = max_query_len = max_seq_len = num_sample = 0
     samplers: list[RequestState] = []
     prompt_rows: list[PromptRows] = []
     inflight: list[tuple[int, RequestState]] = []
@@ -69,7 +69,7 @@ def prepare_step(
         else:
             max_query_len = max(max_query_len, n)
             p = np.arange(start, end)
-            ids[t : t + n] = req.token_ids[start:end]
+            ids[t : t + n] = req.input_token_ids(start, end)
             pos[t : t + n] = p
             slots[t : t + n] = tables[row, p // block_size] * block_size + p % block_size
         if req.sampling_params.prompt_logprobs is not None:
@@ -80,8 +80,10 @@ def prepare_step(
         seq_lens[row] = end
         qsl[row + 1] = t
         max_seq_len = max(max_seq_len, end)
-        if end == req.num_scheduled_tokens:
-            logits_idx[len(samplers)] = t - 1
+        if end >= req.num_scheduled_tokens:  # past them by its drafts: a row per draft, then the bonus token's
+            rows = 1 + len(req.spec_token_ids)
+            logits_idx[num_sample : num_sample + rows] = np.arange(t - rows, t)
+            num_sample += rows
             samplers.append(req)
     num_seqs, num_tokens = len(order), t
     padded = graph_size(num_seqs) if graph_size is not None and num_decodes == num_seqs else None
@@ -97,7 +99,7 @@ def prepare_step(
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         padded=padded or 0,
-        num_sample=len(samplers),
+        num_sample=num_sample,
         table_width=-(-max_seq_len // block_size),
         prompt_rows=[(r.first_row, r.count) for r in prompt_rows],
     )

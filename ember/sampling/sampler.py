@@ -439,17 +439,18 @@ def exponential_race(logits: torch.Tensor, generators: dict[int, torch.Generator
     return logits - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()
 
 
-def _random_scores(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _tempered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Random rows' transforms: temperature, then min-p, top-k and top-p."""
     if batch.temperature is not None:
         logits = logits / batch.temperature.unsqueeze(1)
     if batch.min_p is not None:
         logits = apply_min_p(logits, batch.min_p)
     if batch.top_k is not None or batch.top_p is not None:
         logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-    return exponential_race(logits.float(), batch.generators)
+    return logits
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = sampled.unsqueeze(1)
@@ -471,7 +472,36 @@ class Scores:
     raw_logprobs: torch.Tensor | None  # [N, V] float32; None when no row asked for logprobs
 
 
+def _raw_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+    """vLLM reports logprobs of the model's own distribution, before any sampling transform."""
+    if batch.max_num_logprobs is None:
+        return None
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """vLLM v1's order: allowed tokens, bad words, min_tokens, logit_bias, then the penalties."""
+    logits = apply_allowed_token_ids(logits, batch)
+    logits = apply_bad_words(logits, batch)
+    logits = apply_min_tokens(logits, batch)
+    logits = apply_logit_bias(logits, batch)
+    return apply_penalties(logits, batch)
+
+
 class Sampler:
+    def target(self, logits: torch.Tensor, batch: SamplingBatch) -> Scores:
+        """Per row the logits the sampler would draw from, without drawing: a greedy row's argmax, a random
+        row's softmax is its next token's distribution (every transform and the grammar mask applied).
+        What speculative decoding verifies drafts against (ember/sampling/rejection.py)."""
+        raw_logprobs = _raw_logprobs(logits, batch)
+        logits = apply_token_bitmask(_processed(logits, batch), batch.token_bitmask)
+        if batch.all_greedy:
+            return Scores(logits, raw_logprobs)
+        tempered = _tempered(logits, batch)
+        if batch.all_random:
+            return Scores(tempered, raw_logprobs)
+        return Scores(torch.where(batch.greedy_mask.unsqueeze(1), logits, tempered), raw_logprobs)
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32; may be modified in place."""
         return self.pick(self.score(logits, batch), batch)
@@ -480,21 +510,13 @@ class Sampler:
         """Everything before the grammar mask. When a row filters by probability (top-k, top-p, min-p),
         which must see only the allowed tokens, the mask (`batch.token_bitmask`) is applied here first;
         otherwise `pick` applies it, so this part may run while the mask is still being filled."""
-        # vLLM reports logprobs of the model's own distribution, before any sampling transform.
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1, dtype=torch.float32) if batch.max_num_logprobs is not None else None
-        )
-        # vLLM v1's order: allowed tokens, bad words, min_tokens, logit_bias, then the penalties.
-        logits = apply_allowed_token_ids(logits, batch)
-        logits = apply_bad_words(logits, batch)
-        logits = apply_min_tokens(logits, batch)
-        logits = apply_logit_bias(logits, batch)
-        logits = apply_penalties(logits, batch)
+        raw_logprobs = _raw_logprobs(logits, batch)
+        logits = _processed(logits, batch)
         if not batch.mask_can_wait:
             logits = apply_token_bitmask(logits, batch.token_bitmask)
         if batch.all_greedy:
             return Scores(logits, raw_logprobs)
-        random = _random_scores(logits, batch)
+        random = exponential_race(_tempered(logits, batch).float(), batch.generators)
         if batch.all_random:
             return Scores(random, raw_logprobs)
         # Random scores are computed on every row and greedy rows are swapped in after,
@@ -508,5 +530,5 @@ class Sampler:
         if scores.raw_logprobs is None:
             return SamplerOutput(sampled, None, None)
         assert batch.max_num_logprobs is not None  # `score` computes raw_logprobs only then
-        ids, values, ranks = _gather_logprobs(scores.raw_logprobs, sampled, batch.max_num_logprobs)
+        ids, values, ranks = gather_logprobs(scores.raw_logprobs, sampled, batch.max_num_logprobs)
         return SamplerOutput(sampled, ids, values, ranks)

@@ -7,6 +7,7 @@ neither torch nor the web stack; the server module is imported when `ember serve
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -200,6 +201,8 @@ def mapping_to_argv(
                 argv.append(flag)
         elif isinstance(value, list) and action.nargs in ("+", "*"):
             argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):  # a JSON-valued flag (--speculative-config)
+            argv += [flag, json.dumps(value)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv, dests
