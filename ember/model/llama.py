@@ -41,7 +41,16 @@ def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
 class Attention(nn.Module):
     """This rank's query and KV heads; o_proj is row-parallel, so its partial sums are all-reduced."""
 
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layout: ShardLayout,
+        rotary: RotaryEmbedding,
+        layer: int,
+        input_size: int | None = None,
+    ) -> None:
+        """`input_size`: the width qkv_proj reads where it is not the hidden size (an EAGLE-3 draft's
+        layer attends over its token embedding and hidden state side by side, ember/model/eagle3.py)."""
         super().__init__()
         self.num_heads = layout.num_heads
         self.num_kv_heads = layout.num_kv_heads
@@ -51,7 +60,9 @@ class Attention(nn.Module):
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.sliding_window = cfg.layer_window(layer)
         self.logits_soft_cap = cfg.attn_logit_softcapping
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(
+            input_size or cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
         # a row-parallel bias is added once: rank 0 holds it, the others zeros (see ShardLayout.summed_once)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         # gpt-oss: this rank's heads' sink logits, float32 whatever the model dtype (the kernels' operand)
@@ -197,6 +208,9 @@ class DecoderModel(nn.Module):
         # Gemma: sqrt(hidden) rounded to the model dtype, as transformers' embedding scale is
         scale = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(torch.get_default_dtype())
         self.register_buffer("embed_scale", scale if cfg.gemma_norms else None, persistent=False)
+        # CausalLM.set_aux_hidden_state_layers: the layers whose input `forward` keeps in aux_hidden_states
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids in its rows and zeros the others; the sum over
@@ -213,8 +227,13 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed(input_ids)
         residual = None
-        for layer in self.layers:
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:  # the residual stream entering layer i; the layers never write their inputs
+                aux.append(h if residual is None else h + residual)
             h, residual = layer(positions, h, residual, meta)
+        if aux:
+            self.aux_hidden_states = torch.cat(aux, dim=-1)
         return self.norm(h, residual)[0]
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -269,6 +288,22 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Have every `forward` keep the residual stream entering each of `layers` (0: the embedding), for
+        an EAGLE-3 draft (ember/model/eagle3.py), as vLLM's aux_hidden_state_layers. () stops it."""
+        n = self.config.num_hidden_layers
+        if len(set(layers)) != len(layers) or not all(0 <= i < n for i in layers):
+            raise ValueError(f"aux hidden state layers {layers}: expected distinct layer ids in [0, {n})")
+        self.model.aux_layers = tuple(sorted(layers))
+        self.model.aux_hidden_states = None
+
+    @property
+    def aux_hidden_states(self) -> torch.Tensor | None:
+        """[T, len(layers) * hidden] from the last `forward`, the layers' states side by side in layer order;
+        None until one ran with layers set. A replayed CUDA graph assigns nothing: each captured size's
+        tensor is the one this held right after that capture, and its replays overwrite that tensor."""
+        return self.model.aux_hidden_states
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary on every rank: each computes its rows' and the ranks' columns
