@@ -39,13 +39,13 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from benchmarks.server_vs_library import ember_server
+from benchmarks.common import RESULTS_DIR, ember_server, machine_info, reset_prefix_cache, today, write_json
+from benchmarks.server_vs_library import server_flags
 from benchmarks.throughput import model_short_name
 from ember.bench import serve as bench_serve
 from ember.bench.flags import add_serve_bench_args
 from ember.bench.machine import load_average
-from ember.http_client import CHAT, MESSAGES, RESPONSES, http_request
+from ember.http_client import CHAT, MESSAGES, RESPONSES
 
 ENDPOINTS = (CHAT, RESPONSES, MESSAGES)  # chat first: the baseline
 TARGET_RATIO = 0.95
@@ -107,7 +107,7 @@ def run_once(
 ) -> dict[str, Any]:
     """One `ember bench serve` run on an empty prefix cache; failed requests end the benchmark (nothing to
     compare), a token count other than requested is kept as a warning."""
-    asyncio.run(_reset_prefix_cache(base_url))
+    asyncio.run(reset_prefix_cache(base_url))
     doc = asyncio.run(bench_serve.benchmark(bench_args(args, base_url, endpoint, requests, max_tokens, seed)))
     summary = {k: doc["results"][k] for k in KEPT}
     if summary["failed"]:
@@ -120,16 +120,6 @@ def run_once(
     )
     summary["model"] = doc["server"]["model"]
     return summary
-
-
-async def _reset_prefix_cache(base_url: str) -> None:
-    resp = await http_request("POST", base_url + "/reset_prefix_cache")
-    try:
-        body = await resp.read()
-    finally:
-        await resp.close()
-    if resp.status != 200:
-        raise RuntimeError(f"POST /reset_prefix_cache answered {resp.status}: {body[:200]!r}")
 
 
 def run_rounds(args: argparse.Namespace, base_url: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -249,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         f"in, {args.output_len} tokens out, {args.rounds} rounds",
         flush=True,
     )
-    with ember_server(args) as base_url:
-        warmup, rounds = run_rounds(args, base_url)
+    with ember_server(args.model, server_flags(args), args.timeout) as server:
+        warmup, rounds = run_rounds(args, server.url)
     summary = summarize(rounds)
     print_table(summary, args.rounds)
     warnings = [

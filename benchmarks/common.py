@@ -1,4 +1,5 @@
-"""Helpers every benchmark shares, so that all result files describe their machine and code the same way.
+"""Helpers every benchmark shares, so that all result files describe their machine and code the same way,
+and so that every benchmark that spawns a server starts, waits for and stops it the same way.
 
 A number is only worth comparing with another when we know what produced it: the hardware, the
 torch build, and the exact Ember commit (marked "+dirty" when the tree had uncommitted changes).
@@ -7,15 +8,25 @@ torch build, and the exact Ember commit (marked "+dirty" when the tree had uncom
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import http.client
 import json
 import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ember.bench.machine import REPO_ROOT, basic_machine_info
+from ember.http_client import http_request
 
 # The device in `ember serve`'s start-up line: "serving NAME at URL (model PATH on cpu (float32, ...): N KV blocks".
 READY_LINE_DEVICE = re.compile(r"serving .* on (cpu|cuda(?::\d+)?|mps|xpu)\b")
@@ -65,3 +76,140 @@ def server_benchmark_parser(argv: list[str], doc: str) -> tuple[argparse.Argumen
     )
     p.add_argument("--model", default=None, help="what `ember serve` loads (default: its default model)")
     return p, argv, extra
+
+
+# ---- a server in a child process ------------------------------------------------------------------
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def server_command(model: str | None, host: str, port: int, extra: list[str]) -> list[str]:
+    """The `ember` console script of this Python's environment, or `python -m ember.cli`, which is the same."""
+    script = os.path.join(os.path.dirname(sys.executable), "ember")
+    base = [script] if os.access(script, os.X_OK) else [sys.executable, "-m", "ember.cli"]
+    return [*base, "serve", *([model] if model else []), "--host", host, "--port", str(port), *extra]
+
+
+def health(host: str, port: int, timeout: float = 2.0) -> int | None:
+    """HTTP status of GET /health, or None while nothing answers."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def wait_ready(proc: subprocess.Popen, host: str, port: int, start: float, timeout: float) -> float:
+    """Seconds from `start` to /health answering 200, polled every 50 ms as benchmarks/startup.py does."""
+    while (status := health(host, port)) != 200:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        if time.perf_counter() - start > timeout:
+            raise RuntimeError(f"not ready after {timeout:g} s (last /health status {status})")
+        time.sleep(0.05)
+    return time.perf_counter() - start
+
+
+def stop(proc: subprocess.Popen, wait: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:  # it did not stop by itself: end its whole process group
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class ServerProcess:
+    """A server (`ember serve` or another that answers /health) spawned in a session of its own, its output in a
+    temporary file; a context manager that stops it on the way out.
+
+        with ServerProcess(server_command(model, host, port, flags), host, port) as server:
+            startup_s = server.wait_ready(timeout)
+            ...  # server.url, server.proc; server.log_tail() for what it printed
+    """
+
+    def __init__(self, cmd: list[str], host: str, port: int) -> None:
+        self.cmd, self.host, self.port = cmd, host, port
+        self.url = f"http://{host}:{port}"
+        self._log = tempfile.TemporaryFile("w+", encoding="utf-8")
+        self._output: str | None = None  # the whole log, kept once the server has stopped
+        self.start = time.perf_counter()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds from the spawn to /health answering 200; RuntimeError if it exits or takes over `timeout`."""
+        return wait_ready(self.proc, self.host, self.port, self.start, timeout)
+
+    def output(self) -> str:
+        """What the server printed so far. Read at an offset (pread), never by seeking: the server writes through
+        the same open file, and moving its offset would make it overwrite the log."""
+        if self._output is not None:
+            return self._output
+        fd = self._log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "replace")
+
+    def log_tail(self, lines: int = 20) -> list[str]:
+        return self.output().splitlines()[-lines:]
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            stop(self.proc)
+        finally:
+            self._output = self.output()
+            self._log.close()
+
+
+class ServerError(RuntimeError):
+    """A RuntimeError while a spawned server started or was in use, with the server's last lines of output."""
+
+    def __init__(self, message: str, log_tail: list[str]) -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+@contextlib.contextmanager
+def ember_server(model: str | None, flags: list[str], timeout: float) -> Iterator[ServerProcess]:
+    """`ember serve` on a free local port with `flags`; yields it once /health answers 200. A RuntimeError, while
+    starting or while it is in use, prints the server's last lines to stderr and leaves as a ServerError."""
+    host = "127.0.0.1"
+    port = free_port(host)
+    with ServerProcess(server_command(model, host, port, flags), host, port) as server:
+        try:
+            server.wait_ready(timeout)
+            yield server
+        except ServerError:  # another server's, already reported
+            raise
+        except RuntimeError as e:
+            tail = server.log_tail()
+            print("server log:\n" + "\n".join(tail), file=sys.stderr)
+            raise ServerError(str(e), tail) from e
+
+
+async def reset_prefix_cache(base_url: str) -> None:
+    """`POST /reset_prefix_cache`, so that a run finds nothing of another's prompts cached."""
+    resp = await http_request("POST", base_url + "/reset_prefix_cache")
+    try:
+        body = await resp.read()
+    finally:
+        await resp.close()
+    if resp.status != 200:
+        raise RuntimeError(f"POST /reset_prefix_cache answered {resp.status}: {body[:200]!r}")

@@ -28,11 +28,9 @@ import gc
 import multiprocessing
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,8 +40,8 @@ import torch
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from benchmarks.startup import free_port, health, process_tree, rss_mib, server_command
+from benchmarks.common import RESULTS_DIR, ServerProcess, free_port, machine_info, server_command, today, write_json
+from benchmarks.startup import process_tree, rss_mib
 from benchmarks.throughput import load_hf_model, model_short_name
 from ember.bench import serve as bench_serve
 from ember.bench.flags import add_serve_bench_args
@@ -206,27 +204,6 @@ def llama_server_command(args: argparse.Namespace, gguf: str, host: str, port: i
     ]
 
 
-def wait_ready(proc: subprocess.Popen, host: str, port: int, start: float, timeout: float) -> float:
-    """Seconds from `start` to /health answering 200, polled every 50 ms as benchmarks/startup.py does."""
-    while (status := health(host, port)) != 200:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
-        if time.perf_counter() - start > timeout:
-            raise RuntimeError(f"not ready after {timeout:g} s (last /health status {status})")
-        time.sleep(0.05)
-    return time.perf_counter() - start
-
-
-def stop(proc: subprocess.Popen, wait: float = 30.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=wait)
-    except subprocess.TimeoutExpired:  # it did not stop by itself: end its whole process group
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def run_server(args: argparse.Namespace, engine: str, gguf: str, repeat: int) -> dict[str, Any]:
     """Spawn a fresh server, time its start-up, send one request, read its idle RSS, then measure."""
     host = "127.0.0.1"
@@ -235,36 +212,24 @@ def run_server(args: argparse.Namespace, engine: str, gguf: str, repeat: int) ->
         cmd = server_command(args.model, host, port, shlex.split(args.ember_args))
     else:
         cmd = llama_server_command(args, gguf, host, port)
-    base_url = f"http://{host}:{port}"
     run: dict[str, Any] = {"loadavg_before": load_average(), "server_command": cmd, "warnings": [], "measurements": {}}
-    with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-        )
+    with ServerProcess(cmd, host, port) as server:
         try:
-            run["startup_s"] = round(wait_ready(proc, host, port, start, args.timeout), 3)
+            run["startup_s"] = round(server.wait_ready(args.timeout), 3)
             for name, requests, in_flight, max_tokens, seed in plan(args, repeat):
                 summary = asyncio.run(
-                    bench_serve.benchmark(bench_args(args, base_url, requests, in_flight, max_tokens, seed))
+                    bench_serve.benchmark(bench_args(args, server.url, requests, in_flight, max_tokens, seed))
                 )["results"]
                 run["warnings"] += check(name, summary, requests, max_tokens)
                 run["measurements"][name] = {k: summary[k] for k in KEPT}
                 if name == "warmup":  # "idle": after start-up and one request, with nothing running
                     time.sleep(args.idle_wait)
-                    run["idle_rss_mib"] = round(rss_mib(process_tree(proc.pid)), 1)
-            run["rss_end_mib"] = round(rss_mib(process_tree(proc.pid)), 1)
+                    run["idle_rss_mib"] = round(rss_mib(process_tree(server.proc.pid)), 1)
+            run["rss_end_mib"] = round(rss_mib(process_tree(server.proc.pid)), 1)
         except (RuntimeError, ValueError) as e:  # a failed measurement, or no model listed: recorded, not fatal
             run["error"] = str(e)
-        finally:
-            stop(proc)
-            log.seek(0)
-            if "error" in run:
-                run["log_tail"] = log.read().splitlines()[-20:]
+    if "error" in run:  # the whole log, shutdown included, as before
+        run["log_tail"] = server.log_tail()
     return run
 
 

@@ -35,8 +35,7 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
 import ray
 from ray import serve
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from benchmarks.startup import free_port
+from benchmarks.common import RESULTS_DIR, free_port, machine_info, today, write_json
 from benchmarks.throughput import model_short_name
 from ember.http_client import error_message, http_request
 from ember.integrations.ray_serve import build_application, parse

@@ -40,9 +40,7 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from benchmarks.cpu import stop, wait_ready
-from benchmarks.startup import free_port, server_command
+from benchmarks.common import RESULTS_DIR, free_port, machine_info, server_command, stop, today, wait_ready, write_json
 from benchmarks.throughput import model_short_name
 from ember.bench import serve as bench_serve
 from ember.bench.flags import add_serve_bench_args

@@ -27,20 +27,17 @@ import contextlib
 import os
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from benchmarks.cpu import bench_args, stop, wait_ready
+from benchmarks.common import RESULTS_DIR, ember_server, machine_info, today, write_json
+from benchmarks.cpu import bench_args
 from benchmarks.latency import measure
-from benchmarks.startup import free_port, server_command
 from benchmarks.throughput import model_short_name
 from ember import LLM
 from ember.bench import serve as bench_serve
@@ -93,30 +90,10 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": args.device, "kv_cache_memory": args.kv_cache_memory}
 
 
-@contextlib.contextmanager
-def ember_server(args: argparse.Namespace) -> Iterator[str]:
-    """`ember serve` on a free port with the shared settings; yields its URL once /health answers 200."""
-    host = "127.0.0.1"
-    port = free_port(host)
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """`ember serve`'s flags: the shared settings, then `--server-args`."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_flags(args).items() if v is not None]
-    cmd = server_command(args.model, host, port, [*flags, *shlex.split(args.server_args)])
-    with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-        )
-        try:
-            wait_ready(proc, host, port, time.perf_counter(), args.timeout)
-            yield f"http://{host}:{port}"
-        except RuntimeError:
-            log.seek(0)
-            print("server log:\n" + "\n".join(log.read().splitlines()[-20:]), file=sys.stderr)
-            raise
-        finally:
-            stop(proc)
+    return [*flags, *shlex.split(args.server_args)]
 
 
 def per_request(record: Request) -> dict[str, float | None]:
@@ -237,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             stack.callback(llm.llm_engine.shutdown)
             libraries[path] = llm
-        base_url = stack.enter_context(ember_server(args))
+        base_url = stack.enter_context(ember_server(args.model, server_flags(args), args.timeout)).url
         ready = libraries["library"].llm_engine.ready
         runners = {path: library_runner(args, llm) for path, llm in libraries.items()}
         runners["server"] = server_runner(args, base_url)

@@ -53,9 +53,18 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import READY_LINE_DEVICE, RESULTS_DIR, machine_info, server_benchmark_parser, today, write_json
-from benchmarks.cpu import wait_ready
-from benchmarks.startup import free_port, process_tree, rss_mib, server_command
+from benchmarks.common import (
+    READY_LINE_DEVICE,
+    RESULTS_DIR,
+    free_port,
+    machine_info,
+    server_benchmark_parser,
+    server_command,
+    today,
+    wait_ready,
+    write_json,
+)
+from benchmarks.startup import process_tree, rss_mib
 from ember.bench.machine import load_average
 from ember.bench.report import percentile
 from ember.bench.workloads import TOKEN_ID_LOW, WORDS

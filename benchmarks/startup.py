@@ -17,11 +17,9 @@ Everything after `--` goes to `ember serve` unchanged.
 from __future__ import annotations
 
 import argparse
-import http.client
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +30,17 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import READY_LINE_DEVICE, RESULTS_DIR, machine_info, server_benchmark_parser, today, write_json
+from benchmarks.common import (
+    READY_LINE_DEVICE,
+    RESULTS_DIR,
+    free_port,
+    health,
+    machine_info,
+    server_benchmark_parser,
+    server_command,
+    today,
+    write_json,
+)
 from benchmarks.throughput import model_short_name
 from ember.bench.machine import load_average
 
@@ -46,33 +54,6 @@ MEDIAN_KEYS = (
     "gpu_memory_used_mib",
     "shutdown_s",
 )
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def server_command(model: str | None, host: str, port: int, extra: list[str]) -> list[str]:
-    """The `ember` console script of this Python's environment, or `python -m ember.cli`, which is the same."""
-    script = os.path.join(os.path.dirname(sys.executable), "ember")
-    base = [script] if os.access(script, os.X_OK) else [sys.executable, "-m", "ember.cli"]
-    return [*base, "serve", *([model] if model else []), "--host", host, "--port", str(port), *extra]
-
-
-def health(host: str, port: int, timeout: float = 2.0) -> int | None:
-    """HTTP status of GET /health, or None while nothing answers."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("GET", "/health")
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
 
 
 def process_tree(root: int) -> list[int]:
