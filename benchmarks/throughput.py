@@ -127,6 +127,7 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
             kv_cache_dtype=args.kv_cache_dtype,
             engine_process=args.engine_process,
             async_scheduling=args.async_scheduling,
+            speculative_config=args.speculative_config,
         )
     engine = llm.llm_engine
     ready = engine.ready
@@ -433,6 +434,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="cap on concurrently running requests (overrides --max-num-seqs; HF's batch size too)",
     )
+    p.add_argument("--speculative-config", default=None, help="JSON, as `ember serve --speculative-config`")
     p.add_argument("--hf", action="store_true", help="also run HF transformers on the same requests")
     p.add_argument("--hf-num-seqs", type=int, default=None, help="run HF on the first N requests only (default: all)")
     p.add_argument(

@@ -75,6 +75,7 @@ class RunnerConfig:
     kv_cache_dtype: str  # "auto" (the model's dtype) or "fp8"
     seed: int
     enforce_eager: bool
+    load_format: str = "auto"  # a draft model's weights are read as the target's (random with "dummy")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
@@ -177,7 +178,11 @@ class EngineConfig:
         else:
             dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
         return RunnerConfig(
-            dtype=dtype, kv_cache_dtype=self.kv_cache_dtype, seed=self.seed, enforce_eager=self.enforce_eager
+            dtype=dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+            load_format=self.load.load_format,
         )
 
     def scheduler_config(self, model_config: ModelConfig, device: torch.device) -> SchedulerConfig:

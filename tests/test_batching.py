@@ -100,7 +100,7 @@ def test_kernel_warm_up_batches_run_through_the_runner(llama_dir):
     assert [b.num_new_tokens for b in alone] == [[2], [3], [5], [9], [17], [33]]
     for batch in batches + alone:
         result = runner.wait(runner.launch(batch))
-        assert len(result.token_ids) == len(batch) and all(0 <= t < 512 for t in result.token_ids)
+        assert len(result.token_ids) == len(batch) and all(len(t) == 1 and 0 <= t[0] < 512 for t in result.token_ids)
     assert warm_up_batches(16, 3, 256, 2048, 512) == []  # a pool too small for the first batch: no warm-up
 
 

@@ -43,7 +43,7 @@ def test_masked_step_samples_once_its_masks_arrive_and_next_launch_prepares_firs
     runner = inproc_core(llm).runner
     vocab = runner.model_config.vocab_size
     first, second = warm_up_batches(16, runner.kv_cache.num_blocks, 256, 2048, 512)[:2]
-    free = runner.wait(runner.launch(first)).token_ids
+    free = [t for (t,) in runner.wait(runner.launch(first)).token_ids]  # one token per row without drafts
     forced = [(t + 1 + row) % vocab for row, t in enumerate(free)]  # never what the model picks itself
 
     masks: Future[torch.Tensor] = Future()
@@ -53,7 +53,7 @@ def test_masked_step_samples_once_its_masks_arrive_and_next_launch_prepares_firs
     assert waiter.is_alive(), "the step sampled before its masks arrived"
     masks.set_result(_only(forced, vocab))
     waiter.join(30)
-    assert result[0].token_ids == forced
+    assert result[0].token_ids == [[t] for t in forced]
 
     masks = Future()
     pending = runner.launch(first, lambda requests: masks)
@@ -69,7 +69,7 @@ def test_masked_step_samples_once_its_masks_arrive_and_next_launch_prepares_firs
     assert prepared_while_filling == [True] and launcher.is_alive(), "the next step waited for the masks first"
     masks.set_result(_only(forced, vocab))
     launcher.join(30)
-    assert runner.wait(pending).token_ids == forced
+    assert runner.wait(pending).token_ids == [[t] for t in forced]
     assert len(runner.wait(launched[0]).token_ids) == len(second)
 
     # top-p renormalises over the allowed tokens: all of such a step's sampling waits for the mask
@@ -78,14 +78,14 @@ def test_masked_step_samples_once_its_masks_arrive_and_next_launch_prepares_firs
     masks = Future()
     pending = runner.launch(filtered, lambda requests: masks)
     masks.set_result(_only(forced, vocab))
-    assert runner.wait(pending).token_ids == forced
+    assert runner.wait(pending).token_ids == [[t] for t in forced]
 
     masks = Future()
     pending = runner.launch(first, lambda requests: masks)
     masks.set_exception(RuntimeError("the fill failed"))
     with pytest.raises(RuntimeError, match="the fill failed"):  # the step's failure, raised where it is collected
         runner.wait(pending)
-    assert runner.wait(runner.launch(first)).token_ids == free
+    assert runner.wait(runner.launch(first)).token_ids == [[t] for t in free]
 
 
 def test_core_reads_the_mask_threads_feeding_only_once_done(monkeypatch):

@@ -6,6 +6,7 @@ rejected drafts' blocks go back, and bad configurations are refused with the fie
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from conftest import DEVICE, inproc_core, make_checkpoint
@@ -136,13 +137,25 @@ def test_penalties_stop_tokens_and_min_tokens(llama_dir, prompts):
     assert got_stop.finish_reason == "stop" and len(got_stop.token_ids) <= 13
 
 
-def test_structured_output_under_speculation(llama_dir, prompts):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_structured_output_under_speculation(llama_dir, prompts, temperature):
+    """Drafts are cut to what the grammar allows, each verified row gets its mask after the drafts
+    before it, and the matcher ends where the emitted tokens leave it: greedy output is plain decoding's,
+    and sampled output always matches the grammar."""
     params = SamplingParams(
-        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"(ab|cd){2,8}e")
+        temperature=temperature,
+        max_tokens=40,
+        seed=1,
+        structured_outputs=StructuredOutputsParams(regex=r"(ab|cd|abcd){3,12}e"),
     )
-    want = LLM(str(llama_dir), **ENGINE).generate(prompts[:4], params, use_tqdm=False)
-    got = LLM(str(llama_dir), **ENGINE, speculative_config=NGRAM).generate(prompts[:4], params, use_tqdm=False)
-    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    llm = LLM(str(llama_dir), **ENGINE, speculative_config=NGRAM)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    for o in got:
+        assert re.fullmatch(r"(ab|cd|abcd){3,12}e", o.outputs[0].text), o.outputs[0].text
+    if temperature == 0.0:
+        want = LLM(str(llama_dir), **ENGINE).generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
 
 
 def test_draft_budget_turns_speculation_down(llama_dir):
@@ -207,3 +220,137 @@ def test_draft_model_vocabulary_must_match(llama_dir, tmp_path):
             **ENGINE,
             speculative_config={"method": "draft_model", "model": str(other), "num_speculative_tokens": 2},
         )
+
+
+# --- EAGLE-3 ----------------------------------------------------------------------------------------
+
+EAGLE_LAYERS = [0, 1, 3]  # of the 4-layer target below
+EAGLE_VOCAB = 128  # the head's draft vocabulary: a scattered quarter of the target's 512 tokens
+
+
+@pytest.fixture(scope="module")
+def eagle_target(tmp_path_factory) -> str:
+    return str(make_checkpoint(tmp_path_factory.mktemp("target4") / "llama", "llama", num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tmp_path_factory) -> str:
+    """A random EAGLE-3 head for the 64-wide target, in SpecForge's layout (the target's embedding shared)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(7)
+    hidden, heads, kv_heads, head_dim, inter, vocab = 64, 4, 2, 16, 128, 512
+
+    def rand(*shape: int, std: float = 0.15) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    ids = torch.randperm(vocab, generator=g)[:EAGLE_VOCAB].sort().values
+    tensors = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": torch.ones(hidden),
+        "midlayer.hidden_norm.weight": torch.ones(hidden),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter),
+        "norm.weight": torch.ones(hidden),
+        "lm_head.weight": rand(EAGLE_VOCAB, hidden, std=0.5),
+        "d2t": ids - torch.arange(EAGLE_VOCAB),
+    }
+    path = tmp_path_factory.mktemp("eagle")
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 1024,
+        "vocab_size": vocab,
+        "draft_vocab_size": EAGLE_VOCAB,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": EAGLE_LAYERS},
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _eagle(head: str, **extra) -> dict:
+    return {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "draft_token_budget": 1024, **extra}
+
+
+def test_eagle3_greedy_is_exact(eagle_target, eagle_head, prompts, greedy):
+    plain = LLM(eagle_target, **ENGINE).generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(eagle_target, **ENGINE, max_num_batched_tokens=48, speculative_config=_eagle(eagle_head))
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    _assert_same(got, plain)
+    assert sum(o.metrics.num_draft_tokens for o in got) > 0
+    assert llm.llm_engine.scheduler_stats().kv_cache_usage == 0.0
+
+
+def test_eagle3_drafts_are_the_heads_predictions(eagle_target, eagle_head):
+    """After a prompt's step, the request's drafts are what the head predicts from the target's features
+    over the whole sequence, computed again here from scratch: the first from the target's layers 0, 1
+    and 3 at the prompt's last position and the sampled token, the next from the head's own state."""
+    import torch
+
+    from ember.config import LoadConfig
+    from ember.messages import EngineCoreRequest
+    from ember.model.eagle3 import load_eagle3
+    from ember.model.loader import load_model_files
+    from ember.ops.attention import AttentionMetadata
+    from ember.runner.kv_cache import KVCache
+    from ember.runner.model_build import build_model
+
+    llm = LLM(eagle_target, **ENGINE, speculative_config=_eagle(eagle_head), engine_process=False)
+    core = inproc_core(llm)
+    prompt = [random.Random(9).randint(5, 511) for _ in range(21)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    core.add_request(EngineCoreRequest("r", prompt, params, 8, [2], 0.0))
+    sampled = core.step().outputs[0].new_token_ids
+    drafts = core.requests["r"].spec_token_ids
+    assert len(sampled) == 1 and len(drafts) == 3
+
+    cpu, n = torch.device("cpu"), len(prompt)
+    files = load_model_files(LoadConfig(eagle_target, None, "auto", None))
+    target = build_model(files, files.model_config, 64, torch.float32, cpu, 0)
+    target.set_aux_hidden_state_layers(tuple(EAGLE_LAYERS))
+    head = load_eagle3(eagle_head, files.model_config, cpu, torch.float32)
+    head.share_embedding(target.model.embed_tokens)
+    for model, layers in ((target, target.attention_layers()), (head, head.attention_layers())):
+        kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
+        KVCache(layers, kv_heads, head_dim, 16, torch.float32, cpu).allocate(4)
+
+    def meta(start: int, count: int) -> AttentionMetadata:
+        end = start + count
+        return AttentionMetadata(
+            slot_mapping=torch.arange(start, end),
+            block_tables=torch.tensor([[0, 1, 2, 3]], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, count], dtype=torch.int32),
+            num_decodes=int(count == 1),
+            max_query_len=0 if count == 1 else count,
+            max_seq_len=end,
+            seq_lens_host=[end],
+            query_start_host=[0, count],
+        )
+
+    with torch.inference_mode():
+        target(torch.tensor(prompt), torch.arange(n), meta(0, n))
+        aux = target.aux_hidden_states
+        shifted = torch.tensor(prompt[1:] + sampled)
+        h_normed, h_prenorm = head(shifted, torch.arange(n), aux, meta(0, n))
+        want = [int(head.draft_tokens(h_normed[-1:])[0])]
+        hidden = h_prenorm[-1:]
+        for j in range(2):
+            h_normed, hidden = head(torch.tensor(want[-1:]), torch.tensor([n + j]), hidden, meta(n + j, 1))
+            want.append(int(head.draft_tokens(h_normed)[0]))
+    assert drafts == want

@@ -19,6 +19,7 @@ runs, and the runner samples step N+1 only when the core launches N+2 (see `Mode
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import time
 from collections import deque
@@ -27,7 +28,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from ember.config import EngineConfig, LoadConfig
+from ember.config import EngineConfig
 from ember.core.block_manager import BlockManager
 from ember.core.grammar import GrammarManager, consume
 from ember.core.ngram import propose_ngram
@@ -43,7 +44,7 @@ from ember.messages import (
     SchedulerStats,
 )
 from ember.model.hf_config import ModelConfig
-from ember.model.loader import ModelFiles, load_model_files
+from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
 from ember.runner.device import resolve_device
 from ember.runner.model_runner import ModelRunner, PendingStep
@@ -72,7 +73,7 @@ class EngineCore:
                 config.cache,
                 self.scheduler_config,
                 runner_device,
-                _draft_files(config),
+                config.speculative,
             )
             num_blocks = self.runner.prepare_cache()
         except RuntimeError as e:  # under tensor parallelism, often a rank that died
@@ -260,7 +261,8 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.tensor_parallel.check()
         try:
-            pending = self.runner.launch(batch.step, self._start_masks)
+            drafts = dict(zip(batch.step.request_ids, batch.step.spec_token_ids))
+            pending = self.runner.launch(batch.step, functools.partial(self._start_masks, drafts=drafts))
         except Exception as e:  # noqa: BLE001 - a failed launch fails its batch's requests; the engine keeps serving
             outputs += self._failed(batch, e)
             return True
@@ -268,10 +270,12 @@ class EngineCore:
         self._inflight.append((batch, pending))
         return True
 
-    def _start_masks(self, request_ids: list[str]) -> Future[torch.Tensor] | None:
-        """The grammar masks of a step being launched. Requests whose last token is still in flight
-        (sampled by the step before, under async scheduling) get it fed to their matcher first, in
-        the mask thread, once that step has finished; what feeding it gave is kept on the request."""
+    def _start_masks(self, request_ids: list[str], drafts: dict[str, list[int]]) -> Future[torch.Tensor] | None:
+        """The grammar masks of a step being launched: a row per sampling row, so a request verifying
+        drafts gets its mask after each draft too (llguidance computes them and rolls back). Requests
+        whose last token is still in flight (sampled by the step before, under async scheduling) get
+        it fed to their matcher first, in the mask thread, once that step has finished; what feeding it
+        gave is kept on the request."""
         requests = [self.requests[rid] for rid in request_ids]
         late = [(r, r.matcher) for r in requests if r.matcher is not None and r.num_inflight_tokens]
         previous = self._inflight[-1][1] if late else None
@@ -284,7 +288,9 @@ class EngineCore:
                 req.num_grammar_tokens += 1
                 req.grammar_error = error
 
-        fill = self.grammar.start_masks([r.matcher for r in requests], catch_up if late else None)
+        fill = self.grammar.start_masks(
+            [r.matcher for r in requests], catch_up if late else None, [drafts[r.request_id] for r in requests]
+        )
         if fill is None:
             return None
         self._grammar_fed = fill.fed
@@ -313,7 +319,7 @@ class EngineCore:
             if new is not None:
                 outputs[rid] = EngineCoreOutput(rid, [], new_prompt_logprobs=new)
         drafts = dict(zip(batch.step.request_ids, batch.step.spec_token_ids))
-        constrained: list[tuple[Request, int]] = []
+        constrained: list[Request] = []
         for rid, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             req = by_id[rid]
             req.num_inflight_tokens -= 1
@@ -327,7 +333,7 @@ class EngineCore:
             out.num_draft_tokens, out.num_accepted_tokens = num_drafts, len(tokens) - 1
             try:
                 if self._append(req, tokens, logprobs, out) and req.matcher is not None:
-                    constrained.append((req, tokens[-1]))
+                    constrained.append(req)
             except Exception as e:  # noqa: BLE001 - one request's bookkeeping failed: fail only that request
                 outputs[req.request_id] = self._bookkeeping_failed(req, e)
         if constrained:
@@ -351,36 +357,39 @@ class EngineCore:
         return status is None
 
     def _propose(self, requests: list[Request], result: StepResult) -> None:
-        """Drafts for the next step of each request that sampled: the runner's draft model proposed them,
-        or the n-gram lookup does now. None for a request with a grammar (its mask is computed for one
-        token at a time) or when the batch is too large for drafts to pay."""
+        """Drafts for the next step of each request that sampled: the runner's drafter proposed them, or the
+        n-gram lookup does now; cut to what the request's grammar allows, and none when the batch is too
+        large for drafts to pay."""
         assert self.speculative is not None  # called only with speculative decoding
         k = self.scheduler.num_draft_tokens()
         for req in requests:
             if req.status.finished:
                 continue
-            n = min(k, req.max_drafts(self.max_model_len)) if req.matcher is None else 0
+            n = min(k, req.max_drafts(self.max_model_len))
             if self.speculative.method == "ngram":
                 s = self.speculative
-                req.spec_token_ids = propose_ngram(req.all_token_ids, n, s.prompt_lookup_min, s.prompt_lookup_max)
+                drafts = propose_ngram(req.all_token_ids, n, s.prompt_lookup_min, s.prompt_lookup_max)
             else:
-                req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])[:n]
+                drafts = result.draft_token_ids.get(req.request_id, [])[:n]
+            if req.matcher is not None and drafts:  # only what the grammar allows is worth verifying
+                drafts = drafts[: req.matcher.validate_tokens(drafts)]
+            req.spec_token_ids = drafts
 
-    def _check_grammars(self, items: list[tuple[Request, int]], outputs: dict[str, EngineCoreOutput]) -> None:
-        """End the requests whose grammar cannot go on after their new token. A complete grammar allows
+    def _check_grammars(self, items: list[Request], outputs: dict[str, EngineCoreOutput]) -> None:
+        """End the requests whose grammar cannot go on after their new tokens. A complete grammar allows
         only EOS next, so a request ends on EOS as any other does. Under async scheduling the mask thread
         feeds these tokens (`_start_masks`) while the core does the step's other bookkeeping, and then
         fills the next masks: so this waits for the feeding only now, and reads what it gave, never the
         matchers (the core feeds the ones it did not)."""
         if self._grammar_fed is not None:
             wait_futures([self._grammar_fed])
-        for req, token in items:
+        for req in items:
             out = outputs[req.request_id]
             try:
-                if req.num_grammar_tokens < req.num_output_tokens:
+                while req.num_grammar_tokens < req.num_output_tokens and req.grammar_error is None:
                     assert req.matcher is not None  # items holds only requests with a grammar
+                    req.grammar_error = consume(req.matcher, req.output_token_ids[req.num_grammar_tokens])
                     req.num_grammar_tokens += 1
-                    req.grammar_error = consume(req.matcher, token)
                 if req.grammar_error is not None:
                     out.error = req.grammar_error
                     self._end(req, RequestStatus.FINISHED_ABORTED, out)
@@ -437,15 +446,6 @@ def _start_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> T
     group = TensorParallelGroup(config)
     atexit.register(group.stop)
     return group
-
-
-def _draft_files(config: EngineConfig) -> ModelFiles | None:
-    """The draft model's files (`draft_model`), read as the target's are (random weights with theirs)."""
-    spec = config.speculative
-    if spec is None or spec.method != "draft_model":
-        return None
-    load = LoadConfig(model=spec.model, tokenizer=None, load_format=config.load.load_format, quantization=None)
-    return load_model_files(load)
 
 
 def _shared_window(cfg: ModelConfig) -> int | None:

@@ -147,34 +147,48 @@ class GrammarManager:
         return self._vocabulary_built.result()
 
     def start_masks(
-        self, matchers: list[llguidance.LLMatcher | None], before: Callable[[], None] | None = None
+        self,
+        matchers: list[llguidance.LLMatcher | None],
+        before: Callable[[], None] | None = None,
+        drafts: list[list[int]] | None = None,
     ) -> MaskFill | None:
-        """Start filling one bitmask row per batch row (all ones where the row has no matcher), after
+        """Start filling the bitmask rows of a batch (all ones where a request has no matcher), after
         running `before` (which feeds the late tokens) in the same worker thread; None when no row is
-        constrained."""
-        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        constrained. A request has one row, and one more after each of its `drafts` (speculative
+        decoding: llguidance computes the mask after each draft and leaves the matcher as it was)."""
+        drafts = drafts or [[] for _ in matchers]
+        first = [0]
+        for d in drafts:
+            first.append(first[-1] + 1 + len(d))
+        rows = [(m, first[i], drafts[i]) for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        fed = self._worker.submit(self._prepare, rows, len(matchers), before)
+        constrained = {r + j for _, r, d in rows for j in range(1 + len(d))}
+        fed = self._worker.submit(self._prepare, constrained, first[-1], before)
         return MaskFill(fed, self._worker.submit(self._fill, rows, fed))
 
-    def _prepare(
-        self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int, before: Callable[[], None] | None
-    ) -> torch.Tensor:
+    def _prepare(self, constrained: set[int], num_rows: int, before: Callable[[], None] | None) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
         # llguidance writes every row it is given (stopped and failed matchers included), so only the
         # free rows need filling: at 256 constrained rows of a 152k vocabulary that skips 4.9 MB per step.
         bitmask = torch.empty((num_rows, words), dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        if len(rows) < num_rows:
-            constrained = {i for _, i in rows}
+        if len(constrained) < num_rows:
             bitmask[[i for i in range(num_rows) if i not in constrained]] = -1
         if before is not None:
             before()
         return bitmask
 
-    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], prepared: Future[torch.Tensor]) -> torch.Tensor:
+    def _fill(
+        self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], prepared: Future[torch.Tensor]
+    ) -> torch.Tensor:
         bitmask = prepared.result()  # its failure (the late tokens could not be read) is the fill's too
-        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        ptr, row_bytes, num_rows = bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
+        drafted = [row for row in rows if row[2]]  # llguidance refuses an empty draft list
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, row_bytes, num_rows)
+        if len(drafted) < len(rows):
+            plain = [(m, r) for m, r, d in rows if not d]
+            self._executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, num_rows)
         return bitmask
 
     def consume_all(self, pairs: list[tuple[llguidance.LLMatcher, int]]) -> list[str | None]:

@@ -35,7 +35,7 @@ from ember.model.files import read_config
 from ember.model.hf_config import ModelConfig
 from ember.model.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding
 from ember.model.llama import Attention
-from ember.model.loader import _safetensors_weights
+from ember.model.loader import safetensors_weights
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.ops.attention import AttentionMetadata
 
@@ -240,6 +240,18 @@ class Eagle3Draft(nn.Module):
             )
         self.midlayer.mlp.choose_kernels()
 
+    def init_dummy_weights(self, std: float = 0.02) -> None:
+        """Random weights (norms at one, the identity vocabulary map), with the target's embedding."""
+        for name, p in self.named_parameters():
+            if name.startswith("embed_tokens."):
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+        self.d2t.zero_()
+        self.midlayer.mlp.choose_kernels()
+
     def _fused_sizes(self, fused: str) -> list[int]:
         if fused.endswith("qkv_proj"):
             attn = self.midlayer.self_attn
@@ -257,7 +269,12 @@ class Eagle3Draft(nn.Module):
 
 
 def load_eagle3(
-    path: str, target_config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None = None
+    path: str,
+    target_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int | None = None,
+    random_weights: bool = False,
 ) -> Eagle3Draft:
     """The draft in directory `path` (config.json + *.safetensors) for a target of `target_config`, its
     weights in `dtype` on `device`. `max_positions` sizes the rotary tables (default: the larger of the
@@ -268,7 +285,6 @@ def load_eagle3(
         cfg = Eagle3Config.from_hf_config(read_config(path), target_config)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(config_file, f"not an EAGLE-3 draft of this model ({e})") from e
-    weights = _safetensors_weights(path)
     positions = max_positions or max(cfg.model.max_position_embeddings, target_config.max_position_embeddings)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -278,5 +294,8 @@ def load_eagle3(
     finally:
         torch.set_default_dtype(saved)
     with torch.no_grad():
-        draft.load_weights(weights(), path)
+        if random_weights:  # --load-format dummy: config.json alone, for benchmarks of a head's shape
+            draft.init_dummy_weights()
+        else:
+            draft.load_weights(safetensors_weights(path)(), path)
     return draft.eval()

@@ -106,7 +106,7 @@ def _gguf_files(load: LoadConfig, path: str, keep_quantized: bool) -> ModelFiles
 def _hf_files(load: LoadConfig, path: str) -> ModelFiles:
     config_file = os.path.join(path, "config.json")
     cfg = read_config(path)
-    weights = None if load.load_format == "dummy" else _safetensors_weights(path)
+    weights = None if load.load_format == "dummy" else safetensors_weights(path)
     fmt = checkpoint_format(cfg, config_file)
     if fmt is not None and weights is not None:
         weights = _assembled(weights, fmt, path)
@@ -135,7 +135,7 @@ def _model_config(cfg: dict[str, Any], source: str) -> ModelConfig:
     return model_config
 
 
-def _safetensors_weights(path: str) -> Callable[[], WeightIterator]:
+def safetensors_weights(path: str) -> Callable[[], WeightIterator]:
     index_file = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_file):
         index = read_json(index_file) or {}

@@ -43,6 +43,8 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # per size, the target's features an EAGLE-3 head reads (CausalLM.aux_hidden_states), when kept
+        self.aux_hidden_states: dict[int, torch.Tensor] = {}
         buffers.seq_lens.dev.fill_(1)
         buffers.slot_mapping.dev.fill_(-1)
         pool = torch.cuda.graph_pool_handle()
@@ -54,6 +56,9 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[bs] = model(ids, pos, meta)
             self.graphs[bs] = graph
+            aux = getattr(model, "aux_hidden_states", None)
+            if aux is not None:
+                self.aux_hidden_states[bs] = aux
         torch.cuda.synchronize()
         logger.info(
             "captured CUDA graphs for %d decode batch sizes (up to %d) in %.1fs",

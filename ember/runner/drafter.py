@@ -1,12 +1,19 @@
-"""Draft models inside the step: a smaller model of the same vocabulary (`draft_model`) proposes the next
-step's drafts right after the target has verified this step's.
+"""Drafters that run inside the step: a smaller model of the same vocabulary (`draft_model`) or an EAGLE-3
+head on the target's hidden states (`eagle3`) proposes the next step's drafts right after the target
+has verified this step's.
 
-The draft model has its own KV tensors for the same blocks as the target's (the scheduler's block
-tables serve both; a block's bytes count both models), so each step first runs it over the step's
-own tokens (`catch_up`: its KV for every position the target computed, rejected drafts' slots
-included, which later steps overwrite), then k one-token steps from each request's last emitted
-token, each taking the argmax: drafts are greedy, and verification treats them as one-hot
+Each keeps its own KV tensors for the same blocks as the target's (the scheduler's block tables
+serve both; a block's bytes count both), so a step first runs the drafter over the step's own
+positions (its KV for every position the target computed; a rejected draft's slot is garbage that a
+later step overwrites before anything reads it), then one-token steps from each request's last emitted
+token, taking the argmax each time: drafts are greedy, and verification treats them as one-hot
 (ember/sampling/rejection.py), so the output is exact whatever they are.
+
+- draft_model: the catch-up forward reads the step's tokens; k one-token steps follow.
+- eagle3: the head reads, at position q, token q + 1 and the target's residual stream entering three
+  of its layers at q (`CausalLM.aux_hidden_states`), so its catch-up forward runs on the step's tokens
+  shifted by one, the emitted tokens filled in; its row at the last emitted token's position gives the
+  first draft, and k - 1 one-token steps on its own hidden state follow.
 """
 
 from __future__ import annotations
@@ -16,21 +23,37 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ember.model.eagle3 import Eagle3Draft
 from ember.model.llama import CausalLM
 from ember.ops.attention import AttentionMetadata
 from ember.runner.kv_cache import KVCache
 from ember.runner.request_state import RequestState
-from ember.transfer import array_to_device
+from ember.sampling.rejection import Verified
+from ember.transfer import array_to_device, to_device
 
 
 @dataclass
-class Proposal:
-    """Where each sampling request's proposal starts: its last emitted token (on the device) and that
-    token's position, in sampling-row order."""
+class DraftStep:
+    """The step the target just ran, as a drafter sees it."""
 
-    requests: list[RequestState]
-    last_tokens: torch.Tensor  # [N] int64
-    last_positions: list[int]
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    spans: list[tuple[RequestState, int, int]]  # (request, first flat row, tokens), in row order
+    samplers: list[RequestState]  # the requests that sampled, in sampling-row order
+    verified: Verified | None  # their emitted tokens (None: no request sampled)
+    aux_hidden_states: torch.Tensor | None  # [T, 3 * hidden]: the target's features (eagle3)
+
+    def emitted_counts(self) -> list[int]:
+        """Tokens each sampling request emitted (reads them back to the host)."""
+        assert self.verified is not None  # asked only of a step that sampled
+        return self.verified.num_tokens.tolist()
+
+    def last_tokens(self) -> torch.Tensor:
+        """[N] each sampling request's last emitted token, on the device."""
+        assert self.verified is not None  # asked only of a step that sampled
+        v = self.verified
+        return v.token_ids.gather(1, (v.num_tokens - 1).unsqueeze(1)).squeeze(1)
 
 
 def decode_metadata(
@@ -73,16 +96,82 @@ class DraftModelDrafter:
         self.block_size = block_size
         self.device = device
 
-    def catch_up(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def prefill(self, step: DraftStep) -> None:
         """The draft model's KV for the step's tokens: the same inputs, slots and block tables."""
-        self.model(input_ids, positions, meta)
+        self.model(step.input_ids, step.positions, step.meta)
 
-    def propose(self, proposal: Proposal, k: int) -> list[list[int]]:
-        """k greedy drafts per request, continuing from its last emitted token."""
-        tokens, drafts = proposal.last_tokens, []
+    def propose(self, step: DraftStep, k: int) -> list[list[int]]:
+        """k greedy drafts per sampling request, continuing from its last emitted token."""
+        self.prefill(step)
+        last = [r.num_tokens - 1 + c for r, c in zip(step.samplers, step.emitted_counts())]
+        tokens, drafts = step.last_tokens(), []
         for j in range(k):
-            positions = [p + j for p in proposal.last_positions]
-            meta, pos = decode_metadata(proposal.requests, positions, self.block_size, self.device)
+            meta, pos = decode_metadata(step.samplers, [p + j for p in last], self.block_size, self.device)
             tokens = self.model.greedy_tokens(self.model(tokens, pos, meta))
             drafts.append(tokens)
         return torch.stack(drafts, dim=1).tolist()
+
+
+class Eagle3Drafter:
+    def __init__(self, head: Eagle3Draft, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
+        self.head = head
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+
+    def catch_up(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over the step's rows (row q: token q + 1, the target's features at q): its KV, and its
+        (h_normed, h_prenorm) per row."""
+        assert step.aux_hidden_states is not None  # the target keeps them whenever an EAGLE-3 head drafts
+        return self.head(self._next_tokens(step), step.positions, step.aux_hidden_states, step.meta)
+
+    def _next_tokens(self, step: DraftStep) -> torch.Tensor:
+        """The step's input ids shifted by one: in each request's rows the token after, which for the rows
+        from its last known token on is what the step emitted, and for a prompt chunk's last row the
+        prompt's next token (rows past a sampling request's emitted tokens keep a rejected draft)."""
+        shifted = step.input_ids.roll(-1)  # the last row's value, a valid id, is replaced or unused
+        samplers = {id(r) for r in step.samplers}
+        known = [
+            (first + n - 1, r.token_ids[r.num_computed_tokens + n])
+            for r, first, n in step.spans
+            if id(r) not in samplers
+        ]
+        if known:
+            known_rows = to_device([row for row, _ in known], torch.int64, self.device)
+            shifted[known_rows] = to_device([token for _, token in known], torch.int64, self.device)
+        if step.verified is not None:
+            width = step.verified.token_ids.shape[1]
+            rows: list[int] = []
+            flat: list[int] = []
+            for i, (t0, count) in enumerate(zip(_last_known_rows(step), step.emitted_counts())):
+                rows += range(t0, t0 + count)
+                flat += range(i * width, i * width + count)
+            emitted = step.verified.token_ids.flatten()[to_device(flat, torch.int64, self.device)]
+            shifted[to_device(rows, torch.int64, self.device)] = emitted
+        return shifted
+
+    def prefill(self, step: DraftStep) -> None:
+        self.catch_up(step)
+
+    def propose(self, step: DraftStep, k: int) -> list[list[int]]:
+        """The first draft from the catch-up row at each request's last emitted token, then k - 1
+        one-token steps feeding back the head's own hidden state."""
+        h_normed, h_prenorm = self.catch_up(step)
+        counts = step.emitted_counts()
+        rows = [t0 + c - 1 for t0, c in zip(_last_known_rows(step), counts)]
+        index = to_device(rows, torch.int64, self.device)
+        tokens, hidden = self.head.draft_tokens(h_normed[index]), h_prenorm[index]
+        drafts = [tokens]
+        last = [r.num_tokens - 1 + c for r, c in zip(step.samplers, counts)]
+        for j in range(1, k):
+            meta, pos = decode_metadata(step.samplers, [p + j - 1 for p in last], self.block_size, self.device)
+            h_normed, hidden = self.head(tokens, pos, hidden, meta)
+            tokens = self.head.draft_tokens(h_normed)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1).tolist()
+
+
+def _last_known_rows(step: DraftStep) -> list[int]:
+    """Each sampling request's flat row of its last known token (its drafts' rows follow), in sampling order."""
+    first_rows = {id(r): first + n - 1 - len(r.spec_token_ids) for r, first, n in step.spans}
+    return [first_rows[id(r)] for r in step.samplers]

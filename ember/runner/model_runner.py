@@ -17,16 +17,18 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ember.config import CacheConfig, RunnerConfig, SchedulerConfig
+from ember.config import CacheConfig, LoadConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
+from ember.model.eagle3 import load_eagle3
 from ember.model.linear import QuantEmbedding, QuantLinear
-from ember.model.loader import ModelFiles
+from ember.model.llama import Attention
+from ember.model.loader import ModelFiles, load_model_files
 from ember.model.moe import FusedExperts
 from ember.ops.attention import AttentionMetadata
 from ember.quant.formats import FP8_DTYPE
 from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
-from ember.runner.drafter import DraftModelDrafter, Proposal
+from ember.runner.drafter import DraftModelDrafter, DraftStep, Eagle3Drafter
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache
 from ember.runner.model_build import build_model
@@ -110,7 +112,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         device: torch.device,
-        draft_files: ModelFiles | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.device = device
         self.dtype: torch.dtype = getattr(torch, config.dtype)
@@ -122,16 +124,9 @@ class ModelRunner:
         self.model = build_model(files, cfg, scheduler_config.max_model_len, self.dtype, device, config.seed)
         self.quantization = files.quantization
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
-        self.kv_cache = KVCache(
-            self.model.attention_layers(),
-            self.model.layout.num_kv_heads,
-            cfg.head_dim,
-            self.block_size,
-            self.kv_dtype,
-            self.device,
-        )
+        self.kv_cache = self._kv(self.model.attention_layers(), self.model.layout.num_kv_heads, cfg.head_dim)
         self.sampler = Sampler()
-        self.drafter = None if draft_files is None else self._drafter(draft_files, config.seed)
+        self.drafter = self._drafter(speculative, config) if speculative is not None else None
         self.enforce_eager = config.enforce_eager
         max_blocks = -(-scheduler_config.max_model_len // self.block_size)
         self.buffers = InputBuffers(
@@ -148,24 +143,34 @@ class ModelRunner:
         self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
         self._last_sampling: tuple[tuple[RequestState, ...], SamplingBatch] | None = None  # see _sampling_batch
 
-    def _drafter(self, files: ModelFiles, seed: int) -> DraftModelDrafter:
-        """The draft model, in the target's dtype, with KV tensors in the same dtype and block size."""
+    def _drafter(self, spec: SpeculativeConfig, config: RunnerConfig) -> DraftModelDrafter | Eagle3Drafter | None:
+        """The draft model or EAGLE-3 head (None for n-gram lookup), in the target's dtype, with KV in the
+        same dtype and block size; random weights when the target has them (`--load-format dummy`)."""
+        if spec.model is None:
+            return None
+        dummy = config.load_format == "dummy"
+        max_len = self.scheduler_config.max_model_len
+        if spec.method == "eagle3":
+            head = load_eagle3(spec.model, self.model_config, self.device, self.dtype, max_len, random_weights=dummy)
+            head.share_embedding(self.model.model.embed_tokens)
+            self.model.set_aux_hidden_state_layers(head.aux_hidden_state_layers)
+            layout, head_dim = head.layout, head.config.model.head_dim
+            return Eagle3Drafter(
+                head, self._kv(head.attention_layers(), layout.num_kv_heads, head_dim), self.block_size, self.device
+            )
+        files = load_model_files(LoadConfig(spec.model, None, config.load_format, None))
         if files.model_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"speculative_config.model: the draft model's vocabulary ({files.model_config.vocab_size} tokens) "
                 f"differs from the target's ({self.model_config.vocab_size})"
             )
-        cfg = files.model_config.for_max_model_len(self.scheduler_config.max_model_len)
-        model = build_model(files, cfg, self.scheduler_config.max_model_len, self.dtype, self.device, seed)
-        kv = KVCache(
-            model.attention_layers(),
-            model.layout.num_kv_heads,
-            cfg.head_dim,
-            self.block_size,
-            self.kv_dtype,
-            self.device,
-        )
+        cfg = files.model_config.for_max_model_len(max_len)
+        model = build_model(files, cfg, max_len, self.dtype, self.device, config.seed)
+        kv = self._kv(model.attention_layers(), model.layout.num_kv_heads, cfg.head_dim)
         return DraftModelDrafter(model, kv, self.block_size, self.device)
+
+    def _kv(self, layers: list[Attention], num_kv_heads: int, head_dim: int) -> KVCache:
+        return KVCache(layers, num_kv_heads, head_dim, self.block_size, self.kv_dtype, self.device)
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -383,7 +388,7 @@ class ModelRunner:
             pending = PendingStep(step.samplers, prompt_logprobs=prompt)
             if sampling is None:
                 if self.drafter is not None and prepared.num_speculative_tokens:  # prompt chunks: the draft's KV
-                    self.drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
+                    self.drafter.prefill(self._draft_step(prepared, None))
                 self._last_sampled = None
                 pending.events = self._end_events(start)
                 return pending
@@ -410,16 +415,22 @@ class ModelRunner:
         self._open = pending
         return pending
 
+    def _draft_step(self, prepared: _Prepared, verified: Verified | None) -> DraftStep:
+        """What the drafter reads of the step just run (the target's features: a replayed graph's own)."""
+        inputs, step = prepared.inputs, prepared.step
+        aux = self.model.aux_hidden_states
+        if inputs.padded is not None and self.graphs is not None:
+            aux = self.graphs.aux_hidden_states.get(inputs.padded)
+        num_tokens = inputs.input_ids.shape[0]
+        aux = aux[:num_tokens] if aux is not None else None
+        return DraftStep(inputs.input_ids, inputs.positions, inputs.meta, step.spans, step.samplers, verified, aux)
+
     def _propose(self, prepared: _Prepared, verified: Verified) -> dict[str, list[int]]:
-        """The draft model's proposals for the next step, after its KV caught up with this one's tokens.
-        Reads the emitted-token counts back to the host (a step with drafts is never overlapped)."""
-        assert self.drafter is not None  # proposals are asked only with a draft model
-        inputs, reqs = prepared.inputs, prepared.step.samplers
-        self.drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
-        counts = verified.num_tokens.tolist()
-        last = verified.token_ids.gather(1, (verified.num_tokens - 1).unsqueeze(1)).squeeze(1)
-        positions = [r.num_tokens - 1 + c for r, c in zip(reqs, counts)]
-        drafts = self.drafter.propose(Proposal(reqs, last, positions), prepared.num_speculative_tokens)
+        """The drafter's proposals for the next step, after its KV caught up with this one's tokens. Reads
+        the emitted-token counts back to the host (a step with drafts is never overlapped)."""
+        assert self.drafter is not None  # proposals are asked only with a drafter model
+        reqs = prepared.step.samplers
+        drafts = self.drafter.propose(self._draft_step(prepared, verified), prepared.num_speculative_tokens)
         return {r.request_id: d for r, d in zip(reqs, drafts)}
 
     def _verify(
@@ -430,11 +441,10 @@ class ModelRunner:
         masks: Future[torch.Tensor] | None,
     ) -> tuple[Verified, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
         """Accept each request's drafts the target agrees with (ember/sampling/rejection.py), and the
-        logprobs of the tokens it emits, a row each. A request with a grammar is given no drafts (the
-        core's rule), so its mask row, repeated over its one row, is its mask."""
+        logprobs of the tokens it emits, a row each. Grammar masks come a row per sampling row (the
+        mask after each draft too)."""
         if masks is not None:
-            counts = to_device([1 + len(r.spec_token_ids) for r in reqs], torch.int64, self.device)
-            sbatch.token_bitmask = masks.result().to(self.device).repeat_interleave(counts, dim=0)
+            sbatch.token_bitmask = masks.result().to(self.device)
         scores = self.sampler.target(self.model.compute_logits(rows), sbatch)
         draft_rows = DraftRows.build([r.spec_token_ids for r in reqs], self.device)
         greedy = to_device([r.sampling_params.is_greedy for r in reqs], torch.bool, self.device)

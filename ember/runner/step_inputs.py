@@ -34,6 +34,7 @@ class PreparedStep:
     samplers: list[RequestState]  # requests sampled this step, in logits-row order (1 + its drafts rows each)
     prompt_rows: list[PromptRows]
     inflight_rows: list[tuple[int, RequestState]]  # (flat row, request) whose input token is still on the device
+    spans: list[tuple[RequestState, int, int]]  # (request, first flat row, tokens) of every request, in row order
 
 
 def prepare_step(
@@ -54,6 +55,7 @@ def prepare_step(
     samplers: list[RequestState] = []
     prompt_rows: list[PromptRows] = []
     inflight: list[tuple[int, RequestState]] = []
+    spans: list[tuple[RequestState, int, int]] = []
     for row, i in enumerate(order):
         req, n = requests[i], num_new_tokens[i]
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
@@ -76,6 +78,7 @@ def prepare_step(
             last = min(end, req.num_prompt_tokens - 1)  # logits at position p predict prompt token p + 1
             if start < last:
                 prompt_rows.append(PromptRows(req, t, start, last - start))
+        spans.append((req, t, n))
         t += n
         seq_lens[row] = end
         qsl[row + 1] = t
@@ -103,4 +106,4 @@ def prepare_step(
         table_width=-(-max_seq_len // block_size),
         prompt_rows=[(r.first_row, r.count) for r in prompt_rows],
     )
-    return PreparedStep(header, samplers, prompt_rows, inflight)
+    return PreparedStep(header, samplers, prompt_rows, inflight, spans)
