@@ -94,13 +94,19 @@ def greedy_exactness(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
     outputs, rates = {}, {}
     for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
-        llm = LLM(args.exact_model, load_format="dummy", max_model_len=args.max_model_len, speculative_config=spec)
+        llm = LLM(
+            args.exact_model,
+            load_format="dummy",
+            max_model_len=args.max_model_len,
+            speculative_config=spec,
+            engine_process=True,  # its GPU memory goes with its process
+        )
         llm.generate(prompts[:2], params, use_tqdm=False)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         rates[name] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
         outputs[name] = [o.outputs[0].token_ids for o in outs]
-        del llm
+        llm.llm_engine.shutdown()
     same = sum(a == b for a, b in zip(outputs["off"], outputs["ngram"]))
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(*outputs.values())]
     print(

@@ -257,10 +257,6 @@ class EngineArgs:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config: not supported with tensor parallelism (tensor_parallel_size > 1)")
-            if self.async_scheduling:
-                raise ValueError(
-                    "speculative_config: not supported with --async-scheduling (drafts need the host's tokens)"
-                )
 
     def engine_config(self) -> EngineConfig:
         """The engine core's part of the flags, dtype names spelled one way; the front end keeps the rest

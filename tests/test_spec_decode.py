@@ -158,6 +158,19 @@ def test_structured_output_under_speculation(llama_dir, prompts, temperature):
         assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
 
 
+def test_async_scheduling_overlaps_steps_while_drafts_are_off(llama_dir, prompts):
+    """With async scheduling, steps overlap while the batch is too large for drafts (12 requests, a
+    budget of 6) and go one at a time once requests finish and drafts come back: the same tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = LLM(str(llama_dir), **ENGINE).generate(prompts, params, use_tqdm=False)
+    config = {**NGRAM, "draft_token_budget": 6}
+    llm = LLM(str(llama_dir), **ENGINE, async_scheduling=True, speculative_config=config)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert sum(o.metrics.num_draft_tokens for o in got) > 0
+    assert llm.llm_engine.ready.async_scheduling
+
+
 def test_draft_budget_turns_speculation_down(llama_dir):
     """`draft_token_budget` drafts a step at most: 3 per request alone, none for 9 running requests."""
     config = {**NGRAM, "draft_token_budget": 8}
@@ -354,3 +367,46 @@ def test_eagle3_drafts_are_the_heads_predictions(eagle_target, eagle_head):
             h_normed, hidden = head(torch.tensor(want[-1:]), torch.tensor([n + j]), hidden, meta(n + j, 1))
             want.append(int(head.draft_tokens(h_normed)[0]))
     assert drafts == want
+
+
+class _EagerVerifyGraphs:
+    """A stand-in for the captured verify graphs on the CPU: the same padded layout (every sequence 1 + k
+    tokens, the batch padded to a size), run eagerly over the whole padded buffers."""
+
+    def __init__(self, runner, sizes: list[int], query_len: int) -> None:
+        self.runner, self.sizes, self.query_len = runner, sizes, query_len
+        self.aux_hidden_states: dict = {}
+        self.replayed: list[int] = []
+
+    def padded_size(self, batch: int) -> int | None:
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def replay(self, padded: int):
+        from ember.ops.attention import AttentionMetadata
+
+        b, n = self.runner.buffers, padded * self.query_len
+        self.replayed.append(padded)
+        meta = AttentionMetadata(
+            slot_mapping=b.slot_mapping.dev[:n],
+            block_tables=b.block_tables.dev[:padded],
+            seq_lens=b.seq_lens.dev[:padded],
+            query_start_loc=b.query_start_loc.dev[: padded + 1],
+            num_decodes=0,
+            max_query_len=self.query_len,
+            max_seq_len=int(b.seq_lens.np[:padded].max()),
+            seq_lens_host=b.seq_lens.np[:padded].tolist(),
+            query_start_host=b.query_start_loc.np[: padded + 1].tolist(),
+        )
+        return self.runner.model(b.input_ids.dev[:n], b.positions.dev[:n], meta)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-other"])
+def test_verify_steps_in_the_graph_layout_are_exact(llama_dir, other_draft, prompts, greedy, plain, kind):
+    """Verify steps laid out as the CUDA verify graphs take them (sequences padded to 1 + k tokens whose
+    padding writes no slot, the batch padded to a captured size) give plain decoding's tokens."""
+    llm = LLM(str(llama_dir), **ENGINE, speculative_config=_spec_config(kind, llama_dir, other_draft), engine_process=False)
+    runner = inproc_core(llm).runner
+    k = 3 if kind == "ngram" else 4
+    runner.verify_graphs = graphs = _EagerVerifyGraphs(runner, [1, 2, 4, 8, 16], 1 + k)
+    _assert_same(llm.generate(prompts, greedy, use_tqdm=False), plain)
+    assert graphs.replayed and max(graphs.replayed) == 16  # 12 requests padded to 16

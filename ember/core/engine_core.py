@@ -111,7 +111,7 @@ class EngineCore:
                 f"/ --gpu-memory-utilization"
             )
         self.async_scheduling = _resolve_async_scheduling(
-            config.async_scheduling, config.tensor_parallel_size, runner_device.type, self.speculative is not None
+            config.async_scheduling, config.tensor_parallel_size, runner_device.type
         )
         self.requests: dict[str, Request] = {}
         self._inflight: deque[tuple[ScheduledBatch, PendingStep]] = deque()
@@ -227,11 +227,17 @@ class EngineCore:
         """Launch the next step when there is room, and collect the oldest one in flight when it is due:
         with one step at a time that is the one just launched."""
         outputs, self._pending = self._pending, []
-        depth = 2 if self.async_scheduling and not self._num_host_sync else 1
+        depth = 2 if self.async_scheduling and not self._num_host_sync and not self._drafting() else 1
         launched = len(self._inflight) < depth and self._launch(outputs)
         if self._inflight and (len(self._inflight) >= depth or not launched):
             outputs += self._collect()
         return self.outputs(outputs)
+
+    def _drafting(self) -> bool:
+        """Speculation is on for the batch as it is: a step's drafts come from the tokens of the step
+        before, so steps go one at a time. At a batch large enough to turn drafts off, async scheduling
+        (when on) overlaps steps as without speculation."""
+        return self.speculative is not None and self.scheduler.num_draft_tokens() > 0
 
     def outputs(self, outputs: list[EngineCoreOutput] | None = None) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs or [], time.monotonic(), self.stats())
@@ -365,7 +371,8 @@ class EngineCore:
         for req in requests:
             if req.status.finished:
                 continue
-            n = min(k, req.max_drafts(self.max_model_len))
+            # a token still in flight (an overlapped step) would come between the tokens drafted from and the drafts
+            n = 0 if req.num_inflight_tokens else min(k, req.max_drafts(self.max_model_len))
             if self.speculative.method == "ngram":
                 s = self.speculative
                 drafts = propose_ngram(req.all_token_ids, n, s.prompt_lookup_min, s.prompt_lookup_max)
@@ -455,17 +462,13 @@ def _shared_window(cfg: ModelConfig) -> int | None:
     return windows.pop() if len(windows) == 1 else None
 
 
-def _resolve_async_scheduling(
-    requested: bool | None, tensor_parallel_size: int, device_type: str, speculative: bool
-) -> bool:
+def _resolve_async_scheduling(requested: bool | None, tensor_parallel_size: int, device_type: str) -> bool:
     """On by default with one CUDA GPU, where it hides the host's per-step work behind the GPU's; on the
     CPU the same cores do both, so nothing is hidden. The tensor-parallel step broadcast sends token
-    ids from the host, so it needs them there: one step at a time. So does speculative decoding: a
-    step's drafts and computed-token counts depend on how many drafts the step before accepted."""
+    ids from the host, so it needs them there: one step at a time. (Speculative decoding steps one at a
+    time while it drafts: `_drafting`.)"""
     if requested is None:
-        return device_type == "cuda" and tensor_parallel_size == 1 and not speculative
-    if requested and speculative:
-        raise ValueError("async_scheduling: not supported with speculative decoding")
+        return device_type == "cuda" and tensor_parallel_size == 1
     if requested and tensor_parallel_size > 1:
         raise ValueError("async_scheduling: not supported with tensor parallelism (tensor_parallel_size > 1)")
     return requested

@@ -3,27 +3,35 @@ sequence's last n tokens, for the longest n in [min, max] that occurs (Saxena 20
 Decoding"; vLLM's `ngram` method). No model: answers that copy from the prompt (rewrites, edits,
 extraction, code changes) draft themselves.
 
-One vectorised comparison per n over the whole sequence: numpy compares a 2,000-token sequence's
-windows in ~20 us, so a step of 16 requests spends well under a millisecond here.
+One vectorised pass finds the earlier occurrences of the last token; each is then extended backwards
+up to `max` tokens, latest first. Comparing every n-gram window instead cost 121 us per request on a
+600-token sequence (this machine's CPU, numpy), 3.9 ms of host time per step at 32 requests; this
+costs ~15 us.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(token_ids: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
-    """Up to `num_tokens` drafts continuing `token_ids`; empty when no suffix n-gram recurs."""
+    """Up to `num_tokens` drafts continuing `token_ids`; empty when no suffix n-gram of at least `min_n`
+    tokens recurs."""
     if num_tokens <= 0 or len(token_ids) <= min_n:
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = tokens[-n:]
-        # windows that start before the suffix itself and are followed by at least one token
-        windows = sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + num_tokens].tolist()
-    return []
+    end = len(tokens) - 1
+    # positions before the last whose token is the last token, latest first
+    candidates = np.flatnonzero(tokens[:end] == tokens[end])[::-1]
+    best_len, best_at = 0, -1
+    for i in candidates.tolist():
+        n = 1
+        while n < max_n and i - n >= 0 and tokens[i - n] == tokens[end - n]:
+            n += 1
+        if n > best_len:
+            best_len, best_at = n, i
+            if n == max_n:
+                break
+    if best_len < min_n:
+        return []
+    return tokens[best_at + 1 : best_at + 1 + num_tokens].tolist()

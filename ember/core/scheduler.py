@@ -103,7 +103,7 @@ class Scheduler:
                 continue
             self.block_manager.drop_out_of_window(request)
             n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
-            drafts = request.spec_token_ids[: budget - n] if n == 1 else []
+            drafts = request.spec_token_ids[: budget - n] if n == 1 and not request.num_inflight_tokens else []
             n += len(drafts)
             slots = n + self._lookahead(request, request.num_computed_tokens + n)
             new_blocks: list[int] = []

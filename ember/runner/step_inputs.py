@@ -37,16 +37,30 @@ class PreparedStep:
     spans: list[tuple[RequestState, int, int]]  # (request, first flat row, tokens) of every request, in row order
 
 
+@dataclass
+class VerifyGraphs:
+    """Captured verify graphs: `size(num_seqs)` the batch size to pad to (None: none fits), each
+    sequence padded to `query_len` tokens."""
+
+    size: Callable[[int], int | None]
+    query_len: int
+
+
 def prepare_step(
     requests: list[RequestState],
     num_new_tokens: list[int],
     buffers: InputBuffers,
     block_size: int,
     graph_size: Callable[[int], int | None] | None,
+    verify: VerifyGraphs | None = None,
 ) -> PreparedStep:
     """Fill the host buffers for this step's requests, each computing its `num_new_tokens` next tokens.
     `graph_size(num_seqs)` gives the captured CUDA graph size to pad a decode-only batch to (None: run
-    eagerly)."""
+    eagerly); `verify`, the graphs a batch of decodes with drafts is padded to."""
+    if verify is not None and any(r.spec_token_ids for r in requests):
+        padded = verify.size(len(requests))
+        if padded is not None and _uniform_verify(requests, num_new_tokens, verify.query_len):
+            return _prepare_verify(requests, buffers, block_size, padded, verify.query_len)
     order = sorted(range(len(requests)), key=lambda i: num_new_tokens[i] != 1)
     b = buffers
     ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
@@ -107,3 +121,63 @@ def prepare_step(
         prompt_rows=[(r.first_row, r.count) for r in prompt_rows],
     )
     return PreparedStep(header, samplers, prompt_rows, inflight, spans)
+
+
+def _uniform_verify(requests: list[RequestState], num_new_tokens: list[int], query_len: int) -> bool:
+    """Every request computes its last known token and its drafts, at most `query_len` tokens."""
+    return all(
+        n == 1 + len(r.spec_token_ids) <= query_len
+        and r.num_computed_tokens + 1 == r.num_tokens
+        and not r.num_inflight_tokens
+        for r, n in zip(requests, num_new_tokens)
+    )
+
+
+def _prepare_verify(
+    requests: list[RequestState], buffers: InputBuffers, block_size: int, padded: int, query_len: int
+) -> PreparedStep:
+    """A verify graph's inputs: sequence r's rows are r * query_len ..., its last known token, its drafts,
+    then padding that writes nowhere (slot -1) and is never sampled; padding sequences up to `padded`
+    likewise. Every row attends through its sequence's table (block 0 past the allocated blocks)."""
+    b, q = buffers, query_len
+    ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
+    tables, seq_lens, qsl, logits_idx = b.block_tables.np, b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
+    width = 0
+    num_sample = 0
+    spans: list[tuple[RequestState, int, int]] = []
+    offsets = np.arange(q)
+    for row, req in enumerate(requests):
+        t, start, n = row * q, req.num_computed_tokens, 1 + len(req.spec_token_ids)
+        blocks = len(req.block_ids)
+        need = -(-(start + q) // block_size)
+        tables[row, :blocks] = req.block_ids
+        tables[row, blocks:need] = 0
+        width = max(width, need)
+        p = start + offsets
+        ids[t : t + q] = 0
+        ids[t : t + n] = [req.token_ids[start], *req.spec_token_ids]
+        pos[t : t + q] = p
+        slots[t : t + q] = np.where(offsets < n, tables[row, p // block_size] * block_size + p % block_size, -1)
+        seq_lens[row] = start + q
+        logits_idx[num_sample : num_sample + n] = np.arange(t, t + n)
+        num_sample += n
+        spans.append((req, t, n))
+    num_seqs = len(requests)
+    ids[num_seqs * q : padded * q] = 0
+    pos[num_seqs * q : padded * q] = np.tile(offsets, padded - num_seqs)
+    slots[num_seqs * q : padded * q] = -1
+    seq_lens[num_seqs:padded] = q
+    tables[num_seqs:padded, :width] = 0
+    qsl[: padded + 1] = np.arange(padded + 1) * q
+    header = StepHeader(
+        num_tokens=num_seqs * q,
+        num_seqs=num_seqs,
+        num_decodes=0,
+        max_query_len=q,
+        max_seq_len=int(seq_lens[:num_seqs].max()),
+        padded=padded,
+        num_sample=num_sample,
+        table_width=width,
+        query_len=q,
+    )
+    return PreparedStep(header, list(requests), [], [], spans)
