@@ -369,44 +369,28 @@ def test_eagle3_drafts_are_the_heads_predictions(eagle_target, eagle_head):
     assert drafts == want
 
 
-class _EagerVerifyGraphs:
-    """A stand-in for the captured verify graphs on the CPU: the same padded layout (every sequence 1 + k
-    tokens, the batch padded to a size), run eagerly over the whole padded buffers."""
+def test_a_verify_step_is_a_decode_batch(llama_dir):
+    """Each draft is a one-token query of its own (decode graphs, the CPU's decode kernels): the step
+    that verifies 3 drafts of one request has 4 decode rows, sampled at every row."""
+    from ember.runner import step_inputs
 
-    def __init__(self, runner, sizes: list[int], query_len: int) -> None:
-        self.runner, self.sizes, self.query_len = runner, sizes, query_len
-        self.aux_hidden_states: dict = {}
-        self.replayed: list[int] = []
+    llm = LLM(str(llama_dir), **ENGINE, speculative_config=NGRAM, engine_process=False)
+    steps = []
+    prepare = step_inputs.prepare_step
 
-    def padded_size(self, batch: int) -> int | None:
-        return next((s for s in self.sizes if s >= batch), None)
+    def recording(*args, **kwargs):
+        prepared = prepare(*args, **kwargs)
+        steps.append(prepared.header)
+        return prepared
 
-    def replay(self, padded: int):
-        from ember.ops.attention import AttentionMetadata
+    from ember.runner import model_runner
 
-        b, n = self.runner.buffers, padded * self.query_len
-        self.replayed.append(padded)
-        meta = AttentionMetadata(
-            slot_mapping=b.slot_mapping.dev[:n],
-            block_tables=b.block_tables.dev[:padded],
-            seq_lens=b.seq_lens.dev[:padded],
-            query_start_loc=b.query_start_loc.dev[: padded + 1],
-            num_decodes=0,
-            max_query_len=self.query_len,
-            max_seq_len=int(b.seq_lens.np[:padded].max()),
-            seq_lens_host=b.seq_lens.np[:padded].tolist(),
-            query_start_host=b.query_start_loc.np[: padded + 1].tolist(),
-        )
-        return self.runner.model(b.input_ids.dev[:n], b.positions.dev[:n], meta)
-
-
-@pytest.mark.parametrize("kind", ["ngram", "draft-other"])
-def test_verify_steps_in_the_graph_layout_are_exact(llama_dir, other_draft, prompts, greedy, plain, kind):
-    """Verify steps laid out as the CUDA verify graphs take them (sequences padded to 1 + k tokens whose
-    padding writes no slot, the batch padded to a captured size) give plain decoding's tokens."""
-    llm = LLM(str(llama_dir), **ENGINE, speculative_config=_spec_config(kind, llama_dir, other_draft), engine_process=False)
-    runner = inproc_core(llm).runner
-    k = 3 if kind == "ngram" else 4
-    runner.verify_graphs = graphs = _EagerVerifyGraphs(runner, [1, 2, 4, 8, 16], 1 + k)
-    _assert_same(llm.generate(prompts, greedy, use_tqdm=False), plain)
-    assert graphs.replayed and max(graphs.replayed) == 16  # 12 requests padded to 16
+    model_runner.prepare_step = recording
+    try:
+        repeat = {"prompt_token_ids": [7, 8, 9, 10] * 8}
+        out = llm.generate([repeat], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        model_runner.prepare_step = prepare
+    assert out[0].metrics.num_draft_tokens > 0
+    verify = [h for h in steps if h.num_sample > 1]
+    assert verify and all(h.num_decodes == h.num_seqs == h.num_tokens == h.num_sample for h in verify)

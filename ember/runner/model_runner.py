@@ -27,7 +27,7 @@ from ember.model.loader import ModelFiles, load_model_files
 from ember.model.moe import FusedExperts
 from ember.ops.attention import AttentionMetadata
 from ember.quant.formats import FP8_DTYPE
-from ember.runner.cuda_graph import StepGraphs, capture_sizes
+from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
 from ember.runner.drafter import DraftModelDrafter, DraftStep, Eagle3Drafter
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache
@@ -35,10 +35,10 @@ from ember.runner.model_build import build_model
 from ember.runner.request_state import RequestState, RequestStates
 from ember.runner.step import StepDescription, StepResult
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
-from ember.runner.step_inputs import PreparedStep, PromptRows, VerifyGraphs, prepare_step
+from ember.runner.step_inputs import PreparedStep, PromptRows, prepare_step
 from ember.runner.step_timer import StepTimer
 from ember.runner.warmup import warm_up_batches
-from ember.sampling.rejection import DraftRows, Verified, verify
+from ember.sampling.rejection import DraftRows, Verified, verify, verify_greedy
 from ember.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, Scores, gather_logprobs
 from ember.transfer import to_device, to_host
 
@@ -82,7 +82,6 @@ class _StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     padded: int | None  # the CUDA graph size to replay, or None for an eager forward
-    query_len: int  # tokens per sequence of the graph: 1 (decodes) or 1 + k (verifying k drafts)
 
 
 @dataclass
@@ -130,15 +129,15 @@ class ModelRunner:
         self.drafter = self._drafter(speculative, config) if speculative is not None else None
         self.enforce_eager = config.enforce_eager
         max_blocks = -(-scheduler_config.max_model_len // self.block_size)
+        # a draft token is a query of its own (ember/runner/step_inputs.py): a step's drafts add rows
+        drafts = 0 if speculative is None else speculative.draft_budget_for(device.type)
         self.buffers = InputBuffers(
             max(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
-            scheduler_config.max_num_seqs,
+            scheduler_config.max_num_seqs + min(drafts, scheduler_config.max_num_batched_tokens),
             max_blocks,
             self.device,
         )
-        self.graphs: StepGraphs | None = None
-        self.verify_graphs: StepGraphs | None = None  # speculative decoding's (ember/runner/cuda_graph.py)
-        self.speculative = speculative
+        self.graphs: DecodeGraphs | None = None
         self.timer = StepTimer() if self.device.type == "cuda" else None
         self.requests = RequestStates(self.device)
         # The last launched step's sampled ids on the device, and each sampling request's row in them.
@@ -298,15 +297,12 @@ class ModelRunner:
             return
         before = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
-            sizes = capture_sizes(self.scheduler_config.max_num_seqs)
-            self.graphs = StepGraphs(self.model, self.buffers, self.scheduler_config.max_model_len, sizes)
-            spec = self.speculative
-            if spec is not None:  # the batches that carry drafts: k each while k * batch fits the budget
-                k, budget = spec.num_speculative_tokens, spec.draft_budget_for("cuda")
-                verify_sizes = [s for s in sizes if s * k <= budget]
-                if verify_sizes:
-                    max_len = self.scheduler_config.max_model_len
-                    self.verify_graphs = StepGraphs(self.model, self.buffers, max_len, verify_sizes, 1 + k)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.buffers,
+                self.scheduler_config.max_model_len,
+                capture_sizes(self.scheduler_config.max_num_seqs),
+            )
         logger.info("CUDA graph memory: %.2f GiB", (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
     # ---- one step -------------------------------------------------------------------------
@@ -319,7 +315,7 @@ class ModelRunner:
             slot_mapping=b.slot_mapping.upload(tokens)[: h.num_tokens],
             block_tables=b.block_tables.upload(rows)[: h.num_seqs],
             seq_lens=b.seq_lens.upload(rows)[: h.num_seqs],
-            query_start_loc=b.query_start_loc.upload(h.rows + 1),
+            query_start_loc=b.query_start_loc.upload(h.num_seqs + 1),
             num_decodes=h.num_decodes,
             max_query_len=h.max_query_len,
             max_seq_len=h.max_seq_len,
@@ -332,17 +328,12 @@ class ModelRunner:
             meta,
             b.logits_indices.upload(h.num_sample),
             h.padded or None,
-            h.query_len,
         )
-
-    def _step_graphs(self, inputs: _StepInputs) -> StepGraphs | None:
-        return self.verify_graphs if inputs.query_len > 1 else self.graphs
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         if inputs.padded is not None:
-            graphs = self._step_graphs(inputs)
-            assert graphs is not None  # a step is padded only to a captured graph's size
-            return graphs.replay(inputs.padded)
+            assert self.graphs is not None  # a step is padded only to a captured graph's size
+            return self.graphs.replay(inputs.padded)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
@@ -372,7 +363,6 @@ class ModelRunner:
             self.buffers,
             self.block_size,
             self.graphs.padded_size if self.graphs is not None else None,
-            VerifyGraphs(vg.padded_size, vg.query_len) if (vg := self.verify_graphs) is not None else None,
         )
         if tp_size() > 1:
             send_step(step.header, self.buffers)
@@ -431,9 +421,8 @@ class ModelRunner:
         """What the drafter reads of the step just run (the target's features: a replayed graph's own)."""
         inputs, step = prepared.inputs, prepared.step
         aux = self.model.aux_hidden_states
-        graphs = self._step_graphs(inputs)
-        if inputs.padded is not None and graphs is not None:
-            aux = graphs.aux_hidden_states.get(inputs.padded)
+        if inputs.padded is not None and self.graphs is not None:
+            aux = self.graphs.aux_hidden_states.get(inputs.padded)
         num_tokens = inputs.input_ids.shape[0]
         aux = aux[:num_tokens] if aux is not None else None
         return DraftStep(inputs.input_ids, inputs.positions, inputs.meta, step.spans, step.samplers, verified, aux)
@@ -458,8 +447,10 @@ class ModelRunner:
         mask after each draft too)."""
         if masks is not None:
             sbatch.token_bitmask = masks.result().to(self.device)
-        scores = self.sampler.target(self.model.compute_logits(rows), sbatch)
         draft_rows = DraftRows.build([r.spec_token_ids for r in reqs], self.device)
+        if sbatch.argmax_only:  # the drafts' rows need only the model's choice, not every logit
+            return verify_greedy(self.model.greedy_tokens(rows), draft_rows), None
+        scores = self.sampler.target(self.model.compute_logits(rows), sbatch)
         greedy = to_device([r.sampling_params.is_greedy for r in reqs], torch.bool, self.device)
         generators = {i: r.generator for i, r in enumerate(reqs) if r.generator is not None}
         verified = verify(scores.values, greedy, draft_rows, generators)

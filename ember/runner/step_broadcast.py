@@ -29,7 +29,6 @@ class StepHeader:
     table_width: int  # block-table columns in use
     # per request wanting prompt logprobs: (first flat row, number of rows)
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
-    query_len: int = 1  # tokens per sequence of a replayed graph: 1 for decodes, 1 + k to verify k drafts
 
     @property
     def rows(self) -> int:
@@ -37,7 +36,7 @@ class StepHeader:
 
     @property
     def tokens(self) -> int:
-        return self.padded * self.query_len or self.num_tokens
+        return self.padded or self.num_tokens
 
 
 _SCALARS = [f.name for f in fields(StepHeader) if f.name != "prompt_rows"]

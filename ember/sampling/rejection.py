@@ -84,6 +84,23 @@ def verify(
         last = torch.where(usable.unsqueeze(1), residual, last)
     sampled = (last.log() - noise.log()).argmax(dim=1)
     final = torch.where(greedy, argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1), sampled)
+    return _emitted(drafts, num_accepted, final)
+
+
+def verify_greedy(argmax: torch.Tensor, rows: DraftRows) -> Verified:
+    """Every request greedy, nothing else asked of the logits: `argmax` [R] is each row's choice (a
+    quantized head finds it without every float logit, ember.model.linear.QuantEmbedding.argmax)."""
+    width = rows.draft_ids.shape[1]
+    choice = argmax[rows.row_index]  # [N, K + 1]
+    valid = torch.arange(width, device=argmax.device).unsqueeze(0) < rows.num_drafts.unsqueeze(1)
+    accept = (rows.draft_ids == choice[:, :width]) & valid
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+    return _emitted(rows.draft_ids, num_accepted, choice.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
+
+
+def _emitted(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> Verified:
+    """The accepted drafts, then each request's own token (`final`), -1 after."""
+    n, width = drafts.shape
     positions = torch.arange(width + 1, device=drafts.device).unsqueeze(0)
     token_ids = torch.cat([drafts, drafts.new_full((n, 1), -1)], dim=1)
     token_ids = torch.where(positions < num_accepted.unsqueeze(1), token_ids, -1)
