@@ -60,6 +60,10 @@ REQUEST_KEYS = {
 
 @pytest.fixture(scope="module")
 def server_url(llama_dir):
+    yield from _serve(llama_dir)
+
+
+def _serve(llama_dir, *flags: str):
     """`ember serve` in a subprocess on a free port; its start-up log line says which."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
@@ -76,6 +80,7 @@ def server_url(llama_dir):
             "0.05",
             "--max-model-len",
             str(MAX_MODEL_LEN),
+            *flags,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -170,6 +175,22 @@ def test_all_at_once_fixed_lengths(server_url, tmp_path):
     assert doc["server"]["model"] == doc["server"]["models"][0]["id"]  # found through /v1/models
     assert doc["label"] == "inf" and doc["config"]["request_rate"] is None
     assert "api_key" not in doc["config"]
+
+
+def test_speculative_decoding_figures(llama_dir, server_url, tmp_path):
+    """Against a server with n-gram speculation the report carries acceptance from its /metrics
+    counters, over this run only; a plain server has none."""
+    flags = ["--num-prompts", "8", "--dataset", "fixed", "--random-input-len", "64", "--random-output-len", "48"]
+    _, plain = run_bench(tmp_path, "--base-url", server_url, *flags)
+    assert plain["results"]["spec_decode"] is None
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "draft_token_budget": 64}'
+    for url in _serve(llama_dir, "--speculative-config", config):
+        runs = [run_bench(tmp_path, "--base-url", url, *flags)[1]["results"]["spec_decode"] for _ in range(2)]
+    for spec in runs:
+        assert spec["num_drafts"] > 0 and 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+        assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])
+        assert len(spec["acceptance_per_position"]) == 3
+    assert runs[1]["num_drafts"] < runs[0]["num_drafts"] * 2  # the second run's, not the sum of both
 
 
 def test_poisson_arrivals_with_concurrency_cap(server_url, tmp_path):

@@ -157,6 +157,16 @@ def print_report(summary: dict[str, Any], label: str | None) -> None:
         for stat in STATS:
             name = {"mean": "Mean", "median": "Median", "std": "Std", "p90": "P90", "p99": "P99"}[stat]
             row(f"{name} {short} (ms):", summary[f"{stat}_{key}_ms"], ".2f")
+    spec = summary.get("spec_decode")
+    if spec is not None:
+        print(" Speculative Decoding ".center(width, "-"))
+        row("Drafts:", spec["num_drafts"])
+        row("Draft tokens:", spec["num_draft_tokens"])
+        row("Accepted tokens:", spec["num_accepted_tokens"])
+        row("Acceptance rate:", spec["acceptance_rate"], ".3f")
+        row("Mean accepted length:", spec["mean_accepted_length"], ".3f")
+        per_pos = ", ".join("n/a" if a is None else f"{a:.2f}" for a in spec["acceptance_per_position"])
+        print(f"Acceptance per position: {per_pos}")
     if summary["errors"]:
         print(" Failures ".center(width, "-"))
         for kind, n in summary["failures_by_kind"].items():

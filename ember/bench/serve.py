@@ -45,6 +45,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ember.bench import spec_metrics
 from ember.bench.flags import add_serve_bench_args, check_args
 from ember.bench.machine import client_machine_info
 from ember.bench.report import RequestResult, print_report, request_records, summarize
@@ -193,8 +194,12 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         f"{rate}, max concurrency {args.max_concurrency or 'unlimited'}",
         flush=True,
     )
+    spec_before = await spec_metrics.read_counters(args.base_url, headers)
     results, duration, max_in_flight = await run_requests(args, model, specs, headers)
     summary = summarize(results, duration, max_in_flight)
+    summary["spec_decode"] = spec_metrics.summarize(
+        spec_before, await spec_metrics.read_counters(args.base_url, headers)
+    )
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "command", "bench_command")}
     config["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate  # JSON has no inf
     config["api_key_set"] = bool(api_key)

@@ -84,20 +84,9 @@ class PrometheusStatLogger:
         self._success = Counter(
             "ember:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
         )
-        self.spec_drafts = counter(
-            "ember:spec_decode_num_drafts", "Draft runs verified (a request's drafts in one step)."
-        )
-        self.spec_draft_tokens = counter("ember:spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.spec_accepted = counter("ember:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self._spec_per_pos = Counter(
-            "ember:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in the draft.",
-            labels + ["position"],
-            registry=r,
-        )
         self.model_name = model_name
         self._seen = (0, 0, 0)
-        self._spec_seen = SpecDecodeStats(0, 0, 0, [])
+        self._spec: _SpecCounters | None = None  # made with the first speculative stats: none without
 
     def record_scheduler(self, s: SchedulerStats) -> None:
         self.running.set(s.num_running)
@@ -112,14 +101,9 @@ class PrometheusStatLogger:
             self._record_spec(s.spec_decode)
 
     def _record_spec(self, spec: SpecDecodeStats) -> None:
-        seen = self._spec_seen
-        self.spec_drafts.inc(spec.num_drafts - seen.num_drafts)
-        self.spec_draft_tokens.inc(spec.num_draft_tokens - seen.num_draft_tokens)
-        self.spec_accepted.inc(spec.num_accepted_tokens - seen.num_accepted_tokens)
-        before = seen.num_accepted_tokens_per_pos + [0] * len(spec.num_accepted_tokens_per_pos)
-        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
-            self._spec_per_pos.labels(self.model_name, str(pos)).inc(count - before[pos])
-        self._spec_seen = spec
+        if self._spec is None:
+            self._spec = _SpecCounters(self.registry, self.model_name)
+        self._spec.record(spec)
 
     def record_iteration(self, it: IterationStats) -> None:
         self.prompt_tokens.inc(it.num_prompt_tokens)
@@ -133,3 +117,40 @@ class PrometheusStatLogger:
             self._success.labels(self.model_name, reason).inc()
             if reason == "content_filter":
                 self.content_filtered.inc()
+
+
+class _SpecCounters:
+    """Speculative decoding's counters (vLLM's spec_decode metrics), fed the core's running totals."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.drafts = Counter(
+            "ember:spec_decode_num_drafts",
+            "Draft runs verified (a request's drafts in one step).",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self.draft_tokens = Counter(
+            "ember:spec_decode_num_draft_tokens", "Draft tokens verified.", labels, registry=registry
+        ).labels(model_name)
+        self.accepted = Counter(
+            "ember:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels, registry=registry
+        ).labels(model_name)
+        self.per_pos = Counter(
+            "ember:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            labels + ["position"],
+            registry=registry,
+        )
+        self.seen = SpecDecodeStats(0, 0, 0, [])
+
+    def record(self, spec: SpecDecodeStats) -> None:
+        seen = self.seen
+        self.drafts.inc(spec.num_drafts - seen.num_drafts)
+        self.draft_tokens.inc(spec.num_draft_tokens - seen.num_draft_tokens)
+        self.accepted.inc(spec.num_accepted_tokens - seen.num_accepted_tokens)
+        before = seen.num_accepted_tokens_per_pos + [0] * len(spec.num_accepted_tokens_per_pos)
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            self.per_pos.labels(self.model_name, str(pos)).inc(count - before[pos])
+        self.seen = spec
