@@ -338,7 +338,7 @@ def test_eagle3_drafts_are_the_heads_predictions(eagle_target, eagle_head):
     target.set_aux_hidden_state_layers(tuple(EAGLE_LAYERS))
     head = load_eagle3(eagle_head, files.model_config, cpu, torch.float32)
     head.share_embedding(target.model.embed_tokens)
-    for model, layers in ((target, target.attention_layers()), (head, head.attention_layers())):
+    for layers in (target.attention_layers(), head.attention_layers()):
         kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
         KVCache(layers, kv_heads, head_dim, 16, torch.float32, cpu).allocate(4)
 
