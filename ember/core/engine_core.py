@@ -52,6 +52,9 @@ from ember.runner.step import StepResult
 from ember.runner.tp_workers import TensorParallelGroup
 
 logger = logging.getLogger("ember")
+# With n-gram drafts, steps overlap (async scheduling) while the lookup finds nothing; one step in this
+# many goes alone, so the lookup sees every token and drafting can resume.
+NGRAM_PROBE_STEPS = 8
 
 
 class EngineCore:
@@ -118,6 +121,7 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []  # rejections, sent with the next step's outputs
         self._num_host_sync = 0  # unfinished requests that need one step at a time
         self._num_steps = 0
+        self._num_drafting = 0  # requests given drafts by the last proposal
         self._num_received = 0
         self._grammar_fed: Future | None = None  # the newest mask fill's feeding of late tokens
         self.ready = self._ready_message(
@@ -236,8 +240,13 @@ class EngineCore:
     def _drafting(self) -> bool:
         """Speculation is on for the batch as it is: a step's drafts come from the tokens of the step
         before, so steps go one at a time. At a batch large enough to turn drafts off, async scheduling
-        (when on) overlaps steps as without speculation."""
-        return self.speculative is not None and self.scheduler.num_draft_tokens() > 0
+        (when on) overlaps steps as without speculation; so it does while n-gram lookup finds nothing
+        to draft, except every `NGRAM_PROBE_STEPS`-th step, which goes alone so that the lookup sees
+        every token and can find drafts again."""
+        spec = self.speculative
+        if spec is None or self.scheduler.num_draft_tokens() == 0:
+            return False
+        return spec.needs_draft_model or self._num_drafting > 0 or self._num_steps % NGRAM_PROBE_STEPS == 0
 
     def outputs(self, outputs: list[EngineCoreOutput] | None = None) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs or [], time.monotonic(), self.stats())
@@ -368,6 +377,7 @@ class EngineCore:
         large for drafts to pay."""
         assert self.speculative is not None  # called only with speculative decoding
         k = self.scheduler.num_draft_tokens()
+        self._num_drafting = 0
         for req in requests:
             if req.status.finished:
                 continue
@@ -381,6 +391,7 @@ class EngineCore:
             if req.matcher is not None and drafts:  # only what the grammar allows is worth verifying
                 drafts = drafts[: req.matcher.validate_tokens(drafts)]
             req.spec_token_ids = drafts
+            self._num_drafting += bool(drafts)
 
     def _check_grammars(self, items: list[Request], outputs: dict[str, EngineCoreOutput]) -> None:
         """End the requests whose grammar cannot go on after their new tokens. A complete grammar allows
