@@ -44,6 +44,7 @@ def _engine(args: argparse.Namespace, spec: dict[str, Any]) -> LLM:
         max_model_len=args.max_model_len,
         engine_process=False,
         speculative_config={**spec, "draft_token_budget": 4096},
+        async_scheduling=True if os.environ.get("SPEC_ASYNC") else None,
     )
 
 
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     info = machine_info()
     result: dict[str, Any] = {"date": today(), "machine": info, "command": " ".join(sys.argv), "batches": {}}
+    if args.exact_model:  # first: its engines run in their own processes, and the memory is all theirs
+        result["greedy_exactness"] = greedy_exactness(args)
     batches = sorted(args.batches, reverse=True)  # one engine per method: the largest batch first, then fewer
     llm = _engine(args, {"method": "ngram", "num_speculative_tokens": args.max_k})
     core = _core(llm)
@@ -168,8 +171,6 @@ def main(argv: list[str] | None = None) -> None:
             row["eagle3_head_ms"] = row["eagle3_k4_step_ms"] - row["step_ms"][k]
             step, head = row["eagle3_k4_step_ms"], row["eagle3_head_ms"]
             print(f"batch {batch}: EAGLE-3 step (k={k}) {step:.2f} ms, head {head:.2f} ms")
-    if args.exact_model:
-        result["greedy_exactness"] = greedy_exactness(args)
     out = args.out or os.path.join(RESULTS_DIR, f"spec-decode-gpu-{today()}.json")
     write_json(out, result)
     plot(result, out.removesuffix(".json") + ".png")

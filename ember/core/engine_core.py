@@ -121,7 +121,6 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []  # rejections, sent with the next step's outputs
         self._num_host_sync = 0  # unfinished requests that need one step at a time
         self._num_steps = 0
-        self._num_drafting = 0  # requests given drafts by the last proposal
         self._num_received = 0
         self._grammar_fed: Future | None = None  # the newest mask fill's feeding of late tokens
         self.ready = self._ready_message(
@@ -246,7 +245,11 @@ class EngineCore:
         spec = self.speculative
         if spec is None or self.scheduler.num_draft_tokens() == 0:
             return False
-        return spec.needs_draft_model or self._num_drafting > 0 or self._num_steps % NGRAM_PROBE_STEPS == 0
+        if spec.needs_draft_model or self._num_steps % NGRAM_PROBE_STEPS == 0:
+            return True
+        # a step with drafts must be collected before the next is planned: its accepted count decides where
+        # the request goes on
+        return any(r.spec_token_ids for r in self.scheduler.running)
 
     def outputs(self, outputs: list[EngineCoreOutput] | None = None) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs or [], time.monotonic(), self.stats())
@@ -377,7 +380,6 @@ class EngineCore:
         large for drafts to pay."""
         assert self.speculative is not None  # called only with speculative decoding
         k = self.scheduler.num_draft_tokens()
-        self._num_drafting = 0
         for req in requests:
             if req.status.finished:
                 continue
@@ -391,7 +393,6 @@ class EngineCore:
             if req.matcher is not None and drafts:  # only what the grammar allows is worth verifying
                 drafts = drafts[: req.matcher.validate_tokens(drafts)]
             req.spec_token_ids = drafts
-            self._num_drafting += bool(drafts)
 
     def _check_grammars(self, items: list[Request], outputs: dict[str, EngineCoreOutput]) -> None:
         """End the requests whose grammar cannot go on after their new tokens. A complete grammar allows
