@@ -137,12 +137,14 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}")
 
     def draft_budget_for(self, device_type: str) -> int:
-        """Draft tokens a step may carry. On the H100/H200 a bf16 8B step stays bound by its weight read
-        up to about 128 tokens (ridge ~ 790 TFLOP/s / 4.3 TB/s ~ 184 FLOP per weight byte, i.e. ~184
-        tokens); on a CPU the matmuls become compute bound within a few rows."""
+        """Draft tokens a step may carry. Measured on the H100 (Llama-3.1-8B shape, bf16, 512-token
+        contexts, benchmarks/results/spec-decode-gpu-h100-2026-12-05.json): at batch 1 a step verifying
+        1 to 8 drafts cost 1.15-1.21 decode steps, but at batch 32 one draft each (64 rows) already cost
+        1.44 and four 1.99; so 16 draft tokens, k for a few requests, none from 17 on. On a CPU every
+        row costs compute (default model, 2 cores: +~4 ms a row on a 10 ms step), so 8."""
         if self.draft_token_budget is not None:
             return self.draft_token_budget
-        return 128 if device_type == "cuda" else 8
+        return 16 if device_type == "cuda" else 8
 
     @property
     def needs_draft_model(self) -> bool:
