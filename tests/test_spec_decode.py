@@ -394,3 +394,31 @@ def test_a_verify_step_is_a_decode_batch(llama_dir):
     assert out[0].metrics.num_draft_tokens > 0
     verify = [h for h in steps if h.num_sample > 1]
     assert verify and all(h.num_decodes == h.num_seqs == h.num_tokens == h.num_sample for h in verify)
+
+
+def test_yaml_config_takes_a_mapping(tmp_path):
+    """`speculative-config:` in `ember serve --config` YAML is a mapping, parsed like the JSON flag."""
+    import argparse
+
+    from ember.server.args import add_serve_args, resolve_args, settings_from_args
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("speculative-config:\n  method: ngram\n  num_speculative_tokens: 3\n  prompt_lookup_max: 4\n")
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    engine, _ = settings_from_args(resolve_args(parser.parse_args(["--config", str(path)])))
+    spec = engine.engine_config().speculative
+    assert spec is not None and (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 3, 4)
+
+
+def test_stop_strings_inside_accepted_drafts(llama_dir, prompts, plain):
+    """A stop string the front end finds in the middle of a step's several tokens ends the text there,
+    as in plain decoding."""
+    text = plain[1].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    want = LLM(str(llama_dir), **ENGINE).generate(prompts, params, use_tqdm=False)
+    got = LLM(str(llama_dir), **ENGINE, speculative_config=NGRAM).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+    assert got[1].outputs[0].finish_reason == "stop" and stop not in got[1].outputs[0].text
