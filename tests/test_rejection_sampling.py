@@ -92,8 +92,8 @@ def test_ngram_lookup():
 def test_engine_sampling_distribution_is_unchanged(llama_dir):
     """Temperature 0.4 with top-k, continuing the model's own 60-token greedy continuation of a random
     prompt (a tiny random model falls into loops), so that n-gram drafts are the model's likely tokens:
-    many are accepted, many rejected. The later tokens' distributions with speculation match plain sampling. Every request is
-    seeded, so the test's outcome is fixed."""
+    many are accepted, many rejected. The later tokens' distributions with speculation match plain
+    sampling. Every request is seeded, so the test's outcome is fixed."""
     rng = random.Random(11)
     head = rng.sample(range(5, 500), 40)
     plain_llm = LLM(str(llama_dir), device=DEVICE, dtype="float32", kv_cache_memory=0.05)
