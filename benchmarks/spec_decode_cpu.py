@@ -47,7 +47,6 @@ from typing import Any
 if not __package__:  # run as a script: make `benchmarks.common` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import (
     RESULTS_DIR,
@@ -59,19 +58,15 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.throughput import model_short_name
+from ember.bench import spec_metrics
 from ember.bench.machine import load_average
-from ember.http_client import APIS, CHAT, StreamTiming, get_json, http_request, stream_completion
+from ember.http_client import APIS, CHAT, StreamTiming, get_json, stream_completion
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "input_grounded.jsonl")
 MODES = ("off", "on")
 COLORS = {"off": "#4a7ab5", "on": "#d9541e"}
 WARMUP_TOKENS = 8
 DRY_RUN_PROMPTS = 2
-# /metrics sample names (counters), and the label of the per-position one
-DRAFTS = "ember:spec_decode_num_drafts_total"
-DRAFT_TOKENS = "ember:spec_decode_num_draft_tokens_total"
-ACCEPTED = "ember:spec_decode_num_accepted_tokens_total"
-ACCEPTED_PER_POS = "ember:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 # ---- one streamed chat completion, its text kept ------------------------------------------------------
@@ -150,60 +145,6 @@ async def run_phase(
     return list(records), time.perf_counter() - start
 
 
-# ---- the spec-decode counters ---------------------------------------------------------------------------
-
-
-async def spec_counters(base_url: str) -> dict[str, Any] | None:
-    """The `ember:spec_decode_*` counters on /metrics (summed over their model_name label), or None when the
-    server exports none (a plain server, or one from before speculative decoding)."""
-    resp = await http_request("GET", base_url + "/metrics")
-    try:
-        body = await resp.read()
-    finally:
-        await resp.close()
-    if resp.status != 200:
-        raise RuntimeError(f"GET /metrics answered {resp.status}: {body[:200]!r}")
-    totals = {DRAFTS: 0.0, DRAFT_TOKENS: 0.0, ACCEPTED: 0.0}
-    per_pos: dict[int, float] = {}
-    seen = False
-    for family in text_string_to_metric_families(body.decode("utf-8")):
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-                seen = True
-            elif sample.name == ACCEPTED_PER_POS:
-                pos = int(sample.labels["position"])
-                per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
-                seen = True
-    if not seen:
-        return None
-    return {
-        "drafts": totals[DRAFTS],
-        "draft_tokens": totals[DRAFT_TOKENS],
-        "accepted_tokens": totals[ACCEPTED],
-        "accepted_per_pos": [per_pos.get(i, 0.0) for i in range(max(per_pos, default=-1) + 1)],
-    }
-
-
-def acceptance(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The counters' growth over one phase and what it means: acceptance rate, mean accepted length, and per
-    draft position the fraction of drafts whose token there was accepted."""
-    if after is None:
-        return None
-    before = before or {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_pos": []}
-    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
-    old = before["accepted_per_pos"]
-    per_pos = [v - (old[i] if i < len(old) else 0.0) for i, v in enumerate(after["accepted_per_pos"])]
-    drafts = d["drafts"]
-    return {
-        **{k: int(v) for k, v in d.items()},
-        "accepted_per_pos": [int(v) for v in per_pos],
-        "acceptance_rate": round(d["accepted_tokens"] / d["draft_tokens"], 4) if d["draft_tokens"] else None,
-        "mean_accepted_length": round(1 + d["accepted_tokens"] / drafts, 4) if drafts else None,
-        "acceptance_per_pos": [round(v / drafts, 4) for v in per_pos] if drafts else [],
-    }
-
-
 # ---- one server, every phase -----------------------------------------------------------------------------
 
 
@@ -247,11 +188,11 @@ async def run_server_phases(args: argparse.Namespace, base_url: str, prompts: li
     for name, in_flight in phases(args):
         await reset_prefix_cache(base_url)
         loadavg = load_average()
-        before = await spec_counters(base_url)
+        before = await spec_metrics.read_counters(base_url, {})
         records, wall_s = await run_phase(
             base_url, model, phase_prompts(prompts, in_flight), in_flight, args.request_timeout
         )
-        spec = acceptance(before, await spec_counters(base_url))
+        spec = spec_metrics.summarize(before, await spec_metrics.read_counters(base_url, {}))
         summary = summarize_phase(records, wall_s)
         run["phases"][name] = {
             "in_flight": in_flight,
@@ -330,7 +271,7 @@ def compare(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict[s
             "speedup": round(on["tok_s"] / off["tok_s"], 4) if both and off["tok_s"] and on["tok_s"] else None,
             "acceptance_rate": spec.get("acceptance_rate"),
             "mean_accepted_length": spec.get("mean_accepted_length"),
-            "acceptance_per_pos": spec.get("acceptance_per_pos"),
+            "acceptance_per_pos": spec.get("acceptance_per_position"),
             "mismatches": None if diff is None else len(diff),
             "mismatched": diff,
         }

@@ -44,7 +44,6 @@ def _engine(args: argparse.Namespace, spec: dict[str, Any]) -> LLM:
         max_model_len=args.max_model_len,
         engine_process=False,
         speculative_config={**spec, "draft_token_budget": 4096},
-        async_scheduling=True if os.environ.get("SPEC_ASYNC") else None,
     )
 
 

@@ -158,12 +158,13 @@ def test_structured_output_under_speculation(llama_dir, prompts, temperature):
         assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
 
 
-def test_async_scheduling_overlaps_steps_while_drafts_are_off(llama_dir, prompts):
+@pytest.mark.parametrize("kind", ["ngram", "draft-other"])
+def test_async_scheduling_overlaps_steps_while_drafts_are_off(llama_dir, other_draft, prompts, kind):
     """With async scheduling, steps overlap while the batch is too large for drafts (12 requests, a
     budget of 6) and go one at a time once requests finish and drafts come back: the same tokens."""
     params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
     want = LLM(str(llama_dir), **ENGINE).generate(prompts, params, use_tqdm=False)
-    config = {**NGRAM, "draft_token_budget": 6}
+    config = {**_spec_config(kind, llama_dir, other_draft), "draft_token_budget": 6}
     llm = LLM(str(llama_dir), **ENGINE, async_scheduling=True, speculative_config=config)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

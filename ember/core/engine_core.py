@@ -279,8 +279,7 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.tensor_parallel.check()
         try:
-            drafts = dict(zip(batch.step.request_ids, batch.step.spec_token_ids))
-            pending = self.runner.launch(batch.step, functools.partial(self._start_masks, drafts=drafts))
+            pending = self.runner.launch(batch.step, functools.partial(self._start_masks, drafts=batch.drafts))
         except Exception as e:  # noqa: BLE001 - a failed launch fails its batch's requests; the engine keeps serving
             outputs += self._failed(batch, e)
             return True
@@ -336,12 +335,11 @@ class EngineCore:
             new = None if req.status.finished else _unsent_prompt_logprobs(req, first, prompt_logprobs)
             if new is not None:
                 outputs[rid] = EngineCoreOutput(rid, [], new_prompt_logprobs=new)
-        drafts = dict(zip(batch.step.request_ids, batch.step.spec_token_ids))
         constrained: list[Request] = []
         for rid, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             req = by_id[rid]
             req.num_inflight_tokens -= 1
-            num_drafts = len(drafts[rid])
+            num_drafts = len(batch.drafts[rid])
             if num_drafts:
                 self.spec_counts.add(num_drafts, len(tokens) - 1)
                 self.scheduler.reject_drafts(req, num_drafts - (len(tokens) - 1))

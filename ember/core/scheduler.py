@@ -24,6 +24,7 @@ finished since the last step, so the runner can keep its own per-request state.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,6 +45,11 @@ class ScheduledBatch:
     @property
     def num_new_tokens(self) -> list[int]:
         return self.step.num_new_tokens
+
+    @functools.cached_property
+    def drafts(self) -> dict[str, list[int]]:
+        """Each request's draft tokens verified in this step, by id (read once the batch is planned)."""
+        return dict(zip(self.step.request_ids, self.step.spec_token_ids))
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -159,7 +165,8 @@ class Scheduler:
         the runner writes nothing past the request's blocks)."""
         if not self.drafts.lookahead or computed_after < request.num_scheduled_tokens:
             return 0
-        return max(0, min(self.drafts.k, self.config.max_model_len - request.num_scheduled_tokens - 1))
+        # as many as it will draft: none while the batch turns drafts off
+        return max(0, min(self.num_draft_tokens(), self.config.max_model_len - request.num_scheduled_tokens - 1))
 
     def _allocate_or_preempt(self, request: Request, n: int) -> list[int] | None:
         """Blocks for n more tokens of a running request, preempting the newest running requests until they

@@ -34,7 +34,7 @@ from ember.errors import ModelLoadError
 from ember.model.files import read_config
 from ember.model.hf_config import ModelConfig
 from ember.model.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding
-from ember.model.llama import Attention
+from ember.model.llama import FUSED, SHARDS_PER_FUSED, Attention
 from ember.model.loader import safetensors_weights
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.ops.attention import AttentionMetadata
@@ -111,17 +111,6 @@ class Eagle3Layer(nn.Module):
         x = self.self_attn(positions, torch.cat([self.input_layernorm(embeds), normed], dim=-1), meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-
-# checkpoint name part -> (fused parameter part, shard index), as ember.model.llama fuses them
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-_SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 def _param_name(name: str) -> str:
@@ -215,7 +204,7 @@ class Eagle3Draft(nn.Module):
                 )
                 self.embed_tokens, params[name] = own, own.weight
             target, offset, size = name, 0, None
-            for part, (fused, index) in _FUSED.items():
+            for part, (fused, index) in FUSED.items():
                 if f".{part}." in name:
                     target = name.replace(part, fused)
                     sizes = self._fused_sizes(fused)
@@ -231,7 +220,7 @@ class Eagle3Draft(nn.Module):
                 )
             dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + 1
-        wrong = [n for n in params if filled.get(n, 0) != _SHARDS_PER_FUSED.get(n.rsplit(".", 2)[-2], 1)]
+        wrong = [n for n in params if filled.get(n, 0) != SHARDS_PER_FUSED.get(n.rsplit(".", 2)[-2], 1)]
         if filled.get("d2t", 0) != 1 and self.config.draft_vocab_size != self.config.model.vocab_size:
             wrong.append("d2t")
         if wrong:

@@ -242,14 +242,14 @@ class DecoderModel(nn.Module):
 
 
 # checkpoint name suffix -> (fused parameter suffix, shard index)
-_FUSED = {
+FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-_SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
+SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
 # Gemma3ForConditionalGeneration: the language model's tensors under transformers < 5's and >= 5's names
 _LANGUAGE_MODEL_PREFIXES = {
     "language_model.model.": "model.",
@@ -412,7 +412,7 @@ class CausalLM(nn.Module):
                 assert isinstance(tensor, torch.Tensor), "biases are never quantized (a checkpoint's nor at load)"
                 tensor = torch.zeros_like(tensor)
             target, offset, size, shard = name, 0, None, 0
-            for ckpt, (fused, index) in _FUSED.items():
+            for ckpt, (fused, index) in FUSED.items():
                 if f".{ckpt}." in name:
                     target, shard = name.replace(ckpt, fused), index
                     sizes = self._shard_sizes(fused)
@@ -436,7 +436,7 @@ class CausalLM(nn.Module):
             filled[target] = filled.get(target, 0) + 1
         for name in params:
             module = name.rsplit(".", 2)[-2]  # e.g. "qkv_proj" in "...self_attn.qkv_proj.weight"
-            if filled.get(name, 0) != _SHARDS_PER_FUSED.get(module, 1):
+            if filled.get(name, 0) != SHARDS_PER_FUSED.get(module, 1):
                 raise ModelLoadError(source, f"checkpoint is missing weights for {name!r}")
         for name, shards in quantized.items():
             self._install_quantized(name, shards, params[name])
@@ -476,7 +476,7 @@ class CausalLM(nn.Module):
         if isinstance(old, nn.Embedding):
             setattr(parent, attr, QuantEmbedding(shards[0], param.dtype, tied=self.lm_head is None))
             return
-        sizes = self._shard_sizes(attr) if attr in _SHARDS_PER_FUSED else [param.shape[0]]
+        sizes = self._shard_sizes(attr) if attr in SHARDS_PER_FUSED else [param.shape[0]]
         parts: list[QuantizedWeight | torch.Tensor] = []
         for i, size in enumerate(sizes):
             parts.append(shards[i] if i in shards else param.data.narrow(0, sum(sizes[:i]), size).clone())

@@ -18,6 +18,7 @@ token, taking the argmax each time: drafts are greedy, and verification treats t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,16 +45,11 @@ class DraftStep:
     verified: Verified | None  # their emitted tokens (None: no request sampled)
     aux_hidden_states: torch.Tensor | None  # [T, 3 * hidden]: the target's features (eagle3)
 
+    @functools.cached_property
     def emitted_counts(self) -> list[int]:
-        """Tokens each sampling request emitted (reads them back to the host)."""
+        """Tokens each sampling request emitted (read back to the host once)."""
         assert self.verified is not None  # asked only of a step that sampled
         return self.verified.num_tokens.tolist()
-
-    def last_tokens(self) -> torch.Tensor:
-        """[N] each sampling request's last emitted token, on the device."""
-        assert self.verified is not None  # asked only of a step that sampled
-        v = self.verified
-        return v.token_ids.gather(1, (v.num_tokens - 1).unsqueeze(1)).squeeze(1)
 
 
 def decode_metadata(
@@ -103,8 +99,9 @@ class DraftModelDrafter:
     def propose(self, step: DraftStep, k: int) -> list[list[int]]:
         """k greedy drafts per sampling request, continuing from its last emitted token."""
         self.prefill(step)
-        last = [r.num_tokens - 1 + c for r, c in zip(step.samplers, step.emitted_counts())]
-        tokens, drafts = step.last_tokens(), []
+        last = [r.num_tokens - 1 + c for r, c in zip(step.samplers, step.emitted_counts)]
+        assert step.verified is not None  # proposals follow a step that sampled
+        tokens, drafts = step.verified.last_tokens(), []
         for j in range(k):
             meta, pos = decode_metadata(step.samplers, [p + j for p in last], self.block_size, self.device)
             tokens = self.model.greedy_tokens(self.model(tokens, pos, meta))
@@ -143,7 +140,7 @@ class Eagle3Drafter:
             width = step.verified.token_ids.shape[1]
             rows: list[int] = []
             flat: list[int] = []
-            for i, (t0, count) in enumerate(zip(_last_known_rows(step), step.emitted_counts())):
+            for i, (t0, count) in enumerate(zip(_last_known_rows(step), step.emitted_counts)):
                 rows += range(t0, t0 + count)
                 flat += range(i * width, i * width + count)
             emitted = step.verified.token_ids.flatten()[to_device(flat, torch.int64, self.device)]
@@ -157,7 +154,7 @@ class Eagle3Drafter:
         """The first draft from the catch-up row at each request's last emitted token, then k - 1
         one-token steps feeding back the head's own hidden state."""
         h_normed, h_prenorm = self.catch_up(step)
-        counts = step.emitted_counts()
+        counts = step.emitted_counts
         rows = [t0 + c - 1 for t0, c in zip(_last_known_rows(step), counts)]
         index = to_device(rows, torch.int64, self.device)
         tokens, hidden = self.head.draft_tokens(h_normed[index]), h_prenorm[index]

@@ -394,10 +394,11 @@ class ModelRunner:
                 self._last_sampled = None
                 pending.events = self._end_events(start)
                 return pending
-            if self.drafter is not None or any(r.spec_token_ids for r in step.samplers):
+            proposing = self.drafter is not None and prepared.num_speculative_tokens > 0
+            if proposing or any(r.spec_token_ids for r in step.samplers):
                 verified = self._verify(hidden[inputs.logits_indices], sampling, step.samplers, masks)
                 self._verified(pending, verified)
-                if self.drafter is not None and prepared.num_speculative_tokens:
+                if proposing:
                     pending.draft_token_ids = self._propose(prepared, verified[0])
                 pending.events = self._end_events(start)
                 return pending
@@ -465,10 +466,11 @@ class ModelRunner:
     def _verified(
         self, pending: PendingStep, out: tuple[Verified, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
     ) -> None:
-        """Queue the copies of a verified step's tokens to the host (no step after it takes them on the
-        device: speculation schedules one step at a time)."""
+        """Queue the copies of a verified step's tokens to the host. A step launched before they arrive
+        (async scheduling) takes each request's last emitted token on the device, as after plain sampling;
+        the core plans such a step only for requests that verified no drafts."""
         verified, logprobs = out
-        self._last_sampled = None
+        self._last_sampled = (verified.last_tokens(), {r.request_id: i for i, r in enumerate(pending.requests)})
         pending.sampled, pending.num_sampled = to_host(verified.token_ids), to_host(verified.num_tokens)
         if logprobs is not None:
             ids, values, ranks = logprobs

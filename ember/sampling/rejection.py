@@ -51,6 +51,10 @@ class Verified:
     token_ids: torch.Tensor  # [N, K + 1] int64: accepted drafts, then the target's token; -1 after
     num_tokens: torch.Tensor  # [N] int64: accepted drafts + 1
 
+    def last_tokens(self) -> torch.Tensor:
+        """[N] each request's last emitted token, on the device."""
+        return self.token_ids.gather(1, (self.num_tokens - 1).unsqueeze(1)).squeeze(1)
+
 
 def verify(
     target: torch.Tensor,
