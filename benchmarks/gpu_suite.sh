@@ -12,7 +12,8 @@
 #                offline throughput, Gemma-3-1B shape (22 sliding-window layers of 512, 4 global; needs the
 #                Gemma 3 model code), beside the Qwen3-0.6B shape run again in the same call
 #   tput8b       offline throughput, Llama-3.1-8B shape
-#   latency      batch-1 TTFT / TPOT, Llama-3.1-8B shape
+#   latency      batch-1 TTFT / TPOT, Llama-3.1-8B shape, with the engine core in its own process (LLM's default),
+#                then in-process: the two TTFTs side by side show what the process hand-off costs
 #   startup      seconds to /health = 200, Qwen3-0.6B shape, CUDA graphs on and --enforce-eager
 #   serve        offline throughput (Qwen3-0.6B shape), then one `ember serve` of it driven by, in turn:
 #                ember bench serve --dataset nano-vllm (256 at once), benchmarks/openai_client.py (the same
@@ -73,7 +74,10 @@ stage_gemma() {
   tput --model $G --out "$OUT/throughput-gemma-3-1b-cuda-$D.json"
 }
 stage_tput8b() { tput --model $L --out "$OUT/throughput-llama-3.1-8b-cuda-$D.json"; }
-stage_latency() { lat --out "$OUT/latency-llama-3.1-8b-cuda-$D.json"; }
+stage_latency() {
+  lat --out "$OUT/latency-llama-3.1-8b-cuda-$D.json"
+  lat --no-engine-process --out "$OUT/latency-llama-3.1-8b-inproc-cuda-$D.json"
+}
 stage_startup() {
   timeout 150 python3 benchmarks/startup.py --model $Q --repeat ${REPEAT:-2} --out "$OUT/startup-qwen3-0.6b-cuda-$D.json" \
     -- --load-format dummy 2>&1 | tail -4

@@ -135,7 +135,7 @@ def main() -> None:
         "device": ready.device,
         "cuda_graphs": ready.cuda_graphs,
         "async_scheduling": ready.async_scheduling,
-        "engine_process": bool(args.engine_process),
+        "engine_process": args.engine_process is not False,  # LLM's default (None) runs the core in its own process
     }
     print(f"{'input':>6} {'output':>6} {'TTFT ms':>9} {'TPOT ms':>9} {'weights GiB':>12}")
     print(

@@ -43,6 +43,9 @@ class AttentionMetadata:
     max_seq_len: int  # longest context in the batch (sizes the decode kernel's split)
     seq_lens_host: list[int]  # the same values on the host, for the PyTorch path
     query_start_host: list[int]
+    # tokens past query_start_loc[-1] belong to no sequence (a prefill CUDA graph's padding): their attention
+    # output is zeros, so that no later op sees uninitialised memory there (a MoE router's NaN, say)
+    pad_rows: bool = False
     # the PyTorch path's decode gather plans (block ids, keys per query, key mask) per sliding window (None:
     # global layers), each made by the first layer of a step that uses it
     cpu_decode: dict[int | None, tuple[torch.Tensor, int, torch.Tensor | None]] = field(
@@ -123,7 +126,7 @@ class TritonAttention:
         right ones."""
         from ember.kernels import paged_decode_attention, paged_prefill_attention
 
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q) if meta.pad_rows else torch.empty_like(q)
         nd = meta.num_decodes
         kwargs: _KernelMasking = {
             "k_scale": k_scale,

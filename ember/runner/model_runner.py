@@ -27,7 +27,7 @@ from ember.model.loader import ModelFiles, load_model_files
 from ember.model.moe import FusedExperts
 from ember.ops.attention import AttentionMetadata
 from ember.quant.formats import FP8_DTYPE
-from ember.runner.cuda_graph import DecodeGraphs, capture_sizes
+from ember.runner.cuda_graph import StepGraphs, capture_sizes, prefill_capture_sizes
 from ember.runner.drafter import DraftModelDrafter, DraftStep, Eagle3Drafter
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache
@@ -81,7 +81,7 @@ class _StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    padded: int | None  # the CUDA graph size to replay, or None for an eager forward
+    graph: tuple[int, bool] | None  # the CUDA graph to replay (padded size, prefill), or None for an eager forward
 
 
 @dataclass
@@ -137,7 +137,7 @@ class ModelRunner:
             max_blocks,
             self.device,
         )
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.timer = StepTimer() if self.device.type == "cuda" else None
         self.requests = RequestStates(self.device)
         # The last launched step's sampled ids on the device, and each sampling request's row in them.
@@ -297,11 +297,13 @@ class ModelRunner:
             return
         before = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(
+            sc = self.scheduler_config
+            self.graphs = StepGraphs(
                 self.model,
                 self.buffers,
-                self.scheduler_config.max_model_len,
-                capture_sizes(self.scheduler_config.max_num_seqs),
+                sc.max_model_len,
+                capture_sizes(sc.max_num_seqs),
+                prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len),
             )
         logger.info("CUDA graph memory: %.2f GiB", (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
@@ -327,13 +329,13 @@ class ModelRunner:
             b.positions.upload(tokens)[: h.num_tokens],
             meta,
             b.logits_indices.upload(h.num_sample),
-            h.padded or None,
+            (h.padded, bool(h.prefill_graph)) if h.padded else None,
         )
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
-        if inputs.padded is not None:
+        if inputs.graph is not None:
             assert self.graphs is not None  # a step is padded only to a captured graph's size
-            return self.graphs.replay(inputs.padded)
+            return self.graphs.replay(*inputs.graph)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
@@ -362,7 +364,7 @@ class ModelRunner:
             description.num_new_tokens,
             self.buffers,
             self.block_size,
-            self.graphs.padded_size if self.graphs is not None else None,
+            self.graphs.sizes if self.graphs is not None else None,
         )
         if tp_size() > 1:
             send_step(step.header, self.buffers)
@@ -422,8 +424,8 @@ class ModelRunner:
         """What the drafter reads of the step just run (the target's features: a replayed graph's own)."""
         inputs, step = prepared.inputs, prepared.step
         aux = self.model.aux_hidden_states
-        if inputs.padded is not None and self.graphs is not None:
-            aux = self.graphs.aux_hidden_states.get(inputs.padded)
+        if inputs.graph is not None and self.graphs is not None:
+            aux = self.graphs.aux_hidden_states.get(inputs.graph)
         num_tokens = inputs.input_ids.shape[0]
         aux = aux[:num_tokens] if aux is not None else None
         return DraftStep(inputs.input_ids, inputs.positions, inputs.meta, step.spans, step.samplers, verified, aux)

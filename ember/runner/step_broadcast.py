@@ -24,15 +24,16 @@ class StepHeader:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
-    padded: int  # CUDA graph batch size to replay, 0 for an eager forward
+    padded: int  # CUDA graph size to replay (decode rows, or a lone prefill chunk's tokens), 0 for an eager forward
     num_sample: int  # rows whose logits are computed for sampling
     table_width: int  # block-table columns in use
+    prefill_graph: bool = False  # `padded` names a prefill graph: one sequence, `padded` tokens
     # per request wanting prompt logprobs: (first flat row, number of rows)
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
-        return self.padded or self.num_seqs
+        return self.num_seqs if self.prefill_graph else self.padded or self.num_seqs
 
     @property
     def tokens(self) -> int:

@@ -14,7 +14,7 @@ its row is listed in `inflight_rows` and filled on the device from that step's s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +22,26 @@ import numpy as np
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.request_state import RequestState
 from ember.runner.step_broadcast import StepHeader
+
+
+@dataclass(frozen=True)
+class GraphSizes:
+    """The CUDA graphs captured: decode batches by their row count, and single-request prefill chunks by
+    their token count (`ember/runner/cuda_graph.py`). A step is padded up to the next captured size."""
+
+    decode: tuple[int, ...]
+    prefill: tuple[int, ...] = ()
+
+    def decode_size(self, rows: int) -> int | None:
+        return _next_size(self.decode, rows)
+
+    def prefill_size(self, tokens: int) -> int | None:
+        return _next_size(self.prefill, tokens)
+
+
+def _next_size(sizes: tuple[int, ...], n: int) -> int | None:
+    i = bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 @dataclass
@@ -48,11 +68,11 @@ def prepare_step(
     num_new_tokens: list[int],
     buffers: InputBuffers,
     block_size: int,
-    graph_size: Callable[[int], int | None] | None,
+    graphs: GraphSizes | None,
 ) -> PreparedStep:
     """Fill the host buffers for this step's requests, each computing its `num_new_tokens` next tokens.
-    `graph_size(num_seqs)` gives the captured CUDA graph size to pad a decode-only batch to (None: run
-    eagerly)."""
+    `graphs`: the captured CUDA graph sizes a decode-only batch or a lone prefill chunk is padded to
+    (None: every step runs eagerly)."""
     decoding = [n == 1 or n == 1 + len(r.spec_token_ids) > 1 for r, n in zip(requests, num_new_tokens)]
     order = sorted(range(len(requests)), key=lambda i: not decoding[i])
     b = buffers
@@ -105,12 +125,15 @@ def prepare_step(
             num_sample += rows
             samplers.append(req)
     num_seqs, num_tokens = seq, t
-    padded = graph_size(num_seqs) if graph_size is not None and num_decodes == num_seqs else None
-    if padded is not None:  # pad rows write nowhere and attend to one cached token
+    padded, prefill_graph = _graph(graphs, num_seqs, num_tokens, num_decodes), False
+    if padded is not None and num_decodes == num_seqs:  # pad rows write nowhere and attend to one cached token
+        seq_lens[num_seqs:padded] = 1
+    elif padded is not None:  # pad tokens of a lone chunk: in no sequence (query_start_loc ends at the real ones)
+        prefill_graph = True
+    if padded is not None:
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = -1
-        seq_lens[num_seqs:padded] = 1
     header = StepHeader(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
@@ -118,8 +141,19 @@ def prepare_step(
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         padded=padded or 0,
+        prefill_graph=prefill_graph,
         num_sample=num_sample,
         table_width=-(-max_seq_len // block_size),
         prompt_rows=[(r.first_row, r.count) for r in prompt_rows],
     )
     return PreparedStep(header, samplers, prompt_rows, inflight, spans)
+
+
+def _graph(graphs: GraphSizes | None, num_seqs: int, num_tokens: int, num_decodes: int) -> int | None:
+    """The captured graph size the step pads to: a decode-only batch by its rows, one prefill chunk by its
+    tokens; None runs it eagerly."""
+    if graphs is None:
+        return None
+    if num_decodes == num_seqs:
+        return graphs.decode_size(num_seqs)
+    return graphs.prefill_size(num_tokens) if num_seqs == 1 else None
