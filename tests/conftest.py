@@ -212,6 +212,16 @@ def write_gguf_and_twin(w, src: Path, twin: Path, decoded: dict) -> None:
     save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
 
 
+def chi_square_p(observed: list[float], expected: list[float]) -> float:
+    """Pearson's chi-square test of observed counts against expected ones (bins with expected >= 5)."""
+    stat, dof = 0.0, -1
+    for o, e in zip(observed, expected):
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            dof += 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
 def assert_same_outputs(first: list, second: list, abs: float) -> None:
     """Two runs' RequestOutputs: the same tokens, and logprobs (of the same candidates) within `abs`."""
     assert len(first) == len(second)

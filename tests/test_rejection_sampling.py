@@ -9,23 +9,13 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, chi_square_p
 
 from ember import LLM, SamplingParams
 from ember.core.ngram import propose_ngram
 from ember.sampling.rejection import DraftRows, verify
 
 ALPHA = 1e-3  # a correct sampler fails one of these tests one time in a thousand per comparison
-
-
-def _p_value(observed: list[float], expected: list[float]) -> float:
-    """Pearson's chi-square test of observed counts against expected ones (bins with expected >= 5)."""
-    stat, dof = 0.0, -1
-    for o, e in zip(observed, expected):
-        if e >= 5:
-            stat += (o - e) ** 2 / e
-            dof += 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
 def _two_sample_p_value(a: Counter, b: Counter) -> float:
@@ -58,14 +48,14 @@ def test_verify_emits_the_target_distribution(draft):
     rows = DraftRows.build([list(draft)] * n, torch.device("cpu"))
     out = verify(logits, torch.zeros(n, dtype=torch.bool), rows, {})
     first = out.token_ids[:, 0]
-    assert _p_value(torch.bincount(first, minlength=vocab).tolist(), (p[0] * n).tolist()) > ALPHA
+    assert chi_square_p(torch.bincount(first, minlength=vocab).tolist(), (p[0] * n).tolist()) > ALPHA
     accepted = first == draft[0]
     if p[0, draft[0]] == 0:  # never accepted: the first token came from the residual every time
         assert not bool(accepted.any())
         return
     second = out.token_ids[accepted, 1]
     expected = (p[1] * int(accepted.sum())).tolist()
-    assert _p_value(torch.bincount(second, minlength=vocab).tolist(), expected) > ALPHA
+    assert chi_square_p(torch.bincount(second, minlength=vocab).tolist(), expected) > ALPHA
     assert bool((out.num_tokens >= 1).all()) and bool((out.num_tokens <= 3).all())
 
 

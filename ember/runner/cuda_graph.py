@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from ember.ops.attention import AttentionMetadata
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.step_inputs import GraphSizes
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger("ember")
 # Prefill chunk lengths captured, as vLLM's piecewise graphs stop at 512 tokens: a longer chunk's GPU time
@@ -100,7 +104,7 @@ class StepGraphs:
         )
 
     def _capture(
-        self, model: torch.nn.Module, buffers: InputBuffers, max_seq_len: int, key: tuple[int, bool], pool: tuple
+        self, model: torch.nn.Module, buffers: InputBuffers, max_seq_len: int, key: tuple[int, bool], pool: _POOL_HANDLE
     ) -> None:
         n, prefill = key
         buffers.slot_mapping.dev.fill_(-1)

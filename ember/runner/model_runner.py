@@ -53,7 +53,7 @@ class _Unsampled:
 
     masks: Future[torch.Tensor]
     logits: torch.Tensor
-    scores: Scores | None  # sampling up to the masks, done already (when no row filters by probability)
+    scores: Scores | None  # sampling up to the masks, done already (no row filters by probability, no one pass)
     sampling: SamplingBatch
     start: torch.cuda.Event | None
     forward_end: torch.cuda.Event | None
@@ -410,7 +410,9 @@ class ModelRunner:
             # A masked step samples from the full logits: queue them, and what sampling can do before the
             # masks, now.
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            scores = self.sampler.score(logits, sampling) if sampling.mask_can_wait else None
+            # one pass on the GPU after the mask (Sampler.__call__) beats scoring before it
+            early = sampling.mask_can_wait and not (logits.is_cuda and sampling.one_pass)
+            scores = self.sampler.score(logits, sampling) if early else None
             forward_end = StepTimer.record() if start is not None else None
         except BaseException:
             if masks is not None:
@@ -493,9 +495,8 @@ class ModelRunner:
         try:
             u.sampling.token_bitmask = u.masks.result().to(self.device, non_blocking=True)  # pinned on CUDA hosts
             mask_wait = (u.forward_end, StepTimer.record()) if u.forward_end is not None else None
-            if u.scores is None:  # a row filters by probability: all of sampling comes after the mask
-                u.scores = self.sampler.score(u.logits, u.sampling)
-            out = self.sampler.pick(u.scores, u.sampling)
+            # without early scores (a row filters by probability, or one pass), all of sampling follows the mask
+            out = self.sampler(u.logits, u.sampling) if u.scores is None else self.sampler.pick(u.scores, u.sampling)
         except Exception as e:  # noqa: BLE001 - kept on the step and raised by wait(), in the core's thread
             pending.error = e
             self._last_sampled = None

@@ -69,6 +69,12 @@ class SamplingBatch:
         return self.top_k is None and self.top_p is None and self.min_p is None
 
     @property
+    def one_pass(self) -> bool:
+        """On a GPU every row may be drawn by the fused kernel (`ember.kernels.sampling`): no row filters by
+        probability and none draws from its own generator."""
+        return not self.all_greedy and not self.generators and self.mask_can_wait
+
+    @property
     def argmax_only(self) -> bool:
         """Every row takes its largest raw logit and reports nothing else: the logits themselves are not needed."""
         return (
@@ -503,7 +509,16 @@ class Sampler:
         return Scores(torch.where(batch.greedy_mask.unsqueeze(1), logits, tempered), raw_logprobs)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: [N, V] float32; may be modified in place."""
+        """logits: [N, V] float32; may be modified in place. On a GPU a batch that allows it is drawn in one
+        pass over the logits, its grammar mask (when set) included: `SamplingBatch.one_pass`."""
+        if logits.is_cuda and batch.one_pass:
+            from ember.kernels.sampling import sample_race
+
+            raw_logprobs = _raw_logprobs(logits, batch)
+            logits = _processed(logits, batch)
+            seed = int(torch.randint(2**31 - 1, ()))  # the engine's seed fixes these, as torch's own draws
+            sampled = sample_race(logits, batch.greedy_mask, batch.temperature, seed, batch.token_bitmask)
+            return _output(sampled, raw_logprobs, batch)
         return self.pick(self.score(logits, batch), batch)
 
     def score(self, logits: torch.Tensor, batch: SamplingBatch) -> Scores:
@@ -526,9 +541,13 @@ class Sampler:
     def pick(self, scores: Scores, batch: SamplingBatch) -> SamplerOutput:
         """The sampled tokens (the grammar mask applied now when `score` left it) and their logprobs."""
         values = apply_token_bitmask(scores.values, batch.token_bitmask) if batch.mask_can_wait else scores.values
-        sampled = values.argmax(dim=-1)
-        if scores.raw_logprobs is None:
-            return SamplerOutput(sampled, None, None)
-        assert batch.max_num_logprobs is not None  # `score` computes raw_logprobs only then
-        ids, values, ranks = gather_logprobs(scores.raw_logprobs, sampled, batch.max_num_logprobs)
-        return SamplerOutput(sampled, ids, values, ranks)
+        return _output(values.argmax(dim=-1), scores.raw_logprobs, batch)
+
+
+def _output(sampled: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch) -> SamplerOutput:
+    """The sampled tokens with their logprobs, when a row asked for them."""
+    if raw_logprobs is None:
+        return SamplerOutput(sampled, None, None)
+    assert batch.max_num_logprobs is not None  # raw logprobs are computed only then
+    ids, values, ranks = gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
+    return SamplerOutput(sampled, ids, values, ranks)
