@@ -36,14 +36,14 @@ from benchmarks.throughput import model_short_name
 from ember.bench.flags import add_serve_bench_args, check_args
 from ember.bench.machine import client_machine_info
 from ember.bench.report import RequestResult, distribution, print_report, request_records, summarize
-from ember.bench.serve import InFlight
 from ember.bench.workloads import RequestSpec, make_requests, request_body
 from ember.http_client import COMPLETIONS
 
 # `client.completions.create`'s own parameters among the body's keys; the rest goes in `extra_body`
 SDK_PARAMS = ("model", "prompt", "max_tokens", "temperature", "stream", "stream_options")
-# flags of `ember bench serve` this script has no use for: completions only, all requests at once, --out, no bar
-OMITTED = ("--endpoint", "--request-rate", "--max-concurrency", "--result-file", "--disable-tqdm")
+# flags of `ember bench serve` this script has no use for: completions only, all requests at once from this one
+# process (the SDK's cost is what it shows), --out, no bar
+OMITTED = ("--endpoint", "--request-rate", "--max-concurrency", "--num-clients", "--result-file", "--disable-tqdm")
 
 
 def import_openai() -> Any:
@@ -118,22 +118,22 @@ async def stream_one(client: Any, body: dict[str, Any], res: RequestResult, star
 
 
 async def send(
-    openai: Any, client: Any, body: dict[str, Any], spec: RequestSpec, timeout: float, t0: float, in_flight: InFlight
+    openai: Any, client: Any, body: dict[str, Any], spec: RequestSpec, timeout: float, t0: float
 ) -> tuple[RequestResult, float | None]:
     """Never raises for a failed request; errors read like `ember bench serve`'s, so they group alike."""
     res = RequestResult(spec.prompt_len, spec.output_len)
     start = time.perf_counter()
     res.start_s = start - t0
     first_text = None
-    with in_flight.track():
-        try:
-            first_text = await asyncio.wait_for(stream_one(client, body, res, start), timeout)
-        except asyncio.TimeoutError:
-            res.error = f"timed out after {timeout:g} s"
-        except openai.APIStatusError as e:
-            res.error = f"HTTP {e.status_code}: {e.message}"
-        except Exception as e:  # noqa: BLE001 - refused or dropped connections, bad chunks: one failure each
-            res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    try:
+        first_text = await asyncio.wait_for(stream_one(client, body, res, start), timeout)
+    except asyncio.TimeoutError:
+        res.error = f"timed out after {timeout:g} s"
+    except openai.APIStatusError as e:
+        res.error = f"HTTP {e.status_code}: {e.message}"
+    except Exception as e:  # noqa: BLE001 - refused or dropped connections, bad chunks: one failure each
+        res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    res.end_s = time.perf_counter() - t0
     if res.error is not None:
         res.success = False
     return res, first_text
@@ -151,18 +151,14 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, 
             f"openai.AsyncOpenAI {openai.__version__}, all at once",
             flush=True,
         )
-        in_flight = InFlight()
         t0 = time.perf_counter()
         pairs = await asyncio.gather(
-            *(
-                send(openai, client, body, spec, args.request_timeout, t0, in_flight)
-                for body, spec in zip(bodies, specs)
-            )
+            *(send(openai, client, body, spec, args.request_timeout, t0) for body, spec in zip(bodies, specs))
         )
         duration = time.perf_counter() - t0
     results = [res for res, _ in pairs]
     text_times = [t for res, t in pairs if res.success and t is not None]
-    summary = summarize(results, duration, in_flight.max)
+    summary = summarize(results, duration)
     summary.update(
         {f"{stat}_ttft_text_ms": v for stat, v in distribution(text_times).items()}, requests_with_text=len(text_times)
     )

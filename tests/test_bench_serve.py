@@ -6,11 +6,13 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import queue
 import re
 import signal
 import socket
+import socketserver
 import subprocess
 import sys
 import threading
@@ -18,11 +20,13 @@ import time
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ember import cli
-from ember.bench import serve as bench
+from ember.bench.client import send_request
 from ember.bench.flags import add_serve_bench_args
-from ember.bench.report import STATS, RequestResult, distribution, error_kind
+from ember.bench.processes import _in_request_order, deal, num_processes
+from ember.bench.report import STATS, RequestResult, distribution, error_kind, most_in_flight
 from ember.bench.workloads import RequestSpec, arrival_times, make_requests, nano_vllm_requests, request_body
 from ember.http_client import APIS, CHAT, COMPLETIONS, MESSAGES, RESPONSES, carries_output
 
@@ -373,6 +377,119 @@ def test_server_down(tmp_path):
     assert doc["results"]["failures_by_kind"] == {"ConnectionRefusedError": 3}
 
 
+def server_counts(url: str) -> tuple[float, float]:
+    """(finished requests, generated tokens) so far, from the server's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    totals = dict.fromkeys(("ember:request_success_total", "ember:generation_tokens_total"), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals["ember:request_success_total"], totals["ember:generation_tokens_total"]
+
+
+def test_num_clients_send_the_same_requests_once_each(server_url, tmp_path):
+    """Two client processes send the one-process run's requests (same seed), each once, and report them alike."""
+    flags = ["--base-url", server_url, "--num-prompts", "7", "--max-concurrency", "3", "--random-input-len", "12"]
+    flags += ["--random-output-len", "5", "--random-range-ratio", "0.5", "--seed", "4"]
+    docs = {}
+    for n in (1, 2):
+        before = server_counts(server_url)
+        rc, docs[n] = run_bench(tmp_path, *flags, "--num-clients", str(n))
+        assert rc == 0
+        check_consistent(docs[n], 7)
+        r = docs[n]["results"]
+        assert r["completed"] == 7 and r["client_processes"] == n and docs[n]["config"]["num_clients"] == n
+        assert 1 <= r["max_concurrency_observed"] <= 3
+        deadline = time.monotonic() + 10  # the server counts a request as it finishes, maybe just after its stream
+        while server_counts(server_url)[0] < before[0] + 7 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = server_counts(server_url)
+        assert (after[0] - before[0], after[1] - before[1]) == (7, r["total_output_tokens"])
+    sent = {
+        n: [(q["prompt_tokens"], q["max_tokens"], q["output_tokens"]) for q in d["requests"]] for n, d in docs.items()
+    }
+    assert sent[2] == sent[1] and len(set(sent[1])) > 1  # the same requests, in request order
+    keys = ("completed", "failed", "total_input_tokens", "total_output_tokens")
+    assert [docs[2]["results"][k] for k in keys] == [docs[1]["results"][k] for k in keys]
+
+
+def test_deal_splits_requests_round_robin_and_the_cap_evenly():
+    specs = [RequestSpec([i], 1, 1) for i in range(7)]
+    shares = deal(specs, [0.1 * i for i in range(7)], 5, 3)
+    assert [[s.prompt[0] for s in share.specs] for share in shares] == [[0, 3, 6], [1, 4], [2, 5]]
+    assert [list(share.times) for share in shares][1] == [0.1, 0.4]
+    assert [share.max_concurrency for share in shares] == [2, 2, 1]
+    assert [share.max_concurrency for share in deal(specs, [0.0] * 7, None, 2)] == [None, None]
+    assert _in_request_order([list(share.specs) for share in shares]) == specs
+    assert (num_processes(8, 3, None), num_processes(8, 100, 2), num_processes(4, 100, None)) == (3, 2, 4)
+
+
+def test_most_in_flight_counts_overlaps_from_any_process():
+    def res(start: float, end: float) -> RequestResult:
+        r = RequestResult(1, 1)
+        r.start_s, r.end_s = start, end
+        return r
+
+    assert most_in_flight([res(0, 2), res(1, 3), res(2, 4), res(2.5, 2.6)]) == 3  # at 2: one ends as one starts
+    assert most_in_flight([]) == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_num_clients_must_be_positive(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "serve", "--num-clients", value])
+    assert e.value.code == 2
+    assert f"argument --num-clients: must be >= 1, got {value}" in capsys.readouterr().err
+
+
+class HangingServer(socketserver.ThreadingTCPServer):
+    """Answers GET with 404 and never answers a POST: requests that stay in flight until the test ends."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), self.Handler)
+        self.posts: list[bytes] = []  # appended from the handlers' threads
+        self.done = threading.Event()
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            line = self.rfile.readline()
+            if line.startswith(b"POST"):
+                self.server.posts.append(line)
+                self.server.done.wait()
+            else:
+                self.wfile.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+
+def test_a_client_process_that_dies_is_an_error_not_a_hang(capsys):
+    server = HangingServer()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    rc: list[int] = []
+    flags = ["--model", "m", "--num-prompts", "4", "--num-clients", "2", "--disable-tqdm", "--vocab-size", "512"]
+    bench = threading.Thread(target=lambda: rc.append(cli.main(["bench", "serve", "--base-url", url, *flags])))
+    try:
+        bench.start()
+        deadline = time.monotonic() + 60
+        while len(server.posts) < 4 and time.monotonic() < deadline:  # every request in flight, in both processes
+            time.sleep(0.05)
+        assert len(server.posts) == 4
+        victim = next(p for p in multiprocessing.active_children() if p.name == "ember-bench-client1")
+        os.kill(victim.pid, signal.SIGKILL)
+        bench.join(30)  # not the 600 s of --request-timeout
+        assert not bench.is_alive() and rc == [1]
+    finally:
+        server.done.set()
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert "error: client process 1 " in err and "exited with code -9 before it was done" in err
+    assert not multiprocessing.active_children()  # the other one was stopped too
+
+
 # ---- the client against canned responses ------------------------------------------------------------
 
 
@@ -416,7 +533,7 @@ def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = F
         spec = RequestSpec([1, 2, 3] if endpoint == COMPLETIONS else "a b c", 3, 4)
         args = argparse.Namespace(endpoint=endpoint, temperature=0.0, ignore_eos=True, extra_body=None)
         try:
-            return await bench.send_request(
+            return await send_request(
                 f"http://127.0.0.1:{port}{endpoint}",
                 request_body(args, "m", spec),
                 {},
@@ -424,7 +541,6 @@ def canned(response: bytes, piece: int = 7, pause: float = 0.002, hang: bool = F
                 spec,
                 timeout=0.5 if hang else 10,
                 t0=time.perf_counter(),
-                in_flight=bench.InFlight(),
             )
         finally:
             server.close()

@@ -22,6 +22,13 @@ def _rate(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -78,6 +85,15 @@ def add_serve_bench_args(p: argparse.ArgumentParser, omit: Collection[str] = ())
         help="requests per second, Poisson arrivals (default: inf, every request at once)",
     )
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    g.add_argument(
+        "--num-clients",
+        type=_positive_int,
+        default=1,
+        help="client processes sending the requests (default: 1, this one). One process parsing every stream "
+        "caps what it measures at high concurrency (TTFT p99 1.07 s where 8 processes saw 0.26 s, 256 streams "
+        "on an H200); the same requests and arrival times are dealt round-robin, --max-concurrency is split as "
+        "evenly as possible between them, and there is no progress bar",
+    )
     g = _Flags(p, "dataset", omit)
     g.add_argument(
         "--dataset",

@@ -33,6 +33,7 @@ class RequestResult(StreamTiming):
     success: bool = False
     error: str | None = None
     start_s: float = 0.0  # when it was sent, seconds after the benchmark started
+    end_s: float = 0.0  # when it ended, failed or not, on the same clock
 
     @property
     def tpot(self) -> float | None:
@@ -70,7 +71,18 @@ def distribution(values_s: Sequence[float]) -> dict[str, float | None]:
     }
 
 
-def summarize(results: Sequence[RequestResult], duration: float, max_in_flight: int) -> dict[str, Any]:
+def most_in_flight(results: Sequence[RequestResult]) -> int:
+    """The most requests in flight at once, from each one's [start_s, end_s]: exact whichever client process sent
+    it (one that ends as another starts is not counted twice)."""
+    events = sorted([(r.start_s, 1) for r in results] + [(r.end_s, -1) for r in results])
+    now = most = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.success]  # stream_completion set each one's ttft, e2e and output_tokens
     input_tokens = sum(r.input_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok if r.output_tokens is not None)
@@ -86,7 +98,7 @@ def summarize(results: Sequence[RequestResult], duration: float, max_in_flight: 
         "input_throughput": round(input_tokens / seconds, 3),
         "output_throughput": round(output_tokens / seconds, 3),
         "total_token_throughput": round((input_tokens + output_tokens) / seconds, 3),
-        "max_concurrency_observed": max_in_flight,
+        "max_concurrency_observed": most_in_flight(results),
     }
     per_metric: dict[str, list[float]] = {
         "ttft": [r.ttft for r in ok if r.ttft is not None],
@@ -145,6 +157,8 @@ def print_report(summary: dict[str, Any], label: str | None) -> None:
     row("Successful requests:", summary["completed"])
     row("Failed requests:", summary["failed"])
     row("Maximum concurrency observed:", summary["max_concurrency_observed"])
+    if "client_processes" in summary:
+        row("Client processes:", summary["client_processes"])
     row("Benchmark duration (s):", summary["duration_s"], ".2f")
     row("Total input tokens:", summary["total_input_tokens"])
     row("Total generated tokens:", summary["total_output_tokens"])

@@ -2,7 +2,9 @@
 
 It sends `--num-prompts` streaming requests to a running server (Ember, vLLM, llama.cpp's server,
 ...) with Poisson arrivals at `--request-rate` (or all at once), optionally capped at
-`--max-concurrency` requests in flight, and reports what a user of the server sees. The metric
+`--max-concurrency` requests in flight, from one client process or `--num-clients` of them (so that
+the client never sets the pace: `ember.bench.processes` says why), and reports what a user of the
+server sees. The metric
 names and definitions follow vLLM's `benchmark_serving`:
 
 - TTFT: seconds from sending a request to the first chunk that carries output: text, or (as vLLM
@@ -27,15 +29,15 @@ text, reasoning or tool-arguments delta event, the stream ends with `response.co
         --result-file serve.json
 
 The HTTP client is Ember's own (`ember.http_client`); `ember.bench.workloads` draws the requests,
-`ember.bench.report` computes the metrics and `ember.bench.flags` defines the flags; this module sends
-the requests at their arrival times and assembles the result document.
+`ember.bench.client` sends them at their arrival times (`ember.bench.processes` from N processes),
+`ember.bench.report` computes the metrics and `ember.bench.flags` defines the flags; this module puts
+them together and assembles the result document.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
 import math
@@ -46,113 +48,35 @@ from collections.abc import Sequence
 from typing import Any
 
 from ember.bench import spec_metrics
+from ember.bench.client import Share, send_share
 from ember.bench.flags import add_serve_bench_args, check_args
 from ember.bench.machine import client_machine_info
+from ember.bench.processes import ClientProcessError, deal, num_processes, run_in_processes
 from ember.bench.report import RequestResult, print_report, request_records, summarize
-from ember.bench.workloads import RequestSpec, arrival_times, make_requests, request_body
-from ember.http_client import APIS, Api, HTTPStatusError, ProtocolError, StreamError, get_json, stream_completion
-
-
-class InFlight:
-    """Counts the requests in flight and the most at once: what a run actually reached, whatever its cap."""
-
-    def __init__(self) -> None:
-        self.now = self.max = 0
-
-    @contextlib.contextmanager
-    def track(self) -> Any:
-        self.now += 1
-        self.max = max(self.max, self.now)
-        try:
-            yield
-        finally:
-            self.now -= 1
-
-
-async def send_request(
-    url: str,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    api: Api,
-    spec: RequestSpec,
-    timeout: float,
-    t0: float,
-    in_flight: InFlight,
-) -> RequestResult:
-    """Never raises for a failed request: the failure is recorded in the result."""
-    res = RequestResult(spec.prompt_len, spec.output_len)
-    start = time.perf_counter()
-    res.start_s = start - t0
-    with in_flight.track():
-        try:
-            await asyncio.wait_for(stream_completion(url, body, headers, api, res, start), timeout)
-        except asyncio.TimeoutError:  # before OSError: it is one since Python 3.11
-            res.error = f"timed out after {timeout:g} s"
-        except (HTTPStatusError, StreamError) as e:
-            res.error = str(e)
-        except Exception as e:  # noqa: BLE001 - refused or dropped connections, bad bytes, odd JSON: one failure each
-            res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    res.success = res.error is None
-    return res
+from ember.bench.workloads import arrival_times, make_requests
+from ember.http_client import HTTPStatusError, ProtocolError, get_json
 
 
 async def run_requests(
-    args: argparse.Namespace, model: str, specs: Sequence[RequestSpec], headers: dict[str, str]
-) -> tuple[list[RequestResult], float, int]:
-    """All requests at their arrival times; returns the results, the duration and the most requests in flight."""
-    url = args.base_url.rstrip("/") + args.endpoint
-    api = APIS[args.endpoint]
-    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    in_flight = InFlight()
-    progress = _progress(len(specs), args.disable_tqdm)
-
-    async def one(spec: RequestSpec) -> RequestResult:
-        body = request_body(args, model, spec)
-        async with limit if limit is not None else contextlib.nullcontext():
-            res = await send_request(url, body, headers, api, spec, args.request_timeout, t0, in_flight)
-        if progress is not None:
-            progress.update(1)
-        return res
-
-    times = arrival_times(len(specs), args.request_rate, args.seed)
-    tasks = []
+    args: argparse.Namespace, model: str, shares: Sequence[Share], headers: dict[str, str]
+) -> tuple[list[RequestResult], float]:
+    """All requests at their arrival times, in this process or in one process per share; returns the results in
+    request order and the duration."""
+    if len(shares) > 1:
+        return await run_in_processes(args, model, shares, headers)
     t0 = time.perf_counter()
-    try:
-        for spec, at in zip(specs, times):
-            delay = t0 + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(spec)))
-        results = await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        if progress is not None:
-            progress.close()
-    return list(results), time.perf_counter() - t0, in_flight.max
+    results, end = await send_share(args, model, shares[0], headers, t0, progress=not args.disable_tqdm)
+    return results, end - t0
 
 
-def _progress(total: int, disable: bool) -> Any:
-    if disable or not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="req")
-
-
-def _raise_open_files_limit(needed: int) -> None:
-    """One connection per request in flight: lift the soft descriptor limit towards the hard one if needed."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and soft < needed:
-            target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ImportError, ValueError, OSError):
-        pass
+def _load_text(args: argparse.Namespace, shares: Sequence[Share]) -> str:
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
+    text = f"request rate {rate}, max concurrency {args.max_concurrency or 'unlimited'}"
+    if len(shares) == 1:
+        return text
+    caps = sorted({s.max_concurrency for s in shares if s.max_concurrency is not None}, reverse=True)
+    split = f" ({' or '.join(map(str, caps))} per process)" if caps else ""
+    return f"{text}{split}, {len(shares)} client processes"
 
 
 async def _resolve_model(args: argparse.Namespace, headers: dict[str, str]) -> tuple[str, Any]:
@@ -187,16 +111,17 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model, models = await _resolve_model(args, headers)
     specs = make_requests(args)
-    _raise_open_files_limit(min(len(specs), args.max_concurrency or len(specs)) + 64)
-    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
+    n = num_processes(args.num_clients, len(specs), args.max_concurrency)
+    shares = deal(specs, arrival_times(len(specs), args.request_rate, args.seed), args.max_concurrency, n)
     print(
-        f"{len(specs)} requests to {args.base_url.rstrip('/')}{args.endpoint} (model {model}), request rate "
-        f"{rate}, max concurrency {args.max_concurrency or 'unlimited'}",
+        f"{len(specs)} requests to {args.base_url.rstrip('/')}{args.endpoint} (model {model}), "
+        + _load_text(args, shares),
         flush=True,
     )
     spec_before = await spec_metrics.read_counters(args.base_url, headers)
-    results, duration, max_in_flight = await run_requests(args, model, specs, headers)
-    summary = summarize(results, duration, max_in_flight)
+    results, duration = await run_requests(args, model, shares, headers)
+    summary = summarize(results, duration)
+    summary["client_processes"] = n
     summary["spec_decode"] = spec_metrics.summarize(
         spec_before, await spec_metrics.read_counters(args.base_url, headers)
     )
@@ -222,8 +147,13 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    """Exit status 0 when at least one request succeeded, 1 when all failed (the report says why)."""
-    doc = asyncio.run(benchmark(args))
+    """Exit status 0 when at least one request succeeded, 1 when all failed (the report says why) or a client
+    process failed (there is no report then)."""
+    try:
+        doc = asyncio.run(benchmark(args))
+    except ClientProcessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.result_file:  # first: the numbers are kept even if printing fails (a closed pipe)
         os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
         with open(args.result_file, "w", encoding="utf-8") as f:
