@@ -23,7 +23,9 @@ import triton.language as tl
 
 _CHUNK = 8192  # tokens of one row per program: 19 programs per row of a 151,936-token vocabulary
 _BLOCK = 1024
-_TINY = 1.1754943508222875e-38  # float32's smallest normal: Exp(1) noise rounding to 0 keeps a finite log
+_TINY: tl.constexpr = tl.constexpr(
+    1.1754943508222875e-38
+)  # float32's smallest normal: Exp(1) noise rounding to 0 keeps a finite log
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -128,5 +130,5 @@ def sample_race_ref(
         x = x.masked_fill(allowed == 0, float("-inf"))
     scaled = x if temperature is None else x / temperature.unsqueeze(1)
     noise = torch.empty(x.shape, dtype=torch.float32).exponential_(generator=torch.Generator().manual_seed(seed))
-    raced = scaled - noise.to(x.device).clamp_(min=_TINY).log_()
+    raced = scaled - noise.to(x.device).clamp_(min=_TINY.value).log_()
     return torch.where(greedy, x.argmax(dim=1), raced.argmax(dim=1))
