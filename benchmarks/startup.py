@@ -6,7 +6,9 @@ answers at all (503 while the model loads) and when it answers 200. Memory is th
 the server's process tree, sampled at each poll (plus the kernel's high-water mark VmHWM of the
 main process, which catches peaks between samples), and, where `nvidia-smi` exists, the GPU memory
 it reports for those processes once ready. Then the server gets SIGTERM; the run records its exit
-status and how long it took to stop.
+status and how long it took to stop. The server's own start-up timeline (its log line of moments in
+seconds since its process started: imports, core spawned, model loaded, KV allocated, CUDA graphs,
+core ready, ...; see ember/timeline.py) is kept per run, and its per-moment medians in the summary.
 
     python benchmarks/startup.py --repeat 3 -- --kv-cache-memory 1                       # default model, CPU
     python benchmarks/startup.py --model benchmarks/configs/qwen3-0.6b --repeat 3 -- --load-format dummy   # GPU
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -45,6 +48,8 @@ from benchmarks.throughput import model_short_name
 from ember.bench.machine import load_average
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_TIMELINE_LINE = "start-up, seconds since the process started: "
+_MARK = re.compile(r"([^,]+?) (\d+\.\d+)s(?:, |$)")
 MEDIAN_KEYS = (
     "port_answers_s",
     "ready_s",
@@ -179,10 +184,28 @@ def one_run(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
         peak_rss_tree_mib=round(peak, 1),
         device=match.group(1) if match else None,
         ready_line=next((line for line in text.splitlines() if "serving" in line), None),
+        timeline=server_timeline(text),
     )
     if run["error"] is not None:
         run["log_tail"] = text.splitlines()[-20:]
     return run
+
+
+def server_timeline(log: str) -> dict[str, float] | None:
+    """The server's start-up moments from its log line, {name: seconds since its process started}."""
+    line = next((line for line in log.splitlines() if _TIMELINE_LINE in line), None)
+    if line is None:
+        return None
+    return {m[1]: float(m[2]) for m in _MARK.finditer(line.split(_TIMELINE_LINE, 1)[1])}
+
+
+def timeline_medians(runs: list[dict[str, Any]]) -> dict[str, float] | None:
+    timelines = [r["timeline"] for r in runs if r.get("timeline")]
+    if not timelines:
+        return None
+    first_seen = list(dict.fromkeys(n for t in timelines for n in t))  # each run's own order breaks ties
+    medians = {n: round(statistics.median(t[n] for t in timelines if n in t), 3) for n in first_seen}
+    return dict(sorted(medians.items(), key=lambda item: item[1]))  # a stable sort
 
 
 def median(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -221,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     summary = {key: median(runs, key) for key in MEDIAN_KEYS}
+    summary["timeline"] = timeline_medians(runs)
     summary["failed_runs"] = sum(r["error"] is not None for r in runs)
     summary["clean_exits"] = sum(r["exit_code"] == 0 and not r["killed"] for r in runs)
     print(
@@ -242,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             "results": {"median": summary, "runs": runs},
         },
     )
+    if summary["timeline"]:
+        print("server timeline, medians: " + ", ".join(f"{n} {t:.2f}s" for n, t in summary["timeline"].items()))
     print(f"wrote {out}")
     return 0 if summary["failed_runs"] == 0 else 1
 

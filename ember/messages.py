@@ -139,6 +139,8 @@ class EngineCoreReady(_Message):
     async_scheduling: bool
     tensor_parallel_size: int
     description: str  # the one start-up log line
+    # the core process's start-up moments (ember.timeline), added by ember.core.process when it sends this
+    timeline: list[tuple[str, float]] = []
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -28,20 +28,23 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import llguidance
 import torch
 
 from ember.config import LoadConfig
 from ember.model.files import ModelInfo, load_model_info, model_path
 from ember.sampling.structured import (
     GRAMMAR_FAILED,
-    PARSER_LIMITS,
     StructuredOutputsParams,
     grammar_source,
     ll_vocabulary,
     matcher_error,
+    new_matcher,
 )
+
+if TYPE_CHECKING:
+    import llguidance
 
 MAX_COMPILED = 512  # distinct grammars kept compiled (LRU); one is tens of KiB to a few MiB
 MAX_VOCABULARIES = 4  # llguidance vocabularies kept per process (LRU); tens of MiB for a 152k vocabulary
@@ -113,15 +116,16 @@ class GrammarManager:
 
     `model_info` builds the tokenizer from what the core read with the weights (`ModelFiles.model_info`):
     for a GGUF file, the vocabulary it kept, which measured cheaper than reading the file once more:
-    0.28 s against 0.32 s for tokenizer and vocabulary (medians of 5, 2026-12-05), for 8.8 MiB of
-    vocabulary lists kept. Without it (tests, benchmarks) the model's files are read again."""
+    0.28 s against 0.32 s for tokenizer and vocabulary (medians of 5, 2026-12-05). The vocabulary's
+    strings are kept as the file's bytes until then (`gguf_reader.StringArray`: 1.5 MiB instead of
+    8.5 MiB of strings), so this first build also decodes them. Without it (tests, benchmarks) the
+    model's files are read again. llguidance itself is imported with the first grammar too."""
 
     def __init__(self, load: LoadConfig, vocab_size: int, model_info: Callable[[], ModelInfo] | None = None) -> None:
         self.vocab_size = vocab_size
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ember-grammar")
         self._build_vocabulary = functools.partial(_ll_tokenizer, load, vocab_size, model_info)
         self._vocabulary_built: Future[llguidance.LLTokenizer] | None = None
-        self._executor = llguidance.LLExecutor()
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
@@ -129,7 +133,7 @@ class GrammarManager:
         source = grammar_source(params)
         compiled = self._compiled.get(source)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self._vocabulary(), source, log_level=0, limits=PARSER_LIMITS)
+            compiled = new_matcher(self._vocabulary(), source)
             if compiled.is_error():
                 raise ValueError(f"structured_outputs.{params.kind}: {matcher_error(compiled)}")
             self._compiled[source] = compiled
@@ -138,6 +142,13 @@ class GrammarManager:
         else:
             self._compiled.move_to_end(source)
         return compiled.deep_copy()
+
+    @functools.cached_property
+    def _executor(self) -> llguidance.LLExecutor:
+        """llguidance's thread pool, started with the first mask (llguidance is imported no sooner)."""
+        import llguidance
+
+        return llguidance.LLExecutor()
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
         """The vocabulary, built by the first call in the mask thread (idle until the first constrained

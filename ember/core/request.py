@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import llguidance
+from typing import TYPE_CHECKING
 
 from ember.messages import EngineCoreRequest
 from ember.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 class RequestStatus(enum.Enum):

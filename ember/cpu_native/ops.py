@@ -17,11 +17,12 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from ember.quant.formats import QuantizedWeight, unpack_int4
+from ember.quant.formats import QuantizedWeight
 
 logger = logging.getLogger("ember")
 
 _CHUNK = {"int4": 32, "int8": 16}  # inputs per vector step of each kernel
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _MAX_GROUP_DIM = 8192  # kernels.c MAX_ACC: query heads per KV head times head dim
 _MAX_BLOCK = 256
 
@@ -149,13 +150,17 @@ def _compact_params(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[t
 
 def _relayout_int4(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
     """Ember's packing (input 2m low, 2m + 1 high nibble of byte m) -> runs of 32: byte j of a run holds
-    inputs j (low) and j + 16 (high). One numpy pass: 0.6 ms for a 1536 x 576 weight (the default model
-    loads in 0.6 s with these layouts, 0.7 s with PyTorch's int4 packing)."""
-    q = unpack_int4(qweight, in_features).numpy()
-    n = q.shape[0]
-    runs = q.reshape(n, in_features // 32, 2, 16)
-    out = np.empty((n, in_features // 32, 16), dtype=np.uint8)
-    np.bitwise_or(runs[:, :, 0], runs[:, :, 1] << 4, out=out)
+    inputs j (low) and j + 16 (high). A run's 16 bytes as two 64-bit words L (inputs 0-15) and H (16-31):
+    output byte 2i is the low nibbles of byte i of L and of H, byte 2i + 1 their high nibbles, so four
+    word operations and two byte interleaves do it without unpacking to one input per byte: the default
+    model's 210 int4 weights in 0.054 s of CPU against 0.134-0.142 s unpacking first (first touch of
+    the memory included, as at load; 2-core EPYC, 2026-12-05)."""
+    n = qweight.shape[0]
+    words = np.ascontiguousarray(qweight.numpy()).view(np.uint64).reshape(n, in_features // 32, 2)
+    low, high = words[:, :, 0], words[:, :, 1]
+    out = np.empty((n, in_features // 32, 8, 2), dtype=np.uint8)
+    out[..., 0] = ((low & _LOW_NIBBLES) | ((high & _LOW_NIBBLES) << np.uint64(4))).view(np.uint8).reshape(n, -1, 8)
+    out[..., 1] = (((low >> np.uint64(4)) & _LOW_NIBBLES) | (high & ~_LOW_NIBBLES)).view(np.uint8).reshape(n, -1, 8)
     return torch.from_numpy(out.reshape(n, in_features // 2))
 
 

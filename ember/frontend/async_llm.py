@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
+from ember import timeline
 from ember.config import EngineArgs
 from ember.frontend.core_client import EngineCoreClient, make_client
 from ember.frontend.errors import EngineDeadError, QueueFullError, RequestFailedError
@@ -292,7 +293,11 @@ class AsyncLLM(ModelFacts):
 
 def _load_processor(args: EngineArgs, client: EngineCoreClient) -> Processor:
     content_filter = load_content_filter(args.blocked_words)
-    return Processor(load_model_info(args.load_config(), args.chat_template), client.wait_ready(), content_filter)
+    info = load_model_info(args.load_config(), args.chat_template)
+    timeline.mark("tokenizer loaded")
+    ready = client.wait_ready()
+    timeline.mark("core ready received")
+    return Processor(info, ready, content_filter)
 
 
 def _set_events(streams: list[_Stream]) -> None:

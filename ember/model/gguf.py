@@ -268,7 +268,7 @@ def load_gguf(path: str) -> GGUFModel:
     path = str(path)
     if not os.path.exists(path):
         raise ModelLoadError(path, "file not found")
-    meta = open_gguf(path)
+    meta = open_gguf(path, lazy_strings=True)  # the core reads the vocabulary's strings only for grammars
     reader = meta.reader
     assert reader is not None  # open_gguf keeps the file's reader
 

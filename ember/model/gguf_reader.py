@@ -11,9 +11,9 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import gguf
 import numpy as np
@@ -63,9 +63,10 @@ class _Cursor:
     """Bounds-checked little-endian reads moving forward through a buffer, so a truncated file
     fails with GGUFFormatError instead of yielding short values."""
 
-    def __init__(self, buf: memoryview) -> None:
+    def __init__(self, buf: memoryview, lazy_strings: bool = False) -> None:
         self.buf = buf
         self.pos = 0
+        self.lazy_strings = lazy_strings  # arrays of strings as StringArray, decoded when first read
 
     def skip(self, size: int) -> int:
         """Claim the next `size` bytes; return where they start."""
@@ -93,15 +94,29 @@ class _Cursor:
             return self.array()
         raise GGUFFormatError(f"unknown metadata value type {vtype}")
 
-    def array(self) -> list:
+    def array(self) -> Sequence:
         item_type, count = self.scalar(_U32), self.scalar(_U64)
         if item_type in _ARRAY_DTYPES:
             dtype = _ARRAY_DTYPES[item_type]
             start = self.skip(dtype.itemsize * count)
             return np.frombuffer(self.buf, dtype, count, start).tolist()
         if item_type == GGUFValueType.STRING:
-            return self.strings(count)
+            return self.skip_strings(count) if self.lazy_strings else self.strings(count)
         return [self.value(item_type) for _ in range(count)]
+
+    def skip_strings(self, count: int) -> StringArray:
+        """`count` consecutive strings, walked over but not decoded: their bytes, copied (the file's map
+        may close long before they are read)."""
+        buf, pos, end, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        start = pos
+        for _ in range(count):
+            if pos + 8 > end:
+                raise _truncated(pos, pos + 8, end)
+            pos += 8 + unpack(buf, pos)[0]
+        if pos > end:
+            raise _truncated(start, pos, end)
+        self.pos = pos
+        return StringArray(bytes(buf[start:pos]), count)
 
     def strings(self, count: int) -> list[str]:
         """`count` consecutive strings: string() inlined into one loop, as vocabularies and merge
@@ -120,6 +135,45 @@ class _Cursor:
         return out
 
 
+class StringArray(Sequence[str]):
+    """A metadata array of strings kept as the file's bytes and decoded on first read (then kept as
+    strings). The engine core parses a GGUF file for its weights, and needs the vocabulary's strings
+    only for a structured-output request, if ever: for the default model's 49k tokens and 49k merges,
+    opening the file took 0.014 s of CPU instead of 0.043 s, and the core keeps 1.5 MiB of bytes instead
+    of 8.5 MiB of strings (tracemalloc; 2-core EPYC, 2026-12-05). A string that is not valid UTF-8 shows
+    only when read, as GGUFFormatError."""
+
+    def __init__(self, raw: bytes, count: int) -> None:
+        self._raw: bytes | None = raw
+        self._count = count
+        self._strings: list[str] | None = None
+
+    def _decoded(self) -> list[str]:
+        if self._strings is None:
+            assert self._raw is not None  # dropped only once decoded
+            try:
+                self._strings = _Cursor(memoryview(self._raw)).strings(self._count)
+            except UnicodeDecodeError as exc:
+                raise GGUFFormatError(f"a string is not valid UTF-8 ({exc})") from None
+            self._raw = None
+        return self._strings
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        return self._decoded()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._decoded())
+
+
 def _truncated(start: int, end: int, size: int) -> GGUFFormatError:
     return GGUFFormatError(f"file ends at byte {size}, inside a field spanning bytes {start}-{end}")
 
@@ -130,14 +184,15 @@ class GGUFFile:
     Only little-endian files of versions 2 and 3 are read, as llama.cpp writes them everywhere.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, lazy_strings: bool = False) -> None:
+        """`lazy_strings`: arrays of strings come as StringArray, decoded when first read."""
         size = os.path.getsize(path)
         if size < _HEADER.size:
             raise GGUFFormatError(f"{size} bytes is too short for a GGUF header")
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._data = np.frombuffer(self._map, dtype=np.uint8)
-        cursor = _Cursor(memoryview(self._data))  # type: ignore[arg-type]  # numpy stubs: ndarray lacks __buffer__
+        cursor = _Cursor(memoryview(self._data), lazy_strings)  # type: ignore[arg-type]  # numpy stubs: ndarray lacks __buffer__
         try:
             self.version, tensor_count, kv_count = self._read_header(cursor)
             self.fields = self._read_fields(cursor, kv_count)

@@ -8,6 +8,7 @@ builds it only for its first structured-output request, from the vocabulary it r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +58,11 @@ class GGUFMetadata:
         return GGUFMetadata(self.path, {k: v for k, v in self.fields.items() if k.startswith("tokenizer.")})
 
 
-def open_gguf(path: str) -> GGUFMetadata:
+def open_gguf(path: str, lazy_strings: bool = False) -> GGUFMetadata:
+    """`lazy_strings`: the vocabulary's strings decoded only when read (see StringArray)."""
     try:
         with logged_read(PARSED_GGUF, path):
-            reader = GGUFFile(path)
+            reader = GGUFFile(path, lazy_strings)
         return GGUFMetadata(path, reader.fields, reader)
     except (GGUFFormatError, OSError) as exc:
         raise ModelLoadError(path, f"not a valid GGUF file ({type(exc).__name__}: {exc})") from exc
@@ -71,7 +73,7 @@ class GGUFVocab:
     """The special tokens and template of a GGUF vocabulary; `build()` makes the tokenizer itself."""
 
     meta: GGUFMetadata
-    tokens: list[str]
+    tokens: Sequence[str]
     model: str
     bos_id: int | None
     eos_id: int | None
@@ -81,7 +83,7 @@ class GGUFVocab:
 
     @classmethod
     def read(cls, meta: GGUFMetadata) -> GGUFVocab:
-        tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+        tokens: Sequence[str] = meta.require("tokenizer.ggml.tokens")
         model = meta.require("tokenizer.ggml.model")
         eos_ids = [
             token_id
@@ -112,7 +114,7 @@ class GGUFVocab:
             return _tokenizer(self.meta, self.model, self.tokens, self.bos_id if self.add_bos_token else None)
 
 
-def _tokenizer(meta: GGUFMetadata, model: str, tokens: list[str], bos_id: int | None) -> tokenizers.Tokenizer:
+def _tokenizer(meta: GGUFMetadata, model: str, tokens: Sequence[str], bos_id: int | None) -> tokenizers.Tokenizer:
     """Rebuild the HF tokenizer llama.cpp derived its vocabulary from.
 
     `bos_id` is the token to prepend to every encoding, or None when the model wants none.
@@ -140,7 +142,7 @@ def _tokenizer(meta: GGUFMetadata, model: str, tokens: list[str], bos_id: int | 
     return tokenizer
 
 
-def _vocab(tokens: list[str]) -> dict[str, int]:
+def _vocab(tokens: Sequence[str]) -> dict[str, int]:
     """Token -> id, keeping the first id when a file repeats a token string."""
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
@@ -156,7 +158,7 @@ def _bpe(meta: GGUFMetadata, vocab: dict[str, int], merges: list, **options: Any
         raise ModelLoadError(meta.path, f"invalid tokenizer vocabulary ({exc})") from exc
 
 
-def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Tokenizer:
+def _byte_level_bpe(meta: GGUFMetadata, tokens: Sequence[str]) -> tokenizers.Tokenizer:
     merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
     pre = meta.get("tokenizer.ggml.pre")
     # llama.cpp looks a whole pre-token up in the vocabulary before merging for llama3 only.
@@ -184,7 +186,7 @@ def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Tokeniz
     return tokenizer
 
 
-def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Tokenizer:
+def _sentencepiece_bpe(meta: GGUFMetadata, tokens: Sequence[str]) -> tokenizers.Tokenizer:
     """SentencePiece stores scores, not merges; HF recovers BPE merges from them.
 
     Every token that splits into two vocabulary pieces yields that merge, ranked by the merged

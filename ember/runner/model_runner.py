@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ember import timeline
 from ember.config import CacheConfig, LoadConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
@@ -114,6 +115,10 @@ class ModelRunner:
         device: torch.device,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
+        timeline.mark("model files read")
+        if device.type == "cuda":  # the CUDA context: made here, not inside the first allocation, for the timeline
+            torch.cuda.synchronize(device)
+            timeline.mark("CUDA initialized")
         self.device = device
         self.dtype: torch.dtype = getattr(torch, config.dtype)
         self.cache_config = cache_config
@@ -122,6 +127,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         torch.manual_seed(config.seed)
         self.model = build_model(files, cfg, scheduler_config.max_model_len, self.dtype, device, config.seed)
+        timeline.mark("model loaded")
         self.quantization = files.quantization
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
         self.kv_cache = self._kv(self.model.attention_layers(), self.model.layout.num_kv_heads, cfg.head_dim)
@@ -188,6 +194,7 @@ class ModelRunner:
         self.kv_cache.allocate(num_blocks)
         if self.drafter is not None:
             self.drafter.kv_cache.allocate(num_blocks)
+        timeline.mark("KV allocated")
         self.capture_cuda_graphs()
         return num_blocks
 
@@ -205,6 +212,7 @@ class ModelRunner:
         self._last_sampled = None
         self.requests.clear()
         self.timer = StepTimer()
+        timeline.mark("kernels warmed up")
 
     def determine_num_blocks(self) -> int:
         """`--kv-cache-memory` when given; else on GPU what `--gpu-memory-utilization` leaves after a forward
@@ -215,6 +223,7 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             peak = self._profile_peak_memory()
+            timeline.mark("memory profiled")
             budget = total * self.cache_config.gpu_memory_utilization - (total - free) - peak
             logger.info(
                 "GPU memory: total %.1f GiB, in use %.2f GiB, activation peak %.2f GiB",
@@ -305,6 +314,7 @@ class ModelRunner:
                 capture_sizes(sc.max_num_seqs),
                 prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len),
             )
+        timeline.mark("CUDA graphs captured")
         logger.info("CUDA graph memory: %.2f GiB", (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
     # ---- one step -------------------------------------------------------------------------

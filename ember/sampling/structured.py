@@ -8,6 +8,10 @@ ValueError naming the field and never reaches the core: `check_grammar` validate
 vocabulary and computes its first mask under llguidance's limits, which is where a grammar too big
 for them shows (`a{1000000}` builds more lexer expressions than llguidance allows). No torch here:
 the front end imports it.
+
+llguidance itself is imported with the first grammar (each function imports it): 2.4 MiB of resident
+memory and 20-40 ms of start-up per process otherwise (2026-12-05), which a server that gets no
+structured-output request never needs, in either of its processes.
 """
 
 from __future__ import annotations
@@ -19,10 +23,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
-
 if TYPE_CHECKING:
+    import llguidance
     from llguidance._lib import JsonCompileOptions
 
     from ember.tokenizer import Tokenizer
@@ -97,6 +99,8 @@ def grammar_source(params: StructuredOutputsParams) -> str:
 
 
 def _constraint_source(params: StructuredOutputsParams) -> str:
+    import llguidance
+
     kind = params.kind
     try:
         if kind == "json":
@@ -111,6 +115,8 @@ def _constraint_source(params: StructuredOutputsParams) -> str:
             assert params.choice is not None
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
         assert params.grammar is not None
+        from llguidance.gbnf_to_lark import any_to_lark
+
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
     except Exception as e:  # noqa: BLE001 - the GBNF converter raises a bare Exception ("No 'root' rule found")
         raise ValueError(f"structured_outputs.{kind}: {e}") from None
@@ -133,17 +139,34 @@ def check_grammar(params: StructuredOutputsParams, field: str | None = None) -> 
 
 @lru_cache(maxsize=1024)
 def _validate(source: str) -> str:
+    import llguidance
+
     return llguidance.LLMatcher.validate_grammar(source)
 
 
 def ll_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     """llguidance's view of the vocabulary: the tokenizer's tokens over `vocab_size` logits."""
+    import llguidance
+
     return llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_ids)
 
 
-# llguidance's default limits, with short error messages (verbose ones quote the whole grammar and the
-# parser's state): the front end's check and the engine core's matchers compile under these.
-PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+@lru_cache(maxsize=1)
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's default limits, with short error messages (verbose ones quote the whole grammar and
+    the parser's state): the front end's check and the engine core's matchers compile under these."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def new_matcher(vocabulary: llguidance.LLTokenizer, source: str) -> llguidance.LLMatcher:
+    """A matcher of `source` over `vocabulary`, under `parser_limits()`; in error when it cannot compile."""
+    import llguidance
+
+    return llguidance.LLMatcher(vocabulary, source, log_level=0, limits=parser_limits())
+
+
 _MAX_CHECKED = 1024  # distinct grammars whose check is remembered
 
 
@@ -179,7 +202,7 @@ class GrammarCheck:
         and fails only there, where the engine would have failed the request."""
         if self._vocabulary is None:
             self._vocabulary = ll_vocabulary(self._tokenizer, self._vocab_size)
-        matcher = llguidance.LLMatcher(self._vocabulary, source, log_level=0, limits=PARSER_LIMITS)
+        matcher = new_matcher(self._vocabulary, source)
         if not matcher.is_error():
             token = _first_allowed(matcher.compute_bitmask(), set(self._tokenizer.eos_token_ids))
             if token is not None and matcher.consume_token(token):

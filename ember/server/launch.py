@@ -8,9 +8,11 @@ imported only once the core is on its way) and builds the tokenizer.
 from __future__ import annotations
 
 import argparse
+import gc
 import socket
 import sys
 
+from ember import heap, timeline
 from ember.frontend.core_client import make_client
 from ember.server.args import add_serve_args, resolve_args, settings_from_args
 
@@ -37,6 +39,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     """Bind the port, start the engine core, then import the web stack and serve: the core's torch
     import and model load run while this process imports FastAPI and builds the tokenizer. The port
     comes first so that a taken one fails in a fraction of a second, with no core to stop."""
+    timeline.mark("front end imported")
     ns = resolve_args(ns)
     args, settings = settings_from_args(ns)
     sock = bind_socket(ns.host, ns.port)
@@ -45,8 +48,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
+    timeline.mark("core spawned" if args.engine_process is not False else "core loaded in process")
+    # Here, not sooner: a torchrun follower rank never returns from make_client. On until the server is
+    # ready (ember.server.serve settles).
+    heap.pause_collection()
     try:
         from ember.server.serve import run_server
+
+        gc.freeze()  # the modules' objects: the collection that ends start-up then skips them
+        timeline.mark("web stack imported")
     except BaseException:
         sock.close()
         client.shutdown()

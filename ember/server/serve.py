@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from ember import heap, timeline
 from ember.config import EngineArgs
 from ember.frontend.async_llm import AsyncLLM
 from ember.frontend.core_client import EngineCoreClient
@@ -63,6 +64,10 @@ class _Server(uvicorn.Server):
         self.exit_code = 0
         self.watchdog: asyncio.Task[None] | None = None
         self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        timeline.mark("HTTP listening")
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -168,7 +173,13 @@ async def _serve(
         await state.close()
     else:
         display = f"[{host}]" if ":" in host else host
+        heap.settle()  # start-up is over (see ember.server.launch)
+        timeline.mark("accepting requests")
         logger.info("serving %s at http://%s:%d (%s)", settings.model_name, display, port, engine.ready.description)
+        logger.info(
+            "start-up, seconds since the process started: %s",
+            timeline.summary(timeline.take() + engine.ready.timeline, timeline.process_start()),
+        )
         server.watchdog = asyncio.create_task(_exit_when_engine_dies(server, engine))
     await serving
     if not state.draining:

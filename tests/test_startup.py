@@ -1,0 +1,147 @@
+"""`ember serve`'s start: the timeline it logs, and what start-up leaves out or defers.
+
+- the server logs one start-up line: the front end's and the engine core process's moments, in
+  time order, in seconds since the server's process started;
+- `ember serve` builds only its own command's parser (no `run-batch` / `bench` modules), and neither
+  process imports llguidance before the first grammar;
+- the engine core leaves a GGUF vocabulary's strings undecoded until read (`StringArray`), and the
+  decoded strings are the file's;
+- the native int4 relayout gives the bytes the unpack-and-repack reference gives;
+- rotary tables cover max_model_len positions, not the model's own maximum;
+- `ember.heap`: the collector off during start-up, back on (and start-up's objects frozen) after.
+Timings are benchmarks/startup.py's business, not these tests'.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import default_gguf_path, free_port, inproc_core, wait_healthy
+
+from ember import heap, timeline
+from ember.cpu_native.ops import _relayout_int4
+from ember.model.gguf_reader import GGUFFile, GGUFFormatError, StringArray
+from ember.quant.formats import unpack_int4
+
+FRONT_END_ORDER = ["front end imported", "core spawned", "web stack imported", "HTTP listening", "accepting requests"]
+CORE_ORDER = ["core process started", "core imported", "model files read", "model loaded", "KV allocated", "core ready"]
+
+
+def test_serve_logs_one_start_up_timeline(llama_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ember.server.launch", str(llama_dir), "--port", str(port)]
+        + ["--kv-cache-memory", "0.02", "--max-model-len", "256"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=60)
+    [line] = [line for line in log.splitlines() if "start-up, seconds since the process started:" in line]
+    marks = [(m[1], float(m[2])) for m in re.finditer(r"([a-zA-Z][a-zA-Z /-]*?) (\d+\.\d\d)s", line.split(": ", 1)[1])]
+    names = [name for name, _ in marks]
+    times = [t for _, t in marks]
+    assert times == sorted(times) and times[0] >= 0 and times[-1] < 120, line
+    for order in (FRONT_END_ORDER, CORE_ORDER):  # each process's own moments, in the order they happen
+        assert [n for n in names if n in order] == order, line
+    # the core is ready before the front end hears it, and the front end serves only after that
+    assert names.index("core ready") < names.index("core ready received") < names.index("accepting requests"), line
+
+
+def test_timeline_marks_are_taken_once_in_time_order():
+    timeline.take()
+    timeline.mark("b", 2.0)
+    timeline.mark("a", 1.0)
+    marks = timeline.take()
+    assert marks == [("b", 2.0), ("a", 1.0)] and timeline.take() == []
+    assert timeline.summary(marks, 0.5) == "a 0.50s, b 1.50s"
+    import time
+
+    assert time.monotonic() - 600 < timeline.process_start() <= time.monotonic()
+
+
+def test_serve_builds_only_its_own_parser_and_no_process_imports_llguidance_at_start():
+    code = (
+        "import sys\n"
+        "from ember.cli import build_parser\n"
+        "build_parser('serve').parse_args(['serve', '--port', '1'])\n"
+        "import ember.server.launch, ember.server.serve, ember.core.engine_core, ember.core.loop\n"
+        "print(sorted(m for m in ('ember.batch.cli', 'ember.bench.serve', 'llguidance') if m in sys.modules))\n"
+        "from ember.sampling.structured import StructuredOutputsParams, check_grammar\n"
+        "check_grammar(StructuredOutputsParams(json={'type': 'object'}))\n"
+        "print('llguidance' in sys.modules)\n"
+        "full = build_parser()._subparsers._group_actions[0].choices\n"
+        "print(sorted(full))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["[]", "True", "['bench', 'chat', 'generate', 'run-batch', 'serve']"]
+
+
+def test_lazy_strings_are_the_files_strings_decoded_on_first_read():
+    path = default_gguf_path()
+    eager, lazy = GGUFFile(path), GGUFFile(path, lazy_strings=True)
+    tokens = lazy.fields["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, StringArray) and len(tokens) == len(eager.fields["tokenizer.ggml.tokens"])
+    assert tokens._strings is None, "len() decodes nothing"
+    for key, value in eager.fields.items():
+        got = lazy.fields[key]
+        assert (list(got) if isinstance(got, StringArray) else got) == value, key
+    assert (
+        tokens[5] == eager.fields["tokenizer.ggml.tokens"][5]
+        and tokens[-2:] == eager.fields["tokenizer.ggml.tokens"][-2:]
+    )
+
+
+def test_a_lazy_string_that_is_not_utf8_fails_when_read():
+    raw = struct.pack("<Q", 2) + b"ok" + struct.pack("<Q", 1) + b"\xff"
+    strings = StringArray(raw, 2)
+    assert len(strings) == 2
+    with pytest.raises(GGUFFormatError, match="UTF-8"):
+        list(strings)
+
+
+@pytest.mark.parametrize("shape", [(3, 32), (64, 576), (17, 4096)])
+def test_native_int4_relayout_matches_unpack_and_repack(shape):
+    n, k = shape
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    codes = unpack_int4(packed, k).numpy().reshape(n, k // 32, 2, 16)  # runs of 32: inputs j and j + 16 share byte j
+    expected = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2)
+    np.testing.assert_array_equal(_relayout_int4(packed, k).numpy(), expected)
+
+
+def test_rotary_tables_cover_max_model_len(llama_dir):
+    from ember import LLM
+
+    llm = LLM(str(llama_dir), max_model_len=96, kv_cache_memory=0.02, engine_process=False)
+    runner = inproc_core(llm).runner
+    assert runner.model_config.max_position_embeddings != 96
+    rotary = runner.model.attention_layers()[0].rotary
+    assert rotary.cos.shape[0] == rotary.sin_signed.shape[0] == 96
+    llm.llm_engine.shutdown()
+
+
+def test_heap_pauses_the_collector_and_settles_with_start_up_frozen():
+    assert gc.isenabled()
+    try:
+        heap.pause_collection()
+        assert not gc.isenabled()
+        heap.settle()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
