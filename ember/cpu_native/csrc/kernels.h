@@ -26,6 +26,11 @@
 #define PREFETCH_BYTES 4096
 #endif
 
+/* An int5 run of 32 inputs: 4 bytes whose bit j (little-endian) is the fifth bit of input j, then 16 bytes
+ * of low nibbles laid out as an int4 run; codes c + 16 of int8 codes c in [-16, 15]. That is a GGUF Q5_0
+ * block without its scale: 5 bits a weight where the int8 codes it decodes to take 8. */
+#define Q5_RUN_BYTES 20
+
 static inline int64_t groups(int64_t K, int64_t group) { return (K + group - 1) / group; }
 
 /* A float16's value (exact in float32) */
