@@ -422,3 +422,24 @@ def test_tiny_quantized_llama_equals_its_float32_twin(tmp_path, monkeypatch, met
     monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
     fallback = _generate(LLM(str(path), **kwargs), prompts, 12)
     _assert_same(fallback, [(tokens[:12], logprobs[:12]) for tokens, logprobs in expected[:3]], 5e-2)
+
+
+@pytest.mark.parametrize("qtype_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_two_level_scales(kernels, qtype_name: str) -> None:
+    """GGUF K-quants keep their scales and zeros as int8 codes times float16 super-block bases (one byte a
+    group): the expansion equals gguf's own decoding bit for bit, the GEMV the float64 reference."""
+    import gguf
+
+    from ember.bench.gguf_files import random_tensor
+    from ember.model.gguf_blocks import quantized
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    shape = (37, 512)
+    raw = random_tensor(qtype, shape, __import__("numpy").random.default_rng(0), scale=0.5)
+    w = quantized(raw, qtype, shape)
+    native = ops.native_weight(w)
+    assert native.param_mode == 2
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    assert torch.equal(ops.dequantize(native), reference)
+    for m in (1, 3, 9):
+        _check_matmul(torch.randn(m, shape[1], generator=torch.Generator().manual_seed(m)), w)

@@ -199,7 +199,8 @@ QWEN2_MINI = ModelShape(hidden=160, layers=3, ffn=256, heads=5, kv_heads=1, voca
 
 
 def test_q4_k_m_qwen2_generates_the_float_decodings_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Kept quantized through the native CPU kernels (Q5_0 in 5 bits, every layer in one decode_layer call)
+    """Kept quantized through the native CPU kernels (Q5_0 in 5 bits, K-quants' two-level scales, every
+    layer in one decode_layer call)
     against the float32 decoding: the same greedy tokens. Q4_K in float32 here (CPU_INT4_BF16 off): bf16
     arithmetic may part from float32 on near ties."""
     from ember.cpu_native import ops as native
@@ -213,11 +214,11 @@ def test_q4_k_m_qwen2_generates_the_float_decodings_tokens(tmp_path, monkeypatch
     }
     assert {types[f"blk.{i}.ffn_down.weight"] for i in range(3)} == {QType.Q6_K, QType.Q4_K}
     monkeypatch.setattr(linear_native, "CPU_INT4_BF16", False)
-    layer_kinds: set[str] = set()
+    layer_kinds: set[tuple[str, int]] = set()
     fused = native.decode_layer
 
     def spy(w: native.DecodeLayerWeights, *args: object) -> object:
-        layer_kinds.update(nat.kind for nat in (w.qkv, w.o, w.gate_up, w.down))
+        layer_kinds.update((nat.kind, nat.param_mode) for nat in (w.qkv, w.o, w.gate_up, w.down))
         return fused(w, *args)
 
     monkeypatch.setattr(native, "decode_layer", spy)
@@ -232,4 +233,5 @@ def test_q4_k_m_qwen2_generates_the_float_decodings_tokens(tmp_path, monkeypatch
     assert outs["gguf"] == outs["none"]
     assert all(len(set(tokens)) > 1 for tokens in outs["gguf"])  # the model is not degenerate
     if native.available():
-        assert layer_kinds == {"int5", "int8", "int4"}
+        # Q5_0 in 5 bits, Q8_0 int8, both with float16 scales; Q6_K and Q4_K with two-level scales
+        assert layer_kinds == {("int5", 1), ("int8", 1), ("int8", 2), ("int4", 2)}

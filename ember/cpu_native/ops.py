@@ -86,8 +86,9 @@ class NativeWeight:
     """A quantized weight in the layout the GEMVs read: int4 codes as 16-byte runs of 32 inputs (input
     j in the low nibble of byte j, j + 16 in the high one), int5 codes as those runs after 4 bytes of
     fifth bits (int8 codes in [-16, 15] without zeros, as GGUF Q5_0 holds them: w = (q - 16) * scale),
-    int8 codes row-major as stored; scales (and zeros) [N, ceil(K / group_size)], float16 where that
-    holds them exactly, else float32; w = q * scale + zero.
+    int8 codes row-major as stored; scales (and zeros) [N, ceil(K / group_size)]: GGUF K-quants' in their
+    two-level form (uint8 bytes: int8 codes [N, G], then float16 bases per 256 inputs; kernels.h, param),
+    others float16 where that holds them exactly, else float32; w = q * scale + zero.
 
     `bf16` (int4 only, CPUs with AVX512_BF16) fixes the weight's arithmetic at every row count: x and w
     rounded to bf16, float32 sums, outputs rounded to bf16, as oneDNN's bf16 GEMM computes; else float32.
@@ -105,6 +106,11 @@ class NativeWeight:
     @property
     def out_features(self) -> int:
         return self.codes.shape[0]
+
+    @property
+    def param_mode(self) -> int:
+        """How the kernels read scales and zeros (kernels.h, param): 0 float32, 1 float16, 2 two-level."""
+        return 2 if self.scales.dtype == torch.uint8 else int(self.scales.dtype == torch.float16)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scales, self.zeros) if t is not None]
@@ -137,7 +143,7 @@ def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
         )
     if bf16 and (w.kind != "int4" or not has_bf16()):
         raise ValueError(f"bf16 arithmetic needs an int4 weight (got {w.kind}) and a CPU with AVX512_BF16")
-    scales, zeros = _compact_params(w.scales, w.zeros)
+    scales, zeros = _two_level_params(w) or _compact_params(w.scales, w.zeros)
     if w.kind == "int8":
         five = _pack_int5(w) if zeros is None else None
         if five is not None:
@@ -159,6 +165,37 @@ def _pack_int5(w: QuantizedWeight) -> torch.Tensor | None:
     if not _module().pack_q5(codes.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()):
         return None
     return out
+
+
+def _two_level_params(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A K-quant's scales and zeros in the kernels' two-level form (kernels.h, param), where the weight
+    carries its ScaleFactors, K is whole super-blocks and they rebuild `scales` and `zeros` bit for bit;
+    else None. Q4_K in float32 read 6.5 bits a weight, this 4.625 (llama.cpp's Q4_K: 4.5)."""
+    f = w.factors
+    if f is None or w.in_features % 256 or w.group_size not in (16, 32) or f.per * w.group_size != 256:
+        return None
+    packed = [_two_level(w.scales, f.scale_base, f.scale_codes, f.per)]
+    if w.zeros is not None:
+        packed.append(_two_level(w.zeros, f.zero_base, f.zero_codes, f.per))
+    if any(p is None for p in packed):
+        return None
+    return packed[0], packed[1] if len(packed) > 1 else None  # type: ignore[return-value]
+
+
+def _two_level(
+    values: torch.Tensor, base: torch.Tensor | None, codes: torch.Tensor | None, per: int
+) -> torch.Tensor | None:
+    """int8 codes then float16 bases in one byte buffer, if base * codes gives `values` bit for bit."""
+    if base is None or codes is None:
+        return None
+    half = base.half()
+    if not torch.equal(half.float().repeat_interleave(per, dim=1) * codes.float(), values):
+        return None
+    count = codes.numel()
+    packed = torch.zeros(count + count % 2 + 2 * half.numel(), dtype=torch.uint8)
+    packed[:count] = codes.contiguous().view(torch.uint8).reshape(-1)
+    packed[count + count % 2 :] = half.contiguous().view(torch.uint8).reshape(-1)
+    return packed
 
 
 def _compact_params(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -219,7 +256,7 @@ def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
         w.out_features,
         w.group_size,
         torch.get_num_threads(),
-        w.scales.dtype == torch.float16,
+        w.param_mode,
     )
     return y
 
@@ -245,7 +282,7 @@ def dequantize(w: NativeWeight) -> torch.Tensor:
         w.in_features,
         w.group_size,
         torch.get_num_threads(),
-        w.scales.dtype == torch.float16,
+        w.param_mode,
     )
     return out
 
@@ -481,7 +518,7 @@ def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
         size,
         w.group_size,
         torch.get_num_threads(),
-        w.scales.dtype == torch.float16,
+        w.param_mode,
     )
     return out
 
@@ -494,7 +531,7 @@ def _weight_args(w: NativeWeight) -> tuple[int, ...]:
         w.scales.data_ptr(),
         _ptr(w.zeros),
         w.group_size,
-        int(w.scales.dtype == torch.float16),
+        w.param_mode,
         bits,
     )
 

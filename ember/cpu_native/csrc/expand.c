@@ -80,7 +80,8 @@ static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits,
 #pragma omp parallel for num_threads((int)v[7]) schedule(static)
     for (n = 0; n < N; n++) {
         for (int64_t k = 0; k < K; k += run) {
-            float s = param(scales, n * G + k / group, half), z = has_zero ? param(zeros, n * G + k / group, half) : 0.f;
+            float s = param(scales, n * G + k / group, half, N * G, group);
+            float z = has_zero ? param(zeros, n * G + k / group, half, N * G, group) : 0.f;
             float *o = (float *)PTR(v[3]) + n * K + k;
             if (bits == 4)
                 q4_expand_run((const uint8_t *)PTR(v[0]) + (n * K + k) / 2, s, z, has_zero, o);

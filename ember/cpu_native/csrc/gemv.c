@@ -5,13 +5,22 @@
 typedef struct {
     const float *x;      /* [M, K] */
     const void *codes;
-    const void *scales;  /* [N, G], G = ceil(K / group), float32 or (half) float16 */
+    const void *scales;  /* [N, G], G = ceil(K / group): float32, float16 or two-level (`half` 0, 1, 2: see param) */
     const void *zeros;   /* [N, G] like scales, or NULL */
     float *y;            /* [M, N] */
     int64_t M, K, N, group;
     int half;
     const uint16_t *xb;  /* bits 16: x rounded to bf16 [M, K], made by `gemv` */
 } gemv_args;
+
+/* two-level parameters: K a multiple of 256, so G = K / group without a division's rounding */
+static inline float scale_at(const gemv_args *a, int64_t i) {
+    return param(a->scales, i, a->half, a->half == 2 ? a->N * (a->K / a->group) : 0, a->group);
+}
+
+static inline float zero_at(const gemv_args *a, int64_t i) {
+    return param(a->zeros, i, a->half, a->half == 2 ? a->N * (a->K / a->group) : 0, a->group);
+}
 
 /* Each weight chunk is dequantized in registers (w = q * scale + zero: one FMA per 16 codes) and
  * multiplied into `mt` activation rows at once; `nr` output rows run side by side so that even one
@@ -24,8 +33,8 @@ static inline __attribute__((always_inline)) void group_params(const gemv_args *
                                                                int64_t g, __m512 *s, __m512 *z) {
     UNROLL
     for (int r = 0; r < nr; r++) {
-        s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
-        z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
+        s[r] = _mm512_set1_ps(scale_at(a, (n0 + r) * G + g));
+        z[r] = a->zeros ? _mm512_set1_ps(zero_at(a, (n0 + r) * G + g)) : _mm512_setzero_ps();
     }
 }
 
@@ -148,8 +157,8 @@ static inline uint8_t q4_code(const uint8_t *run, int64_t j) {
 static inline float q4_weight(const gemv_args *a, int64_t n, int64_t k) {
     const int64_t G = groups(a->K, a->group);
     const uint8_t *run = (const uint8_t *)a->codes + n * (a->K / 2) + (k / 32) * 16;
-    float w = (float)q4_code(run, k % 32) * param(a->scales, n * G + k / a->group, a->half);
-    return a->zeros ? w + param(a->zeros, n * G + k / a->group, a->half) : w;
+    float w = (float)q4_code(run, k % 32) * scale_at(a, n * G + k / a->group);
+    return a->zeros ? w + zero_at(a, n * G + k / a->group) : w;
 }
 
 /* int5: code | fifth bit << 4, less 16, times the scale (no zeros) */
@@ -157,13 +166,13 @@ static inline float q5_weight(const gemv_args *a, int64_t n, int64_t k) {
     const int64_t G = groups(a->K, a->group);
     const uint8_t *run = (const uint8_t *)a->codes + n * (a->K / 32 * Q5_RUN_BYTES) + (k / 32) * Q5_RUN_BYTES;
     const int code = q4_code(run + 4, k % 32) | (run[k % 32 / 8] >> (k % 8) & 1) << 4;
-    return (float)(code - 16) * param(a->scales, n * G + k / a->group, a->half);
+    return (float)(code - 16) * scale_at(a, n * G + k / a->group);
 }
 
 static inline float q8_weight(const gemv_args *a, int64_t n, int64_t k) {
     const int64_t G = groups(a->K, a->group);
-    float w = (float)((const int8_t *)a->codes)[n * a->K + k] * param(a->scales, n * G + k / a->group, a->half);
-    return a->zeros ? w + param(a->zeros, n * G + k / a->group, a->half) : w;
+    float w = (float)((const int8_t *)a->codes)[n * a->K + k] * scale_at(a, n * G + k / a->group);
+    return a->zeros ? w + zero_at(a, n * G + k / a->group) : w;
 }
 
 #define SCALAR_TILE(name, weight)                                                           \
@@ -334,8 +343,8 @@ static int bf16_built(int bits, const char *name) {
     return 1;
 }
 
-/* gemv_q{4,5,8}(x, codes, scales, zeros, y, M, K, N, group, threads, half): y = x @ W^T; half: scales and
- * zeros are float16 */
+/* gemv_q{4,5,8}(x, codes, scales, zeros, y, M, K, N, group, threads, half): y = x @ W^T; half: the form of
+ * the scales and zeros (param: 0 float32, 1 float16, 2 two-level) */
 static PyObject *gemv_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[11];
     if (!bf16_built(bits, name) || parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
