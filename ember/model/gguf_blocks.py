@@ -168,11 +168,14 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
     def rows(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a.reshape(out_features, -1))
 
+    def optional_rows(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else rows(a)
+
     return QuantizedWeight(
         kind=fmt.kind,
         qweight=rows(qweight),
         scales=rows(scales),
-        zeros=None if zeros is None else rows(zeros),
+        zeros=optional_rows(zeros),
         group_size=fmt.group_size,
         in_features=in_features,
         factors=None
@@ -181,14 +184,18 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
             scales.shape[1],
             rows(factors[0]),
             rows(factors[1]),
-            None if factors[2] is None else rows(factors[2]),
-            None if factors[3] is None else rows(factors[3]),
+            optional_rows(factors[2]),
+            optional_rows(factors[3]),
         ),
     )
 
 
-def _factor_arrays(blocks: int, groups: int, zeros: bool) -> list[np.ndarray | None]:
+def _factor_arrays(
+    blocks: int, groups: int, zeros: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Outputs for a K-quant's ScaleFactors: a base per block and a code per group, for scales and zeros."""
-    terms = 2 if zeros else 1
-    pairs = [(_empty((blocks, 1), np.float32), _empty((blocks, groups), np.int8)) for _ in range(terms)]
-    return [a for pair in pairs for a in pair] + [None, None] * (2 - terms)
+
+    def pair() -> tuple[np.ndarray, np.ndarray]:
+        return _empty((blocks, 1), np.float32), _empty((blocks, groups), np.int8)
+
+    return (*pair(), *(pair() if zeros else (None, None)))
