@@ -44,7 +44,9 @@ from benchmarks.common import RESULTS_DIR, ServerProcess, free_port, machine_inf
 from benchmarks.startup import process_tree, rss_mib
 from benchmarks.throughput import load_hf_model, model_short_name
 from ember.bench import serve as bench_serve
+from ember.bench.cpu_info import cpu_info
 from ember.bench.flags import add_serve_bench_args
+from ember.bench.gguf_files import SHAPES, cached_model
 from ember.bench.machine import load_average
 from ember.bench.report import percentile
 from ember.bench.workloads import make_requests
@@ -393,6 +395,13 @@ def llama_server_version(path: str) -> str | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a .gguf file every engine loads (default: the default model's)")
+    p.add_argument(
+        "--synthetic",
+        choices=sorted(SHAPES),
+        default=None,
+        help="instead of --model: a random-weight file of this shape in llama.cpp's Q4_K_M mix, written once "
+        "into ~/.cache/ember/bench (ember.bench.gguf_files)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="fresh starts of each engine; the table shows medians")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random token ids)")
     p.add_argument("--output-len", type=int, default=128, help="new tokens per request (ignore_eos)")
@@ -455,6 +464,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--repeats, lengths, request counts, --concurrency and --threads must be >= 1")
     if args.output_len < 2:
         p.error("--output-len must be >= 2 (decode tok/s needs a second token)")
+    if args.synthetic is not None:
+        if args.model is not None:
+            p.error("--synthetic and --model exclude each other")
+        args.model = cached_model(SHAPES[args.synthetic], args.synthetic)
     if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
         p.error(f"--llama-server {args.llama_server!r} is not an executable file")
     return args
@@ -462,7 +475,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = machine_info()
+    machine = {**machine_info(), **cpu_info()}
     gguf = resolve_model(args.model)
     if not gguf.endswith(".gguf"):
         raise SystemExit("error: --model must be a .gguf file, the one format all three engines load")

@@ -38,7 +38,7 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from ember.bench.gguf_files import QWEN25_1_5B, ModelShape, write_model
+from ember.bench.gguf_files import DEFAULT_CACHE_DIR, QWEN25_1_5B, cached_model
 from ember.bench.machine import load_average
 from ember.config import EngineArgs
 from ember.model.files import model_path
@@ -116,22 +116,12 @@ def timed(fn: Any, path: str, repeat: int) -> dict[str, Any]:
     }
 
 
-def synthetic_file(cache_dir: str, shape: ModelShape) -> str:
-    path = os.path.join(cache_dir, f"qwen2.5-1.5b-shape-q4_k_m-random-{shape.layers}l.gguf")
-    if not os.path.exists(path):
-        os.makedirs(cache_dir, exist_ok=True)
-        print(f"writing {path} ...", flush=True)
-        write_model(path + ".partial", shape)
-        os.replace(path + ".partial", path)
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per file (median reported)")
     parser.add_argument(
         "--cache-dir",
-        default=os.path.join(os.path.expanduser("~"), ".cache", "ember", "bench"),
+        default=DEFAULT_CACHE_DIR,
         help="where the synthetic GGUF file is written once and reused",
     )
     parser.add_argument(
@@ -151,7 +141,7 @@ def main() -> None:
     default_path, _ = model_path(EngineArgs().load_config())
     files = {
         "default model": default_path,
-        f"Qwen2.5-1.5B shape Q4_K_M ({args.layers} layers)": synthetic_file(args.cache_dir, shape),
+        f"Qwen2.5-1.5B shape Q4_K_M ({args.layers} layers)": cached_model(shape, "qwen2.5-1.5b", args.cache_dir),
     }
     runs = {f"{name}: read weights": timed(read_weights, path, args.repeat) for name, path in files.items()}
     if args.llm:

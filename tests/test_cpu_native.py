@@ -66,6 +66,8 @@ def _weight(kind: str, n: int, k: int, group: int, zeros: bool, seed: int = 0, h
     gen = torch.Generator().manual_seed(seed)
     if kind == "int4":
         qweight = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
+    elif kind == "int5":  # int8 codes in [-16, 15], GGUF Q5_0's, which the kernels keep in 5 bits
+        qweight, kind = torch.randint(-16, 16, (n, k), generator=gen, dtype=torch.int8), "int8"
     else:
         qweight = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
@@ -86,16 +88,19 @@ def _check_matmul(x: torch.Tensor, w: QuantizedWeight) -> None:
 
 @pytest.mark.parametrize("zeros", [True, False])
 @pytest.mark.parametrize(
-    ("kind", "group"), [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 16), ("int8", 32), ("int8", None)]
+    ("kind", "group"),
+    [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 16), ("int8", 32), ("int8", None), ("int5", 32), ("int5", 64)],
 )
 def test_gemv_matches_float64_reference(kernels, kind: str, group: int | None, zeros: bool) -> None:
     """M covers one row (the 4-row block), the 8-row tile and every remainder tile; N = 70 and 33
     leave 2 and 1 rows past the blocks of 4; K holds several groups. group None: per-channel int8.
-    The second weight's scales and zeros are float16 values, which int4 keeps as float16."""
+    The second weight's scales and zeros are float16 values, which the kernels keep as float16. int5:
+    int8 codes in [-16, 15] without zeros are packed to 5 bits; with zeros they stay int8."""
     for (n, k), seed in zip([(70, 384), (33, 256)], range(2)):
         w = _weight(kind, n, k, group or k, zeros, seed, half=seed == 1)
-        half = ops.native_weight(w).scales.dtype == torch.float16
-        assert half == (kind == "int4" and seed == 1)
+        native = ops.native_weight(w)
+        assert (native.scales.dtype == torch.float16) == (seed == 1)
+        assert native.kind == ("int5" if kind == "int5" and not zeros else w.kind)
         for m in (1, 3, 8, 13, 17):
             _check_matmul(torch.randn(m, k, generator=torch.Generator().manual_seed(m)), w)
 
@@ -112,12 +117,25 @@ def test_gemv_and_expansion_with_a_shorter_last_group(kernels, kind: str, k: int
     assert torch.equal(ops.dequantize(ops.native_weight(w)), dequantize(w))
 
 
-@pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int4", 128), ("int8", 16), ("int8", 96)])
+@pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int4", 128), ("int8", 16), ("int8", 96), ("int5", 32)])
 @pytest.mark.parametrize("zeros", [True, False])
 def test_expansion_equals_dequantize(kernels, kind: str, group: int, zeros: bool) -> None:
     w = _weight(kind, 37, 384 if group != 96 else 96, group, zeros, half=group == 32)
     dense = ops.dequantize(ops.native_weight(w))
     assert dense.dtype == torch.float32 and torch.equal(dense, dequantize(w))
+
+
+def test_int5_packing_takes_only_five_bit_codes(kernels) -> None:
+    """Q5_0's codes (-16 and 15 included) pack to 20 bytes a run of 32; one code outside keeps int8; K not
+    a multiple of 32 keeps int8."""
+    w = _weight("int5", 5, 64, 32, False, half=True)
+    w.qweight[0, :2] = torch.tensor([-16, 15], dtype=torch.int8)
+    native = ops.native_weight(w)
+    assert native.kind == "int5" and native.codes.shape == (5, 40)
+    assert torch.equal(ops.dequantize(native), dequantize(w))
+    w.qweight[4, 63] = 16
+    assert ops.native_weight(w).kind == "int8"
+    assert ops.native_weight(_weight("int5", 5, 48, 16, False)).kind == "int8"
 
 
 def test_float16_parameters_convert_exactly(kernels) -> None:
@@ -404,3 +422,24 @@ def test_tiny_quantized_llama_equals_its_float32_twin(tmp_path, monkeypatch, met
     monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
     fallback = _generate(LLM(str(path), **kwargs), prompts, 12)
     _assert_same(fallback, [(tokens[:12], logprobs[:12]) for tokens, logprobs in expected[:3]], 5e-2)
+
+
+@pytest.mark.parametrize("qtype_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_two_level_scales(kernels, qtype_name: str) -> None:
+    """GGUF K-quants keep their scales and zeros as int8 codes times float16 super-block bases (one byte a
+    group): the expansion equals gguf's own decoding bit for bit, the GEMV the float64 reference."""
+    import gguf
+
+    from ember.bench.gguf_files import random_tensor
+    from ember.model.gguf_blocks import quantized
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    shape = (37, 512)
+    raw = random_tensor(qtype, shape, __import__("numpy").random.default_rng(0), scale=0.5)
+    w = quantized(raw, qtype, shape)
+    native = ops.native_weight(w)
+    assert native.param_mode == 2
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    assert torch.equal(ops.dequantize(native), reference)
+    for m in (1, 3, 9):
+        _check_matmul(torch.randn(m, shape[1], generator=torch.Generator().manual_seed(m)), w)

@@ -114,13 +114,16 @@ def test_rotary_store_rejects_positions_and_slots_out_of_range() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "group", "half"), [("int4", 32, True), ("int4", 64, False), ("int8", 16, False), ("int8", None, False)]
+    ("kind", "group", "half"),
+    [("int4", 32, True), ("int4", 64, False), ("int8", 16, False), ("int8", None, False), ("int5", 32, True)],
 )
 def test_matmul_silu_matches_float64_reference(kernels, kind: str, group: int | None, half: bool) -> None:
-    """I = 70 (not a whole number of vectors); M from one row to past a tile of 8."""
+    """I = 70 (not a whole number of vectors); M from one row to past a tile of 8. int5: GGUF Q5_0's
+    codes, kept in 5 bits (no zeros)."""
     size, k = 70, 256
-    w = _weight(kind, 2 * size, k, group or k, True, half=half)
+    w = _weight(kind, 2 * size, k, group or k, kind != "int5", half=half)
     nat = ops.native_weight(w)
+    assert nat.kind == kind
     dense = dequantize(w).double()
     for m in (1, 3, 9):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

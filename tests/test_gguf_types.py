@@ -191,3 +191,47 @@ def test_mixed_model_generates_the_float_decodings_tokens(mixed_model: str) -> N
     for kept, dense in zip(outs["gguf"], outs["none"]):
         assert kept.outputs[0].token_ids == dense.outputs[0].token_ids
         assert len(set(kept.outputs[0].token_ids)) > 1  # the model is not degenerate
+
+
+# Qwen2-0.5B's Q4_K_M mix in miniature: rows of 160 are no multiple of 256, so as in the real file most
+# matrices are Q5_0, the embedding and the wide attn_v Q8_0, ffn_down (rows of 256) Q6_K or Q4_K.
+QWEN2_MINI = ModelShape(hidden=160, layers=3, ffn=256, heads=5, kv_heads=1, vocab=320)
+
+
+def test_q4_k_m_qwen2_generates_the_float_decodings_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept quantized through the native CPU kernels (Q5_0 in 5 bits, K-quants' two-level scales, every
+    layer in one decode_layer call)
+    against the float32 decoding: the same greedy tokens. Q4_K in float32 here (CPU_INT4_BF16 off): bf16
+    arithmetic may part from float32 on near ties."""
+    from ember.cpu_native import ops as native
+    from ember.ops import linear_native
+
+    path = str(tmp_path / "qwen2-q4_k_m.gguf")
+    types = write_model(path, QWEN2_MINI)
+    assert {types["blk.0.attn_q.weight"], types["blk.0.attn_v.weight"], types["token_embd.weight"]} == {
+        QType.Q5_0,
+        QType.Q8_0,
+    }
+    assert {types[f"blk.{i}.ffn_down.weight"] for i in range(3)} == {QType.Q6_K, QType.Q4_K}
+    monkeypatch.setattr(linear_native, "CPU_INT4_BF16", False)
+    layer_kinds: set[tuple[str, int]] = set()
+    fused = native.decode_layer
+
+    def spy(w: native.DecodeLayerWeights, *args: object) -> object:
+        layer_kinds.update((nat.kind, nat.param_mode) for nat in (w.qkv, w.o, w.gate_up, w.down))
+        return fused(w, *args)
+
+    monkeypatch.setattr(native, "decode_layer", spy)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + (i * 37) % 300 for i in range(n)]} for n in (3, 20)]
+    outs = {}
+    for mode in ("gguf", "none"):
+        llm = LLM(
+            path, quantization=mode, dtype="float32", kv_cache_memory=0.01, max_model_len=128, engine_process=False
+        )
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["gguf"] == outs["none"]
+    assert all(len(set(tokens)) > 1 for tokens in outs["gguf"])  # the model is not degenerate
+    if native.available():
+        # Q5_0 in 5 bits, Q8_0 int8, both with float16 scales; Q6_K and Q4_K with two-level scales
+        assert layer_kinds == {("int5", 1), ("int8", 1), ("int8", 2), ("int4", 2)}

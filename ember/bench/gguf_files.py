@@ -9,6 +9,7 @@ llama.cpp's `llama-quantize ... Q4_K_M` does, so a file of a real model's shape 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,6 +78,12 @@ class ModelShape:
 
 
 QWEN25_1_5B = ModelShape(hidden=1536, layers=28, ffn=8960, heads=12, kv_heads=2, vocab=151936)
+# Qwen2-0.5B(-Instruct): rows of 896 are no multiple of 256, so its Q4_K_M file is mostly Q5_0 (and Q8_0 for
+# the tied embedding and half the attn_v), with K-quants only in ffn_down (rows of 4864), as llama.cpp writes it.
+QWEN2_0_5B = ModelShape(hidden=896, layers=24, ffn=4864, heads=14, kv_heads=2, vocab=151936)
+# Shapes a benchmark can write with one flag (`benchmarks/cpu.py --synthetic NAME`), all in the Q4_K_M mix.
+SHAPES = {"qwen2-0.5b": QWEN2_0_5B, "qwen2.5-1.5b": QWEN25_1_5B}
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ember", "bench")
 
 TypeChooser = Callable[[str, tuple[int, ...], int], QType]  # (GGUF name, numpy shape, layers) -> type
 
@@ -160,3 +167,15 @@ def write_model(path: str, s: ModelShape, choose: TypeChooser = q4_k_m_type, see
     writer.write_tensors_to_file()
     writer.close()
     return types
+
+
+def cached_model(shape: ModelShape, name: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:
+    """The path of a random-weight Q4_K_M-mix file of `shape` in `cache_dir`, written on first use (tens of
+    seconds for a 0.5B shape; a partial file never takes the final name)."""
+    path = os.path.join(cache_dir, f"{name}-shape-q4_k_m-random-{shape.layers}l.gguf")
+    if not os.path.exists(path):
+        os.makedirs(cache_dir, exist_ok=True)
+        print(f"writing {path} ...", flush=True)
+        write_model(path + ".partial", shape)
+        os.replace(path + ".partial", path)
+    return path

@@ -23,6 +23,18 @@ logger = logging.getLogger("ember")
 
 _CHUNK = {"int4": 32, "int8": 16}  # inputs per vector step of each kernel
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_BITS = {"int4": 4, "int5": 5, "int8": 8}  # the kernels' name for a layout
+# (kind, bf16) -> the kernels' GEMV, GEMV + SiLU and dense expansion of that layout and arithmetic
+_KERNELS = {
+    (kind, bf16): (
+        f"gemv_q{bits}{suffix}",
+        f"gemv_silu_q{bits}{suffix}",
+        f"dequantize_q{bits}_{'bf16' if bf16 else 'f32'}",
+    )
+    for kind, bits in _BITS.items()
+    for bf16, suffix in ((False, ""), (True, "_bf16"))
+    if not bf16 or kind == "int4"
+}
 _MAX_GROUP_DIM = 8192  # kernels.c MAX_ACC: query heads per KV head times head dim
 _MAX_BLOCK = 256
 
@@ -73,17 +85,19 @@ def _module() -> ModuleType:
 @dataclass
 class NativeWeight:
     """A quantized weight in the layout the GEMVs read: int4 codes as 16-byte runs of 32 inputs (input
-    j in the low nibble of byte j, j + 16 in the high one), int8 codes row-major as stored; scales (and
-    zeros) [N, ceil(K / group_size)], float16 where that holds them exactly, else float32;
-    w = q * scale + zero.
+    j in the low nibble of byte j, j + 16 in the high one), int5 codes as those runs after 4 bytes of
+    fifth bits (int8 codes in [-16, 15] without zeros, as GGUF Q5_0 holds them: w = (q - 16) * scale),
+    int8 codes row-major as stored; scales (and zeros) [N, ceil(K / group_size)]: GGUF K-quants' in their
+    two-level form (uint8 bytes: int8 codes [N, G], then float16 bases per 256 inputs; kernels.h, param),
+    others float16 where that holds them exactly, else float32; w = q * scale + zero.
 
     `bf16` (int4 only, CPUs with AVX512_BF16) fixes the weight's arithmetic at every row count: x and w
     rounded to bf16, float32 sums, outputs rounded to bf16, as oneDNN's bf16 GEMM computes; else float32.
     One arithmetic per weight, whatever the batch, is what lets a prompt's tail computed after a prefix-
     cache hit see the numbers the whole prompt would."""
 
-    kind: str  # "int4" or "int8"
-    codes: torch.Tensor  # uint8 [N, K / 2] (int4) or int8 [N, K]
+    kind: str  # "int4", "int5" or "int8"
+    codes: torch.Tensor  # uint8 [N, K / 2] (int4), uint8 [N, K / 32 * 20] (int5) or int8 [N, K]
     scales: torch.Tensor
     zeros: torch.Tensor | None
     group_size: int
@@ -93,6 +107,11 @@ class NativeWeight:
     @property
     def out_features(self) -> int:
         return self.codes.shape[0]
+
+    @property
+    def param_mode(self) -> int:
+        """How the kernels read scales and zeros (kernels.h, param): 0 float32, 1 float16, 2 two-level."""
+        return 2 if self.scales.dtype == torch.uint8 else int(self.scales.dtype == torch.float16)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scales, self.zeros) if t is not None]
@@ -115,9 +134,9 @@ def fits(w: QuantizedWeight) -> bool:
 
 def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
     """The native layout of `w` (which must fit), in bf16 arithmetic if asked (int4 where `has_bf16()`).
-    int4 codes are re-laid out (the same bytes, which replace the file's); int8 codes, scales and zeros
-    are shared with `w` when already float32 and contiguous, so a tied LM head costs nothing beside its
-    embedding."""
+    int4 codes are re-laid out (the same bytes, which replace the file's), int8 codes in [-16, 15] without
+    zeros packed to int5; other int8 codes are shared with `w` when contiguous, so a tied LM head costs
+    only its float16 scales beside its embedding."""
     if not fits(w):
         raise ValueError(
             f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
@@ -125,21 +144,65 @@ def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
         )
     if bf16 and (w.kind != "int4" or not has_bf16()):
         raise ValueError(f"bf16 arithmetic needs an int4 weight (got {w.kind}) and a CPU with AVX512_BF16")
+    scales, zeros = _two_level_params(w) or _compact_params(w.scales, w.zeros)
     if w.kind == "int8":
-        zeros = None if w.zeros is None else w.zeros.float().contiguous()
-        return NativeWeight(
-            w.kind, w.qweight.contiguous(), w.scales.float().contiguous(), zeros, w.group_size, w.in_features
-        )
-    scales, zeros = _compact_params(w.scales, w.zeros)
+        five = _pack_int5(w) if zeros is None else None
+        if five is not None:
+            return NativeWeight("int5", five, scales, None, w.group_size, w.in_features)
+        return NativeWeight(w.kind, w.qweight.contiguous(), scales, zeros, w.group_size, w.in_features)
     return NativeWeight(
         w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features, bf16
     )
 
 
+def _pack_int5(w: QuantizedWeight) -> torch.Tensor | None:
+    """int8 codes that all lie in [-16, 15] (GGUF Q5_0's) as int5 runs, else None. A Qwen2-0.5B Q4_K_M
+    file is 64% Q5_0 by weight: in int8 a decode step read 545 MB against llama.cpp's 395 (issue 30)."""
+    if w.group_size % 32 or w.in_features % 32:
+        return None
+    codes = w.qweight.contiguous()
+    out = torch.empty(w.out_features, w.in_features // 32 * 20, dtype=torch.uint8)
+    n, k = codes.shape
+    if not _module().pack_q5(codes.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()):
+        return None
+    return out
+
+
+def _two_level_params(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A K-quant's scales and zeros in the kernels' two-level form (kernels.h, param), where the weight
+    carries its ScaleFactors, K is whole super-blocks and they rebuild `scales` and `zeros` bit for bit;
+    else None. Q4_K in float32 read 6.5 bits a weight, this 4.625 (llama.cpp's Q4_K: 4.5)."""
+    f = w.factors
+    if f is None or w.in_features % 256 or w.group_size not in (16, 32) or f.per * w.group_size != 256:
+        return None
+    packed = [_two_level(w.scales, f.scale_base, f.scale_codes, f.per)]
+    if w.zeros is not None:
+        packed.append(_two_level(w.zeros, f.zero_base, f.zero_codes, f.per))
+    if any(p is None for p in packed):
+        return None
+    return packed[0], packed[1] if len(packed) > 1 else None  # type: ignore[return-value]
+
+
+def _two_level(
+    values: torch.Tensor, base: torch.Tensor | None, codes: torch.Tensor | None, per: int
+) -> torch.Tensor | None:
+    """int8 codes then float16 bases in one byte buffer, if base * codes gives `values` bit for bit."""
+    if base is None or codes is None:
+        return None
+    half = base.half()
+    if not torch.equal(half.float().repeat_interleave(per, dim=1) * codes.float(), values):
+        return None
+    count = codes.numel()
+    packed = torch.zeros(count + count % 2 + 2 * half.numel(), dtype=torch.uint8)
+    packed[:count] = codes.contiguous().view(torch.uint8).reshape(-1)
+    packed[count + count % 2 :] = half.contiguous().view(torch.uint8).reshape(-1)
+    return packed
+
+
 def _compact_params(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """int4 scales and zeros as float16 when that is exact (GGUF Q4_0/Q4_1 store float16 d and m): for
-    Q4_1 groups of 32 they are a third of the bytes a step reads in float32 (8 of 24 per group), and
-    PyTorch's int4 kernel reads them as bf16 pairs (4 bytes). K-quants' d * sc products stay float32."""
+    """Scales and zeros as float16 when that is exact (GGUF Q4_0/Q4_1/Q5_0/Q8_0 store float16 d and m):
+    for Q4_1 groups of 32 they are a third of the bytes a step reads in float32 (8 of 24 per group), for a
+    Q8_0 LM head 1 of 9 bits a weight. K-quants' d * sc products stay float32."""
     parts = [t.float().contiguous().numpy() for t in (scales, zeros) if t is not None]
     halves = [p.astype(np.float16) for p in parts]
     if not all(np.array_equal(h.astype(np.float32), p) for h, p in zip(halves, parts)):
@@ -186,7 +249,7 @@ def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
         x = x.contiguous()
     y = torch.empty(x.shape[0], w.out_features)
     kernels = _module()
-    fn = kernels.gemv_q8 if w.kind == "int8" else kernels.gemv_q4_bf16 if w.bf16 else kernels.gemv_q4
+    fn = getattr(kernels, _KERNELS[w.kind, w.bf16][0])
     fn(
         x.data_ptr(),
         w.codes.data_ptr(),
@@ -198,7 +261,7 @@ def matmul(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
         w.out_features,
         w.group_size,
         torch.get_num_threads(),
-        w.scales.dtype == torch.float16,
+        w.param_mode,
     )
     return y
 
@@ -214,13 +277,7 @@ def dequantize(w: NativeWeight) -> torch.Tensor:
     multiplies, so oneDNN's bf16 GEMM over it computes what `matmul` does."""
     out = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16 if w.bf16 else torch.float32)
     kernels = _module()
-    fn = (
-        kernels.dequantize_q8_f32
-        if w.kind == "int8"
-        else kernels.dequantize_q4_bf16
-        if w.bf16
-        else kernels.dequantize_q4_f32
-    )
+    fn = getattr(kernels, _KERNELS[w.kind, w.bf16][2])
     fn(
         w.codes.data_ptr(),
         w.scales.data_ptr(),
@@ -230,7 +287,7 @@ def dequantize(w: NativeWeight) -> torch.Tensor:
         w.in_features,
         w.group_size,
         torch.get_num_threads(),
-        w.scales.dtype == torch.float16,
+        w.param_mode,
     )
     return out
 
@@ -454,7 +511,7 @@ def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     size = w.out_features // 2
     out = torch.empty(x.shape[0], size)
     kernels = _module()
-    fn = kernels.gemv_silu_q8 if w.kind == "int8" else kernels.gemv_silu_q4_bf16 if w.bf16 else kernels.gemv_silu_q4
+    fn = getattr(kernels, _KERNELS[w.kind, w.bf16][1])
     fn(
         x.data_ptr(),
         w.codes.data_ptr(),
@@ -466,20 +523,20 @@ def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
         size,
         w.group_size,
         torch.get_num_threads(),
-        w.scales.dtype == torch.float16,
+        w.param_mode,
     )
     return out
 
 
 def _weight_args(w: NativeWeight) -> tuple[int, ...]:
     """A weight as `decode_layer` takes it: codes, scales, zeros, group, half, bits (16: bf16 arithmetic)."""
-    bits = 16 if w.bf16 else 4 if w.kind == "int4" else 8
+    bits = 16 if w.bf16 else _BITS[w.kind]
     return (
         w.codes.data_ptr(),
         w.scales.data_ptr(),
         _ptr(w.zeros),
         w.group_size,
-        int(w.scales.dtype == torch.float16),
+        w.param_mode,
         bits,
     )
 

@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as QType
 
 from ember.model.gguf_codes import BLOCK_CODES, BlockCodes
 from ember.model.gguf_grids import GRID_CODES
-from ember.quant.formats import QuantizedWeight
+from ember.quant.formats import QuantizedWeight, ScaleFactors
 
 # Blocks decoded at once: chunks of a few thousand blocks keep the intermediates in cache (65536-block
 # chunks took 2.4x the CPU time of 4096 for Q4_K and 2.1x for Q6_K on a 4096x4096 tensor, 1024-block
@@ -142,6 +142,7 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
     qweight = _empty((n, block_size // 2 if int4 else block_size), np.uint8 if int4 else np.int8)
     scales = _empty((n, block_size // fmt.group_size), np.float32)
     zeros = _empty(scales.shape, np.float32) if fmt.has_zeros else None
+    factors = _factor_arrays(n, scales.shape[1], fmt.has_zeros) if fmt.factors is not None else None
 
     def decode(rows: slice) -> None:
         chunk = blocks[rows]
@@ -156,14 +157,45 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
         scales[rows], chunk_zeros = fmt.affine(chunk)
         if zeros is not None:
             zeros[rows] = chunk_zeros
+        if factors is not None and fmt.factors is not None:
+            for array, part in zip(factors, fmt.factors(chunk)):
+                if array is not None and part is not None:
+                    array[rows] = part
 
     _each_chunk(n, decode)
     out_features, in_features = shape
+
+    def rows(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.reshape(out_features, -1))
+
+    def optional_rows(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else rows(a)
+
     return QuantizedWeight(
         kind=fmt.kind,
-        qweight=torch.from_numpy(qweight.reshape(out_features, -1)),
-        scales=torch.from_numpy(scales.reshape(out_features, -1)),
-        zeros=None if zeros is None else torch.from_numpy(zeros.reshape(out_features, -1)),
+        qweight=rows(qweight),
+        scales=rows(scales),
+        zeros=optional_rows(zeros),
         group_size=fmt.group_size,
         in_features=in_features,
+        factors=None
+        if factors is None
+        else ScaleFactors(
+            scales.shape[1],
+            rows(factors[0]),
+            rows(factors[1]),
+            optional_rows(factors[2]),
+            optional_rows(factors[3]),
+        ),
     )
+
+
+def _factor_arrays(
+    blocks: int, groups: int, zeros: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Outputs for a K-quant's ScaleFactors: a base per block and a code per group, for scales and zeros."""
+
+    def pair() -> tuple[np.ndarray, np.ndarray]:
+        return _empty((blocks, 1), np.float32), _empty((blocks, groups), np.int8)
+
+    return (*pair(), *(pair() if zeros else (None, None)))

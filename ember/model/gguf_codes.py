@@ -21,6 +21,9 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import IQ4_NL, MXFP4
 
 Affine = tuple[np.ndarray, np.ndarray | None]  # float32 scales [blocks, groups], zero terms or None
+# A K-quant's affine terms as factors: (float16-valued float32 base [blocks, 1], int8 codes [blocks, groups])
+# for the scales and, where there are zeros, for them; base * codes is the Affine term bit for bit.
+Factors = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
 
 _IQ4_VALUES = np.array(IQ4_NL.kvalues, dtype=np.int8)
 _FP4_VALUES = np.array(MXFP4.kvalues, dtype=np.int8)  # e2m1 values doubled: integers in [-12, 12]
@@ -153,6 +156,12 @@ def _k_affine(b: np.ndarray) -> Affine:
     return fp16_field(b, 0) * scales, -(fp16_field(b, 2) * mins)
 
 
+def _k_factors(b: np.ndarray) -> Factors:
+    """_k_affine's terms as factors: -(dmin * m) == (-dmin) * m, float32 products being sign-symmetric."""
+    scales, mins = _k_scales(b[:, 4:16])
+    return fp16_field(b, 0), scales.astype(np.int8), -fp16_field(b, 2), mins.astype(np.int8)
+
+
 def _q5_k_codes(b: np.ndarray) -> np.ndarray:
     # [d][dmin][12 bytes scales][32 bytes: bit k of byte l is the fifth bit of element 32k + l]
     # [128 bytes: 4 runs of 32 split nibbles]. Codes 0..31 fit int8 as they are.
@@ -189,6 +198,10 @@ def _q6_k_codes(b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 def _q6_k_affine(b: np.ndarray) -> Affine:
     return fp16_field(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), None
+
+
+def _q6_k_factors(b: np.ndarray) -> Factors:
+    return fp16_field(b, 208), b[:, 192:208].view(np.int8), None, None
 
 
 def _q2_k_codes(b: np.ndarray) -> np.ndarray:  # [16 scale bytes][64 bytes of 2-bit codes][d][dmin]
@@ -263,9 +276,16 @@ class BlockCodes(NamedTuple):
     codes: Callable[[np.ndarray], np.ndarray]
     affine: Callable[[np.ndarray], Affine]
     write: Callable[[np.ndarray, np.ndarray], object] | None = None
+    factors: Callable[[np.ndarray], Factors] | None = None  # K-quants: `affine` as ScaleFactors
 
 
-def _nibble_type(start: int, run: int, group_size: int, affine: Callable[[np.ndarray], Affine]) -> BlockCodes:
+def _nibble_type(
+    start: int,
+    run: int,
+    group_size: int,
+    affine: Callable[[np.ndarray], Affine],
+    factors: Callable[[np.ndarray], Factors] | None = None,
+) -> BlockCodes:
     """An int4 type whose bytes from `start` on are runs of `run` split-nibble bytes."""
     return BlockCodes(
         "int4",
@@ -274,6 +294,7 @@ def _nibble_type(start: int, run: int, group_size: int, affine: Callable[[np.nda
         lambda b: _split_nibbles(b[:, start:].reshape(len(b), -1, run)),
         affine,
         lambda b, out: pack_split_nibbles(b[:, start:], run, out),
+        factors,
     )
 
 
@@ -287,9 +308,9 @@ BLOCK_CODES: dict[QType, BlockCodes] = {
     QType.MXFP4: BlockCodes("int8", 32, False, _mxfp4_codes, _mxfp4_affine),
     QType.Q2_K: BlockCodes("int4", 16, True, _q2_k_codes, _q2_k_affine),
     QType.Q3_K: BlockCodes("int8", 16, False, _q3_k_codes, _q3_k_affine),
-    QType.Q4_K: _nibble_type(16, 32, 32, _k_affine),
-    QType.Q5_K: BlockCodes("int8", 32, True, _q5_k_codes, _k_affine),
-    QType.Q6_K: BlockCodes("int8", 16, False, _q6_k_codes, _q6_k_affine, _q6_k_codes),
+    QType.Q4_K: _nibble_type(16, 32, 32, _k_affine, _k_factors),
+    QType.Q5_K: BlockCodes("int8", 32, True, _q5_k_codes, _k_affine, factors=_k_factors),
+    QType.Q6_K: BlockCodes("int8", 16, False, _q6_k_codes, _q6_k_affine, _q6_k_codes, _q6_k_factors),
     QType.IQ4_XS: BlockCodes("int8", 32, False, _iq4_xs_codes, _iq4_xs_affine),
     QType.TQ1_0: BlockCodes("int8", 256, False, _tq1_0_codes, _fp16_at(52)),
     QType.TQ2_0: BlockCodes("int8", 256, False, _tq2_0_codes, _fp16_at(64)),

@@ -31,6 +31,44 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448; e4m3fn has no inf, so a cast beyond
 _NUMPY_DTYPES = frozenset({torch.uint8, torch.int8, torch.int32, torch.float16, torch.float32})
 
 
+@dataclass(frozen=True)
+class ScaleFactors:
+    """How a GGUF K-quant builds its group scales and zeros: `scales[n, g] == scale_base[n, g // per] *
+    scale_codes[n, g]` in float32, bit for bit (a float16 super-block scale times a 6- or 8-bit sub-block
+    code, the product llama.cpp's decoding computes), and `zeros` likewise. Optional beside the float32
+    scales: kernels that read these read 1 byte a group instead of 4; operations that build a new weight
+    (narrow, concat, to) drop them, which costs only that compaction."""
+
+    per: int  # groups per super-block: 256 / group_size
+    scale_base: torch.Tensor  # float32 [N, G / per], float16 values
+    scale_codes: torch.Tensor  # int8 [N, G]
+    zero_base: torch.Tensor | None  # likewise, or None
+    zero_codes: torch.Tensor | None
+
+    def to(self, device: torch.device | str) -> ScaleFactors:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        base, codes = self.scale_base.to(device), self.scale_codes.to(device)
+        return ScaleFactors(self.per, base, codes, move(self.zero_base), move(self.zero_codes))
+
+
+def _cat_factors(parts: list[QuantizedWeight]) -> ScaleFactors | None:
+    """The parts' ScaleFactors stacked by rows, where every part has them alike; else None."""
+    factors = [p.factors for p in parts]
+    if any(f is None for f in factors) or len({(f.per, f.zero_base is None) for f in factors if f}) != 1:
+        return None
+    fs = [f for f in factors if f is not None]
+    zeros = fs[0].zero_base is not None
+    return ScaleFactors(
+        fs[0].per,
+        _cat_rows([f.scale_base for f in fs]),
+        _cat_rows([f.scale_codes for f in fs]),
+        _cat_rows([f.zero_base for f in fs if f.zero_base is not None]) if zeros else None,
+        _cat_rows([f.zero_codes for f in fs if f.zero_codes is not None]) if zeros else None,
+    )
+
+
 @dataclass
 class QuantizedWeight:
     kind: str  # "int8" (int8 storage), "int4" (two unsigned nibbles per byte), "fp8"
@@ -41,6 +79,7 @@ class QuantizedWeight:
     in_features: int  # K (int4 storage alone cannot tell an odd K from K + 1)
     block_rows: int = 1  # output rows sharing one row of scales (128 for block-scaled fp8)
     in_perm: torch.Tensor | None = None  # int64 [K]: stored column j multiplies input in_perm[j]; None: j
+    factors: ScaleFactors | None = None  # GGUF K-quants' two-level scales (the same values as `scales`)
 
     @property
     def out_features(self) -> int:
@@ -117,6 +156,7 @@ class QuantizedWeight:
             self.in_features,
             self.block_rows,
             None if self.in_perm is None else self.in_perm.to(device),
+            None if self.factors is None else self.factors.to(device),
         )
 
 
@@ -201,6 +241,7 @@ def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
         first.in_features,
         first.block_rows,
         first.in_perm,
+        _cat_factors(parts),
     )
 
 

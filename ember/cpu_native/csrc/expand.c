@@ -1,4 +1,4 @@
-/* Dense expansions of the int4/int8 layouts for large batches (part of kernels.c's one translation unit: see there) */
+/* Dense expansions of the int4/int5/int8 layouts for large batches, and the int5 packing (part of kernels.c's one translation unit: see there) */
 
 #include "kernels.h"
 
@@ -15,6 +15,16 @@ static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zer
     __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
     _mm512_storeu_ps(o, affine512(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), vs, vz, has_zero));
     _mm512_storeu_ps(o + 16, affine512(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs, vz, has_zero));
+}
+
+static inline void q5_expand_run(const uint8_t *p, float s, float *o) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 4))), top = _mm512_set1_epi32(16);
+    const __m512i l = _mm512_and_si512(b, _mm512_set1_epi32(0x0F)), h = _mm512_srli_epi32(b, 4);
+    const __m512 vs = _mm512_set1_ps(s);
+    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_mask_or_epi32(l, (__mmask16)bits, l, top), top)), vs));
+    _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_mask_or_epi32(h, (__mmask16)(bits >> 16), h, top), top)), vs));
 }
 
 static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero, float *o) {
@@ -34,6 +44,13 @@ static inline void q4_expand_run(const uint8_t *p, float s, float z, int has_zer
     }
 }
 
+static inline void q5_expand_run(const uint8_t *p, float s, float *o) {
+    for (int j = 0; j < 32; j++) {
+        const uint8_t nibble = j < 16 ? p[4 + j] & 0x0F : p[4 + j - 16] >> 4;
+        o[j] = (float)((nibble | (p[j / 8] >> (j % 8) & 1) << 4) - 16) * s;
+    }
+}
+
 static inline void q8_expand_run(const int8_t *p, float s, float z, int has_zero, float *o) {
     for (int j = 0; j < 16; j++) o[j] = affine((float)p[j], s, z, has_zero);
 }
@@ -49,7 +66,7 @@ static inline void q4_expand_run_bf16(const uint8_t *p, float s, float z, uint16
 }
 #endif
 
-/* dequantize_q{4,8}_f32(codes, scales, zeros, out, N, K, group, threads, half): out float32 [N, K];
+/* dequantize_q{4,5,8}_f32(codes, scales, zeros, out, N, K, group, threads, half): out float32 [N, K];
  * dequantize_q4_bf16 (bits 16): the same rounded to bf16, for oneDNN's bf16 GEMM */
 static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[9];
@@ -63,10 +80,13 @@ static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits,
 #pragma omp parallel for num_threads((int)v[7]) schedule(static)
     for (n = 0; n < N; n++) {
         for (int64_t k = 0; k < K; k += run) {
-            float s = param(scales, n * G + k / group, half), z = has_zero ? param(zeros, n * G + k / group, half) : 0.f;
+            float s = param(scales, n * G + k / group, half, N * G, group);
+            float z = has_zero ? param(zeros, n * G + k / group, half, N * G, group) : 0.f;
             float *o = (float *)PTR(v[3]) + n * K + k;
             if (bits == 4)
                 q4_expand_run((const uint8_t *)PTR(v[0]) + (n * K + k) / 2, s, z, has_zero, o);
+            else if (bits == 5)
+                q5_expand_run((const uint8_t *)PTR(v[0]) + n * (K / 32 * Q5_RUN_BYTES) + k / 32 * Q5_RUN_BYTES, s, o);
             else if (bits == 8)
                 q8_expand_run((const int8_t *)PTR(v[0]) + n * K + k, s, z, has_zero, o);
 #if HAS_BF16
@@ -89,4 +109,38 @@ static PyObject *dequantize_q4_bf16(PyObject *self, PyObject *const *args, Py_ss
 
 static PyObject *dequantize_q8_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return expand_entry(args, nargs, 8, "dequantize_q8_f32");
+}
+
+static PyObject *dequantize_q5_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return expand_entry(args, nargs, 5, "dequantize_q5_f32");
+}
+
+/* One row of int8 codes [K] into int5 runs [K / 32 * Q5_RUN_BYTES]; 0 where a code lies outside [-16, 15] */
+static int pack_q5_row(const int8_t *c, uint8_t *out, int64_t K) {
+    for (int64_t k = 0; k < K; k += 32, out += Q5_RUN_BYTES) {
+        uint32_t bits = 0;
+        for (int j = 0; j < 32; j++) {
+            if (c[k + j] < -16 || c[k + j] > 15) return 0;
+            bits |= (uint32_t)((c[k + j] + 16) >> 4) << j;
+        }
+        memcpy(out, &bits, 4);
+        for (int j = 0; j < 16; j++) out[4 + j] = (uint8_t)(((c[k + j] + 16) & 0x0F) | ((c[k + j + 16] + 16) & 0x0F) << 4);
+    }
+    return 1;
+}
+
+/* pack_q5(codes, out, N, K, threads) -> bool: int8 codes [N, K] (K a multiple of 32) as int5 runs, True
+ * when every code lies in [-16, 15] (else `out` is partly written and must be dropped) */
+static PyObject *pack_q5(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[5];
+    if (parse(args, nargs, 5, "pack_q5", v, NULL, 0) < 0) return NULL;
+    const int64_t N = v[2], K = v[3];
+    int fits = 1;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t n;
+#pragma omp parallel for num_threads((int)v[4]) schedule(static) reduction(&& : fits)
+    for (n = 0; n < N; n++)
+        fits = fits && pack_q5_row((const int8_t *)PTR(v[0]) + n * K, (uint8_t *)PTR(v[1]) + n * (K / 32 * Q5_RUN_BYTES), K);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(fits);
 }

@@ -169,7 +169,7 @@ static int gemv_silu(gemv_args *a, float *out, int bits, int threads) {
     return 0;
 }
 
-/* gemv_silu_q{4,8}(x, codes, scales, zeros, out, M, K, I, group, threads, half): the fused gate/up GEMV
+/* gemv_silu_q{4,5,8}(x, codes, scales, zeros, out, M, K, I, group, threads, half): the fused gate/up GEMV
  * (rows [0, I) gate, [I, 2I) up) into a scratch [M, 2I], then out [M, I] = silu(gate) * up */
 static PyObject *gemv_silu_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[11];
@@ -193,6 +193,10 @@ static PyObject *gemv_silu_q4(PyObject *self, PyObject *const *args, Py_ssize_t 
     return gemv_silu_entry(args, nargs, 4, "gemv_silu_q4");
 }
 
+static PyObject *gemv_silu_q5(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_silu_entry(args, nargs, 5, "gemv_silu_q5");
+}
+
 static PyObject *gemv_silu_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return gemv_silu_entry(args, nargs, 8, "gemv_silu_q8");
 }
@@ -203,7 +207,7 @@ static PyObject *gemv_silu_q4_bf16(PyObject *self, PyObject *const *args, Py_ssi
 
 /* ---- a whole decode layer in one call ---- */
 
-/* a weight as decode_layer takes it: 6 ints (codes, scales, zeros, group, half, bits: 4, 8 or 16) */
+/* a weight as decode_layer takes it: 6 ints (codes, scales, zeros, group, half, bits: 4, 5, 8 or 16) */
 typedef struct {
     const void *codes, *scales, *zeros;
     int64_t group;

@@ -5,13 +5,22 @@
 typedef struct {
     const float *x;      /* [M, K] */
     const void *codes;
-    const void *scales;  /* [N, G], G = ceil(K / group), float32 or (half) float16 */
+    const void *scales;  /* [N, G], G = ceil(K / group): float32, float16 or two-level (`half` 0, 1, 2: see param) */
     const void *zeros;   /* [N, G] like scales, or NULL */
     float *y;            /* [M, N] */
     int64_t M, K, N, group;
     int half;
     const uint16_t *xb;  /* bits 16: x rounded to bf16 [M, K], made by `gemv` */
 } gemv_args;
+
+/* two-level parameters: K a multiple of 256, so G = K / group without a division's rounding */
+static inline float scale_at(const gemv_args *a, int64_t i) {
+    return param(a->scales, i, a->half, a->half == 2 ? a->N * (a->K / a->group) : 0, a->group);
+}
+
+static inline float zero_at(const gemv_args *a, int64_t i) {
+    return param(a->zeros, i, a->half, a->half == 2 ? a->N * (a->K / a->group) : 0, a->group);
+}
 
 /* Each weight chunk is dequantized in registers (w = q * scale + zero: one FMA per 16 codes) and
  * multiplied into `mt` activation rows at once; `nr` output rows run side by side so that even one
@@ -24,8 +33,8 @@ static inline __attribute__((always_inline)) void group_params(const gemv_args *
                                                                int64_t g, __m512 *s, __m512 *z) {
     UNROLL
     for (int r = 0; r < nr; r++) {
-        s[r] = _mm512_set1_ps(param(a->scales, (n0 + r) * G + g, a->half));
-        z[r] = a->zeros ? _mm512_set1_ps(param(a->zeros, (n0 + r) * G + g, a->half)) : _mm512_setzero_ps();
+        s[r] = _mm512_set1_ps(scale_at(a, (n0 + r) * G + g));
+        z[r] = a->zeros ? _mm512_set1_ps(zero_at(a, (n0 + r) * G + g)) : _mm512_setzero_ps();
     }
 }
 
@@ -38,9 +47,22 @@ static inline __attribute__((always_inline)) void q4_run(const uint8_t *p, __m51
     *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, z);
 }
 
-static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
-                                                           int mt) {
-    const int64_t K = a->K, G = groups(a->K, a->group);
+/* The 32 weights of the int5 run at p (see Q5_RUN_BYTES), (c + 16) * scale - 16 * scale in one FMA each:
+ * exactly c * scale, as c * scale needs at most 16 of float32's 24 bits. */
+static inline __attribute__((always_inline)) void q5_run(const uint8_t *p, __m512 s, __m512 z, __m512 *lo,
+                                                         __m512 *hi) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 4))), top = _mm512_set1_epi32(16);
+    const __m512i l = _mm512_and_si512(b, _mm512_set1_epi32(0x0F)), h = _mm512_srli_epi32(b, 4);
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mask_or_epi32(l, (__mmask16)bits, l, top)), s, z);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mask_or_epi32(h, (__mmask16)(bits >> 16), h, top)), s, z);
+}
+
+/* int4 runs (five 0) or int5 runs (five 1, whose zero term is -16 * scale), both in float32 */
+static inline __attribute__((always_inline)) void q45_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                            int mt, int five) {
+    const int64_t K = a->K, G = groups(a->K, a->group), row_bytes = five ? K / 32 * Q5_RUN_BYTES : K / 2;
     __m512 acc[NR][MT];
     UNROLL
     for (int r = 0; r < nr; r++)
@@ -49,14 +71,20 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
     for (int64_t g = 0; g < G; g++) {
         __m512 s[NR], z[NR];
         group_params(a, n0, nr, G, g, s, z);
+        if (five)
+            UNROLL
+            for (int r = 0; r < nr; r++) z[r] = _mm512_mul_ps(s[r], _mm512_set1_ps(-16.f));
         const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
         for (int64_t k = g * a->group; k < end; k += 32) {
             __m512 wl[NR], wh[NR];
             UNROLL
             for (int r = 0; r < nr; r++) {
-                const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
+                const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * row_bytes + (five ? k / 32 * Q5_RUN_BYTES : k / 2);
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-                q4_run(p, s[r], z[r], &wl[r], &wh[r]);
+                if (five)
+                    q5_run(p, s[r], z[r], &wl[r], &wh[r]);
+                else
+                    q4_run(p, s[r], z[r], &wl[r], &wh[r]);
             }
             UNROLL
             for (int m = 0; m < mt; m++) {
@@ -74,6 +102,16 @@ static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, in
         UNROLL
         for (int m = 0; m < mt; m++)
             a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+static inline __attribute__((always_inline)) void q4_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                           int mt) {
+    q45_tile(a, n0, nr, m0, mt, 0);
+}
+
+static inline __attribute__((always_inline)) void q5_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                           int mt) {
+    q45_tile(a, n0, nr, m0, mt, 1);
 }
 
 static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
@@ -119,14 +157,22 @@ static inline uint8_t q4_code(const uint8_t *run, int64_t j) {
 static inline float q4_weight(const gemv_args *a, int64_t n, int64_t k) {
     const int64_t G = groups(a->K, a->group);
     const uint8_t *run = (const uint8_t *)a->codes + n * (a->K / 2) + (k / 32) * 16;
-    float w = (float)q4_code(run, k % 32) * param(a->scales, n * G + k / a->group, a->half);
-    return a->zeros ? w + param(a->zeros, n * G + k / a->group, a->half) : w;
+    float w = (float)q4_code(run, k % 32) * scale_at(a, n * G + k / a->group);
+    return a->zeros ? w + zero_at(a, n * G + k / a->group) : w;
+}
+
+/* int5: code | fifth bit << 4, less 16, times the scale (no zeros) */
+static inline float q5_weight(const gemv_args *a, int64_t n, int64_t k) {
+    const int64_t G = groups(a->K, a->group);
+    const uint8_t *run = (const uint8_t *)a->codes + n * (a->K / 32 * Q5_RUN_BYTES) + (k / 32) * Q5_RUN_BYTES;
+    const int code = q4_code(run + 4, k % 32) | (run[k % 32 / 8] >> (k % 8) & 1) << 4;
+    return (float)(code - 16) * scale_at(a, n * G + k / a->group);
 }
 
 static inline float q8_weight(const gemv_args *a, int64_t n, int64_t k) {
     const int64_t G = groups(a->K, a->group);
-    float w = (float)((const int8_t *)a->codes)[n * a->K + k] * param(a->scales, n * G + k / a->group, a->half);
-    return a->zeros ? w + param(a->zeros, n * G + k / a->group, a->half) : w;
+    float w = (float)((const int8_t *)a->codes)[n * a->K + k] * scale_at(a, n * G + k / a->group);
+    return a->zeros ? w + zero_at(a, n * G + k / a->group) : w;
 }
 
 #define SCALAR_TILE(name, weight)                                                           \
@@ -140,6 +186,7 @@ static inline float q8_weight(const gemv_args *a, int64_t n, int64_t k) {
             }                                                                               \
     }
 SCALAR_TILE(q4_tile, q4_weight)
+SCALAR_TILE(q5_tile, q5_weight)
 SCALAR_TILE(q8_tile, q8_weight)
 #endif
 
@@ -257,7 +304,7 @@ static void round_bf16(const float *in, float *out, uint16_t *halves, int64_t n)
  * whichever of its threads was descheduled. */
 #define PARALLEL_MIN_WORK (1 << 18)
 
-/* bits 4 / 8: int4 / int8 codes, float32 arithmetic; 16: int4 codes, bf16 arithmetic (q4bf_tile), x
+/* bits 4 / 5 / 8: int4 / int5 / int8 codes, float32 arithmetic; 16: int4 codes, bf16 arithmetic (q4bf_tile), x
  * rounded to bf16 here first. Returns -1 when the bf16 copy of x cannot be allocated. */
 static int gemv(gemv_args *a, int bits, int threads) {
     const int64_t blocks = (a->N + NR - 1) / NR;
@@ -266,6 +313,9 @@ static int gemv(gemv_args *a, int bits, int threads) {
     if (bits == 4) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (b = 0; b < blocks; b++) ROW_BLOCK(q4_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
+    } else if (bits == 5) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (b = 0; b < blocks; b++) ROW_BLOCK(q5_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
     } else if (bits == 8) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (b = 0; b < blocks; b++) ROW_BLOCK(q8_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
@@ -293,8 +343,8 @@ static int bf16_built(int bits, const char *name) {
     return 1;
 }
 
-/* gemv_q{4,8}(x, codes, scales, zeros, y, M, K, N, group, threads, half): y = x @ W^T; half: scales and
- * zeros are float16 */
+/* gemv_q{4,5,8}(x, codes, scales, zeros, y, M, K, N, group, threads, half): y = x @ W^T; half: the form of
+ * the scales and zeros (param: 0 float32, 1 float16, 2 two-level) */
 static PyObject *gemv_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[11];
     if (!bf16_built(bits, name) || parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
@@ -309,6 +359,10 @@ static PyObject *gemv_entry(PyObject *const *args, Py_ssize_t nargs, int bits, c
 
 static PyObject *gemv_q4(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return gemv_entry(args, nargs, 4, "gemv_q4");
+}
+
+static PyObject *gemv_q5(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_entry(args, nargs, 5, "gemv_q5");
 }
 
 static PyObject *gemv_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

@@ -11,6 +11,8 @@
  *   int4 codes: uint8 [N, K / 2]; each run of 32 inputs is 16 bytes, input j of the run in the low
  *     nibble of byte j and input j + 16 in the high one (GGUF's Q4_0/Q4_1 order), so one 16-byte
  *     load, a zero-extension, an and and a shift give two vectors of 16 codes.
+ *   int5 codes: uint8 [N, K / 32 * 20]; each run of 32 inputs is 4 bytes of fifth bits then an int4 run
+ *     (kernels.h, Q5_RUN_BYTES): int8 codes in [-16, 15] (GGUF Q5_0) in 5 bits, w = (q - 16) * scale.
  *   int8 codes: int8 [N, K], row-major.
  *   scales, zeros: float32 or float16 [N, ceil(K / group)]; w = q * scale + zero (zeros may be
  *     absent); the last group may be shorter (K a multiple of the run, not of the group).
@@ -39,6 +41,10 @@ static PyObject *simd(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"gemv_q4", (PyCFunction)(void (*)(void))gemv_q4, METH_FASTCALL, "y = x @ W^T, int4 codes"},
+    {"gemv_q5", (PyCFunction)(void (*)(void))gemv_q5, METH_FASTCALL, "y = x @ W^T, int5 runs"},
+    {"dequantize_q5_f32", (PyCFunction)(void (*)(void))dequantize_q5_f32, METH_FASTCALL, "int5 -> float32 [N, K]"},
+    {"pack_q5", (PyCFunction)(void (*)(void))pack_q5, METH_FASTCALL, "int8 codes in [-16, 15] -> int5 runs"},
+    {"gemv_silu_q5", (PyCFunction)(void (*)(void))gemv_silu_q5, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int5"},
     {"gemv_q8", (PyCFunction)(void (*)(void))gemv_q8, METH_FASTCALL, "y = x @ W^T, int8 codes"},
     {"dequantize_q4_f32", (PyCFunction)(void (*)(void))dequantize_q4_f32, METH_FASTCALL, "int4 -> float32 [N, K]"},
     {"dequantize_q4_bf16", (PyCFunction)(void (*)(void))dequantize_q4_bf16, METH_FASTCALL, "int4 -> bf16 [N, K]"},

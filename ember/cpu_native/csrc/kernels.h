@@ -26,6 +26,11 @@
 #define PREFETCH_BYTES 4096
 #endif
 
+/* An int5 run of 32 inputs: 4 bytes whose bit j (little-endian) is the fifth bit of input j, then 16 bytes
+ * of low nibbles laid out as an int4 run; codes c + 16 of int8 codes c in [-16, 15]. That is a GGUF Q5_0
+ * block without its scale: 5 bits a weight where the int8 codes it decodes to take 8. */
+#define Q5_RUN_BYTES 20
+
 static inline int64_t groups(int64_t K, int64_t group) { return (K + group - 1) / group; }
 
 /* A float16's value (exact in float32) */
@@ -54,9 +59,16 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* Element i of a float32 (half 0) or float16 (half 1) array */
-static inline float param(const void *p, int64_t i, int half) {
-    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+/* Element i of a weight's scales or zeros [N, G] (count = N * G): float32 (mode 0) or float16 (mode 1); mode
+ * 2 is GGUF K-quants' two-level form, int8 codes [N, G] then, from the next even byte, float16 bases, one per
+ * super-block of 256 inputs (`per` = 256 / group groups): base * code, the float32 product the file's own
+ * decoding computes, in 1 byte a group where float32 takes 4 (Q4_K: 4.6 bits a weight instead of 6.5). */
+static inline float param(const void *p, int64_t i, int mode, int64_t count, int64_t group) {
+    if (mode == 2) { /* groups of 16 or 32 (kernels.h's callers check): 16 or 8 a super-block, a shift */
+        const uint16_t *base = (const uint16_t *)((const uint8_t *)p + count + (count & 1));
+        return half_to_float(base[i >> (group == 16 ? 4 : 3)]) * (float)((const int8_t *)p)[i];
+    }
+    return mode ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* ---- argument parsing: every argument is a Python int (pointers, sizes) or float ---- */
