@@ -164,7 +164,7 @@ def _unfused(monkeypatch) -> None:
     """The native GEMVs and attention without the fused ops: today's PyTorch ops between them."""
     _layer_by_layer(monkeypatch)
     monkeypatch.setattr(layers, "_native_norm_fits", lambda *args: False)
-    monkeypatch.setattr(llama.Attention, "_native_rotary_store", lambda *args: None)
+    monkeypatch.setattr(llama.Attention, "_fused_rotary_store", lambda *args: None)
     monkeypatch.setattr(QuantLinear, "native_silu_and_mul", lambda *args: None)
 
 

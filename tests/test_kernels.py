@@ -30,6 +30,7 @@ from ember.kernels import (
     paged_prefill_attention_ref,
     rms_norm,
     rms_norm_ref,
+    rotary_store,
     silu_and_mul,
     silu_and_mul_ref,
     store_kv,
@@ -539,6 +540,60 @@ def test_rotary_matches_hf_formula(head_dim: int, group: int, dtype: torch.dtype
     assert torch.equal(qkv, qkv_before)
     assert_same_rounding(q_rot, q_ref)  # every product and sum rounded where HF rounds it
     assert_same_rounding(k_rot, k_ref)
+
+
+def unfused_rotary_store(positions, qkv, cos, sin, k_cache, v_cache, slots, num_heads, qk_norm):
+    """What a layer computes without the fused kernel: the per-head norms, rotary, then the store."""
+    head_dim = k_cache.shape[-1]
+    qk = qkv.view(qkv.shape[0], -1, head_dim)
+    q, k, v = qk[:, :num_heads], qk[:, num_heads:-NUM_KV_HEADS], qk[:, -NUM_KV_HEADS:]
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
+    q, k = apply_rotary(positions, q, k, cos, sin)
+    store_kv(k, v, k_cache, v_cache, slots)
+    return q
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,group,norm", [(64, 4, False), (128, 2, True), (80, 3, True), (32, 1, False)])
+def test_rotary_store_matches_rotary_then_store(head_dim: int, group: int, norm: bool, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(head_dim * group)
+    tokens, block_size, num_blocks, max_pos = (300, 16, 64, 8192) if FULL else (7, 8, 4, 512)
+    num_heads = NUM_KV_HEADS * group
+    cos, sin = rotary_tables(head_dim, max_pos)
+    sin_signed = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(DEVICE)
+    qkv = randn(tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, gen=gen, dtype=dtype) * 3
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[::3] = -1
+    slots = slots.to(DEVICE)
+    weights = (randn(head_dim, gen=gen, dtype=dtype), randn(head_dim, gen=gen, dtype=dtype), 1e-6)
+    qk_norm = weights if norm else None
+    k_cache = randn(num_blocks, block_size, NUM_KV_HEADS, head_dim, gen=gen, dtype=dtype)
+    v_cache = randn(num_blocks, block_size, NUM_KV_HEADS, head_dim, gen=gen, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    q = rotary_store(positions, qkv, cos, sin_signed, k_cache, v_cache, slots, num_heads, qk_norm)
+    q_ref = unfused_rotary_store(positions, qkv, cos, sin, k_ref, v_ref, slots, num_heads, qk_norm)
+
+    assert torch.equal(v_cache, v_ref)  # values copied, padding rows (slot -1) untouched
+    if norm:  # the sum of squares reduced in another order: equal up to a rounding of the norm
+        torch.testing.assert_close(q, q_ref, **ELEMENTWISE_TOL[dtype])
+        torch.testing.assert_close(k_cache, k_ref, **ELEMENTWISE_TOL[dtype])
+    else:
+        assert torch.equal(q, q_ref) and torch.equal(k_cache, k_ref)
+
+
+def test_rotary_store_rejects_fp8_caches_and_bad_widths() -> None:
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = rotary_tables(32, 16)
+    cache = randn(2, 8, NUM_KV_HEADS, 32, gen=gen)
+    qkv = randn(3, (4 + 2 * NUM_KV_HEADS) * 32, gen=gen)
+    slots, positions = as_int32([0, 1, 2]), as_int32([0, 1, 2])
+    with pytest.raises(ValueError, match="must hold 5 query"):
+        rotary_store(positions, qkv, cos, sin, cache, cache.clone(), slots, 5)
+    with pytest.raises(ValueError, match="fp8 caches store unfused"):
+        rotary_store(positions, qkv, cos, sin, cache.to(FP8), cache.to(FP8), slots, 4)
 
 
 # ---------------------------------------------------------------- activation

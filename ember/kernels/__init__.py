@@ -43,6 +43,7 @@ from ember.kernels.rmsnorm import (
     rms_norm_ref,
 )
 from ember.kernels.rotary import apply_rotary, apply_rotary_ref
+from ember.kernels.rotary_store import rotary_store
 
 __all__ = [
     "Fp8MatmulConfig",
@@ -74,6 +75,7 @@ __all__ = [
     "quantize_fp8_groups",
     "rms_norm",
     "rms_norm_ref",
+    "rotary_store",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",

@@ -14,38 +14,58 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(
-    x_ptr,
-    out_ptr,
-    stride_xt,
-    stride_xh,
-    stride_ot,
-    stride_oh,
-    token,
+def rotate_heads(
+    src,
+    dst,
+    stride_src_h,
+    stride_dst_h,
     num_heads,
     c1,
     c2,
     s1,
     s2,
     half,
+    norm_ptr,
+    eps,
+    NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
+    """Rotate the heads of one token from `src` to `dst` (each a token's first element): out[:half] =
+    x1 c1 + x2 s1, out[half:] = x2 c2 + x1 s2, with s1 the negated sine (`sin_signed`'s first half: the
+    negation is exact, so the sum equals HF's x1 cos - x2 sin), each product rounded to the model dtype as
+    HF rounds it. NORM: Qwen3's RMSNorm of each head first (weight at `norm_ptr`), rounded where
+    rmsnorm.py's kernel rounds: the normed value, then the weighted one."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (cols < half)
-    src = x_ptr + token * stride_xt + heads * stride_xh + cols
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + half, mask=mask, other=0.0)
+    x1 = tl.load(src + heads * stride_src_h + cols, mask=mask, other=0.0)
+    x2 = tl.load(src + heads * stride_src_h + cols + half, mask=mask, other=0.0)
     dtype = x1.dtype
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    # out[:half] = x1*cos - x2*sin, out[half:] = x2*cos + x1*sin, each term rounded as HF does.
-    o1 = (x1f * c1).to(dtype).to(tl.float32) - (x2f * s1).to(dtype).to(tl.float32)
+    if NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(norm_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + cols + half, mask=cols < half, other=0.0).to(tl.float32)
+        x1f = (w1 * (x1f * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2f = (w2 * (x2f * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    o1 = (x1f * c1).to(dtype).to(tl.float32) + (x2f * s1).to(dtype).to(tl.float32)
     o2 = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
-    dst = out_ptr + token * stride_ot + heads * stride_oh + cols
-    tl.store(dst, o1.to(dtype), mask=mask)
-    tl.store(dst + half, o2.to(dtype), mask=mask)
+    tl.store(dst + heads * stride_dst_h + cols, o1.to(dtype), mask=mask)
+    tl.store(dst + heads * stride_dst_h + cols + half, o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def table_row(cos_ptr, sin_ptr, row, half, dtype: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """A position's cos and sine halves, cast to the model dtype first as HF casts its tables."""
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = cols < half
+    c1 = tl.load(cos_ptr + row + cols, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + row + cols + half, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + row + cols, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + row + cols + half, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    return c1, c2, s1, s2
 
 
 @triton.jit
@@ -75,46 +95,41 @@ def _rotary_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    col_mask = cols < half
-    table = pos * stride_table + cols
     dtype = q_out_ptr.dtype.element_ty
-    # Cast the fp32 tables to the model dtype first, as HF does.
-    c1 = tl.load(cos_ptr + table, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_ptr + table + half, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_ptr + table, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_ptr + table + half, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
-    _rotate(
-        q_ptr,
-        q_out_ptr,
-        stride_qt,
+    c1, c2, s1, s2 = table_row(cos_ptr, sin_ptr, pos * stride_table, half, dtype, BLOCK_HALF)
+    q_src, q_dst = q_ptr + token * stride_qt, q_out_ptr + token * stride_qot
+    rotate_heads(
+        q_src,
+        q_dst,
         stride_qh,
-        stride_qot,
         stride_qoh,
-        token,
         num_q_heads,
         c1,
         c2,
-        s1,
+        -s1,
         s2,
         half,
+        cos_ptr,
+        0.0,
+        False,
         BLOCK_HQ,
         BLOCK_HALF,
     )
-    _rotate(
-        k_ptr,
-        k_out_ptr,
-        stride_kt,
+    k_src, k_dst = k_ptr + token * stride_kt, k_out_ptr + token * stride_kot
+    rotate_heads(
+        k_src,
+        k_dst,
         stride_kh,
-        stride_kot,
         stride_koh,
-        token,
         num_k_heads,
         c1,
         c2,
-        s1,
+        -s1,
         s2,
         half,
+        cos_ptr,
+        0.0,
+        False,
         BLOCK_HK,
         BLOCK_HALF,
     )

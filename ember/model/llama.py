@@ -92,8 +92,8 @@ class Attention(nn.Module):
         self._rotary_store = registry.rotary_store_impl(
             self._target,
             k_cache.dtype,
-            self.native_rotary_tables(),
-            self.q_norm is not None,
+            self.fused_rotary_tables(),
+            None if self.q_norm is None else (self.q_norm, self.k_norm),
             self.num_heads,
             self.head_dim,
         )
@@ -102,7 +102,7 @@ class Attention(nn.Module):
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "bind_cache sets the KV cache before any step"
         qkv = self.qkv_proj(x)
-        q = self._native_rotary_store(positions, qkv, k_cache, v_cache, meta)
+        q = self._fused_rotary_store(positions, qkv, k_cache, v_cache, meta)
         if q is None:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -117,7 +117,7 @@ class Attention(nn.Module):
         o = self._attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
-    def _native_rotary_store(
+    def _fused_rotary_store(
         self,
         positions: torch.Tensor,
         qkv: torch.Tensor,
@@ -125,13 +125,13 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
-        """Rotary and the KV store in one native call where the layer chose it (ember/ops/rotary.py,
-        NativeRotaryStore): the queries [T, Hq, D], or None where the PyTorch path runs."""
+        """The QK norm, rotary and the KV store in one kernel where the layer chose one (ember/ops/rotary.py:
+        TritonRotaryStore, NativeRotaryStore): the queries [T, Hq, D], or None where the modules run."""
         return self._rotary_store(positions, qkv, k_cache, v_cache, meta.slot_mapping)
 
-    def native_rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The cos and signed sin tables the native fused rotary reads, where it computes this layer's
-        rotary and store: every channel rotated, an unscaled cache; else None."""
+    def fused_rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos and signed sin tables the fused rotary and store kernels read, where one may compute this
+        layer's: every channel rotated, an unscaled cache; else None."""
         unscaled = type(self.k_scale) is float and type(self.v_scale) is float and self.k_scale == self.v_scale == 1.0
         return self.rotary.full_tables(self.head_dim) if unscaled else None
 

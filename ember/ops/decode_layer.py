@@ -32,7 +32,7 @@ class NativeDecodeLayer:
         if w is None:
             raise ValueError("NativeDecodeLayer: the layer is not one the native decode computes (see can_implement)")
         self.weights = w
-        self.cos, self.sin_signed = layer.self_attn.native_rotary_tables()
+        self.cos, self.sin_signed = layer.self_attn.fused_rotary_tables()
         # rows below every projection's GEMV crossover
         self.max_rows = min(native_expand_min_rows(nat) for nat in (w.qkv, w.o, w.gate_up, w.down))
 
@@ -82,7 +82,7 @@ def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
         or norms[0].eps != norms[1].eps
         or attn.sinks is not None
         or not _plain_qk_norm(attn)
-        or attn.native_rotary_tables() is None
+        or attn.fused_rotary_tables() is None
     ):
         return None
     # native weights exist only on CPU where the kernels were built at load (so no GPU model builds them)

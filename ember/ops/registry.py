@@ -70,7 +70,11 @@ ROTARY: tuple[Implementation[rotary.TorchRotary | rotary.TritonRotary], ...] = (
     rotary.TorchFullRotary,
     rotary.TorchRotary,
 )
-ROTARY_STORE: tuple[Implementation[rotary.NativeRotaryStore | Unfused], ...] = (rotary.NativeRotaryStore, Unfused)
+ROTARY_STORE: tuple[Implementation[rotary.TritonRotaryStore | rotary.NativeRotaryStore | Unfused], ...] = (
+    rotary.TritonRotaryStore,
+    rotary.NativeRotaryStore,
+    Unfused,
+)
 ACTIVATION: tuple[Implementation[Activation], ...] = (
     activation.TorchGeluTanhAndMul,
     activation.TritonSiluAndMul,
@@ -120,13 +124,14 @@ def rotary_impl(t: Target, full: bool) -> rotary.TorchRotary | rotary.TritonRota
 def rotary_store_impl(
     t: Target,
     cache_dtype: torch.dtype,
-    tables: tuple[torch.Tensor, torch.Tensor] | None,
-    qk_norm: bool,
+    tables: rotary.Tables | None,
+    qk_norms: rotary.QKNorms | None,
     num_heads: int,
     head_dim: int,
-) -> rotary.NativeRotaryStore | Unfused:
-    cls = _first(ROTARY_STORE, t, cache_dtype, tables, qk_norm)
-    return cls(tables, num_heads, head_dim)
+) -> rotary.TritonRotaryStore | rotary.NativeRotaryStore | Unfused:
+    """Rotary (after the QK norm where `qk_norms`) and the KV store fused, where a kernel does both."""
+    cls = _first(ROTARY_STORE, t, cache_dtype, tables, qk_norms)
+    return cls(tables, num_heads, head_dim, qk_norms)
 
 
 def activation_impl(t: Target, act: str, proj: Any) -> Activation:

@@ -84,6 +84,46 @@ class TorchFullRotary(TorchRotary):
         return out[:, :num_q_heads], out[:, num_q_heads:]
 
 
+Tables = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin [max_positions, head_dim]
+QKNorms = tuple[Any, Any]  # a layer's q_norm and k_norm modules (ember.model.layers.RMSNorm)
+
+
+class TritonRotaryStore:
+    """On the GPU (or the interpreter), every channel rotated, a cache of the model's dtype: the QK norm
+    (plain RMSNorms, one eps), rotary and the KV store in one launch (ember/kernels/rotary_store.py) for
+    up to four; returns the queries [T, Hq, D]."""
+
+    @staticmethod
+    def can_implement(
+        target: Target, cache_dtype: torch.dtype, tables: Tables | None, qk_norms: QKNorms | None
+    ) -> bool:
+        plain = qk_norms is None or (
+            all(getattr(n, "style", None) == "llama" for n in qk_norms) and qk_norms[0].eps == qk_norms[1].eps
+        )
+        return target.triton and cache_dtype == target.dtype and tables is not None and plain
+
+    def __init__(self, tables: Tables, num_heads: int, head_dim: int, qk_norms: QKNorms | None) -> None:
+        self.cos, self.sin_signed = tables
+        self.num_heads = num_heads
+        self.qk_norms = qk_norms
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        from ember.kernels.rotary_store import rotary_store
+
+        norms = self.qk_norms
+        qk_norm = None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
+        return rotary_store(
+            positions, qkv, self.cos, self.sin_signed, k_cache, v_cache, slot_mapping, self.num_heads, qk_norm
+        )
+
+
 class NativeRotaryStore:
     """On CPU with float32 activations and an unscaled float32 cache, every channel rotated and no QK norm:
     rotary on the query and key heads in place and the keys and values into their slots, one native call
@@ -93,11 +133,13 @@ class NativeRotaryStore:
 
     @staticmethod
     def can_implement(
-        target: Target, cache_dtype: torch.dtype, tables: tuple[torch.Tensor, torch.Tensor] | None, qk_norm: bool
+        target: Target, cache_dtype: torch.dtype, tables: Tables | None, qk_norms: QKNorms | None
     ) -> bool:
-        return target.native and cache_dtype == target.dtype == torch.float32 and tables is not None and not qk_norm
+        return (
+            target.native and cache_dtype == target.dtype == torch.float32 and tables is not None and qk_norms is None
+        )
 
-    def __init__(self, tables: tuple[torch.Tensor, torch.Tensor], num_heads: int, head_dim: int) -> None:
+    def __init__(self, tables: Tables, num_heads: int, head_dim: int, qk_norms: None) -> None:
         self.cos, self.sin_signed = tables
         self.num_heads = num_heads
         self.head_dim = head_dim
