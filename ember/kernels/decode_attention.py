@@ -20,6 +20,8 @@ one compiled before they existed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -39,10 +41,18 @@ from ember.kernels.paged import (
 )
 from ember.quant.kv_scale import KVScale
 
-# Measured on an H200 (bf16, D=128): these reach 3.3-4.3 TB/s; BLOCK_N=128 or 8 warps were no better.
-_BLOCK_N = 64  # context tokens per K/V tile
-_NUM_WARPS = 4
-_NUM_STAGES = 2
+
+class DecodeTile(NamedTuple):
+    block_n: int  # context tokens per K/V tile
+    num_warps: int
+    num_stages: int
+
+
+# Per cache element width (bytes). bf16, measured on an H200 (D=128): 3.3-4.3 TB/s; BLOCK_N=128 or 8 warps
+# were no better. An fp8 tile of the same tokens is half the bytes, and at this tile the fp8 cache's decode
+# took 1.10x the bf16 one's time per step of the 0.6B shape (1,612 against 1,464 us, 2026-12-03) instead of
+# about half: `benchmarks/fp8_kv_attention.py --sweep` measures the candidates.
+TILES: dict[int, DecodeTile] = {2: DecodeTile(64, 4, 2), 4: DecodeTile(64, 4, 2), 1: DecodeTile(64, 4, 2)}
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split costs more in merging than it gains in parallelism
 _MAX_SPLITS = 32
 _WAVES = 2
@@ -273,6 +283,7 @@ def paged_decode_attention(
     else:
         part_acc = part_max = part_sum = out  # unused: the kernel writes the final output directly
     block_d = triton.next_power_of_2(head_dim)
+    tile = TILES[k_cache.element_size()]
     qk_scale, cap, k_scale, v_scale, per_head = kernel_scales(scale, k_scale, v_scale, logits_soft_cap)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -306,7 +317,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         BLOCK_SIZE=block_size,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=tile.block_n,
         BLOCK_D=block_d,
         WINDOWED=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
@@ -314,8 +325,8 @@ def paged_decode_attention(
         HAS_SINKS=sinks is not None,
         DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype),
         PRECISION=dot_precision(q.dtype),
-        num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
