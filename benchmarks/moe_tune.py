@@ -5,11 +5,15 @@ M's slots per expert, times every candidate tile of the gate_up GEMM and of the 
 (each in a CUDA graph) on one routed batch, keeps the fastest of each, and keeps the BLOCK_M whose
 pair is fastest. The winner and the heuristic default are then timed as the whole fused_moe, and
 the winner goes into ember/kernels/moe_configs.json under this GPU's name (merged with what is
-there) only when it beats the default. Small batch sizes go first and an internal time limit
-stops the search, so a short run still tunes decode; a config that fails to compile (shared
-memory) is skipped.
+there) only when it beats the default. At M = 1 the down GEMM + sum_topk is also set against
+down_by_token (the two in one kernel), whose fastest tiles join the entry only when they win.
+Small batch sizes go first and an internal time limit stops the search, so a short run still
+tunes decode; a config that fails to compile (shared memory) is skipped.
 
     python benchmarks/moe_tune.py --time-limit 170 --out benchmarks/results/moe-tune-h200-<date>.json
+    python benchmarks/moe_tune.py --shapes qwen3-30b-a3b --batch-sizes 1 2 3 4 5 6 7 8 --time-limit 55
+
+The second is decode alone (one BLOCK_M, kernels compiled once for all M): about 80 s on an H200.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
 from benchmarks.moe_kernel import KINDS, SHAPES, MoeShape, bench_us, make_batch, make_experts
-from ember.kernels.fused_moe import Experts, fused_moe, grouped_gemm, weight_kind
+from ember.kernels.fused_moe import Experts, down_by_token, fused_moe, grouped_gemm, sum_topk, weight_kind
 from ember.kernels.moe_align import moe_align_block_size
 from ember.kernels.moe_config import (
     TABLE_PATH,
@@ -47,11 +51,23 @@ TUNE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 # many rows: square-ish compute tiles.
 SMALL_M_TILES = [
     GemmTiles(16, 256, 4, 4),
+    GemmTiles(16, 128, 2, 6),
     GemmTiles(32, 128, 4, 4),
+    GemmTiles(32, 128, 2, 5),
     GemmTiles(32, 256, 4, 3),
     GemmTiles(64, 128, 4, 3),
     GemmTiles(64, 128, 4, 4),
     GemmTiles(128, 128, 8, 3),
+]
+# M = 1's down GEMM fused with the sum over k (fused_moe.down_by_token): one program per N tile of
+# H, so narrow tiles give the programs (H / BLOCK_N: 256 at Qwen3-30B-A3B's H = 2048 and BLOCK_N 8)
+# that keep the weight stream in flight.
+BY_TOKEN_TILES = [
+    GemmTiles(8, 256, 4, 4),
+    GemmTiles(8, 128, 2, 4),
+    GemmTiles(16, 256, 4, 4),
+    GemmTiles(16, 128, 4, 6),
+    GemmTiles(32, 256, 8, 3),
 ]
 LARGE_M_TILES = [
     GemmTiles(64, 64, 4, 3),
@@ -118,6 +134,8 @@ def tune_point(
             continue
         if best is None or up[1] + down[1] < best[1]:
             best = (MoeConfig(block_m, up[0], down[0]), up[1] + down[1])
+    if m == 1 and best is not None:
+        best = with_down_by_token(best, shape, hidden, w13, w2, weights, ids, rep_ms)
     default = default_moe_config(slots, shape.num_experts)
     default_us = bench_us(lambda: fused_moe(hidden, w13, w2, weights, ids, config=default), rep_ms)
     if best is None:
@@ -131,6 +149,38 @@ def tune_point(
         "tuned_us": round(tuned_us, 2),
         "gemms_us": round(best[1], 2),
     }
+
+
+def with_down_by_token(
+    best: tuple[MoeConfig, float],
+    shape: MoeShape,
+    hidden: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    rep_ms: int,
+) -> tuple[MoeConfig, float]:
+    """At M = 1: `best` with the fastest down_by_token tiles when those beat its down GEMM plus
+    sum_topk (the two launches they replace), timed on the same routed token."""
+    cfg = best[0]
+    align = moe_align_block_size(ids, shape.num_experts, cfg.block_m)
+    act = torch.empty(shape.top_k, shape.inter, dtype=hidden.dtype, device=hidden.device)
+    grouped_gemm(hidden, w13, act, align, cfg.gate_up, shape.top_k)
+    y = torch.empty(shape.top_k, shape.hidden, dtype=hidden.dtype, device=hidden.device)
+    route_w = weights.view(-1)
+    two_step_us = bench_us(
+        lambda: (grouped_gemm(act, w2, y, align, cfg.down, 1, route_w), sum_topk(y, shape.top_k)), rep_ms
+    )
+    fused = best_tiles(
+        lambda t: down_by_token(act, w2, weights, ids, t), BY_TOKEN_TILES, shape.hidden, shape.inter, w2, rep_ms
+    )
+    print(
+        f"    M=1 down + sum_topk {two_step_us:.1f} us, down_by_token {fused and (tuple(fused[0]), round(fused[1], 1))}"
+    )
+    if fused is None or fused[1] >= two_step_us:
+        return best
+    return cfg._replace(down_by_token=fused[0]), best[1] - two_step_us + fused[1]
 
 
 def merge_table(path: str, device: str, entries: dict[str, dict[str, Any]]) -> None:

@@ -19,8 +19,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ember.kernels.fused_moe import fused_moe, fused_moe_ref, grouped_gemm, weight_kind
-from ember.kernels.moe_align import max_padded_slots, moe_align_block_size
+from ember.kernels.fused_moe import fused_moe, fused_moe_from_logits, fused_moe_ref, grouped_gemm, weight_kind
+from ember.kernels.moe_align import max_padded_slots, moe_align_block_size, route_and_align
 from ember.kernels.moe_config import (
     GemmTiles,
     MoeConfig,
@@ -43,6 +43,8 @@ TOL = {
 }
 # Small tiles: several N tiles, K tiles and sorted-slot blocks even on these tiny shapes.
 SMALL_TILES = MoeConfig(16, GemmTiles(16, 16, 2, 1), GemmTiles(16, 32, 2, 1))
+# M = 1's down and sum over k in one kernel, in N tiles narrower than tl.dot takes and several K tiles.
+BY_TOKEN_TILES = SMALL_TILES._replace(down_by_token=GemmTiles(8, 16, 2, 1))
 
 
 def _gen(*key: object) -> torch.Generator:
@@ -162,6 +164,39 @@ def test_alignment_all_tokens_to_one_expert() -> None:
     _check_alignment(torch.full((37, 1), 5, dtype=torch.int32, device=DEVICE), 8, 16)
 
 
+# (M, E, k, BLOCK_M): decode at the Qwen3-30B-A3B width (one launch up to M = 8), a top-k that is
+# not a power of two, Mixtral's 8 experts (one launch up to 512 tokens), and sizes past one launch.
+ROUTE_ALIGN_CASES = [(1, 128, 8, 16), (8, 128, 8, 16), (5, 10, 3, 4), (300, 8, 2, 16), (9, 128, 8, 16), (600, 8, 2, 64)]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("m,e,k,block_m", ROUTE_ALIGN_CASES)
+def test_route_and_align_equals_the_two_steps(m: int, e: int, k: int, block_m: int, renormalize: bool) -> None:
+    """The one-launch routing + alignment gives exactly moe_route's weights and ids and
+    moe_align_block_size's layout of them, whichever path it takes."""
+    logits = _randn(m, e, gen=_gen("route-align", m, e, k, block_m, renormalize)) * 3
+    weights, ids, align = route_and_align(logits, k, renormalize, block_m)
+    ref_weights, ref_ids = moe_route(logits, k, renormalize)
+    ref_align = moe_align_block_size(ref_ids, e, block_m)
+    assert torch.equal(ids, ref_ids)
+    # Equal in the interpreter; compiled, the fused kernel's softmax sums may be laid out apart: an ulp.
+    torch.testing.assert_close(weights, ref_weights, atol=0, rtol=0 if INTERPRETED else 3e-7)
+    assert align.block_m == ref_align.block_m
+    for got, want in zip(align[:3], ref_align[:3], strict=True):
+        assert torch.equal(got, want)
+    _check_alignment(ids, e, block_m)
+
+
+def test_fused_moe_from_logits_equals_fused_moe() -> None:
+    """Routing inside fused_moe_from_logits changes nothing downstream: bit for bit fused_moe's result."""
+    gen = _gen("from-logits")
+    m, e, k, h, inter = 3, 16, 4, 32, 32
+    w13, w2 = _experts(torch.bfloat16, e, h, inter, gen)
+    hidden, logits = _randn(m, h, gen=gen, dtype=torch.bfloat16), _randn(m, e, gen=gen)
+    out = fused_moe_from_logits(hidden, w13, w2, logits, k, True)
+    assert torch.equal(out, fused_moe(hidden, w13, w2, *moe_route(logits, k, True)))
+
+
 # --- grouped GEMMs and fused_moe -----------------------------------------------------------------
 
 
@@ -230,6 +265,31 @@ def test_fused_moe_matches_reference(
     _check_fused(_randn(m, h, gen=gen, dtype=dtype), w13, w2, weights, ids, config, TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    "kind,dtype,e,k,h,inter",
+    [
+        (torch.float32, torch.float32, 8, 3, 40, 48),
+        (torch.bfloat16, torch.bfloat16, 128, 8, 64, 32),
+        ("int4-g16", torch.float32, 6, 2, 64, 48),
+        ("int8-channel", torch.bfloat16, 5, 2, 32, 40),
+        ("fp8-channel", torch.float32, 4, 2, 32, 48),
+    ],
+)
+def test_down_by_token_matches_reference(kind, dtype: torch.dtype, e: int, k: int, h: int, inter: int) -> None:
+    """At M = 1 the down GEMM fused with the sum over k gives the reference, and, rounding once
+    rather than per expert, no further from it than the grouped GEMM + sum_topk path."""
+    gen = _gen("by-token", kind, dtype, e, k)
+    w13, w2 = _experts(kind, e, h, inter, gen)
+    weights, ids = _routing(1, e, k, gen)
+    hidden = _randn(1, h, gen=gen, dtype=dtype)
+    _check_fused(hidden, w13, w2, weights, ids, BY_TOKEN_TILES, TOL[dtype])
+    ref = fused_moe_ref(hidden.float(), w13, w2, weights, ids)
+    by_token, grouped = (
+        fused_moe(hidden, w13, w2, weights, ids, config=c).float() for c in (BY_TOKEN_TILES, SMALL_TILES)
+    )
+    assert (by_token - ref).abs().max() <= (grouped - ref).abs().max() + TOL[dtype]["atol"] / 10
+
+
 @pytest.mark.parametrize("kind,k", [(torch.float32, 1), ("int4-g16", 2)])
 def test_fused_moe_all_tokens_to_one_expert(kind, k: int) -> None:
     """Every token's first choice is expert 2 (several full blocks of one expert; with k = 1 the only
@@ -287,6 +347,19 @@ def test_config_table_lookup_and_fallback() -> None:
     assert lookup("GPU Y", key, 1, table) is None
     cfg = choose_moe_config(1, 8, 128, 2048, 768, "int4-g32", torch.device("cpu"), (32, 32))
     assert cfg.block_m == 16 and cfg.gate_up.block_k <= 32 and cfg.down.block_k <= 32  # K tiles inside a group
+    by_token = entry._replace(down_by_token=GemmTiles(8, 256, 4, 4))
+    assert MoeConfig.from_json(json.loads(json.dumps(by_token.to_json()))) == by_token
+    assert "down_by_token" not in entry.to_json()  # tables written before it read and write unchanged
+
+
+def test_down_by_token_only_at_one_token(monkeypatch) -> None:
+    """A tuned M = 1 entry with down_by_token also serves batches past the table's last M; only M = 1 takes it."""
+    from ember.kernels import moe_config
+
+    entry = MoeConfig(16, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3), GemmTiles(8, 256, 4, 4))
+    monkeypatch.setattr(moe_config, "lookup", lambda *args: entry)
+    assert choose_moe_config(1, 8, 128, 2048, 768, "bfloat16", torch.device("cpu")).down_by_token == entry.down_by_token
+    assert choose_moe_config(2, 8, 128, 2048, 768, "bfloat16", torch.device("cpu")).down_by_token is None
 
 
 def test_weight_kind_names() -> None:

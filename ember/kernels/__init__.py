@@ -20,9 +20,9 @@ from ember.kernels.fp8_matmul import (
     fp8_block_matmul_ref,
     quantize_fp8_groups,
 )
-from ember.kernels.fused_moe import fused_moe, fused_moe_ref
+from ember.kernels.fused_moe import fused_moe, fused_moe_from_logits, fused_moe_ref
 from ember.kernels.kv_store import store_kv, store_kv_ref
-from ember.kernels.moe_align import MoeAlignment, moe_align_block_size
+from ember.kernels.moe_align import MoeAlignment, moe_align_block_size, route_and_align
 from ember.kernels.moe_config import MoeConfig, choose_moe_config
 from ember.kernels.moe_routing import moe_route, moe_route_ref
 from ember.kernels.prefill_attention import (
@@ -62,6 +62,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_ref",
     "fused_moe",
+    "fused_moe_from_logits",
     "fused_moe_ref",
     "moe_align_block_size",
     "moe_route",
@@ -76,6 +77,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_ref",
     "rotary_store",
+    "route_and_align",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",

@@ -8,6 +8,8 @@ for each slot s = t * k + j routed to expert e = topk_ids[t, j]. `moe_align_bloc
 BLOCK_M block of sorted slots one expert, so a program multiplies that expert's weight tile with
 the block's rows: at batch 1 only the k chosen experts' weights are read, at large batch each
 expert's weights once per N tile. Nothing is read back to the host, so CUDA graphs capture it.
+At M = 1, where the tuned table says so, down_by_token does the last two lines in one kernel, one
+program per N tile of H walking the token's k experts in order (one launch fewer a layer).
 
 Quantized experts (`QuantizedExperts`: int8, int4 with groups and zeros, fp8 per channel)
 dequantize tile by tile inside the K loop, through the same `dequant_tile` as quant_matmul, then
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.moe_align import MoeAlignment, moe_align_block_size
+from ember.kernels.moe_align import MoeAlignment, moe_align_block_size, route_and_align
 from ember.kernels.moe_config import GemmTiles, MoeConfig, choose_moe_config
 from ember.kernels.paged import dot_dtype, dot_precision
 from ember.kernels.quant_matmul import dequant_tile
@@ -236,6 +238,82 @@ def _sum_topk_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr
     tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _down_by_token_kernel(
+    act_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    route_w_ptr,
+    ids_ptr,
+    bias_ptr,
+    N,
+    K,
+    num_groups,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_zn,
+    stride_om,
+    stride_be,
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    UNIFORM_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[t, n tile] = sum_j topk_weight[t, j] * (act[t*k + j] @ w2[e_j].T + bias[e_j]) for one
+    token t: the down GEMM and the sum over k in one program, so no atomics and a fixed order.
+    One flat loop over (j, K tile) keeps the pipeline full across experts; fp32 products, no tl.dot
+    (one row), so BLOCK_N may be under 16."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for it in range(0, TOP_K * k_tiles):
+        slot = token * TOP_K + it // k_tiles
+        k0 = it % k_tiles * BLOCK_K
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(act_ptr + slot * stride_am + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        w = _weight_tile(
+            w_ptr + expert * stride_we,
+            s_ptr + expert * stride_se,
+            z_ptr + expert * stride_ze,
+            offs_n,
+            n_mask,
+            k0,
+            K,
+            num_groups,
+            stride_wn,
+            stride_sn,
+            stride_zn,
+            QUANT,
+            GROUP,
+            INT4,
+            HAS_ZEROS,
+            UNIFORM_GROUP,
+            BLOCK_K,
+        )
+        acc += w.to(tl.float32) * (a * tl.load(route_w_ptr + slot))[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        for j in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + token * TOP_K + j).to(tl.int64)
+            bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            out += tl.load(route_w_ptr + token * TOP_K + j) * bias
+    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 class _Operand(NamedTuple):
     """An expert weight as the GEMM kernel takes it: codes or values, scales, zeros and their strides."""
 
@@ -370,6 +448,58 @@ def grouped_gemm(
     )
 
 
+def down_by_token(
+    act: torch.Tensor,
+    w2: Experts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    tiles: GemmTiles,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """act [M * k, I] -> [M, H]: the down GEMM with each token's weighted sum over its k experts,
+    one program per (token, N tile); replaces grouped_gemm + sum_topk at M = 1 where the table says
+    so (every expert is read once either way, and the sum's launch, 1.6 us a layer at Qwen3-30B-A3B
+    decode on an H200, goes)."""
+    op = _operand(w2)
+    m, top_k = topk_ids.shape
+    n, k = _shape(w2)[1], act.shape[1]
+    out = torch.empty(m, n, dtype=act.dtype, device=act.device)
+    _down_by_token_kernel[(m, triton.cdiv(n, tiles.block_n))](
+        act,
+        op.w,
+        op.scales,
+        op.zeros,
+        out,
+        topk_weights.contiguous(),
+        topk_ids.contiguous(),
+        out if bias is None else bias,
+        n,
+        k,
+        op.num_groups,
+        act.stride(0),
+        op.w.stride(0),
+        op.w.stride(1),
+        op.scales.stride(0),
+        op.scales.stride(1),
+        op.zeros.stride(0),
+        op.zeros.stride(1),
+        out.stride(0),
+        0 if bias is None else bias.stride(0),
+        TOP_K=top_k,
+        HAS_BIAS=bias is not None,
+        QUANT=op.quant,
+        GROUP=op.group,
+        INT4=op.int4,
+        HAS_ZEROS=op.has_zeros,
+        UNIFORM_GROUP=op.group % tiles.block_k == 0 or op.group >= k,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
 def sum_topk(y: torch.Tensor, top_k: int) -> torch.Tensor:
     """y [M * k, H] -> [M, H], summing each token's k rows."""
     m, h = y.shape[0] // top_k, y.shape[1]
@@ -408,14 +538,58 @@ def fused_moe(
     (alpha, limit) for its clamped SwiGLU in place of silu(gate) * up."""
     e, inter = _check(hidden, w13, w2, topk_weights, topk_ids)
     _check_biases(b13, b2, e, inter, hidden.shape[1])
-    m, h = hidden.shape
-    top_k = topk_ids.shape[1]
-    if m == 0:
+    if hidden.shape[0] == 0:
+        return torch.empty_like(hidden)
+    cfg = config or moe_config_for(hidden, w13, w2, topk_ids.shape[1])
+    align = moe_align_block_size(topk_ids, e, cfg.block_m)
+    return _experts_mlp(hidden, w13, w2, topk_weights, topk_ids, align, cfg, b13, b2, swiglu)
+
+
+def fused_moe_from_logits(
+    hidden: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: MoeConfig | None = None,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """fused_moe of moe_route(router_logits, top_k, renormalize): the same result, with the routing
+    and the alignment in one launch at decode sizes (route_and_align)."""
+    if hidden.shape[0] == 0:
         return torch.empty_like(hidden)
     cfg = config or moe_config_for(hidden, w13, w2, top_k)
-    align = moe_align_block_size(topk_ids, e, cfg.block_m)
+    weights, ids, align = route_and_align(router_logits, top_k, renormalize, cfg.block_m)
+    e, inter = _check(hidden, w13, w2, weights, ids)
+    _check_biases(b13, b2, e, inter, hidden.shape[1])
+    return _experts_mlp(hidden, w13, w2, weights, ids, align, cfg, b13, b2, swiglu)
+
+
+def _experts_mlp(
+    hidden: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    align: MoeAlignment,
+    cfg: MoeConfig,
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    swiglu: tuple[float, float] | None,
+) -> torch.Tensor:
+    """The gate_up grouped GEMM over the aligned slots, then down and each token's sum over its k
+    experts: one kernel (down_by_token) where the config says so, else a grouped GEMM and sum_topk."""
+    m, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    inter = _shape(w2)[2]
     act = torch.empty(m * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     grouped_gemm(hidden, w13, act, align, cfg.gate_up, top_k, bias=b13, swiglu=swiglu)
+    if cfg.down_by_token is not None:
+        return down_by_token(act, w2, topk_weights, topk_ids, cfg.down_by_token, b2)
     y = torch.empty(m * top_k, h, dtype=hidden.dtype, device=hidden.device)
     grouped_gemm(act, w2, y, align, cfg.down, 1, topk_weights.contiguous().view(-1), bias=b2)
     return sum_topk(y, top_k)

@@ -34,13 +34,18 @@ class MoeConfig(NamedTuple):
     block_m: int
     gate_up: GemmTiles
     down: GemmTiles
+    # At M = 1 only, where the tuner measured it faster: down and the sum over k in one kernel
+    # (fused_moe.down_by_token) with these tiles, in place of the `down` grouped GEMM + sum_topk.
+    down_by_token: GemmTiles | None = None
 
     def to_json(self) -> dict:
-        return {"block_m": self.block_m, "gate_up": list(self.gate_up), "down": list(self.down)}
+        d = {"block_m": self.block_m, "gate_up": list(self.gate_up), "down": list(self.down)}
+        return d if self.down_by_token is None else {**d, "down_by_token": list(self.down_by_token)}
 
     @staticmethod
     def from_json(d: dict) -> MoeConfig:
-        return MoeConfig(int(d["block_m"]), GemmTiles(*d["gate_up"]), GemmTiles(*d["down"]))
+        by_token = GemmTiles(*d["down_by_token"]) if "down_by_token" in d else None
+        return MoeConfig(int(d["block_m"]), GemmTiles(*d["gate_up"]), GemmTiles(*d["down"]), by_token)
 
 
 def problem_key(num_experts: int, hidden: int, inter: int, kind: str) -> str:
@@ -111,6 +116,10 @@ def choose_moe_config(
     if cfg is None:
         cfg = default_moe_config(m * top_k, num_experts)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(m * top_k)))
+    by_token = cfg.down_by_token if m == 1 else None  # an M = 1 entry may serve larger M beyond the table
     return MoeConfig(
-        block_m, fit_tiles(cfg.gate_up, inter, hidden, groups[0]), fit_tiles(cfg.down, hidden, inter, groups[1])
+        block_m,
+        fit_tiles(cfg.gate_up, inter, hidden, groups[0]),
+        fit_tiles(cfg.down, hidden, inter, groups[1]),
+        None if by_token is None else fit_tiles(by_token, hidden, inter, groups[1]),
     )

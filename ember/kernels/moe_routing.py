@@ -8,18 +8,22 @@ masked out, so ties go to the lower expert index (as a stable descending sort or
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 _TILE_ELEMENTS = 4096  # tokens x experts per program: a [BLOCK_T, E] tile held in registers
+ROUTE_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["M"])
-def _moe_route_kernel(
+@triton.jit
+def route_rows(
     logits_ptr,
     weights_ptr,
     ids_ptr,
+    first_row,
     M,
     E,
     stride_lm,
@@ -29,7 +33,9 @@ def _moe_route_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Routes tokens first_row .. first_row + BLOCK_T - 1 (those below M) into weights and ids
+    [M, k]. Also the first half of moe_align's one-launch route_and_align."""
+    rows = first_row + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_mask = rows < M
     logits = tl.load(
@@ -58,23 +64,60 @@ def _moe_route_kernel(
     tl.store(ids_ptr + out, ids, mask=out_mask)
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [M, E] -> (topk_weights float32 [M, k], topk_ids int32 [M, k]), best first.
+@triton.jit(do_not_specialize=["M"])
+def _moe_route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    M,
+    E,
+    stride_lm,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    first_row = tl.program_id(0) * BLOCK_T
+    route_rows(
+        logits_ptr, weights_ptr, ids_ptr, first_row, M, E, stride_lm, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K
+    )
 
-    The weights are softmax probabilities over all E experts, divided by their sum over the k chosen
-    when `renormalize` (Qwen3-MoE's norm_topk_prob, Mixtral)."""
+
+class RouteTiles(NamedTuple):
+    block_t: int  # tokens per program
+    block_e: int
+    block_k: int
+
+
+def route_tiles(m: int, num_experts: int, top_k: int) -> RouteTiles:
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(triton.next_power_of_2(m), _TILE_ELEMENTS // block_e))
+    return RouteTiles(block_t, block_e, triton.next_power_of_2(top_k))
+
+
+def route_outputs(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (weights float32 [M, k], ids int32 [M, k]) after checking the arguments."""
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError(f"router_logits must be [M, E] with a contiguous last dim, got {tuple(router_logits.shape)}")
     m, e = router_logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in 1..{e} (the number of experts), got {top_k}")
     weights = torch.empty(m, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
+    return weights, torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [M, E] -> (topk_weights float32 [M, k], topk_ids int32 [M, k]), best first.
+
+    The weights are softmax probabilities over all E experts, divided by their sum over the k chosen
+    when `renormalize` (Qwen3-MoE's norm_topk_prob, Mixtral)."""
+    weights, ids = route_outputs(router_logits, top_k)
+    m, e = router_logits.shape
     if m == 0:
         return weights, ids
-    block_e = triton.next_power_of_2(e)
-    block_t = max(1, min(triton.next_power_of_2(m), _TILE_ELEMENTS // block_e))
-    _moe_route_kernel[(triton.cdiv(m, block_t),)](
+    tiles = route_tiles(m, e, top_k)
+    _moe_route_kernel[(triton.cdiv(m, tiles.block_t),)](
         router_logits,
         weights,
         ids,
@@ -83,10 +126,10 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
         router_logits.stride(0),
         TOP_K=top_k,
         RENORMALIZE=renormalize,
-        BLOCK_T=block_t,
-        BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4,
+        BLOCK_T=tiles.block_t,
+        BLOCK_E=tiles.block_e,
+        BLOCK_K=tiles.block_k,
+        num_warps=ROUTE_WARPS,
     )
     return weights, ids
 

@@ -28,11 +28,11 @@ class TritonMoe:
     def __call__(
         self, experts: Any, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool
     ) -> torch.Tensor:
-        from ember.kernels import fused_moe, moe_route
+        from ember.kernels import fused_moe_from_logits
 
-        weights, ids = moe_route(logits, top_k, renormalize)
-        return fused_moe(
-            x, experts.w13, experts.w2, weights, ids, b13=experts.b13, b2=experts.b2, swiglu=experts.swiglu
+        w13, w2 = experts.w13, experts.w2
+        return fused_moe_from_logits(
+            x, w13, w2, logits, top_k, renormalize, b13=experts.b13, b2=experts.b2, swiglu=experts.swiglu
         )
 
 
