@@ -152,8 +152,11 @@ def fp8_llama(tmp_path_factory):
     )
 
 
-def generate(path, method: str, fused: bool, monkeypatch) -> tuple[list, dict[tuple[int, int], set[str]]]:
-    """Greedy outputs with logprobs, and what each fp8 layer, by (in, out) features, was called on."""
+def generate(
+    path, method: str, fused: bool, monkeypatch, lengths: tuple[int, ...] = (3, 40)
+) -> tuple[list, dict[tuple[int, int], set[str]]]:
+    """Greedy outputs with logprobs for prompts of `lengths` tokens, and what each fp8 layer, by (in, out)
+    features, was called on."""
     from ember import LLM, SamplingParams
     from ember.model.linear import QuantLinear
     from ember.ops import registry
@@ -175,7 +178,7 @@ def generate(path, method: str, fused: bool, monkeypatch) -> tuple[list, dict[tu
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
         # one request at a time: which rows share a step would change with the engine thread's timing,
         # and the fp8 GEMM's tiles and splits with the rows
-        outs = [llm.generate([{"prompt_token_ids": list(range(5, 5 + n))}], params, use_tqdm=False)[0] for n in (3, 40)]
+        outs = [llm.generate([{"prompt_token_ids": list(range(5, 5 + n))}], params, use_tqdm=False)[0] for n in lengths]
     finally:
         hook.remove()
     return outs, inputs
