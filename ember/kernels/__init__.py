@@ -7,7 +7,7 @@ TRITON_INTERPRET=1 (how the tests run without a GPU). Every kernel has a `*_ref`
 PyTorch with the same signature.
 """
 
-from ember.kernels.activation import silu_and_mul, silu_and_mul_ref
+from ember.kernels.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_ref
 from ember.kernels.decode_attention import (
     choose_num_splits,
     paged_decode_attention,
@@ -18,6 +18,7 @@ from ember.kernels.fp8_matmul import (
     choose_fp8_matmul_config,
     fp8_block_matmul,
     fp8_block_matmul_ref,
+    quantize_fp8,
     quantize_fp8_groups,
 )
 from ember.kernels.fused_moe import fused_moe, fused_moe_from_logits, fused_moe_ref
@@ -40,6 +41,7 @@ from ember.kernels.rmsnorm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
     rms_norm,
+    rms_norm_fp8,
     rms_norm_ref,
 )
 from ember.kernels.rotary import apply_rotary, apply_rotary_ref
@@ -73,12 +75,15 @@ __all__ = [
     "paged_prefill_attention_ref",
     "quant_matmul",
     "quant_matmul_ref",
+    "quantize_fp8",
     "quantize_fp8_groups",
     "rms_norm",
+    "rms_norm_fp8",
     "rms_norm_ref",
     "rotary_store",
     "route_and_align",
     "silu_and_mul",
+    "silu_and_mul_fp8",
     "silu_and_mul_ref",
     "store_kv",
     "store_kv_ref",

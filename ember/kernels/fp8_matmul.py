@@ -1,8 +1,10 @@
 """W8A8 fp8: activations quantized per token and group of inputs, and a GEMM over block-scaled
 e4m3 weights.
 
-`quantize_fp8_groups` gives each row of x one float32 scale per `group_size` inputs (128 for
-block-scaled weights, K for per-channel ones) and writes its e4m3 codes, in one pass over x.
+`quantize_fp8` gives each row of x one float32 scale per `group_size` inputs (128 for
+block-scaled weights, K for per-channel ones) and writes its e4m3 codes, in one pass over x, in the
+layout the linear reading them asks for (`Fp8Layout`). RMSNorm and SiLU-and-mul can write the same
+codes and scales themselves (`rms_norm_fp8`, `silu_and_mul_fp8`), which saves the pass.
 
 `fp8_block_matmul` multiplies those codes by e4m3 weight codes on fp8 tensor cores, one K tile per
 scale group: each tile's fp32 product is scaled by its row's activation scale and its columns'
@@ -20,13 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.e4m3 import quantize_e4m3
+from ember.kernels.e4m3 import store_e4m3_groups
 from ember.kernels.paged import num_sms
 from ember.kernels.split_k import MAX_TILES, sum_splits, tile_counters
-from ember.quant.formats import FP8_DTYPE, FP8_MAX, QuantizedWeight, dequantize
+from ember.quant.formats import FP8_DTYPE, Fp8Activation, Fp8Layout, QuantizedWeight, dequantize
 
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_TINY = tl.constexpr(torch.finfo(torch.float32).tiny)
 _MIN_GROUPS_PER_SPLIT = 4  # a split shorter than this spends more on its partial sum than it saves
 _MAX_SPLIT_K = 8
 _WAVES = 2  # programs per SM that split-K aims for
@@ -56,6 +56,7 @@ def _quantize_groups_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    rows,
     K,
     stride_xm,
     stride_qm,
@@ -66,50 +67,80 @@ def _quantize_groups_kernel(
     ROUND_IN_FP32: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    cols = group * GROUP + tl.arange(0, BLOCK)
-    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), _FP8_MAX), _TINY)  # IEEE, as PyTorch's
-    tl.store(
-        q_ptr + row * stride_qm + cols, quantize_e4m3(x, scale, ROUND_IN_FP32).to(q_ptr.dtype.element_ty), mask=mask
+    first = tl.program_id(1) * GROUP
+    j = tl.arange(0, BLOCK)
+    mask = (j < GROUP) & (first + j < tl.where(row < rows, K, 0))  # rows past `rows`: the zero padding
+    x = tl.load(x_ptr + row * stride_xm + first + j, mask=mask, other=0.0)
+    store_e4m3_groups(
+        x, q_ptr + row * stride_qm, s_ptr + row * stride_sm, stride_sg, first, K, BLOCK, GROUP, BLOCK, ROUND_IN_FP32
     )
-    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
-def quantize_fp8_groups(
-    x: torch.Tensor, group_size: int, column_major_scales: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> e4m3 codes [M, K] and float32 scales [M, ceil(K / group_size)], bit for bit
-    `ember.quant.quantize.quantize_fp8_activations`. `column_major_scales` lays the scales out with
-    stride (1, M), as cuBLAS's blockwise `torch._scaled_mm` reads them."""
+def empty_fp8_activation(
+    rows: int, k: int, dtype: torch.dtype, layout: Fp8Layout, device: torch.device
+) -> Fp8Activation:
+    """Uninitialised codes and scales for `rows` rows of k inputs in `layout` (its padding rows included)."""
+    padded = rows + -rows % layout.row_multiple
+    groups = triton.cdiv(k, layout.group_size)
+    codes = torch.empty(padded, k, dtype=FP8_DTYPE, device=device)
+    scales = (
+        torch.empty(groups, padded, dtype=torch.float32, device=device).t()
+        if layout.column_major_scales
+        else torch.empty(padded, groups, dtype=torch.float32, device=device)
+    )
+    return Fp8Activation(codes, scales, rows, dtype, layout)
+
+
+def group_tile(k: int, group_size: int, block: int) -> tuple[int, int]:
+    """(BLOCK, QBLOCK) for a kernel that quantizes tiles of a row of k values (`store_e4m3_groups`)
+    where it would otherwise take tiles of `block` (a power of two): a group of k or more inputs (a
+    per-channel weight's) puts the whole row in one tile, a power-of-two group tiles of whole groups."""
+    if group_size >= k:
+        whole = triton.next_power_of_2(k)
+        return whole, whole
+    if group_size & (group_size - 1):
+        raise ValueError(
+            f"fused fp8 quantization takes a power-of-two group or one of all {k} inputs, got {group_size}"
+        )
+    return max(block, group_size), group_size
+
+
+def quantize_fp8(x: torch.Tensor, layout: Fp8Layout) -> Fp8Activation:
+    """x [M, K] -> its e4m3 codes and float32 scales in `layout`, bit for bit
+    `ember.quant.quantize.quantize_fp8_activations` (padding rows: codes 0, the smallest scale)."""
     m, k = x.shape
     if x.stride(1) != 1:
-        raise ValueError("quantize_fp8_groups: x needs a contiguous last dimension")
-    groups = triton.cdiv(k, group_size)
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scales = (
-        torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
-        if column_major_scales
-        else torch.empty(m, groups, dtype=torch.float32, device=x.device)
-    )
+        raise ValueError("quantize_fp8: x needs a contiguous last dimension")
+    out = empty_fp8_activation(m, k, x.dtype, layout, x.device)
+    q, scales = out.codes, out.scales
     if m:
-        block = triton.next_power_of_2(group_size)
-        _quantize_groups_kernel[(m, groups)](
+        block = triton.next_power_of_2(layout.group_size)
+        _quantize_groups_kernel[(q.shape[0], scales.shape[1])](
             x,
             q,
             scales,
+            m,
             k,
             x.stride(0),
             q.stride(0),
             scales.stride(0),
             scales.stride(1),
-            GROUP=group_size,
+            GROUP=layout.group_size,
             BLOCK=block,
             ROUND_IN_FP32=triton.knobs.runtime.interpret,
             num_warps=max(1, min(16, block // 256)),
         )
-    return q, scales
+    return out
+
+
+def quantize_fp8_groups(
+    x: torch.Tensor, group_size: int, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> e4m3 codes [M, K] and float32 scales [M, ceil(K / group_size)] (`quantize_fp8`).
+    `column_major_scales` lays the scales out with stride (1, M), as cuBLAS's blockwise
+    `torch._scaled_mm` reads them."""
+    out = quantize_fp8(x, Fp8Layout(group_size, column_major_scales))
+    return out.codes, out.scales
 
 
 @triton.jit

@@ -14,15 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.model.linear import fp8_input_layout
 from ember.ops import registry, rotary
 from ember.ops.target import Target
+from ember.quant.formats import Fp8Activation, Fp8Layout
 
 
 class RMSNorm(nn.Module):
     """RMSNorm, optionally fused with the residual add that precedes it (see ember/ops/norm.py).
 
     With `residual`, returns (norm(x + residual), x + residual), the sum rounded to the model
-    dtype first, exactly as HF computes `residual + hidden_states` and then normalises.
+    dtype first, exactly as HF computes `residual + hidden_states` and then normalises. Given `fp8`,
+    the layout of the one fp8 linear that reads the norm's output (QuantLinear.fp8_layout), the output
+    comes quantized in it (an Fp8Activation) where a fused kernel runs here, else as a tensor.
     """
 
     style = "llama"
@@ -31,10 +35,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self._impl = registry.norm_impl(registry.target(self.weight.device, self.weight.dtype), self.style)
+        target = registry.target(self.weight.device, self.weight.dtype)
+        self._impl = registry.norm_impl(target, self.style)
+        self._fp8 = registry.fp8_norm_impl(target, self.style)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return self._impl(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: Fp8Layout | None = None):
+        if fp8 is not None and self._fp8 is not None:
+            return self._fp8(x, residual, self.scale(), self.eps, fp8)
+        return self._impl(x, residual, self.scale(), self.eps)
+
+    def scale(self) -> torch.Tensor:
+        """What the normalised input is multiplied by."""
+        return self.weight
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -47,8 +59,8 @@ class GemmaRMSNorm(RMSNorm):
         super().__init__(size, eps)
         self.weight.data.zero_()
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return self._impl(x, residual, self.weight.float() + 1.0, self.eps)
+    def scale(self) -> torch.Tensor:
+        return self.weight.float() + 1.0
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -211,6 +223,15 @@ class GatedMLP(nn.Module):
 
     def choose_kernels(self) -> None:
         self._act = registry.activation_impl(self._target, self.act, self.gate_up_proj)
+        self._act_fp8 = registry.fp8_activation_impl(self._target, self.act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._act(self.gate_up_proj, x))
+    def fp8_input_layout(self, rows: int) -> Fp8Layout | None:
+        """The layout in which `forward` takes `rows` rows already quantized (see QuantLinear.fp8_layout)."""
+        return fp8_input_layout(self.gate_up_proj, rows)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        rows = x.rows if isinstance(x, Fp8Activation) else x.shape[0]
+        down = None if self._act_fp8 is None else fp8_input_layout(self.down_proj, rows)
+        if self._act_fp8 is None or down is None:
+            return self.down_proj(self._act(self.gate_up_proj, x))
+        return self.down_proj(self._act_fp8(self.gate_up_proj, x, down))

@@ -15,9 +15,10 @@ from torch import nn
 from ember.cpu_native import ops as native
 from ember.ops import registry
 from ember.ops.linear_cpu import DenseInt8Linear
+from ember.ops.linear_gpu import Fp8Linear
 from ember.ops.linear_native import NativeLinear
 from ember.ops.screened_argmax import ScreenedArgmax
-from ember.quant.formats import QuantizedWeight, concat_out, dequantize, same_format
+from ember.quant.formats import Fp8Activation, Fp8Layout, QuantizedWeight, concat_out, dequantize, same_format
 from ember.quant.quantize import quantize
 
 
@@ -40,8 +41,17 @@ class QuantLinear(nn.Module):
         self.parts = [m.weight for m in self.matmuls]
         first = self.matmuls[0]
         self._silu_gemv = first if isinstance(first, NativeLinear) and self.native_gemv_weight() is not None else None
+        self._fp8 = first if len(self.matmuls) == 1 and isinstance(first, Fp8Linear) else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fp8_layout(self, rows: int) -> Fp8Layout | None:
+        """The layout in which `forward` takes `rows` rows already quantized (an Fp8Activation, from a
+        fused norm or activation kernel), where the layer is one fp8 GPU matmul; None: as a tensor only."""
+        return None if self._fp8 is None else self._fp8.fp8_layout(rows)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            assert self._fp8 is not None, "only a layer with an fp8_layout takes quantized input"
+            return self._biased(self._fp8(x))
         if x.dim() == 2:  # the decoder's [tokens, features]: no reshapes (2 µs a call of a ~25 µs CPU decode GEMV)
             return self._forward_2d(x)
         shape = x.shape
@@ -52,9 +62,10 @@ class QuantLinear(nn.Module):
             y = self.matmuls[0](x)
         else:
             y = torch.cat([matmul(x) for matmul in self.matmuls], dim=-1)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        return self._biased(y)
+
+    def _biased(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
     @property
     def _native(self) -> list[native.NativeWeight | None]:
@@ -146,3 +157,8 @@ def quantize_module(module: nn.Linear | nn.Embedding, method: str, dtype: torch.
     if isinstance(module, nn.Embedding):
         return QuantEmbedding(quantize(module.weight.data, method), dtype, tied)
     return QuantLinear([quantize(module.weight.data, method)], module.bias, dtype)
+
+
+def fp8_input_layout(linear: nn.Module, rows: int) -> Fp8Layout | None:
+    """QuantLinear.fp8_layout; None for a dense nn.Linear."""
+    return linear.fp8_layout(rows) if isinstance(linear, QuantLinear) else None

@@ -24,13 +24,13 @@ from ember.errors import ModelLoadError
 from ember.model import gpt_oss
 from ember.model.hf_config import ModelConfig
 from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
-from ember.model.linear import QuantEmbedding, QuantLinear, quantize_module
+from ember.model.linear import QuantEmbedding, QuantLinear, fp8_input_layout, quantize_module
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.ops import registry
 from ember.ops.attention import AttentionMetadata, AttentionShape, Masking
 from ember.quant.experts import QuantizedExperts
-from ember.quant.formats import QuantizedWeight
+from ember.quant.formats import Fp8Activation, Fp8Layout, QuantizedWeight
 from ember.quant.quantize import method_for
 
 
@@ -98,7 +98,13 @@ class Attention(nn.Module):
             self.head_dim,
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def fp8_input_layout(self, rows: int) -> Fp8Layout | None:
+        """The layout in which `forward` takes `rows` rows already quantized (see QuantLinear.fp8_layout)."""
+        return fp8_input_layout(self.qkv_proj, rows)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, meta: AttentionMetadata
+    ) -> torch.Tensor:
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "bind_cache sets the KV cache before any step"
         qkv = self.qkv_proj(x)
@@ -166,15 +172,19 @@ class DecoderLayer(nn.Module):
         fused = self._native_decode(positions, h, residual, meta)
         if fused is not None:
             return fused
+        # fp8 linears reading a norm's output alone take it quantized by the norm (None: as a tensor)
+        rows = h.shape[0]
+        attn_fp8 = self.self_attn.fp8_input_layout(rows)
+        mlp_fp8 = self.mlp.fp8_input_layout(rows) if isinstance(self.mlp, GatedMLP) else None
         if residual is None:
-            residual, h = h, self.input_layernorm(h)
+            residual, h = h, self.input_layernorm(h, fp8=attn_fp8)
         else:
-            h, residual = self.input_layernorm(h, residual)
+            h, residual = self.input_layernorm(h, residual, attn_fp8)
         h = self.self_attn(positions, h, meta)
         if not self.sandwich:
-            h, residual = self.post_attention_layernorm(h, residual)
+            h, residual = self.post_attention_layernorm(h, residual, mlp_fp8)
             return all_reduce(self.mlp(h)), residual  # down_proj is row-parallel
-        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual, mlp_fp8)
         return self.post_feedforward_layernorm(all_reduce(self.mlp(h))), residual
 
     def _native_decode(

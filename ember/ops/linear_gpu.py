@@ -9,13 +9,14 @@ The Triton kernels are imported where they are called, so CPU-only paths never i
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ember.ops.target import Target
-from ember.quant.formats import QuantizedWeight, shape_only
+from ember.quant.formats import Fp8Activation, Fp8Layout, QuantizedWeight, shape_only
 
 if TYPE_CHECKING:
     from ember.kernels.quant_packed import PackedQuantWeight
@@ -104,70 +105,74 @@ def _fused_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return F.linear(x, dequantize_kernel(w, x.dtype))
 
 
-class TritonFp8ChannelLinear:
+class Fp8Linear(ABC):
+    """W8A8: x quantized per token and group (`fp8_layout`, for the rows at hand), then an fp8 GEMM.
+    Called on x itself, or on x already quantized in that layout (an Fp8Activation) by the norm or
+    activation that produced it (ember/ops/norm.py, activation.py), which saves the quantize launch."""
+
+    permutes_input = True
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.weight = w
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def fp8_layout(self, rows: int) -> Fp8Layout:
+        return Fp8Layout(self.weight.group_size)
+
+    def __call__(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            from ember.kernels import quantize_fp8
+
+            x = quantize_fp8(x.contiguous(), self.fp8_layout(x.shape[0]))
+        return self.matmul(x)
+
+    @abstractmethod
+    def matmul(self, x: Fp8Activation) -> torch.Tensor: ...
+
+
+class TritonFp8ChannelLinear(Fp8Linear):
     """W8A8 for per-channel fp8 weights: x gets dynamic scales per token (a group of all K), then
     cuBLAS's row-wise `torch._scaled_mm`. The model runner refuses fp8 weights on CUDA devices without
     fp8 tensor cores, at load."""
-
-    permutes_input = True
 
     @staticmethod
     def can_implement(target: Target, w: QuantizedWeight) -> bool:
         return target.triton and w.kind == "fp8" and w.block_rows == 1 and w.group_size == w.in_features
 
-    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
-        self.weight = w
-
-    def tensors(self) -> list[torch.Tensor]:
-        return []
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ember.kernels import quantize_fp8_groups
-
-        w = self.weight
-        xq, x_scales = quantize_fp8_groups(x.contiguous(), w.group_size)
-        return torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.t(), out_dtype=x.dtype)
+    def matmul(self, x: Fp8Activation) -> torch.Tensor:
+        return _scaled_mm(x, self.weight)
 
 
-class TritonFp8BlockLinear:
+class TritonFp8BlockLinear(Fp8Linear):
     """W8A8 for block-scaled fp8 weights: x gets dynamic scales per token and group of 128 inputs, then
     the Triton block GEMM, or from FP8_BLOCK_SCALED_MM_MIN_ROWS rows cuBLAS's blockwise one."""
-
-    permutes_input = True
 
     @staticmethod
     def can_implement(target: Target, w: QuantizedWeight) -> bool:
         return target.triton and w.kind == "fp8"
 
-    def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
-        self.weight = w
+    def fp8_layout(self, rows: int) -> Fp8Layout:
+        """cuBLAS's blockwise GEMM reads column-major scales, and has no algorithm for some row counts
+        on the H200 (CUDA 13: 1 row; the offline workload's ragged batches failed too), while every
+        multiple of 16 benchmarks/fp8_gemm.py tried ran: its rows come padded to a multiple of 16, by the
+        quantizing kernel itself (an F.pad before it copied x: 0.29 ms a 256-row 8B step)."""
+        if _block_scaled_mm_fits(rows, self.weight):
+            return Fp8Layout(self.weight.group_size, column_major_scales=True, row_multiple=_SCALED_MM_ROW_MULTIPLE)
+        return Fp8Layout(self.weight.group_size)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return []
+    def matmul(self, x: Fp8Activation) -> torch.Tensor:
+        if x.layout.column_major_scales:
+            return _scaled_mm(x, self.weight)[: x.rows]
+        from ember.kernels import fp8_block_matmul
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ember.kernels import fp8_block_matmul, quantize_fp8_groups
-
-        w = self.weight
-        x = x.contiguous()
-        if _block_scaled_mm_fits(x.shape[0], w):
-            return _blockwise_scaled_mm(x, w)
-        xq, x_scales = quantize_fp8_groups(x, w.group_size)
-        return fp8_block_matmul(xq, x_scales, w, x.dtype)
+        return fp8_block_matmul(x.codes, x.scales, self.weight, x.dtype)
 
 
-def _blockwise_scaled_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """cuBLAS's blockwise-scaled GEMM, x's rows padded to a multiple of 16: on the H200 (CUDA 13) cuBLAS has
-    no algorithm for some row counts (1 row; the offline workload's ragged batches failed too), and every
-    multiple of 16 benchmarks/fp8_gemm.py tried ran."""
-    from ember.kernels import quantize_fp8_groups
-
-    rows = x.shape[0]
-    pad = -rows % _SCALED_MM_ROW_MULTIPLE
-    padded = F.pad(x, (0, 0, 0, pad)) if pad else x  # F.pad copies even when it adds nothing: 0.29 ms a 256-row 8B step
-    xq, x_scales = quantize_fp8_groups(padded, w.group_size, column_major_scales=True)
-    out = torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.t(), out_dtype=x.dtype)
-    return out[:rows]
+def _scaled_mm(x: Fp8Activation, w: QuantizedWeight) -> torch.Tensor:
+    """cuBLAS's fp8 GEMM, row-wise or blockwise as the scales' shapes say."""
+    return torch._scaled_mm(x.codes, w.qweight.t(), scale_a=x.scales, scale_b=w.scales.t(), out_dtype=x.dtype)
 
 
 def _block_scaled_mm_fits(rows: int, w: QuantizedWeight) -> bool:

@@ -6,10 +6,15 @@ and a line in its op's table.
 `FORCE_TRITON` chooses the Triton kernels for CPU tensors too, run through Triton's interpreter
 (TRITON_INTERPRET=1), so the whole GPU code path can be tested end to end without a GPU. It is read
 when a choice is made: layers built after it is set take the kernels.
+
+`FUSE_FP8_QUANT` (EMBER_FUSE_FP8_QUANT=0 turns it off, for before/after benchmarks and tests) lets
+RMSNorm and SwiGLU write their outputs quantized for the fp8 linears that read them (`fp8_norm_impl`,
+`fp8_activation_impl`); off, those linears quantize their input themselves.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -20,9 +25,10 @@ from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, lin
 from ember.ops.decode_layer import NativeDecodeLayer
 from ember.ops.target import Target
 from ember.ops.unfused import Unfused
-from ember.quant.formats import QuantizedWeight
+from ember.quant.formats import Fp8Activation, QuantizedWeight
 
 FORCE_TRITON = False
+FUSE_FP8_QUANT = os.environ.get("EMBER_FUSE_FP8_QUANT", "1") != "0"
 
 Built = TypeVar("Built", covariant=True)
 
@@ -45,7 +51,7 @@ class LinearImplementation(Implementation[linear.LinearImpl], Protocol):
 Impl = TypeVar("Impl", bound=Implementation[Any])  # a table's element type, which `_first` returns as it is
 
 # The gated activation over the fused gate/up projection (ember/ops/activation.py): (proj, x) -> act(gate) * up
-Activation = Callable[[Any, torch.Tensor], torch.Tensor]
+Activation = Callable[[Any, torch.Tensor | Fp8Activation], torch.Tensor]
 
 LINEAR: tuple[LinearImplementation, ...] = (
     linear.DenseLinear,
@@ -81,6 +87,9 @@ ACTIVATION: tuple[Implementation[Activation], ...] = (
     activation.NativeSiluAndMul,
     activation.TorchSiluAndMul,
 )
+# the same ops writing their outputs quantized for the fp8 linear that reads them (ember/quant/formats.py Fp8Layout)
+FP8_NORM: tuple[Implementation[norm.TritonFp8RMSNorm], ...] = (norm.TritonFp8RMSNorm,)
+FP8_ACTIVATION: tuple[Implementation[activation.TritonFp8SiluAndMul], ...] = (activation.TritonFp8SiluAndMul,)
 MOE: tuple[Implementation[moe.TritonMoe | moe.TorchMoe], ...] = (moe.TritonMoe, moe.TorchMoe)
 DECODE_LAYER: tuple[Implementation[NativeDecodeLayer | Unfused], ...] = (NativeDecodeLayer, Unfused)
 
@@ -94,6 +103,11 @@ def target(device: torch.device, dtype: torch.dtype) -> Target:
 def _first(table: tuple[Impl, ...], *facts: Any) -> Impl:
     """The table's first implementation that can run what `facts` describe."""
     return next(cls for cls in table if cls.can_implement(*facts))
+
+
+def _fp8_fused(table: tuple[Impl, ...], *facts: Any) -> Impl | None:
+    """`_first` for an op's fp8-output form, or None where none runs or FUSE_FP8_QUANT is off."""
+    return next((cls for cls in table if FUSE_FP8_QUANT and cls.can_implement(*facts)), None)
 
 
 def linear_impl(t: Target, w: QuantizedWeight | torch.Tensor, dtype: torch.dtype) -> linear.LinearImpl:
@@ -114,6 +128,12 @@ def norm_impl(t: Target, style: str) -> norm.NormImpl:
     impl = _first(NORM, t, style)()
     wrapper = next((cls for cls in NATIVE_NORM if cls.can_implement(t, style)), None)
     return impl if wrapper is None else wrapper(impl)
+
+
+def fp8_norm_impl(t: Target, style: str) -> norm.TritonFp8RMSNorm | None:
+    """RMSNorm whose output comes quantized for the fp8 linear reading it; None: the linear quantizes it."""
+    cls = _fp8_fused(FP8_NORM, t, style)
+    return None if cls is None else cls()
 
 
 def rotary_impl(t: Target, full: bool) -> rotary.TorchRotary | rotary.TritonRotary:
@@ -137,6 +157,13 @@ def rotary_store_impl(
 def activation_impl(t: Target, act: str, proj: Any) -> Activation:
     """The gated activation `act` over the fused gate/up projection `proj` as it is after loading."""
     return _first(ACTIVATION, t, act, proj)()
+
+
+def fp8_activation_impl(t: Target, act: str) -> activation.TritonFp8SiluAndMul | None:
+    """The gated activation `act` with its output quantized for the fp8 down projection; None: the down
+    projection quantizes it."""
+    cls = _fp8_fused(FP8_ACTIVATION, t, act)
+    return None if cls is None else cls()
 
 
 def moe_impl(t: Target) -> moe.TritonMoe | moe.TorchMoe:

@@ -20,6 +20,7 @@ exllama do), which keeps the file's values exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +30,27 @@ FP8_DTYPE = torch.float8_e4m3fn  # fp8 weights and the fp8 KV cache
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448; e4m3fn has no inf, so a cast beyond it may give NaN
 # Torch dtypes numpy can view without a copy (not bf16 or fp8), for the CPU copies done through numpy.
 _NUMPY_DTYPES = frozenset({torch.uint8, torch.int8, torch.int32, torch.float16, torch.float32})
+
+
+class Fp8Layout(NamedTuple):
+    """How an fp8 (W8A8) linear takes its input: e4m3 codes with one float32 scale per row and
+    `group_size` inputs; for cuBLAS's blockwise GEMM the scales column-major (stride (1, rows)) and the
+    rows padded with zero rows to a multiple of `row_multiple`."""
+
+    group_size: int
+    column_major_scales: bool = False
+    row_multiple: int = 1
+
+
+class Fp8Activation(NamedTuple):
+    """An activation quantized in the layout of the fp8 linear that reads it, by that linear or already
+    by the norm or activation kernel that produced it (ember/kernels: rms_norm_fp8, silu_and_mul_fp8)."""
+
+    codes: torch.Tensor  # e4m3 [rows rounded up to layout.row_multiple, K]; the padding rows are zeros
+    scales: torch.Tensor  # float32 [padded rows, ceil(K / group_size)]
+    rows: int
+    dtype: torch.dtype  # the unquantized activation's, which the linear's output takes
+    layout: Fp8Layout
 
 
 @dataclass(frozen=True)
