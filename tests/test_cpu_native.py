@@ -218,6 +218,24 @@ def test_attention_checks_its_inputs() -> None:
         ops.paged_decode_attention(q, cache, cache, tables, lens, 1.0, sinks=torch.zeros(3))
 
 
+@pytest.mark.parametrize("shape", [(1, 49152), (16, 4099), (3, 17), (2, 5), (1, 1)])
+def test_argmax_picks_torchs_index(kernels, shape: tuple[int, int]) -> None:
+    """The first largest value's index, a NaN's where a row has one, on random rows, ties, -inf and
+    signed zeros, and strided rows; in the vector loop and in the tail past it."""
+    gen = torch.Generator().manual_seed(0)
+    ties = torch.randint(-3, 3, shape, generator=gen).float()
+    nans = torch.randn(shape, generator=gen)
+    nans[0, -1] = nans[-1, shape[1] // 2] = nans[-1, 0] = float("nan")
+    zeros = torch.zeros(shape)
+    zeros[:, -1] = -0.0
+    strided = torch.randn(shape[0], shape[1] + 3, generator=gen)[:, 3:]
+    rows = [torch.randn(shape, generator=gen), ties, nans, torch.full(shape, float("-inf")), zeros, strided]
+    for x in rows:
+        assert ops.argmax_fits(x)
+        assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+    assert not ops.argmax_fits(torch.randn(4, 6).t()) and not ops.argmax_fits(torch.randn(2, 3).double())
+
+
 def test_native_layouts_do_not_grow_memory() -> None:
     """The int4 layout replaces the codes it came from; a tied int8 head shares the embedding's codes
     and scales and keeps neither a dense copy nor a bf16 screen."""

@@ -155,8 +155,14 @@ def _float32_matmuls(monkeypatch) -> None:
     monkeypatch.setattr(linear, "CPU_INT4_BF16", False)
 
 
+def _per_layer(monkeypatch) -> None:
+    """Decode steps one ops.decode_layers call a layer, not one for the whole model."""
+    monkeypatch.setattr(llama.DecoderModel, "_native_decode", lambda *args: None)
+
+
 def _layer_by_layer(monkeypatch) -> None:
-    """Decode steps through the layers' modules, each making its own native calls, not ops.decode_layer."""
+    """Decode steps through the layers' modules, each making its own native calls, not ops.decode_layers."""
+    _per_layer(monkeypatch)
     monkeypatch.setattr(llama.DecoderLayer, "_native_decode", lambda *args: None)
 
 
@@ -181,7 +187,7 @@ def _counting(monkeypatch) -> dict[str, int]:
 
         return counted
 
-    for name in ("add_rms_norm", "rms_norm", "rotary_store", "matmul_silu", "decode_layer"):
+    for name in ("add_rms_norm", "rms_norm", "rotary_store", "matmul_silu", "decode_layers"):
         monkeypatch.setattr(ops, name, counting(name))
     return calls
 
@@ -245,8 +251,9 @@ def test_tiny_quantized_llama_fused_equals_unfused_and_pytorch(tmp_path, monkeyp
 def test_decode_layer_equals_the_layers_modules_bit_for_bit(
     tmp_path, monkeypatch, arch: str, method: str | None
 ) -> None:
-    """ops.decode_layer runs a decode step's layer in one call with the kernels its modules call one by
-    one, in the same order and threads: the same tokens and logprobs exactly, batched and alone; for the
+    """ops.decode_layers runs a decode step's layers in one call (the whole model's, or, where the model's
+    call is off, a layer's) with the kernels their modules call one by one, in the same order and threads:
+    the same tokens and logprobs exactly, batched and alone; for the
     default model's Q4_1/Q8_0 file (int4 in bf16 arithmetic where the CPU has AVX512_BF16) and load-time
     int4/int8 on tiny random Llama-family models (GQA; 8-key sliding windows that the prompts outgrow;
     Qwen2's QKV bias)."""
@@ -260,7 +267,13 @@ def test_decode_layer_equals_the_layers_modules_bit_for_bit(
     calls = _counting(monkeypatch)
     fused = LLM(path, **kwargs)
     got = _generate(fused, prompts, 24) + _generate(fused, prompts[1:2], 24)
-    assert calls.get("decode_layer", 0) >= 2 * 23  # every layer of every decode step, two layers at least
+    assert calls.get("decode_layers", 0) >= 23  # every decode step
+    with monkeypatch.context() as m:
+        _per_layer(m)
+        per_layer = LLM(path, **kwargs)
+        before = calls["decode_layers"]
+        assert got == _generate(per_layer, prompts, 24) + _generate(per_layer, prompts[1:2], 24)
+        assert calls["decode_layers"] - before >= 2 * 23  # every layer of every decode step, two layers at least
     with monkeypatch.context() as m:
         _layer_by_layer(m)
         modules = LLM(path, **kwargs)
@@ -269,7 +282,7 @@ def test_decode_layer_equals_the_layers_modules_bit_for_bit(
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_decode_layer_with_qwen3_qk_norm(tmp_path, monkeypatch, method: str) -> None:
-    """Qwen3's per-head QK RMSNorm inside ops.decode_layer: the kernels' RMSNorm where the modules use
+    """Qwen3's per-head QK RMSNorm inside ops.decode_layers: the kernels' RMSNorm where the modules use
     PyTorch's, so the float32 sums differ in order only: the same tokens, logprobs within 1e-4 (int4 in
     float32 here: in bf16, those last-bit differences would become bf16 roundings of the matmul outputs)."""
     _float32_matmuls(monkeypatch)
@@ -279,7 +292,7 @@ def test_decode_layer_with_qwen3_qk_norm(tmp_path, monkeypatch, method: str) -> 
     calls = _counting(monkeypatch)
     fused = LLM(path, **kwargs)
     got = _generate(fused, prompts, 24) + _generate(fused, prompts[1:2], 24)
-    assert calls.get("decode_layer", 0) >= 2 * 23
+    assert calls.get("decode_layers", 0) >= 23
     with monkeypatch.context() as m:
         _layer_by_layer(m)
         modules = LLM(path, **kwargs)

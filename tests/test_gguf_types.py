@@ -8,6 +8,7 @@ reference in the gguf package.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import gguf
 import numpy as np
@@ -200,7 +201,7 @@ QWEN2_MINI = ModelShape(hidden=160, layers=3, ffn=256, heads=5, kv_heads=1, voca
 
 def test_q4_k_m_qwen2_generates_the_float_decodings_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Kept quantized through the native CPU kernels (Q5_0 in 5 bits, K-quants' two-level scales, every
-    layer in one decode_layer call)
+    layers in one decode_layers call)
     against the float32 decoding: the same greedy tokens. Q4_K in float32 here (CPU_INT4_BF16 off): bf16
     arithmetic may part from float32 on near ties."""
     from ember.cpu_native import ops as native
@@ -215,13 +216,13 @@ def test_q4_k_m_qwen2_generates_the_float_decodings_tokens(tmp_path, monkeypatch
     assert {types[f"blk.{i}.ffn_down.weight"] for i in range(3)} == {QType.Q6_K, QType.Q4_K}
     monkeypatch.setattr(linear_native, "CPU_INT4_BF16", False)
     layer_kinds: set[tuple[str, int]] = set()
-    fused = native.decode_layer
+    record = native.layer_record
 
-    def spy(w: native.DecodeLayerWeights, *args: object) -> object:
+    def spy(w: native.DecodeLayerWeights, *args: Any) -> list[int]:
         layer_kinds.update((nat.kind, nat.param_mode) for nat in (w.qkv, w.o, w.gate_up, w.down))
-        return fused(w, *args)
+        return record(w, *args)
 
-    monkeypatch.setattr(native, "decode_layer", spy)
+    monkeypatch.setattr(native, "layer_record", spy)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + (i * 37) % 300 for i in range(n)]} for n in (3, 20)]
     outs = {}

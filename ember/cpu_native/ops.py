@@ -368,6 +368,19 @@ def paged_decode_attention(
     return out
 
 
+def argmax_fits(x: torch.Tensor) -> bool:
+    """Whether `argmax` takes x: CPU float32 [M, N > 0] with contiguous rows."""
+    return x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), the same index (the first largest; a NaN's where there is one), for x that
+    `argmax_fits`: int64 [M]. torch's took 43 us over the default model's 49152 logits (argmax.c)."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _module().argmax(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0), torch.get_num_threads())
+    return out
+
+
 # ---- fused decode-layer ops (kernels.c's last section): float32, rows contiguous ----
 
 
@@ -529,7 +542,7 @@ def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
 
 
 def _weight_args(w: NativeWeight) -> tuple[int, ...]:
-    """A weight as `decode_layer` takes it: codes, scales, zeros, group, half, bits (16: bf16 arithmetic)."""
+    """A weight as a layer record holds it: codes, scales, zeros, group, half, bits (16: bf16 arithmetic)."""
     bits = 16 if w.bf16 else _BITS[w.kind]
     return (
         w.codes.data_ptr(),
@@ -543,8 +556,8 @@ def _weight_args(w: NativeWeight) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """What `decode_layer` needs of a Llama decoder layer, gathered once at its first decode step: the
-    norms' float32 weights, the four projections as native weights, the attention's shape and masking."""
+    """What `decode_layers` needs of a Llama decoder layer, gathered once when the layer chooses its kernels:
+    the norms' float32 weights, the four projections as native weights, the attention's shape and masking."""
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -565,88 +578,107 @@ class DecodeLayerWeights:
     qkv_bias: torch.Tensor | None = None  # Qwen2's, float32 [(Hq + 2 Hk) D]
 
 
-def decode_layer_fits(
-    w: DecodeLayerWeights,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    k_cache: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> bool:
-    """Whether `decode_layer` takes this step's tensors: float32 contiguous [M, H] rows and residual on
-    CPU, a float32 cache whose blocks and head groups fit the attention kernel's buffers, int64 positions
-    and slots. (Rows past the weights' GEMV crossover are the caller's to exclude.)"""
+def layer_caches_fit(w: DecodeLayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `layer_record` takes this layer's KV cache: float32, contiguous, blocks and head groups
+    within the attention kernel's buffers."""
     return (
-        x.dtype == k_cache.dtype == torch.float32
-        and x.is_cpu
-        and x.dim() == 2
-        and x.is_contiguous()
-        and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
+        k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.is_cpu
+        and k_cache.shape == v_cache.shape
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
         and attention_shape_fits(w.num_q_heads, w.num_kv_heads, w.head_dim, k_cache.shape[1])
-        and positions.dtype == slot_mapping.dtype == torch.int64
     )
 
 
-def decode_layer(
-    w: DecodeLayerWeights,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin_signed: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Llama decoder layer (two RMSNorms, fused QKV with full neox rotary and Qwen2's bias if any, SiLU
-    gated MLP) over x float32 [M, H], M one-token sequences, in one native call: the same kernels the
-    layer's modules call one by one (rms_norm/add_rms_norm, matmul, rotary_store, paged_decode_attention,
-    matmul_silu), so bit for bit their result, without ~8 Python wrappers and module calls per layer. With
-    Qwen3's QK norm the heads are normalised by the kernels' RMSNorm where the modules use PyTorch's (the
-    same formula, float32 summation order apart). residual None: the first layer. Returns (MLP output,
-    residual stream) as DecoderLayer.forward does."""
-    m, h = x.shape
-    out, residual_out = torch.empty(m, h), torch.empty(m, h)
-    block_size = k_cache.shape[1]
-    _module().decode_layer(
-        x.data_ptr(),
-        _ptr(residual),
+def layer_record(
+    w: DecodeLayerWeights, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> list[int]:
+    """A layer's fixed arguments in the order of kernels' records (fused.c, R_*): pointers to its weights,
+    rotary tables (float32 [P, D], contiguous) and caches (which must fit: `layer_caches_fit`), its sizes,
+    and its float arguments as float64 bits. The tensors must outlive every `decode_layers` call on it."""
+    if not layer_caches_fit(w, k_cache, v_cache) or not (cos.is_contiguous() and sin_signed.is_contiguous()):
+        raise ValueError("decode_layers takes float32 contiguous caches and tables within its attention buffers")
+    _check("cos", cos, torch.float32)
+    _check("sin_signed", sin_signed, torch.float32, tuple(cos.shape))
+    blocks, block_size = k_cache.shape[:2]
+    floats = torch.tensor([w.eps, w.scale, w.soft_cap, w.qk_norm_eps], dtype=torch.float64).view(torch.int64)
+    record = [
         w.in_norm.data_ptr(),
         w.post_norm.data_ptr(),
-        *_weight_args(w.qkv),
-        *_weight_args(w.o),
-        *_weight_args(w.gate_up),
-        *_weight_args(w.down),
-        positions.data_ptr(),
+        *(arg for nat in (w.qkv, w.o, w.gate_up, w.down) for arg in _weight_args(nat)),
         cos.data_ptr(),
         sin_signed.data_ptr(),
         cos.shape[0],
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        k_cache.shape[0] * block_size,
-        slot_mapping.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
+        blocks * block_size,
         block_size,
         w.window,
-        m,
-        h,
+        w.in_norm.shape[0],
         w.num_q_heads,
         w.num_kv_heads,
         w.head_dim,
         w.gate_up.out_features // 2,
+        _ptr(w.q_norm),
+        _ptr(w.k_norm),
+        _ptr(w.qkv_bias),
+        *floats.tolist(),
+    ]
+    if len(record) != _module().layer_fields():
+        raise RuntimeError(f"a layer record of {len(record)} fields; the kernels take {_module().layer_fields()}")
+    return record
+
+
+def decode_layers_fit(
+    x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """Whether `decode_layers` takes this step's tensors: float32 contiguous [M, H] rows and residual on
+    CPU, int64 positions and slots. (The caches were checked with the records; rows past the weights' GEMV
+    crossover are the caller's to exclude.)"""
+    return (
+        x.dtype == torch.float32
+        and x.is_cpu
+        and x.dim() == 2
+        and x.is_contiguous()
+        and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
+        and positions.dtype == slot_mapping.dtype == torch.int64
+    )
+
+
+def decode_layers(
+    records: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive Llama decoder layers (two RMSNorms, fused QKV with full neox rotary and Qwen2's bias if
+    any, SiLU gated MLP), records int64 [L, fields] of `layer_record`s, over x float32 [M, H], M one-token
+    sequences, in one native call: the same kernels the layers' modules call one by one (rms_norm/
+    add_rms_norm, matmul, rotary_store, paged_decode_attention, matmul_silu), so bit for bit their result,
+    without ~8 Python wrappers and module calls a layer, nor a Python call between layers (the default
+    model's 30 cost ~1 ms a step, 2026-12-05). With Qwen3's QK norm the heads are normalised by the
+    kernels' RMSNorm where the modules use PyTorch's (the same formula, float32 summation order apart).
+    residual None: the first layer of the model. Returns (MLP output, residual stream) of the last layer
+    as DecoderLayer.forward does."""
+    m, h = x.shape
+    out, residual_out = torch.empty(m, h), torch.empty(m, h)
+    _module().decode_layers(
+        records.data_ptr(),
+        records.shape[0],
+        x.data_ptr(),
+        _ptr(residual),
+        positions.data_ptr(),
+        slot_mapping.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        m,
         torch.get_num_threads(),
         out.data_ptr(),
         residual_out.data_ptr(),
-        _ptr(w.q_norm),
-        _ptr(w.k_norm),
-        w.eps,
-        w.scale,
-        w.soft_cap,
-        w.qk_norm_eps,
-        _ptr(w.qkv_bias),
     )
     return out, residual_out

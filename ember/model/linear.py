@@ -122,10 +122,11 @@ class QuantEmbedding(nn.Module):
         self.head = QuantLinear([weight], None, dtype) if tied else None
         dense = self.head.cpu_dense_weight() if self.head is not None else None
         self.screen = ScreenedArgmax(dense) if dense is not None and dense.dtype == torch.float32 else None
+        self.native_argmax = weight.qweight.device.type == "cpu" and native.available()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight_q
-        scale_rows = ids // w.block_rows
+        scale_rows = ids // w.block_rows if w.block_rows > 1 else ids
         rows = QuantizedWeight(
             w.kind,
             w.qweight[ids],
@@ -144,7 +145,8 @@ class QuantEmbedding(nn.Module):
         """The token `attend` scores highest per row, without every float32 logit where a screen exists."""
         if self.screen is not None:
             return self.screen(hidden)
-        return self.attend(hidden).argmax(dim=-1)
+        logits = self.attend(hidden)
+        return native.argmax(logits) if self.native_argmax and native.argmax_fits(logits) else logits.argmax(dim=-1)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         head = self.head.weight_tensors() if self.head is not None else []

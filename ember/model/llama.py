@@ -192,7 +192,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode step of the whole layer in one native call where the layer chose it; None where the
         modules run (prefill rows, other layers, other devices)."""
-        return self._decode(positions, h, residual, meta, self.self_attn.k_cache, self.self_attn.v_cache)
+        return self._decode(positions, h, residual, meta)
 
 
 class DecoderModel(nn.Module):
@@ -221,6 +221,13 @@ class DecoderModel(nn.Module):
         # CausalLM.set_aux_hidden_state_layers: the layers whose input `forward` keeps in aux_hidden_states
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
+        self.choose_kernels()
+
+    def choose_kernels(self) -> None:
+        """Every layer's decode step in one native call (ember/ops/decode_layer.py) where each layer, as
+        loaded, is what it computes; asked again with the layers' own choice (CausalLM._choose_kernels)."""
+        layers = self.decoder_layers()
+        self._decode = registry.decode_layers_impl(layers[0]._target, layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids in its rows and zeros the others; the sum over
@@ -236,6 +243,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed(input_ids)
+        fused = self._native_decode(positions, h, meta)
+        if fused is not None:
+            return self.norm(*fused)[0]
         residual = None
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
@@ -245,6 +255,13 @@ class DecoderModel(nn.Module):
         if aux:
             self.aux_hidden_states = torch.cat(aux, dim=-1)
         return self.norm(h, residual)[0]
+
+    def _native_decode(
+        self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step of every layer in one native call where the model chose it and keeps no layer's
+        input (aux_layers); None where the layers run one by one."""
+        return None if self.aux_layers else self._decode(positions, h, None, meta)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """`layers` as what they are (nn.ModuleList types its items as nn.Module): built above, never replaced."""
@@ -361,7 +378,7 @@ class CausalLM(nn.Module):
     def _choose_kernels(self) -> None:
         """Let the layers whose kernels depend on their loaded or quantized weights choose again."""
         for module in self.modules():
-            if isinstance(module, (GatedMLP, DecoderLayer)):
+            if isinstance(module, (GatedMLP, DecoderLayer, DecoderModel)):
                 module.choose_kernels()
 
     def _experts(self) -> list[FusedExperts]:

@@ -22,7 +22,7 @@ import torch
 
 from ember.cpu_native import ops as native
 from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, linear_native, moe, norm, rotary
-from ember.ops.decode_layer import NativeDecodeLayer
+from ember.ops.decode_layer import NativeDecodeLayers
 from ember.ops.target import Target
 from ember.ops.unfused import Unfused
 from ember.quant.formats import Fp8Activation, QuantizedWeight
@@ -91,7 +91,7 @@ ACTIVATION: tuple[Implementation[Activation], ...] = (
 FP8_NORM: tuple[Implementation[norm.TritonFp8RMSNorm], ...] = (norm.TritonFp8RMSNorm,)
 FP8_ACTIVATION: tuple[Implementation[activation.TritonFp8SiluAndMul], ...] = (activation.TritonFp8SiluAndMul,)
 MOE: tuple[Implementation[moe.TritonMoe | moe.TorchMoe], ...] = (moe.TritonMoe, moe.TorchMoe)
-DECODE_LAYER: tuple[Implementation[NativeDecodeLayer | Unfused], ...] = (NativeDecodeLayer, Unfused)
+DECODE_LAYER: tuple[Implementation[NativeDecodeLayers | Unfused], ...] = (NativeDecodeLayers, Unfused)
 
 
 def target(device: torch.device, dtype: torch.dtype) -> Target:
@@ -170,6 +170,11 @@ def moe_impl(t: Target) -> moe.TritonMoe | moe.TorchMoe:
     return _first(MOE, t)()
 
 
-def decode_layer_impl(t: Target, layer: Any) -> NativeDecodeLayer | Unfused:
+def decode_layer_impl(t: Target, layer: Any) -> NativeDecodeLayers | Unfused:
     """A decoder layer's whole decode step, as its modules are once loaded."""
     return _first(DECODE_LAYER, t, layer)(layer)
+
+
+def decode_layers_impl(t: Target, layers: list[Any]) -> NativeDecodeLayers | Unfused:
+    """The decode step of all of a model's decoder layers in one call, as their modules are once loaded."""
+    return _first(DECODE_LAYER, t, *layers)(*layers)

@@ -215,13 +215,25 @@ def codes(w: QuantizedWeight) -> torch.Tensor:
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense [N, K] weight in the codes' column order: the reference every kernel is tested against."""
-    device = w.qweight.device
-    group_idx = torch.arange(w.in_features, device=device) // w.group_size
-    row_idx = torch.arange(w.out_features, device=device) // w.block_rows
-    dense = codes(w).float() * w.scales[row_idx][:, group_idx]
-    if w.zeros is not None:
-        dense = dense + w.zeros[row_idx][:, group_idx]
+    """The dense [N, K] weight in the codes' column order: the reference every kernel is tested against.
+    Where K is whole groups, each group's scale and zero are broadcast over its inputs rather than
+    gathered per input: the same products in 3 ops instead of 9 (QuantEmbedding looks rows up through
+    this at every step: ~60 us of a 1 ms CPU step's overhead, 2026-12-05)."""
+    q = codes(w).float()
+    n, k = q.shape
+    scales, zeros = w.scales, w.zeros
+    if w.block_rows > 1:
+        rows = torch.arange(n, device=q.device) // w.block_rows
+        scales, zeros = scales[rows], None if zeros is None else zeros[rows]
+    if k % w.group_size == 0:
+        dense = q.reshape(n, -1, w.group_size) * scales.unsqueeze(-1)
+        if zeros is not None:
+            dense = dense + zeros.unsqueeze(-1)
+        return dense.view(n, k).to(dtype)
+    inputs = torch.arange(k, device=q.device) // w.group_size
+    dense = q * scales[:, inputs]
+    if zeros is not None:
+        dense = dense + zeros[:, inputs]
     return dense.to(dtype)
 
 

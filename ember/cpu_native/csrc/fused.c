@@ -205,9 +205,18 @@ static PyObject *gemv_silu_q4_bf16(PyObject *self, PyObject *const *args, Py_ssi
     return gemv_silu_entry(args, nargs, 16, "gemv_silu_q4_bf16");
 }
 
-/* ---- a whole decode layer in one call ---- */
+/* ---- whole decode layers in one call ---- */
 
-/* a weight as decode_layer takes it: 6 ints (codes, scales, zeros, group, half, bits: 4, 5, 8 or 16) */
+/* A layer's fixed arguments: one int64 row of a records array that ops.layer_record packs at load
+ * (pointers and sizes; the R_EPS.. ones float64 bits), so a step passes one pointer for all its layers
+ * instead of 57 Python ints a layer (~25 us of Python a layer, 2026-12-05). A weight is 6 slots: codes,
+ * scales, zeros, group, half, bits (4, 5, 8 or 16). Pointers 0 where absent (QK norm, QKV bias). */
+enum {
+    R_IN_NORM, R_POST_NORM, R_QKV, R_O = R_QKV + 6, R_GATE_UP = R_O + 6, R_DOWN = R_GATE_UP + 6,
+    R_COS = R_DOWN + 6, R_SIN, R_TABLE_ROWS, R_K_CACHE, R_V_CACHE, R_CACHE_SLOTS, R_BLOCK_SIZE, R_WINDOW,
+    R_H, R_HQ, R_HK, R_D, R_I, R_Q_NORM, R_K_NORM, R_QKV_BIAS, R_EPS, R_SCALE, R_CAP, R_QK_EPS, R_FIELDS
+};
+
 typedef struct {
     const void *codes, *scales, *zeros;
     int64_t group;
@@ -219,83 +228,135 @@ static weight_ref weight_at(const int64_t *v) {
     return w;
 }
 
+static float record_float(const int64_t *r, int field) {
+    double d;
+    memcpy(&d, r + field, sizeof d);
+    return (float)d;
+}
+
 static gemv_args gemv_of(const weight_ref *w, const float *x, float *y, int64_t M, int64_t K, int64_t N) {
     gemv_args a = {x, w->codes, w->scales, w->zeros, y, M, K, N, w->group, w->half, NULL};
     return a;
 }
 
-/* decode_layer(x, residual, in_norm, post_norm, qkv[6], o[6], gate_up[6], down[6], positions, cos, sin_signed,
- *              table_rows, k_cache, v_cache, cache_slots, slots, tables, table_stride, seq_lens, block_size,
- *              window, M, H, Hq, Hk, D, I, threads, out, residual_out, q_norm, k_norm, eps, scale, cap,
- *              qk_eps, qkv_bias)
- * A Llama decoder layer for M one-token sequences, the calls a layer's modules make one by one, in the
+/* What changes from step to step: the tokens' positions and cache slots, the block tables and lengths */
+typedef struct {
+    const int64_t *pos, *slots;
+    const int32_t *tables, *seq_lens;
+    int64_t table_stride, M;
+    int threads;
+} step_args;
+
+static attn_args attention_of(const int64_t *r, const step_args *s) {
+    const int64_t width = (r[R_HQ] + 2 * r[R_HK]) * r[R_D];
+    attn_args at = {NULL, PTR(r[R_K_CACHE]), PTR(r[R_V_CACHE]), s->tables, s->seq_lens, NULL, NULL, width,
+                    s->table_stride, r[R_HQ], r[R_HK], r[R_D], r[R_BLOCK_SIZE], r[R_WINDOW],
+                    record_float(r, R_SCALE), record_float(r, R_CAP)};
+    return at;
+}
+
+/* The floats of scratch a layer needs: normed x, qkv, attention output, o output, normed h, gate/up
+ * output, SiLU output */
+static int64_t scratch_sizes(const int64_t *r, int64_t M, int64_t *sizes) {
+    const int64_t H = r[R_H], I = r[R_I], width = (r[R_HQ] + 2 * r[R_HK]) * r[R_D];
+    const int64_t s[7] = {M * H, M * width, M * r[R_HQ] * r[R_D], M * H, M * H, M * 2 * I, M * I};
+    int64_t total = 0;
+    for (int i = 0; i < 7; i++) total += sizes[i] = s[i];
+    return total;
+}
+
+/* ValueError / IndexError / RuntimeError unless the kernels take this layer at this step */
+static int layer_fits(const int64_t *r, const step_args *s) {
+    const int any_bf16 = r[R_QKV + 5] == 16 || r[R_O + 5] == 16 || r[R_GATE_UP + 5] == 16 || r[R_DOWN + 5] == 16;
+    if (!bf16_built(any_bf16 ? 16 : 0, "decode_layers")) return -1;
+    const attn_args at = attention_of(r, s);
+    if (!attention_fits(&at)) {
+        PyErr_SetString(PyExc_ValueError, "decode_layers: group, head dim or block size too large");
+        return -1;
+    }
+    return check_positions("decode_layers", s->pos, s->slots, s->M, r[R_TABLE_ROWS], r[R_CACHE_SLOTS]);
+}
+
+/* One Llama decoder layer for M one-token sequences, the calls a layer's modules make one by one, in the
  * same order with the same kernels (so bit for bit their result): residual add + RMSNorm, QKV GEMV,
  * rotary + KV store, paged attention, o GEMV, residual add + RMSNorm, gate/up GEMV + SiLU, down GEMV.
- * qkv_bias (0: none): Qwen2's, added to the QKV GEMV's output as QuantLinear adds it.
- * q_norm / k_norm (0: none): Qwen3's per-head RMSNorm before rotary, which the modules compute with
- * PyTorch's rms_norm (the same formula, its own summation order).
- * residual 0: the first layer (x is the embedding, which becomes the residual). out [M, H] is the MLP
- * output and residual_out [M, H] the residual stream, as DecoderLayer.forward returns them. */
-static PyObject *decode_layer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[57];
-    double f[57];
-    if (parse(args, nargs, 57, "decode_layer", v, f, 1ull << 52 | 1ull << 53 | 1ull << 54 | 1ull << 55) < 0)
-        return NULL;
-    const float *qkv_bias = PTR(v[56]);
-    const float *x = PTR(v[0]), *res = PTR(v[1]), *in_w = PTR(v[2]), *post_w = PTR(v[3]);
-    const weight_ref wqkv = weight_at(v + 4), wo = weight_at(v + 10), wgu = weight_at(v + 16), wd = weight_at(v + 22);
-    const int64_t *pos = PTR(v[28]), *slots = PTR(v[35]);
-    const float *cos = PTR(v[29]), *sin = PTR(v[30]);
-    float *kc = PTR(v[32]), *vc = PTR(v[33]), *out = PTR(v[48]), *res_out = PTR(v[49]);
-    const int64_t M = v[41], H = v[42], Hq = v[43], Hk = v[44], D = v[45], I = v[46];
-    const int threads = (int)v[47];
-    const float eps = (float)f[52], qk_eps = (float)f[55];
+ * The QKV bias (Qwen2's) is added to the QKV GEMV's output as QuantLinear adds it; q_norm / k_norm
+ * (Qwen3's per-head RMSNorm before rotary) use the kernels' RMSNorm where the modules use PyTorch's (the
+ * same formula, its own summation order). res NULL: the first layer (x is the embedding, which becomes
+ * the residual); res may be res_out and x may be out (the next layer reads x before it writes out). */
+static int layer_step(const int64_t *r, const step_args *s, const float *x, const float *res, float *out,
+                      float *res_out, float *scratch) {
+    const int64_t M = s->M, H = r[R_H], Hq = r[R_HQ], Hk = r[R_HK], D = r[R_D], I = r[R_I];
     const int64_t width = (Hq + 2 * Hk) * D;
-    const int any_bf16 = wqkv.bits == 16 || wo.bits == 16 || wgu.bits == 16 || wd.bits == 16;
-    if (!bf16_built(any_bf16 ? 16 : 0, "decode_layer")) return NULL;
-    attn_args at = {NULL, kc, vc, PTR(v[36]), PTR(v[38]), NULL, NULL, width, v[37], Hq, Hk, D, v[39], v[40],
-                    (float)f[53], (float)f[54]};
-    if (!attention_fits(&at)) {
-        PyErr_SetString(PyExc_ValueError, "decode_layer: group, head dim or block size too large");
-        return NULL;
-    }
-    if (check_positions("decode_layer", pos, slots, M, v[31], v[34]) < 0) return NULL;
-    /* scratch: normed x, qkv, attention output, o output, normed h, gate/up output, SiLU output */
-    const int64_t sizes[7] = {M * H, M * width, M * Hq * D, M * H, M * H, M * 2 * I, M * I};
-    int64_t total = 0;
-    for (int i = 0; i < 7; i++) total += sizes[i];
-    float *scratch = malloc(sizeof(float) * (size_t)total), *buf[7];
-    if (!scratch) return PyErr_NoMemory();
-    buf[0] = scratch;
+    const float eps = record_float(r, R_EPS), *qkv_bias = PTR(r[R_QKV_BIAS]);
+    const weight_ref wqkv = weight_at(r + R_QKV), wo = weight_at(r + R_O), wgu = weight_at(r + R_GATE_UP),
+                     wd = weight_at(r + R_DOWN);
+    const int threads = s->threads;
+    int64_t sizes[7];
+    scratch_sizes(r, M, sizes);
+    float *buf[7] = {scratch};
     for (int i = 1; i < 7; i++) buf[i] = buf[i - 1] + sizes[i - 1];
     int status = 0;
-    Py_BEGIN_ALLOW_THREADS
     if (res) {
-        norm_rows(x, res, in_w, buf[0], res_out, M, H, eps, threads);
+        norm_rows(x, res, PTR(r[R_IN_NORM]), buf[0], res_out, M, H, eps, threads);
     } else {
         memcpy(res_out, x, sizeof(float) * (size_t)(M * H));
-        norm_rows(x, NULL, in_w, buf[0], NULL, M, H, eps, threads);
+        norm_rows(x, NULL, PTR(r[R_IN_NORM]), buf[0], NULL, M, H, eps, threads);
     }
     gemv_args a = gemv_of(&wqkv, buf[0], buf[1], M, H, width);
     status |= gemv(&a, wqkv.bits, threads);
     if (qkv_bias)
         for (int64_t i = 0; i < M * width; i++) buf[1][i] += qkv_bias[i % width];
-    rotate_store_rows(buf[1], width, pos, cos, sin, kc, vc, slots, M, Hq, Hk, D, PTR(v[50]), PTR(v[51]), qk_eps,
+    rotate_store_rows(buf[1], width, s->pos, PTR(r[R_COS]), PTR(r[R_SIN]), PTR(r[R_K_CACHE]), PTR(r[R_V_CACHE]),
+                      s->slots, M, Hq, Hk, D, PTR(r[R_Q_NORM]), PTR(r[R_K_NORM]), record_float(r, R_QK_EPS),
                       threads);
+    attn_args at = attention_of(r, s);
     at.q = buf[1];
     at.out = buf[2];
     attend(&at, M, threads);
     a = gemv_of(&wo, buf[2], buf[3], M, Hq * D, H);
     status |= gemv(&a, wo.bits, threads);
-    norm_rows(buf[3], res_out, post_w, buf[4], res_out, M, H, eps, threads);
+    norm_rows(buf[3], res_out, PTR(r[R_POST_NORM]), buf[4], res_out, M, H, eps, threads);
     a = gemv_of(&wgu, buf[4], buf[5], M, H, 2 * I);
     status |= gemv_silu(&a, buf[6], wgu.bits, threads);
     a = gemv_of(&wd, buf[6], out, M, I, H);
     status |= gemv(&a, wd.bits, threads);
+    return status;
+}
+
+/* decode_layers(records, layers, x, residual, positions, slots, tables, table_stride, seq_lens, M, threads,
+ *               out, residual_out)
+ * `layers` consecutive decoder layers (rows of the int64 [layers, R_FIELDS] records) for M one-token
+ * sequences, each as layer_step computes it: the first reads x and residual (0: the first layer of the
+ * model), every one writes out [M, H] (its MLP output) and residual_out [M, H] (the residual stream),
+ * which the next reads, as DecoderLayer.forward returns and DecoderModel.forward passes them. */
+static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[13];
+    if (parse(args, nargs, 13, "decode_layers", v, NULL, 0) < 0) return NULL;
+    const int64_t *records = PTR(v[0]), layers = v[1];
+    const step_args s = {PTR(v[4]), PTR(v[5]), PTR(v[6]), PTR(v[8]), v[7], v[9], (int)v[10]};
+    float *out = PTR(v[11]), *res_out = PTR(v[12]);
+    int64_t total = 0, sizes[7];
+    for (int64_t l = 0; l < layers; l++) {
+        if (layer_fits(records + l * R_FIELDS, &s) < 0) return NULL;
+        const int64_t need = scratch_sizes(records + l * R_FIELDS, s.M, sizes);
+        total = need > total ? need : total;
+    }
+    float *scratch = malloc(sizeof(float) * (size_t)total);
+    if (!scratch) return PyErr_NoMemory();
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t l = 0; l < layers; l++) {
+        const float *x = l ? out : PTR(v[2]), *res = l ? res_out : PTR(v[3]);
+        status |= layer_step(records + l * R_FIELDS, &s, x, res, out, res_out, scratch);
+    }
     Py_END_ALLOW_THREADS
     free(scratch);
     if (status < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
+
+/* layer_fields() -> R_FIELDS, so ops.layer_record's packing is checked against this file's at load */
+static PyObject *layer_fields(PyObject *self, PyObject *unused) { return PyLong_FromLong(R_FIELDS); }
 
 /* ==== end of the fused decode-layer ops ==== */

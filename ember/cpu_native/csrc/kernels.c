@@ -20,8 +20,8 @@
  * AVX-512 code sits under __AVX512F__; the #else branches compute the same sums in plain C so the
  * module builds (and is tested) anywhere.
  *
- * The families live in their own files (csrc/: gemv.c, expand.c, attention.c, fused.c, with the shared
- * kernels.h) and are compiled as this one translation unit, so the whole-layer call keeps inlining
+ * The families live in their own files (csrc/: gemv.c, expand.c, attention.c, fused.c, argmax.c, with the
+ * shared kernels.h) and are compiled as this one translation unit, so the whole-layer call keeps inlining
  * the GEMV tiles and norms it shares with the single ops, exactly as when they were one file.
  */
 
@@ -30,6 +30,7 @@
 #include "expand.c"
 #include "attention.c"
 #include "fused.c"
+#include "argmax.c"
 
 static PyObject *simd(PyObject *self, PyObject *unused) {
 #ifdef __AVX512F__
@@ -53,8 +54,10 @@ static PyMethodDef methods[] = {
     {"dequantize_q8_f32", (PyCFunction)(void (*)(void))dequantize_q8_f32, METH_FASTCALL, "int8 -> float32 [N, K]"},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))paged_decode_attention, METH_FASTCALL,
      "one-token queries against a paged KV cache"},
-    {"decode_layer", (PyCFunction)(void (*)(void))decode_layer, METH_FASTCALL,
-     "a Llama decoder layer for one-token sequences, in one call"},
+    {"decode_layers", (PyCFunction)(void (*)(void))decode_layers, METH_FASTCALL,
+     "consecutive Llama decoder layers for one-token sequences, in one call"},
+    {"layer_fields", layer_fields, METH_NOARGS, "the int64 slots of a decode_layers record"},
+    {"argmax", (PyCFunction)(void (*)(void))argmax, METH_FASTCALL, "each float32 row's argmax, as torch's"},
     {"simd", simd, METH_NOARGS, "which code path was compiled: 'avx512' or 'scalar'"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL, "residual add + RMSNorm"},
     {"rotary_store", (PyCFunction)(void (*)(void))rotary_store, METH_FASTCALL,
