@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ember.cpu_native import ops as native
-from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, linear_native, moe, norm, rotary
+from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, linear_native, lora, moe, norm, rotary
 from ember.ops.decode_layer import NativeDecodeLayer
 from ember.ops.target import Target
 from ember.ops.unfused import Unfused
@@ -82,6 +82,7 @@ ACTIVATION: tuple[Implementation[Activation], ...] = (
     activation.TorchSiluAndMul,
 )
 MOE: tuple[Implementation[moe.TritonMoe | moe.TorchMoe], ...] = (moe.TritonMoe, moe.TorchMoe)
+LORA: tuple[Implementation[lora.TritonLoRA | lora.TorchLoRA], ...] = (lora.TritonLoRA, lora.TorchLoRA)
 DECODE_LAYER: tuple[Implementation[NativeDecodeLayer | Unfused], ...] = (NativeDecodeLayer, Unfused)
 
 
@@ -141,6 +142,11 @@ def activation_impl(t: Target, act: str, proj: Any) -> Activation:
 
 def moe_impl(t: Target) -> moe.TritonMoe | moe.TorchMoe:
     return _first(MOE, t)()
+
+
+def lora_impl(t: Target) -> lora.TritonLoRA | lora.TorchLoRA:
+    """The per-row adapter delta added to a projection's output (ember/ops/lora.py)."""
+    return _first(LORA, t)()
 
 
 def decode_layer_impl(t: Target, layer: Any) -> NativeDecodeLayer | Unfused:
