@@ -249,3 +249,18 @@ def test_triton_kernels_match_reference(widths):
     y = base.clone()
     TorchLoRA()(x, y, LoRAWeights(a, b, [sum(widths[:i]) for i in range(len(widths))]), slots)
     torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
+
+
+def test_triton_path_mixed_batch(setup, monkeypatch):
+    """The whole GPU code path (registry.FORCE_TRITON: Triton kernels through the interpreter, the LoRA
+    delta by the shrink/expand kernels) with two adapters and the base in one batch."""
+    from ember.ops import registry
+
+    base, loras, refs, _ = setup
+    monkeypatch.setattr(registry, "FORCE_TRITON", True)
+    llm = _llm(base, max_loras=2)
+    names = [None, "all-r8", "qv-r4-rslora"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    per_prompt = [None if n is None else loras[n] for n in names for _ in PROMPTS]
+    got = _tokens(llm.generate(PROMPTS * len(names), params, use_tqdm=False, lora_request=per_prompt))
+    assert got == [t[:6] for n in names for t in refs[n]]
