@@ -82,14 +82,5 @@ class LoRAManager:
         victim = next(lora_id for lora_id in self._slot_of if lora_id not in keep)
         return self._slot_of.pop(victim)
 
-    def remove(self, lora_id: int) -> bool:
-        """Forget an adapter (its slot freed, its host copy dropped); False when it was not known."""
-        known = self._checked.pop(lora_id, None) is not None
-        self._host.pop(lora_id, None)
-        slot = self._slot_of.pop(lora_id, None)
-        if slot is not None:
-            self._free.append(slot)
-        return known
-
     def shutdown(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)

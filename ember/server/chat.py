@@ -74,6 +74,7 @@ async def _start(state: ServerState, engine: AsyncLLM, body: ChatCompletionReque
         parallel_tool_calls=body.parallel_tool_calls,
         template_kwargs=dict(body.chat_template_kwargs or {}),
         top_logprobs=body.top_logprobs or 0,
+        lora_request=state.lora_for(body.model),
     )
     run = await start_chat(state, engine, chat, f"chatcmpl-{uuid.uuid4().hex}")
     return _ChatCompletion(state, body, run)

@@ -80,7 +80,7 @@ class _Completion:
         self.params = params
         self.tokenizer = engine.tokenizer
         self.rid = f"cmpl-{uuid.uuid4().hex}"
-        self.gen = Generation(state, engine, self.rid, prompts, params, CompletionRequest)
+        self.gen = Generation(state, engine, self.rid, prompts, params, CompletionRequest, state.lora_for(body.model))
         # Per choice index while streaming: tokens sent, text offset reached, and whether it finished.
         self._sent_tokens: dict[int, int] = {}
         self._offsets: dict[int, int] = {}

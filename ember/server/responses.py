@@ -165,6 +165,7 @@ async def _start(state: ServerState, engine: AsyncLLM, body: ResponsesRequest, o
         parallel_tool_calls=body.parallel_tool_calls,
         template_kwargs=body.template_kwargs(),
         top_logprobs=body.top_logprobs or 0,
+        lora_request=state.lora_for(body.model),
     )
     obj = ResponseObject.for_request(body, state.settings.model_name, params)
     run = await start_chat(state, engine, chat, obj.id)
