@@ -48,9 +48,10 @@ def test_model_selects_the_adapter(adapters):
         assert [(m.id, getattr(m, "parent", None)) for m in models] == [(MODEL, None), ("all-r8", MODEL)]
         for name in (MODEL, "all-r8"):
             out = s.client().completions.create(model=name, prompt=PROMPTS, max_tokens=16, temperature=0)
+            assert out.model == name
             assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == want[None if name == MODEL else name]
         chat = s.post("/v1/chat/completions", {"model": "all-r8", "messages": [{"role": "user", "content": "hi"}]})
-        assert chat.status_code == 200
+        assert chat.status_code == 200 and chat.json()["model"] == "all-r8"
         missing = s.post("/v1/completions", {"model": "nope", "prompt": "x"})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         # runtime updating is off: the endpoints are not there

@@ -4,7 +4,7 @@ deltas, the adapters' slot tensors, and the reading of a PEFT adapter's tensors 
 The wrapped projections are q/k/v (the fused qkv_proj, three slices), o_proj, gate/up (the fused
 gate_up_proj, two slices) and down_proj of dense MLPs; which adapter each row runs under is one int32
 per token in `slots`, a step input the runner fills (ember/runner/lora_manager.py) and every layer
-reads through the same tensor, so a CUDA graph captured on it replays any mix of adapters.
+reads through the same tensor (`LoRABatch`), so a CUDA graph captured on it replays any mix of adapters.
 """
 
 from __future__ import annotations
@@ -22,22 +22,34 @@ from ember.ops import registry
 from ember.ops.lora import LoRAWeights
 
 
+@dataclass
+class LoRABatch:
+    """What every wrapped projection reads of the step: `slots`, each token's adapter slot (-1: none), a
+    runner buffer that is never replaced (a CUDA graph captured on it replays any mix), and `active`,
+    whether any row of an eager step has an adapter (a step of the base alone skips the deltas; True
+    while graphs are captured, so that they hold them)."""
+
+    slots: torch.Tensor
+    active: bool = True
+
+
 class LoRALinear(nn.Module):
     """base(x) plus, for each row t, the delta of the adapter in slot slots[t] (none for -1). The base keeps
     its own kernels (dense or quantized); fused native paths that would skip `forward` (the CPU decode
     layer, GEMV + SiLU) see no native weight here and step aside."""
 
-    def __init__(self, base: nn.Module, weights: LoRAWeights, slots: torch.Tensor) -> None:
+    def __init__(self, base: nn.Module, weights: LoRAWeights, batch: LoRABatch) -> None:
         super().__init__()
         self.base = base
         self.weights = weights
-        self.slots = slots  # the step's per-token slot index: a runner buffer, never replaced
+        self.batch = batch
         self._impl = registry.lora_impl(registry.target(weights.a.device, weights.a.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        rows = x.reshape(-1, x.shape[-1])
-        self._impl(rows, y.view(-1, y.shape[-1]), self.weights, self.slots[: rows.shape[0]])
+        if self.batch.active:
+            rows = x.reshape(-1, x.shape[-1])
+            self._impl(rows, y.view(-1, y.shape[-1]), self.weights, self.batch.slots[: rows.shape[0]])
         return y
 
 
@@ -71,6 +83,7 @@ class LoRALayers:
         modules = _modules(model)
         dtype, device = model.model.norm.weight.dtype, slots.device
         self.max_rank = max_rank
+        self.batch = LoRABatch(slots)
         self.weights: dict[tuple[int, str], LoRAWeights] = {}
         for index, layer in enumerate(model.model.decoder_layers()):
             for suffix, sl in modules.items():
@@ -82,7 +95,7 @@ class LoRALayers:
                     [sum(sl.widths[:i]) for i in range(len(sl.widths))],
                 )
                 self.weights[index, suffix] = w
-                setattr(parent, attr, LoRALinear(getattr(parent, attr), w, slots))
+                setattr(parent, attr, LoRALinear(getattr(parent, attr), w, self.batch))
         model.choose_kernels()  # the native fused paths step aside for the wrapped projections
         peft = {name: (suffix, i) for name, (suffix, i) in TARGETS.items() if suffix in modules}
         self.shapes = LoRAShapes(

@@ -50,7 +50,11 @@ class LoRAManager:
         if known is None or known[0] != lora.lora_path:
             adapter = read_adapter(lora.lora_path, self.shapes)
             self._checked[lora.lora_int_id] = (lora.lora_path, adapter)
-            self._host.pop(lora.lora_int_id, None)  # another path under a known id: read it again
+            # another path under a known id: its old weights go from the host cache and their slot
+            self._host.pop(lora.lora_int_id, None)
+            slot = self._slot_of.pop(lora.lora_int_id, None)
+            if slot is not None:
+                self._free.append(slot)
         self._host_adapter(lora.lora_int_id)
 
     def _host_adapter(self, lora_id: int) -> Future[HostAdapter]:
@@ -64,7 +68,8 @@ class LoRAManager:
         return future
 
     def activate(self, lora_ids: Iterable[int]) -> dict[int, int]:
-        """Device slots for a step's adapters (each `check`ed before), loading those not in one."""
+        """Device slots for a step's adapters (each `check`ed before), loading those not in one; a step
+        without any runs no LoRA delta when it runs eagerly."""
         needed = set(lora_ids)
         if len(needed) > self.config.max_loras:
             raise RuntimeError(f"a step uses {len(needed)} LoRA adapters; max_loras is {self.config.max_loras}")
@@ -75,6 +80,7 @@ class LoRAManager:
             slot = self._free.pop() if self._free else self._evict(needed)
             self.layers.install(slot, self._host_adapter(lora_id).result())
             self._slot_of[lora_id] = slot
+        self.layers.batch.active = bool(needed)
         return {lora_id: self._slot_of[lora_id] for lora_id in needed}
 
     def _evict(self, keep: set[int]) -> int:

@@ -126,7 +126,7 @@ async def _start(state: ServerState, engine: AsyncLLM, body: MessagesRequest) ->
     params = await sampling_params(body, engine)
     chat = replace(_chat_input(body, params), lora_request=state.lora_for(body.model))
     run = await start_chat(state, engine, chat, f"msg_{uuid.uuid4().hex}")
-    return _Message(state.settings.model_name, body, run)
+    return _Message(state.served_model(body.model), body, run)
 
 
 def stop_reason(finish_reason: str | None, stop: int | str | None) -> tuple[str | None, str | None]:

@@ -97,7 +97,7 @@ class _ChatCompletion:
     """A chat run's events as chat choices or stream chunks (OpenAI's chat completion shape)."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, run: ChatRun) -> None:
-        self.model = state.settings.model_name
+        self.model = state.served_model(body.model)
         self.body = body
         self.run = run
         self.gen = run.gen

@@ -167,7 +167,7 @@ async def _start(state: ServerState, engine: AsyncLLM, body: ResponsesRequest, o
         top_logprobs=body.top_logprobs or 0,
         lora_request=state.lora_for(body.model),
     )
-    obj = ResponseObject.for_request(body, state.settings.model_name, params)
+    obj = ResponseObject.for_request(body, state.served_model(body.model), params)
     run = await start_chat(state, engine, chat, obj.id)
     made = _Response(state, owner, body, run, obj, InputItems(items).model_dump_json())
     if body.background:

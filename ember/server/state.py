@@ -48,6 +48,10 @@ class ServerState:
         self.loras[name] = LoRARequest(name, self._lora_ids, path)
         return self.loras[name]
 
+    def served_model(self, model: str | None) -> str:
+        """The id an answer names: the adapter the request's `model` selected, else the base model's."""
+        return model if model is not None and model in self.loras else self.settings.model_name
+
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model (or no name); a 404 for a name not
         served (an adapter unloaded since the body was read)."""
