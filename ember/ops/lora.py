@@ -43,13 +43,21 @@ class TorchLoRA:
     def can_implement(target: Target) -> bool:
         return True
 
+    def __init__(self) -> None:
+        self._ids: torch.Tensor | None = None  # 0 .. max_loras - 1, made once on the slots' device
+
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
         num_slots, rank, rows = w.a.shape[0], w.rank, x.shape[0]
-        own = slots[:, None] == torch.arange(num_slots, device=slots.device)  # [T, slots]
-        xa = (x @ w.a.view(-1, w.a.shape[-1]).T).view(rows, num_slots, len(w.b), rank)
-        xa = xa * own[:, :, None, None].to(xa.dtype)
+        if self._ids is None or self._ids.device != slots.device:
+            self._ids = torch.arange(num_slots, dtype=slots.dtype, device=slots.device)
+        own = (slots[:, None] == self._ids).to(x.dtype)  # [T, slots]
+        xa = torch.mm(x, w.a.view(-1, w.a.shape[-1]).t()).view(rows, num_slots, -1)
+        xa = xa.mul_(own[:, :, None]).view(rows, num_slots, len(w.b), rank)
+        if len(w.b) == 1:  # o_proj, down_proj: one product into the whole output
+            y.addmm_(xa.view(rows, -1), w.b[0].view(-1, w.b[0].shape[2]))
+            return
         for i, (start, b) in enumerate(zip(w.offsets, w.b)):
-            y[:, start : start + b.shape[2]] += xa[:, :, i].reshape(rows, -1) @ b.view(-1, b.shape[2])
+            y[:, start : start + b.shape[2]].addmm_(xa[:, :, i].reshape(rows, -1), b.view(-1, b.shape[2]))
 
 
 class TritonLoRA:
