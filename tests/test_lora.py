@@ -264,3 +264,43 @@ def test_triton_path_mixed_batch(setup, monkeypatch):
     per_prompt = [None if n is None else loras[n] for n in names for _ in PROMPTS]
     got = _tokens(llm.generate(PROMPTS * len(names), params, use_tqdm=False, lora_request=per_prompt))
     assert got == [t[:6] for n in names for t in refs[n]]
+
+
+def test_step_inputs_carry_each_tokens_slot():
+    """prepare_step writes each token's adapter slot, decodes first, and -1 for the base and for the pad
+    rows of a CUDA graph (host side: the buffer the LoRA layers read)."""
+    import numpy as np
+
+    from ember.runner.input_buffers import InputBuffers
+    from ember.runner.request_state import RequestState
+    from ember.runner.step_inputs import GraphSizes, prepare_step
+
+    def request(name: str, prompt_len: int, lora: LoRARequest | None, computed: int = 0) -> RequestState:
+        r = RequestState(name, list(range(3, 3 + prompt_len)), GREEDY, [0], lora_request=lora)
+        r.block_ids, r.num_computed_tokens = [0, 1, 2, 3], computed
+        return r
+
+    a, b = LoRARequest("a", 7, "/a"), LoRARequest("b", 9, "/b")
+    buffers = InputBuffers(64, 8, 16, torch.device("cpu"), lora=True)
+    assert buffers.lora_slots is not None
+    buffers.lora_slots.np[:] = 99  # stale values from an earlier step
+    reqs = [request("p", 5, b), request("d1", 5, a, computed=5), request("d2", 5, None, computed=5)]
+    for r in reqs[1:]:
+        r.token_ids.append(1)
+    prepare_step(reqs, [5, 1, 1], buffers, 4, None, {7: 0, 9: 3})
+    np.testing.assert_array_equal(buffers.lora_slots.np[:7], [0, -1, 3, 3, 3, 3, 3])  # decodes, then the prompt
+    decodes = reqs[1:]
+    header = prepare_step(decodes, [1, 1], buffers, 4, GraphSizes(decode=(4,)), {7: 1}).header
+    assert header.padded == 4
+    np.testing.assert_array_equal(buffers.lora_slots.np[:4], [1, -1, -1, -1])
+
+
+def test_async_scheduling_and_chunked_prefill(setup):
+    """The host preparing step N+1 (adapters put in slots) before step N is collected, and prompts cut into
+    chunks beside decodes: the mixed batch still equals each adapter alone."""
+    base, loras, refs, _ = setup
+    llm = _llm(base, max_loras=4, async_scheduling=True, max_num_batched_tokens=8)
+    names = [None, *loras]
+    per_prompt = [None if n is None else loras[n] for n in names for _ in PROMPTS]
+    got = _tokens(llm.generate(PROMPTS * len(names), GREEDY, use_tqdm=False, lora_request=per_prompt))
+    assert got == [t for n in names for t in refs[n]]

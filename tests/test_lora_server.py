@@ -89,3 +89,25 @@ def test_serve_flags(monkeypatch):
     assert settings("--enable-lora")[1].allow_runtime_lora_updating
     with pytest.raises(ValueError, match="need --enable-lora"):
         settings("--lora-modules", "a=/x")
+
+
+def test_load_and_unload_under_traffic(adapters):
+    """Requests on the base and a served adapter keep running, and keep their answers, while another
+    adapter is loaded, used and unloaded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base, paths, want = adapters
+    with _server(base, paths, allow_runtime_lora_updating=True) as s:
+
+        def complete(model: str) -> list[str]:
+            out = s.client().completions.create(model=model, prompt=PROMPTS, max_tokens=16, temperature=0)
+            return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+        with ThreadPoolExecutor(4) as pool:
+            traffic = [pool.submit(complete, m) for m in [MODEL, "all-r8"] * 3]
+            body = {"lora_name": "qv", "lora_path": str(paths["qv-r4-rslora"])}
+            assert s.post("/v1/load_lora_adapter", body).status_code == 200
+            assert complete("qv") == want["qv-r4-rslora"]
+            assert s.post("/v1/unload_lora_adapter", {"lora_name": "qv"}).status_code == 200
+            for model, future in zip([MODEL, "all-r8"] * 3, traffic):
+                assert future.result() == want[None if model == MODEL else model]
