@@ -17,6 +17,7 @@ _EXPORTS = {
     "EngineArgs": "ember.config",
     "SamplingParams": "ember.sampling.params",
     "StructuredOutputsParams": "ember.sampling.structured",
+    "LoRARequest": "ember.lora.request",
     "RequestOutput": "ember.frontend.output",
     "CompletionOutput": "ember.frontend.output",
 }

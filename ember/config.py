@@ -78,6 +78,17 @@ class RunnerConfig:
     load_format: str = "auto"  # a draft model's weights are read as the target's (random with "dummy")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """`--enable-lora`'s limits (vLLM's flags): adapters held in device slots at once (and so distinct
+    adapters among the running requests), the largest rank a slot takes (smaller ranks are padded with
+    zeros), and adapters kept read in host memory (least recently used dropped first)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
 
 
@@ -170,6 +181,7 @@ class EngineConfig:
     seed: int
     enforce_eager: bool
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA off (`--enable-lora` not given)
 
     def runner_config(self, device: torch.device, checkpoint_dtype: str | None) -> RunnerConfig:
         """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
@@ -224,6 +236,11 @@ class EngineArgs:
     blocked_words: str | list[str] | None = None
     # Draft tokens verified by the model (vLLM's form: a dict, or its JSON; see SpeculativeConfig).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # LoRA adapters per request (docs/lora.md): slots on the device, their rank, adapters kept in host memory
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -259,6 +276,14 @@ class EngineArgs:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config: not supported with tensor parallelism (tensor_parallel_size > 1)")
+        _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_lora_rank", self.max_lora_rank, 1)
+        if self.max_cpu_loras is not None:
+            _check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora: not supported with tensor parallelism yet (tensor_parallel_size > 1)")
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora: not supported with speculative decoding yet (speculative_config)")
 
     def engine_config(self) -> EngineConfig:
         """The engine core's part of the flags, dtype names spelled one way; the front end keeps the rest
@@ -277,7 +302,13 @@ class EngineArgs:
             seed=self.seed,
             enforce_eager=self.enforce_eager,
             speculative=SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None,
+            lora=self.lora_config(),
         )
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
 
     def load_config(self) -> LoadConfig:
         return LoadConfig(
@@ -372,6 +403,13 @@ class EngineArgs:
             default=None,
             help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\', '
             "'draft_model' or 'eagle3' with \"model\": a path (see docs/speculative_decoding.md)",
+        )
+
+        g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters per request (docs/lora.md)")
+        g.add_argument("--max-loras", type=int, default=1, help="LoRA adapters on the device at once")
+        g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
+        g.add_argument(
+            "--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory (default: --max-loras)"
         )
 
     @classmethod

@@ -18,6 +18,7 @@ from ember.config import EngineArgs
 from ember.frontend.engine import LLMEngine
 from ember.frontend.output import RequestOutput
 from ember.frontend.processor import PromptType
+from ember.lora.request import LoRARequest
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 
@@ -47,8 +48,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. `lora_request`: the adapter every
+        prompt runs under, or one per prompt (None: the base model); needs `enable_lora=True`."""
         # casts: one prompt and a list of them are told apart by their first item, which no type narrows
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
             prompts = [cast(PromptType, prompts)]
@@ -61,7 +64,13 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
-        return self._run(prompts, params_list, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, loras)
 
     def chat(
         self,
@@ -113,12 +122,18 @@ class LLM:
         )
         return asyncio.run(run_on_llm_engine(self.engine_args, self.llm_engine, requests, output_path, options))
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None],
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p, final_only=True))
+            for prompt, p, lora in zip(prompts, params, loras):
+                ids.append(engine.add_request(None, prompt, p, final_only=True, lora_request=lora))
         except Exception:
             engine.abort_request(ids)
             raise

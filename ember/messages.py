@@ -21,6 +21,8 @@ from typing import IO, Any
 import msgspec
 
 from ember.config import EngineConfig
+from ember.lora.peft import LoRAShapes
+from ember.lora.request import LoRARequest
 from ember.sampling.params import SamplingParams
 
 
@@ -37,6 +39,7 @@ class EngineCoreRequest(_Message):
     max_tokens: int  # resolved: the request's own, or what the context window leaves
     eos_token_ids: list[int]
     arrival_time: float  # time.monotonic() of the front end (one clock per machine)
+    lora_request: LoRARequest | None = None  # the adapter to run under (None: the base model)
 
 
 class AbortRequests(_Message):
@@ -139,6 +142,7 @@ class EngineCoreReady(_Message):
     async_scheduling: bool
     tensor_parallel_size: int
     description: str  # the one start-up log line
+    lora: LoRAShapes | None = None  # with --enable-lora: what an adapter must fit (the front end checks it)
     # the core process's start-up moments (ember.timeline), added by ember.core.process when it sends this
     timeline: list[tuple[str, float]] = []
 

@@ -1,7 +1,8 @@
 """The paged KV cache's block pool: allocation, reference counts and prefix caching.
 
 Every full block gets a hash chained with its parent's, so a hash identifies the whole prefix up
-to and including that block. Blocks whose requests have finished keep their hash and sit in the
+to and including that block; the first block's parent is the request's LoRA adapter, if any, so two
+adapters never share KV. Blocks whose requests have finished keep their hash and sit in the
 free queue as LRU candidates: a later request with the same prefix takes them back instead of
 recomputing, until an allocation evicts them. Token ids are compared on every hit, so a hash
 collision can never serve the wrong KV.
@@ -60,6 +61,12 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def _root_hash(request: Request) -> int | None:
+    """The first block's parent: none for the base model, the adapter's id under a LoRA adapter, whose KV
+    differs from the base's for the same tokens (so every later block's hash differs too)."""
+    return None if request.lora_request is None else hash(("lora", request.lora_request.lora_int_id))
+
+
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool, sliding_window: int | None = None
@@ -110,7 +117,7 @@ class BlockManager:
         """The request's block hashes, computed up to at least `num_full_blocks`."""
         hashes = record.block_hashes
         while len(hashes) < num_full_blocks:
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else _root_hash(request)
             hashes.append(hash_block(parent, self._block_tokens(request, len(hashes))))
         return hashes
 

@@ -35,6 +35,7 @@ from ember.core.ngram import propose_ngram
 from ember.core.request import Request, RequestStatus
 from ember.core.scheduler import DraftPolicy, ScheduledBatch, Scheduler
 from ember.core.spec_stats import SpecDecodeCounts
+from ember.lora.request import LoRARequest
 from ember.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -77,6 +78,7 @@ class EngineCore:
                 self.scheduler_config,
                 runner_device,
                 config.speculative,
+                config.lora,
             )
             num_blocks = self.runner.prepare_cache()
         except RuntimeError as e:  # under tensor parallelism, often a rank that died
@@ -100,7 +102,10 @@ class EngineCore:
         )
         self.speculative = config.speculative
         self.scheduler = Scheduler(
-            self.scheduler_config, self.block_manager, DraftPolicy.of(self.speculative, runner_device.type)
+            self.scheduler_config,
+            self.block_manager,
+            DraftPolicy.of(self.speculative, runner_device.type),
+            max_loras=config.lora.max_loras if config.lora is not None else None,
         )
         self.spec_counts = SpecDecodeCounts.empty(self.speculative.num_speculative_tokens if self.speculative else 0)
         # Before anything below calls shutdown().
@@ -155,12 +160,15 @@ class EngineCore:
             async_scheduling=self.async_scheduling,
             tensor_parallel_size=tp,
             description=description,
+            lora=r.lora.shapes if r.lora is not None else None,
         )
 
     def shutdown(self) -> None:
         """End the tensor-parallel worker processes (nothing to do with one rank). Idempotent."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.stop()
+        if self.runner.lora is not None:
+            self.runner.lora.shutdown()
         self.grammar.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -204,6 +212,16 @@ class EngineCore:
                 f"max_tokens: {len(ids)} prompt + {msg.max_tokens} new tokens exceed the context window of "
                 f"{self.max_model_len}"
             )
+        return None if msg.lora_request is None else self._check_lora(msg.lora_request)
+
+    def _check_lora(self, lora: LoRARequest) -> str | None:
+        """Why the adapter cannot run (None: it can, and its tensors are being read off this thread)."""
+        if self.runner.lora is None:
+            return "lora_request: LoRA is not enabled on this engine (enable_lora / --enable-lora)"
+        try:
+            self.runner.lora.check(lora)
+        except ValueError as e:
+            return str(e)
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ember.lora.request import LoRARequest
 from ember.messages import EngineCoreRequest
 from ember.sampling.params import SamplingParams
 
@@ -55,6 +56,7 @@ class Request:
     num_grammar_tokens: int = 0  # output tokens the matcher has consumed (it may run ahead of the host's list)
     grammar_error: str | None = None  # why the grammar cannot go on, once a token it was fed ended it
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step to verify
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -68,7 +70,13 @@ class Request:
             msg.max_tokens,
             msg.eos_token_ids,
             msg.arrival_time,
+            lora_request=msg.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

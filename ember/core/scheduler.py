@@ -74,9 +74,15 @@ class DraftPolicy:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, drafts: DraftPolicy = DraftPolicy(0, 0, False)
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        drafts: DraftPolicy = DraftPolicy(0, 0, False),
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: with LoRA on, the most distinct adapters the running requests may use (device slots)."""
         self.config = config
+        self.max_loras = max_loras
         self.block_manager = block_manager
         self.drafts = drafts
         self.waiting: deque[Request] = deque()
@@ -125,6 +131,8 @@ class Scheduler:
             i += 1
 
         # Admitting new work right after a preemption would only thrash the cache.
+        adapters = {r.lora_int_id for r in self.running} - {0}
+        skipped: list[Request] = []  # waiting for a LoRA slot: they keep their place in the queue
         while (
             self.num_preemptions == num_preemptions
             and self.waiting
@@ -134,6 +142,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_inflight_tokens:  # preempted mid-flight: readmitted once its token has arrived
                 break
+            if self._needs_lora_slot(request, adapters):
+                skipped.append(self.waiting.popleft())
+                continue
             prefix_blocks = self.block_manager.match_prefix(request)
             num_cached = len(prefix_blocks) * self.block_manager.block_size
             n = min(request.num_tokens - num_cached, budget)
@@ -150,7 +161,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add(batch, request, n, allocation.block_ids)
+            adapters.add(request.lora_int_id)
+            adapters.discard(0)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         if batch:  # an empty batch is never launched: its ids wait for the next one
             batch.step.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
             batch.step.finished_request_ids, self._finished_ids = self._finished_ids, []
@@ -158,6 +172,12 @@ class Scheduler:
             if self.drafts.lookahead:
                 batch.step.num_speculative_tokens = self.num_draft_tokens()
         return batch
+
+    def _needs_lora_slot(self, request: Request, adapters: set[int]) -> bool:
+        """Whether admitting the request would make the running requests use more adapters than max_loras."""
+        lora_id = request.lora_int_id
+        full = self.max_loras is not None and len(adapters) >= self.max_loras
+        return full and lora_id != 0 and lora_id not in adapters
 
     def _lookahead(self, request: Request, computed_after: int) -> int:
         """Slots past the step's tokens that a draft model writes when the request samples in it, i.e. when
@@ -185,7 +205,13 @@ class Scheduler:
         """Put n tokens of the request in the batch, telling the runner what it has not heard of it yet."""
         if not request.num_tokens_sent:
             batch.step.new_requests.append(
-                NewRequest(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_ids)
+                NewRequest(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    request.eos_token_ids,
+                    request.lora_request,
+                )
             )
             request.num_tokens_sent = request.num_prompt_tokens
         batch.step.add(

@@ -27,6 +27,7 @@ from ember.frontend.errors import EngineDeadError, QueueFullError, RequestFailed
 from ember.frontend.metrics import IterationStats, PrometheusStatLogger
 from ember.frontend.output import OutputProcessor, RequestOutput, RequestState
 from ember.frontend.processor import ModelFacts, Processor, PromptType, load_content_filter, needs_tokenizing
+from ember.lora.request import LoRARequest
 from ember.messages import (
     AbortRequests,
     CoreOutput,
@@ -126,7 +127,11 @@ class AsyncLLM(ModelFacts):
     # ---- requests -------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield a RequestOutput each time the request makes progress; the last has `finished=True`."""
         if self._dead is not None:
@@ -140,9 +145,15 @@ class AsyncLLM(ModelFacts):
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        # Tokenizing a long prompt, or checking a new grammar, takes milliseconds: off the event loop.
-        if needs_tokenizing(prompt) or (sampling_params is not None and sampling_params.structured_outputs):
-            processed = await asyncio.to_thread(self.processor.process, request_id, prompt, sampling_params)
+        # Tokenizing a long prompt, or checking a new grammar or adapter, takes milliseconds: off the event loop.
+        if (
+            needs_tokenizing(prompt)
+            or (sampling_params is not None and sampling_params.structured_outputs)
+            or lora_request is not None
+        ):
+            processed = await asyncio.to_thread(
+                self.processor.process, request_id, prompt, sampling_params, None, lora_request
+            )
         else:  # token ids need ~35 us of checks, far less than a thread hop and its GIL hand-offs
             processed = self.processor.process(request_id, prompt, sampling_params)
         stream = _Stream(processed.state, asyncio.get_running_loop())

@@ -24,6 +24,7 @@ from ember.frontend.core_client import EngineCoreClient, make_client
 from ember.frontend.errors import EngineDeadError
 from ember.frontend.output import OutputProcessor, RequestOutput
 from ember.frontend.processor import ModelFacts, Processor, PromptType, load_content_filter
+from ember.lora.request import LoRARequest
 from ember.messages import (
     AbortRequests,
     CoreOutput,
@@ -72,6 +73,7 @@ class LLMEngine(ModelFacts):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError (and queues nothing) when it can never run.
 
@@ -79,7 +81,7 @@ class LLMEngine(ModelFacts):
         """
         self._check_alive()
         request_id = str(next(self._ids)) if request_id is None else request_id
-        processed = self.processor.process(request_id, prompt, params, arrival_time)
+        processed = self.processor.process(request_id, prompt, params, arrival_time, lora_request)
         self.output_processor.add(processed.state)
         if final_only:
             self._final_only.add(request_id)

@@ -15,6 +15,8 @@ from typing import Any
 
 from ember.frontend.content_filter import ContentFilter
 from ember.frontend.output import RequestState, child_request_id
+from ember.lora.peft import read_adapter
+from ember.lora.request import LoRARequest
 from ember.messages import EngineCoreReady, EngineCoreRequest
 from ember.model.files import ModelInfo
 from ember.sampling.params import INT64_MIN, SamplingParams
@@ -51,6 +53,8 @@ class Processor:
         self.eos_token_ids = info.eos_token_ids
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
+        self.lora_shapes = ready.lora
+        self._checked_loras: set[LoRARequest] = set()  # adapters that passed check_lora (files read once)
         self._grammar_check = GrammarCheck(self.tokenizer, self.vocab_size) if self.tokenizer is not None else None
 
     def check_grammar(self, params: StructuredOutputsParams, field: str | None = None) -> None:
@@ -59,6 +63,20 @@ class Processor:
             check_grammar(params, field)
         else:
             self._grammar_check(params, field)
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """A ValueError naming the field or file when the adapter cannot run on this engine: LoRA off, a bad
+        request, or an adapter directory that is missing, unsupported or shaped for another model. The
+        core checks again (and reads the tensors) when the request arrives."""
+        if lora in self._checked_loras:
+            return
+        if self.lora_shapes is None:
+            raise ValueError(
+                "lora_request: LoRA is not enabled on this engine; start it with enable_lora=True (--enable-lora)"
+            )
+        lora.check()
+        read_adapter(lora.lora_path, self.lora_shapes)
+        self._checked_loras.add(lora)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults, as vLLM does."""
@@ -135,10 +153,13 @@ class Processor:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate, touching no engine state (any thread may call it); a ValueError naming
         the field when the request can never run."""
         params = params or self.default_sampling_params()
+        if lora_request is not None:
+            self.check_lora(lora_request)
         self._check_vocabulary_bounds(params)
         bad_words_token_ids = self.bad_words_token_ids(params)
         if params.structured_outputs is not None:
@@ -160,7 +181,13 @@ class Processor:
             child = replace(params, n=1, seed=seed, stop=None, bad_words=None, bad_words_token_ids=bad_words_token_ids)
             core.append(
                 EngineCoreRequest(
-                    child_request_id(request_id, i, params.n), ids, child, max_tokens, self.eos_token_ids, arrival
+                    child_request_id(request_id, i, params.n),
+                    ids,
+                    child,
+                    max_tokens,
+                    self.eos_token_ids,
+                    arrival,
+                    lora_request,
                 )
             )
         return ProcessedRequest(state, core)

@@ -162,7 +162,7 @@ class DecoderLayer(nn.Module):
 
     def choose_kernels(self) -> None:
         """The whole-layer native decode (ember/ops/decode_layer.py) where the layer, as loaded, is what
-        it computes; asked again once the weights are loaded or quantized (CausalLM._choose_kernels)."""
+        it computes; asked again once the weights are loaded or quantized (CausalLM.choose_kernels)."""
         self._decode = registry.decode_layer_impl(self._target, self)
 
     def forward(
@@ -373,9 +373,9 @@ class CausalLM(nn.Module):
                     setattr(parent, name, quantize_module(child, method, dtype, tied=self.lm_head is None))
         for experts in self._experts():
             experts.quantize(kind)
-        self._choose_kernels()
+        self.choose_kernels()
 
-    def _choose_kernels(self) -> None:
+    def choose_kernels(self) -> None:
         """Let the layers whose kernels depend on their loaded or quantized weights choose again."""
         for module in self.modules():
             if isinstance(module, (GatedMLP, DecoderLayer, DecoderModel)):
@@ -469,7 +469,7 @@ class CausalLM(nn.Module):
             self._install_quantized(name, shards, params[name])
         for experts in self._experts():
             experts.finish_loading(source)
-        self._choose_kernels()
+        self.choose_kernels()
 
     def _unstacked(self, weights: Iterable[tuple[str, WeightValue]], source: str) -> Iterable[tuple[str, WeightValue]]:
         """Checkpoint tensors with stacked q/k/v or gate/up (Phi-3's qkv_proj, gate_up_proj) cut into
@@ -521,4 +521,4 @@ class CausalLM(nn.Module):
                 param.data.fill_(0.0 if self.config.gemma_norms else 1.0)  # the identity either way
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
-        self._choose_kernels()
+        self.choose_kernels()

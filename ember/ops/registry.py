@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ember.cpu_native import ops as native
-from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, linear_native, moe, norm, rotary
+from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, linear_native, lora, moe, norm, rotary
 from ember.ops.decode_layer import NativeDecodeLayers
 from ember.ops.target import Target
 from ember.ops.unfused import Unfused
@@ -91,6 +91,7 @@ ACTIVATION: tuple[Implementation[Activation], ...] = (
 FP8_NORM: tuple[Implementation[norm.TritonFp8RMSNorm], ...] = (norm.TritonFp8RMSNorm,)
 FP8_ACTIVATION: tuple[Implementation[activation.TritonFp8SiluAndMul], ...] = (activation.TritonFp8SiluAndMul,)
 MOE: tuple[Implementation[moe.TritonMoe | moe.TorchMoe], ...] = (moe.TritonMoe, moe.TorchMoe)
+LORA: tuple[Implementation[lora.TritonLoRA | lora.TorchLoRA], ...] = (lora.TritonLoRA, lora.TorchLoRA)
 DECODE_LAYER: tuple[Implementation[NativeDecodeLayers | Unfused], ...] = (NativeDecodeLayers, Unfused)
 
 
@@ -168,6 +169,11 @@ def fp8_activation_impl(t: Target, act: str) -> activation.TritonFp8SiluAndMul |
 
 def moe_impl(t: Target) -> moe.TritonMoe | moe.TorchMoe:
     return _first(MOE, t)()
+
+
+def lora_impl(t: Target) -> lora.TritonLoRA | lora.TorchLoRA:
+    """The per-row adapter delta added to a projection's output (ember/ops/lora.py)."""
+    return _first(LORA, t)()
 
 
 def decode_layer_impl(t: Target, layer: Any) -> NativeDecodeLayers | Unfused:

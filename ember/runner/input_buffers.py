@@ -32,7 +32,9 @@ class _Buffer:
 
 
 class InputBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(
+        self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device, lora: bool = False
+    ) -> None:
         self.input_ids = _Buffer((max_tokens,), torch.int64, device)
         self.positions = _Buffer((max_tokens,), torch.int64, device)
         self.slot_mapping = _Buffer((max_tokens,), torch.int64, device)
@@ -40,6 +42,8 @@ class InputBuffers:
         self.seq_lens = _Buffer((max_seqs,), torch.int32, device)
         self.query_start_loc = _Buffer((max_seqs + 1,), torch.int32, device)
         self.logits_indices = _Buffer((max_tokens,), torch.int64, device)  # a row per draft too
+        # each token's LoRA adapter slot (-1: none), with --enable-lora (ember/runner/lora_manager.py)
+        self.lora_slots = _Buffer((max_tokens,), torch.int32, device) if lora else None
         self._all = [
             self.input_ids,
             self.positions,
@@ -48,7 +52,7 @@ class InputBuffers:
             self.seq_lens,
             self.query_start_loc,
             self.logits_indices,
-        ]
+        ] + ([self.lora_slots] if self.lora_slots is not None else [])
         self._turn = 0
 
     def next_set(self) -> None:

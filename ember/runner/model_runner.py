@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ember import timeline
-from ember.config import CacheConfig, LoadConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
+from ember.config import CacheConfig, LoadConfig, LoRAConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
 from ember.model.eagle3 import load_eagle3
@@ -32,6 +32,7 @@ from ember.runner.cuda_graph import StepGraphs, capture_sizes, prefill_capture_s
 from ember.runner.drafter import DraftModelDrafter, DraftStep, Eagle3Drafter
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache
+from ember.runner.lora_manager import LoRAManager
 from ember.runner.model_build import build_model
 from ember.runner.request_state import RequestState, RequestStates
 from ember.runner.step import StepDescription, StepResult
@@ -114,6 +115,7 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         device: torch.device,
         speculative: SpeculativeConfig | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         timeline.mark("model files read")
         if device.type == "cuda":  # the CUDA context: made here, not inside the first allocation, for the timeline
@@ -142,7 +144,10 @@ class ModelRunner:
             scheduler_config.max_num_seqs + min(drafts, scheduler_config.max_num_batched_tokens),
             max_blocks,
             self.device,
+            lora=lora is not None,
         )
+        lora_slots = self.buffers.lora_slots
+        self.lora = None if lora is None or lora_slots is None else LoRAManager(self.model, lora, lora_slots.dev)
         self.graphs: StepGraphs | None = None
         self.timer = StepTimer() if self.device.type == "cuda" else None
         self.requests = RequestStates(self.device)
@@ -334,6 +339,8 @@ class ModelRunner:
             seq_lens_host=b.seq_lens.np[: h.num_seqs].tolist(),
             query_start_host=b.query_start_loc.np[: h.num_seqs + 1].tolist(),
         )
+        if b.lora_slots is not None:
+            b.lora_slots.upload(tokens)  # read in place by the LoRA layers (ember/model/lora.py)
         return _StepInputs(
             b.input_ids.upload(tokens)[: h.num_tokens],
             b.positions.upload(tokens)[: h.num_tokens],
@@ -375,12 +382,19 @@ class ModelRunner:
             self.buffers,
             self.block_size,
             self.graphs.sizes if self.graphs is not None else None,
+            self._lora_slots(requests),
         )
         if tp_size() > 1:
             send_step(step.header, self.buffers)
         # Built before the forward so that its host-to-device copies overlap the GPU's work.
         sampling = self._sampling_batch(step.samplers) if step.samplers else None
         return _Prepared(self._upload(step.header), step, sampling, description.num_speculative_tokens)
+
+    def _lora_slots(self, requests: list[RequestState]) -> dict[int, int] | None:
+        """The step's adapters put in device slots (read from disk first where needed), by lora_int_id."""
+        if self.lora is None:
+            return None
+        return self.lora.activate(r.lora_request.lora_int_id for r in requests if r.lora_request is not None)
 
     def _start(
         self, prepared: _Prepared, start_masks: Callable[[list[str]], Future[torch.Tensor] | None] | None

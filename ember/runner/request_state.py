@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember.lora.request import LoRARequest
 from ember.runner.step import NewRequest, StepDescription
 from ember.sampling.params import SamplingParams
 
@@ -23,6 +24,7 @@ class RequestState:
     sampling_params: SamplingParams
     eos_token_ids: list[int]
     generator: torch.Generator | None = None
+    lora_request: LoRARequest | None = None
     token_ids: list[int] = field(default_factory=list)  # known on the host: the prompt, then output tokens
     output_token_ids: list[int] = field(default_factory=list)  # known on the host (penalties count them)
     block_ids: list[int] = field(default_factory=list)
@@ -39,7 +41,7 @@ class RequestState:
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=device).manual_seed(params.seed)
-        return cls(new.request_id, new.prompt_token_ids, params, new.eos_token_ids, generator)
+        return cls(new.request_id, new.prompt_token_ids, params, new.eos_token_ids, generator, new.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ember.lora.request import LoRARequest
 from ember.messages import Logprobs
 from ember.sampling.params import SamplingParams
 
@@ -29,6 +30,7 @@ class NewRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: list[int]  # held back while min_tokens is not reached
+    lora_request: LoRARequest | None = None  # the adapter its tokens run under
 
 
 @dataclass

@@ -69,10 +69,12 @@ def prepare_step(
     buffers: InputBuffers,
     block_size: int,
     graphs: GraphSizes | None,
+    lora_slots: dict[int, int] | None = None,
 ) -> PreparedStep:
     """Fill the host buffers for this step's requests, each computing its `num_new_tokens` next tokens.
     `graphs`: the captured CUDA graph sizes a decode-only batch or a lone prefill chunk is padded to
-    (None: every step runs eagerly)."""
+    (None: every step runs eagerly). `lora_slots`: with LoRA on, the device slot of each adapter the
+    step's requests use (by lora_int_id); each token gets its request's (-1: the base model)."""
     decoding = [n == 1 or n == 1 + len(r.spec_token_ids) > 1 for r, n in zip(requests, num_new_tokens)]
     order = sorted(range(len(requests)), key=lambda i: not decoding[i])
     b = buffers
@@ -117,6 +119,8 @@ def prepare_step(
             if start < last:
                 prompt_rows.append(PromptRows(req, t, start, last - start))
         spans.append((req, t, n))
+        if b.lora_slots is not None and lora_slots is not None:
+            b.lora_slots.np[t : t + n] = -1 if req.lora_request is None else lora_slots[req.lora_request.lora_int_id]
         t += n
         max_seq_len = max(max_seq_len, end)
         if end >= req.num_scheduled_tokens:  # past them by its drafts: a row per draft, then the bonus token's
@@ -134,6 +138,8 @@ def prepare_step(
         ids[num_tokens:padded] = 0
         pos[num_tokens:padded] = 0
         slots[num_tokens:padded] = -1
+        if b.lora_slots is not None:
+            b.lora_slots.np[num_tokens:padded] = -1
     header = StepHeader(
         num_tokens=num_tokens,
         num_seqs=num_seqs,

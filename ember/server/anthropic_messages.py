@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -123,8 +124,9 @@ def _chat_input(body: CountTokensRequest, params: SamplingParams) -> ChatInput:
 
 async def _start(state: ServerState, engine: AsyncLLM, body: MessagesRequest) -> _Message:
     params = await sampling_params(body, engine)
-    run = await start_chat(state, engine, _chat_input(body, params), f"msg_{uuid.uuid4().hex}")
-    return _Message(state.settings.model_name, body, run)
+    chat = replace(_chat_input(body, params), lora_request=state.lora_for(body.model))
+    run = await start_chat(state, engine, chat, f"msg_{uuid.uuid4().hex}")
+    return _Message(state.served_model(body.model), body, run)
 
 
 def stop_reason(finish_reason: str | None, stop: int | str | None) -> tuple[str | None, str | None]:

@@ -37,6 +37,10 @@ class ServerSettings:
     fastapi_docs: bool = True  # /openapi.json, /docs and /redoc
     responses_store_path: str = MEMORY  # the Responses API's stored responses; in memory unless a file is named
     responses_store_limits: StoreLimits = StoreLimits()
+    lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: (name, adapter directory), served as models
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter: --allow-runtime-lora-updating, or vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true
+    allow_runtime_lora_updating: bool = False
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -111,6 +115,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=sorted(REASONING_PARSERS),
         help="move the answer's <think>...</think> part into reasoning_content",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='LoRA adapters served as models named NAME (needs --enable-lora; JSON {"name", "path"} also taken)',
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
     )
     g.add_argument(
         "--disable-fastapi-docs", action="store_true", help="serve no /openapi.json, /docs (Swagger UI) or /redoc"
@@ -244,5 +260,27 @@ def settings_from_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerSettin
         fastapi_docs=not ns.disable_fastapi_docs,
         responses_store_path=ns.responses_store_path,
         responses_store_limits=_store_limits(ns),
+        lora_modules=_lora_modules(ns.lora_modules),
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating
+        or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     )
+    if (settings.lora_modules or settings.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and runtime LoRA updating need --enable-lora")
     return args, settings
+
+
+def _lora_modules(flag: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """`name=path` items (vLLM's form), or their JSON {"name": ..., "path": ...}; names must differ."""
+    modules: dict[str, str] = {}
+    for item in flag or ():
+        if item.lstrip().startswith("{"):
+            spec = json.loads(item)
+            name, path = spec.get("name"), spec.get("path")
+        else:
+            name, _, path = item.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules: expected NAME=PATH or JSON with name and path, got {item!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules: {name!r} is given twice")
+        modules[name] = path
+    return tuple(modules.items())

@@ -74,6 +74,7 @@ async def _start(state: ServerState, engine: AsyncLLM, body: ChatCompletionReque
         parallel_tool_calls=body.parallel_tool_calls,
         template_kwargs=dict(body.chat_template_kwargs or {}),
         top_logprobs=body.top_logprobs or 0,
+        lora_request=state.lora_for(body.model),
     )
     run = await start_chat(state, engine, chat, f"chatcmpl-{uuid.uuid4().hex}")
     return _ChatCompletion(state, body, run)
@@ -96,7 +97,7 @@ class _ChatCompletion:
     """A chat run's events as chat choices or stream chunks (OpenAI's chat completion shape)."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, run: ChatRun) -> None:
-        self.model = state.settings.model_name
+        self.model = state.served_model(body.model)
         self.body = body
         self.run = run
         self.gen = run.gen

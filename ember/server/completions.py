@@ -80,7 +80,7 @@ class _Completion:
         self.params = params
         self.tokenizer = engine.tokenizer
         self.rid = f"cmpl-{uuid.uuid4().hex}"
-        self.gen = Generation(state, engine, self.rid, prompts, params, CompletionRequest)
+        self.gen = Generation(state, engine, self.rid, prompts, params, CompletionRequest, state.lora_for(body.model))
         # Per choice index while streaming: tokens sent, text offset reached, and whether it finished.
         self._sent_tokens: dict[int, int] = {}
         self._offsets: dict[int, int] = {}
@@ -136,11 +136,13 @@ class _Completion:
             for o in out.outputs:
                 choice = self._chunk_choice(i * self.params.n + o.index, out, o)
                 if choice is not None:
-                    yield CompletionResponse(id=self.rid, model=self.state.settings.model_name, choices=[choice])
+                    yield CompletionResponse(
+                        id=self.rid, model=self.state.served_model(self.body.model), choices=[choice]
+                    )
         if self.body.include_usage:
             yield CompletionResponse(
                 id=self.rid,
-                model=self.state.settings.model_name,
+                model=self.state.served_model(self.body.model),
                 choices=[],
                 usage=usage(cast(list[RequestOutput], self.gen.final)),
             )  # all set by now
@@ -187,5 +189,5 @@ class _Completion:
                     )
                 )
         return CompletionResponse(
-            id=self.rid, model=self.state.settings.model_name, choices=choices, usage=usage(finals)
+            id=self.rid, model=self.state.served_model(self.body.model), choices=choices, usage=usage(finals)
         )

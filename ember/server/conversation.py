@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from ember.frontend.async_llm import AsyncLLM
 from ember.frontend.output import CompletionOutput, Logprob, RequestOutput
+from ember.lora.request import LoRARequest
 from ember.sampling.params import SamplingParams
 from ember.server.chat_answer import AnswerDelta, AnswerParser, ToolMode, tool_constraint
 from ember.server.errors import bad_request, value_error
@@ -54,6 +55,7 @@ class ChatInput:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     top_logprobs: int = 0
     tool_choice_field: str = "tool_choice"  # the request field errors about the tool choice name
+    lora_request: LoRARequest | None = None  # the adapter the request's `model` names
 
 
 @dataclass
@@ -191,7 +193,7 @@ class ChatRun:
         self.tokenizer = tokenizer
         self.request_id = request_id
         self.prompt_tokens = len(prompt["prompt_token_ids"])
-        self.gen = Generation(state, engine, request_id, [prompt], chat.params, chat.request_model)
+        self.gen = Generation(state, engine, request_id, [prompt], chat.params, chat.request_model, chat.lora_request)
         n = chat.params.n
         self._sent_tokens = [0] * n  # per choice, the tokens already reported
         self._done: set[int] = set()

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from ember.frontend.async_llm import AsyncLLM
 from ember.frontend.output import RequestOutput
+from ember.lora.request import LoRARequest
 from ember.sampling.params import SamplingParams
 from ember.server.errors import APIError, ErrorBody, engine_error, openai_error_body, unavailable
 from ember.server.state import ServerState
@@ -79,6 +80,7 @@ class Generation:
         prompts: list[Any],
         params: SamplingParams,
         request_model: type[BaseModel],
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.state = state
         self.request_id = request_id
@@ -87,7 +89,7 @@ class Generation:
         self.final: list[RequestOutput | None] = [None] * len(prompts)
         self.prompts = prompts
         self._gens = [
-            engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+            engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", lora_request)
             for i, p in enumerate(prompts)
         ]
         self._merged = self._merge()

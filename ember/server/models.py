@@ -34,9 +34,14 @@ router = APIRouter(dependencies=[Depends(check_api_key)])
 async def list_models(request: Request, engine: AsyncLLM = Depends(ready_engine)) -> ModelList:
     state = get_state(request)
     s = state.settings
-    return ModelList(
-        data=[ModelCard(id=s.model_name, created=state.created, root=s.model_root, max_model_len=engine.max_model_len)]
-    )
+    base = ModelCard(id=s.model_name, created=state.created, root=s.model_root, max_model_len=engine.max_model_len)
+    adapters = [
+        ModelCard(
+            id=name, created=state.created, root=lora.lora_path, parent=s.model_name, max_model_len=engine.max_model_len
+        )
+        for name, lora in state.loras.items()
+    ]
+    return ModelList(data=[base, *adapters])
 
 
 @router.post("/tokenize", **route_docs(body=TokenizeRequest, response=TokenizeResponse, errors=BODY_ERRORS))

@@ -98,7 +98,7 @@ def validate_body(state: ServerState, data: Any, model: type[M]) -> M:
         param = _loc_to_param(err["loc"])
         message = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
         raise bad_request(f"{param}: {message}", param) from None
-    state.check_model(body.model)  # type: ignore[attr-defined]
+    state.check_model(getattr(body, "model", None))  # bodies without one (load_lora_adapter) name none
     return body
 
 

@@ -469,8 +469,17 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "ember"
-    root: str
+    root: str  # the weights' path (an adapter's directory for a LoRA adapter)
+    parent: str | None = None  # a LoRA adapter's base model id
     max_model_len: int
+
+
+class LoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies; unloading needs no path)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str | None = Field(default=None, max_length=4096)
 
 
 class ModelList(BaseModel):

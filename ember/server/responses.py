@@ -165,8 +165,9 @@ async def _start(state: ServerState, engine: AsyncLLM, body: ResponsesRequest, o
         parallel_tool_calls=body.parallel_tool_calls,
         template_kwargs=body.template_kwargs(),
         top_logprobs=body.top_logprobs or 0,
+        lora_request=state.lora_for(body.model),
     )
-    obj = ResponseObject.for_request(body, state.settings.model_name, params)
+    obj = ResponseObject.for_request(body, state.served_model(body.model), params)
     run = await start_chat(state, engine, chat, obj.id)
     made = _Response(state, owner, body, run, obj, InputItems(items).model_dump_json())
     if body.background:

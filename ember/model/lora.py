@@ -1,0 +1,129 @@
+"""LoRA on a loaded decoder: each adaptable projection wrapped so that its output gains its rows' adapter
+deltas, the adapters' slot tensors, and the reading of a PEFT adapter's tensors into a slot.
+
+The wrapped projections are q/k/v (the fused qkv_proj, three slices), o_proj, gate/up (the fused
+gate_up_proj, two slices) and down_proj of dense MLPs; which adapter each row runs under is one int32
+per token in `slots`, a step input the runner fills (ember/runner/lora_manager.py) and every layer
+reads through the same tensor (`LoRABatch`), so a CUDA graph captured on it replays any mix of adapters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ember.lora.peft import TARGETS, LoRAShapes, PeftAdapter
+from ember.model.layers import GatedMLP
+from ember.model.llama import CausalLM
+from ember.ops import registry
+from ember.ops.lora import LoRAWeights
+
+
+@dataclass
+class LoRABatch:
+    """What every wrapped projection reads of the step: `slots`, each token's adapter slot (-1: none), a
+    runner buffer that is never replaced (a CUDA graph captured on it replays any mix), and `active`,
+    whether any row of an eager step has an adapter (a step of the base alone skips the deltas; True
+    while graphs are captured, so that they hold them)."""
+
+    slots: torch.Tensor
+    active: bool = True
+
+
+class LoRALinear(nn.Module):
+    """base(x) plus, for each row t, the delta of the adapter in slot slots[t] (none for -1). The base keeps
+    its own kernels (dense or quantized); fused native paths that would skip `forward` (the CPU decode
+    layer, GEMV + SiLU) see no native weight here and step aside."""
+
+    def __init__(self, base: nn.Module, weights: LoRAWeights, batch: LoRABatch) -> None:
+        super().__init__()
+        self.base = base
+        self.weights = weights
+        self.batch = batch
+        self._impl = registry.lora_impl(registry.target(weights.a.device, weights.a.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.batch.active:
+            rows = x.reshape(-1, x.shape[-1])
+            self._impl(rows, y.view(-1, y.shape[-1]), self.weights, self.batch.slots[: rows.shape[0]])
+        return y
+
+
+@dataclass
+class _Slices:
+    """A wrapped module's slices: each PEFT module's slice index and output width."""
+
+    in_features: int
+    widths: list[int]
+
+
+def _modules(model: CausalLM) -> dict[str, _Slices]:
+    """Ember module suffix -> its slices, for the projections every decoder layer has (MoE MLPs have none)."""
+    cfg, attn = model.config, model.attention_layers()[0]
+    hidden, q, kv = cfg.hidden_size, attn.q_size, attn.kv_size
+    modules = {"self_attn.qkv_proj": _Slices(hidden, [q, kv, kv]), "self_attn.o_proj": _Slices(q, [hidden])}
+    mlps = [layer.mlp for layer in model.model.decoder_layers()]
+    if all(isinstance(m, GatedMLP) for m in mlps):
+        inter = model.layout.intermediate_size
+        modules["mlp.gate_up_proj"] = _Slices(hidden, [inter, inter])
+        modules["mlp.down_proj"] = _Slices(inter, [hidden])
+    return modules
+
+
+class LoRALayers:
+    """The model's wrapped projections and their slot tensors; `install` puts an adapter's weights in a slot."""
+
+    def __init__(self, model: CausalLM, max_loras: int, max_rank: int, slots: torch.Tensor) -> None:
+        if model.layout.size > 1:
+            raise ValueError("enable_lora: not supported with tensor parallelism yet")
+        modules = _modules(model)
+        dtype, device = model.model.norm.weight.dtype, slots.device
+        self.max_rank = max_rank
+        self.batch = LoRABatch(slots)
+        self.weights: dict[tuple[int, str], LoRAWeights] = {}
+        for index, layer in enumerate(model.model.decoder_layers()):
+            for suffix, sl in modules.items():
+                parent_name, attr = suffix.split(".")
+                parent = getattr(layer, parent_name)
+                w = LoRAWeights(
+                    torch.zeros(max_loras, len(sl.widths) * max_rank, sl.in_features, dtype=dtype, device=device),
+                    [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for n in sl.widths],
+                    [sum(sl.widths[:i]) for i in range(len(sl.widths))],
+                )
+                self.weights[index, suffix] = w
+                setattr(parent, attr, LoRALinear(getattr(parent, attr), w, self.batch))
+        model.choose_kernels()  # the native fused paths step aside for the wrapped projections
+        peft = {name: (suffix, i) for name, (suffix, i) in TARGETS.items() if suffix in modules}
+        self.shapes = LoRAShapes(
+            max_loras,
+            max_rank,
+            model.config.num_hidden_layers,
+            {name: [modules[s].in_features, modules[s].widths[i]] for name, (s, i) in peft.items()},
+        )
+
+    def read(self, adapter: PeftAdapter) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """The adapter's (A [r, in], scale * B^T [r, out]) per (layer, PEFT module), in the slots' dtype, on
+        the host: what `install` copies (read on a loader thread, off the engine's loop)."""
+        dtype = next(iter(self.weights.values())).a.dtype
+        out = {}
+        with safe_open(adapter.weights_file, framework="pt") as f:
+            for key, (a_name, b_name) in adapter.modules.items():
+                a, b = f.get_tensor(a_name).float(), f.get_tensor(b_name).float()
+                out[key] = (a.to(dtype), (b.T * adapter.scale).to(dtype).contiguous())
+        return out
+
+    def install(self, slot: int, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Make `slot` hold these tensors (from `read`), zeros everywhere they do not reach."""
+        for w in self.weights.values():
+            w.a[slot].zero_()
+            for b in w.b:
+                b[slot].zero_()
+        for (layer, module), (a, bt) in tensors.items():
+            suffix, i = TARGETS[module]
+            w, r = self.weights[layer, suffix], a.shape[0]
+            w.a[slot, i * self.max_rank : i * self.max_rank + r].copy_(a, non_blocking=True)
+            w.b[i][slot, :r].copy_(bt, non_blocking=True)

@@ -1,0 +1,306 @@
+"""LoRA adapters: Ember's greedy tokens equal HF PeftModel's (float32) for random PEFT adapters made with
+peft, alone and mixed in one batch with the base model; the prefix cache keeps adapters apart; more
+adapters than device slots take turns (LRU); bad adapters are refused with a clear error; the Triton
+shrink/expand kernels equal the PyTorch reference (through Triton's interpreter on CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE, make_checkpoint
+from safetensors.torch import load_file, save_file
+
+from ember import LLM, LoRARequest, SamplingParams
+
+pytest.importorskip("peft")
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):\n    return"]
+NUM_TOKENS = 16
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, target modules, use_rslora)
+ADAPTERS = {
+    "all-r8": (8, 16, ALL, False),
+    "qv-r4-rslora": (4, 8, ["q_proj", "v_proj"], True),
+    "mlp-r16": (16, 8, ["gate_proj", "up_proj", "down_proj"], False),
+    "ko-r2": (2, 4, ["k_proj", "o_proj"], False),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def make_adapter(base: Path, out: Path, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int) -> Path:
+    """A PEFT LoRA adapter of `base` with random A and B (peft starts B at zero, which would change nothing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+def hf_greedy(base: Path, adapter: Path | None, prompt_ids: list[list[int]]) -> list[list[int]]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.generation_config.eos_token_id = None
+    outs = []
+    for ids in prompt_ids:
+        t = torch.tensor([ids])
+        seq = model.generate(
+            input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0
+        )
+        outs.append(seq[0, len(ids) :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The base checkpoint, its adapters (name -> LoRARequest) and HF's greedy tokens per adapter (None: base)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_checkpoint(root / "llama", "llama")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    prompt_ids = [tok.encode(p).ids for p in PROMPTS]
+    loras, refs = {}, {None: hf_greedy(base, None, prompt_ids)}
+    for i, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        path = make_adapter(base, root / name, rank, alpha, targets, rslora, seed=i)
+        loras[name] = LoRARequest(name, i + 1, str(path))
+        refs[name] = hf_greedy(base, path, prompt_ids)
+        assert refs[name] != refs[None], f"adapter {name} changes nothing: the test would prove nothing"
+    return base, loras, refs, root
+
+
+def _llm(base: Path, **kwargs) -> LLM:
+    args = dict(kv_cache_memory=0.05, max_model_len=256, device=DEVICE, dtype="float32", engine_process=False)
+    return LLM(str(base), enable_lora=True, max_lora_rank=16, **{**args, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def llm(setup):
+    return _llm(setup[0], max_loras=4)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_each_adapter_and_the_base_match_peft(setup, llm):
+    _, loras, refs, _ = setup
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == refs[None]
+    for name, lora in loras.items():
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)) == refs[name], name
+
+
+def test_mixed_batch_equals_each_alone(setup, llm):
+    """4 adapters and the base, every prompt under each, in one generate call (one batch per step)."""
+    _, loras, refs, _ = setup
+    names = [None, *loras]
+    prompts = [p for _ in names for p in PROMPTS]
+    per_prompt = [None if n is None else loras[n] for n in names for _ in PROMPTS]
+    got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt))
+    assert got == [t for n in names for t in refs[n]]
+
+
+def test_prefix_cache_keeps_adapters_apart(setup):
+    """The same long prompt under the base and two adapters, one after another with prefix caching on:
+    each gets its own result, and only a repeat under the same adapter hits the cache."""
+    base, loras, _, _ = setup
+    llm = _llm(base, max_loras=1)
+    prompt = "Large language models generate text one token at a time. " * 4
+    runs = [None, loras["all-r8"], loras["qv-r4-rslora"], loras["all-r8"]]
+    outs = [llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0] for lora in runs]
+    assert [o.num_cached_tokens for o in outs[:3]] == [0, 0, 0]
+    assert outs[3].num_cached_tokens > 0 and outs[3].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    tokens = [o.outputs[0].token_ids for o in outs[:3]]
+    assert tokens[0] != tokens[1] and tokens[1] != tokens[2]
+    fresh = _llm(base, max_loras=1, enable_prefix_caching=False)
+    for lora, out in zip(runs[1:3], outs[1:3]):
+        alone = fresh.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+        assert _tokens(alone) == [out.outputs[0].token_ids]
+
+
+def test_more_adapters_than_slots_take_turns(setup):
+    """max_loras=2 with 4 adapters in one call: requests wait for a slot, adapters are evicted LRU and read
+    again (max_cpu_loras=2 drops host copies too), and every output still equals peft's."""
+    base, loras, refs, _ = setup
+    llm = _llm(base, max_loras=2, max_cpu_loras=2)
+    names = list(loras)
+    prompts = [p for _ in names for p in PROMPTS]
+    per_prompt = [loras[n] for n in names for _ in PROMPTS]
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt)) == [
+        t for n in names for t in refs[n]
+    ]
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras["all-r8"])) == refs["all-r8"]
+
+
+def test_engine_process(setup):
+    base, loras, refs, _ = setup
+    llm = _llm(base, max_loras=2, engine_process=True)
+    lora = loras["qv-r4-rslora"]
+    got = _tokens(llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False, lora_request=[lora] * 3 + [None] * 3))
+    assert got == refs["qv-r4-rslora"] + refs[None]
+
+
+def _broken(root: Path, good: Path, name: str, config: dict | None = None, tensors=None) -> LoRARequest:
+    """A copy of the adapter `good` with its config fields replaced and its tensors transformed."""
+    out = root / "broken" / name
+    out.mkdir(parents=True)
+    cfg = json.loads((good / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    weights = load_file(str(good / "adapter_model.safetensors"))
+    save_file(tensors(weights) if tensors else weights, str(out / "adapter_model.safetensors"))
+    return LoRARequest(name, 100 + len(name), str(out))
+
+
+def test_bad_adapters_are_refused(setup, llm):
+    base, loras, refs, root = setup
+    good = Path(loras["all-r8"].lora_path)
+
+    def refused(lora: LoRARequest, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lora)
+
+    refused(LoRARequest("gone", 90, str(root / "nowhere")), "no such directory")
+    missing = root / "broken" / "empty"
+    missing.mkdir(parents=True)
+    (missing / "adapter_config.json").write_text("{}")
+    refused(LoRARequest("empty", 91, str(missing)), "missing adapter_model.safetensors")
+    refused(_broken(root, good, "rank", {"r": 32}), "rank 32 is larger than max_lora_rank")
+    refused(_broken(root, good, "bias", {"bias": "all"}), "bias")
+    refused(_broken(root, good, "embed", {"target_modules": ["embed_tokens", "q_proj"]}), "'embed_tokens' is not")
+    refused(_broken(root, good, "dora", {"use_dora": True}), "use_dora")
+
+    def widen(w: dict) -> dict:
+        return {k: torch.zeros(v.shape[0], v.shape[1] + 1) if "q_proj.lora_A" in k else v for k, v in w.items()}
+
+    refused(_broken(root, good, "shape", tensors=widen), r"lora_A.weight' has shape \[8, 65\], expected \[8, 64\]")
+
+    def lm_head(w: dict) -> dict:
+        return {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}
+
+    refused(_broken(root, good, "head", tensors=lm_head), "'lm_head' is not supported yet")
+    refused(LoRARequest("zero", 0, str(good)), "lora_int_id must be an integer >= 1")
+    # the engine serves on, the good adapters unchanged
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras["all-r8"])) == refs["all-r8"]
+
+
+def test_lora_needs_enable_lora(setup):
+    base, loras, _, _ = setup
+    llm = LLM(str(base), kv_cache_memory=0.05, max_model_len=256, device=DEVICE, dtype="float32", engine_process=False)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=loras["all-r8"])
+
+
+def test_quantized_base_takes_adapters(setup):
+    """The delta is added to the base projection's output: an int8 base with an adapter equals the int8 base
+    plus what the adapter adds to a float base, so its tokens differ from the int8 base's alone."""
+    base, loras, refs, _ = setup
+    llm = _llm(base, max_loras=1, quantization="int8")
+    plain = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    adapted = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras["all-r8"]))
+    assert adapted != plain
+    assert sum(a[:4] == r[:4] for a, r in zip(adapted, refs["all-r8"])) >= 2  # int8 rounding may move late tokens
+
+
+def test_qwen3_adapter_matches_peft(tmp_path):
+    base = make_checkpoint(tmp_path / "qwen3", "qwen3")
+    adapter = make_adapter(base, tmp_path / "adapter", 8, 16, ALL, False, seed=7)
+    from tokenizers import Tokenizer
+
+    ids = [Tokenizer.from_file(str(base / "tokenizer.json")).encode(p).ids for p in PROMPTS]
+    llm = _llm(base, max_loras=1)
+    lora = LoRARequest("q", 1, str(adapter))
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)) == hf_greedy(base, adapter, ids)
+
+
+@pytest.mark.parametrize("widths", [[48, 16, 16], [40]])
+def test_triton_kernels_match_reference(widths):
+    """Shrink then expand per slice, rows under 3 slots and none, against the float64 reference; the
+    PyTorch implementation (the CPU path) against the same."""
+    from ember.kernels.lora import lora_expand, lora_ref, lora_shrink
+    from ember.ops.lora import LoRAWeights, TorchLoRA
+
+    gen = torch.Generator().manual_seed(0)
+    slots_n, rank, k, rows = 3, 8, 40, 7
+    a = torch.randn(slots_n, len(widths) * rank, k, generator=gen)
+    b = [torch.randn(slots_n, rank, n, generator=gen) for n in widths]
+    x = torch.randn(rows, k, generator=gen)
+    slots = torch.tensor([0, -1, 2, 1, 2, -1, 0], dtype=torch.int32)
+    base = torch.randn(rows, sum(widths), generator=gen)
+    want = base.double() + lora_ref(x, a, b, slots)
+    y = base.clone()
+    xa = lora_shrink(x, a, slots)
+    for i, bi in enumerate(b):
+        lora_expand(xa, bi, slots, y, i, sum(widths[:i]))
+    torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
+    y = base.clone()
+    TorchLoRA()(x, y, LoRAWeights(a, b, [sum(widths[:i]) for i in range(len(widths))]), slots)
+    torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
+
+
+def test_triton_path_mixed_batch(setup, monkeypatch):
+    """The whole GPU code path (registry.FORCE_TRITON: Triton kernels through the interpreter, the LoRA
+    delta by the shrink/expand kernels) with two adapters and the base in one batch."""
+    from ember.ops import registry
+
+    base, loras, refs, _ = setup
+    monkeypatch.setattr(registry, "FORCE_TRITON", True)
+    llm = _llm(base, max_loras=2)
+    names = [None, "all-r8", "qv-r4-rslora"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    per_prompt = [None if n is None else loras[n] for n in names for _ in PROMPTS]
+    got = _tokens(llm.generate(PROMPTS * len(names), params, use_tqdm=False, lora_request=per_prompt))
+    assert got == [t[:6] for n in names for t in refs[n]]
+
+
+def test_step_inputs_carry_each_tokens_slot():
+    """prepare_step writes each token's adapter slot, decodes first, and -1 for the base and for the pad
+    rows of a CUDA graph (host side: the buffer the LoRA layers read)."""
+    import numpy as np
+
+    from ember.runner.input_buffers import InputBuffers
+    from ember.runner.request_state import RequestState
+    from ember.runner.step_inputs import GraphSizes, prepare_step
+
+    def request(name: str, prompt_len: int, lora: LoRARequest | None, computed: int = 0) -> RequestState:
+        r = RequestState(name, list(range(3, 3 + prompt_len)), GREEDY, [0], lora_request=lora)
+        r.block_ids, r.num_computed_tokens = [0, 1, 2, 3], computed
+        return r
+
+    a, b = LoRARequest("a", 7, "/a"), LoRARequest("b", 9, "/b")
+    buffers = InputBuffers(64, 8, 16, torch.device("cpu"), lora=True)
+    assert buffers.lora_slots is not None
+    buffers.lora_slots.np[:] = 99  # stale values from an earlier step
+    reqs = [request("p", 5, b), request("d1", 5, a, computed=5), request("d2", 5, None, computed=5)]
+    for r in reqs[1:]:
+        r.token_ids.append(1)
+    prepare_step(reqs, [5, 1, 1], buffers, 4, None, {7: 0, 9: 3})
+    np.testing.assert_array_equal(buffers.lora_slots.np[:7], [0, -1, 3, 3, 3, 3, 3])  # decodes, then the prompt
+    decodes = reqs[1:]
+    header = prepare_step(decodes, [1, 1], buffers, 4, GraphSizes(decode=(4,)), {7: 1}).header
+    assert header.padded == 4
+    np.testing.assert_array_equal(buffers.lora_slots.np[:4], [1, -1, -1, -1])
+
+
+def test_async_scheduling_and_chunked_prefill(setup):
+    """The host preparing step N+1 (adapters put in slots) before step N is collected, and prompts cut into
+    chunks beside decodes: the mixed batch still equals each adapter alone."""
+    base, loras, refs, _ = setup
+    llm = _llm(base, max_loras=4, async_scheduling=True, max_num_batched_tokens=8)
+    names = [None, *loras]
+    per_prompt = [None if n is None else loras[n] for n in names for _ in PROMPTS]
+    got = _tokens(llm.generate(PROMPTS * len(names), GREEDY, use_tqdm=False, lora_request=per_prompt))
+    assert got == [t for n in names for t in refs[n]]
