@@ -225,7 +225,7 @@ class DecoderModel(nn.Module):
 
     def choose_kernels(self) -> None:
         """Every layer's decode step in one native call (ember/ops/decode_layer.py) where each layer, as
-        loaded, is what it computes; asked again with the layers' own choice (CausalLM._choose_kernels)."""
+        loaded, is what it computes; asked again with the layers' own choice (CausalLM.choose_kernels)."""
         layers = self.decoder_layers()
         self._decode = registry.decode_layers_impl(layers[0]._target, layers)
 
