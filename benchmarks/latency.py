@@ -25,7 +25,7 @@ if not __package__:
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
 from benchmarks.step_profile import print_profile, profile_steps
-from ember import LLM, SamplingParams
+from ember import LLM, LoRARequest, SamplingParams
 from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 
 
@@ -34,12 +34,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
+def measure(
+    llm: LLM, prompt: list[int], output_len: int, lora_request: LoRARequest | None = None
+) -> tuple[float, list[float]]:
     """One request through engine.step(): seconds to the first token, then seconds per later step."""
     engine = llm.llm_engine
-    engine.add_request(
-        None, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    )
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    engine.add_request(None, {"prompt_token_ids": prompt}, params, lora_request=lora_request)
     _sync(torch.device(engine.ready.device))
     start = time.perf_counter()
     ttft, steps, last = None, [], start
