@@ -541,6 +541,66 @@ def matmul_silu(x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     return out
 
 
+def silu_mul(y: torch.Tensor) -> torch.Tensor:
+    """silu(y[:, :I]) * y[:, I:] for y float32 [M, 2I] contiguous, as `matmul_silu` applies it to its GEMV's
+    output (for a gate/up output changed between the two: a LoRA delta)."""
+    if y.dtype != torch.float32 or y.dim() != 2 or y.shape[1] % 2 or not y.is_contiguous() or not y.is_cpu:
+        raise ValueError(f"y must be a contiguous CPU float32 [M, 2I] tensor, got {y.dtype} {tuple(y.shape)}")
+    size = y.shape[1] // 2
+    out = torch.empty(y.shape[0], size)
+    _module().silu_mul(y.data_ptr(), out.data_ptr(), y.shape[0], size, torch.get_num_threads())
+    return out
+
+
+# One projection's LoRA slots (ember/ops/lora.py, LoRAWeights): A float32 [loras, slices * rank, K], then B
+# of each slice float32 [loras, rank, n_i], the scale folded in.
+LoRASlots = tuple[torch.Tensor, list[torch.Tensor]]
+
+
+def lora_fits(a: torch.Tensor, b: list[torch.Tensor]) -> bool:
+    """Whether `lora_delta` (and `layer_record`) take these slots: contiguous CPU float32, 1 to 3 slices."""
+    return 1 <= len(b) <= 3 and all(
+        t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and t.shape[0] == a.shape[0] for t in (a, *b)
+    )
+
+
+def lora_delta(x: torch.Tensor, y: torch.Tensor, lora: LoRASlots, slots: torch.Tensor) -> None:
+    """y[t, off_i : off_i + n_i] += (A[s] @ x[t])[i R : (i + 1) R] @ B_i[s] for each row t whose slot s =
+    slots[t] is not -1, slice i's columns after the slices before it (lora.c): x float32 [M, K], y float32
+    [M, sum n_i] (rows may be strided, columns contiguous), slots int32 [M]. Rows of one slot share its
+    weights; no slot no row uses is read."""
+    a, b = lora
+    m, k = x.shape
+    widths = [t.shape[2] for t in b]
+    if not lora_fits(a, b) or a.shape[1] != len(b) * b[0].shape[1] or a.shape[2] != k:
+        raise ValueError(f"LoRA slots A {tuple(a.shape)}, B {[tuple(t.shape) for t in b]} do not fit x [M, {k}]")
+    if x.dtype != torch.float32 or x.stride(1) != 1 or y.dtype != torch.float32 or y.stride(1) != 1:
+        raise ValueError("x and y must be float32 with contiguous rows")
+    if y.shape != (m, sum(widths)) or slots.dtype != torch.int32 or slots.shape != (m,) or not slots.is_contiguous():
+        raise ValueError(f"y must be [{m}, {sum(widths)}] and slots int32 [{m}]")
+    pad = [0] * (3 - len(b))
+    _module().lora_delta(
+        x.data_ptr(),
+        x.stride(0),
+        y.data_ptr(),
+        y.stride(0),
+        slots.data_ptr(),
+        m,
+        a.data_ptr(),
+        *[t.data_ptr() for t in b],
+        *pad,
+        *widths,
+        *pad,
+        *[sum(widths[:i]) for i in range(len(b))],
+        *pad,
+        len(b),
+        b[0].shape[1],
+        k,
+        a.shape[0],
+        torch.get_num_threads(),
+    )
+
+
 def _weight_args(w: NativeWeight) -> tuple[int, ...]:
     """A weight as a layer record holds it: codes, scales, zeros, group, half, bits (16: bf16 arithmetic)."""
     bits = 16 if w.bf16 else _BITS[w.kind]
@@ -576,6 +636,7 @@ class DecodeLayerWeights:
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 0.0
     qkv_bias: torch.Tensor | None = None  # Qwen2's, float32 [(Hq + 2 Hk) D]
+    lora: tuple[LoRASlots, LoRASlots, LoRASlots, LoRASlots] | None = None  # qkv, o, gate/up, down (lora_fits)
 
 
 def layer_caches_fit(w: DecodeLayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -623,11 +684,22 @@ def layer_record(
         _ptr(w.q_norm),
         _ptr(w.k_norm),
         _ptr(w.qkv_bias),
+        *_lora_args(w.lora),
         *floats.tolist(),
     ]
     if len(record) != _module().layer_fields():
         raise RuntimeError(f"a layer record of {len(record)} fields; the kernels take {_module().layer_fields()}")
     return record
+
+
+def _lora_args(lora: tuple[LoRASlots, ...] | None) -> list[int]:
+    """A layer's LoRA fields (fused.c, R_LORAS..): slots, rank, then per projection A and each slice's B."""
+    if lora is None:
+        return [0] * 18
+    out = [lora[0][0].shape[0], lora[0][1][0].shape[1]]
+    for a, b in lora:
+        out += [a.data_ptr(), *(t.data_ptr() for t in b), *[0] * (3 - len(b))]
+    return out
 
 
 def decode_layers_fit(
@@ -654,6 +726,7 @@ def decode_layers(
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    lora_slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Consecutive Llama decoder layers (two RMSNorms, fused QKV with full neox rotary and Qwen2's bias if
     any, SiLU gated MLP), records int64 [L, fields] of `layer_record`s, over x float32 [M, H], M one-token
@@ -663,7 +736,9 @@ def decode_layers(
     model's 30 cost ~1 ms a step, 2026-12-05). With Qwen3's QK norm the heads are normalised by the
     kernels' RMSNorm where the modules use PyTorch's (the same formula, float32 summation order apart).
     residual None: the first layer of the model. Returns (MLP output, residual stream) of the last layer
-    as DecoderLayer.forward does."""
+    as DecoderLayer.forward does. lora_slots: each row's adapter slot (int32 [M], -1: none) in the layers'
+    LoRA weights (DecodeLayerWeights.lora), whose deltas are added to the projections' outputs as
+    `lora_delta` adds them; None: no row has an adapter."""
     m, h = x.shape
     out, residual_out = torch.empty(m, h), torch.empty(m, h)
     _module().decode_layers(
@@ -680,5 +755,6 @@ def decode_layers(
         torch.get_num_threads(),
         out.data_ptr(),
         residual_out.data_ptr(),
+        _ptr(lora_slots),
     )
     return out, residual_out

@@ -10,15 +10,18 @@ reads through the same tensor (`LoRABatch`), so a CUDA graph captured on it repl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from ember.cpu_native import ops as native
 from ember.lora.peft import TARGETS, LoRAShapes, PeftAdapter
 from ember.model.layers import GatedMLP
 from ember.model.llama import CausalLM
 from ember.ops import registry
+from ember.ops.linear_native import native_expand_min_rows
 from ember.ops.lora import LoRAWeights
 
 
@@ -35,8 +38,10 @@ class LoRABatch:
 
 class LoRALinear(nn.Module):
     """base(x) plus, for each row t, the delta of the adapter in slot slots[t] (none for -1). The base keeps
-    its own kernels (dense or quantized); fused native paths that would skip `forward` (the CPU decode
-    layer, GEMV + SiLU) see no native weight here and step aside."""
+    its own kernels (dense or quantized). On CPU the fused native paths that skip `forward` keep running:
+    the whole-layer decode (ops.decode_layer) reads the base's native weight and `native_lora`, and adds
+    the delta with the kernel `forward` uses; GEMV + SiLU is the base's where no row has an adapter, else
+    `forward` then the same native SiLU."""
 
     def __init__(self, base: nn.Module, weights: LoRAWeights, batch: LoRABatch) -> None:
         super().__init__()
@@ -44,6 +49,35 @@ class LoRALinear(nn.Module):
         self.weights = weights
         self.batch = batch
         self._impl = registry.lora_impl(registry.target(weights.a.device, weights.a.dtype))
+        gemv = self.native_gemv_weight()
+        self._silu_rows = 0 if gemv is None else native_expand_min_rows(gemv)  # rows the native SiLU takes
+
+    def native_gemv_parts(self) -> tuple[native.NativeWeight, torch.Tensor | None] | None:
+        """The base's (QuantLinear.native_gemv_parts): `forward` adds the LoRA delta to them, so a fused
+        caller adds `native_lora`'s too (ops.decode_layer does)."""
+        parts = getattr(self.base, "native_gemv_parts", None)
+        return None if parts is None else parts()
+
+    def native_gemv_weight(self) -> native.NativeWeight | None:
+        """The base's, as `native_gemv_parts`."""
+        gemv = getattr(self.base, "native_gemv_weight", None)
+        return None if gemv is None else gemv()
+
+    def native_lora(self) -> tuple[native.LoRASlots, LoRABatch] | None:
+        """The slots as the native kernels take them and the batch whose `slots` give each row's, for the
+        fused decode; None where the kernels do not take them."""
+        w = self.weights
+        return ((w.a, w.b), self.batch) if native.lora_fits(w.a, w.b) else None
+
+    def native_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this (gate/up) projection's output with the native SiLU where the base's
+        native GEMV takes x (as QuantLinear.native_silu_and_mul, so a row's numbers are the fused decode's);
+        else None."""
+        if not self.batch.active:
+            return cast(Any, self.base).native_silu_and_mul(x)  # a QuantLinear: `native_gemv_weight` was not None
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[0] >= self._silu_rows:
+            return None
+        return native.silu_mul(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -96,7 +130,7 @@ class LoRALayers:
                 )
                 self.weights[index, suffix] = w
                 setattr(parent, attr, LoRALinear(getattr(parent, attr), w, self.batch))
-        model.choose_kernels()  # the native fused paths step aside for the wrapped projections
+        model.choose_kernels()  # the native fused paths take the wrapped projections' deltas
         peft = {name: (suffix, i) for name, (suffix, i) in TARGETS.items() if suffix in modules}
         self.shapes = LoRAShapes(
             max_loras,

@@ -36,6 +36,8 @@ class NativeDecodeLayers:
             raise ValueError("NativeDecodeLayers: a layer the native decode does not compute (see can_implement)")
         self._weights = cast(list[native.DecodeLayerWeights], weights)
         self._attns = [layer.self_attn for layer in layers]
+        lora = _native_lora(layers[0].self_attn.qkv_proj)
+        self._lora = None if lora is None else lora[1]  # the LoRABatch every wrapped projection reads
         # rows below every projection's GEMV crossover
         self.max_rows = min(
             native_expand_min_rows(nat) for w in self._weights for nat in (w.qkv, w.o, w.gate_up, w.down)
@@ -55,8 +57,9 @@ class NativeDecodeLayers:
         records = self._records if self._bound() else self._pack()
         if records is None:
             return None
+        lora_slots = self._lora.slots[: h.shape[0]] if self._lora is not None and self._lora.active else None
         return native.decode_layers(
-            records, h, residual, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens
+            records, h, residual, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, lora_slots
         )
 
     def _bound(self) -> bool:
@@ -82,7 +85,8 @@ class NativeDecodeLayers:
 def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
     """What `ops.decode_layers` needs of `layer`, where it computes what the layer's modules do: two plain
     RMSNorms, full neox rotary, no bias but Qwen2's on QKV, no QK norm but Qwen3's, no sinks, an unscaled
-    cache, a SiLU gated MLP, every projection one native weight, one rank."""
+    cache, a SiLU gated MLP, every projection one native weight, one rank; LoRA on every projection (the
+    native slots of ember.model.lora's LoRALinear) or on none."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if (
@@ -103,6 +107,11 @@ def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
     )
     if qkv is None or o is None or gate_up is None or down is None:
         return None
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    loras = [_native_lora(lin) for lin in projections]
+    wrapped = [hasattr(lin, "native_lora") for lin in projections]
+    if any(wrapped) and (not all(wrapped) or None in loras):
+        return None
     q_norm, k_norm = (None if n is None else n.weight.detach().contiguous() for n in (attn.q_norm, attn.k_norm))
     return native.DecodeLayerWeights(
         norms[0].weight.detach().contiguous(),
@@ -122,12 +131,19 @@ def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
         k_norm,
         attn.q_norm.eps if attn.q_norm is not None else 0.0,
         None if qkv[1] is None else qkv[1].contiguous(),
+        None if not any(wrapped) else tuple(lora[0] for lora in loras if lora is not None),
     )
 
 
 def _native_gemv(linear: Any, method: str) -> Any:
     """A quantized layer's native GEMV (QuantLinear's `method`); None for a dense nn.Linear."""
     get = getattr(linear, method, None)
+    return None if get is None else get()
+
+
+def _native_lora(linear: Any) -> Any:
+    """A LoRA-wrapped projection's (native slots, LoRABatch) (LoRALinear.native_lora); None otherwise."""
+    get = getattr(linear, "native_lora", None)
     return None if get is None else get()
 
 

@@ -91,7 +91,7 @@ ACTIVATION: tuple[Implementation[Activation], ...] = (
 FP8_NORM: tuple[Implementation[norm.TritonFp8RMSNorm], ...] = (norm.TritonFp8RMSNorm,)
 FP8_ACTIVATION: tuple[Implementation[activation.TritonFp8SiluAndMul], ...] = (activation.TritonFp8SiluAndMul,)
 MOE: tuple[Implementation[moe.TritonMoe | moe.TorchMoe], ...] = (moe.TritonMoe, moe.TorchMoe)
-LORA: tuple[Implementation[lora.TritonLoRA | lora.TorchLoRA], ...] = (lora.TritonLoRA, lora.TorchLoRA)
+LORA: tuple[Implementation[lora.TritonLoRA | lora.TorchLoRA], ...] = (lora.TritonLoRA, lora.NativeLoRA, lora.TorchLoRA)
 DECODE_LAYER: tuple[Implementation[NativeDecodeLayers | Unfused], ...] = (NativeDecodeLayers, Unfused)
 
 

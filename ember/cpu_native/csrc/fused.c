@@ -9,12 +9,6 @@
 /* Rows of an elementwise op run on the calling thread below this many elements (a decode step's few KB) */
 #define ROWS_PARALLEL_MIN (1 << 16)
 
-#ifdef __AVX512F__
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
-#endif
-
 /* One row: sum = x + residual (when residual), out = sum * rsqrt(mean(sum^2) + eps) * w, float32 as
  * F.rms_norm computes it (the sum of squares in another order). */
 static void add_rms_norm_row(const float *x, const float *res, const float *w, float *out, float *sum, int64_t n,
@@ -158,15 +152,30 @@ static void silu_mul_row(const float *y, float *out, int64_t I) {
 #endif
 }
 
-/* a->y [M, 2I] = x @ [G; U]^T (a->N = 2I), then out [M, I] = silu(gate) * up */
-static int gemv_silu(gemv_args *a, float *out, int bits, int threads) {
-    if (gemv(a, bits, threads) < 0) return -1;
-    const int64_t M = a->M, I = a->N / 2;
+/* out [M, I] = silu(y[:, :I]) * y[:, I:] for y [M, 2I] */
+static void silu_rows(const float *y, float *out, int64_t M, int64_t I, int threads) {
     if (M * I < ROWS_PARALLEL_MIN) threads = 1;
     int64_t m;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (m = 0; m < M; m++) silu_mul_row(a->y + m * 2 * I, out + m * I, I);
+    for (m = 0; m < M; m++) silu_mul_row(y + m * 2 * I, out + m * I, I);
+}
+
+/* a->y [M, 2I] = x @ [G; U]^T (a->N = 2I), then out [M, I] = silu(gate) * up */
+static int gemv_silu(gemv_args *a, float *out, int bits, int threads) {
+    if (gemv(a, bits, threads) < 0) return -1;
+    silu_rows(a->y, out, a->M, a->N / 2, threads);
     return 0;
+}
+
+/* silu_mul(y, out, M, I, threads): out [M, I] = silu(y[:, :I]) * y[:, I:], y float32 [M, 2I] (what
+ * gemv_silu applies to its GEMV's output, for a gate/up output the caller has changed: a LoRA delta) */
+static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[5];
+    if (parse(args, nargs, 5, "silu_mul", v, NULL, 0) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    silu_rows(PTR(v[0]), PTR(v[1]), v[2], v[3], (int)v[4]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 /* gemv_silu_q{4,5,8}(x, codes, scales, zeros, out, M, K, I, group, threads, half): the fused gate/up GEMV
@@ -214,8 +223,12 @@ static PyObject *gemv_silu_q4_bf16(PyObject *self, PyObject *const *args, Py_ssi
 enum {
     R_IN_NORM, R_POST_NORM, R_QKV, R_O = R_QKV + 6, R_GATE_UP = R_O + 6, R_DOWN = R_GATE_UP + 6,
     R_COS = R_DOWN + 6, R_SIN, R_TABLE_ROWS, R_K_CACHE, R_V_CACHE, R_CACHE_SLOTS, R_BLOCK_SIZE, R_WINDOW,
-    R_H, R_HQ, R_HK, R_D, R_I, R_Q_NORM, R_K_NORM, R_QKV_BIAS, R_EPS, R_SCALE, R_CAP, R_QK_EPS, R_FIELDS
+    R_H, R_HQ, R_HK, R_D, R_I, R_Q_NORM, R_K_NORM, R_QKV_BIAS, R_LORAS, R_LORA_RANK, R_LORA_QKV,
+    R_LORA_O = R_LORA_QKV + 4, R_LORA_GATE_UP = R_LORA_O + 4, R_LORA_DOWN = R_LORA_GATE_UP + 4,
+    R_EPS = R_LORA_DOWN + 4, R_SCALE, R_CAP, R_QK_EPS, R_FIELDS
 };
+/* LoRA (ember/ops/lora.py): R_LORAS slots (0: the layer has none) of rank R_LORA_RANK; per projection 4
+ * slots: A, then B of each slice (0 past the projection's slices) */
 
 typedef struct {
     const void *codes, *scales, *zeros;
@@ -245,7 +258,23 @@ typedef struct {
     const int32_t *tables, *seq_lens;
     int64_t table_stride, M;
     int threads;
+    const int32_t *lora_slots; /* each token's adapter slot (-1: none); NULL: no row has one */
 } step_args;
+
+/* The LoRA weights of projection `field` (R_LORA_*) over K inputs, its slices' widths n (0 past the last) */
+static lora_ref lora_at(const int64_t *r, int field, int64_t K, int64_t n0, int64_t n1, int64_t n2) {
+    lora_ref w = {PTR(r[field]), {PTR(r[field + 1]), PTR(r[field + 2]), PTR(r[field + 3])}, {n0, n1, n2},
+                  {0, n0, n0 + n1}, n2 ? 3 : n1 ? 2 : 1, r[R_LORA_RANK], K, r[R_LORAS]};
+    return w;
+}
+
+/* y [M, row] += the LoRA delta of projection `field` where the step has adapter rows; -1: out of memory */
+static int layer_lora(const int64_t *r, const step_args *s, int field, const float *x, int64_t K, float *y,
+                      int64_t n0, int64_t n1, int64_t n2) {
+    if (!s->lora_slots || !r[R_LORAS]) return 0;
+    const lora_ref w = lora_at(r, field, K, n0, n1, n2);
+    return lora_delta(&w, x, K, y, n0 + n1 + n2, s->lora_slots, s->M, s->threads);
+}
 
 static attn_args attention_of(const int64_t *r, const step_args *s) {
     const int64_t width = (r[R_HQ] + 2 * r[R_HK]) * r[R_D];
@@ -274,6 +303,8 @@ static int layer_fits(const int64_t *r, const step_args *s) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: group, head dim or block size too large");
         return -1;
     }
+    if (s->lora_slots && r[R_LORAS] && lora_check_slots("decode_layers", s->lora_slots, s->M, r[R_LORAS]) < 0)
+        return -1;
     return check_positions("decode_layers", s->pos, s->slots, s->M, r[R_TABLE_ROWS], r[R_CACHE_SLOTS]);
 }
 
@@ -307,6 +338,7 @@ static int layer_step(const int64_t *r, const step_args *s, const float *x, cons
     status |= gemv(&a, wqkv.bits, threads);
     if (qkv_bias)
         for (int64_t i = 0; i < M * width; i++) buf[1][i] += qkv_bias[i % width];
+    status |= layer_lora(r, s, R_LORA_QKV, buf[0], H, buf[1], Hq * D, Hk * D, Hk * D);
     rotate_store_rows(buf[1], width, s->pos, PTR(r[R_COS]), PTR(r[R_SIN]), PTR(r[R_K_CACHE]), PTR(r[R_V_CACHE]),
                       s->slots, M, Hq, Hk, D, PTR(r[R_Q_NORM]), PTR(r[R_K_NORM]), record_float(r, R_QK_EPS),
                       threads);
@@ -316,25 +348,34 @@ static int layer_step(const int64_t *r, const step_args *s, const float *x, cons
     attend(&at, M, threads);
     a = gemv_of(&wo, buf[2], buf[3], M, Hq * D, H);
     status |= gemv(&a, wo.bits, threads);
+    status |= layer_lora(r, s, R_LORA_O, buf[2], Hq * D, buf[3], H, 0, 0);
     norm_rows(buf[3], res_out, PTR(r[R_POST_NORM]), buf[4], res_out, M, H, eps, threads);
     a = gemv_of(&wgu, buf[4], buf[5], M, H, 2 * I);
-    status |= gemv_silu(&a, buf[6], wgu.bits, threads);
+    if (s->lora_slots && r[R_LORAS]) { /* the delta between the GEMV and the SiLU, as the modules add it */
+        status |= gemv(&a, wgu.bits, threads);
+        status |= layer_lora(r, s, R_LORA_GATE_UP, buf[4], H, buf[5], I, I, 0);
+        silu_rows(buf[5], buf[6], M, I, threads);
+    } else {
+        status |= gemv_silu(&a, buf[6], wgu.bits, threads);
+    }
     a = gemv_of(&wd, buf[6], out, M, I, H);
     status |= gemv(&a, wd.bits, threads);
+    status |= layer_lora(r, s, R_LORA_DOWN, buf[6], I, out, H, 0, 0);
     return status;
 }
 
 /* decode_layers(records, layers, x, residual, positions, slots, tables, table_stride, seq_lens, M, threads,
- *               out, residual_out)
+ *               out, residual_out, lora_slots)
  * `layers` consecutive decoder layers (rows of the int64 [layers, R_FIELDS] records) for M one-token
  * sequences, each as layer_step computes it: the first reads x and residual (0: the first layer of the
  * model), every one writes out [M, H] (its MLP output) and residual_out [M, H] (the residual stream),
- * which the next reads, as DecoderLayer.forward returns and DecoderModel.forward passes them. */
+ * which the next reads, as DecoderLayer.forward returns and DecoderModel.forward passes them. lora_slots:
+ * int32 [M], each row's adapter slot in the layers' LoRA weights (-1: none), or 0: no row has one. */
 static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[13];
-    if (parse(args, nargs, 13, "decode_layers", v, NULL, 0) < 0) return NULL;
+    int64_t v[14];
+    if (parse(args, nargs, 14, "decode_layers", v, NULL, 0) < 0) return NULL;
     const int64_t *records = PTR(v[0]), layers = v[1];
-    const step_args s = {PTR(v[4]), PTR(v[5]), PTR(v[6]), PTR(v[8]), v[7], v[9], (int)v[10]};
+    const step_args s = {PTR(v[4]), PTR(v[5]), PTR(v[6]), PTR(v[8]), v[7], v[9], (int)v[10], PTR(v[13])};
     float *out = PTR(v[11]), *res_out = PTR(v[12]);
     int64_t total = 0, sizes[7];
     for (int64_t l = 0; l < layers; l++) {

@@ -1,7 +1,8 @@
 /* Ember's CPU decode kernels: weight-only int4/int8 GEMV over float32 activations (int4 also in bf16
  * arithmetic where the CPU has AVX512_BF16), the dense expansions of the same layouts for large
  * batches, paged decode attention read straight from the KV cache, and (the last section) the rest
- * of a decode layer fused: residual add + RMSNorm, rotary + KV store, gate/up GEMV + SiLU.
+ * of a decode layer fused: residual add + RMSNorm, rotary + KV store, gate/up GEMV + SiLU; and the LoRA
+ * delta of rows under different adapters (lora.c), alone or inside the fused decode layers.
  *
  * Every function takes raw data pointers as Python ints plus sizes; ember/cpu_native/ops.py checks
  * shapes, dtypes and contiguity before calling. The compute runs without the GIL, on OpenMP threads
@@ -20,7 +21,7 @@
  * AVX-512 code sits under __AVX512F__; the #else branches compute the same sums in plain C so the
  * module builds (and is tested) anywhere.
  *
- * The families live in their own files (csrc/: gemv.c, expand.c, attention.c, fused.c, argmax.c, with the
+ * The families live in their own files (csrc/: gemv.c, expand.c, attention.c, lora.c, fused.c, argmax.c, with the
  * shared kernels.h) and are compiled as this one translation unit, so the whole-layer call keeps inlining
  * the GEMV tiles and norms it shares with the single ops, exactly as when they were one file.
  */
@@ -29,6 +30,7 @@
 #include "gemv.c"
 #include "expand.c"
 #include "attention.c"
+#include "lora.c"
 #include "fused.c"
 #include "argmax.c"
 
@@ -57,6 +59,9 @@ static PyMethodDef methods[] = {
     {"decode_layers", (PyCFunction)(void (*)(void))decode_layers, METH_FASTCALL,
      "consecutive Llama decoder layers for one-token sequences, in one call"},
     {"layer_fields", layer_fields, METH_NOARGS, "the int64 slots of a decode_layers record"},
+    {"lora_delta", (PyCFunction)(void (*)(void))lora_delta_entry, METH_FASTCALL,
+     "y += each row's LoRA delta under its adapter slot"},
+    {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL, "silu(y[:, :I]) * y[:, I:]"},
     {"argmax", (PyCFunction)(void (*)(void))argmax, METH_FASTCALL, "each float32 row's argmax, as torch's"},
     {"simd", simd, METH_NOARGS, "which code path was compiled: 'avx512' or 'scalar'"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL, "residual add + RMSNorm"},

@@ -31,6 +31,13 @@
  * block without its scale: 5 bits a weight where the int8 codes it decodes to take 8. */
 #define Q5_RUN_BYTES 20
 
+#ifdef __AVX512F__
+/* the lanes of a 16-float vector that hold one of the `left` floats still to go */
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+#endif
+
 static inline int64_t groups(int64_t K, int64_t group) { return (K + group - 1) / group; }
 
 /* A float16's value (exact in float32) */

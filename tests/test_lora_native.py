@@ -1,0 +1,119 @@
+"""LoRA on the CPU's native kernels: the gathered delta (ember/cpu_native lora.c) against the float64 reference
+in the AVX-512 build and the plain-C one, and end to end on a quantized tiny Llama, the whole-layer native
+decode with the deltas inside against the layers' modules (bit for bit), a mixed batch against each request
+alone (bit for bit), and against PyTorch's one-hot delta (TorchLoRA)."""
+
+from __future__ import annotations
+
+import pytest
+import test_cpu_native as base
+import torch
+from conftest import make_checkpoint
+from test_cpu_native_fused import _layer_by_layer
+from test_lora import ALL, make_adapter
+
+from ember import LLM, LoRARequest, SamplingParams
+from ember.cpu_native import ops
+from ember.ops import lora, registry
+
+pytestmark = base.pytestmark
+native_on, plain_c, kernels = base.native_on, base.plain_c, base.kernels
+
+
+def _reference(x: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """The delta row by row in float64."""
+    rank = b[0].shape[1]
+    out = torch.zeros(x.shape[0], sum(t.shape[2] for t in b), dtype=torch.float64)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            xa = a[s].double() @ x[t].double()
+            out[t] = torch.cat([xa[i * rank : (i + 1) * rank] @ bi[s].double() for i, bi in enumerate(b)])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("widths", "k", "rows"),
+    [([48, 16, 16], 40, 7), ([40], 72, 5), ([96, 96], 24, 9), ([600], 576, 33)],  # the last: the parallel loops
+)
+def test_lora_delta_matches_float64_reference(kernels, widths: list[int], k: int, rows: int) -> None:
+    """Rows under 3 of 4 slots and none, slots shared and not, column tails: the delta added to y, each row
+    the same bits alone as in the batch, the PyTorch one-hot form (TorchLoRA) close; a bad slot refused."""
+    gen = torch.Generator().manual_seed(sum(widths) + k)
+    num_slots, rank = 4, 8
+    a = torch.randn(num_slots, len(widths) * rank, k, generator=gen)
+    b = [torch.randn(num_slots, rank, n, generator=gen) for n in widths]
+    x = torch.randn(rows, k, generator=gen) / k**0.5  # xa of unit scale
+    slots = torch.tensor([(-1, 0, 2, 3, 2, -1, 0)[t % 7] for t in range(rows)], dtype=torch.int32)
+    y0 = torch.randn(rows, sum(widths), generator=gen)
+    y = y0.clone()
+    ops.lora_delta(x, y, (a, b), slots)
+    want = y0.double() + _reference(x, a, b, slots)
+    torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
+    assert torch.equal(y[slots < 0], y0[slots < 0])
+    for t in range(rows):
+        alone = y0[t : t + 1].clone()
+        ops.lora_delta(x[t : t + 1], alone, (a, b), slots[t : t + 1])
+        assert torch.equal(alone[0], y[t])
+    torch_y = y0.clone()
+    lora.TorchLoRA()(x, torch_y, lora.LoRAWeights(a, b, [sum(widths[:i]) for i in range(len(widths))]), slots)
+    torch.testing.assert_close(torch_y, y, atol=1e-4, rtol=1e-5)
+    with pytest.raises(IndexError, match="LoRA slot 4"):
+        ops.lora_delta(x, y, (a, b), torch.full((rows,), 4, dtype=torch.int32))
+
+
+def test_silu_mul_matches_the_fused_gemv_silu(kernels) -> None:
+    y = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(0)) * 4
+    torch.testing.assert_close(ops.silu_mul(y), torch.nn.functional.silu(y[:, :40]) * y[:, 40:], atol=1e-5, rtol=1e-5)
+
+
+PROMPTS = ["hello world", "the quick brown fox jumps", "a b c d e f g h i j k l m n o p q r s"]
+
+
+def test_native_decode_keeps_the_deltas(tmp_path, monkeypatch) -> None:
+    """int8 tiny Llama, two adapters and the base: decode steps run ops.decode_layers with the adapter rows'
+    slots (and without any where no row has one); a mixed batch equals each request alone, and the layers'
+    modules (LoRALinear with the native delta, the native SiLU), exactly; TorchLoRA's delta, closely."""
+    path = make_checkpoint(tmp_path / "llama", "llama")
+    adapters = [
+        LoRARequest(name, i + 1, str(make_adapter(path, tmp_path / name, rank, 2 * rank, targets, False, seed=i)))
+        for i, (name, rank, targets) in enumerate([("all", 8, ALL), ("mlp", 16, ["gate_proj", "up_proj", "down_proj"])])
+    ]
+    kwargs = dict(quantization="int8", kv_cache_memory=0.02, max_model_len=256, engine_process=False)
+    lora_kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32")
+    with_slots: list[bool] = []
+    decode_layers = ops.decode_layers
+
+    def counted(*args, **kw):
+        with_slots.append(args[7] is not None if len(args) > 7 else kw.get("lora_slots") is not None)
+        return decode_layers(*args, **kw)
+
+    monkeypatch.setattr(ops, "decode_layers", counted)
+    names = [None, *adapters]
+
+    def run(llm: LLM) -> list:
+        return _lora_generate(llm, PROMPTS * len(names), [r for r in names for _ in PROMPTS])
+
+    fused = LLM(str(path), **kwargs, **lora_kwargs)
+    got = run(fused)
+    assert True in with_slots
+    alone = [_lora_generate(fused, [p], [r])[0] for r in names for p in PROMPTS]
+    assert got == alone
+    with_slots.clear()
+    _lora_generate(fused, PROMPTS, [None] * 3)
+    assert with_slots and not any(with_slots)  # a step of the base alone passes no slots
+    with monkeypatch.context() as m:
+        _layer_by_layer(m)
+        assert run(LLM(str(path), **kwargs, **lora_kwargs)) == got
+    monkeypatch.setattr(registry, "LORA", (lora.TritonLoRA, lora.TorchLoRA))
+    with monkeypatch.context() as m:
+        _layer_by_layer(m)
+        torch_delta = run(LLM(str(path), **kwargs, **lora_kwargs))
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(torch_delta, got, strict=True):
+        assert tokens[:12] == ref_tokens[:12]
+        torch.testing.assert_close(torch.tensor(logprobs[:12]), torch.tensor(ref_logprobs[:12]), atol=1e-3, rtol=0)
+
+
+def _lora_generate(llm: LLM, prompts: list[str], loras: list) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    return [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]) for o in outs]
