@@ -80,8 +80,9 @@ class TorchLoRA:
 
 
 class TritonLoRA:
-    """The gathered form (BGMV): a shrink kernel and an expand kernel, each program one row and one tile of
-    columns, reading only its own slot's weights (ember/kernels/lora.py)."""
+    """A shrink kernel and an expand kernel per slice (ember/kernels/lora.py), each in two forms chosen on
+    the device tile by tile: a tensor-core tile for rows under one adapter (prefill), a program per row
+    reading only its own slot's weights for the rest (decode, request boundaries)."""
 
     @staticmethod
     def can_implement(target: Target) -> bool:
