@@ -26,6 +26,7 @@ ADAPTERS = {
     "qv-r4-rslora": (4, 8, ["q_proj", "v_proj"], True),
     "mlp-r16": (16, 8, ["gate_proj", "up_proj", "down_proj"], False),
     "ko-r2": (2, 4, ["k_proj", "o_proj"], False),
+    "embed-head-r4": (4, 8, ["embed_tokens", "lm_head", "v_proj"], False),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
@@ -90,7 +91,7 @@ def _llm(base: Path, **kwargs) -> LLM:
 
 @pytest.fixture(scope="module")
 def llm(setup):
-    return _llm(setup[0], max_loras=4)
+    return _llm(setup[0], max_loras=len(ADAPTERS))
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -105,7 +106,8 @@ def test_each_adapter_and_the_base_match_peft(setup, llm):
 
 
 def test_mixed_batch_equals_each_alone(setup, llm):
-    """4 adapters and the base, every prompt under each, in one generate call (one batch per step)."""
+    """5 adapters (one with embed_tokens and lm_head) and the base, every prompt under each, in one generate
+    call (one batch per step)."""
     _, loras, refs, _ = setup
     names = [None, *loras]
     prompts = [p for _ in names for p in PROMPTS]
@@ -180,7 +182,8 @@ def test_bad_adapters_are_refused(setup, llm):
     refused(LoRARequest("empty", 91, str(missing)), "missing adapter_model.safetensors")
     refused(_broken(root, good, "rank", {"r": 32}), "rank 32 is larger than max_lora_rank")
     refused(_broken(root, good, "bias", {"bias": "all"}), "bias")
-    refused(_broken(root, good, "embed", {"target_modules": ["embed_tokens", "q_proj"]}), "'embed_tokens' is not")
+    refused(_broken(root, good, "save", {"modules_to_save": ["lm_head"]}), "modules_to_save: whole replaced modules")
+    refused(_broken(root, good, "unknown", {"target_modules": ["wte", "q_proj"]}), "'wte' cannot be mapped")
     refused(_broken(root, good, "dora", {"use_dora": True}), "use_dora")
 
     def widen(w: dict) -> dict:
@@ -191,7 +194,15 @@ def test_bad_adapters_are_refused(setup, llm):
     def lm_head(w: dict) -> dict:
         return {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}
 
-    refused(_broken(root, good, "head", tensors=lm_head), "'lm_head' is not supported yet")
+    refused(_broken(root, good, "head", tensors=lm_head), "lm_head has no lora_B tensor")
+
+    def more_tokens(w: dict) -> dict:  # PEFT's added tokens: every vocabulary axis one longer
+        axis = {"lora_embedding_A": 1, "lm_head.lora_B": 0, "base_layer": 0}
+        grow = {k: next((a for key, a in axis.items() if key in k), None) for k in w}
+        return {k: v if grow[k] is None else torch.cat([v, v.narrow(grow[k], 0, 1)], grow[k]) for k, v in w.items()}
+
+    embed_head = Path(loras["embed-head-r4"].lora_path)
+    refused(_broken(root, embed_head, "vocab", tensors=more_tokens), "added tokens are not supported")
     refused(LoRARequest("zero", 0, str(good)), "lora_int_id must be an integer >= 1")
     # the engine serves on, the good adapters unchanged
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras["all-r8"])) == refs["all-r8"]
@@ -251,15 +262,38 @@ def test_triton_kernels_match_reference(widths):
     torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
 
 
+def test_embedding_delta_matches_reference():
+    """An embedding adapter's delta, B[s] @ A[s][:, id] per row (slot -1: none), by both implementations."""
+    from ember.ops.lora import LoRAWeights, TorchLoRA, TritonLoRA
+
+    gen = torch.Generator().manual_seed(1)
+    slots_n, rank, vocab, hidden = 3, 4, 50, 24
+    w = LoRAWeights(
+        torch.randn(slots_n, rank, vocab, generator=gen), [torch.randn(slots_n, rank, hidden, generator=gen)], [0]
+    )
+    ids = torch.tensor([3, 49, 0, 7, 3, 11])
+    slots = torch.tensor([0, -1, 2, 1, 2, -1], dtype=torch.int32)
+    base = torch.randn(len(ids), hidden, generator=gen)
+    want = base.double().clone()
+    for t, (v, s) in enumerate(zip(ids.tolist(), slots.tolist())):
+        if s >= 0:
+            want[t] += w.a[s, :, v].double() @ w.b[0][s].double()
+    for impl in (TorchLoRA(), TritonLoRA()):
+        y = base.clone()
+        impl.embed(ids, y, w, slots)
+        torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
+
+
 def test_triton_path_mixed_batch(setup, monkeypatch):
     """The whole GPU code path (registry.FORCE_TRITON: Triton kernels through the interpreter, the LoRA
-    delta by the shrink/expand kernels) with two adapters and the base in one batch."""
+    delta by the shrink/expand kernels) with two adapters (one adapting embed_tokens and lm_head) and the
+    base in one batch."""
     from ember.ops import registry
 
     base, loras, refs, _ = setup
     monkeypatch.setattr(registry, "FORCE_TRITON", True)
     llm = _llm(base, max_loras=2)
-    names = [None, "all-r8", "qv-r4-rslora"]
+    names = [None, "all-r8", "embed-head-r4"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     per_prompt = [None if n is None else loras[n] for n in names for _ in PROMPTS]
     got = _tokens(llm.generate(PROMPTS * len(names), params, use_tqdm=False, lora_request=per_prompt))
@@ -304,3 +338,33 @@ def test_async_scheduling_and_chunked_prefill(setup):
     per_prompt = [None if n is None else loras[n] for n in names for _ in PROMPTS]
     got = _tokens(llm.generate(PROMPTS * len(names), GREEDY, use_tqdm=False, lora_request=per_prompt))
     assert got == [t for n in names for t in refs[n]]
+
+
+def test_embedding_and_lm_head_adapter_on_a_tied_base(tmp_path):
+    """A base whose LM head is its embedding, and an adapter on both (separate LoRA pairs, as PEFT makes
+    them): greedy tokens and top logprobs as PeftModel's, prompt logprobs too, and alone equal to a batch
+    beside the base."""
+    from peft import PeftModel
+    from test_hf_equality import TOP, assert_output_matches
+    from test_hf_equality import hf_greedy as hf_scores
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    base = make_checkpoint(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    adapter = make_adapter(base, tmp_path / "adapter", 8, 16, ["embed_tokens", "lm_head", "q_proj"], True, seed=5)
+    ids = [Tokenizer.from_file(str(base / "tokenizer.json")).encode(p).ids for p in PROMPTS]
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), str(adapter))
+    refs = [hf_scores(hf, p, NUM_TOKENS) for p in ids]
+    llm, lora = _llm(base, max_loras=1), LoRARequest("tied", 1, str(adapter))
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP, prompt_logprobs=1)
+    outs = llm.generate(PROMPTS + PROMPTS[:1], params, use_tqdm=False, lora_request=[lora] * 3 + [None])
+    for prompt, p_ids, out, ref in zip(PROMPTS, ids, outs, refs):
+        assert_output_matches(out.outputs[0], *ref, prompt)
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([p_ids])).logits[0].float(), dim=-1)
+        for pos in range(1, len(p_ids)):
+            got = out.prompt_logprobs[pos][p_ids[pos]].logprob
+            assert got == pytest.approx(want[pos - 1, p_ids[pos]].item(), abs=2e-3)
+    assert _tokens(outs[3:]) != [refs[0][0]]  # the base's own tokens: the adapter changes them
+    alone = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lora)
+    assert _tokens(alone) == [refs[0][0]]

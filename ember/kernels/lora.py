@@ -1,11 +1,26 @@
-"""LoRA shrink and expand over a per-row adapter slot index (the gathered form, punica's BGMV idea).
+"""LoRA shrink and expand over a per-row adapter slot index, in a segmented form for tiles of rows under one
+adapter (prefill) and a gathered form for the other rows (decode, request boundaries).
 
 `lora_shrink`: xa[t] = A[slots[t]] @ x[t], every slice's rank columns at once, in float32.
 `lora_expand`: y[t, start:start + out] += B[slots[t]] @ xa[t, slice's columns], rounded once into y.
-Each program takes one row and one tile of output columns and reads only that row's slot's weights;
-a row with slot -1 writes zeros (shrink) or nothing (expand). The slot is read on the device, so one
-captured CUDA graph serves every mix of adapters. Not built yet: the segmented form (rows of one adapter
-grouped, a tensor-core tile per group) that long prefills would want, and fusion with the base GEMM.
+
+The gathered form (punica's BGMV): a program per row and tile of output columns reads only that row's
+slot's weights, on CUDA cores. A 512-token prefill under one adapter so re-reads the adapter's weights
+512 times and uses no tensor cores. The segmented form (SGMV-like, without a host-side segment table): a
+program per tile of SEGMENT_ROWS consecutive rows and tile of columns; a tile whose rows share one slot
+(a request's tokens are contiguous, so nearly every tile of a prefill) is one `tl.dot` against that
+slot's weights, read once for the tile; a tile of the base (-1) adds nothing.
+
+A tile that mixes slots (request boundaries, and a decode batch, whose rows are one per request) is left
+to the gathered kernel, launched beside the segmented one over every row: its programs for rows of a
+single-slot tile do nothing. So each row is done by exactly one form, and mixed rows keep a program each
+rather than running one after another inside their tile's program, which a decode batch of round-robin
+adapters (every tile mixed) would pay for in full. Batches under SEGMENTED_MIN_ROWS rows (decode) run the
+gathered kernel alone: one launch per product instead of two.
+
+Both forms read the slots on the device (each program its own tile's), so one captured CUDA graph serves
+every mix of adapters. Not built yet: split-K for the shrink (its N is only n_slices * rank, so a few
+programs each read all of K) and fusion with the base GEMM.
 """
 
 from __future__ import annotations
@@ -14,35 +29,84 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.paged import dot_dtype, dot_precision
+
+SEGMENT_ROWS = 32  # the segmented kernels' BLOCK_M: rows sharing one read of their adapter's weights
+SEGMENTED_MIN_ROWS = 64  # fewer rows: the gathered kernels alone
+MIXED: tl.constexpr = tl.constexpr(-2)  # _tile_slot's answer for a tile whose rows are under different slots
+
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr, a_ptr, slots_ptr, out_ptr, K, N, stride_xt, stride_as, stride_an, stride_ot,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _tile_slot(slots_ptr, tile, T, BLOCK_M: tl.constexpr):
+    """The slot every row of rows [tile * BLOCK_M, + BLOCK_M) below T is under, or MIXED."""
+    rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = tl.load(slots_ptr + tile.to(tl.int64) * BLOCK_M)
+    slots = tl.load(slots_ptr + rows, mask=rows < T, other=first)
+    return tl.where(tl.max((slots != first).to(tl.int32)) == 0, first, MIXED)
+
+
+@triton.jit
+def _gathered_row(slots_ptr, row, T, SEGMENT_M: tl.constexpr):
+    """Whether the gathered kernel does this row: always alone (SEGMENT_M = 0), beside the segmented kernel
+    only a row of a mixed tile."""
+    mine = row >= 0  # every row
+    if SEGMENT_M > 0:
+        mine = _tile_slot(slots_ptr, row // SEGMENT_M, T, SEGMENT_M) == MIXED
+    return mine
+
+
+@triton.jit
+def _shrink_gathered_kernel(
+    x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xt, stride_as, stride_an, stride_ot,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEGMENT_M: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mine = _gathered_row(slots_ptr, row, T, SEGMENT_M)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    k_end = tl.where(slot >= 0, K, 0)  # a row without an adapter reads nothing and writes zeros
+    k_end = tl.where(mine & (slot >= 0), K, 0)  # a row without an adapter reads nothing and writes zeros
     a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + cols[:, None] * stride_an
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_xt + ks, mask=ks < k_end, other=0.0).to(tl.float32)
-        a = tl.load(a_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < k_end), other=0.0)
+        x = tl.load(x_ptr + row * stride_xt + ks, mask=ks < K, other=0.0).to(tl.float32)
+        a = tl.load(a_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
         acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-    tl.store(out_ptr + row * stride_ot + cols, acc, mask=cols < N)
+    tl.store(out_ptr + row * stride_ot + cols, acc, mask=cols < tl.where(mine, N, 0))
 
 
 @triton.jit
-def _expand_kernel(
-    xa_ptr, b_ptr, slots_ptr, y_ptr, R, N, xa_offset, y_offset, stride_xat, stride_bs, stride_br, stride_yt,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+def _shrink_segments_kernel(
+    x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xt, stride_as, stride_an, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    slot = _tile_slot(slots_ptr, tl.program_id(0), T, BLOCK_M).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_end = tl.where(slot >= 0, K, 0)  # the base's tile writes zeros, a mixed one nothing (the gathered kernel's)
+    x_rows = x_ptr + rows[:, None] * stride_xt
+    a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + cols[:, None] * stride_an
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < T) & (ks[None, :] < K), other=0.0)
+        a = tl.load(a_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+    mask = (rows[:, None] < tl.where(slot != MIXED, T, 0)) & (cols[None, :] < N)
+    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _expand_gathered_kernel(
+    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, xa_offset, y_offset, stride_xat, stride_bs, stride_br, stride_yt,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT_M: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mine = _gathered_row(slots_ptr, row, T, SEGMENT_M)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    n_end = tl.where(slot >= 0, N, 0)  # a row without an adapter reads and writes nothing
+    n_end = tl.where(mine & (slot >= 0), N, 0)  # a row without an adapter reads and writes nothing
     rs = tl.arange(0, BLOCK_R)
     xa = tl.load(xa_ptr + row * stride_xat + xa_offset + rs, mask=rs < R, other=0.0)
     b = tl.load(
@@ -57,18 +121,61 @@ def _expand_kernel(
     tl.store(y_cols, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _expand_segments_kernel(
+    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, xa_offset, y_offset, stride_xat, stride_bs, stride_br, stride_yt,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    slot = _tile_slot(slots_ptr, tl.program_id(0), T, BLOCK_M).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_end = tl.where(slot >= 0, N, 0)  # only a tile under one adapter: a mixed one is the gathered kernel's
+    rs = tl.arange(0, BLOCK_R)
+    xa = tl.load(
+        xa_ptr + rows[:, None] * stride_xat + xa_offset + rs[None, :],
+        mask=(rows[:, None] < T) & (rs[None, :] < R),
+        other=0.0,
+    )
+    b = tl.load(
+        b_ptr + tl.maximum(slot, 0) * stride_bs + rs[:, None] * stride_br + cols[None, :],
+        mask=(rs[:, None] < R) & (cols[None, :] < n_end),
+        other=0.0,
+    )
+    delta = tl.dot(xa.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=PRECISION)
+    y_tile = y_ptr + rows[:, None] * stride_yt + y_offset + cols[None, :]
+    mask = (rows[:, None] < T) & (cols[None, :] < n_end)
+    y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_tile, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _segment_rows(rows: int) -> int:
+    """The segmented kernels' tile height for a batch of `rows`, or 0 where the gathered kernels run alone:
+    a decode-sized batch has few tiles to share weight reads and would pay a second launch per product."""
+    return SEGMENT_ROWS if rows >= SEGMENTED_MIN_ROWS else 0
+
+
+def _tile(n: int, cap: int = 1 << 30) -> int:
+    """A power-of-two tile covering n (up to `cap`), at least tl.dot's 16: a rank-8 slot's columns masked."""
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x [T, K], a [slots, N, K] (contiguous rows), slots [T] -> float32 [T, N]: row t's A @ x[t]."""
+    """x [T, K], a [slots, N, K] (contiguous rows), slots [T] -> float32 [T, N]: row t's A @ x[t] (zeros
+    for slot -1)."""
     rows, k = x.shape
     n = a.shape[1]
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
-    block_n = min(64, triton.next_power_of_2(n))
-    grid = (rows, triton.cdiv(n, block_n))
-    _shrink_kernel[grid](
-        x, a, slots, out, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=64
-    )
+    args = (x, a, slots, out, rows, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(0))
+    block_m, block_n = _segment_rows(rows), _tile(n, 64)
+    if block_m:
+        _shrink_segments_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
+            *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, DOT_DTYPE=dot_dtype(x.dtype),
+            PRECISION=dot_precision(x.dtype),
+        )  # fmt: skip
+    _shrink_gathered_kernel[(rows, triton.cdiv(n, block_n))](*args, BLOCK_N=block_n, BLOCK_K=64, SEGMENT_M=block_m)
     return out
 
 
@@ -76,16 +183,20 @@ def lora_expand(
     xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor, slice_index: int, start: int
 ) -> None:
     """y[t, start:start + N] += b[slots[t]]^T-applied: b [slots, R, N], its input the slice's R columns of
-    xa [T, n_slices * R]; rows with slot -1 are left alone."""
+    xa [T, n_slices * R]; rows with slot -1 are left alone. The segmented form multiplies in b's dtype
+    (xa rounded to it, as a tensor-core product must), the gathered form in float32."""
     rows = xa.shape[0]
     r, n = b.shape[1], b.shape[2]
     if rows == 0:
         return
-    block_n = min(128, triton.next_power_of_2(n))
-    _expand_kernel[(rows, triton.cdiv(n, block_n))](
-        xa, b, slots, y, r, n, slice_index * r, start, xa.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_R=triton.next_power_of_2(r), BLOCK_N=block_n,
-    )  # fmt: skip
+    args = (xa, b, slots, y, rows, r, n, slice_index * r, start, xa.stride(0), b.stride(0), b.stride(1), y.stride(0))
+    block_m, block_r, block_n = _segment_rows(rows), _tile(r), _tile(n, 128)
+    if block_m:
+        _expand_segments_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
+            *args, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, DOT_DTYPE=dot_dtype(b.dtype),
+            PRECISION=dot_precision(b.dtype),
+        )  # fmt: skip
+    _expand_gathered_kernel[(rows, triton.cdiv(n, block_n))](*args, BLOCK_R=block_r, BLOCK_N=block_n, SEGMENT_M=block_m)
 
 
 def lora_ref(x: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ fused already, as Phi-3's, is first cut into its parts so both kinds take one pa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -218,6 +218,8 @@ class DecoderModel(nn.Module):
         # Gemma: sqrt(hidden) rounded to the model dtype, as transformers' embedding scale is
         scale = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(torch.get_default_dtype())
         self.register_buffer("embed_scale", scale if cfg.gemma_norms else None, persistent=False)
+        # LoRA (ember/model/lora.py): adds each token's embedding-adapter delta to its embedding, in place
+        self.embed_lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         # CausalLM.set_aux_hidden_state_layers: the layers whose input `forward` keeps in aux_hidden_states
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
@@ -239,6 +241,8 @@ class DecoderModel(nn.Module):
             mine = (local >= 0) & (local < self.layout.vocab_rows)
             h = self.embed_tokens(torch.where(mine, local, 0))
             h = all_reduce(h * mine.unsqueeze(-1).to(h.dtype))
+        if self.embed_lora is not None:
+            self.embed_lora(input_ids, h)
         return h if self.embed_scale is None else h * self.embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -312,6 +316,8 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.layout.vocab_per_rank, bias=False)
         )
+        # LoRA (ember/model/lora.py): adds the LM-head adapter's delta to logits of hidden rows under given slots
+        self.lora_head: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
@@ -332,11 +338,14 @@ class CausalLM(nn.Module):
         tensor is the one this held right after that capture, and its replays overwrite that tensor."""
         return self.model.aux_hidden_states
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the whole vocabulary on every rank: each computes its rows' and the ranks' columns
         are gathered. Only the last rank can hold padding rows, so they end up past the vocabulary and
-        are cut; a quantized head built from the file's rows alone is padded to the common width first."""
+        are cut; a quantized head built from the file's rows alone is padded to the common width first.
+        `lora_slots`: each row's LoRA slot, given when a row's adapter adapts the LM head."""
         logits = self.model.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        if lora_slots is not None and self.lora_head is not None:
+            self.lora_head(hidden, logits, lora_slots)
         layout = self.layout
         if layout.size > 1:
             if logits.shape[-1] < layout.vocab_per_rank:
@@ -346,19 +355,20 @@ class CausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """compute_logits(hidden).argmax(-1); a quantized tied head finds it without every logit (with
-        one rank: under tensor parallelism the other ranks take part in compute_logits' all-gather).
-        Not with a logit soft cap: tanh keeps the order but can round distinct logits to one value,
-        and argmax then takes the first of them as transformers does."""
+    def greedy_tokens(self, hidden: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """compute_logits(hidden, lora_slots).argmax(-1); a quantized tied head finds it without every logit
+        (with one rank: under tensor parallelism the other ranks take part in compute_logits' all-gather;
+        not with an LM-head adapter). Not with a logit soft cap: tanh keeps the order but can round
+        distinct logits to one value, and argmax then takes the first of them as transformers does."""
         if (
-            self.layout.size == 1
+            lora_slots is None
+            and self.layout.size == 1
             and isinstance(self.model.embed_tokens, QuantEmbedding)
             and self.lm_head is None
             and self.config.final_logit_softcapping is None
         ):
             return self.model.embed_tokens.argmax(hidden)
-        return self.compute_logits(hidden).argmax(dim=-1)
+        return self.compute_logits(hidden, lora_slots).argmax(dim=-1)
 
     def quantize(self, kind: str) -> None:
         """Replace every linear layer, the embedding and the LM head by quantized forms, one at a time so

@@ -5,6 +5,17 @@ The wrapped projections are q/k/v (the fused qkv_proj, three slices), o_proj, ga
 gate_up_proj, two slices) and down_proj of dense MLPs; which adapter each row runs under is one int32
 per token in `slots`, a step input the runner fills (ember/runner/lora_manager.py) and every layer
 reads through the same tensor (`LoRABatch`), so a CUDA graph captured on it replays any mix of adapters.
+
+The embedding's and the LM head's adapters (`LoRAEmbedding`, `LoRAHead`) are called by the model
+itself (`DecoderModel.embed_lora`, `CausalLM.lora_head`), since neither is a plain projection's forward:
+the embedding's delta goes in before Gemma's sqrt(hidden) scale (PEFT scales it too), and the LM head's
+is added to the logits of the rows sampled, whose slots the runner picks the way it picks their hidden
+rows (`compute_logits(hidden[rows], slots[rows])`), whether the head is tied to the embedding or not.
+Their slots are always built with LoRA on, vocabulary-sized: A [max_loras, rank, vocab] for the
+embedding and B [max_loras, rank, vocab] for the head, 2 * max_loras * max_lora_rank * vocab values
+(33 MB at bf16 for 4 rank-16 slots of a 128k vocabulary, a tenth of Llama-3-8B's 335 MB of projection slots).
+Building them only once an adapter needs them would leave CUDA graphs captured without the embedding's
+delta, or recapturing them; a step whose adapters have neither skips both deltas when it runs eagerly.
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ember.cpu_native import ops as native
-from ember.lora.peft import TARGETS, LoRAShapes, PeftAdapter
+from ember.lora.peft import EMBED, HEAD, TARGETS, LoRAShapes, PeftAdapter
 from ember.model.layers import GatedMLP
 from ember.model.llama import CausalLM
 from ember.ops import registry
@@ -34,6 +45,8 @@ class LoRABatch:
 
     slots: torch.Tensor
     active: bool = True
+    embed: bool = True  # whether any of them has an embedding adapter (eager steps skip it otherwise)
+    head: bool = True  # whether any has an LM-head adapter (the runner passes no slots to the head otherwise)
 
 
 class LoRALinear(nn.Module):
@@ -87,6 +100,32 @@ class LoRALinear(nn.Module):
         return y
 
 
+class LoRAEmbedding:
+    """Adds each token's embedding-adapter delta, B[s] @ A[s][:, id], to the base embedding's rows in place."""
+
+    def __init__(self, weights: LoRAWeights, batch: LoRABatch) -> None:
+        self.weights = weights
+        self.batch = batch
+        self._impl = registry.lora_impl(registry.target(weights.a.device, weights.a.dtype))
+
+    def __call__(self, input_ids: torch.Tensor, h: torch.Tensor) -> None:
+        if self.batch.active and self.batch.embed:
+            ids = input_ids.reshape(-1)
+            self._impl.embed(ids, h.view(-1, h.shape[-1]), self.weights, self.batch.slots[: ids.shape[0]])
+
+
+class LoRAHead:
+    """Adds the LM-head adapter's delta to logits [N, vocab] of hidden rows [N, hidden], row n under slot
+    slots[n] (the sampled rows' own, gathered by the caller)."""
+
+    def __init__(self, weights: LoRAWeights) -> None:
+        self.weights = weights
+        self._impl = registry.lora_impl(registry.target(weights.a.device, weights.a.dtype))
+
+    def __call__(self, hidden: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        self._impl(hidden, logits, self.weights, slots)
+
+
 @dataclass
 class _Slices:
     """A wrapped module's slices: each PEFT module's slice index and output width."""
@@ -123,26 +162,33 @@ class LoRALayers:
             for suffix, sl in modules.items():
                 parent_name, attr = suffix.split(".")
                 parent = getattr(layer, parent_name)
-                w = LoRAWeights(
-                    torch.zeros(max_loras, len(sl.widths) * max_rank, sl.in_features, dtype=dtype, device=device),
-                    [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for n in sl.widths],
-                    [sum(sl.widths[:i]) for i in range(len(sl.widths))],
-                )
+                w = _weights(max_loras, max_rank, sl.in_features, sl.widths, dtype, device)
                 self.weights[index, suffix] = w
                 setattr(parent, attr, LoRALinear(getattr(parent, attr), w, self.batch))
         model.choose_kernels()  # the native fused paths take the wrapped projections' deltas
+        vocab, hidden = model.config.vocab_size, model.config.hidden_size
+        self.embed = _weights(max_loras, max_rank, vocab, [hidden], dtype, device)
+        self.head = _weights(max_loras, max_rank, hidden, [vocab], dtype, device)
+        model.model.embed_lora = LoRAEmbedding(self.embed, self.batch)
+        model.lora_head = LoRAHead(self.head)
+        self._outer = {EMBED: self.embed, HEAD: self.head}
+        self._holds: list[set[str]] = [set() for _ in range(max_loras)]  # per slot: embed_tokens, lm_head
         peft = {name: (suffix, i) for name, (suffix, i) in TARGETS.items() if suffix in modules}
         self.shapes = LoRAShapes(
             max_loras,
             max_rank,
             model.config.num_hidden_layers,
-            {name: [modules[s].in_features, modules[s].widths[i]] for name, (s, i) in peft.items()},
+            {
+                **{name: [modules[s].in_features, modules[s].widths[i]] for name, (s, i) in peft.items()},
+                EMBED: [vocab, hidden],
+                HEAD: [hidden, vocab],
+            },
         )
 
     def read(self, adapter: PeftAdapter) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         """The adapter's (A [r, in], scale * B^T [r, out]) per (layer, PEFT module), in the slots' dtype, on
         the host: what `install` copies (read on a loader thread, off the engine's loop)."""
-        dtype = next(iter(self.weights.values())).a.dtype
+        dtype = self.embed.a.dtype
         out = {}
         with safe_open(adapter.weights_file, framework="pt") as f:
             for key, (a_name, b_name) in adapter.modules.items():
@@ -152,12 +198,35 @@ class LoRALayers:
 
     def install(self, slot: int, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Make `slot` hold these tensors (from `read`), zeros everywhere they do not reach."""
-        for w in self.weights.values():
+        for w in [*self.weights.values(), self.embed, self.head]:
             w.a[slot].zero_()
             for b in w.b:
                 b[slot].zero_()
+        self._holds[slot] = set()
         for (layer, module), (a, bt) in tensors.items():
-            suffix, i = TARGETS[module]
-            w, r = self.weights[layer, suffix], a.shape[0]
+            if layer < 0:  # embed_tokens or lm_head
+                w, i = self._outer[module], 0
+                self._holds[slot].add(module)
+            else:
+                suffix, i = TARGETS[module]
+                w = self.weights[layer, suffix]
+            r = a.shape[0]
             w.a[slot, i * self.max_rank : i * self.max_rank + r].copy_(a, non_blocking=True)
             w.b[i][slot, :r].copy_(bt, non_blocking=True)
+
+    def use(self, slots: set[int]) -> None:
+        """The slots the next step's rows use: which deltas an eager step runs."""
+        self.batch.active = bool(slots)
+        self.batch.embed = any(EMBED in self._holds[s] for s in slots)
+        self.batch.head = any(HEAD in self._holds[s] for s in slots)
+
+
+def _weights(
+    max_loras: int, max_rank: int, in_features: int, widths: list[int], dtype: torch.dtype, device: torch.device
+) -> LoRAWeights:
+    """Zeroed slots of a projection in_features -> sum(widths), a slice per width."""
+    return LoRAWeights(
+        torch.zeros(max_loras, len(widths) * max_rank, in_features, dtype=dtype, device=device),
+        [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for n in widths],
+        [sum(widths[:i]) for i in range(len(widths))],
+    )

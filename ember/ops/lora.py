@@ -9,6 +9,10 @@ slot index on the host: a step's index array is a device tensor a CUDA graph cap
 
 The delta is added to the base projection's output, whatever the base weight's format (dense,
 int4/int8/fp8, GGUF), so a quantized base takes adapters as a dense one does (QLoRA-style serving).
+
+An embedding adapter is the same pair with the vocabulary as its input (A [max_loras, rank, vocab]):
+its shrink is a gather, xa[t] = A[s][:, ids[t]] (`embedding_shrink`, the same on every device), and its
+expand is a linear adapter's (`embed`). The LM head's adapter is a linear one into the logits.
 """
 
 from __future__ import annotations
@@ -48,14 +52,29 @@ class TorchLoRA:
         self._ids: torch.Tensor | None = None  # 0 .. max_loras - 1, made once on the slots' device
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
-        num_slots, rank, rows = w.a.shape[0], w.rank, x.shape[0]
+        num_slots, rows = w.a.shape[0], x.shape[0]
+        xa = torch.mm(x, w.a.view(-1, w.a.shape[-1]).t()).view(rows, num_slots, -1)
+        self._expand(xa.mul_(self._own(slots, num_slots, x.dtype)[:, :, None]), y, w)
+
+    def embed(self, ids: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
+        """y[t] += B[s] @ A[s][:, ids[t]] (an embedding adapter, A [slots, rank, vocab])."""
+        xa = embedding_shrink(ids, w.a, slots)  # [T, rank], zeros for the base's rows
+        self._expand(xa[:, None, :] * self._own(slots, w.a.shape[0], xa.dtype)[:, :, None], y, w)
+
+    def _own(self, slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, slots]: one where a row's slot is the column's."""
         if self._ids is None or self._ids.device != slots.device:
             self._ids = torch.arange(num_slots, dtype=slots.dtype, device=slots.device)
-        own = (slots[:, None] == self._ids).to(x.dtype)  # [T, slots]
-        xa = torch.mm(x, w.a.view(-1, w.a.shape[-1]).t()).view(rows, num_slots, -1)
-        xa = xa.mul_(own[:, :, None]).view(rows, num_slots, len(w.b), rank)
-        if len(w.b) == 1:  # o_proj, down_proj: one product into the whole output
-            y.addmm_(xa.view(rows, -1), w.b[0].view(-1, w.b[0].shape[2]))
+        return (slots[:, None] == self._ids).to(dtype)
+
+    @staticmethod
+    def _expand(xa: torch.Tensor, y: torch.Tensor, w: LoRAWeights) -> None:
+        """y += the masked shrink xa [T, slots, n_slices * rank] through every slot's B."""
+        rows, num_slots = xa.shape[:2]
+        xa = xa.view(rows, num_slots, len(w.b), w.rank)
+        if len(w.b) == 1:  # o_proj, down_proj, the embedding, the LM head: one product
+            b = w.b[0]
+            y[:, : b.shape[2]].addmm_(xa.view(rows, -1), b.view(-1, b.shape[2]))
             return
         for i, (start, b) in enumerate(zip(w.offsets, w.b)):
             y[:, start : start + b.shape[2]].addmm_(xa[:, :, i].reshape(rows, -1), b.view(-1, b.shape[2]))
@@ -77,20 +96,36 @@ class NativeLoRA(TorchLoRA):
         if x.dtype != torch.float32 or x.stride(-1) != 1 or y.stride(-1) != 1 or not native.lora_fits(w.a, w.b):
             super().__call__(x, y, w, slots)
             return
-        native.lora_delta(x, y, (w.a, w.b), slots)
+        native.lora_delta(x, y[:, : w.offsets[-1] + w.b[-1].shape[2]], (w.a, w.b), slots)  # logits may be wider
 
 
 class TritonLoRA:
-    """The gathered form (BGMV): a shrink kernel and an expand kernel, each program one row and one tile of
-    columns, reading only its own slot's weights (ember/kernels/lora.py)."""
+    """A shrink kernel and an expand kernel per slice (ember/kernels/lora.py), each in two forms chosen on
+    the device tile by tile: a tensor-core tile for rows under one adapter (prefill), a program per row
+    reading only its own slot's weights for the rest (decode, request boundaries)."""
 
     @staticmethod
     def can_implement(target: Target) -> bool:
         return target.triton
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
-        from ember.kernels.lora import lora_expand, lora_shrink
+        from ember.kernels.lora import lora_shrink
 
-        xa = lora_shrink(x, w.a, slots)  # [T, n_slices * rank], float32
+        self._expand(lora_shrink(x, w.a, slots), y, w, slots)  # [T, n_slices * rank], float32
+
+    def embed(self, ids: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
+        self._expand(embedding_shrink(ids, w.a, slots).float(), y, w, slots)
+
+    @staticmethod
+    def _expand(xa: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
+        from ember.kernels.lora import lora_expand
+
         for i, (start, b) in enumerate(zip(w.offsets, w.b)):
             lora_expand(xa, b, slots, y, i, start)
+
+
+def embedding_shrink(ids: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[T, rank]: A[slots[t]][:, ids[t]] (an embedding adapter's A [slots, rank, vocab]), zeros where the
+    slot is -1. A gather of rank values a row: no matmul, no host read."""
+    picked = a[slots.clamp(min=0).long(), :, ids.long()]  # [T, rank]
+    return picked * (slots >= 0).to(a.dtype)[:, None]

@@ -42,6 +42,11 @@ class LoRAManager:
     def shapes(self) -> LoRAShapes:
         return self.layers.shapes
 
+    @property
+    def head_active(self) -> bool:
+        """Whether an adapter of the step last activated has an LM-head adapter."""
+        return self.layers.batch.head
+
     def check(self, lora: LoRARequest) -> None:
         """A ValueError naming what is wrong when `lora` cannot run on this model; else its tensors start
         loading (on the loader thread) unless they are read already."""
@@ -80,8 +85,9 @@ class LoRAManager:
             slot = self._free.pop() if self._free else self._evict(needed)
             self.layers.install(slot, self._host_adapter(lora_id).result())
             self._slot_of[lora_id] = slot
-        self.layers.batch.active = bool(needed)
-        return {lora_id: self._slot_of[lora_id] for lora_id in needed}
+        slots = {lora_id: self._slot_of[lora_id] for lora_id in needed}
+        self.layers.use(set(slots.values()))
+        return slots
 
     def _evict(self, keep: set[int]) -> int:
         """The slot of the least recently used adapter not in `keep`, now free."""

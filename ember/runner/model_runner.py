@@ -84,6 +84,8 @@ class _StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     graph: tuple[int, bool] | None  # the CUDA graph to replay (padded size, prefill), or None for an eager forward
+    # each token's LoRA slot when an adapter of the step adapts the LM head (else None: no head delta)
+    lora_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -339,14 +341,16 @@ class ModelRunner:
             seq_lens_host=b.seq_lens.np[: h.num_seqs].tolist(),
             query_start_host=b.query_start_loc.np[: h.num_seqs + 1].tolist(),
         )
+        lora_slots = None
         if b.lora_slots is not None:
-            b.lora_slots.upload(tokens)  # read in place by the LoRA layers (ember/model/lora.py)
+            lora_slots = b.lora_slots.upload(tokens)  # read in place by the LoRA layers (ember/model/lora.py)
         return _StepInputs(
             b.input_ids.upload(tokens)[: h.num_tokens],
             b.positions.upload(tokens)[: h.num_tokens],
             meta,
             b.logits_indices.upload(h.num_sample),
             (h.padded, bool(h.prefill_graph)) if h.padded else None,
+            lora_slots if self.lora is not None and self.lora.head_active else None,
         )
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
@@ -411,7 +415,7 @@ class ModelRunner:
             prompt = [
                 (rows, to_host(ids), to_host(values), to_host(ranks))
                 for rows in step.prompt_rows
-                for ids, values, ranks in [self._prompt_logprobs(rows, hidden)]
+                for ids, values, ranks in [self._prompt_logprobs(rows, hidden, inputs.lora_slots)]
             ]
             pending = PendingStep(step.samplers, prompt_logprobs=prompt)
             if sampling is None:
@@ -428,12 +432,14 @@ class ModelRunner:
                     pending.draft_token_ids = self._propose(prepared, verified[0])
                 pending.events = self._end_events(start)
                 return pending
+            # the sampled rows' LoRA slots, picked as their hidden rows are (None: no LM-head adapter)
+            head_slots = None if inputs.lora_slots is None else inputs.lora_slots[inputs.logits_indices]
             if masks is None:
-                self._sampled(pending, self._sample(hidden[inputs.logits_indices], sampling), start)
+                self._sampled(pending, self._sample(hidden[inputs.logits_indices], sampling, head_slots), start)
                 return pending
             # A masked step samples from the full logits: queue them, and what sampling can do before the
             # masks, now.
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(hidden[inputs.logits_indices], head_slots)
             # one pass on the GPU after the mask (Sampler.__call__) beats scoring before it
             early = sampling.mask_can_wait and not (logits.is_cuda and sampling.one_pass)
             scores = self.sampler.score(logits, sampling) if early else None
@@ -504,11 +510,12 @@ class ModelRunner:
             ids, values, ranks = logprobs
             pending.logprobs = (to_host(ids), to_host(values), to_host(ranks))
 
-    def _sample(self, rows: torch.Tensor, sbatch: SamplingBatch) -> SamplerOutput:
-        """Sample the rows' next tokens from their final hidden states."""
+    def _sample(self, rows: torch.Tensor, sbatch: SamplingBatch, lora_slots: torch.Tensor | None) -> SamplerOutput:
+        """Sample the rows' next tokens from their final hidden states (`lora_slots`: the rows' LoRA slots,
+        given when an adapter of the step adapts the LM head)."""
         if sbatch.argmax_only:
-            return SamplerOutput(self.model.greedy_tokens(rows), None, None)
-        return self.sampler(self.model.compute_logits(rows), sbatch)
+            return SamplerOutput(self.model.greedy_tokens(rows, lora_slots), None, None)
+        return self.sampler(self.model.compute_logits(rows, lora_slots), sbatch)
 
     @torch.inference_mode()
     def _close(self, pending: PendingStep) -> None:
@@ -675,17 +682,18 @@ class ModelRunner:
                 torch.cuda.current_stream(self.device).synchronize()
 
     def _prompt_logprobs(
-        self, rows: PromptRows, hidden: torch.Tensor
+        self, rows: PromptRows, hidden: torch.Tensor, lora_slots: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Logprobs of prompt tokens start + 1 .. start + count on the device: per position the prompt
         token then the top-N (ids, values), and the prompt token's rank. Computed in slices that bound
-        the [rows, vocab] logits."""
+        the [rows, vocab] logits. `lora_slots`: each token's LoRA slot with an LM-head adapter in the step."""
         k = rows.request.sampling_params.prompt_logprobs
         prompt = rows.request.prompt_token_ids
         ids, vals, ranks = [], [], []
         for lo, hi in _prompt_logit_slices(rows.count):
+            span = slice(rows.first_row + lo, rows.first_row + hi)
             logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[rows.first_row + lo : rows.first_row + hi]), dim=-1
+                self.model.compute_logits(hidden[span], None if lora_slots is None else lora_slots[span]), dim=-1
             )
             targets = to_device(prompt[rows.start + lo + 1 : rows.start + hi + 1], torch.int64, logprobs.device)[
                 :, None

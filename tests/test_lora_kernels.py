@@ -1,0 +1,95 @@
+"""The LoRA shrink/expand kernels (ember/kernels/lora.py) against a float64 reference on fresh random inputs.
+
+Without a GPU they run in Triton's interpreter on tiny shapes; on a GPU the same tests run compiled. The
+slot patterns put every kind of row tile in front of the segmented form (tiles of SEGMENT_ROWS rows): one
+adapter throughout, a tile of the base alone, a tile split between requests, a last tile cut short by the
+batch's end, every tile mixed (a decode batch of round-robin adapters), and a decode-sized batch, which
+the gathered form does alone. Ranks 8 (below tl.dot's 16, masked) and 16; one slice and three (q/k/v
+fused, each its own column offset) in an output wider than the slices, whose other columns stay put.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The interpreter is chosen when the kernels are decorated, so this must precede the imports below.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ember.kernels.lora import SEGMENT_ROWS, SEGMENTED_MIN_ROWS, lora_expand, lora_ref, lora_shrink
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_SLOTS, IN_FEATURES = 3, 40
+M = SEGMENT_ROWS
+
+
+def _runs(*runs: tuple[int, int]) -> list[int]:
+    """Slots as (slot, count) runs: the rows of consecutive requests."""
+    return [slot for slot, count in runs for _ in range(count)]
+
+
+# tiles of M rows: [adapter 2] [2 | base] [base] [adapter 0, short]
+REQUESTS = _runs((2, M + 3), (-1, 2 * M - 3), (0, 9))
+SLOT_PATTERNS = {
+    "one-adapter": _runs((1, 2 * M + 5)),
+    "requests": REQUESTS,
+    "round-robin": [(0, 1, 2, -1)[t % 4] for t in range(2 * M + 6)],
+    "decode": [1, -1, 1, 0, 2],
+}
+
+
+def _delta_inputs(slots: list[int], rank: int, widths: list[int], dtype: torch.dtype, seed: int):
+    """x, A, per-slice B and the slots, values O(1) after both products."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(NUM_SLOTS, len(widths) * rank, IN_FEATURES, generator=gen) * IN_FEATURES**-0.5
+    b = [torch.randn(NUM_SLOTS, rank, n, generator=gen) * rank**-0.5 for n in widths]
+    x = torch.randn(len(slots), IN_FEATURES, generator=gen)
+    x, a, *b = (t.to(dtype=dtype, device=DEVICE) for t in (x, a, *b))
+    return x, a, b, torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+
+
+def _apply(x: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor], slots: torch.Tensor, y: torch.Tensor):
+    """Shrink, then each slice's expand into its columns of y, as TritonLoRA does; returns the shrink's xa."""
+    xa = lora_shrink(x, a, slots)
+    start = 0
+    for i, bi in enumerate(b):
+        lora_expand(xa, bi, slots, y, i, start)
+        start += bi.shape[2]
+    return xa
+
+
+def test_patterns_reach_both_forms():
+    """The batches above the threshold run the segmented form (with some whole tiles), the decode one not."""
+    assert all(len(s) >= SEGMENTED_MIN_ROWS for name, s in SLOT_PATTERNS.items() if name != "decode")
+    assert len(SLOT_PATTERNS["decode"]) < SEGMENTED_MIN_ROWS and len(REQUESTS) % M != 0
+
+
+@pytest.mark.parametrize("rank,widths", [(8, [24]), (8, [24, 8, 8]), (16, [24, 8, 8])])
+@pytest.mark.parametrize("pattern", list(SLOT_PATTERNS))
+def test_shrink_and_expand_match_reference(pattern: str, rank: int, widths: list[int]):
+    x, a, b, slots = _delta_inputs(SLOT_PATTERNS[pattern], rank, widths, torch.float32, seed=rank + len(widths))
+    base = torch.randn(len(slots), sum(widths) + 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    y = base.clone()
+    xa = _apply(x, a, b, slots, y)
+    live = (slots >= 0)[:, None]
+    want_xa = torch.einsum("tnk,tk->tn", a[slots.clamp(min=0).long()].double(), x.double()) * live
+    assert xa.dtype == torch.float32 and xa.shape == (len(slots), len(widths) * rank)
+    torch.testing.assert_close(xa.double(), want_xa, atol=1e-5, rtol=1e-5)
+    want = base.double()
+    want[:, : sum(widths)] += lora_ref(x, a, b, slots)
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_matches_reference(dtype: torch.dtype):
+    """bf16/fp16 inputs and output: the segmented form's products in the inputs' dtype (xa rounded to it for
+    the expand), the output rounded once."""
+    x, a, b, slots = _delta_inputs(REQUESTS, 16, [24, 8, 8], dtype, seed=7)
+    base = torch.randn(len(slots), 40, generator=torch.Generator().manual_seed(2)).to(dtype=dtype, device=DEVICE)
+    y = base.clone()
+    _apply(x, a, b, slots, y)
+    want = base.double() + lora_ref(x, a, b, slots)
+    torch.testing.assert_close(y.double(), want, atol=3e-2, rtol=2e-2)
