@@ -46,17 +46,19 @@ Requests = tuple[list[Any], list[SamplingParams]]
 
 
 def write_adapter(path: str, shapes: LoRAShapes, rank: int, seed: int) -> None:
-    """A random PEFT LoRA adapter of every module the engine adapts, for its model's shapes."""
+    """A random PEFT LoRA adapter of every decoder-layer projection the engine adapts (not the embedding nor
+    the LM head), for its model's shapes."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
+    projections = {module: shape for module, shape in shapes.shapes.items() if module in TARGETS}
     for layer in range(shapes.num_layers):
-        for module, (n_in, n_out) in shapes.shapes.items():
+        for module, (n_in, n_out) in projections.items():
             prefix = f"base_model.model.model.layers.{layer}.{TARGETS[module][0].split('.')[0]}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * 0.01
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.01
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(shapes.shapes)}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(projections)}
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f)
 
