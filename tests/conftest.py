@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
 
 # EMBER_TEST_DEVICE=cuda runs the reference-equality tests on a GPU (float32 on both sides).
 DEVICE = os.environ.get("EMBER_TEST_DEVICE", "cpu")
+# Where a kernel test's tensors live: compiled on a GPU when there is one, else the interpreter's CPU.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, make_checkpoint
+from conftest import DEVICE, KERNEL_DEVICE, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from ember import LLM, LoRARequest, SamplingParams
@@ -251,6 +251,13 @@ def test_triton_kernels_match_reference(widths):
     x = torch.randn(rows, k, generator=gen)
     slots = torch.tensor([0, -1, 2, 1, 2, -1, 0], dtype=torch.int32)
     base = torch.randn(rows, sum(widths), generator=gen)
+    a, b, x, slots, base = (
+        a.to(KERNEL_DEVICE),
+        [t.to(KERNEL_DEVICE) for t in b],
+        x.to(KERNEL_DEVICE),
+        slots.to(KERNEL_DEVICE),
+        base.to(KERNEL_DEVICE),
+    )
     want = base.double() + lora_ref(x, a, b, slots)
     y = base.clone()
     xa = lora_shrink(x, a, slots)
@@ -274,6 +281,8 @@ def test_embedding_delta_matches_reference():
     ids = torch.tensor([3, 49, 0, 7, 3, 11])
     slots = torch.tensor([0, -1, 2, 1, 2, -1], dtype=torch.int32)
     base = torch.randn(len(ids), hidden, generator=gen)
+    w = LoRAWeights(w.a.to(KERNEL_DEVICE), [w.b[0].to(KERNEL_DEVICE)], [0])
+    ids, slots, base = ids.to(KERNEL_DEVICE), slots.to(KERNEL_DEVICE), base.to(KERNEL_DEVICE)
     want = base.double().clone()
     for t, (v, s) in enumerate(zip(ids.tolist(), slots.tolist())):
         if s >= 0:

@@ -19,8 +19,8 @@ adapters (every tile mixed) would pay for in full. Batches under SEGMENTED_MIN_R
 gathered kernel alone: one launch per product instead of two.
 
 Both forms read the slots on the device (each program its own tile's), so one captured CUDA graph serves
-every mix of adapters. Not built yet: split-K for the shrink (its N is only n_slices * rank, so a few
-programs each read all of K) and fusion with the base GEMM.
+every mix of adapters. The shrink splits K when its rows and column tiles are few (`_split_k`). Not built
+yet: fusion with the base GEMM.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from ember.kernels.paged import dot_dtype, dot_precision
 
 SEGMENT_ROWS = 32  # the segmented kernels' BLOCK_M: rows sharing one read of their adapter's weights
 SEGMENTED_MIN_ROWS = 64  # fewer rows: the gathered kernels alone
+SHRINK_BLOCK_K = 64
+SPLIT_K_PROGRAMS = 264  # two per SM of an H100/H200
+SPLIT_K_MIN_COLUMNS = 256
 MIXED: tl.constexpr = tl.constexpr(-2)  # _tile_slot's answer for a tile whose rows are under different slots
 
 
@@ -56,18 +59,36 @@ def _gathered_row(slots_ptr, row, T, SEGMENT_M: tl.constexpr):
 
 
 @triton.jit
+def _k_range(split, K, K_CHUNK, work):
+    """The input columns [begin, end) of split-K part `split`; an empty range where there is no `work`."""
+    begin = split * K_CHUNK
+    return begin, tl.where(work, tl.minimum(begin + K_CHUNK, K), begin)
+
+
+@triton.jit
+def _sum_splits(ptrs, mask, SPLITS, stride_s, work):
+    """The shrink's split-K partial sums at `ptrs` added in split order (the same sum whatever the batch);
+    only the first part read without `work`."""
+    xa = tl.load(ptrs, mask=mask, other=0.0)
+    for s in range(1, tl.where(work, SPLITS, 1)):
+        xa += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
+    return xa
+
+
+@triton.jit
 def _shrink_gathered_kernel(
-    x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xt, stride_as, stride_an, stride_ot,
+    x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, K_CHUNK, stride_xt, stride_as, stride_an, stride_ot, stride_os,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEGMENT_M: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mine = _gathered_row(slots_ptr, row, T, SEGMENT_M)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    k_end = tl.where(mine & (slot >= 0), K, 0)  # a row without an adapter reads nothing and writes zeros
+    k_begin, k_end = _k_range(tl.program_id(2), K, K_CHUNK, mine & (slot >= 0))  # no adapter: writes zeros
     a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + cols[:, None] * stride_an
+    out_ptr += tl.program_id(2).to(tl.int64) * stride_os
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_xt + ks, mask=ks < K, other=0.0).to(tl.float32)
         a = tl.load(a_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
@@ -77,18 +98,20 @@ def _shrink_gathered_kernel(
 
 @triton.jit
 def _shrink_segments_kernel(
-    x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xt, stride_as, stride_an, stride_ot,
+    x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, K_CHUNK, stride_xt, stride_as, stride_an, stride_ot, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     slot = _tile_slot(slots_ptr, tl.program_id(0), T, BLOCK_M).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_end = tl.where(slot >= 0, K, 0)  # the base's tile writes zeros, a mixed one nothing (the gathered kernel's)
+    # the base's tile writes zeros, a mixed one nothing (the gathered kernel's)
+    k_begin, k_end = _k_range(tl.program_id(2), K, K_CHUNK, slot >= 0)
     x_rows = x_ptr + rows[:, None] * stride_xt
     a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + cols[:, None] * stride_an
+    out_ptr += tl.program_id(2).to(tl.int64) * stride_os
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < T) & (ks[None, :] < K), other=0.0)
         a = tl.load(a_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
@@ -99,8 +122,8 @@ def _shrink_segments_kernel(
 
 @triton.jit
 def _expand_gathered_kernel(
-    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, xa_offset, y_offset, stride_xat, stride_bs, stride_br, stride_yt,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT_M: tl.constexpr,
+    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, SPLITS, xa_offset, y_offset, stride_xat, stride_xas, stride_bs,
+    stride_br, stride_yt, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT_M: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,7 +131,7 @@ def _expand_gathered_kernel(
     slot = tl.load(slots_ptr + row).to(tl.int64)
     n_end = tl.where(mine & (slot >= 0), N, 0)  # a row without an adapter reads and writes nothing
     rs = tl.arange(0, BLOCK_R)
-    xa = tl.load(xa_ptr + row * stride_xat + xa_offset + rs, mask=rs < R, other=0.0)
+    xa = _sum_splits(xa_ptr + row * stride_xat + xa_offset + rs, rs < R, SPLITS, stride_xas, n_end > 0)
     b = tl.load(
         b_ptr + tl.maximum(slot, 0) * stride_bs + rs[:, None] * stride_br + cols[None, :],
         mask=(rs[:, None] < R) & (cols[None, :] < n_end),
@@ -123,20 +146,17 @@ def _expand_gathered_kernel(
 
 @triton.jit
 def _expand_segments_kernel(
-    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, xa_offset, y_offset, stride_xat, stride_bs, stride_br, stride_yt,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, SPLITS, xa_offset, y_offset, stride_xat, stride_xas, stride_bs,
+    stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     slot = _tile_slot(slots_ptr, tl.program_id(0), T, BLOCK_M).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_end = tl.where(slot >= 0, N, 0)  # only a tile under one adapter: a mixed one is the gathered kernel's
     rs = tl.arange(0, BLOCK_R)
-    xa = tl.load(
-        xa_ptr + rows[:, None] * stride_xat + xa_offset + rs[None, :],
-        mask=(rows[:, None] < T) & (rs[None, :] < R),
-        other=0.0,
-    )
+    xa_tile = xa_ptr + rows[:, None] * stride_xat + xa_offset + rs[None, :]
+    xa = _sum_splits(xa_tile, (rows[:, None] < T) & (rs[None, :] < R), SPLITS, stride_xas, n_end > 0)
     b = tl.load(
         b_ptr + tl.maximum(slot, 0) * stride_bs + rs[:, None] * stride_br + cols[None, :],
         mask=(rs[:, None] < R) & (cols[None, :] < n_end),
@@ -160,22 +180,38 @@ def _tile(n: int, cap: int = 1 << 30) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
+def _split_k(programs: int, k: int) -> tuple[int, int]:
+    """(parts, input columns per part) of a shrink whose rows and column tiles make `programs` programs.
+
+    The shrink's output is only n_slices * rank wide, so without splitting K a decode row's whole product is
+    one or three programs, each walking all of K alone: 8B batch-1 decode took 15.8 ms a token with one
+    rank-16 adapter against 6.1 ms without (H100, 2026-12-06), most of it four such walks a layer. Split
+    until about SPLIT_K_PROGRAMS programs run, each part at least SPLIT_K_MIN_COLUMNS wide; the expand adds
+    the parts in a fixed order, so a row's result does not depend on its batch."""
+    parts = max(1, min(triton.cdiv(SPLIT_K_PROGRAMS, programs), k // SPLIT_K_MIN_COLUMNS))
+    chunk = triton.cdiv(triton.cdiv(k, parts), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
+    return triton.cdiv(k, chunk), chunk
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x [T, K], a [slots, N, K] (contiguous rows), slots [T] -> float32 [T, N]: row t's A @ x[t] (zeros
-    for slot -1)."""
+    """x [T, K], a [slots, N, K] (contiguous rows), slots [T] -> float32 [parts, T, N]: row t's A @ x[t]
+    (zeros for slot -1) as split-K partial sums, which `lora_expand` adds."""
     rows, k = x.shape
     n = a.shape[1]
-    out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
+    block_m, block_n = _segment_rows(rows), _tile(n, 64)
+    parts, chunk = _split_k(triton.cdiv(rows, block_m or 1) * triton.cdiv(n, block_n), k)
+    out = torch.empty(parts, rows, n, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
-    args = (x, a, slots, out, rows, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(0))
-    block_m, block_n = _segment_rows(rows), _tile(n, 64)
+    args = (x, a, slots, out, rows, k, n, chunk, x.stride(0), a.stride(0), a.stride(1), out.stride(1), out.stride(0))
     if block_m:
-        _shrink_segments_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
-            *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, DOT_DTYPE=dot_dtype(x.dtype),
+        _shrink_segments_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n), parts)](
+            *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=SHRINK_BLOCK_K, DOT_DTYPE=dot_dtype(x.dtype),
             PRECISION=dot_precision(x.dtype),
         )  # fmt: skip
-    _shrink_gathered_kernel[(rows, triton.cdiv(n, block_n))](*args, BLOCK_N=block_n, BLOCK_K=64, SEGMENT_M=block_m)
+    _shrink_gathered_kernel[(rows, triton.cdiv(n, block_n), parts)](
+        *args, BLOCK_N=block_n, BLOCK_K=SHRINK_BLOCK_K, SEGMENT_M=block_m
+    )
     return out
 
 
@@ -183,13 +219,17 @@ def lora_expand(
     xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor, slice_index: int, start: int
 ) -> None:
     """y[t, start:start + N] += b[slots[t]]^T-applied: b [slots, R, N], its input the slice's R columns of
-    xa [T, n_slices * R]; rows with slot -1 are left alone. The segmented form multiplies in b's dtype
-    (xa rounded to it, as a tensor-core product must), the gathered form in float32."""
-    rows = xa.shape[0]
+    xa [parts, T, n_slices * R] (`lora_shrink`'s partial sums, added here); rows with slot -1 are left
+    alone. The segmented form multiplies in b's dtype (xa rounded to it, as a tensor-core product must), the
+    gathered form in float32."""
+    parts, rows = xa.shape[0], xa.shape[1]
     r, n = b.shape[1], b.shape[2]
     if rows == 0:
         return
-    args = (xa, b, slots, y, rows, r, n, slice_index * r, start, xa.stride(0), b.stride(0), b.stride(1), y.stride(0))
+    args = (
+        xa, b, slots, y, rows, r, n, parts, slice_index * r, start, xa.stride(1), xa.stride(0), b.stride(0),
+        b.stride(1), y.stride(0),
+    )  # fmt: skip
     block_m, block_r, block_n = _segment_rows(rows), _tile(r), _tile(n, 128)
     if block_m:
         _expand_segments_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](

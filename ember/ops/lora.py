@@ -111,10 +111,10 @@ class TritonLoRA:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
         from ember.kernels.lora import lora_shrink
 
-        self._expand(lora_shrink(x, w.a, slots), y, w, slots)  # [T, n_slices * rank], float32
+        self._expand(lora_shrink(x, w.a, slots), y, w, slots)  # [parts, T, n_slices * rank], float32
 
     def embed(self, ids: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
-        self._expand(embedding_shrink(ids, w.a, slots).float(), y, w, slots)
+        self._expand(embedding_shrink(ids, w.a, slots).float()[None], y, w, slots)  # one part
 
     @staticmethod
     def _expand(xa: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
