@@ -101,3 +101,16 @@ def test_split_k_partials_add_up(pattern: str):
     xa = _apply(x, a, b, slots, y)
     assert xa.shape[0] > 1
     torch.testing.assert_close(y.double(), base.double() + lora_ref(x, a, b, slots), atol=1e-5, rtol=1e-5)
+
+
+def test_gathered_expand_walks_column_tiles(monkeypatch):
+    """With few programs allowed, one gathered-expand program walks several column tiles of its row (the
+    last one cut short): the same delta."""
+    from ember.kernels import lora
+
+    monkeypatch.setattr(lora, "EXPAND_PROGRAMS", 4)
+    x, a, b, slots = _delta_inputs(SLOT_PATTERNS["decode"], 8, [300], torch.float32, seed=5)
+    base = torch.randn(len(slots), 300, generator=torch.Generator().manual_seed(6)).to(KERNEL_DEVICE)
+    y = base.clone()
+    _apply(x, a, b, slots, y)
+    torch.testing.assert_close(y.double(), base.double() + lora_ref(x, a, b, slots), atol=1e-5, rtol=1e-5)
