@@ -20,6 +20,10 @@ _EXPORTS = {
     "LoRARequest": "ember.lora.request",
     "RequestOutput": "ember.frontend.output",
     "CompletionOutput": "ember.frontend.output",
+    "PoolingParams": "ember.pooling.params",
+    "PoolerConfig": "ember.pooling.params",
+    "EmbeddingRequestOutput": "ember.frontend.output",
+    "EmbeddingOutput": "ember.frontend.output",
 }
 __all__ = list(_EXPORTS)
 

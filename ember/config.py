@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ember.model.hf_config import ModelConfig
+from ember.pooling.params import PoolerConfig
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +77,7 @@ class RunnerConfig:
     seed: int
     enforce_eager: bool
     load_format: str = "auto"  # a draft model's weights are read as the target's (random with "dummy")
+    pooler: PoolerConfig = PoolerConfig()  # how pooling requests are pooled (resolved: flag, checkpoint, LAST)
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,7 @@ class EngineConfig:
     enforce_eager: bool
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA off (`--enable-lora` not given)
+    pooler: PoolerConfig | None = None  # None: the checkpoint's 1_Pooling/config.json, else LAST (EngineCore)
 
     def runner_config(self, device: torch.device, checkpoint_dtype: str | None) -> RunnerConfig:
         """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
@@ -241,6 +244,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # How embedding requests pool (vLLM's form: a PoolerConfig, a dict or its JSON; see docs/pooling.md).
+    pooler_config: PoolerConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -276,6 +281,8 @@ class EngineArgs:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config: not supported with tensor parallelism (tensor_parallel_size > 1)")
+        if self.pooler_config is not None:
+            self.pooler_config = PoolerConfig.parse(self.pooler_config)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:
@@ -303,6 +310,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             speculative=SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None,
             lora=self.lora_config(),
+            pooler=PoolerConfig.parse(self.pooler_config) if self.pooler_config is not None else None,
         )
 
     def lora_config(self) -> LoRAConfig | None:
@@ -410,6 +418,13 @@ class EngineArgs:
         g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
         g.add_argument(
             "--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory (default: --max-loras)"
+        )
+        g.add_argument(
+            "--pooler-config",
+            metavar="JSON",
+            default=None,
+            help='how /v1/embeddings pools, as vLLM: e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+            "(default: the checkpoint's 1_Pooling/config.json, else LAST; see docs/pooling.md)",
         )
 
     @classmethod

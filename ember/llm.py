@@ -16,9 +16,10 @@ from tqdm.auto import tqdm
 
 from ember.config import EngineArgs
 from ember.frontend.engine import LLMEngine
-from ember.frontend.output import RequestOutput
+from ember.frontend.output import EmbeddingRequestOutput, RequestOutput
 from ember.frontend.processor import PromptType
 from ember.lora.request import LoRARequest
+from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 
@@ -71,6 +72,28 @@ class LLM:
             if len(loras) != len(prompts):
                 raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         return self._run(prompts, params_list, use_tqdm, loras)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (vLLM's `LLM.embed`): the prompt's final hidden states
+        pooled as the engine's pooler config says (docs/pooling.md). Any engine embeds; no mode switch."""
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [cast(PromptType, prompts)]
+        prompts = list(cast(Sequence[PromptType], prompts))
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            pooling = list(pooling_params)
+            if len(pooling) != len(prompts):
+                raise ValueError(f"pooling_params: got {len(pooling)} for {len(prompts)} prompts")
+        params = [SamplingParams(max_tokens=1)] * len(prompts)
+        outputs = self._run(prompts, params, use_tqdm, [lora_request] * len(prompts), pooling)
+        return [EmbeddingRequestOutput.of(out) for out in outputs]
 
     def chat(
         self,
@@ -128,12 +151,14 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         loras: list[LoRARequest | None],
+        pooling: list[PoolingParams] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras):
-                ids.append(engine.add_request(None, prompt, p, final_only=True, lora_request=lora))
+            for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
+                pool = None if pooling is None else pooling[i]
+                ids.append(engine.add_request(None, prompt, p, final_only=True, lora_request=lora, pooling_params=pool))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -23,6 +23,7 @@ import msgspec
 from ember.config import EngineConfig
 from ember.lora.peft import LoRAShapes
 from ember.lora.request import LoRARequest
+from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 
 
@@ -40,6 +41,8 @@ class EngineCoreRequest(_Message):
     eos_token_ids: list[int]
     arrival_time: float  # time.monotonic() of the front end (one clock per machine)
     lora_request: LoRARequest | None = None  # the adapter to run under (None: the base model)
+    # set: an embedding request; its prompt is computed, never sampled from, and it ends with the pooled vector
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequests(_Message):
@@ -80,6 +83,7 @@ class EngineCoreOutput(_Message):
     error: str | None = None  # the request failed inside the core (finish_reason is then "abort")
     num_draft_tokens: int = 0  # speculative decoding: drafts verified this step
     num_accepted_tokens: int = 0  # of which the model accepted
+    embedding: list[float] | None = None  # a pooling request's vector, in its finishing output
 
 
 class SpecDecodeStats(_Message):
@@ -142,6 +146,8 @@ class EngineCoreReady(_Message):
     async_scheduling: bool
     tensor_parallel_size: int
     description: str  # the one start-up log line
+    hidden_size: int = 0  # the length of a pooled vector (`dimensions` may ask for fewer)
+    pooling_type: str = "LAST"  # how pooling requests are pooled (PoolerConfig.pooling_type)
     lora: LoRAShapes | None = None  # with --enable-lora: what an adapter must fit (the front end checks it)
     # the core process's start-up moments (ember.timeline), added by ember.core.process when it sends this
     timeline: list[tuple[str, float]] = []

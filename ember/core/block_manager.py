@@ -124,9 +124,14 @@ class BlockManager:
     def match_prefix(self, request: Request) -> list[int]:
         """Cached blocks holding a prefix of the request's tokens; at least one token is left to compute.
 
-        A request that wants prompt logprobs gets none: cached positions would have no logits.
+        A request that wants prompt logprobs gets none: cached positions would have no logits; nor does a
+        pooling request that pools every position (MEAN) or the first (CLS): they would not be computed.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if (
+            not self.enable_prefix_caching
+            or request.sampling_params.prompt_logprobs is not None
+            or request.skip_prefix_cache
+        ):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(self._record(request), request, max_blocks)

@@ -19,12 +19,14 @@ runs, and the runner samples step N+1 only when the core launches N+2 (see `Mode
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from pathlib import Path
 
 import torch
 
@@ -44,9 +46,11 @@ from ember.messages import (
     Logprobs,
     SchedulerStats,
 )
+from ember.model.files import model_path
 from ember.model.hf_config import ModelConfig
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
+from ember.pooling.params import PoolerConfig, read_sentence_transformers_pooling
 from ember.runner.device import resolve_device
 from ember.runner.model_runner import ModelRunner, PendingStep
 from ember.runner.step import StepResult
@@ -68,12 +72,15 @@ class EngineCore:
         self.scheduler_config = config.scheduler_config(files.model_config, device)
         self.max_model_len = self.scheduler_config.max_model_len
         self.vocab_size = files.model_config.vocab_size
+        self.hidden_size = files.model_config.hidden_size
+        self.pooler = config.pooler or _checkpoint_pooler(config) or PoolerConfig()
         self.tensor_parallel = _start_tensor_parallel(config, files.model_config)
         try:
             runner_device = self.tensor_parallel.device if self.tensor_parallel else device
+            runner_config = config.runner_config(runner_device, files.checkpoint_dtype)
             self.runner = ModelRunner(
                 files,
-                config.runner_config(runner_device, files.checkpoint_dtype),
+                dataclasses.replace(runner_config, pooler=self.pooler),
                 config.cache,
                 self.scheduler_config,
                 runner_device,
@@ -160,6 +167,8 @@ class EngineCore:
             async_scheduling=self.async_scheduling,
             tensor_parallel_size=tp,
             description=description,
+            hidden_size=self.hidden_size,
+            pooling_type=self.pooler.pooling_type,
             lora=r.lora.shapes if r.lora is not None else None,
         )
 
@@ -189,6 +198,7 @@ class EngineCore:
             return
         req = Request.from_message(msg)
         req.matcher = matcher
+        req.skip_prefix_cache = msg.pooling_params is not None and self.pooler.needs_every_token
         self.requests[msg.request_id] = req
         self._num_host_sync += req.needs_host_tokens
         self.scheduler.add(req)
@@ -207,11 +217,28 @@ class EngineCore:
         ):
             if any(t >= self.vocab_size for t in sampled_ids):  # the sampler indexes logits by them
                 return f"{name} must be token ids in [0, {self.vocab_size})"
+        if msg.pooling_params is not None:
+            return self._check_pooling(msg)
         if msg.max_tokens < 1 or len(ids) + msg.max_tokens > self.max_model_len:
             return (
                 f"max_tokens: {len(ids)} prompt + {msg.max_tokens} new tokens exceed the context window of "
                 f"{self.max_model_len}"
             )
+        return None if msg.lora_request is None else self._check_lora(msg.lora_request)
+
+    def _check_pooling(self, msg: EngineCoreRequest) -> str | None:
+        """A pooling request computes its prompt and nothing after it; it samples nothing."""
+        assert msg.pooling_params is not None  # asked only of pooling requests
+        if len(msg.prompt_token_ids) > self.max_model_len:
+            return (
+                f"prompt: {len(msg.prompt_token_ids)} tokens exceed the context window of {self.max_model_len} "
+                "(truncate_prompt_tokens cuts it)"
+            )
+        dims = msg.pooling_params.dimensions
+        if dims is not None and dims > self.hidden_size:
+            return f"dimensions: {dims} is more than the model's hidden size {self.hidden_size}"
+        if msg.max_tokens != 1:
+            return "max_tokens: a pooling request computes its prompt only (max_tokens 1)"
         return None if msg.lora_request is None else self._check_lora(msg.lora_request)
 
     def _check_lora(self, lora: LoRARequest) -> str | None:
@@ -353,6 +380,13 @@ class EngineCore:
             new = None if req.status.finished else _unsent_prompt_logprobs(req, first, prompt_logprobs)
             if new is not None:
                 outputs[rid] = EngineCoreOutput(rid, [], new_prompt_logprobs=new)
+        for rid, embedding in result.pooled.items():
+            req = by_id[rid]
+            req.num_inflight_tokens -= 1  # counted by `Scheduler.advance` as for a sampling request
+            if not req.status.finished:
+                out = outputs[rid] = EngineCoreOutput(rid, [], embedding=embedding)
+                out.num_cached_tokens = max(req.num_cached_tokens, 0)
+                self._end(req, RequestStatus.FINISHED_STOPPED, out)
         constrained: list[Request] = []
         for rid, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             req = by_id[rid]
@@ -481,6 +515,12 @@ def _start_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> T
     group = TensorParallelGroup(config)
     atexit.register(group.stop)
     return group
+
+
+def _checkpoint_pooler(config: EngineConfig) -> PoolerConfig | None:
+    """The pooling a sentence-transformers checkpoint declares next to its weights (HF directories only)."""
+    path, is_gguf = model_path(config.load)
+    return None if is_gguf else read_sentence_transformers_pooling(Path(path))
 
 
 def _shared_window(cfg: ModelConfig) -> int | None:

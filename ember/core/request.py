@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ember.lora.request import LoRARequest
 from ember.messages import EngineCoreRequest
+from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class Request:
     grammar_error: str | None = None  # why the grammar cannot go on, once a token it was fed ended it
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step to verify
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None  # an embedding request: it ends with its prompt, pooled
+    skip_prefix_cache: bool = False  # it needs every prompt position computed (MEAN / CLS pooling)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -71,6 +74,7 @@ class Request:
             msg.eos_token_ids,
             msg.arrival_time,
             lora_request=msg.lora_request,
+            pooling_params=msg.pooling_params,
         )
 
     @property
@@ -136,7 +140,10 @@ class Request:
         return max(0, min(self.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens) - 1)
 
     def is_length_capped(self, max_model_len: int) -> bool:
-        """Its tokens in flight already reach a length limit: nothing more to compute for it."""
+        """Its tokens in flight already reach a length limit: nothing more to compute for it. A pooling
+        request's prompt may fill the context window: it is done once its last chunk is in flight."""
+        if self.pooling_params is not None:
+            return self.num_inflight_tokens > 0
         return (
             self.num_output_tokens + self.num_inflight_tokens >= self.max_tokens
             or self.num_scheduled_tokens >= max_model_len

@@ -211,6 +211,7 @@ class Scheduler:
                     request.sampling_params,
                     request.eos_token_ids,
                     request.lora_request,
+                    request.pooling_params,
                 )
             )
             request.num_tokens_sent = request.num_prompt_tokens

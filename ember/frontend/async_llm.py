@@ -38,6 +38,7 @@ from ember.messages import (
     UtilityResult,
 )
 from ember.model.files import load_model_info
+from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 
 logger = logging.getLogger("ember")
@@ -132,8 +133,10 @@ class AsyncLLM(ModelFacts):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield a RequestOutput each time the request makes progress; the last has `finished=True`."""
+        """Yield a RequestOutput each time the request makes progress; the last has `finished=True`.
+        With `pooling_params` it is an embedding request: one output, with `embedding` set."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         if not self._accepting:
@@ -152,10 +155,10 @@ class AsyncLLM(ModelFacts):
             or lora_request is not None
         ):
             processed = await asyncio.to_thread(
-                self.processor.process, request_id, prompt, sampling_params, None, lora_request
+                self.processor.process, request_id, prompt, sampling_params, None, lora_request, pooling_params
             )
         else:  # token ids need ~35 us of checks, far less than a thread hop and its GIL hand-offs
-            processed = self.processor.process(request_id, prompt, sampling_params)
+            processed = self.processor.process(request_id, prompt, sampling_params, pooling_params=pooling_params)
         stream = _Stream(processed.state, asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:

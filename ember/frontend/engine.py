@@ -35,6 +35,7 @@ from ember.messages import (
     UtilityResult,
 )
 from ember.model.files import load_model_info
+from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 
 logger = logging.getLogger("ember")
@@ -74,14 +75,16 @@ class LLMEngine(ModelFacts):
         arrival_time: float | None = None,
         final_only: bool = False,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError (and queues nothing) when it can never run.
 
-        With `final_only`, `step()` returns this request's output only once, when it finishes.
+        With `final_only`, `step()` returns this request's output only once, when it finishes. With
+        `pooling_params` it is an embedding request: its final output carries `embedding`.
         """
         self._check_alive()
         request_id = str(next(self._ids)) if request_id is None else request_id
-        processed = self.processor.process(request_id, prompt, params, arrival_time, lora_request)
+        processed = self.processor.process(request_id, prompt, params, arrival_time, lora_request, pooling_params)
         self.output_processor.add(processed.state)
         if final_only:
             self._final_only.add(request_id)

@@ -69,6 +69,34 @@ class RequestOutput:
     error: str | None = None  # set when the request failed inside the engine (finish_reason is then "abort")
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, once finished
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's `EmbeddingOutput`: the pooled vector."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput`, what `LLM.embed` returns per prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EmbeddingRequestOutput:
+        if out.embedding is None:
+            raise RuntimeError(f"request {out.request_id} ended without an embedding: {out.error or 'aborted'}")
+        return cls(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids, out.finished)
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -207,6 +235,7 @@ class RequestState:
         self.error: str | None = None
         self.first_token_time: float | None = None
         self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -240,6 +269,7 @@ class RequestState:
             metrics=RequestMetrics(
                 self.arrival_time, self.first_token_time, self.num_draft_tokens, self.num_accepted_tokens
             ),
+            embedding=self.embedding,
         )
 
     def update(self, seq: _Sequence, out: EngineCoreOutput, now: float, stats: IterationStats) -> bool:
@@ -248,6 +278,8 @@ class RequestState:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         self.num_draft_tokens += out.num_draft_tokens
         self.num_accepted_tokens += out.num_accepted_tokens
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs)
         if out.new_token_ids:

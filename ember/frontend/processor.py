@@ -19,6 +19,7 @@ from ember.lora.peft import read_adapter
 from ember.lora.request import LoRARequest
 from ember.messages import EngineCoreReady, EngineCoreRequest
 from ember.model.files import ModelInfo
+from ember.pooling.params import PoolingParams
 from ember.sampling.params import INT64_MIN, SamplingParams
 from ember.sampling.structured import GrammarCheck, StructuredOutputsParams, check_grammar
 from ember.tokenizer import Tokenizer
@@ -54,6 +55,7 @@ class Processor:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.lora_shapes = ready.lora
+        self.hidden_size = ready.hidden_size
         self._checked_loras: set[LoRARequest] = set()  # adapters that passed check_lora (files read once)
         self._grammar_check = GrammarCheck(self.tokenizer, self.vocab_size) if self.tokenizer is not None else None
 
@@ -154,9 +156,13 @@ class Processor:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate, touching no engine state (any thread may call it); a ValueError naming
-        the field when the request can never run."""
+        the field when the request can never run. With `pooling_params` it is an embedding request:
+        its sampling parameters are ignored."""
+        if pooling_params is not None:
+            return self._process_pooling(request_id, prompt, pooling_params, arrival_time, lora_request)
         params = params or self.default_sampling_params()
         if lora_request is not None:
             self.check_lora(lora_request)
@@ -191,6 +197,37 @@ class Processor:
                 )
             )
         return ProcessedRequest(state, core)
+
+    def _process_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        pooling: PoolingParams,
+        arrival_time: float | None,
+        lora_request: LoRARequest | None,
+    ) -> ProcessedRequest:
+        """An embedding request: its prompt (its last `truncate_prompt_tokens`, as vLLM keeps) must fit the
+        context window, and `dimensions` the hidden size. It computes the prompt and generates nothing."""
+        if lora_request is not None:
+            self.check_lora(lora_request)
+        if pooling.dimensions is not None and pooling.dimensions > self.hidden_size:
+            raise ValueError(
+                f"dimensions: {pooling.dimensions} is more than this model's embedding size {self.hidden_size}"
+            )
+        text, ids = self.tokenize_prompt(prompt)
+        keep = pooling.truncate_prompt_tokens
+        if keep is not None:
+            ids = ids[-(self.max_model_len if keep == -1 else keep) :]
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"input: this model's maximum context length is {self.max_model_len} tokens, but the input has "
+                f"{len(ids)} (truncate_prompt_tokens cuts it)"
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        params = SamplingParams(max_tokens=1)
+        state = RequestState(request_id, text, ids, params, self.tokenizer, arrival, None)
+        core = EngineCoreRequest(request_id, ids, params, 1, [], arrival, lora_request, pooling)
+        return ProcessedRequest(state, [core])
 
 
 def _child_seed(seed: int, index: int) -> int:

@@ -34,6 +34,7 @@ from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import KVCache
 from ember.runner.lora_manager import LoRAManager
 from ember.runner.model_build import build_model
+from ember.runner.pooler import pool_step
 from ember.runner.request_state import RequestState, RequestStates
 from ember.runner.step import StepDescription, StepResult
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
@@ -75,6 +76,8 @@ class PendingStep:
     unsampled: _Unsampled | None = None  # set while the step is open (its sampling not queued yet)
     error: Exception | None = None  # its sampling failed; `wait` raises it
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # the draft model's proposals
+    # pooling requests whose prompt ended in the step: (id, length) each, and their vectors on the host
+    pooled: tuple[list[tuple[str, int]], torch.Tensor] | None = None
 
 
 @dataclass
@@ -153,6 +156,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         self.timer = StepTimer() if self.device.type == "cuda" else None
         self.requests = RequestStates(self.device)
+        self.pooler = config.pooler
         # The last launched step's sampled ids on the device, and each sampling request's row in them.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
@@ -418,6 +422,9 @@ class ModelRunner:
                 for ids, values, ranks in [self._prompt_logprobs(rows, hidden, inputs.lora_slots)]
             ]
             pending = PendingStep(step.samplers, prompt_logprobs=prompt)
+            pooled_ids, pooled = pool_step(self.pooler, step.spans, hidden)
+            if pooled is not None:
+                pending.pooled = (pooled_ids, to_host(pooled))
             if sampling is None:
                 if self.drafter is not None and prepared.num_speculative_tokens:  # prompt chunks: the draft's KV
                     self.drafter.prefill(self._draft_step(prepared, None))
@@ -636,7 +643,7 @@ class ModelRunner:
             assert self.timer is not None  # events are recorded only with a timer
             self.timer.finished(*pending.events, pending.mask_wait)
         if pending.sampled is None:
-            return StepResult([], [], [], self._prompt_results(pending))
+            return StepResult([], [], [], self._prompt_results(pending), pooled=self._pooled(pending))
         reqs = pending.requests
         ids = [r.request_id for r in reqs]
         sampled = pending.sampled.tolist()
@@ -656,7 +663,17 @@ class ModelRunner:
                         [values[i][: 1 + k] for i in flat],
                         [ranks[i] for i in flat],
                     )
-        return StepResult(ids, tokens, logprobs, self._prompt_results(pending), pending.draft_token_ids)
+        return StepResult(
+            ids, tokens, logprobs, self._prompt_results(pending), pending.draft_token_ids, self._pooled(pending)
+        )
+
+    @staticmethod
+    def _pooled(pending: PendingStep) -> dict[str, list[float]]:
+        if pending.pooled is None:
+            return {}
+        ids, vectors = pending.pooled
+        rows = vectors.tolist()
+        return {rid: row[:n] for (rid, n), row in zip(ids, rows)}
 
     @staticmethod
     def _prompt_results(pending: PendingStep) -> dict[str, tuple[int, Logprobs]]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ember.lora.request import LoRARequest
+from ember.pooling.params import PoolingParams
 from ember.runner.step import NewRequest, StepDescription
 from ember.sampling.params import SamplingParams
 
@@ -31,6 +32,8 @@ class RequestState:
     num_computed_tokens: int = 0
     num_inflight_tokens: int = 0  # sampled, values still on the device
     spec_token_ids: list[int] = field(default_factory=list)  # drafts computed after the known tokens this step
+    pooling_params: PoolingParams | None = None  # a pooling request (ember/runner/pooler.py)
+    pooled: torch.Tensor | None = None  # its pooling so far: MEAN's running sum, CLS's first row (float32)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -41,7 +44,15 @@ class RequestState:
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=device).manual_seed(params.seed)
-        return cls(new.request_id, new.prompt_token_ids, params, new.eos_token_ids, generator, new.lora_request)
+        return cls(
+            new.request_id,
+            new.prompt_token_ids,
+            params,
+            new.eos_token_ids,
+            generator,
+            new.lora_request,
+            pooling_params=new.pooling_params,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

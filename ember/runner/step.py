@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ember.lora.request import LoRARequest
 from ember.messages import Logprobs
+from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class NewRequest:
     sampling_params: SamplingParams
     eos_token_ids: list[int]  # held back while min_tokens is not reached
     lora_request: LoRARequest | None = None  # the adapter its tokens run under
+    pooling_params: PoolingParams | None = None  # set: pooled once its prompt is computed, never sampled
 
 
 @dataclass
@@ -88,3 +90,4 @@ class StepResult:
     logprobs: list[Logprobs | None]  # per request, a row per token; None where not asked
     prompt_logprobs: dict[str, tuple[int, Logprobs]] = field(default_factory=dict)  # (first position, rows)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a drafter model's proposals
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # pooling requests whose prompt ended this step

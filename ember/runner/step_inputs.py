@@ -57,7 +57,8 @@ class PromptRows:
 @dataclass
 class PreparedStep:
     header: StepHeader
-    samplers: list[RequestState]  # requests sampled this step, in logits-row order (1 + its drafts rows each)
+    # requests sampled this step, in logits-row order (1 + its drafts rows each); pooling requests never are
+    samplers: list[RequestState]
     prompt_rows: list[PromptRows]
     inflight_rows: list[tuple[int, RequestState]]  # (flat row, request) whose input token is still on the device
     spans: list[tuple[RequestState, int, int]]  # (request, first flat row, tokens) of every request, in row order
@@ -123,7 +124,9 @@ def prepare_step(
             b.lora_slots.np[t : t + n] = -1 if req.lora_request is None else lora_slots[req.lora_request.lora_int_id]
         t += n
         max_seq_len = max(max_seq_len, end)
-        if end >= req.num_scheduled_tokens:  # past them by its drafts: a row per draft, then the bonus token's
+        # a sampling request past them by its drafts: a row per draft, then the bonus token's (a pooling
+        # request is pooled instead, ember/runner/pooler.py)
+        if end >= req.num_scheduled_tokens and req.pooling_params is None:
             rows = 1 + len(req.spec_token_ids)
             logits_idx[num_sample : num_sample + rows] = np.arange(t - rows, t)
             num_sample += rows

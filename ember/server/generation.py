@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from ember.frontend.async_llm import AsyncLLM
 from ember.frontend.output import RequestOutput
 from ember.lora.request import LoRARequest
+from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 from ember.server.errors import APIError, ErrorBody, engine_error, openai_error_body, unavailable
 from ember.server.state import ServerState
@@ -81,6 +82,7 @@ class Generation:
         params: SamplingParams,
         request_model: type[BaseModel],
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.state = state
         self.request_id = request_id
@@ -89,7 +91,9 @@ class Generation:
         self.final: list[RequestOutput | None] = [None] * len(prompts)
         self.prompts = prompts
         self._gens = [
-            engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", lora_request)
+            engine.generate(
+                p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", lora_request, pooling_params
+            )
             for i, p in enumerate(prompts)
         ]
         self._merged = self._merge()

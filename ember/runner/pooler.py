@@ -1,0 +1,59 @@
+"""Pooling: a pooling request's final hidden states (after the model's final norm) become one vector.
+
+A pooling request runs its prompt through prefill like any other, chunked by the scheduler's token
+budget, and is never sampled. Each step it is in, `pool_step` folds its rows into the request's
+state: MEAN keeps a float32 running sum across chunks, CLS the first position's row, LAST needs only
+the prompt's last row. In the step that computes the prompt's last token the vector is finished:
+cut to `dimensions` (Matryoshka), then L2-normalized unless the request or the engine says not.
+
+A chunk that starts at position 0 starts the state afresh: a preempted request recomputes from there
+(MEAN and CLS take no prefix-cache hits, `PoolerConfig.needs_every_token`, so they always do).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.pooling.params import PoolerConfig
+from ember.runner.request_state import RequestState
+
+
+def pool_step(
+    config: PoolerConfig, spans: list[tuple[RequestState, int, int]], hidden: torch.Tensor
+) -> tuple[list[tuple[str, int]], torch.Tensor | None]:
+    """Fold this step's rows into its pooling requests. Returns (id, length) of each request whose prompt
+    ended, and their vectors as one [N, width] float32 tensor on the device (zero-padded to the longest
+    where `dimensions` differ; one copy to the host for the step), or None when none ended."""
+    done: list[tuple[str, torch.Tensor]] = []
+    for req, first, n in spans:
+        params = req.pooling_params
+        if params is None:
+            continue
+        start = req.num_computed_tokens
+        rows = hidden[first : first + n]
+        if config.pooling_type == "MEAN":
+            total = rows.sum(0, dtype=torch.float32)
+            req.pooled = total if start == 0 or req.pooled is None else req.pooled + total
+        elif config.pooling_type == "CLS" and start == 0:
+            req.pooled = rows[0].float()
+        if start + n < req.num_prompt_tokens:
+            continue
+        if config.pooling_type == "LAST":
+            vector = rows[-1].float()
+        else:
+            assert req.pooled is not None  # set by the chunk at position 0 (MEAN and CLS take no cache hits)
+            vector = req.pooled / req.num_prompt_tokens if config.pooling_type == "MEAN" else req.pooled
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        normalize = config.normalize if params.normalize is None else params.normalize
+        if normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        done.append((req.request_id, vector))
+        req.pooled = None
+    if not done:
+        return [], None
+    width = max(v.shape[0] for _, v in done)
+    out = torch.zeros(len(done), width, dtype=torch.float32, device=hidden.device)
+    for i, (_, v) in enumerate(done):
+        out[i, : v.shape[0]] = v
+    return [(rid, v.shape[0]) for rid, v in done], out
