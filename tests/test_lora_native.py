@@ -61,6 +61,46 @@ def test_lora_delta_matches_float64_reference(kernels, widths: list[int], k: int
         ops.lora_delta(x, y, (a, b), torch.full((rows,), 4, dtype=torch.int32))
 
 
+@pytest.mark.parametrize(
+    ("kind", "bf16", "bias", "widths", "rows"),
+    [
+        ("int4", False, False, [320, 64, 64], 16),  # a decode step's QKV: the parallel region
+        ("int4", False, True, [576], 9),  # Qwen2's QKV bias
+        ("int5", False, False, [1536, 1536], 5),  # gate/up
+        ("int8", False, True, [38, 26], 3),  # under the GEMV's parallel threshold, a column tail
+        ("int4", True, False, [320, 62], 16),  # bf16 arithmetic
+    ],
+)
+def test_gemv_lora_is_the_gemv_then_the_delta(kernels, kind, bf16, bias, widths, rows, monkeypatch) -> None:
+    """The GEMV (+ bias) and the delta in one parallel region (gemv_lora, what decode_layers and LoRALinear
+    run) equal ops.matmul, the bias and lora_delta one after the other bit for bit, on two threads, each row
+    the same alone; rows without an adapter the GEMV alone; no adapter rows at all, the GEMV (+ bias)."""
+    if bf16 and not ops.has_bf16():
+        pytest.skip("this CPU has no AVX512_BF16")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    gen = torch.Generator().manual_seed(sum(widths) + rows)
+    k, num_slots, rank = 576, 4, 16
+    w = ops.native_weight(base._weight(kind, sum(widths), k, 32, True, seed=rows), bf16=bf16)
+    a = torch.randn(num_slots, len(widths) * rank, k, generator=gen)
+    b = [torch.randn(num_slots, rank, n, generator=gen) for n in widths]
+    x = torch.randn(rows, k, generator=gen) / k**0.5
+    bias_t = torch.randn(sum(widths), generator=gen) if bias else None
+    slots = torch.tensor([(-1, 0, 2, 3, 2, -1, 0)[t % 7] for t in range(rows)], dtype=torch.int32)
+    want = ops.matmul(x, w)
+    if bias_t is not None:
+        want = want + bias_t
+    base_only = want.clone()
+    ops.lora_delta(x, want, (a, b), slots)
+    got = ops.matmul_lora(x, w, bias_t, (a, b), slots)
+    assert torch.equal(got, want)
+    assert torch.equal(got[slots < 0], base_only[slots < 0])
+    for t in range(rows):
+        assert torch.equal(ops.matmul_lora(x[t : t + 1], w, bias_t, (a, b), slots[t : t + 1])[0], want[t])
+    assert torch.equal(ops.matmul_lora(x, w, bias_t, (a, b), torch.full((rows,), -1, dtype=torch.int32)), base_only)
+    with pytest.raises(IndexError, match="LoRA slot 4"):
+        ops.matmul_lora(x, w, bias_t, (a, b), torch.full((rows,), 4, dtype=torch.int32))
+
+
 def test_silu_mul_matches_the_fused_gemv_silu(kernels) -> None:
     y = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(0)) * 4
     torch.testing.assert_close(ops.silu_mul(y), torch.nn.functional.silu(y[:, :40]) * y[:, 40:], atol=1e-5, rtol=1e-5)

@@ -601,6 +601,55 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, lora: LoRASlots, slots: torch.T
     )
 
 
+def matmul_lora(
+    x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None, lora: LoRASlots, slots: torch.Tensor
+) -> torch.Tensor:
+    """`matmul(x, w)` (+ bias), then `lora_delta` of its rows, the same numbers in one native call whose
+    GEMV's parallel region also runs the delta (gemv_lora, as decode_layers adds it): x float32 [M, K]
+    contiguous, bias float32 [N] or None, the slices' widths summing to N, slots int32 [M]."""
+    a, b = lora
+    m, k = x.shape
+    widths = [t.shape[2] for t in b]
+    if x.dtype != torch.float32 or not x.is_contiguous() or k != w.in_features:
+        raise ValueError(f"x must be contiguous float32 [M, {w.in_features}], got {tuple(x.shape)}")
+    if not lora_fits(a, b) or a.shape[1] != len(b) * b[0].shape[1] or a.shape[2] != k or sum(widths) != w.out_features:
+        raise ValueError(
+            f"LoRA slots A {tuple(a.shape)}, B {[tuple(t.shape) for t in b]} do not fit W {w.out_features}x{k}"
+        )
+    if slots.dtype != torch.int32 or slots.shape != (m,) or not slots.is_contiguous():
+        raise ValueError(f"slots must be int32 [{m}]")
+    if bias is not None:
+        _check("bias", bias, torch.float32, (w.out_features,))
+        bias = bias.contiguous()
+    y = torch.empty(m, w.out_features)
+    pad = [0] * (3 - len(b))
+    _module().gemv_lora(
+        x.data_ptr(),
+        w.codes.data_ptr(),
+        w.scales.data_ptr(),
+        _ptr(w.zeros),
+        y.data_ptr(),
+        m,
+        k,
+        w.out_features,
+        w.group_size,
+        torch.get_num_threads(),
+        w.param_mode,
+        16 if w.bf16 else _BITS[w.kind],
+        _ptr(bias),
+        slots.data_ptr(),
+        a.data_ptr(),
+        *[t.data_ptr() for t in b],
+        *pad,
+        *widths,
+        *pad,
+        len(b),
+        b[0].shape[1],
+        a.shape[0],
+    )
+    return y
+
+
 def _weight_args(w: NativeWeight) -> tuple[int, ...]:
     """A weight as a layer record holds it: codes, scales, zeros, group, half, bits (16: bf16 arithmetic)."""
     bits = 16 if w.bf16 else _BITS[w.kind]

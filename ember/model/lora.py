@@ -33,7 +33,7 @@ from ember.model.layers import GatedMLP
 from ember.model.llama import CausalLM
 from ember.ops import registry
 from ember.ops.linear_native import native_expand_min_rows
-from ember.ops.lora import LoRAWeights
+from ember.ops.lora import LoRAWeights, NativeLoRA
 
 
 @dataclass
@@ -52,9 +52,10 @@ class LoRABatch:
 class LoRALinear(nn.Module):
     """base(x) plus, for each row t, the delta of the adapter in slot slots[t] (none for -1). The base keeps
     its own kernels (dense or quantized). On CPU the fused native paths that skip `forward` keep running:
-    the whole-layer decode (ops.decode_layer) reads the base's native weight and `native_lora`, and adds
-    the delta with the kernel `forward` uses; GEMV + SiLU is the base's where no row has an adapter, else
-    `forward` then the same native SiLU."""
+    the whole-layer decode (ops.decode_layer) reads the base's native weight and `native_lora`, and runs
+    each GEMV and its delta in one parallel region (gemv_lora), as `forward` does where the base is the
+    native GEMV for its rows (else the base, then NativeLoRA's delta: the same numbers); GEMV + SiLU is the
+    base's where no row has an adapter, else `forward` then the same native SiLU."""
 
     def __init__(self, base: nn.Module, weights: LoRAWeights, batch: LoRABatch) -> None:
         super().__init__()
@@ -93,11 +94,32 @@ class LoRALinear(nn.Module):
         return native.silu_mul(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch.active and isinstance(self._impl, NativeLoRA) and x.dim() == 2:
+            y = self._fused(x)
+            if y is not None:
+                return y
         y = self.base(x)
         if self.batch.active:
             rows = x.reshape(-1, x.shape[-1])
             self._impl(rows, y.view(-1, y.shape[-1]), self.weights, self.batch.slots[: rows.shape[0]])
         return y
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The base's native GEMV (+ bias) and NativeLoRA's delta in one call whose parallel region runs both
+        (ops.matmul_lora: the numbers of `base(x)` then the delta, and of the fused decode), where the base
+        is that GEMV for x's rows; else None."""
+        parts = self.native_gemv_parts()
+        w = self.weights
+        if (
+            parts is None
+            or x.dtype != torch.float32
+            or not x.is_contiguous()
+            or x.shape[0] >= native_expand_min_rows(parts[0])
+            or not native.lora_fits(w.a, w.b)
+            or w.offsets[-1] + w.b[-1].shape[2] != parts[0].out_features
+        ):
+            return None
+        return native.matmul_lora(x, parts[0], parts[1], (w.a, w.b), self.batch.slots[: x.shape[0]])
 
 
 class LoRAEmbedding:

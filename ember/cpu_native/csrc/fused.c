@@ -214,6 +214,99 @@ static PyObject *gemv_silu_q4_bf16(PyObject *self, PyObject *const *args, Py_ssi
     return gemv_silu_entry(args, nargs, 16, "gemv_silu_q4_bf16");
 }
 
+/* ---- a GEMV with its LoRA delta in one parallel region ---- */
+
+/* a->y = x W^T (+ bias [N]), then + the delta of w's adapters for the rows with a slot (w NULL: none), every
+ * output as gemv, the bias loop and lora_delta compute it one after the other (the same sums in the same
+ * order), in gemv's one parallel region instead of two more: the shrink's units first (tiny: rank x in a
+ * slot), the GEMV's blocks split as gemv splits them, each thread's columns rounded (bf16) and biased, then
+ * after one barrier (the shrink's output complete) each thread adds the expand of its own columns, still
+ * in its cache. A parallel region is a fork and a join, and a barrier that waits for a descheduled thread
+ * on a shared machine: lora_delta's own region a projection made a decode layer 4 more. -1: out of memory. */
+static int gemv_lora(gemv_args *a, int bits, int threads, const float *bias, const lora_ref *w,
+                     const int32_t *slots) {
+    lora_plan p = {NULL, NULL, NULL, 0, NULL};
+    if (w && lora_plan_make(&p, w, slots, a->M) < 0) return -1;
+    if (!p.n_used && !bias) {
+        lora_plan_free(&p);
+        return gemv(a, bits, threads);
+    }
+    const int64_t blocks = (a->N + NR - 1) / NR, M = a->M, N = a->N, SR = w ? w->slices * w->rank : 0;
+    if (M * N * a->K < PARALLEL_MIN_WORK) threads = 1;
+    uint16_t *xb = NULL;
+    if (bits == 16) {
+#if HAS_BF16
+        xb = malloc(sizeof(uint16_t) * (size_t)(M * a->K));
+        if (!xb) {
+            lora_plan_free(&p);
+            return -1;
+        }
+        round_bf16(a->x, NULL, xb, M * a->K);
+        a->xb = xb;
+#endif
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t u, b, b0 = blocks, b1 = 0;
+#pragma omp for schedule(static) nowait
+        for (u = 0; u < p.n_used * SR; u++) lora_shrink_unit(w, &p, a->x, a->K, u);
+        /* static without a chunk size: one contiguous run of blocks a thread, remembered for the expand */
+#pragma omp for schedule(static) nowait
+        for (b = 0; b < blocks; b++) {
+            gemv_blocks(a, bits, b, b + 1);
+            b0 = b < b0 ? b : b0;
+            b1 = b + 1;
+        }
+        const int64_t c0 = b0 * NR, c1 = b1 * NR < N ? b1 * NR : N;
+        for (int64_t m = 0; c0 < c1 && m < M; m++) {
+            float *y = a->y + m * N;
+#if HAS_BF16
+            if (bits == 16) round_bf16(y + c0, y + c0, NULL, c1 - c0);
+#endif
+            if (bias)
+                for (int64_t c = c0; c < c1; c++) y[c] += bias[c];
+        }
+#pragma omp barrier
+        if (p.n_used && c0 < c1) lora_expand_range(w, &p, c0, c1, a->y, N);
+    }
+    free(xb);
+    lora_plan_free(&p);
+    return 0;
+}
+
+/* gemv_lora(x, codes, scales, zeros, y, M, K, N, group, threads, half, bits, bias, slots, a, b0, b1, b2, n0, n1,
+ *           n2, slices, rank, loras): y [M, N] = x @ W^T (+ bias float32 [N], 0: none) + each row's LoRA delta
+ *           (slots int32 [M], -1: none; a 0: no adapter) in one parallel region (gemv_lora); the weight as
+ *           gemv_q{bits} takes it (bits 4, 5, 8, 16: int4 in bf16 arithmetic), the slots as lora_delta takes
+ *           them, n0 + n1 + n2 = N. The module path's fused projection (LoRALinear), the same numbers as
+ *           decode_layers'. */
+static PyObject *gemv_lora_entry(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t v[24];
+    if (parse(args, nargs, 24, "gemv_lora", v, NULL, 0) < 0) return NULL;
+    const int bits = (int)v[11];
+    if (bits != 4 && bits != 5 && bits != 8 && bits != 16) {
+        PyErr_SetString(PyExc_ValueError, "gemv_lora: bits 4, 5, 8 or 16");
+        return NULL;
+    }
+    if (!bf16_built(bits, "gemv_lora")) return NULL;
+    gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], v[7], v[8], (int)v[10], NULL};
+    const lora_ref w = {PTR(v[14]), {PTR(v[15]), PTR(v[16]), PTR(v[17])}, {v[18], v[19], v[20]},
+                        {0, v[18], v[18] + v[19]}, v[21], v[22], v[6], v[23]};
+    const int32_t *slots = PTR(v[13]);
+    const int lora = v[14] != 0;
+    if (lora && (w.slices < 1 || w.slices > 3 || v[18] + v[19] + v[20] != a.N)) {
+        PyErr_SetString(PyExc_ValueError, "gemv_lora: 1 to 3 slices as wide as the GEMV's output");
+        return NULL;
+    }
+    if (lora && lora_check_slots("gemv_lora", slots, a.M, w.loras) < 0) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = gemv_lora(&a, bits, (int)v[9], PTR(v[12]), lora ? &w : NULL, slots);
+    Py_END_ALLOW_THREADS
+    if (status < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* ---- whole decode layers in one call ---- */
 
 /* A layer's fixed arguments: one int64 row of a records array that ops.layer_record packs at load
@@ -268,12 +361,13 @@ static lora_ref lora_at(const int64_t *r, int field, int64_t K, int64_t n0, int6
     return w;
 }
 
-/* y [M, row] += the LoRA delta of projection `field` where the step has adapter rows; -1: out of memory */
-static int layer_lora(const int64_t *r, const step_args *s, int field, const float *x, int64_t K, float *y,
+/* a's GEMV (+ bias) and the LoRA delta of projection `field` (slices n0, n1, n2 wide) where the step has
+ * adapter rows, in one parallel region (gemv_lora); -1: out of memory */
+static int layer_gemv(const int64_t *r, const step_args *s, gemv_args *a, int bits, const float *bias, int field,
                       int64_t n0, int64_t n1, int64_t n2) {
-    if (!s->lora_slots || !r[R_LORAS]) return 0;
-    const lora_ref w = lora_at(r, field, K, n0, n1, n2);
-    return lora_delta(&w, x, K, y, n0 + n1 + n2, s->lora_slots, s->M, s->threads);
+    if (!s->lora_slots || !r[R_LORAS]) return gemv_lora(a, bits, s->threads, bias, NULL, NULL);
+    const lora_ref w = lora_at(r, field, a->K, n0, n1, n2);
+    return gemv_lora(a, bits, s->threads, bias, &w, s->lora_slots);
 }
 
 static attn_args attention_of(const int64_t *r, const step_args *s) {
@@ -335,10 +429,7 @@ static int layer_step(const int64_t *r, const step_args *s, const float *x, cons
         norm_rows(x, NULL, PTR(r[R_IN_NORM]), buf[0], NULL, M, H, eps, threads);
     }
     gemv_args a = gemv_of(&wqkv, buf[0], buf[1], M, H, width);
-    status |= gemv(&a, wqkv.bits, threads);
-    if (qkv_bias)
-        for (int64_t i = 0; i < M * width; i++) buf[1][i] += qkv_bias[i % width];
-    status |= layer_lora(r, s, R_LORA_QKV, buf[0], H, buf[1], Hq * D, Hk * D, Hk * D);
+    status |= layer_gemv(r, s, &a, wqkv.bits, qkv_bias, R_LORA_QKV, Hq * D, Hk * D, Hk * D);
     rotate_store_rows(buf[1], width, s->pos, PTR(r[R_COS]), PTR(r[R_SIN]), PTR(r[R_K_CACHE]), PTR(r[R_V_CACHE]),
                       s->slots, M, Hq, Hk, D, PTR(r[R_Q_NORM]), PTR(r[R_K_NORM]), record_float(r, R_QK_EPS),
                       threads);
@@ -347,20 +438,17 @@ static int layer_step(const int64_t *r, const step_args *s, const float *x, cons
     at.out = buf[2];
     attend(&at, M, threads);
     a = gemv_of(&wo, buf[2], buf[3], M, Hq * D, H);
-    status |= gemv(&a, wo.bits, threads);
-    status |= layer_lora(r, s, R_LORA_O, buf[2], Hq * D, buf[3], H, 0, 0);
+    status |= layer_gemv(r, s, &a, wo.bits, NULL, R_LORA_O, H, 0, 0);
     norm_rows(buf[3], res_out, PTR(r[R_POST_NORM]), buf[4], res_out, M, H, eps, threads);
     a = gemv_of(&wgu, buf[4], buf[5], M, H, 2 * I);
     if (s->lora_slots && r[R_LORAS]) { /* the delta between the GEMV and the SiLU, as the modules add it */
-        status |= gemv(&a, wgu.bits, threads);
-        status |= layer_lora(r, s, R_LORA_GATE_UP, buf[4], H, buf[5], I, I, 0);
+        status |= layer_gemv(r, s, &a, wgu.bits, NULL, R_LORA_GATE_UP, I, I, 0);
         silu_rows(buf[5], buf[6], M, I, threads);
     } else {
         status |= gemv_silu(&a, buf[6], wgu.bits, threads);
     }
     a = gemv_of(&wd, buf[6], out, M, I, H);
-    status |= gemv(&a, wd.bits, threads);
-    status |= layer_lora(r, s, R_LORA_DOWN, buf[6], I, out, H, 0, 0);
+    status |= layer_gemv(r, s, &a, wd.bits, NULL, R_LORA_DOWN, H, 0, 0);
     return status;
 }
 

@@ -304,6 +304,23 @@ static void round_bf16(const float *in, float *out, uint16_t *halves, int64_t n)
  * whichever of its threads was descheduled. */
 #define PARALLEL_MIN_WORK (1 << 18)
 
+/* Blocks b0 .. b1 of NR output rows: what one thread of `gemv`'s loop computes (for bits 16, a->xb made) */
+static void gemv_blocks(const gemv_args *a, int bits, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t nr = a->N - b * NR < NR ? a->N - b * NR : NR;
+        if (bits == 4)
+            ROW_BLOCK(q4_tile, a, b * NR, nr);
+        else if (bits == 5)
+            ROW_BLOCK(q5_tile, a, b * NR, nr);
+        else if (bits == 8)
+            ROW_BLOCK(q8_tile, a, b * NR, nr);
+#if HAS_BF16
+        else
+            ROW_BLOCK(q4bf_tile, a, b * NR, nr);
+#endif
+    }
+}
+
 /* bits 4 / 5 / 8: int4 / int5 / int8 codes, float32 arithmetic; 16: int4 codes, bf16 arithmetic (q4bf_tile), x
  * rounded to bf16 here first. Returns -1 when the bf16 copy of x cannot be allocated. */
 static int gemv(gemv_args *a, int bits, int threads) {

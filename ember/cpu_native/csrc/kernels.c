@@ -61,6 +61,8 @@ static PyMethodDef methods[] = {
     {"layer_fields", layer_fields, METH_NOARGS, "the int64 slots of a decode_layers record"},
     {"lora_delta", (PyCFunction)(void (*)(void))lora_delta_entry, METH_FASTCALL,
      "y += each row's LoRA delta under its adapter slot"},
+    {"gemv_lora", (PyCFunction)(void (*)(void))gemv_lora_entry, METH_FASTCALL,
+     "y = x @ W^T (+ bias) + each row's LoRA delta, in one parallel region"},
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL, "silu(y[:, :I]) * y[:, I:]"},
     {"argmax", (PyCFunction)(void (*)(void))argmax, METH_FASTCALL, "each float32 row's argmax, as torch's"},
     {"simd", simd, METH_NOARGS, "which code path was compiled: 'avx512' or 'scalar'"},

@@ -73,67 +73,113 @@ static int lora_check_slots(const char *name, const int32_t *slots, int64_t M, i
     return 0;
 }
 
-/* The delta of w's adapters added to y [M, y_stride] for x [M, x_stride] (slots checked); -1 when out of
- * memory. Runs without the GIL. */
-static int lora_delta(const lora_ref *w, const float *x, int64_t x_stride, float *y, int64_t y_stride,
-                      const int32_t *slots, int64_t M, int threads) {
-    const int64_t L = w->loras, R = w->rank, SR = w->slices * R, K = w->K;
-    /* rows grouped by slot: order[start[s] .. start[s + 1]) are slot s's; used[] the slots some row has */
-    int64_t *start = calloc((size_t)(3 * L + 1), sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (size_t)(M + 1));
-    float *xa = malloc(sizeof(float) * (size_t)(M * SR + 1));
-    if (!start || !order || !xa) {
-        free(start), free(order), free(xa);
+/* A call's rows grouped by slot: order[start[s] .. start[s + 1]) are slot s's rows, used[0 .. n_used) the
+ * slots some row has; xa [M, slices * rank] the shrink's output. */
+typedef struct {
+    int64_t *start, *order, *used, n_used;
+    float *xa;
+} lora_plan;
+
+static void lora_plan_free(lora_plan *p) { free(p->start), free(p->order), free(p->xa); }
+
+/* -1 when out of memory (nothing to free then) */
+static int lora_plan_make(lora_plan *p, const lora_ref *w, const int32_t *slots, int64_t M) {
+    const int64_t L = w->loras, SR = w->slices * w->rank;
+    p->start = calloc((size_t)(3 * L + 1), sizeof(int64_t));
+    p->order = malloc(sizeof(int64_t) * (size_t)(M + 1));
+    p->xa = malloc(sizeof(float) * (size_t)(M * SR + 1));
+    if (!p->start || !p->order || !p->xa) {
+        lora_plan_free(p);
         return -1;
     }
-    int64_t *used = start + L + 1, *fill = used + L, n_used = 0, width = 0, cols = 0, chunks[3] = {0, 0, 0};
+    int64_t *start = p->start, *fill = start + 2 * L + 1;
+    p->used = start + L + 1;
+    p->n_used = 0;
     for (int64_t t = 0; t < M; t++)
         if (slots[t] >= 0) start[slots[t] + 1]++;
     for (int64_t s = 0; s < L; s++) {
-        if (start[s + 1]) used[n_used++] = s;
+        if (start[s + 1]) p->used[p->n_used++] = s;
         start[s + 1] += start[s];
         fill[s] = start[s];
     }
     for (int64_t t = 0; t < M; t++)
-        if (slots[t] >= 0) order[fill[slots[t]]++] = t;
-    for (int64_t i = 0; i < w->slices; i++) {
-        width += w->n[i];
-        cols += chunks[i] = (w->n[i] + LORA_COLS - 1) / LORA_COLS;
+        if (slots[t] >= 0) p->order[fill[slots[t]]++] = t;
+    return 0;
+}
+
+/* The floats of adapter weights a call of this plan reads */
+static int64_t lora_plan_floats(const lora_plan *p, const lora_ref *w) {
+    int64_t width = 0;
+    for (int64_t i = 0; i < w->slices; i++) width += w->n[i];
+    return p->n_used * (w->slices * w->rank * w->K + w->rank * width);
+}
+
+/* The shrink's unit u of n_used * slices * rank: one per (used slot, row of its A), for every row of that
+ * slot */
+static void lora_shrink_unit(const lora_ref *w, const lora_plan *p, const float *x, int64_t x_stride, int64_t u) {
+    const int64_t SR = w->slices * w->rank, s = p->used[u / SR], j = u % SR;
+    const float *arow = w->a + (s * SR + j) * w->K;
+    for (int64_t g = p->start[s]; g < p->start[s + 1]; g++) {
+        const int64_t t = p->order[g];
+        p->xa[t * SR + j] = lora_dot(arow, x + t * x_stride, w->K);
     }
-    if (!n_used) {
-        free(start), free(order), free(xa);
+}
+
+/* Slice i's columns c0 .. c0 + cw (cw <= LORA_COLS, relative to the slice) of every used slot's rows */
+static void lora_expand_chunk(const lora_ref *w, const lora_plan *p, int64_t i, int64_t c0, int64_t cw, float *y,
+                              int64_t y_stride) {
+    const int64_t R = w->rank, SR = w->slices * R, n = w->n[i];
+    for (int64_t k = 0; k < p->n_used; k++) {
+        const int64_t s = p->used[k];
+        const float *b = w->b[i] + s * R * n + c0;
+        for (int64_t g = p->start[s]; g < p->start[s + 1]; g++) {
+            const int64_t t = p->order[g];
+            lora_expand_cols(p->xa + t * SR + i * R, b, n, R, y + t * y_stride + w->off[i] + c0, cw);
+        }
+    }
+}
+
+/* The expand of output columns c0 .. c1 (of all slices side by side, off[i] being slice i's first), in
+ * chunks of LORA_COLS. Each column's sum is the same whatever the chunk it falls in (lanes are
+ * independent), so any split of the columns gives the same numbers. */
+static void lora_expand_range(const lora_ref *w, const lora_plan *p, int64_t c0, int64_t c1, float *y,
+                              int64_t y_stride) {
+    for (int64_t i = 0; i < w->slices; i++) {
+        const int64_t lo = c0 > w->off[i] ? c0 - w->off[i] : 0, hi = c1 - w->off[i] < w->n[i] ? c1 - w->off[i] : w->n[i];
+        for (int64_t c = lo; c < hi; c += LORA_COLS)
+            lora_expand_chunk(w, p, i, c, hi - c < LORA_COLS ? hi - c : LORA_COLS, y, y_stride);
+    }
+}
+
+/* The delta of w's adapters added to y [M, y_stride] for x [M, x_stride] (slots checked); -1 when out of
+ * memory. Runs without the GIL. */
+static int lora_delta(const lora_ref *w, const float *x, int64_t x_stride, float *y, int64_t y_stride,
+                      const int32_t *slots, int64_t M, int threads) {
+    lora_plan p;
+    if (lora_plan_make(&p, w, slots, M) < 0) return -1;
+    if (!p.n_used) {
+        lora_plan_free(&p);
         return 0;
     }
-    if (n_used * (SR * K + R * width) < LORA_PARALLEL_MIN) threads = 1;
+    const int64_t SR = w->slices * w->rank;
+    int64_t cols = 0, chunks[3] = {0, 0, 0};
+    for (int64_t i = 0; i < w->slices; i++) cols += chunks[i] = (w->n[i] + LORA_COLS - 1) / LORA_COLS;
+    if (lora_plan_floats(&p, w) < LORA_PARALLEL_MIN) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
         int64_t u;
-        /* shrink: one unit per (used slot, row of its A), for every row of that slot */
 #pragma omp for schedule(static)
-        for (u = 0; u < n_used * SR; u++) {
-            const int64_t s = used[u / SR], j = u % SR;
-            const float *arow = w->a + (s * SR + j) * K;
-            for (int64_t g = start[s]; g < start[s + 1]; g++) {
-                const int64_t t = order[g];
-                xa[t * SR + j] = lora_dot(arow, x + t * x_stride, K);
-            }
-        }
+        for (u = 0; u < p.n_used * SR; u++) lora_shrink_unit(w, &p, x, x_stride, u);
         /* expand: one unit per (slice, LORA_COLS columns of it), for every used slot and its rows */
 #pragma omp for schedule(static)
         for (u = 0; u < cols; u++) {
             int64_t i = 0, c = u;
             while (c >= chunks[i]) c -= chunks[i++];
-            const int64_t n = w->n[i], c0 = c * LORA_COLS, cw = n - c0 < LORA_COLS ? n - c0 : LORA_COLS;
-            for (int64_t k = 0; k < n_used; k++) {
-                const int64_t s = used[k];
-                const float *b = w->b[i] + s * R * n + c0;
-                for (int64_t g = start[s]; g < start[s + 1]; g++) {
-                    const int64_t t = order[g];
-                    lora_expand_cols(xa + t * SR + i * R, b, n, R, y + t * y_stride + w->off[i] + c0, cw);
-                }
-            }
+            const int64_t c0 = c * LORA_COLS;
+            lora_expand_chunk(w, &p, i, c0, w->n[i] - c0 < LORA_COLS ? w->n[i] - c0 : LORA_COLS, y, y_stride);
         }
     }
-    free(start), free(order), free(xa);
+    lora_plan_free(&p);
     return 0;
 }
 
