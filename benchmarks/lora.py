@@ -4,8 +4,10 @@ base model, batch-1 time per token with one adapter against none, and an adapter
 
 Phases, in the library, each after a two-request warm-up: `base` (an engine without LoRA), `base-lora-on` (the
 base alone on an engine with `--enable-lora`: what turning LoRA on costs requests that use none) and `adapters`
-(the requests dealt round-robin to the adapters). The adapters are random PEFT directories written for the
-model's shapes (every target: q/k/v/o, gate/up/down; rank `--rank`, float32 tensors; `max_loras` =
+(the requests dealt round-robin to the adapters); `--rounds R` alternates the last two R times on the one engine
+and keeps each one's median, whose ratio (`adapters_vs_lora_on`) outside load moves least. The adapters are
+random PEFT directories written for the model's shapes (every target: q/k/v/o, gate/up/down; rank `--rank`,
+float32 tensors; `max_loras` =
 `--adapters`). Workloads: `stories` ("Write a story about the number i.", greedy, `--max-tokens` each, the CPU
 default) and `nano-vllm` (the design doc's 256 random-token requests at temperature 0.6, benchmarks/throughput.py's
 workload). `--latency` adds batch-1 TPOT (512-token prompt, 128 tokens; benchmarks/latency.py's measure) on the
@@ -109,6 +111,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64, help="stories' output length")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="LoRA-engine phases alternated this many times (medians kept)"
+    )
     parser.add_argument("--latency", action="store_true", help="batch-1 TPOT with one adapter vs the base")
     parser.add_argument("--load", action="store_true", help="a new adapter's load to first token")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False)
@@ -140,7 +145,7 @@ def main() -> None:
     base.llm_engine.shutdown()
     del base
     lora = LLM(**engine, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
-    tok_s["base-lora-on"] = timed(lora, requests, none)
+    rounds: dict[str, list[float]] = {"base-lora-on": [], "adapters": []}
     with tempfile.TemporaryDirectory() as tmp:
         shapes = lora.llm_engine.ready.lora
         assert shapes is not None  # an engine with enable_lora sends them
@@ -148,7 +153,11 @@ def main() -> None:
         for i in range(args.adapters + args.load):
             write_adapter(os.path.join(tmp, f"a{i}"), shapes, args.rank, seed=i)
             adapters.append(LoRARequest(f"a{i}", i + 1, os.path.join(tmp, f"a{i}")))
-        tok_s["adapters"] = timed(lora, requests, [adapters[i % args.adapters] for i in range(len(none))])
+        dealt = [adapters[i % args.adapters] for i in range(len(none))]
+        for _ in range(args.rounds):  # alternated, so that load from outside the run hits both alike
+            rounds["base-lora-on"].append(timed(lora, requests, none))
+            rounds["adapters"].append(timed(lora, requests, dealt))
+        tok_s.update({name: statistics.median(runs) for name, runs in rounds.items()})
         if args.latency:
             latency["adapter_tpot_ms"] = tpot_ms(lora, adapters[0])
             latency["ratio"] = round(latency["adapter_tpot_ms"] / latency["base_tpot_ms"], 3)
@@ -157,6 +166,9 @@ def main() -> None:
             latency["new_adapter_first_token_s"] = round(first_token_s(lora, adapters[-1]), 3)
     for name, value in tok_s.items():
         print(f"{name:>14}: {value:9.1f} output tok/s ({value / tok_s['base']:.3f}x the base)")
+    print(
+        f"{'adapters / lora-on':>18}: {tok_s['adapters'] / tok_s['base-lora-on']:.3f} (medians of {args.rounds} rounds)"
+    )
     for name, value in latency.items():
         print(f"{name:>26}: {value}")
     write_json(
@@ -169,6 +181,8 @@ def main() -> None:
             "settings": vars(args),
             "output_tok_per_s": tok_s,
             "ratio_to_base": {k: round(v / tok_s["base"], 3) for k, v in tok_s.items()},
+            "rounds_tok_per_s": rounds,
+            "adapters_vs_lora_on": round(tok_s["adapters"] / tok_s["base-lora-on"], 3),
             "batch1_and_load": latency,
         },
     )
