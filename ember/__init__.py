@@ -24,6 +24,9 @@ _EXPORTS = {
     "PoolerConfig": "ember.pooling.params",
     "EmbeddingRequestOutput": "ember.frontend.output",
     "EmbeddingOutput": "ember.frontend.output",
+    "ScoringRequestOutput": "ember.frontend.output",
+    "ScoringOutput": "ember.frontend.output",
+    "ScoreConfig": "ember.pooling.score",
 }
 __all__ = list(_EXPORTS)
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember.model.hf_config import ModelConfig
 from ember.pooling.params import PoolerConfig
+from ember.pooling.score import ScoreConfig
 
 if TYPE_CHECKING:
     import torch
@@ -246,6 +247,9 @@ class EngineArgs:
     max_cpu_loras: int | None = None  # None: max_loras
     # How embedding requests pool (vLLM's form: a PoolerConfig, a dict or its JSON; see docs/pooling.md).
     pooler_config: PoolerConfig | dict[str, Any] | str | None = None
+    # How score / rerank requests prompt a decoder reranker (the front end's; a ScoreConfig, a dict or its
+    # JSON; None: Qwen3-Reranker's template and its "yes" / "no" tokens; see docs/pooling.md).
+    score_config: ScoreConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -283,6 +287,7 @@ class EngineArgs:
                 raise ValueError("speculative_config: not supported with tensor parallelism (tensor_parallel_size > 1)")
         if self.pooler_config is not None:
             self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        self.score_config = ScoreConfig.parse(self.score_config) if self.score_config is not None else ScoreConfig()
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:
@@ -425,6 +430,13 @@ class EngineArgs:
             default=None,
             help='how /v1/embeddings pools, as vLLM: e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
             "(default: the checkpoint's 1_Pooling/config.json, else LAST; see docs/pooling.md)",
+        )
+        g.add_argument(
+            "--score-config",
+            metavar="JSON",
+            default=None,
+            help='how /v1/score and /rerank prompt a decoder reranker: e.g. \'{"instruction": "...", "true_token": '
+            '"yes", "false_token": "no"}\' (default: Qwen3-Reranker\'s template; see docs/pooling.md)',
         )
 
     @classmethod

@@ -16,10 +16,11 @@ from tqdm.auto import tqdm
 
 from ember.config import EngineArgs
 from ember.frontend.engine import LLMEngine
-from ember.frontend.output import EmbeddingRequestOutput, RequestOutput
+from ember.frontend.output import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from ember.frontend.processor import PromptType
 from ember.lora.request import LoRARequest
 from ember.pooling.params import PoolingParams
+from ember.pooling.score import ScoreConfig, score_pairs
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 
@@ -94,6 +95,31 @@ class LLM:
         params = [SamplingParams(max_tokens=1)] * len(prompts)
         outputs = self._run(prompts, params, use_tqdm, [lora_request] * len(prompts), pooling)
         return [EmbeddingRequestOutput.of(out) for out in outputs]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+        instruction: str | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for a decoder reranker (Qwen3-Reranker style, docs/pooling.md): one score per
+        pair, text_1 against each text_2 (1:N) or pairwise (N:N), each P(true token) of the prompt the
+        engine's `score_config` builds (`instruction` overrides its default instruction)."""
+        pairs = score_pairs(
+            text_1 if isinstance(text_1, str) else list(text_1), text_2 if isinstance(text_2, str) else list(text_2)
+        )
+        config = ScoreConfig.parse(self.engine_args.score_config or ScoreConfig())
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("score needs the model's tokenizer (the engine was started without one)")
+        token_ids = config.token_ids(tokenizer.tok, self.llm_engine.ready.vocab_size)
+        pooling = PoolingParams(score_token_ids=token_ids)
+        prompts: list[PromptType] = [config.prompt(q, d, instruction) for q, d in pairs]
+        params = [SamplingParams(max_tokens=1)] * len(prompts)
+        outputs = self._run(prompts, params, use_tqdm, [lora_request] * len(prompts), [pooling] * len(prompts))
+        return [ScoringRequestOutput.of(out) for out in outputs]
 
     def chat(
         self,

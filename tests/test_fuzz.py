@@ -24,13 +24,15 @@ from schemathesis.checks import (
 )
 from test_server import MODEL, ServerThread, tiny_engine
 
-from ember.server import anthropic_messages, chat, completions, health, models, responses
+from ember.server import anthropic_messages, chat, completions, embeddings, health, models, responses, score
 from ember.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from ember.server.app import build_app
 from ember.server.args import ServerSettings, add_serve_parser, resolve_args, settings_from_args
+from ember.server.embeddings import EmbeddingRequest
 from ember.server.openapi import REF_TEMPLATE
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ember.server.responses_protocol import ResponsesRequest
+from ember.server.score import RerankRequest, ScoreRequest
 
 # Every route the app has, and the model of the body it reads (None: no body).
 ROUTES = {
@@ -49,8 +51,12 @@ ROUTES = {
     ("POST", "/v1/responses/{response_id}/cancel"): None,
     ("POST", "/v1/messages"): MessagesRequest,
     ("POST", "/v1/messages/count_tokens"): CountTokensRequest,
+    ("POST", "/v1/embeddings"): EmbeddingRequest,
+    ("POST", "/v1/score"): ScoreRequest,
+    ("POST", "/v1/rerank"): RerankRequest,
+    ("POST", "/rerank"): RerankRequest,
 }
-ROUTE_MODULES = (chat, completions, health, models, responses, anthropic_messages)
+ROUTE_MODULES = (chat, completions, embeddings, score, health, models, responses, anthropic_messages)
 # Per operation, for the fuzzing phase; the coverage phase adds its own boundary cases. A deeper local
 # run, other cases each time: EMBER_FUZZ_EXAMPLES=1000 EMBER_FUZZ_SEED=$RANDOM pytest tests/test_fuzz.py
 MAX_EXAMPLES = int(os.environ.get("EMBER_FUZZ_EXAMPLES", "100"))
@@ -164,6 +170,10 @@ def test_openapi_with_an_api_key_declares_bearer_auth_and_stays_open():
         "/v1/responses/{response_id}/cancel",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+        "/rerank",
     }
 
 

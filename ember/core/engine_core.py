@@ -198,7 +198,9 @@ class EngineCore:
             return
         req = Request.from_message(msg)
         req.matcher = matcher
-        req.skip_prefix_cache = msg.pooling_params is not None and self.pooler.needs_every_token
+        pooling = msg.pooling_params  # a score request pools the last token only, whatever the engine's type
+        embeds = pooling is not None and pooling.score_token_ids is None
+        req.skip_prefix_cache = embeds and self.pooler.needs_every_token
         self.requests[msg.request_id] = req
         self._num_host_sync += req.needs_host_tokens
         self.scheduler.add(req)
@@ -234,6 +236,12 @@ class EngineCore:
                 f"prompt: {len(msg.prompt_token_ids)} tokens exceed the context window of {self.max_model_len} "
                 "(truncate_prompt_tokens cuts it)"
             )
+        scored = msg.pooling_params.score_token_ids
+        if scored is not None:
+            if any(t >= self.vocab_size for t in scored):
+                return f"score_token_ids must be token ids in [0, {self.vocab_size})"
+            if self.tensor_parallel is not None:
+                return "score_token_ids: score requests are not supported with tensor parallelism"
         dims = msg.pooling_params.dimensions
         if dims is not None and dims > self.hidden_size:
             return f"dimensions: {dims} is more than the model's hidden size {self.hidden_size}"

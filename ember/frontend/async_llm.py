@@ -39,6 +39,7 @@ from ember.messages import (
 )
 from ember.model.files import load_model_info
 from ember.pooling.params import PoolingParams
+from ember.pooling.score import ScoreConfig
 from ember.sampling.params import SamplingParams
 
 logger = logging.getLogger("ember")
@@ -81,6 +82,7 @@ class AsyncLLM(ModelFacts):
             self.client.shutdown(timeout=0)
             raise
         self.ready = self.client.ready
+        self.score_config = ScoreConfig.parse(args.score_config or ScoreConfig())  # /v1/score and /rerank
         self.served_model_name = served_model_name or args.served_model_name or str(args.model or "default")
         self.max_waiting_requests = max_waiting_requests
         self.metrics = PrometheusStatLogger(self.served_model_name)

@@ -69,7 +69,7 @@ class RequestOutput:
     error: str | None = None  # set when the request failed inside the engine (finish_reason is then "abort")
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
     metrics: RequestMetrics | None = None
-    embedding: list[float] | None = None  # a pooling request's vector, once finished
+    embedding: list[float] | None = None  # a pooling request's vector, once finished ([score]: a score request)
 
 
 @dataclass
@@ -97,6 +97,30 @@ class EmbeddingRequestOutput:
         if out.embedding is None:
             raise RuntimeError(f"request {out.request_id} ended without an embedding: {out.error or 'aborted'}")
         return cls(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's `ScoringOutput`: one pair's score (a decoder reranker's P(true token))."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's `ScoringRequestOutput`, what `LLM.score` returns per pair."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> ScoringRequestOutput:
+        """A finished score request's output: its pooled value is the one float."""
+        if out.embedding is None:
+            raise RuntimeError(f"request {out.request_id} ended without a score: {out.error or 'aborted'}")
+        return cls(out.request_id, ScoringOutput(out.embedding[0]), out.prompt_token_ids, out.finished)
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:

@@ -355,6 +355,20 @@ class CausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """[N, K] float32 logits of row n's tokens `token_ids[n]` ([N, K]) only, as `compute_logits` gives them
+        (a decoder reranker's yes/no pair): a plain head's K rows per hidden row, not the whole vocabulary.
+        One rank only (the pooler runs on rank 0 alone); a quantized head computes every logit and picks."""
+        assert self.layout.size == 1, "token_logits: one rank only (score requests are refused under TP)"
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        weight = getattr(head, "weight", None)
+        if type(head) in (nn.Linear, Embedding) and isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            rows = weight[token_ids]  # [N, K, hidden]
+            logits = torch.einsum("nh,nkh->nk", hidden.to(rows.dtype), rows).float()
+            cap = self.config.final_logit_softcapping
+            return logits if cap is None else torch.tanh(logits / cap) * cap
+        return self.compute_logits(hidden).gather(1, token_ids)
+
     def greedy_tokens(self, hidden: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """compute_logits(hidden, lora_slots).argmax(-1); a quantized tied head finds it without every logit
         (with one rank: under tensor parallelism the other ranks take part in compute_logits' all-gather;

@@ -27,13 +27,24 @@ _ST_MODES = (
 class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One embedding request's options. `dimensions`: keep the first N values (Matryoshka), before
     normalizing; `normalize`: None takes the engine's `PoolerConfig.normalize`; `truncate_prompt_tokens`:
-    keep the prompt's last N tokens (-1: the context window), done by the front end."""
+    keep the prompt's last N tokens (-1: the context window), done by the front end; `score_token_ids`:
+    a score request instead of an embedding (P(first token) at the last position, whatever the engine's
+    pooling type)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    # set: a score request (a decoder reranker, ember/pooling/score.py): its value is softmax over these
+    # tokens' logits at the prompt's last position, the first's probability ([true id, false id])
+    score_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
+        s = self.score_token_ids
+        if s is not None:
+            if len(s) != 2 or s[0] == s[1] or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in s):
+                raise ValueError(f"score_token_ids must be two distinct token ids, got {s}")
+            if self.dimensions is not None:
+                raise ValueError("dimensions: a score request has one value, not an embedding to cut")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions}")
         t = self.truncate_prompt_tokens

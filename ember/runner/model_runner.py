@@ -422,7 +422,7 @@ class ModelRunner:
                 for ids, values, ranks in [self._prompt_logprobs(rows, hidden, inputs.lora_slots)]
             ]
             pending = PendingStep(step.samplers, prompt_logprobs=prompt)
-            pooled_ids, pooled = pool_step(self.pooler, step.spans, hidden)
+            pooled_ids, pooled = pool_step(self.pooler, step.spans, hidden, self.model.token_logits)
             if pooled is not None:
                 pending.pooled = (pooled_ids, to_host(pooled))
             if sampling is None:

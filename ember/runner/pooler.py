@@ -6,11 +6,18 @@ state: MEAN keeps a float32 running sum across chunks, CLS the first position's 
 the prompt's last row. In the step that computes the prompt's last token the vector is finished:
 cut to `dimensions` (Matryoshka), then L2-normalized unless the request or the engine says not.
 
+A score request (`PoolingParams.score_token_ids`, a decoder reranker: ember/pooling/score.py) takes the
+prompt's last row whatever the engine's pooling type, and its value is P(true token): the softmax over
+the two tokens' logits, from the LM head's two rows only (`CausalLM.token_logits`), its vector that one
+float.
+
 A chunk that starts at position 0 starts the state afresh: a preempted request recomputes from there
 (MEAN and CLS take no prefix-cache hits, `PoolerConfig.needs_every_token`, so they always do).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -19,15 +26,24 @@ from ember.runner.request_state import RequestState
 
 
 def pool_step(
-    config: PoolerConfig, spans: list[tuple[RequestState, int, int]], hidden: torch.Tensor
+    config: PoolerConfig,
+    spans: list[tuple[RequestState, int, int]],
+    hidden: torch.Tensor,
+    token_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> tuple[list[tuple[str, int]], torch.Tensor | None]:
     """Fold this step's rows into its pooling requests. Returns (id, length) of each request whose prompt
     ended, and their vectors as one [N, width] float32 tensor on the device (zero-padded to the longest
-    where `dimensions` differ; one copy to the host for the step), or None when none ended."""
+    where `dimensions` differ; one copy to the host for the step), or None when none ended.
+    `token_logits(rows [N, hidden], ids [N, K])`: those tokens' logits ([N, K] float32), for score requests."""
     done: list[tuple[str, torch.Tensor]] = []
+    scored: list[tuple[str, int, list[int]]] = []  # (id, its last row, [true id, false id])
     for req, first, n in spans:
         params = req.pooling_params
         if params is None:
+            continue
+        if params.score_token_ids is not None:
+            if req.num_computed_tokens + n >= req.num_prompt_tokens:
+                scored.append((req.request_id, first + n - 1, params.score_token_ids))
             continue
         start = req.num_computed_tokens
         rows = hidden[first : first + n]
@@ -50,6 +66,11 @@ def pool_step(
             vector = torch.nn.functional.normalize(vector, dim=-1)
         done.append((req.request_id, vector))
         req.pooled = None
+    if scored:
+        rows = hidden[torch.tensor([row for _, row, _ in scored], device=hidden.device)]
+        ids = torch.tensor([tokens for _, _, tokens in scored], device=hidden.device)
+        probs = torch.softmax(token_logits(rows, ids), dim=-1)[:, :1]  # P(true) of each
+        done += [(rid, probs[i]) for i, (rid, _, _) in enumerate(scored)]
     if not done:
         return [], None
     width = max(v.shape[0] for _, v in done)

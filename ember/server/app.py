@@ -4,8 +4,9 @@
 engine once it has loaded, so `/health` can answer 503 while the weights are still being read.
 Every error leaves in OpenAI's JSON shape (errors.py), and a client that goes away aborts its engine
 requests at once (generation.py). The endpoints live one group per module, as in vLLM's
-`entrypoints/openai/`: health.py (open), models.py, completions.py, chat.py, embeddings.py, responses.py and
-anthropic_messages.py (behind the API key); the last three share one path below HTTP (conversation.py);
+`entrypoints/openai/`: health.py (open), models.py, completions.py, chat.py, embeddings.py, score.py
+(/v1/score, /rerank), responses.py and anthropic_messages.py (behind the API key); the last three share
+one path below HTTP (conversation.py);
 lora_adapters.py only with runtime LoRA updating allowed.
 Their OpenAPI document (openapi.py) is served at /openapi.json, with /docs and /redoc, unless
 `--disable-fastapi-docs`.
@@ -31,6 +32,7 @@ from ember.server import (
     models,
     openapi,
     responses,
+    score,
 )
 from ember.server.args import ServerSettings
 from ember.server.errors import APIError, api_error_handler, http_error_handler, unexpected_error_handler
@@ -63,7 +65,7 @@ def build_app(settings: ServerSettings, engine: AsyncLLM | None = None) -> FastA
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
-    for module in (health, models, completions, chat, embeddings, responses, anthropic_messages):
+    for module in (health, models, completions, chat, embeddings, score, responses, anthropic_messages):
         app.include_router(module.router)
     if settings.allow_runtime_lora_updating:
         app.include_router(lora_adapters.router)
