@@ -10,7 +10,7 @@ import torch
 from conftest import make_checkpoint
 from test_server import ServerThread, tiny_engine
 
-from ember import LLM, ScoreConfig
+from ember import LLM, PoolingParams, SamplingParams, ScoreConfig
 
 QUERY = "what is the capital of France?"
 DOCS = [
@@ -108,6 +108,36 @@ def test_pairings_instruction_token_ids_and_errors(ckpts):
     by_id.llm_engine.shutdown()
     with pytest.raises(ValueError, match="true_token"):
         make_llm(path, score_config={"true_token": "maybe"}).score(QUERY, DOCS[0], use_tqdm=False)
+
+
+def test_scores_batch_with_embeddings_and_generation(ckpts):
+    llm = make_llm(ckpts["untied"])
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    scores_alone = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    prompt = [5, 9, 13, 2, 77]
+    gen_alone = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    emb_alone = llm.embed([prompt], use_tqdm=False)[0].outputs.embedding
+    engine.reset_prefix_cache()
+    yes_no = ScoreConfig().token_ids(engine.tokenizer.tok, engine.ready.vocab_size)
+    kinds = {}
+    for i, doc in enumerate(DOCS):  # all three kinds share the engine's steps (chunked by the 64-token budget)
+        text = ScoreConfig().prompt(QUERY, doc)
+        kinds[
+            engine.add_request(None, text, None, final_only=True, pooling_params=PoolingParams(score_token_ids=yes_no))
+        ] = i
+    kinds[engine.add_request(None, prompt, greedy, final_only=True)] = "gen"
+    kinds[engine.add_request(None, prompt, None, final_only=True, pooling_params=PoolingParams())] = "emb"
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[kinds[out.request_id]] = out
+    for i, want in enumerate(scores_alone):
+        assert len(done[i].embedding) == 1 and abs(done[i].embedding[0] - want) < 1e-6
+    assert done["gen"].outputs[0].token_ids == gen_alone
+    assert len(done["emb"].embedding) == 64
+    assert max(abs(a - b) for a, b in zip(done["emb"].embedding, emb_alone)) < 1e-5
+    engine.shutdown()
 
 
 # ---- /v1/score, /v1/rerank, /rerank -----------------------------------------------------------
