@@ -27,14 +27,14 @@ def ckpts(tmp_path_factory):
     return {arch: make_checkpoint(root / arch, arch) for arch in ("qwen3", "llama")}
 
 
-def make_llm(path, **kwargs) -> LLM:
+def make_llm(path, max_model_len: int = 128, max_num_batched_tokens: int = 32, **kwargs) -> LLM:
     return LLM(
         str(path),
         device="cpu",
         dtype="float32",
         kv_cache_memory=0.01,
-        max_model_len=128,
-        max_num_batched_tokens=32,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
         engine_process=False,
         **kwargs,
     )

@@ -8,6 +8,7 @@ import httpx
 import pytest
 import torch
 from conftest import make_checkpoint
+from test_pooling import make_llm as make_pooling_llm
 from test_server import ServerThread, tiny_engine
 
 from ember import LLM, PoolingParams, SamplingParams, ScoreConfig
@@ -42,16 +43,8 @@ def ckpts(tmp_path_factory):
 
 
 def make_llm(path, **kwargs) -> LLM:
-    return LLM(
-        str(path),
-        device="cpu",
-        dtype="float32",
-        kv_cache_memory=0.01,
-        max_model_len=256,
-        max_num_batched_tokens=64,  # the prompts (~90 tokens) take two prefill chunks
-        engine_process=False,
-        **kwargs,
-    )
+    """test_pooling's engine, with room for the prompts (~90 tokens, two prefill chunks)."""
+    return make_pooling_llm(path, max_model_len=256, max_num_batched_tokens=64, **kwargs)
 
 
 def hf_scores(path, pairs, instruction=None, yes_no=("yes", "no")) -> tuple[list[float], list[list[int]]]:

@@ -94,9 +94,7 @@ class EmbeddingRequestOutput:
 
     @classmethod
     def of(cls, out: RequestOutput) -> EmbeddingRequestOutput:
-        if out.embedding is None:
-            raise RuntimeError(f"request {out.request_id} ended without an embedding: {out.error or 'aborted'}")
-        return cls(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids, out.finished)
+        return cls(out.request_id, EmbeddingOutput(_pooled(out, "an embedding")), out.prompt_token_ids, out.finished)
 
 
 @dataclass
@@ -118,9 +116,14 @@ class ScoringRequestOutput:
     @classmethod
     def of(cls, out: RequestOutput) -> ScoringRequestOutput:
         """A finished score request's output: its pooled value is the one float."""
-        if out.embedding is None:
-            raise RuntimeError(f"request {out.request_id} ended without a score: {out.error or 'aborted'}")
-        return cls(out.request_id, ScoringOutput(out.embedding[0]), out.prompt_token_ids, out.finished)
+        return cls(out.request_id, ScoringOutput(_pooled(out, "a score")[0]), out.prompt_token_ids, out.finished)
+
+
+def _pooled(out: RequestOutput, what: str) -> list[float]:
+    """A pooling request's vector, or the error it ended with instead."""
+    if out.embedding is None:
+        raise RuntimeError(f"request {out.request_id} ended without {what}: {out.error or 'aborted'}")
+    return out.embedding
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:

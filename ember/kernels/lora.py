@@ -127,8 +127,8 @@ def _shrink_segments_kernel(
 
 @triton.jit
 def _expand_gathered_kernel(
-    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, SPLITS, COLUMNS, xa_offset, y_offset, stride_xat, stride_xas,
-    stride_bs, stride_br, stride_yt, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT_M: tl.constexpr,
+    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, SPLITS, xa_offset, y_offset, stride_xat, stride_xas, stride_bs,
+    stride_br, stride_yt, COLUMNS, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT_M: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     mine = _gathered_row(slots_ptr, row, T, SEGMENT_M)
@@ -244,7 +244,7 @@ def lora_expand(
     column_programs = min(triton.cdiv(n, block_n), triton.cdiv(EXPAND_PROGRAMS, rows))
     columns = triton.cdiv(triton.cdiv(n, column_programs), block_n) * block_n
     _expand_gathered_kernel[(rows, triton.cdiv(n, columns))](
-        *args[:8], columns, *args[8:], BLOCK_R=block_r, BLOCK_N=block_n, SEGMENT_M=block_m
+        *args, columns, BLOCK_R=block_r, BLOCK_N=block_n, SEGMENT_M=block_m
     )
 
 
