@@ -523,6 +523,36 @@ def test_core_start_failure_is_a_one_line_error_naming_the_file(llama_dir, tmp_p
     assert "Traceback" not in r.stderr, r.stderr
 
 
+class _LatePoller:
+    """A poller whose first poll ends before the core's message arrives: the race CI hit once."""
+
+    def __init__(self, poller):
+        self.poller, self.missed = poller, False
+
+    def poll(self, timeout):
+        if not self.missed:
+            self.missed = True
+            return []
+        return self.poller.poll(timeout)
+
+
+def test_a_failure_sent_just_before_the_core_exits_is_not_lost(llama_dir, tmp_path):
+    from ember.config import EngineArgs
+    from ember.frontend.core_client import MPClient
+    from ember.frontend.errors import EngineStartError
+
+    model = tmp_path / "corrupt"
+    model.mkdir()
+    for f in llama_dir.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    os.truncate(model / "model.safetensors", 100)
+    client = MPClient(EngineArgs(model=str(model), device="cpu").engine_config())
+    assert client.proc.wait(120) == 1  # it sent its failure, then exited, before the client looked
+    client._poller = _LatePoller(client._poller)
+    with pytest.raises(EngineStartError, match="model.safetensors"):
+        client.wait_ready()
+
+
 # ---- 7. no torch in the front end ---------------------------------------------------------------
 
 

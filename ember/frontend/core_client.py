@@ -48,6 +48,7 @@ ITERATION_TIMEOUT_ENV = "EMBER_ENGINE_ITERATION_TIMEOUT_S"
 _HEARTBEAT_TIMEOUT_S = 4.5  # silence after which a core counts as stopped: detected in <= 5 s with the 0.1 s poll
 _ITERATION_TIMEOUT_S = 60.0  # one loop iteration (a step) running this long counts as a deadlock
 _HEARTBEATS_PER_TIMEOUT = 5  # the core's heartbeat interval: the timeout / 5, at most 1 s
+_LAST_WORDS_MS = 1000  # how long a dead core's messages in flight are waited for
 _KILL_WAIT_S = 5.0  # how long shutdown waits for a core killed as hung to go
 
 
@@ -189,31 +190,39 @@ class MPClient(EngineCoreClient):
             return []
         start = time.monotonic()
         if self._poller.poll(int(timeout * 1000)):  # what pyzmq does with a float
-            messages: list[CoreOutput] = []
-            while True:
-                try:
-                    frame = self._output.recv(zmq.NOBLOCK, copy=False)
-                    message = decode_output(frame.buffer)
-                except zmq.Again:
-                    break
-                self._watching |= isinstance(message, EngineCoreReady)
-                self._watch.heard(message)
-                if isinstance(message, EngineCoreHeartbeat):  # the client's business only
-                    continue
-                if isinstance(message, EngineCoreFailed):
-                    self.failure = message.message
-                messages.append(message)
-            return messages or self._check_answering()
+            return self._read_arrived() or self._check_answering()
         code = self.proc.poll()
         if self._stopping:
             return []
         if code is not None:
+            # What the core sent before it exited may still be on its way (its socket lingers until
+            # the bytes leave, not until they are read): a failure it explained beats an exit code.
+            last = self._read_arrived() if self._poller.poll(_LAST_WORDS_MS) else []
+            if self.failure is not None:
+                return last
             self.failure = _exit_description(code)
             logger.error("%s (pid %d)", self.failure, self.proc.pid)
-            return [EngineCoreFailed(self.failure)]
+            return [*last, EngineCoreFailed(self.failure)]
         # At most the time asked for: a wait that took longer (this process paused) is not the core's.
         self._watch.waited(min(time.monotonic() - start, timeout))
         return self._check_answering()
+
+    def _read_arrived(self) -> list[CoreOutput]:
+        """Every message queued on the output socket, without waiting; heartbeats only feed the watch."""
+        messages: list[CoreOutput] = []
+        while True:
+            try:
+                frame = self._output.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return messages
+            message = decode_output(frame.buffer)
+            self._watching |= isinstance(message, EngineCoreReady)
+            self._watch.heard(message)
+            if isinstance(message, EngineCoreHeartbeat):  # the client's business only
+                continue
+            if isinstance(message, EngineCoreFailed):
+                self.failure = message.message
+            messages.append(message)
 
     def _check_answering(self) -> list[CoreOutput]:
         """[] while the core answers; else kill it (SIGKILL ends a stopped process too) and report it
