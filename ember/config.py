@@ -42,6 +42,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # quantization_config (awq, gptq, compressed-tensors, fp8), other checkpoints load unquantized ("none").
 QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors", "ptpc_fp8", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # False: a prompt is scheduled whole or waits (an encoder's attention needs all of it in one step)
+    chunked_prefill: bool = True
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,24 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA off (`--enable-lora` not given)
     pooler: PoolerConfig | None = None  # None: the checkpoint's 1_Pooling/config.json, else LAST (EngineCore)
+    runner: str = "auto"  # "generate", "pooling" or "auto" (by the model: EngineCore resolves it)
+
+    def resolved_runner(self, model_config: ModelConfig) -> str:
+        """ "pooling" or "generate": an encoder only pools, and is refused anything that generates."""
+        if model_config.encoder is None:
+            return "pooling" if self.runner == "pooling" else "generate"
+        if self.runner == "generate":
+            raise ValueError(
+                f"runner 'generate': {model_config.architecture} is an encoder; it only pools (--runner pooling)"
+            )
+        for flag, on in (
+            ("tensor_parallel_size", self.tensor_parallel_size > 1),
+            ("enable_lora", self.lora is not None),
+            ("speculative_config", self.speculative is not None),
+        ):
+            if on:
+                raise ValueError(f"{flag}: not supported for encoder models ({model_config.architecture})")
+        return "pooling"
 
     def runner_config(self, device: torch.device, checkpoint_dtype: str | None) -> RunnerConfig:
         """bf16 on GPUs by default, float32 on CPU where bf16 matmuls are slow on most CPUs."""
@@ -204,9 +225,24 @@ class EngineConfig:
         )
 
     def scheduler_config(self, model_config: ModelConfig, device: torch.device) -> SchedulerConfig:
+        """An encoder's prompts are never split, so its step budget holds the longest one (vLLM's rule
+        without chunked prefill)."""
         max_len = self.max_model_len or model_config.max_position_embeddings
         budget = self.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_len)
+        encoder = model_config.encoder is not None
+        if encoder and max_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_len} is more than the encoder's {model_config.max_position_embeddings} "
+                "learned positions"
+            )
+        if encoder and budget < max_len:
+            if self.max_num_batched_tokens is not None:
+                raise ValueError(
+                    f"max_num_batched_tokens {budget} is less than max_model_len {max_len}: an encoder's prompt "
+                    "is never split across steps"
+                )
+            budget = max_len
+        return SchedulerConfig(self.max_num_seqs, budget, max_len, chunked_prefill=not encoder)
 
 
 @dataclass
@@ -245,6 +281,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # vLLM's --runner: "generate", "pooling" (embeddings and scores only), or "auto" (pooling for an encoder
+    # model, else generate; a generating engine serves pooling requests too). See docs/pooling.md.
+    runner: str = "auto"
     # How embedding requests pool (vLLM's form: a PoolerConfig, a dict or its JSON; see docs/pooling.md).
     pooler_config: PoolerConfig | dict[str, Any] | str | None = None
     # How score / rerank requests prompt a decoder reranker (the front end's; a ScoreConfig, a dict or its
@@ -285,6 +324,8 @@ class EngineArgs:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config: not supported with tensor parallelism (tensor_parallel_size > 1)")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.pooler_config is not None:
             self.pooler_config = PoolerConfig.parse(self.pooler_config)
         self.score_config = ScoreConfig.parse(self.score_config) if self.score_config is not None else ScoreConfig()
@@ -316,6 +357,7 @@ class EngineArgs:
             speculative=SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None,
             lora=self.lora_config(),
             pooler=PoolerConfig.parse(self.pooler_config) if self.pooler_config is not None else None,
+            runner=self.runner,
         )
 
     def lora_config(self) -> LoRAConfig | None:
@@ -423,6 +465,13 @@ class EngineArgs:
         g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
         g.add_argument(
             "--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory (default: --max-loras)"
+        )
+        g.add_argument(
+            "--runner",
+            choices=RUNNERS,
+            default="auto",
+            help="pooling: serve embeddings and scores only; auto: pooling for an encoder model (BERT, XLM-R), "
+            "else generate (which also serves embeddings; see docs/pooling.md)",
         )
         g.add_argument(
             "--pooler-config",

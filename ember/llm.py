@@ -20,7 +20,7 @@ from ember.frontend.output import EmbeddingRequestOutput, RequestOutput, Scoring
 from ember.frontend.processor import PromptType
 from ember.lora.request import LoRARequest
 from ember.pooling.params import PoolingParams
-from ember.pooling.score import ScoreConfig, score_pairs
+from ember.pooling.score import ScoreConfig, score_pairs, score_requests
 from ember.sampling.params import SamplingParams
 from ember.tokenizer import Tokenizer
 
@@ -104,21 +104,22 @@ class LLM:
         lora_request: LoRARequest | None = None,
         instruction: str | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's `LLM.score` for a decoder reranker (Qwen3-Reranker style, docs/pooling.md): one score per
-        pair, text_1 against each text_2 (1:N) or pairwise (N:N), each P(true token) of the prompt the
-        engine's `score_config` builds (`instruction` overrides its default instruction)."""
+        """vLLM's `LLM.score` (docs/pooling.md): one score per pair, text_1 against each text_2 (1:N) or
+        pairwise (N:N). A cross-encoder's is the sigmoid of its classifier's logit on the pair; a decoder
+        reranker's (Qwen3-Reranker style) P(true token) of the prompt the engine's `score_config` builds
+        (`instruction` overrides its default instruction)."""
         pairs = score_pairs(
             text_1 if isinstance(text_1, str) else list(text_1), text_2 if isinstance(text_2, str) else list(text_2)
         )
         config = ScoreConfig.parse(self.engine_args.score_config or ScoreConfig())
-        tokenizer = self.llm_engine.tokenizer
-        if tokenizer is None:
+        engine = self.llm_engine
+        if engine.tokenizer is None:
             raise ValueError("score needs the model's tokenizer (the engine was started without one)")
-        token_ids = config.token_ids(tokenizer.tok, self.llm_engine.ready.vocab_size)
-        pooling = PoolingParams(score_token_ids=token_ids)
-        prompts: list[PromptType] = [config.prompt(q, d, instruction) for q, d in pairs]
+        requests = score_requests(pairs, engine.tokenizer, config, engine.is_encoder, engine.vocab_size, instruction)
+        prompts: list[PromptType] = [prompt for prompt, _ in requests]
         params = [SamplingParams(max_tokens=1)] * len(prompts)
-        outputs = self._run(prompts, params, use_tqdm, [lora_request] * len(prompts), [pooling] * len(prompts))
+        pooling = [p for _, p in requests]
+        outputs = self._run(prompts, params, use_tqdm, [lora_request] * len(prompts), pooling)
         return [ScoringRequestOutput.of(out) for out in outputs]
 
     def chat(

@@ -148,6 +148,9 @@ class EngineCoreReady(_Message):
     description: str  # the one start-up log line
     hidden_size: int = 0  # the length of a pooled vector (`dimensions` may ask for fewer)
     pooling_type: str = "LAST"  # how pooling requests are pooled (PoolerConfig.pooling_type)
+    runner: str = "generate"  # "pooling": embeddings and scores only (an encoder, or --runner pooling)
+    encoder: bool = False  # an encoder model (BERT, XLM-R): whole prompts, pooling only
+    num_labels: int = 0  # an encoder's classifier labels (1: a cross-encoder reranker); 0: none
     lora: LoRAShapes | None = None  # with --enable-lora: what an adapter must fit (the front end checks it)
     # the core process's start-up moments (ember.timeline), added by ember.core.process when it sends this
     timeline: list[tuple[str, float]] = []

@@ -39,6 +39,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int | None]:
+        """A text pair as the tokenizer's post-processor joins it (a cross-encoder's input), and where the
+        second text's tokens (type 1) start: None where the tokenizer gives every token type 0 (RoBERTa)."""
+        enc = self.tok.encode(first, second)
+        start = next((i for i, t in enumerate(enc.type_ids) if t == 1), None)
+        return enc.ids, start
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -238,6 +238,7 @@ def run_prefill(
     gen: torch.Generator,
     q_padding: int = 0,
     cache_dtype: torch.dtype | None = None,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As run_decode, for prefill chunks; the caches are of q's dtype unless `cache_dtype` says."""
     seq_lens = [c + n for c, n in chunks]
@@ -254,9 +255,10 @@ def run_prefill(
     max_q = max(n for _, n in chunks)
     scale = head_dim**-0.5
 
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, lens, qsl, max_q, scale, **kv_scales(cache_dtype))
+    scales = kv_scales(cache_dtype)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, lens, qsl, max_q, scale, causal=causal, **scales)
     ref = paged_prefill_attention_ref(
-        q.float(), k_cache, v_cache, tables, lens, qsl, max_q, scale, **kv_scales(cache_dtype)
+        q.float(), k_cache, v_cache, tables, lens, qsl, max_q, scale, causal=causal, **scales
     )
     return out, ref
 
@@ -282,6 +284,18 @@ def test_prefill_attention_edge_chunks_and_strided_q(chunks: list[tuple[int, int
     gen = torch.Generator().manual_seed(len(chunks))
     out, ref = run_prefill(chunks, 16, 4, 64, torch.float32, gen, q_padding=96)
     torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens", [[1, 7, 64, 100], [130, 3]])
+def test_bidirectional_prefill_sees_every_key_of_its_prompt(lens: list[int], dtype: torch.dtype) -> None:
+    """An encoder's whole prompts (no cached context): each query attends to its sequence's every key,
+    across K/V tile edges (64, 128) and with query blocks past the first."""
+    gen = torch.Generator().manual_seed(sum(lens))
+    out, ref = run_prefill([(0, n) for n in lens], 16, 2, 64, dtype, gen, causal=False)
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+    causal, _ = run_prefill([(0, n) for n in lens], 16, 2, 64, dtype, torch.Generator().manual_seed(sum(lens)))
+    assert not torch.allclose(causal.float(), ref, **ATTN_TOL[dtype])  # the flag changes what is seen
 
 
 def test_attention_rejects_bad_shapes() -> None:

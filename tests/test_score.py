@@ -117,7 +117,9 @@ def test_scores_batch_with_embeddings_and_generation(ckpts):
     for i, doc in enumerate(DOCS):  # all three kinds share the engine's steps (chunked by the 64-token budget)
         text = ScoreConfig().prompt(QUERY, doc)
         kinds[
-            engine.add_request(None, text, None, final_only=True, pooling_params=PoolingParams(score_token_ids=yes_no))
+            engine.add_request(
+                None, text, None, final_only=True, pooling_params=PoolingParams(task="score", score_token_ids=yes_no)
+            )
         ] = i
     kinds[engine.add_request(None, prompt, greedy, final_only=True)] = "gen"
     kinds[engine.add_request(None, prompt, None, final_only=True, pooling_params=PoolingParams())] = "emb"

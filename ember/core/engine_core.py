@@ -50,7 +50,13 @@ from ember.model.files import model_path
 from ember.model.hf_config import ModelConfig
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
-from ember.pooling.params import PoolerConfig, read_sentence_transformers_pooling
+from ember.pooling.params import (
+    POOLING_ONLY,
+    PoolerConfig,
+    PoolingParams,
+    read_sentence_transformers_pooling,
+    task_problem,
+)
 from ember.runner.device import resolve_device
 from ember.runner.model_runner import ModelRunner, PendingStep
 from ember.runner.step import StepResult
@@ -69,6 +75,8 @@ class EngineCore:
         start = time.monotonic()
         files = load_model_files(config.load)
         device = resolve_device(config.device)
+        self.runner_kind = config.resolved_runner(files.model_config)
+        self.encoder = files.model_config.encoder
         self.scheduler_config = config.scheduler_config(files.model_config, device)
         self.max_model_len = self.scheduler_config.max_model_len
         self.vocab_size = files.model_config.vocab_size
@@ -104,7 +112,7 @@ class EngineCore:
         self.block_manager = BlockManager(
             num_blocks,
             config.cache.block_size,
-            config.cache.enable_prefix_caching,
+            config.cache.enable_prefix_caching and self.encoder is None,  # an encoder's keys see later tokens
             sliding_window=_shared_window(files.model_config),
         )
         self.speculative = config.speculative
@@ -169,6 +177,9 @@ class EngineCore:
             description=description,
             hidden_size=self.hidden_size,
             pooling_type=self.pooler.pooling_type,
+            runner=self.runner_kind,
+            encoder=self.encoder is not None,
+            num_labels=0 if self.encoder is None else self.encoder.num_labels,
             lora=r.lora.shapes if r.lora is not None else None,
         )
 
@@ -198,8 +209,8 @@ class EngineCore:
             return
         req = Request.from_message(msg)
         req.matcher = matcher
-        pooling = msg.pooling_params  # a score request pools the last token only, whatever the engine's type
-        embeds = pooling is not None and pooling.score_token_ids is None
+        pooling = msg.pooling_params  # a score request pools one token only, whatever the engine's type
+        embeds = pooling is not None and pooling.task == "embed"
         req.skip_prefix_cache = embeds and self.pooler.needs_every_token
         self.requests[msg.request_id] = req
         self._num_host_sync += req.needs_host_tokens
@@ -221,6 +232,8 @@ class EngineCore:
                 return f"{name} must be token ids in [0, {self.vocab_size})"
         if msg.pooling_params is not None:
             return self._check_pooling(msg)
+        if self.runner_kind == "pooling":
+            return POOLING_ONLY
         if msg.max_tokens < 1 or len(ids) + msg.max_tokens > self.max_model_len:
             return (
                 f"max_tokens: {len(ids)} prompt + {msg.max_tokens} new tokens exceed the context window of "
@@ -236,18 +249,26 @@ class EngineCore:
                 f"prompt: {len(msg.prompt_token_ids)} tokens exceed the context window of {self.max_model_len} "
                 "(truncate_prompt_tokens cuts it)"
             )
-        scored = msg.pooling_params.score_token_ids
-        if scored is not None:
-            if any(t >= self.vocab_size for t in scored):
-                return f"score_token_ids must be token ids in [0, {self.vocab_size})"
-            if self.tensor_parallel is not None:
-                return "score_token_ids: score requests are not supported with tensor parallelism"
+        problem = self._check_task(msg.pooling_params)
+        if problem is not None:
+            return problem
         dims = msg.pooling_params.dimensions
         if dims is not None and dims > self.hidden_size:
             return f"dimensions: {dims} is more than the model's hidden size {self.hidden_size}"
         if msg.max_tokens != 1:
             return "max_tokens: a pooling request computes its prompt only (max_tokens 1)"
         return None if msg.lora_request is None else self._check_lora(msg.lora_request)
+
+    def _check_task(self, params: PoolingParams) -> str | None:
+        labels = 0 if self.encoder is None else self.encoder.num_labels
+        problem = task_problem(params, self.encoder is not None, labels)
+        if problem is not None or params.score_token_ids is None:
+            return problem
+        if any(t >= self.vocab_size for t in params.score_token_ids):
+            return f"score_token_ids must be token ids in [0, {self.vocab_size})"
+        if self.tensor_parallel is not None:
+            return "score_token_ids: score requests are not supported with tensor parallelism"
+        return None
 
     def _check_lora(self, lora: LoRARequest) -> str | None:
         """Why the adapter cannot run (None: it can, and its tensors are being read off this thread)."""

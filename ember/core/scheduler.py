@@ -148,6 +148,8 @@ class Scheduler:
             prefix_blocks = self.block_manager.match_prefix(request)
             num_cached = len(prefix_blocks) * self.block_manager.block_size
             n = min(request.num_tokens - num_cached, budget)
+            if n < request.num_tokens - num_cached and not self.config.chunked_prefill:
+                break  # whole or not at all: it goes first in a later step (the budget holds any prompt)
             allocation = self.block_manager.allocate(
                 request, n + self._lookahead(request, num_cached + n), prefix_blocks
             )

@@ -19,7 +19,7 @@ from ember.lora.peft import read_adapter
 from ember.lora.request import LoRARequest
 from ember.messages import EngineCoreReady, EngineCoreRequest
 from ember.model.files import ModelInfo
-from ember.pooling.params import PoolingParams
+from ember.pooling.params import POOLING_ONLY, PoolingParams, task_problem
 from ember.sampling.params import INT64_MIN, SamplingParams
 from ember.sampling.structured import GrammarCheck, StructuredOutputsParams, check_grammar
 from ember.tokenizer import Tokenizer
@@ -56,6 +56,8 @@ class Processor:
         self.vocab_size = ready.vocab_size
         self.lora_shapes = ready.lora
         self.hidden_size = ready.hidden_size
+        self.pooling_only = ready.runner == "pooling"
+        self.encoder, self.num_labels = ready.encoder, ready.num_labels
         self._checked_loras: set[LoRARequest] = set()  # adapters that passed check_lora (files read once)
         self._grammar_check = GrammarCheck(self.tokenizer, self.vocab_size) if self.tokenizer is not None else None
 
@@ -163,6 +165,8 @@ class Processor:
         its sampling parameters are ignored."""
         if pooling_params is not None:
             return self._process_pooling(request_id, prompt, pooling_params, arrival_time, lora_request)
+        if self.pooling_only:
+            raise ValueError(POOLING_ONLY)
         params = params or self.default_sampling_params()
         if lora_request is not None:
             self.check_lora(lora_request)
@@ -210,6 +214,9 @@ class Processor:
         context window, and `dimensions` the hidden size. It computes the prompt and generates nothing."""
         if lora_request is not None:
             self.check_lora(lora_request)
+        problem = task_problem(pooling, self.encoder, self.num_labels)
+        if problem is not None:
+            raise ValueError(problem)
         if pooling.dimensions is not None and pooling.dimensions > self.hidden_size:
             raise ValueError(
                 f"dimensions: {pooling.dimensions} is more than this model's embedding size {self.hidden_size}"
@@ -252,6 +259,11 @@ class ModelFacts:
     @property
     def vocab_size(self) -> int:
         return self.ready.vocab_size
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder model (BERT, XLM-R): it scores a pair as a cross-encoder, from the tokenized pair."""
+        return self.ready.encoder
 
     def default_sampling_params(self) -> SamplingParams:
         return self.processor.default_sampling_params()

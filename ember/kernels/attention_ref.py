@@ -37,11 +37,13 @@ def attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Float32 attention of queries [Q, Hq, D] at positions context_len.. over keys [S, Hk, D],
     each query at p seeing keys j with p - sliding_window < j <= p (no lower bound without a
-    window); scores capped to cap * tanh(s / cap) with `logits_soft_cap`; `sinks` [Hq]: one more
-    logit per head in each row's softmax, whose probability is dropped (it has no value)."""
+    window; `causal` False: every key); scores capped to cap * tanh(s / cap) with
+    `logits_soft_cap`; `sinks` [Hq]: one more logit per head in each row's softmax, whose
+    probability is dropped (it has no value)."""
     group = q.shape[1] // k.shape[1]
     qf = q.float().transpose(0, 1)  # [Hq, Q, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
@@ -51,7 +53,7 @@ def attention_ref(
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     q_pos = context_len + torch.arange(q.shape[0], device=q.device)
     k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
-    visible = k_pos <= q_pos[:, None]
+    visible = k_pos <= q_pos[:, None] if causal else torch.ones_like(k_pos, dtype=torch.bool).expand(q.shape[0], -1)
     if sliding_window is not None:
         visible &= k_pos > q_pos[:, None] - sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))

@@ -79,6 +79,7 @@ def _prefill_kernel(
     SOFT_CAP: tl.constexpr,
     HEAD_SCALES: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    CAUSAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -114,10 +115,15 @@ def _prefill_kernel(
     # Every row sees positions <= context_len + first_q, so whole tiles up to there skip the causal
     # mask; the block's last query bounds the masked tail. Tiles run from `first` on a BLOCK_N grid.
     kv_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)
+    seen_by_all = context_len + first_q + 1
+    if not CAUSAL:  # an encoder: every query sees the whole sequence, as a causal query at its end would
+        q_pos = tl.zeros_like(q_idx) + seq_len - 1
+        kv_end = seq_len
+        seen_by_all = seq_len
     first = 0
     if WINDOWED:
         first = tl.maximum(context_len + first_q - window + 1, 0)  # the first query's window edge
-    unmasked_end = first + (context_len + first_q + 1 - first) // BLOCK_N * BLOCK_N
+    unmasked_end = first + (seen_by_all - first) // BLOCK_N * BLOCK_N
     unmasked_start = first
     masked_start = unmasked_end
     if WINDOWED:
@@ -266,10 +272,12 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """q [T, Hq, D] holds each sequence's chunk at positions seq_lens[b] - q_len .. seq_lens[b] - 1;
     each query attends causally over its whole cached context (with `sliding_window`, over its last
-    that many positions, itself included) -> out [T, Hq, D]; `logits_soft_cap` caps the scaled
+    that many positions, itself included; `causal` False: over the whole sequence, an encoder's
+    bidirectional attention, without a window) -> out [T, Hq, D]; `logits_soft_cap` caps the scaled
     scores s to cap * tanh(s / cap) first (Gemma 2); `sinks` (float32 [Hq], gpt-oss) adds exp(sinks[h])
     to every softmax denominator of head h.
 
@@ -284,6 +292,8 @@ def paged_prefill_attention(
     check_paged_args(q, k_cache, v_cache, k_scale, v_scale)
     check_window_args(sliding_window, logits_soft_cap)
     check_sinks(sinks, num_heads)
+    if not causal and sliding_window is not None:
+        raise ValueError("sliding_window: a bidirectional (causal=False) attention has no window")
     if out is None:
         out = torch.empty_like(q)
     batch = seq_lens.shape[0]
@@ -332,6 +342,7 @@ def paged_prefill_attention(
         SOFT_CAP=logits_soft_cap is not None,
         HEAD_SCALES=per_head,
         HAS_SINKS=sinks is not None,
+        CAUSAL=causal,
         DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype),
         PRECISION=dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4,
@@ -356,6 +367,7 @@ def paged_prefill_attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     result = torch.empty_like(q) if out is None else out
     for b in range(seq_lens.shape[0]):
@@ -372,5 +384,6 @@ def paged_prefill_attention_ref(
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             sinks=sinks,
+            causal=causal,
         )
     return result

@@ -29,6 +29,31 @@ class MoeConfig:
     swiglu: tuple[float, float] | None = None
 
 
+ENCODER_ARCHITECTURES = (
+    "BertModel",
+    "BertForSequenceClassification",
+    "RobertaModel",
+    "RobertaForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+)
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """A BERT-family encoder (ember/model/bert.py): bidirectional attention, learned absolute positions
+    (RoBERTa's and XLM-R's numbered from pad_token_id + 1, so `position_offset`), token-type embeddings,
+    LayerNorm after each block, biased projections. `num_labels` > 0: a sequence classifier on the first
+    token (a cross-encoder reranker), BERT's pooler (dense, tanh) or RoBERTa's head (dense, tanh,
+    out_proj) before the labels."""
+
+    layer_norm_eps: float
+    type_vocab_size: int
+    position_offset: int
+    num_labels: int = 0
+    roberta: bool = False  # RoBERTa / XLM-R names and classification head
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters, in Hugging Face `config.json` terms."""
@@ -70,6 +95,7 @@ class ModelConfig:
 
     partial_rotary_factor: float = 1.0  # the share of each head that is rotated (Phi-4-mini: 0.75)
     moe: MoeConfig | None = None  # mixture-of-experts models (Qwen3-MoE, Mixtral)
+    encoder: EncoderConfig | None = None  # an encoder (BERT, XLM-R): pooling only, bidirectional attention
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -78,6 +104,8 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else ""
+        if arch in ENCODER_ARCHITECTURES:
+            return _encoder_config(arch, cfg)
         if arch in _GEMMA_DEFAULTS:
             if arch == "Gemma3ForConditionalGeneration":
                 cfg = cfg["text_config"]
@@ -143,6 +171,43 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Leading channels of each head that RoPE rotates; the rest pass through (HF's rounding)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _encoder_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:
+    """BERT's and RoBERTa's config.json keys. The context is max_position_embeddings less the positions
+    RoBERTa skips (514 - 2 = 512 for XLM-R); a classifier's labels are id2label's (transformers' rule)."""
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"position_embedding_type {cfg['position_embedding_type']!r} is not supported (absolute only)")
+    roberta = arch.startswith(("Roberta", "XLMRoberta"))
+    offset = int(cfg.get("pad_token_id", 1)) + 1 if roberta else 0
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    labels = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+    encoder = EncoderConfig(
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        position_offset=offset,
+        num_labels=labels if arch.endswith("ForSequenceClassification") else 0,
+        roberta=roberta,
+    )
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=encoder.layer_norm_eps,
+        rope_theta=0.0,
+        rope_scaling=None,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 512)) - offset,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        qk_norm=False,
+        hidden_act=str(cfg.get("hidden_act", "gelu")),
+        encoder=encoder,
+    )
 
 
 def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:

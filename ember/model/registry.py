@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ember.errors import ModelLoadError
-from ember.model.hf_config import ModelConfig
+from ember.model.bert import EncoderModel
+from ember.model.hf_config import ENCODER_ARCHITECTURES, ModelConfig
 from ember.model.llama import CausalLM
 
 SUPPORTED_ARCHITECTURES = (
@@ -18,12 +19,16 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",  # mixtures of experts: ember/model/moe.py
     "MixtralForCausalLM",
     "GptOssForCausalLM",  # attention sinks, biased MoE with a clamped SwiGLU, MXFP4 experts: ember/model/gpt_oss.py
+    *ENCODER_ARCHITECTURES,  # BERT, RoBERTa, XLM-R encoders and cross-encoders: ember/model/bert.py
 )
 
+# What the runner holds: a decoder generates (and pools); an encoder only pools.
+Model = CausalLM | EncoderModel
 
-def model_class(cfg: ModelConfig, source: str) -> type[CausalLM]:
+
+def model_class(cfg: ModelConfig, source: str) -> type[CausalLM] | type[EncoderModel]:
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             source, f"unsupported architecture {cfg.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    return CausalLM
+    return EncoderModel if cfg.encoder is not None else CausalLM

@@ -60,6 +60,9 @@ class Masking:
     window: int | None = None
     soft_cap: float | None = None
     sinks: torch.Tensor | None = None
+    # False: bidirectional (an encoder, ember/model/bert.py): each prompt's queries see its every key. The
+    # scheduler gives such a model whole prompts only, so a query's keys are exactly its step's.
+    causal: bool = True
 
 
 def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -159,6 +162,7 @@ class TritonAttention:
                 meta.max_query_len,
                 scale,
                 out=out,
+                causal=masking.causal,
                 **kwargs,
             )
         return out
@@ -261,8 +265,8 @@ class TorchAttention:
             # back to the unfused math path (twice as slow for a 128-token prompt).
             qc = q[start:end].transpose(0, 1)[None]  # [1, Hq, Q, D]
             k, v = k[None], v[None]
-            if ctx == 0 and window is None:
-                o = _attend(qc, k, v, None, scale, masking, causal=True)
+            if (ctx == 0 and window is None) or not masking.causal:
+                o = _attend(qc, k, v, None, scale, masking, causal=masking.causal and ctx == 0)
             else:
                 rows = torch.arange(q_len, device=q.device)[:, None] + ctx
                 pos = torch.arange(keys, device=q.device)[None, :] + first * block_size
@@ -307,6 +311,29 @@ class NativeDecodeAttention(TorchAttention):
             soft_cap=masking.soft_cap,
             sinks=masking.sinks,
         )
+
+
+def bidirectional_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: list[int], scale: float
+) -> torch.Tensor:
+    """An encoder step's attention without the cache (the PyTorch path): q, k, v [T, H, D] hold whole
+    prompts back to back (`query_start`: [B + 1] row offsets), each query seeing its prompt's every key.
+    Prompts of one length share one SDPA call ([B, H, L, D]): an embedding batch is mostly a few lengths."""
+    out = torch.empty_like(q)
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(query_start, query_start[1:]):
+        by_length.setdefault(end - start, []).append(start)
+    for length, starts in by_length.items():
+        rows = (torch.tensor(starts)[:, None] + torch.arange(length)).flatten()
+        one = len(starts) == 1
+        picked = [t[starts[0] : starts[0] + length] if one else t.index_select(0, rows) for t in (q, k, v)]
+        qb, kb, vb = (t.view(len(starts), length, *t.shape[1:]).transpose(1, 2) for t in picked)
+        o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(1, 2).flatten(0, 1)
+        if one:
+            out[starts[0] : starts[0] + length] = o
+        else:
+            out.index_copy_(0, rows, o)
+    return out
 
 
 def _first_block(first_query_pos: int, window: int | None, block_size: int) -> int:

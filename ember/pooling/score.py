@@ -1,6 +1,10 @@
-"""Decoder rerankers (Qwen3-Reranker style): how a (query, document) pair becomes a prompt, and which two
-tokens' logits score it. No torch here: the front end builds the prompts; the runner's pooler
-(`ember.runner.pooler`) computes P(true token) = softmax(the two tokens' logits)[0] at the prompt's last
+"""How a (query, document) pair becomes a score request, for both kinds of reranker. No torch here: the
+front ends build the prompts (`score_requests`); the runner's pooler (`ember.runner.pooler`) scores them.
+
+A cross-encoder (BERT / XLM-R `*ForSequenceClassification`) reads the pair as its tokenizer joins two texts
+(`[CLS] q [SEP] d [SEP]`, `<s> q </s></s> d </s>`), the second text's tokens of type 1; its score is the
+sigmoid of its classifier's logit. A decoder reranker (Qwen3-Reranker style) reads one prompt made from a
+template, and its score is P(true token) = softmax(the two tokens' logits)[0] at the prompt's last
 position, from the LM head's two rows only.
 
 The template is Qwen3-Reranker's documented one (its model card): a system turn that asks for "yes" or
@@ -14,6 +18,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+from ember.pooling.params import PoolingParams
+
 QWEN3_RERANKER_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
     'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
@@ -25,6 +31,13 @@ DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that
 
 class _Vocab(Protocol):
     def token_to_id(self, token: str) -> int | None: ...
+
+
+class _Tokenizer(Protocol):
+    @property
+    def tok(self) -> _Vocab: ...
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int | None]: ...
 
 
 @dataclass(frozen=True)
@@ -101,3 +114,23 @@ def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[
             "(give one text_1, or as many as text_2)"
         )
     return list(zip(first, second))
+
+
+def score_requests(
+    pairs: list[tuple[str, str]],
+    tokenizer: _Tokenizer,
+    config: ScoreConfig,
+    encoder: bool,
+    vocab_size: int,
+    instruction: str | None = None,
+) -> list[tuple[str | dict[str, list[int]], PoolingParams]]:
+    """One (prompt, params) per pair: an encoder's (a cross-encoder) the tokenized pair, a decoder's the
+    template's text. A ValueError names what does not fit (a score_config token outside the vocabulary)."""
+    if encoder:
+        requests: list[tuple[str | dict[str, list[int]], PoolingParams]] = []
+        for query, doc in pairs:
+            ids, second = tokenizer.encode_pair(query, doc)
+            requests.append(({"prompt_token_ids": ids}, PoolingParams(task="score", token_type_start=second)))
+        return requests
+    params = PoolingParams(task="score", score_token_ids=config.token_ids(tokenizer.tok, vocab_size))
+    return [(config.prompt(query, doc, instruction), params) for query, doc in pairs]

@@ -33,7 +33,13 @@ class _Buffer:
 
 class InputBuffers:
     def __init__(
-        self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device, lora: bool = False
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        lora: bool = False,
+        token_types: bool = False,
     ) -> None:
         self.input_ids = _Buffer((max_tokens,), torch.int64, device)
         self.positions = _Buffer((max_tokens,), torch.int64, device)
@@ -44,6 +50,8 @@ class InputBuffers:
         self.logits_indices = _Buffer((max_tokens,), torch.int64, device)  # a row per draft too
         # each token's LoRA adapter slot (-1: none), with --enable-lora (ember/runner/lora_manager.py)
         self.lora_slots = _Buffer((max_tokens,), torch.int32, device) if lora else None
+        # each token's type (1: in the second text of a pair), for an encoder with token types (ember/model/bert.py)
+        self.token_types = _Buffer((max_tokens,), torch.int64, device) if token_types else None
         self._all = [
             self.input_ids,
             self.positions,
@@ -52,7 +60,7 @@ class InputBuffers:
             self.seq_lens,
             self.query_start_loc,
             self.logits_indices,
-        ] + ([self.lora_slots] if self.lora_slots is not None else [])
+        ] + [b for b in (self.lora_slots, self.token_types) if b is not None]
         self._turn = 0
 
     def next_set(self) -> None:

@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from ember.model.llama import Attention
+
+class CachedAttention(Protocol):
+    """An attention layer that reads and writes its layer's cache (a decoder's, an encoder's on CUDA)."""
+
+    def bind_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None: ...
 
 
 class KVCache:
     def __init__(
         self,
-        layers: list[Attention],
+        layers: Sequence[CachedAttention],
         num_kv_heads: int,
         head_dim: int,
         block_size: int,

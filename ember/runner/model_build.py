@@ -12,16 +12,15 @@ from torch import nn
 
 from ember import heap
 from ember.model.hf_config import ModelConfig
-from ember.model.llama import CausalLM
 from ember.model.loader import ModelFiles
-from ember.model.registry import model_class
+from ember.model.registry import Model, model_class
 
 logger = logging.getLogger("ember")
 
 
 def build_model(
     files: ModelFiles, cfg: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device, seed: int
-) -> CausalLM:
+) -> Model:
     """The model of `files` (its config adjusted to the context, `cfg`), ready for inference. Its rotary
     tables cover `max_model_len` positions, the most a sequence reaches, not the model's own maximum:
     three float32 tables of [positions, head_dim] are 192 MiB and took 0.22 s to compute at 131,072

@@ -10,7 +10,7 @@ after that one has prepared its inputs, or by `wait`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
@@ -21,17 +21,19 @@ from ember import timeline
 from ember.config import CacheConfig, LoadConfig, LoRAConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
+from ember.model.bert import EncoderModel
 from ember.model.eagle3 import load_eagle3
 from ember.model.linear import QuantEmbedding, QuantLinear
-from ember.model.llama import Attention
+from ember.model.llama import CausalLM
 from ember.model.loader import ModelFiles, load_model_files
 from ember.model.moe import FusedExperts
+from ember.model.registry import Model
 from ember.ops.attention import AttentionMetadata
 from ember.quant.formats import FP8_DTYPE
 from ember.runner.cuda_graph import StepGraphs, capture_sizes, prefill_capture_sizes
 from ember.runner.drafter import DraftModelDrafter, DraftStep, Eagle3Drafter
 from ember.runner.input_buffers import InputBuffers
-from ember.runner.kv_cache import KVCache
+from ember.runner.kv_cache import CachedAttention, KVCache
 from ember.runner.lora_manager import LoRAManager
 from ember.runner.model_build import build_model
 from ember.runner.pooler import pool_step
@@ -89,6 +91,7 @@ class _StepInputs:
     graph: tuple[int, bool] | None  # the CUDA graph to replay (padded size, prefill), or None for an eager forward
     # each token's LoRA slot when an adapter of the step adapts the LM head (else None: no head delta)
     lora_slots: torch.Tensor | None = None
+    token_types: torch.Tensor | None = None  # an encoder's token types (None: every token type 0)
 
 
 @dataclass
@@ -133,7 +136,7 @@ class ModelRunner:
         self.model_config = cfg = files.model_config.for_max_model_len(scheduler_config.max_model_len)
         self.block_size = cache_config.block_size
         torch.manual_seed(config.seed)
-        self.model = build_model(files, cfg, scheduler_config.max_model_len, self.dtype, device, config.seed)
+        self.model: Model = build_model(files, cfg, scheduler_config.max_model_len, self.dtype, device, config.seed)
         timeline.mark("model loaded")
         self.quantization = files.quantization
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
@@ -150,9 +153,10 @@ class ModelRunner:
             max_blocks,
             self.device,
             lora=lora is not None,
+            token_types=cfg.encoder is not None and cfg.encoder.type_vocab_size > 1,
         )
         lora_slots = self.buffers.lora_slots
-        self.lora = None if lora is None or lora_slots is None else LoRAManager(self.model, lora, lora_slots.dev)
+        self.lora = None if lora is None or lora_slots is None else LoRAManager(self._lm, lora, lora_slots.dev)
         self.graphs: StepGraphs | None = None
         self.timer = StepTimer() if self.device.type == "cuda" else None
         self.requests = RequestStates(self.device)
@@ -161,6 +165,13 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
         self._last_sampling: tuple[tuple[RequestState, ...], SamplingBatch] | None = None  # see _sampling_batch
+
+    @property
+    def _lm(self) -> CausalLM:
+        """The model as a generator, for every sampling path: an encoder's engine admits pooling requests only
+        (EngineCore refuses the rest), so these paths never meet one."""
+        assert isinstance(self.model, CausalLM), "an encoder model samples nothing"
+        return self.model
 
     def _drafter(self, spec: SpeculativeConfig, config: RunnerConfig) -> DraftModelDrafter | Eagle3Drafter | None:
         """The draft model or EAGLE-3 head (None for n-gram lookup), in the target's dtype, with KV in the
@@ -171,8 +182,8 @@ class ModelRunner:
         max_len = self.scheduler_config.max_model_len
         if spec.method == "eagle3":
             head = load_eagle3(spec.model, self.model_config, self.device, self.dtype, max_len, random_weights=dummy)
-            head.share_embedding(self.model.model.embed_tokens)
-            self.model.set_aux_hidden_state_layers(head.aux_hidden_state_layers)
+            head.share_embedding(self._lm.model.embed_tokens)
+            self._lm.set_aux_hidden_state_layers(head.aux_hidden_state_layers)
             layout, head_dim = head.layout, head.config.model.head_dim
             return Eagle3Drafter(
                 head, self._kv(head.attention_layers(), layout.num_kv_heads, head_dim), self.block_size, self.device
@@ -185,10 +196,12 @@ class ModelRunner:
             )
         cfg = files.model_config.for_max_model_len(max_len)
         model = build_model(files, cfg, max_len, self.dtype, self.device, config.seed)
+        if not isinstance(model, CausalLM):
+            raise ValueError(f"speculative_config.model: {spec.model} is an encoder; a draft model must generate")
         kv = self._kv(model.attention_layers(), model.layout.num_kv_heads, cfg.head_dim)
         return DraftModelDrafter(model, kv, self.block_size, self.device)
 
-    def _kv(self, layers: list[Attention], num_kv_heads: int, head_dim: int) -> KVCache:
+    def _kv(self, layers: Sequence[CachedAttention], num_kv_heads: int, head_dim: int) -> KVCache:
         return KVCache(layers, num_kv_heads, head_dim, self.block_size, self.kv_dtype, self.device)
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -213,7 +226,7 @@ class ModelRunner:
     def warm_up_kernels(self) -> None:
         """Compile the kernel variants of mixed prefill/decode steps now (see runner/warmup.py). Rank 0
         runs it once every rank serves steps; it leaves no trace in the step timer."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or isinstance(self.model, EncoderModel):  # an encoder never decodes
             return
         sc = self.scheduler_config
         for step in warm_up_batches(
@@ -295,7 +308,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         with torch.inference_mode():
             hidden = self.model(ids, positions, meta)
-            self.model.compute_logits(hidden[: min(self.scheduler_config.max_num_seqs, tokens)])
+            if isinstance(self.model, CausalLM):
+                self.model.compute_logits(hidden[: min(self.scheduler_config.max_num_seqs, tokens)])
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
         self.kv_cache.release()
@@ -313,7 +327,8 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def capture_cuda_graphs(self) -> None:
-        if self.device.type != "cuda" or self.enforce_eager:
+        """Not for an encoder: its steps are whole prompts side by side, which run eagerly anyway."""
+        if self.device.type != "cuda" or self.enforce_eager or isinstance(self.model, EncoderModel):
             return
         before = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
@@ -355,12 +370,15 @@ class ModelRunner:
             b.logits_indices.upload(h.num_sample),
             (h.padded, bool(h.prefill_graph)) if h.padded else None,
             lora_slots if self.lora is not None and self.lora.head_active else None,
+            None if b.token_types is None else b.token_types.upload(tokens)[: h.num_tokens],
         )
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         if inputs.graph is not None:
             assert self.graphs is not None  # a step is padded only to a captured graph's size
             return self.graphs.replay(*inputs.graph)
+        if isinstance(self.model, EncoderModel):
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.token_types)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
@@ -422,7 +440,7 @@ class ModelRunner:
                 for ids, values, ranks in [self._prompt_logprobs(rows, hidden, inputs.lora_slots)]
             ]
             pending = PendingStep(step.samplers, prompt_logprobs=prompt)
-            pooled_ids, pooled = pool_step(self.pooler, step.spans, hidden, self.model.token_logits)
+            pooled_ids, pooled = pool_step(self.pooler, step.spans, hidden, self.model)
             if pooled is not None:
                 pending.pooled = (pooled_ids, to_host(pooled))
             if sampling is None:
@@ -446,7 +464,7 @@ class ModelRunner:
                 return pending
             # A masked step samples from the full logits: queue them, and what sampling can do before the
             # masks, now.
-            logits = self.model.compute_logits(hidden[inputs.logits_indices], head_slots)
+            logits = self._lm.compute_logits(hidden[inputs.logits_indices], head_slots)
             # one pass on the GPU after the mask (Sampler.__call__) beats scoring before it
             early = sampling.mask_can_wait and not (logits.is_cuda and sampling.one_pass)
             scores = self.sampler.score(logits, sampling) if early else None
@@ -462,7 +480,7 @@ class ModelRunner:
     def _draft_step(self, prepared: _Prepared, verified: Verified | None) -> DraftStep:
         """What the drafter reads of the step just run (the target's features: a replayed graph's own)."""
         inputs, step = prepared.inputs, prepared.step
-        aux = self.model.aux_hidden_states
+        aux = self._lm.aux_hidden_states
         if inputs.graph is not None and self.graphs is not None:
             aux = self.graphs.aux_hidden_states.get(inputs.graph)
         num_tokens = inputs.input_ids.shape[0]
@@ -491,8 +509,8 @@ class ModelRunner:
             sbatch.token_bitmask = masks.result().to(self.device)
         draft_rows = DraftRows.build([r.spec_token_ids for r in reqs], self.device)
         if sbatch.argmax_only:  # the drafts' rows need only the model's choice, not every logit
-            return verify_greedy(self.model.greedy_tokens(rows), draft_rows), None
-        scores = self.sampler.target(self.model.compute_logits(rows), sbatch)
+            return verify_greedy(self._lm.greedy_tokens(rows), draft_rows), None
+        scores = self.sampler.target(self._lm.compute_logits(rows), sbatch)
         greedy = to_device([r.sampling_params.is_greedy for r in reqs], torch.bool, self.device)
         generators = {i: r.generator for i, r in enumerate(reqs) if r.generator is not None}
         verified = verify(scores.values, greedy, draft_rows, generators)
@@ -521,8 +539,8 @@ class ModelRunner:
         """Sample the rows' next tokens from their final hidden states (`lora_slots`: the rows' LoRA slots,
         given when an adapter of the step adapts the LM head)."""
         if sbatch.argmax_only:
-            return SamplerOutput(self.model.greedy_tokens(rows, lora_slots), None, None)
-        return self.sampler(self.model.compute_logits(rows, lora_slots), sbatch)
+            return SamplerOutput(self._lm.greedy_tokens(rows, lora_slots), None, None)
+        return self.sampler(self._lm.compute_logits(rows, lora_slots), sbatch)
 
     @torch.inference_mode()
     def _close(self, pending: PendingStep) -> None:
@@ -692,9 +710,9 @@ class ModelRunner:
             hidden = self._forward(inputs)
             for first_row, n in header.prompt_rows:
                 for lo, hi in _prompt_logit_slices(n):
-                    self.model.compute_logits(hidden[first_row + lo : first_row + hi])
+                    self._lm.compute_logits(hidden[first_row + lo : first_row + hi])
             if header.num_sample:
-                self.model.compute_logits(hidden[inputs.logits_indices])
+                self._lm.compute_logits(hidden[inputs.logits_indices])
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
 
@@ -710,7 +728,7 @@ class ModelRunner:
         for lo, hi in _prompt_logit_slices(rows.count):
             span = slice(rows.first_row + lo, rows.first_row + hi)
             logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[span], None if lora_slots is None else lora_slots[span]), dim=-1
+                self._lm.compute_logits(hidden[span], None if lora_slots is None else lora_slots[span]), dim=-1
             )
             targets = to_device(prompt[rows.start + lo + 1 : rows.start + hi + 1], torch.int64, logprobs.device)[
                 :, None

@@ -120,6 +120,9 @@ def prepare_step(
             if start < last:
                 prompt_rows.append(PromptRows(req, t, start, last - start))
         spans.append((req, t, n))
+        if b.token_types is not None:  # type 1 from the second text of a pair on (a cross-encoder's pair)
+            second = None if req.pooling_params is None else req.pooling_params.token_type_start
+            b.token_types.np[t : t + n] = 0 if second is None else np.arange(start, end) >= second
         if b.lora_slots is not None and lora_slots is not None:
             b.lora_slots.np[t : t + n] = -1 if req.lora_request is None else lora_slots[req.lora_request.lora_int_id]
         t += n

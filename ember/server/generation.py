@@ -82,19 +82,19 @@ class Generation:
         params: SamplingParams,
         request_model: type[BaseModel],
         lora_request: LoRARequest | None = None,
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
     ) -> None:
+        """`pooling_params`: one for every prompt, or a list with each prompt's (a cross-encoder's pairs)."""
         self.state = state
         self.request_id = request_id
         self.params = params
         self.request_model = request_model
         self.final: list[RequestOutput | None] = [None] * len(prompts)
         self.prompts = prompts
+        pooling = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(prompts)
         self._gens = [
-            engine.generate(
-                p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", lora_request, pooling_params
-            )
-            for i, p in enumerate(prompts)
+            engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", lora_request, pool)
+            for i, (p, pool) in enumerate(zip(prompts, pooling))
         ]
         self._merged = self._merge()
         self._buffered: list[tuple[int, RequestOutput]] = []

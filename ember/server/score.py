@@ -1,8 +1,9 @@
-"""POST /v1/score (vLLM's shape) and POST /v1/rerank, /rerank (Jina's and Cohere's): a decoder reranker's
-scores (Qwen3-Reranker style, docs/pooling.md) over the engine's pooling requests.
+"""POST /v1/score (vLLM's shape) and POST /v1/rerank, /rerank (Jina's and Cohere's): a reranker's scores
+(a cross-encoder, or a decoder reranker of Qwen3-Reranker's style; docs/pooling.md) over the engine's
+pooling requests.
 
-Each (query, document) pair becomes one prompt from the engine's `ScoreConfig` template and one score
-request (`PoolingParams.score_token_ids`): its score is P(true token) at the prompt's last position.
+Each (query, document) pair becomes one score request (ember.pooling.score's `score_requests`): a
+cross-encoder's is the tokenized pair, a decoder's the engine's `ScoreConfig` template.
 The pairs run in the same scheduler as generation and come back in input order; /rerank then sorts them.
 """
 
@@ -19,8 +20,7 @@ from pydantic import BaseModel, Field
 
 from ember.frontend.async_llm import AsyncLLM
 from ember.frontend.output import RequestOutput
-from ember.pooling.params import PoolingParams
-from ember.pooling.score import score_pairs
+from ember.pooling.score import score_pairs, score_requests
 from ember.sampling.params import SamplingParams
 from ember.server.errors import bad_request
 from ember.server.generation import Generation, respond
@@ -100,17 +100,18 @@ class RerankResponse(BaseModel):
 def _score_generation(
     request: Request, engine: AsyncLLM, rid: str, pairs: list[tuple[str, str]], instruction: str | None, body: Any
 ) -> Generation:
-    """One score request per pair, prompted by the engine's score config."""
+    """One score request per pair: a cross-encoder's tokenized pair, or the engine's score config's prompt."""
     state = get_state(request)
-    config = engine.score_config
     if engine.tokenizer is None:
         raise bad_request("scoring needs the model's tokenizer (the server was started without one)")
     try:
-        token_ids = config.token_ids(engine.tokenizer.tok, engine.vocab_size)
+        requests = score_requests(
+            pairs, engine.tokenizer, engine.score_config, engine.is_encoder, engine.vocab_size, instruction
+        )
     except ValueError as e:
         raise bad_request(f"{e} (set the server's --score-config)") from None
-    prompts: list[Any] = [config.prompt(q, d, instruction) for q, d in pairs]
-    pooling = PoolingParams(score_token_ids=token_ids)
+    prompts: list[Any] = [prompt for prompt, _ in requests]
+    pooling = [params for _, params in requests]
     lora = state.lora_for(body.model)
     return Generation(state, engine, rid, prompts, SamplingParams(max_tokens=1), type(body), lora, pooling)
 
