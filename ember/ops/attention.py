@@ -318,22 +318,29 @@ def bidirectional_attention(
 ) -> torch.Tensor:
     """An encoder step's attention without the cache (the PyTorch path): q, k, v [T, H, D] hold whole
     prompts back to back (`query_start`: [B + 1] row offsets), each query seeing its prompt's every key.
-    Prompts of one length share one SDPA call ([B, H, L, D]): an embedding batch is mostly a few lengths."""
+    Prompts of one length share one SDPA call ([B, H, L, D]), on views of q, k and v where the step's
+    prompts are all of that length (an embedding batch is mostly a few lengths), else on their rows gathered."""
+    starts = query_start[:-1]
+    lengths = [end - start for start, end in zip(starts, query_start[1:])]
+    if len(set(lengths)) == 1:
+        return _attend_same_length(q, k, v, len(starts), lengths[0], scale)
     out = torch.empty_like(q)
     by_length: dict[int, list[int]] = {}
-    for start, end in zip(query_start, query_start[1:]):
-        by_length.setdefault(end - start, []).append(start)
-    for length, starts in by_length.items():
-        rows = (torch.tensor(starts)[:, None] + torch.arange(length)).flatten()
-        one = len(starts) == 1
-        picked = [t[starts[0] : starts[0] + length] if one else t.index_select(0, rows) for t in (q, k, v)]
-        qb, kb, vb = (t.view(len(starts), length, *t.shape[1:]).transpose(1, 2) for t in picked)
-        o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(1, 2).flatten(0, 1)
-        if one:
-            out[starts[0] : starts[0] + length] = o
-        else:
-            out.index_copy_(0, rows, o)
+    for start, length in zip(starts, lengths):
+        by_length.setdefault(length, []).append(start)
+    for length, firsts in by_length.items():
+        rows = (torch.tensor(firsts)[:, None] + torch.arange(length)).flatten()
+        o = _attend_same_length(*(t.index_select(0, rows) for t in (q, k, v)), len(firsts), length, scale)
+        out.index_copy_(0, rows, o)
     return out
+
+
+def _attend_same_length(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, length: int, scale: float
+) -> torch.Tensor:
+    """[B * L, H, D] rows of B prompts of L tokens each -> their bidirectional attention, [B * L, H, D]."""
+    qb, kb, vb = (t.view(batch, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(1, 2).reshape(q.shape)
 
 
 def _first_block(first_query_pos: int, window: int | None, block_size: int) -> int:
