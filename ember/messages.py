@@ -23,6 +23,7 @@ import msgspec
 from ember.config import EngineConfig
 from ember.lora.peft import LoRAShapes
 from ember.lora.request import LoRARequest
+from ember.multimodal.inputs import ImageInput, VisionFacts
 from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 
@@ -43,6 +44,7 @@ class EngineCoreRequest(_Message):
     lora_request: LoRARequest | None = None  # the adapter to run under (None: the base model)
     # set: an embedding request; its prompt is computed, never sampled from, and it ends with the pooled vector
     pooling_params: PoolingParams | None = None
+    images: list[ImageInput] = []  # the prompt's images, in prompt order (a vision model's)
 
 
 class AbortRequests(_Message):
@@ -152,6 +154,7 @@ class EngineCoreReady(_Message):
     encoder: bool = False  # an encoder model (BERT, XLM-R): whole prompts, pooling only
     num_labels: int = 0  # an encoder's classifier labels (1: a cross-encoder reranker); 0: none
     lora: LoRAShapes | None = None  # with --enable-lora: what an adapter must fit (the front end checks it)
+    vision: VisionFacts | None = None  # a vision model's placeholder and image size (the front end expands them)
     # the core process's start-up moments (ember.timeline), added by ember.core.process when it sends this
     timeline: list[tuple[str, float]] = []
 

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ember.core.request import Request
+from ember.multimodal.inputs import images_in
 
 
 @dataclass
@@ -36,7 +37,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
+    token_ids: tuple[int | str, ...] | None = None  # see BlockManager._block_tokens
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class _RequestBlocks:
     num_dropped: int = 0  # leading blocks released by drop_out_of_window (placeholders in the table)
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+def hash_block(parent_hash: int | None, token_ids: tuple[int | str, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
@@ -109,9 +110,15 @@ class BlockManager:
             record = self._requests[request.request_id] = _RequestBlocks()
         return record
 
-    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+    def _block_tokens(self, request: Request, index: int) -> tuple[int | str, ...]:
+        """What identifies a block's content: its tokens, and the content hash and first position of each
+        image whose tokens it holds (image tokens are one id whatever the image: without the key, two
+        prompts with different pictures would share KV)."""
         start = index * self.block_size
-        return tuple(request.all_token_ids[start : start + self.block_size])
+        tokens: tuple[int | str, ...] = tuple(request.all_token_ids[start : start + self.block_size])
+        for image in images_in(request.images, start, start + self.block_size):
+            tokens += (image.key, image.offset - start)
+        return tokens
 
     def _hashes(self, record: _RequestBlocks, request: Request, num_full_blocks: int) -> list[int]:
         """The request's block hashes, computed up to at least `num_full_blocks`."""

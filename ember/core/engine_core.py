@@ -47,9 +47,10 @@ from ember.messages import (
     SchedulerStats,
 )
 from ember.model.files import model_path
-from ember.model.hf_config import ModelConfig
+from ember.model.hf_config import ModelConfig, VisionConfig
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
+from ember.multimodal.inputs import VisionFacts
 from ember.pooling.params import (
     POOLING_ONLY,
     PoolerConfig,
@@ -77,6 +78,7 @@ class EngineCore:
         device = resolve_device(config.device)
         self.runner_kind = config.resolved_runner(files.model_config)
         self.encoder = files.model_config.encoder
+        self.vision = files.model_config.vision
         self.scheduler_config = config.scheduler_config(files.model_config, device)
         self.max_model_len = self.scheduler_config.max_model_len
         self.vocab_size = files.model_config.vocab_size
@@ -178,6 +180,7 @@ class EngineCore:
             hidden_size=self.hidden_size,
             pooling_type=self.pooler.pooling_type,
             runner=self.runner_kind,
+            vision=None if self.vision is None else _vision_facts(self.vision),
             encoder=self.encoder is not None,
             num_labels=0 if self.encoder is None else self.encoder.num_labels,
             lora=r.lora.shapes if r.lora is not None else None,
@@ -230,6 +233,10 @@ class EngineCore:
         ):
             if any(t >= self.vocab_size for t in sampled_ids):  # the sampler indexes logits by them
                 return f"{name} must be token ids in [0, {self.vocab_size})"
+        if msg.images:
+            problem = self._check_images(msg)
+            if problem is not None:
+                return problem
         if msg.pooling_params is not None:
             return self._check_pooling(msg)
         if self.runner_kind == "pooling":
@@ -258,6 +265,25 @@ class EngineCore:
         if msg.max_tokens != 1:
             return "max_tokens: a pooling request computes its prompt only (max_tokens 1)"
         return None if msg.lora_request is None else self._check_lora(msg.lora_request)
+
+    def _check_images(self, msg: EngineCoreRequest) -> str | None:
+        """Each image where the front end put it: whole image-token runs of the model's length, in order,
+        inside the prompt, its pixels of the tower's size, and no longer than a step's token budget."""
+        v = self.vision
+        if v is None:
+            return "images: this model does not accept image input"
+        if v.tokens_per_image > self.scheduler_config.max_num_batched_tokens:
+            return f"images: an image's {v.tokens_per_image} tokens exceed max_num_batched_tokens"
+        ids, end = msg.prompt_token_ids, 0
+        for image in msg.images:
+            if image.offset < end or image.length != v.tokens_per_image or image.end > len(ids):
+                return "images: an image's tokens are out of order, overlap or leave the prompt"
+            if any(t != v.image_token_id for t in ids[image.offset : image.end]):
+                return f"images: an image's positions must hold image tokens ({v.image_token_id})"
+            if image.size != v.image_size or len(image.pixels) != 4 * 3 * v.image_size**2:
+                return f"images: pixels must be float32 [3, {v.image_size}, {v.image_size}]"
+            end = image.end
+        return None
 
     def _check_task(self, params: PoolingParams) -> str | None:
         labels = 0 if self.encoder is None else self.encoder.num_labels
@@ -544,6 +570,10 @@ def _start_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> T
     group = TensorParallelGroup(config)
     atexit.register(group.stop)
     return group
+
+
+def _vision_facts(v: VisionConfig) -> VisionFacts:
+    return VisionFacts(v.tokens_per_image, v.image_size, v.image_token_id, v.boi_token_id, v.eoi_token_id)
 
 
 def _checkpoint_pooler(config: EngineConfig) -> PoolerConfig | None:

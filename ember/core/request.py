@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ember.lora.request import LoRARequest
 from ember.messages import EngineCoreRequest
+from ember.multimodal.inputs import ImageInput
 from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 
@@ -60,6 +61,7 @@ class Request:
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None  # an embedding request: it ends with its prompt, pooled
     skip_prefix_cache: bool = False  # it needs every prompt position computed (MEAN / CLS pooling)
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's images (a vision model's)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -75,6 +77,7 @@ class Request:
             msg.arrival_time,
             lora_request=msg.lora_request,
             pooling_params=msg.pooling_params,
+            images=msg.images,
         )
 
     @property

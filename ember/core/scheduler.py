@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from ember.config import SchedulerConfig, SpeculativeConfig
 from ember.core.block_manager import BlockManager
 from ember.core.request import Request, RequestStatus
+from ember.multimodal.inputs import chunk_end
 from ember.runner.step import NewRequest, StepDescription
 
 
@@ -114,7 +115,11 @@ class Scheduler:
                 i += 1  # its last token is in flight; it finishes when that arrives
                 continue
             self.block_manager.drop_out_of_window(request)
-            n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
+            n = self._whole_images(request, request.num_computed_tokens, budget)
+            if n == 0:  # its next image does not fit this step's budget: a later step
+                i += 1
+                continue
+            n = min(n, request.num_scheduled_tokens - request.num_computed_tokens)
             drafts = request.spec_token_ids[: budget - n] if n == 1 and not request.num_inflight_tokens else []
             n += len(drafts)
             slots = n + self._lookahead(request, request.num_computed_tokens + n)
@@ -147,9 +152,9 @@ class Scheduler:
                 continue
             prefix_blocks = self.block_manager.match_prefix(request)
             num_cached = len(prefix_blocks) * self.block_manager.block_size
-            n = min(request.num_tokens - num_cached, budget)
-            if n < request.num_tokens - num_cached and not self.config.chunked_prefill:
-                break  # whole or not at all: it goes first in a later step (the budget holds any prompt)
+            n = min(request.num_tokens - num_cached, self._whole_images(request, num_cached, budget))
+            if n == 0 or (n < request.num_tokens - num_cached and not self.config.chunked_prefill):
+                break  # whole (an encoder's prompt, an image) or not at all: first in a later step
             allocation = self.block_manager.allocate(
                 request, n + self._lookahead(request, num_cached + n), prefix_blocks
             )
@@ -174,6 +179,14 @@ class Scheduler:
             if self.drafts.lookahead:
                 batch.step.num_speculative_tokens = self.num_draft_tokens()
         return batch
+
+    @staticmethod
+    def _whole_images(request: Request, start: int, budget: int) -> int:
+        """The most tokens from `start` a step may compute within `budget` without splitting an image (its
+        tokens attend to each other both ways: ember.multimodal.inputs.chunk_end); 0 when even that
+        image does not fit (EngineCore admits no image longer than a step's budget)."""
+        end = chunk_end(request.images, start, start + budget) if request.images else start + budget
+        return end - start if end - start <= budget else 0
 
     def _needs_lora_slot(self, request: Request, adapters: set[int]) -> bool:
         """Whether admitting the request would make the running requests use more adapters than max_loras."""
@@ -214,6 +227,7 @@ class Scheduler:
                     request.eos_token_ids,
                     request.lora_request,
                     request.pooling_params,
+                    request.images,
                 )
             )
             request.num_tokens_sent = request.num_prompt_tokens

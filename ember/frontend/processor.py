@@ -13,12 +13,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from PIL import Image
+
 from ember.frontend.content_filter import ContentFilter
 from ember.frontend.output import RequestState, child_request_id
 from ember.lora.peft import read_adapter
 from ember.lora.request import LoRARequest
 from ember.messages import EngineCoreReady, EngineCoreRequest
 from ember.model.files import ModelInfo
+from ember.multimodal.inputs import ImageInput
+from ember.multimodal.preprocess import ImageProcessor
 from ember.pooling.params import POOLING_ONLY, PoolingParams, task_problem
 from ember.sampling.params import INT64_MIN, SamplingParams
 from ember.sampling.structured import GrammarCheck, StructuredOutputsParams, check_grammar
@@ -57,6 +61,7 @@ class Processor:
         self.lora_shapes = ready.lora
         self.hidden_size = ready.hidden_size
         self.pooling_only = ready.runner == "pooling"
+        self.images = None if ready.vision is None else ImageProcessor.of(ready.vision, info.image_processor)
         self.encoder, self.num_labels = ready.encoder, ready.num_labels
         self._checked_loras: set[LoRARequest] = set()  # adapters that passed check_lora (files read once)
         self._grammar_check = GrammarCheck(self.tokenizer, self.vocab_size) if self.tokenizer is not None else None
@@ -174,7 +179,7 @@ class Processor:
         bad_words_token_ids = self.bad_words_token_ids(params)
         if params.structured_outputs is not None:
             self.check_grammar(params.structured_outputs)
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids, images = self._prompt_with_images(prompt)
         n_prompt = len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max_tokens > self.max_model_len or max_tokens < 1:
@@ -198,9 +203,39 @@ class Processor:
                     self.eos_token_ids,
                     arrival,
                     lora_request,
+                    images=images,
                 )
             )
         return ProcessedRequest(state, core)
+
+    def _prompt_with_images(self, prompt: PromptType) -> tuple[str | None, list[int], list[ImageInput]]:
+        """The prompt tokenized, with the images of vLLM's `multi_modal_data` {"image": one or a list (PIL
+        images)} in place of its placeholders (the model's own, e.g. Gemma 3's `<start_of_image>`)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            text, ids = self.tokenize_prompt(prompt)
+            return text, ids, []
+        assert isinstance(prompt, dict)  # a dict holds multi_modal_data
+        if self.images is None:
+            raise ValueError("multi_modal_data: this model does not accept image input")
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(unknown)}")
+        images = data["image"] if isinstance(data["image"], list) else [data["image"]]
+        if not all(isinstance(im, Image.Image) for im in images):
+            raise ValueError("multi_modal_data.image must be a PIL image or a list of them")
+        v, tok = self.images.vision, self.tokenizer
+        if "prompt_token_ids" in prompt or tok is None:
+            text, ids = self.tokenize_prompt({"prompt_token_ids": prompt.get("prompt_token_ids")})
+            newline = tok.encode("\n\n", add_special_tokens=False) if tok is not None else []
+            ids = self._check_token_ids(self.images.expand_ids(ids, newline))
+        else:
+            names = [tok.id_to_token(t) or "" for t in (v.boi_token_id, v.image_token_id, v.eoi_token_id)]
+            text = prompt.get("prompt")
+            if not isinstance(text, str):
+                raise ValueError("prompt must be a string or prompt_token_ids given with multi_modal_data")
+            text, ids = self.tokenize_prompt(self.images.expand_text(text, *names))
+        return text, ids, self.images.inputs(ids, images)
 
     def _process_pooling(
         self,
@@ -214,6 +249,8 @@ class Processor:
         context window, and `dimensions` the hidden size. It computes the prompt and generates nothing."""
         if lora_request is not None:
             self.check_lora(lora_request)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise ValueError("multi_modal_data: embeddings and scores of images are not supported yet")
         problem = task_problem(pooling, self.encoder, self.num_labels)
         if problem is not None:
             raise ValueError(problem)

@@ -37,6 +37,7 @@ class ModelInfo:
     tokenizer: Tokenizer | None  # None: a config-only directory with --load-format dummy
     generation_config: dict[str, Any] = field(default_factory=dict)
     model_eos_token_ids: list[int] = field(default_factory=list)  # the model's own (generation config / GGUF)
+    image_processor: dict[str, Any] = field(default_factory=dict)  # preprocessor_config.json (vision models)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -114,7 +115,8 @@ def hf_info(load: LoadConfig, path: str, cfg: dict[str, Any]) -> ModelInfo:
         tok = load_hf_tokenizer(path, gen_eos)
     else:
         tok = None
-    return ModelInfo(source=path, tokenizer=tok, generation_config=gen, model_eos_token_ids=gen_eos)
+    images = read_json(os.path.join(path, "preprocessor_config.json")) or {}
+    return ModelInfo(path, tok, gen, gen_eos, images)
 
 
 def read_config(path: str) -> dict[str, Any]:

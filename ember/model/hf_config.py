@@ -55,6 +55,32 @@ class EncoderConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A vision tower and its projector (Gemma 3: SigLIP, then average pooling to `tokens_per_image`,
+    RMSNorm and a projection into the text model; ember/model/siglip.py). An image becomes
+    `tokens_per_image` embeddings that replace as many `image_token_id` tokens of the prompt, written
+    there by the front end in place of the model's placeholder, `boi_token_id` (Gemma 3's
+    "<start_of_image>"), as `\\n\\n<boi> <image>*N <eoi>\\n\\n`."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    tokens_per_image: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters, in Hugging Face `config.json` terms."""
 
@@ -96,6 +122,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head that is rotated (Phi-4-mini: 0.75)
     moe: MoeConfig | None = None  # mixture-of-experts models (Qwen3-MoE, Mixtral)
     encoder: EncoderConfig | None = None  # an encoder (BERT, XLM-R): pooling only, bidirectional attention
+    vision: VisionConfig | None = None  # a vision tower (Gemma 3's SigLIP): images in the prompt
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -106,8 +133,10 @@ class ModelConfig:
         arch = archs[0] if archs else ""
         if arch in ENCODER_ARCHITECTURES:
             return _encoder_config(arch, cfg)
+        vision = None
         if arch in _GEMMA_DEFAULTS:
             if arch == "Gemma3ForConditionalGeneration":
+                vision = _gemma3_vision(cfg)
                 cfg = cfg["text_config"]
             cfg = {**_GEMMA_DEFAULTS[arch], **cfg}
         heads = cfg["num_attention_heads"]
@@ -150,6 +179,7 @@ class ModelConfig:
             moe=_moe(arch, cfg),
             o_proj_bias=arch == _GPT_OSS and bool(cfg.get("attention_bias", True)),
             attention_sinks=arch == _GPT_OSS,
+            vision=vision,
         )
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
@@ -171,6 +201,28 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Leading channels of each head that RoPE rotates; the rest pass through (HF's rounding)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _gemma3_vision(cfg: dict[str, Any]) -> VisionConfig | None:
+    """Gemma 3's SigLIP tower (transformers' Gemma3Config / SiglipVisionConfig defaults where the file is
+    silent); None for a checkpoint without `vision_config` (its text model alone)."""
+    v = cfg.get("vision_config")
+    if not v:
+        return None
+    return VisionConfig(
+        hidden_size=int(v.get("hidden_size", 1152)),
+        intermediate_size=int(v.get("intermediate_size", 4304)),
+        num_hidden_layers=int(v.get("num_hidden_layers", 27)),
+        num_attention_heads=int(v.get("num_attention_heads", 16)),
+        image_size=int(v.get("image_size", 896)),
+        patch_size=int(v.get("patch_size", 14)),
+        layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+        tokens_per_image=int(cfg.get("mm_tokens_per_image", 256)),
+        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262144))),
+        boi_token_id=int(cfg.get("boi_token_index", 255999)),
+        eoi_token_id=int(cfg.get("eoi_token_index", 256000)),
+    )
 
 
 def _encoder_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:

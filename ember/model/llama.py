@@ -13,6 +13,7 @@ fused already, as Phi-3's, is first cut into its parts so both kinds take one pa
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -27,6 +28,7 @@ from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, Rotar
 from ember.model.linear import QuantEmbedding, QuantLinear, fp8_input_layout, quantize_module
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
+from ember.model.siglip import Gemma3Vision
 from ember.ops import registry
 from ember.ops.attention import AttentionMetadata, AttentionShape, Masking
 from ember.quant.experts import QuantizedExperts
@@ -245,8 +247,16 @@ class DecoderModel(nn.Module):
             self.embed_lora(input_ids, h)
         return h if self.embed_scale is None else h * self.embed_scale
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        images: ImageRows | None = None,
+    ) -> torch.Tensor:
         h = self.embed(input_ids)
+        if images is not None:  # an image's embeddings, unscaled (as transformers scatters them)
+            h[images.rows] = images.embeddings.to(h.dtype)
         fused = self._native_decode(positions, h, meta)
         if fused is not None:
             return self.norm(*fused)[0]
@@ -290,10 +300,28 @@ _LANGUAGE_MODEL_PREFIXES = {
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-def _language_model_name(name: str) -> str | None:
-    """The text model's name for a multimodal checkpoint's tensor; None for the vision tower's."""
-    if name.startswith(_VISION_PREFIXES):
-        return None
+def _vision_name(name: str) -> str | None:
+    """The vision module's parameter for a multimodal checkpoint's vision tensor; None for the text model's."""
+    for prefix in _VISION_PREFIXES:
+        if name.startswith(prefix):
+            return "vision." + name.removeprefix("model.").replace("vision_tower.vision_model.", "vision_tower.", 1)
+    return None
+
+
+def _copy_whole(params: dict[str, nn.Parameter], name: str, value: WeightValue, source: str) -> int:
+    """Copy one unsharded checkpoint tensor into its parameter (shapes checked); returns 1."""
+    param = params.get(name)
+    tensor = read_shard(value, None)
+    if param is None or not isinstance(tensor, torch.Tensor):
+        raise ModelLoadError(source, f"unexpected tensor {name!r}")
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ModelLoadError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+    return 1
+
+
+def _language_model_name(name: str) -> str:
+    """The text model's name for a multimodal checkpoint's text tensor."""
     for prefix, replacement in _LANGUAGE_MODEL_PREFIXES.items():
         if name.startswith(prefix):
             return replacement + name[len(prefix) :]
@@ -307,20 +335,42 @@ _STACKED = {
 }
 
 
+@dataclass
+class ImageRows:
+    """A step's image-token rows and their embeddings from the vision tower ([N] int64, [N, hidden])."""
+
+    rows: torch.Tensor
+    embeddings: torch.Tensor
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.layout = ShardLayout.of(cfg, tp_rank(), tp_size())
         self.model = DecoderModel(cfg, self.layout, max_positions)
+        # Gemma 3's vision tower and projector (whole on every rank); None for text-only models
+        self.vision = None if cfg.vision is None else Gemma3Vision(cfg.vision, cfg.hidden_size)
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.layout.vocab_per_rank, bias=False)
         )
         # LoRA (ember/model/lora.py): adds the LM-head adapter's delta to logits of hidden rows under given slots
         self.lora_head: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        images: ImageRows | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, images)
+
+    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed images [B, 3, S, S] -> [B, tokens_per_image, hidden]: what replaces their image tokens."""
+        if self.vision is None:
+            raise ValueError(f"{self.config.architecture} has no vision tower")
+        return self.vision(pixels.to(self.model.norm.weight.dtype))
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         """Have every `forward` keep the residual stream entering each of `layers` (0: the embedding), for
@@ -390,7 +440,8 @@ class CausalLM(nn.Module):
         takes the method ember.quant.quantize.method_for gives it."""
         dtype = self.model.norm.weight.dtype
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        for parent in list(self.modules()):
+        vision = set() if self.vision is None else {id(m) for m in self.vision.modules()}
+        for parent in [m for m in self.modules() if id(m) not in vision]:  # the vision tower stays as loaded
             for name, child in list(parent.named_children()):
                 if isinstance(child, (nn.Linear, nn.Embedding)):
                     method = method_for(kind, lm_head=child is head)
@@ -440,17 +491,15 @@ class CausalLM(nn.Module):
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
         if self.config.architecture == gpt_oss.ARCHITECTURE:
             weights = gpt_oss.checkpoint_tensors(weights, source)
+        multimodal = self.config.architecture == "Gemma3ForConditionalGeneration"
         for ckpt_name, value in self._unstacked(weights, source):
-            name = (
-                _language_model_name(ckpt_name)
-                if self.config.architecture == "Gemma3ForConditionalGeneration"
-                else ckpt_name
-            )
-            if (
-                name is None
-                or name.endswith("rotary_emb.inv_freq")
-                or (self.lm_head is None and name == "lm_head.weight")
-            ):
+            vision = _vision_name(ckpt_name) if multimodal else None
+            if vision is not None:  # whole on every rank; skipped without a vision tower, as SigLIP's pooling
+                if self.vision is not None and not vision.startswith("vision.vision_tower.head."):  # head (unused)
+                    filled[vision] = filled.get(vision, 0) + _copy_whole(params, vision, value, source)
+                continue
+            name = _language_model_name(ckpt_name) if multimodal else ckpt_name
+            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             name = moe_tensor_name(name)
             if FusedExperts.owns(name):
@@ -541,7 +590,9 @@ class CausalLM(nn.Module):
         for name, param in self.named_parameters():
             if gen is None:
                 gen = torch.Generator(device=param.device).manual_seed(seed)
-            if name.endswith("norm.weight"):
+            if name.startswith("vision.") and ("layer_norm" in name or "layernorm" in name):
+                param.data.fill_(1.0 if name.endswith("weight") else 0.0)  # LayerNorms: the identity
+            elif name.endswith("norm.weight"):
                 param.data.fill_(0.0 if self.config.gemma_norms else 1.0)  # the identity either way
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from ember import timeline
@@ -24,7 +25,7 @@ from ember.messages import Logprobs
 from ember.model.bert import EncoderModel
 from ember.model.eagle3 import load_eagle3
 from ember.model.linear import QuantEmbedding, QuantLinear
-from ember.model.llama import CausalLM
+from ember.model.llama import CausalLM, ImageRows
 from ember.model.loader import ModelFiles, load_model_files
 from ember.model.moe import FusedExperts
 from ember.model.registry import Model
@@ -32,6 +33,7 @@ from ember.ops.attention import AttentionMetadata
 from ember.quant.formats import FP8_DTYPE
 from ember.runner.cuda_graph import StepGraphs, capture_sizes, prefill_capture_sizes
 from ember.runner.drafter import DraftModelDrafter, DraftStep, Eagle3Drafter
+from ember.runner.images import StepImages
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import CachedAttention, KVCache
 from ember.runner.lora_manager import LoRAManager
@@ -92,6 +94,7 @@ class _StepInputs:
     # each token's LoRA slot when an adapter of the step adapts the LM head (else None: no head delta)
     lora_slots: torch.Tensor | None = None
     token_types: torch.Tensor | None = None  # an encoder's token types (None: every token type 0)
+    images: ImageRows | None = None  # the step's image-token rows and their embeddings
 
 
 @dataclass
@@ -161,6 +164,8 @@ class ModelRunner:
         self.timer = StepTimer() if self.device.type == "cuda" else None
         self.requests = RequestStates(self.device)
         self.pooler = config.pooler
+        vision = isinstance(self.model, CausalLM) and self.model.vision is not None
+        self.images = StepImages(self._lm, device) if vision else None
         # The last launched step's sampled ids on the device, and each sampling request's row in them.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
@@ -345,7 +350,7 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _upload(self, h: StepHeader) -> _StepInputs:
+    def _upload(self, h: StepHeader, images: tuple[ImageRows, np.ndarray] | None = None) -> _StepInputs:
         """Device tensors (and host lists for the PyTorch attention path) from the filled host buffers."""
         b = self.buffers
         tokens, rows = h.tokens, h.rows
@@ -359,6 +364,7 @@ class ModelRunner:
             max_seq_len=h.max_seq_len,
             seq_lens_host=b.seq_lens.np[: h.num_seqs].tolist(),
             query_start_host=b.query_start_loc.np[: h.num_seqs + 1].tolist(),
+            query_limits=None if images is None else torch.from_numpy(images[1]).to(self.device, non_blocking=True),
         )
         lora_slots = None
         if b.lora_slots is not None:
@@ -371,6 +377,7 @@ class ModelRunner:
             (h.padded, bool(h.prefill_graph)) if h.padded else None,
             lora_slots if self.lora is not None and self.lora.head_active else None,
             None if b.token_types is None else b.token_types.upload(tokens)[: h.num_tokens],
+            None if images is None else images[0],
         )
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
@@ -379,7 +386,7 @@ class ModelRunner:
             return self.graphs.replay(*inputs.graph)
         if isinstance(self.model, EncoderModel):
             return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.token_types)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.images)
 
     @torch.inference_mode()
     def launch(
@@ -402,19 +409,24 @@ class ModelRunner:
         here needs the step before."""
         requests = self.requests.update(description)
         self.buffers.next_set()
+        with_images = self.images is not None and self.images.in_step(requests, description.num_new_tokens)
         step = prepare_step(
             requests,
             description.num_new_tokens,
             self.buffers,
             self.block_size,
-            self.graphs.sizes if self.graphs is not None else None,
+            self.graphs.sizes if self.graphs is not None and not with_images else None,
             self._lora_slots(requests),
         )
         if tp_size() > 1:
             send_step(step.header, self.buffers)
         # Built before the forward so that its host-to-device copies overlap the GPU's work.
         sampling = self._sampling_batch(step.samplers) if step.samplers else None
-        return _Prepared(self._upload(step.header), step, sampling, description.num_speculative_tokens)
+        images = None
+        if with_images:
+            assert self.images is not None  # with_images says so
+            images = self.images.rows(step.spans, self.buffers.positions.np[: step.header.num_tokens])
+        return _Prepared(self._upload(step.header, images), step, sampling, description.num_speculative_tokens)
 
     def _lora_slots(self, requests: list[RequestState]) -> dict[int, int] | None:
         """The step's adapters put in device slots (read from disk first where needed), by lora_int_id."""

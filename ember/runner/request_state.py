@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ember.lora.request import LoRARequest
+from ember.multimodal.inputs import ImageInput
 from ember.pooling.params import PoolingParams
 from ember.runner.step import NewRequest, StepDescription
 from ember.sampling.params import SamplingParams
@@ -34,6 +35,7 @@ class RequestState:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts computed after the known tokens this step
     pooling_params: PoolingParams | None = None  # a pooling request (ember/runner/pooler.py)
     pooled: torch.Tensor | None = None  # its pooling so far: MEAN's running sum, CLS's first row (float32)
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's images (ember/runner/images.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -52,6 +54,7 @@ class RequestState:
             generator,
             new.lora_request,
             pooling_params=new.pooling_params,
+            images=new.images,
         )
 
     @property

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ember.lora.request import LoRARequest
 from ember.messages import Logprobs
+from ember.multimodal.inputs import ImageInput
 from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 
@@ -33,6 +34,7 @@ class NewRequest:
     eos_token_ids: list[int]  # held back while min_tokens is not reached
     lora_request: LoRARequest | None = None  # the adapter its tokens run under
     pooling_params: PoolingParams | None = None  # set: pooled once its prompt is computed, never sampled
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's images (a vision model's)
 
 
 @dataclass

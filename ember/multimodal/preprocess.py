@@ -1,0 +1,86 @@
+"""The front end's side of a prompt's images (Gemma 3): each image resized and normalized as the model's
+image processor does (transformers' Gemma3ImageProcessor: resize to the tower's square side with
+Pillow's bilinear filter, x / 255, then (x - mean) / std per channel), and the prompt's placeholders
+expanded into the image tokens the language model reads. Pillow and numpy only: no torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from ember.multimodal.inputs import ImageInput, VisionFacts
+
+_RESAMPLE = {0: Image.Resampling.NEAREST, 2: Image.Resampling.BILINEAR, 3: Image.Resampling.BICUBIC}
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """`preprocessor_config.json`'s resize filter, mean and std (Gemma 3's defaults where it has none)."""
+
+    vision: VisionFacts
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale: float = 1 / 255
+    resample: int = 2
+
+    @classmethod
+    def of(cls, vision: VisionFacts, config: dict[str, Any]) -> ImageProcessor:
+        resample = int(config.get("resample", 2))
+        if resample not in _RESAMPLE:
+            raise ValueError(f"preprocessor_config.json: resample {resample} is not supported ({sorted(_RESAMPLE)})")
+        return cls(
+            vision,
+            tuple(config.get("image_mean", cls.mean)),
+            tuple(config.get("image_std", cls.std)),
+            float(config.get("rescale_factor", cls.rescale)),
+            resample,
+        )
+
+    def pixels(self, image: Image.Image) -> np.ndarray:
+        """float32 [3, size, size]: the image as the vision tower reads it."""
+        size = self.vision.image_size
+        rgb = image.convert("RGB").resize((size, size), _RESAMPLE[self.resample])
+        # as transformers: the resized uint8 image rescaled in float32, then normalized per channel
+        x = np.asarray(rgb, dtype=np.float32) * np.float32(self.rescale)
+        x = (x - np.asarray(self.mean, dtype=np.float32)) / np.asarray(self.std, dtype=np.float32)
+        return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
+
+    def expand_ids(self, ids: list[int], newline_ids: list[int]) -> list[int]:
+        """Token ids with each placeholder (`boi_token_id`) replaced by an image's tokens as Gemma 3's
+        processor writes them: `\\n\\n` boi image*N eoi `\\n\\n` (`newline_ids`: the tokens of `\\n\\n`)."""
+        v = self.vision
+        out: list[int] = []
+        for t in ids:
+            if t != v.boi_token_id:
+                out.append(t)
+                continue
+            out += [*newline_ids, t, *[v.image_token_id] * v.tokens_per_image, v.eoi_token_id, *newline_ids]
+        return out
+
+    def expand_text(self, text: str, boi: str, image: str, eoi: str) -> str:
+        """The same in text, before tokenizing (as the processor does: `\\n\\n` then merges with the text
+        around it as the tokenizer decides)."""
+        return text.replace(boi, f"\n\n{boi}{image * self.vision.tokens_per_image}{eoi}\n\n")
+
+    def inputs(self, ids: list[int], images: list[Image.Image]) -> list[ImageInput]:
+        """The images as the engine takes them, paired in order with the expanded prompt's runs of image
+        tokens; a ValueError naming the field when they do not pair."""
+        v = self.vision
+        runs = [i for i, t in enumerate(ids) if t == v.image_token_id and (i == 0 or ids[i - 1] != t)]
+        whole = all(ids[i : i + v.tokens_per_image] == [v.image_token_id] * v.tokens_per_image for i in runs)
+        if len(runs) != len(images) or not whole:
+            raise ValueError(
+                f"multi_modal_data: {len(images)} image(s) for {len(runs)} image placeholder(s) in the prompt; "
+                f"put one placeholder (token {v.boi_token_id}) where each image goes"
+            )
+        out = []
+        for offset, image in zip(runs, images):
+            pixels = self.pixels(image).tobytes()
+            key = hashlib.sha256(pixels).hexdigest()
+            out.append(ImageInput(offset, v.tokens_per_image, key, v.image_size, pixels))
+        return out

@@ -1,0 +1,79 @@
+"""A step's images: the vision tower's output for each image token the step computes, and how far each of
+those tokens attends.
+
+A prefill chunk holds all of an image's tokens it computes (the scheduler never splits an image:
+ember.multimodal.inputs.chunk_end), so the step needs each of its images' embeddings whole. They come
+from a cache keyed by the image's content hash (`ImageInput.key`), filled by one batched tower call
+for the step's new images: a picture repeated in a conversation, or shared by requests, runs through
+the tower once while it stays among the last `CACHE_IMAGES` used. Gemma 3's image tokens attend to
+every token of their own image, so each image row's query limit (`AttentionMetadata.query_limits`) is
+its image's last position; every other row's is its own position.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from ember.model.llama import CausalLM, ImageRows
+from ember.multimodal.inputs import ImageInput, images_in
+from ember.runner.request_state import RequestState
+
+# Images whose tower outputs stay on the device: 64 x 256 tokens x 2,560 x bf16 is 84 MB for Gemma-3-4B.
+CACHE_IMAGES = 64
+
+
+class StepImages:
+    """The embeddings and query limits of a step's image tokens."""
+
+    def __init__(self, model: CausalLM, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # key -> [tokens_per_image, hidden]
+        self.num_encoded = 0  # images run through the tower (a cache hit runs none)
+
+    @staticmethod
+    def in_step(requests: list[RequestState], num_new_tokens: list[int]) -> bool:
+        """Whether any request computes an image token in the step (it then runs eagerly: no CUDA graph
+        holds the embeddings' scatter or the limits)."""
+        return any(
+            images_in(r.images, r.num_computed_tokens, r.num_computed_tokens + n)
+            for r, n in zip(requests, num_new_tokens)
+            if r.images
+        )
+
+    def rows(self, spans: list[tuple[RequestState, int, int]], positions: np.ndarray) -> tuple[ImageRows, np.ndarray]:
+        """For the step's spans ((request, first flat row, tokens), each request computing from its
+        `num_computed_tokens`) and its rows' positions: the image rows with their embeddings, and every
+        row's query limit (int32)."""
+        pieces: list[tuple[ImageInput, int, int, int]] = []  # (image, first row, first token in it, count)
+        for req, first, n in spans:
+            start = req.num_computed_tokens
+            for image in images_in(req.images, start, start + n):
+                lo, hi = max(image.offset, start), min(image.end, start + n)
+                pieces.append((image, first + lo - start, lo - image.offset, hi - lo))
+        self._encode([image for image, *_ in pieces])
+        rows = np.concatenate([np.arange(row, row + count) for _, row, _, count in pieces])
+        embeddings = torch.cat([self.cache[image.key][skip : skip + count] for image, _, skip, count in pieces])
+        limits = positions.astype(np.int32)
+        for image, row, _, count in pieces:
+            limits[row : row + count] = image.end - 1
+        while len(self.cache) > CACHE_IMAGES:  # after the step's own were read: a step may hold more
+            self.cache.popitem(last=False)
+        return ImageRows(torch.from_numpy(rows).to(self.device), embeddings), limits
+
+    def _encode(self, images: list[ImageInput]) -> None:
+        """Put every image's tower output in the cache (the missing ones in one batch), most recent last."""
+        missing = list({im.key: im for im in images if im.key not in self.cache}.values())
+        if missing:
+            pixels = np.stack(
+                [np.frombuffer(im.pixels, dtype=np.float32).reshape(3, im.size, im.size) for im in missing]
+            )
+            out = self.model.embed_images(torch.from_numpy(pixels).to(self.device))
+            self.num_encoded += len(missing)
+            for im, embedding in zip(missing, out):
+                self.cache[im.key] = embedding
+        for im in images:
+            self.cache.move_to_end(im.key)

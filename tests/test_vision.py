@@ -1,0 +1,159 @@
+"""Images in prompts (docs/multimodal.md): a tiny random Gemma 3 vision-language checkpoint made here, greedy
+tokens against HF transformers' Gemma3ForConditionalGeneration on the same weights and pixels (float32, CPU).
+
+Covers the vision tower and projector (equal to HF's image features), the placeholder's expansion into
+the image tokens, Gemma 3's bidirectional attention among an image's tokens (full and sliding-window
+layers), images never split by chunked prefill, two images in one prompt, the prefix cache keyed by the
+image (the same picture hits and skips the tower; another picture with the same tokens does not), and
+the errors: a count of images that does not match the placeholders, images to a text-only model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import make_checkpoint
+from PIL import Image
+
+from ember import LLM, SamplingParams
+
+BOI, EOI, IMG = 297, 298, 299
+TOKENS_PER_IMAGE = 4
+WORDS = ["<pad>", "<eos>", "<bos>", "\n\n", *(f"w{i}" for i in range(BOI - 4))]
+
+
+def _tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate([*WORDS, "<start_of_image>", "<end_of_image>", "<image_soft_token>"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n\n| "), behavior="isolated")
+    tok.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<bos>", "<eos>"])
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> str:
+    text = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=16,  # longer than an image (4 tokens), shorter than the prompts
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=7
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config={**vision, "vision_use_head": False},
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMG,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    for name, p in model.named_parameters():  # norms away from the identity, so that every one counts
+        if "norm" in name and name.endswith("weight"):
+            p.data.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("gemma3") / "m"
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def picture(seed: int, size: tuple[int, int] = (41, 33)) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size[::-1], 3), dtype=np.uint8))
+
+
+def hf_greedy(path: str, ids: list[int], images: list[Image.Image], n: int) -> list[int]:
+    """HF generate on the prompt with each placeholder expanded as Gemma3Processor does."""
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    nl = WORDS.index("\n\n")
+    expanded: list[int] = []
+    for t in ids:
+        expanded += [nl, BOI, *[IMG] * TOKENS_PER_IMAGE, EOI, nl] if t == BOI else [t]
+    x = torch.tensor([expanded])
+    kwargs = {}
+    if images:
+        proc = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+        kwargs["pixel_values"] = torch.from_numpy(np.asarray(proc(images, return_tensors="np")["pixel_values"]))
+        kwargs["token_type_ids"] = (x == IMG).long()
+    with torch.no_grad():
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs
+        )
+    return out[0, len(expanded) :].tolist()
+
+
+def make_llm(path: str, **kwargs) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", kv_cache_memory=0.01, engine_process=False, **kwargs)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPT = [2, 10, 11, 12, BOI, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]  # past the 16-token window
+TWO = [2, 30, BOI, 31, 32, BOI, 33, 34]
+
+
+def test_image_features_equal_hf(gemma3):
+    from ember.config import LoadConfig
+    from ember.model.loader import load_model_files
+    from ember.runner.model_build import build_model
+
+    files = load_model_files(LoadConfig(gemma3, None, "auto", None))
+    ours = build_model(files, files.model_config, 64, torch.float32, torch.device("cpu"), 0)
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(gemma3, dtype=torch.float32).eval()
+    pixels = torch.randn(2, 3, 28, 28)
+    with torch.no_grad():
+        ref = hf.model.get_image_features(pixel_values=pixels)
+        ref = getattr(ref, "pooler_output", ref)
+        torch.testing.assert_close(ours.embed_images(pixels), ref.reshape(2, TOKENS_PER_IMAGE, -1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget", [None, 8])  # 8: chunks that would cut the image
+def test_greedy_tokens_equal_hf(gemma3, budget):
+    llm = make_llm(gemma3, max_num_batched_tokens=budget, max_model_len=64)
+    image = picture(1)
+    out = llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(gemma3, PROMPT, [image], 6)
+    assert out.prompt_token_ids[5 : 5 + TOKENS_PER_IMAGE + 2] == [BOI, *[IMG] * TOKENS_PER_IMAGE, EOI]
+    llm.llm_engine.shutdown()
+
+
+def test_two_images_and_the_prefix_cache_keyed_by_image(gemma3):
+    llm = make_llm(gemma3, max_model_len=64)
+    a, b = picture(2), picture(3, (20, 50))
+    two = llm.generate({"prompt_token_ids": TWO, "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)
+    assert list(two[0].outputs[0].token_ids) == hf_greedy(gemma3, TWO, [a, b], 6)
+    first = llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)[0]
+    again = llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)[0]
+    other = llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)[0]
+    # the same picture: its first block (positions 0-15, the image's tokens at 6-9) hits, so the image's
+    # tokens are not computed again and the tower does not run for it
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 16
+    assert other.num_cached_tokens == 0  # another picture, the same tokens: its block's key differs
+    assert list(other.outputs[0].token_ids) == hf_greedy(gemma3, PROMPT, [b], 6)
+    llm.llm_engine.shutdown()
+
+
+def test_image_errors(gemma3, tmp_path):
+    llm = make_llm(gemma3, max_model_len=64)
+    with pytest.raises(ValueError, match=r"2 image\(s\) for 1 image placeholder"):
+        llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"image": [picture(1), picture(2)]}}, GREEDY)
+    with pytest.raises(ValueError, match="only 'image' is supported"):
+        llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": b""}}, GREEDY)
+    llm.llm_engine.shutdown()
+    text_only = make_llm(str(make_checkpoint(tmp_path / "llama", "llama")))
+    with pytest.raises(ValueError, match="does not accept image input"):
+        text_only.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": picture(1)}}, GREEDY)
+    text_only.llm_engine.shutdown()
