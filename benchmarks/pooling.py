@@ -535,6 +535,8 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.output, out)
     png = os.path.splitext(args.output)[0] + ".png"
     title = f"{args.workload}: {args.num_inputs} x {args.input_len} tokens, {args.device}, {args.dtype}"
+    if out["loaded"]:
+        title += f" (load {loadavg[0]} before: a shared CPU)"
     write_chart(png, results, f"{title}\n{machine.get('gpu') or machine['cpu']}", out["verdict"])
     print(f"wrote {args.output}" + (f" and {png}" if os.path.exists(png) else ""))
 
