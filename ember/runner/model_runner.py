@@ -172,6 +172,10 @@ class ModelRunner:
         self._last_sampling: tuple[tuple[RequestState, ...], SamplingBatch] | None = None  # see _sampling_batch
 
     @property
+    def num_encoded_images(self) -> int:
+        return 0 if self.images is None else self.images.num_encoded
+
+    @property
     def _lm(self) -> CausalLM:
         """The model as a generator, for every sampling path: an encoder's engine admits pooling requests only
         (EngineCore refuses the rest), so these paths never meet one."""
