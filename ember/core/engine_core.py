@@ -269,6 +269,8 @@ class EngineCore:
         v = self.vision
         if v is None:
             return "images: this model does not accept image input"
+        if self.tensor_parallel is not None:  # the other ranks' steps carry no images yet
+            return "images: not supported with tensor parallelism yet"
         if v.tokens_per_image > self.scheduler_config.max_num_batched_tokens:
             return f"images: an image's {v.tokens_per_image} tokens exceed max_num_batched_tokens"
         ids, end = msg.prompt_token_ids, 0
@@ -366,6 +368,7 @@ class EngineCore:
             gpu_idle_s=timer.idle_s if timer else 0.0,
             gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0,
             num_requests=len(self.requests),
+            num_encoded_images=self.runner.num_encoded_images,
             spec_decode=self.spec_counts.message() if self.speculative else None,
         )
 
