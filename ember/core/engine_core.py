@@ -26,7 +26,6 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from pathlib import Path
 
 import torch
 
@@ -46,7 +45,6 @@ from ember.messages import (
     Logprobs,
     SchedulerStats,
 )
-from ember.model.files import model_path
 from ember.model.hf_config import ModelConfig, VisionConfig
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
@@ -55,7 +53,6 @@ from ember.pooling.params import (
     POOLING_ONLY,
     PoolerConfig,
     PoolingParams,
-    read_sentence_transformers_pooling,
     task_problem,
 )
 from ember.runner.device import resolve_device
@@ -83,7 +80,7 @@ class EngineCore:
         self.max_model_len = self.scheduler_config.max_model_len
         self.vocab_size = files.model_config.vocab_size
         self.hidden_size = files.model_config.hidden_size
-        self.pooler = config.pooler or _checkpoint_pooler(config) or PoolerConfig()
+        self.pooler = config.pooler or files.pooler or PoolerConfig()
         self.tensor_parallel = _start_tensor_parallel(config, files.model_config)
         try:
             runner_device = self.tensor_parallel.device if self.tensor_parallel else device
@@ -577,12 +574,6 @@ def _start_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> T
 
 def _vision_facts(v: VisionConfig) -> VisionFacts:
     return VisionFacts(v.tokens_per_image, v.image_size, v.image_token_id, v.boi_token_id, v.eoi_token_id)
-
-
-def _checkpoint_pooler(config: EngineConfig) -> PoolerConfig | None:
-    """The pooling a sentence-transformers checkpoint declares next to its weights (HF directories only)."""
-    path, is_gguf = model_path(config.load)
-    return None if is_gguf else read_sentence_transformers_pooling(Path(path))
 
 
 def _shared_window(cfg: ModelConfig) -> int | None:
