@@ -11,8 +11,8 @@ float32 tensors; `max_loras` =
 `--adapters`). Workloads: `stories` ("Write a story about the number i.", greedy, `--max-tokens` each, the CPU
 default) and `nano-vllm` (the design doc's 256 random-token requests at temperature 0.6, benchmarks/throughput.py's
 workload). `--latency` adds batch-1 TPOT (512-token prompt, 128 tokens; benchmarks/latency.py's measure) on the
-base engine and with one adapter on the LoRA engine; `--load` the seconds from a request naming a new adapter
-(never loaded, on disk) to its first token, beside the same request under an adapter already resident.
+base engine, and on the LoRA engine without an adapter and with one; `--load` the seconds from a request naming a
+new adapter (never loaded, on disk) to its first token, beside the same request under an adapter already resident.
 
     python benchmarks/lora.py                          # CPU: 16 requests over 4 rank-16 adapters, default model
     python benchmarks/lora.py --model benchmarks/configs/llama-3.1-8b --load-format dummy --workload nano-vllm \\
@@ -159,6 +159,7 @@ def main() -> None:
             rounds["adapters"].append(timed(lora, requests, dealt))
         tok_s.update({name: statistics.median(runs) for name, runs in rounds.items()})
         if args.latency:
+            latency["lora_on_base_tpot_ms"] = tpot_ms(lora, None)
             latency["adapter_tpot_ms"] = tpot_ms(lora, adapters[0])
             latency["ratio"] = round(latency["adapter_tpot_ms"] / latency["base_tpot_ms"], 3)
         if args.load:

@@ -112,6 +112,7 @@ class SchedulerStats(_Message):
     gpu_idle_s: float = 0.0  # CUDA: time the GPU waited for the host between steps
     gpu_mask_wait_s: float = 0.0  # CUDA: time the GPU waited inside steps for grammar masks
     num_requests: int = 0  # requests the core holds in any state (0 when idle: nothing left behind)
+    num_encoded_images: int = 0  # images run through the vision tower (one whose output was cached runs none)
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding
 
 

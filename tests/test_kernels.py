@@ -36,6 +36,7 @@ from ember.kernels import (
     store_kv,
     store_kv_ref,
 )
+from ember.kernels.attention_ref import attention_ref
 from ember.ops import registry as backend
 from ember.ops.attention import AttentionMetadata
 from ember.ops.functional import paged_attention
@@ -239,6 +240,8 @@ def run_prefill(
     q_padding: int = 0,
     cache_dtype: torch.dtype | None = None,
     causal: bool = True,
+    sliding_window: int | None = None,
+    query_limits: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As run_decode, for prefill chunks; the caches are of q's dtype unless `cache_dtype` says."""
     seq_lens = [c + n for c, n in chunks]
@@ -255,11 +258,14 @@ def run_prefill(
     max_q = max(n for _, n in chunks)
     scale = head_dim**-0.5
 
-    scales = kv_scales(cache_dtype)
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, lens, qsl, max_q, scale, causal=causal, **scales)
-    ref = paged_prefill_attention_ref(
-        q.float(), k_cache, v_cache, tables, lens, qsl, max_q, scale, causal=causal, **scales
+    masking = dict(
+        causal=causal,
+        sliding_window=sliding_window,
+        query_limits=None if query_limits is None else as_int32(query_limits),
+        **kv_scales(cache_dtype),
     )
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, lens, qsl, max_q, scale, **masking)
+    ref = paged_prefill_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, max_q, scale, **masking)
     return out, ref
 
 
@@ -315,6 +321,182 @@ def test_attention_rejects_bad_shapes() -> None:
             1,
             0.125,
         )
+
+
+# ---------------------------------------------------------------- query limits (Gemma 3's image tokens)
+
+# (cached context, new tokens) per sequence, and the image blocks (first position, length) among them: at a
+# chunk's start, middle and end; across the 64- and 128-token K/V tiles and query blocks; two in a sequence;
+# after cached context; one the context (a prefix-cache hit) ends inside; and sequences without images.
+IMAGE_CHUNKS = [(0, 20), (0, 40), (0, 30), (0, 150), (0, 60), (70, 33), (40, 20), (9, 1), (0, 7)]
+IMAGE_BLOCKS = {
+    0: [(0, 8)],
+    1: [(10, 16)],
+    2: [(22, 8)],
+    3: [(56, 16), (120, 16)],
+    4: [(5, 10), (30, 20)],
+    5: [(80, 12)],
+    6: [(35, 10)],
+}
+
+
+def image_limits(chunks: list[tuple[int, int]], blocks: dict[int, list[tuple[int, int]]]) -> list[int]:
+    """The step's query limits: each token's own position, or its image block's last position."""
+    limits: list[int] = []
+    for b, (ctx, n) in enumerate(chunks):
+        own = list(range(ctx, ctx + n))
+        for first, length in blocks.get(b, []):
+            for pos in range(max(first, ctx), first + length):
+                own[pos - ctx] = first + length - 1
+        limits += own
+    return limits
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_query_limits_match_reference(group: int, dtype: torch.dtype, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(group)
+    limits = image_limits(IMAGE_CHUNKS, IMAGE_BLOCKS)
+    out, ref = run_prefill(IMAGE_CHUNKS, 16, group, 32, dtype, gen, sliding_window=window, query_limits=limits)
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+    causal, _ = run_prefill(
+        IMAGE_CHUNKS, 16, group, 32, dtype, torch.Generator().manual_seed(group), sliding_window=window
+    )
+    assert not torch.allclose(causal.float(), ref, **ATTN_TOL[dtype])  # the limits change what is seen
+
+
+def test_prefill_query_limits_with_a_window_narrower_than_an_image() -> None:
+    """The kernel keeps the reference's rule (the window counts from the query's own position) even where
+    transformers 4 would differ: an image longer than the window, which Gemma 3 never has."""
+    gen = torch.Generator().manual_seed(8)
+    limits = image_limits(IMAGE_CHUNKS, IMAGE_BLOCKS)
+    out, ref = run_prefill(IMAGE_CHUNKS, 16, 2, 32, torch.float32, gen, sliding_window=8, query_limits=limits)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_limits_at_own_positions_are_exactly_causal(dtype: torch.dtype, window: int | None) -> None:
+    chunks = IMAGE_CHUNKS[3:6]
+    own = image_limits(chunks, {})
+    limited, _ = run_prefill(
+        chunks, 16, 4, 32, dtype, torch.Generator().manual_seed(1), sliding_window=window, query_limits=own
+    )
+    causal, _ = run_prefill(chunks, 16, 4, 32, dtype, torch.Generator().manual_seed(1), sliding_window=window)
+    assert torch.equal(limited, causal)
+
+
+def test_query_limits_are_checked() -> None:
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, tables = paged_kv([5], 16, 64, torch.float32, gen)
+    q = randn(2, NUM_KV_HEADS, 64, gen=gen)
+    args = (q, k_cache, v_cache, tables, as_int32([5]), as_int32([0, 2]), 2, 0.125)
+    with pytest.raises(ValueError, match="int32 tensor \\[2\\]"):
+        paged_prefill_attention(*args, query_limits=as_int32([3, 4, 4]))
+    with pytest.raises(ValueError, match="bidirectional"):
+        paged_prefill_attention(*args, causal=False, query_limits=as_int32([4, 4]))
+    with pytest.raises(ValueError, match="must lie in"):  # past the sequence: the chunk must hold the whole image
+        paged_prefill_attention_ref(*args, query_limits=as_int32([5, 5]))
+    with pytest.raises(ValueError, match="must lie in"):  # before the query's own position
+        paged_prefill_attention_ref(*args, query_limits=as_int32([3, 3]))
+
+
+@pytest.mark.parametrize("window", [None, 8, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_model_attention_query_limits_match_reference(
+    path: str, dtype: torch.dtype, window: int | None, monkeypatch
+) -> None:
+    """A step as the engine lays it out (two decodes, then chunks with images) through paged_attention: on
+    CPU tensors the PyTorch path, else the kernels; the decode rows' limits are their own positions."""
+    device = "cpu" if path == "torch" else DEVICE
+    monkeypatch.setattr(backend, "FORCE_TRITON", path == "triton")
+    chunks = [(4, 1), (39, 1)] + IMAGE_CHUNKS
+    blocks = {b + 2: images for b, images in IMAGE_BLOCKS.items()}
+    seq_lens = [c + n for c, n in chunks]
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache, tables = (t.to(device) for t in paged_kv(seq_lens, 16, 32, dtype, gen))
+    if path == "torch":  # its decode gathers whole blocks, masked in SDPA: slots past a context must be finite
+        k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    q = randn(starts[-1], NUM_KV_HEADS * 2, 32, gen=gen, dtype=dtype).to(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        num_decodes=2,
+        max_query_len=max(n for _, n in chunks[2:]),
+        max_seq_len=max(seq_lens),
+        seq_lens_host=seq_lens,
+        query_start_host=starts,
+        query_limits=torch.tensor(image_limits(chunks, blocks), dtype=torch.int32, device=device),
+    )
+
+    out = paged_attention(q, k_cache, v_cache, meta, 32**-0.5, sliding_window=window)
+
+    ref = paged_prefill_attention_ref(
+        q.float(),
+        k_cache,
+        v_cache,
+        tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_query_len,
+        32**-0.5,
+        sliding_window=window,
+        query_limits=meta.query_limits,
+    )
+    torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+
+
+def visibility(seq_len: int, context_len: int, window: int | None, limits: list[int]) -> torch.Tensor:
+    """Which keys attention_ref lets each query at context_len.. see ([Q, S] bool): with zero scores the
+    softmax is uniform over them, and one-hot values read that distribution out."""
+    q_len = seq_len - context_len
+    out = attention_ref(
+        torch.zeros(q_len, 1, seq_len),
+        torch.zeros(seq_len, 1, seq_len),
+        torch.eye(seq_len)[:, None],
+        1.0,
+        context_len,
+        sliding_window=window,
+        query_limits=torch.tensor(limits[context_len:]),
+    )
+    return out[:, 0] > 0
+
+
+@pytest.mark.parametrize("window", [None, 6, 16])
+def test_query_limits_see_what_transformers_gemma3_masks_show(window: int | None) -> None:
+    """Transformers' own masks for Gemma 3 (OR(causal, same image block); sliding layers AND the window in,
+    `create_masks_for_vision_model`) against the reference's rule, for a whole prompt and for the chunk
+    after a prefix that ends inside the first image."""
+    gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    if not hasattr(gemma3, "create_masks_for_vision_model"):
+        pytest.skip("transformers before 5 builds Gemma 3's masks otherwise")
+    from transformers import Gemma3TextConfig
+
+    seq_len, blocks = 24, [(3, 5), (12, 5)]  # images shorter than the window, as Gemma 3's are
+    config = Gemma3TextConfig(sliding_window=window or seq_len, head_dim=8, hidden_size=8, num_attention_heads=1)
+    config._attn_implementation = "sdpa"
+    token_types = torch.zeros(1, seq_len, dtype=torch.long)
+    for first, length in blocks:
+        token_types[0, first : first + length] = 1
+    masks = gemma3.create_masks_for_vision_model(
+        config,
+        torch.zeros(1, seq_len, 8),
+        None,
+        None,
+        torch.arange(seq_len)[None],
+        gemma3.get_block_sequence_ids_for_mask(token_types),
+    )
+    expected = masks["full_attention" if window is None else "sliding_attention"][0, 0]
+    limits = image_limits([(0, seq_len)], {0: blocks})
+    for context_len in (0, 5):
+        assert torch.equal(visibility(seq_len, context_len, window, limits), expected[context_len:])
 
 
 # ---------------------------------------------------------------- fp8 KV cache

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DEVICE, make_checkpoint
+from conftest import DEVICE, KERNEL_DEVICE, inproc_core, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from ember import LLM, LoRARequest, SamplingParams
@@ -336,6 +336,40 @@ def test_step_inputs_carry_each_tokens_slot():
     header = prepare_step(decodes, [1, 1], buffers, 4, GraphSizes(decode=(4,)), {7: 1}).header
     assert header.padded == 4
     np.testing.assert_array_equal(buffers.lora_slots.np[:4], [1, -1, -1, -1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_with_and_without_the_lora_kernels(setup, monkeypatch):
+    """CUDA graphs on: steps of the base alone replay the graphs captured without the LoRA kernels, steps with
+    an adapter (decodes of two adapters, one adapting embed_tokens and lm_head, beside the base; a lone
+    prompt's prefill graph) only those with them; the greedy tokens of the base alone, then adapters, then
+    the base alone again equal enforce_eager's."""
+    base, loras, _, _ = setup
+    phases = [
+        [None] * 3,
+        [loras["all-r8"], None, loras["embed-head-r4"]],
+        [loras["embed-head-r4"]],
+        [None] * 3,
+    ]
+
+    def run(llm: LLM, lora: list[LoRARequest | None]) -> list[list[int]]:
+        return _tokens(llm.generate(PROMPTS[: len(lora)], GREEDY, use_tqdm=False, lora_request=lora))
+
+    eager = _llm(base, device="cuda", max_loras=2, max_num_seqs=8, enforce_eager=True)
+    want = [run(eager, lora) for lora in phases]
+    assert want[1][0] != want[0][0] and want[1][2] != want[0][2], "the adapters change nothing"
+    eager.llm_engine.shutdown()
+    llm = _llm(base, device="cuda", max_loras=2, max_num_seqs=8)
+    graphs = inproc_core(llm).runner.graphs
+    replay, replayed = graphs.replay, []
+    monkeypatch.setattr(graphs, "replay", lambda key: replayed.append(key) or replay(key))
+    keys = []
+    for lora, tokens in zip(phases, want):
+        replayed.clear()
+        assert run(llm, lora) == tokens
+        keys.append(list(replayed))
+        assert replayed and {key.lora for key in replayed} == {any(r is not None for r in lora)}
+    assert any(key.prefill for key in keys[2])  # the lone prompt's chunk
 
 
 def test_async_scheduling_and_chunked_prefill(setup):

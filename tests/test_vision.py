@@ -142,6 +142,7 @@ def test_two_images_and_the_prefix_cache_keyed_by_image(gemma3):
     # tokens are not computed again and the tower does not run for it
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == 16
     assert other.num_cached_tokens == 0  # another picture, the same tokens: its block's key differs
+    assert llm.llm_engine.scheduler_stats().num_encoded_images == 2  # a and b once each: `again` ran no tower
     assert list(other.outputs[0].token_ids) == hf_greedy(gemma3, PROMPT, [b], 6)
     llm.llm_engine.shutdown()
 

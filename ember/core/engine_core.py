@@ -26,7 +26,6 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from pathlib import Path
 
 import torch
 
@@ -46,7 +45,6 @@ from ember.messages import (
     Logprobs,
     SchedulerStats,
 )
-from ember.model.files import model_path
 from ember.model.hf_config import ModelConfig, VisionConfig
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
@@ -55,7 +53,6 @@ from ember.pooling.params import (
     POOLING_ONLY,
     PoolerConfig,
     PoolingParams,
-    read_sentence_transformers_pooling,
     task_problem,
 )
 from ember.runner.device import resolve_device
@@ -83,7 +80,7 @@ class EngineCore:
         self.max_model_len = self.scheduler_config.max_model_len
         self.vocab_size = files.model_config.vocab_size
         self.hidden_size = files.model_config.hidden_size
-        self.pooler = config.pooler or _checkpoint_pooler(config) or PoolerConfig()
+        self.pooler = config.pooler or files.pooler or PoolerConfig()
         self.tensor_parallel = _start_tensor_parallel(config, files.model_config)
         try:
             runner_device = self.tensor_parallel.device if self.tensor_parallel else device
@@ -272,6 +269,8 @@ class EngineCore:
         v = self.vision
         if v is None:
             return "images: this model does not accept image input"
+        if self.tensor_parallel is not None:  # the other ranks' steps carry no images yet
+            return "images: not supported with tensor parallelism yet"
         if v.tokens_per_image > self.scheduler_config.max_num_batched_tokens:
             return f"images: an image's {v.tokens_per_image} tokens exceed max_num_batched_tokens"
         ids, end = msg.prompt_token_ids, 0
@@ -369,6 +368,7 @@ class EngineCore:
             gpu_idle_s=timer.idle_s if timer else 0.0,
             gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0,
             num_requests=len(self.requests),
+            num_encoded_images=self.runner.num_encoded_images,
             spec_decode=self.spec_counts.message() if self.speculative else None,
         )
 
@@ -574,12 +574,6 @@ def _start_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> T
 
 def _vision_facts(v: VisionConfig) -> VisionFacts:
     return VisionFacts(v.tokens_per_image, v.image_size, v.image_token_id, v.boi_token_id, v.eoi_token_id)
-
-
-def _checkpoint_pooler(config: EngineConfig) -> PoolerConfig | None:
-    """The pooling a sentence-transformers checkpoint declares next to its weights (HF directories only)."""
-    path, is_gguf = model_path(config.load)
-    return None if is_gguf else read_sentence_transformers_pooling(Path(path))
 
 
 def _shared_window(cfg: ModelConfig) -> int | None:

@@ -73,6 +73,9 @@ class PrometheusStatLogger:
         self.prefix_queries = counter("ember:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("ember:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("ember:num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.encoded_images = counter(
+            "ember:mm_encoder_images", "Images run through the vision tower (a cached image's output is reused)."
+        )
         self.prompt_tokens = counter("ember:prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("ember:generation_tokens", "Generated tokens.")
         self.ttft = histogram("ember:time_to_first_token_seconds", "Arrival to first generated token.")
@@ -85,18 +88,19 @@ class PrometheusStatLogger:
             "ember:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
         )
         self.model_name = model_name
-        self._seen = (0, 0, 0)
+        self._seen = (0, 0, 0, 0)
         self._spec: _SpecCounters | None = None  # made with the first speculative stats: none without
 
     def record_scheduler(self, s: SchedulerStats) -> None:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_cache_usage)
-        queries, hits, preempted = self._seen
+        queries, hits, preempted, encoded = self._seen
         self.prefix_queries.inc(s.prefix_cache_queries - queries)
         self.prefix_hits.inc(s.prefix_cache_hits - hits)
         self.preemptions.inc(s.num_preemptions - preempted)
-        self._seen = (s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions)
+        self.encoded_images.inc(s.num_encoded_images - encoded)
+        self._seen = (s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions, s.num_encoded_images)
         if s.spec_decode is not None:
             self._record_spec(s.spec_decode)
 

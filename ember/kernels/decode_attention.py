@@ -142,6 +142,7 @@ def _decode_kernel(
             tile,
             end,
             q_pos,
+            q_pos,
             k_cache_ptr,
             v_cache_ptr,
             table,

@@ -91,6 +91,19 @@ def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
         )
 
 
+def check_query_limits(query_limits: torch.Tensor | None, num_tokens: int, causal: bool) -> None:
+    """The prefill kernel reads one int32 limit per row of q, at the row's index."""
+    if query_limits is None:
+        return
+    if not causal:
+        raise ValueError("query_limits: a bidirectional (causal=False) attention already sees every key")
+    if query_limits.dtype != torch.int32 or query_limits.shape != (num_tokens,) or query_limits.stride(0) != 1:
+        raise ValueError(
+            f"query_limits must be a contiguous int32 tensor [{num_tokens}] (one per query token), got "
+            f"{query_limits.dtype} {tuple(query_limits.shape)}"
+        )
+
+
 @triton.jit
 def init_softmax(sinks_ptr, heads, head_mask, start, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
     """The online softmax's running max and denominator before any key: -inf and 0, or with sinks, in
@@ -152,6 +165,7 @@ def attend_tile(
     tile,
     kv_end,
     q_pos,
+    q_limit,
     k_cache_ptr,
     v_cache_ptr,
     table,
@@ -176,10 +190,12 @@ def attend_tile(
     PRECISION: tl.constexpr,
 ):
     """One online-softmax step over context positions [tile, tile + BLOCK_N), shared by the decode and
-    prefill kernels. MASKED hides positions at or past `kv_end` and past each row's own position
-    `q_pos`; tiles wholly inside every row's visible range skip it. WINDOW_MASK (needs MASKED) also
-    hides positions at or before q_pos - window, the sliding window's left edge; a row may then see
-    nothing in a tile, so its running max can stay -inf and the exponentials are taken against 0.
+    prefill kernels. MASKED hides positions at or past `kv_end` and past each row's `q_limit` (its own
+    position `q_pos`, or for an image token of a prefill the last token of its image); tiles wholly
+    inside every row's visible range skip it. WINDOW_MASK (needs MASKED) also hides positions at or
+    before q_pos - window, the sliding window's left edge, which stays at the row's own position
+    whatever its limit; a row may then see nothing in a tile, so its running max can stay -inf and the
+    exponentials are taken against 0.
     SOFT_CAP applies the cap to the scores before masking (`qk_scale` and `cap` from `score_scales`).
 
     fp8 tiles convert to DOT_DTYPE exactly, unscaled: the caller folds k_scale into `qk_scale` and
@@ -204,7 +220,7 @@ def attend_tile(
     if SOFT_CAP:
         s = cap * (1.0 - 2.0 / (tl.exp2(s) + 1.0))
     if MASKED:
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        visible = (pos[None, :] <= q_limit[:, None]) & pos_mask[None, :]
         if WINDOW_MASK:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))

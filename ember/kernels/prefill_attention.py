@@ -17,6 +17,12 @@ tiles wholly left of every row's window are never read. Tiles from there up to t
 window edge are masked on both sides (window and causal); the rest are split as without a window.
 Soft-capping and windowing are constexpr switches; with both off the kernel is the one compiled
 before they existed.
+
+Query limits (Gemma 3's image tokens, `query_limits`) let a row see past its own position, up to its
+limit: the tiles before the block's first query stay unmasked, and the masked tail runs on to the
+block's furthest limit instead of its last query (a block without image tokens reads the causal
+tiles). The window's edge stays at each row's own position. Also a constexpr switch: without limits
+the kernel is the causal one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from ember.kernels.attention_ref import attention_ref, gather_context
 from ember.kernels.paged import (
     attend_tile,
     check_paged_args,
+    check_query_limits,
     check_sinks,
     check_window_args,
     dot_precision,
@@ -50,6 +57,7 @@ def _prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
+    query_limits_ptr,
     sinks_ptr,
     out_ptr,
     qk_scale,
@@ -80,6 +88,7 @@ def _prefill_kernel(
     HEAD_SCALES: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_LIMITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -114,10 +123,18 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Every row sees positions <= context_len + first_q, so whole tiles up to there skip the causal
     # mask; the block's last query bounds the masked tail. Tiles run from `first` on a BLOCK_N grid.
-    kv_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)
+    q_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)
+    kv_end = q_end
+    q_limit = q_pos
+    if HAS_LIMITS:
+        # An image token sees on to its image's last token, in this chunk: the masked tail runs to the
+        # block's furthest limit (never past the sequence). Padding rows read 0; they are not stored.
+        q_limit = tl.load(query_limits_ptr + q_tok, mask=row_mask, other=0)
+        kv_end = tl.minimum(tl.max(q_limit, axis=0) + 1, seq_len)
     seen_by_all = context_len + first_q + 1
     if not CAUSAL:  # an encoder: every query sees the whole sequence, as a causal query at its end would
         q_pos = tl.zeros_like(q_idx) + seq_len - 1
+        q_limit = q_pos
         kv_end = seq_len
         seen_by_all = seq_len
     first = 0
@@ -128,8 +145,8 @@ def _prefill_kernel(
     masked_start = unmasked_end
     if WINDOWED:
         # From the last query's window edge on every row sees every key, so only the tiles before
-        # it need the window mask (and the causal one, should they reach the diagonal).
-        all_see = kv_end - window
+        # it need the window mask (and the causal one, should they reach the diagonal or a limit).
+        all_see = q_end - window
         unmasked_start = first + tl.cdiv(tl.maximum(all_see - first, 0), BLOCK_N) * BLOCK_N
         masked_start = tl.maximum(unmasked_start, unmasked_end)
         for tile in range(first, tl.minimum(unmasked_start, kv_end), BLOCK_N):
@@ -141,6 +158,7 @@ def _prefill_kernel(
                 tile,
                 kv_end,
                 q_pos,
+                q_limit,
                 k_cache_ptr,
                 v_cache_ptr,
                 table,
@@ -173,6 +191,7 @@ def _prefill_kernel(
             tile,
             kv_end,
             q_pos,
+            q_limit,
             k_cache_ptr,
             v_cache_ptr,
             table,
@@ -205,6 +224,7 @@ def _prefill_kernel(
             tile,
             kv_end,
             q_pos,
+            q_limit,
             k_cache_ptr,
             v_cache_ptr,
             table,
@@ -273,13 +293,15 @@ def paged_prefill_attention(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     causal: bool = True,
+    query_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] holds each sequence's chunk at positions seq_lens[b] - q_len .. seq_lens[b] - 1;
     each query attends causally over its whole cached context (with `sliding_window`, over its last
     that many positions, itself included; `causal` False: over the whole sequence, an encoder's
     bidirectional attention, without a window) -> out [T, Hq, D]; `logits_soft_cap` caps the scaled
     scores s to cap * tanh(s / cap) first (Gemma 2); `sinks` (float32 [Hq], gpt-oss) adds exp(sinks[h])
-    to every softmax denominator of head h.
+    to every softmax denominator of head h. `query_limits` (int32 [T], causal only) moves each query's
+    last visible key from its own position p to its limit L >= p (see `attention_ref`).
 
     The chunk's own keys and values must already be in the cache. `max_query_len` is a host int
     (the scheduler knows it) that sizes the grid; blocks past a sequence's chunk exit at once.
@@ -294,6 +316,7 @@ def paged_prefill_attention(
     check_sinks(sinks, num_heads)
     if not causal and sliding_window is not None:
         raise ValueError("sliding_window: a bidirectional (causal=False) attention has no window")
+    check_query_limits(query_limits, num_tokens, causal)
     if out is None:
         out = torch.empty_like(q)
     batch = seq_lens.shape[0]
@@ -313,6 +336,7 @@ def paged_prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        q if query_limits is None else query_limits,
         q if sinks is None else sinks,
         out,
         qk_scale,
@@ -343,6 +367,7 @@ def paged_prefill_attention(
         HEAD_SCALES=per_head,
         HAS_SINKS=sinks is not None,
         CAUSAL=causal,
+        HAS_LIMITS=query_limits is not None,
         DOT_DTYPE=kv_dot_dtype(q.dtype, k_cache.dtype),
         PRECISION=dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4,
@@ -368,6 +393,7 @@ def paged_prefill_attention_ref(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     causal: bool = True,
+    query_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     result = torch.empty_like(q) if out is None else out
     for b in range(seq_lens.shape[0]):
@@ -385,5 +411,6 @@ def paged_prefill_attention_ref(
             logits_soft_cap=logits_soft_cap,
             sinks=sinks,
             causal=causal,
+            query_limits=None if query_limits is None else query_limits[start:end],
         )
     return result

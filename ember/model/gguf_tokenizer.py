@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import tokenizers
+from gguf import Keys
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
-from tokenizers.models import BPE
+from tokenizers.models import BPE, WordPiece
 
 from ember.errors import ModelLoadError
 from ember.model.gguf_reader import GGUFFile, GGUFFormatError
@@ -22,6 +23,10 @@ from ember.model.reads import BUILT_TOKENIZER, PARSED_GGUF, logged_read
 
 # Tokens llama.cpp marks as CONTROL or USER_DEFINED must be matched whole, never split by BPE.
 _CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp's WordPiece vocabulary marks a word's first piece with this and drops "##" from the others.
+_WORD_START = "\u2581"
+# llama.cpp's defaults for a "bert" vocabulary without the ids (bert-base-uncased's): [CLS], [SEP], [UNK]
+_BERT_DEFAULT_IDS = {Keys.Tokenizer.BOS_ID: 101, Keys.Tokenizer.SEP_ID: 102, Keys.Tokenizer.UNK_ID: 100}
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -117,15 +122,27 @@ class GGUFVocab:
 def _tokenizer(meta: GGUFMetadata, model: str, tokens: Sequence[str], bos_id: int | None) -> tokenizers.Tokenizer:
     """Rebuild the HF tokenizer llama.cpp derived its vocabulary from.
 
-    `bos_id` is the token to prepend to every encoding, or None when the model wants none.
+    `bos_id` is the token to prepend to every encoding, or None when the model wants none (a WordPiece
+    vocabulary always wraps a text in [CLS] ... [SEP], as llama.cpp does).
     """
+    if model == "bert":
+        return _wordpiece(meta, tokens)
     if model == "gpt2":
         tokenizer = _byte_level_bpe(meta, tokens)
     elif model == "llama":
         tokenizer = _sentencepiece_bpe(meta, tokens)
     else:
-        raise ModelLoadError(meta.path, f"unsupported tokenizer model {model!r} (supported: gpt2, llama)")
+        raise ModelLoadError(meta.path, f"unsupported tokenizer model {model!r} (supported: gpt2, llama, bert)")
+    _add_special_tokens(meta, tokenizer, tokens)
+    if bos_id is not None:
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    return tokenizer
 
+
+def _add_special_tokens(meta: GGUFMetadata, tokenizer: tokenizers.Tokenizer, tokens: Sequence[str]) -> None:
     token_types = meta.get("tokenizer.ggml.token_type", [])
     tokenizer.add_special_tokens(
         [
@@ -134,12 +151,6 @@ def _tokenizer(meta: GGUFMetadata, model: str, tokens: Sequence[str], bos_id: in
             if kind in (_CONTROL, _USER_DEFINED)
         ]
     )
-    if bos_id is not None:
-        bos = tokens[bos_id]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
-    return tokenizer
 
 
 def _vocab(tokens: Sequence[str]) -> dict[str, int]:
@@ -215,3 +226,33 @@ def _sentencepiece_bpe(meta: GGUFMetadata, tokens: Sequence[str]) -> tokenizers.
         + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
     )
     return tokenizer
+
+
+def _wordpiece(meta: GGUFMetadata, phantom_tokens: Sequence[str]) -> tokenizers.Tokenizer:
+    """HF's BertTokenizerFast of an uncased vocabulary (llama.cpp's WordPiece tokenizer always lowercases
+    and strips accents), from the vocabulary llama.cpp's converter rewrote (`_wordpiece_tokens`)."""
+    tokens = _wordpiece_tokens(phantom_tokens, meta.require("tokenizer.ggml.token_type"))
+    cls_id, sep_id, unk_id = (meta.get(key, default) for key, default in _BERT_DEFAULT_IDS.items())
+    if max(cls_id, sep_id, unk_id) >= len(tokens):
+        raise ModelLoadError(meta.path, f"[CLS], [SEP] or [UNK] id outside the {len(tokens)}-token vocabulary")
+    cls, sep = tokens[cls_id], tokens[sep_id]
+    tokenizer = tokenizers.Tokenizer(WordPiece(_vocab(tokens), unk_token=tokens[unk_id]))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    _add_special_tokens(meta, tokenizer, tokens)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, cls_id), (sep, sep_id)],
+    )
+    return tokenizer
+
+
+def _wordpiece_tokens(tokens: Sequence[str], token_types: Sequence[int]) -> list[str]:
+    """Undo llama.cpp's "phantom space" vocabulary: its converter keeps control tokens ([CLS], [SEP], ...)
+    as they are, writes a word's first piece "the" as "\u2581the" and a continuation "##ing" as "ing"."""
+    return [
+        token if kind == _CONTROL else token[1:] if token.startswith(_WORD_START) else "##" + token
+        for token, kind in zip(tokens, token_types)
+    ]

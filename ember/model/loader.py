@@ -12,6 +12,7 @@ import glob
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from ember.model.gguf import load_gguf
 from ember.model.hf_config import ModelConfig
 from ember.model.registry import model_class
 from ember.model.sharding import WeightValue
+from ember.pooling.params import PoolerConfig, read_sentence_transformers_pooling
 from ember.quant.checkpoints import METHODS, checkpoint_format, quantized_weights
 from ember.quant.checkpoints.base import CheckpointFormat
 from ember.quant.quantize import QUANTIZERS
@@ -42,6 +44,9 @@ class ModelFiles:
     quantization: str = "none"  # resolved: "none", "gguf" (weights arrive quantized), or a mode to apply
     prequantized: bool = False  # an HF checkpoint's quantization_config (quantization names its method)
     fp8_weights: bool = False  # weights arrive as fp8 (on a GPU they need fp8 tensor cores; the CPU expands them)
+    # the pooling the checkpoint declares: sentence-transformers' 1_Pooling beside an HF directory's weights,
+    # a GGUF file's pooling_type (which llama.cpp's converter takes from the same module)
+    pooler: PoolerConfig | None = None
 
     @property
     def quantize_at_load(self) -> bool:
@@ -86,6 +91,7 @@ def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str
 
 def _gguf_files(load: LoadConfig, path: str, keep_quantized: bool) -> ModelFiles:
     g, dummy = load_gguf(path), load.load_format == "dummy"
+    pooling_type = g.hf_config.get("ember_pooling_type")
     weights = (
         None
         if dummy
@@ -100,6 +106,7 @@ def _gguf_files(load: LoadConfig, path: str, keep_quantized: bool) -> ModelFiles
         checkpoint_dtype=None,
         model_info=functools.partial(gguf_info, load, g.vocab),
         weights=weights,
+        pooler=PoolerConfig(pooling_type) if pooling_type else None,
     )
 
 
@@ -119,6 +126,7 @@ def _hf_files(load: LoadConfig, path: str) -> ModelFiles:
         quantization=fmt.method if fmt is not None else "none",
         prequantized=fmt is not None,
         fp8_weights=fmt is not None and fmt.fp8,
+        pooler=read_sentence_transformers_pooling(Path(path)),
     )
 
 

@@ -14,12 +14,15 @@ rows (`compute_logits(hidden[rows], slots[rows])`), whether the head is tied to 
 Their slots are always built with LoRA on, vocabulary-sized: A [max_loras, rank, vocab] for the
 embedding and B [max_loras, rank, vocab] for the head, 2 * max_loras * max_lora_rank * vocab values
 (33 MB at bf16 for 4 rank-16 slots of a 128k vocabulary, a tenth of Llama-3-8B's 335 MB of projection slots).
-Building them only once an adapter needs them would leave CUDA graphs captured without the embedding's
-delta, or recapturing them; a step whose adapters have neither skips both deltas when it runs eagerly.
+Building them only once an adapter needs them would leave the CUDA graphs captured with the LoRA deltas
+without the embedding's, or recapturing them; a step whose adapters have neither skips both deltas when it
+runs eagerly, and a step of the base alone replays graphs captured without any delta.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,8 +43,8 @@ from ember.ops.lora import LoRAWeights, NativeLoRA
 class LoRABatch:
     """What every wrapped projection reads of the step: `slots`, each token's adapter slot (-1: none), a
     runner buffer that is never replaced (a CUDA graph captured on it replays any mix), and `active`,
-    whether any row of an eager step has an adapter (a step of the base alone skips the deltas; True
-    while graphs are captured, so that they hold them)."""
+    whether any row of an eager step has an adapter (a step of the base alone skips the deltas; while
+    graphs are captured, on for the set that holds them and off for the base's, `LoRALayers.capturing`)."""
 
     slots: torch.Tensor
     active: bool = True
@@ -241,6 +244,18 @@ class LoRALayers:
         self.batch.active = bool(slots)
         self.batch.embed = any(EMBED in self._holds[s] for s in slots)
         self.batch.head = any(HEAD in self._holds[s] for s in slots)
+
+    @contextmanager
+    def capturing(self, lora: bool) -> Iterator[None]:
+        """Every delta, the embedding's included, or none (`lora` False), whatever the slots hold, while
+        inside: what a CUDA graph captured there runs at each replay. Then the flags are as before."""
+        b = self.batch
+        before = (b.active, b.embed, b.head)
+        b.active = b.embed = b.head = lora
+        try:
+            yield
+        finally:
+            b.active, b.embed, b.head = before
 
 
 def _weights(

@@ -46,6 +46,11 @@ class AttentionMetadata:
     # tokens past query_start_loc[-1] belong to no sequence (a prefill CUDA graph's padding): their attention
     # output is zeros, so that no later op sees uninitialised memory there (a MoE router's NaN, say)
     pad_rows: bool = False
+    # int32 [T], the last key position each token's query may see: its own position, or for an image token
+    # of Gemma 3 its image's last token, in the same chunk (attention_ref says how windows count). Prefill
+    # rows only: decode tokens are never image tokens, so their entries are their positions and are not
+    # read. None (every step without images, and CUDA graphs): plain causal, the kernels compiled without.
+    query_limits: torch.Tensor | None = None
     # the PyTorch path's decode gather plans (block ids, keys per query, key mask) per sliding window (None:
     # global layers), each made by the first layer of a step that uses it
     cpu_decode: dict[int | None, tuple[torch.Tensor, int, torch.Tensor | None]] = field(
@@ -163,6 +168,7 @@ class TritonAttention:
                 scale,
                 out=out,
                 causal=masking.causal,
+                query_limits=meta.query_limits,
                 **kwargs,
             )
         return out
@@ -170,7 +176,8 @@ class TritonAttention:
 
 class TorchAttention:
     """One-token queries share one padded SDPA call over their gathered blocks; each prefill chunk gets
-    its own, with a causal mask offset by the chunk's cached context."""
+    its own, with a causal mask offset by the chunk's cached context (and an image token's row reaching
+    on to its query limit)."""
 
     @staticmethod
     def can_implement(target: Target, shape: AttentionShape) -> bool:
@@ -265,12 +272,14 @@ class TorchAttention:
             # back to the unfused math path (twice as slow for a 128-token prompt).
             qc = q[start:end].transpose(0, 1)[None]  # [1, Hq, Q, D]
             k, v = k[None], v[None]
-            if (ctx == 0 and window is None) or not masking.causal:
+            limits = None if meta.query_limits is None else meta.query_limits[start:end]
+            if (ctx == 0 and window is None and limits is None) or not masking.causal:
                 o = _attend(qc, k, v, None, scale, masking, causal=masking.causal and ctx == 0)
             else:
                 rows = torch.arange(q_len, device=q.device)[:, None] + ctx
                 pos = torch.arange(keys, device=q.device)[None, :] + first * block_size
-                mask = pos <= rows
+                # up to its own position or its limit; the window counts from its own (attention_ref's rule)
+                mask = pos <= (rows if limits is None else limits[:, None])
                 if window is not None:
                     mask &= pos > rows - window
                 o = _attend(qc, k, v, mask[None, None], scale, masking)
@@ -330,7 +339,8 @@ def bidirectional_attention(
         by_length.setdefault(length, []).append(start)
     for length, firsts in by_length.items():
         rows = (torch.tensor(firsts)[:, None] + torch.arange(length)).flatten()
-        o = _attend_same_length(*(t.index_select(0, rows) for t in (q, k, v)), len(firsts), length, scale)
+        qs, ks, vs = (t.index_select(0, rows) for t in (q, k, v))
+        o = _attend_same_length(qs, ks, vs, len(firsts), length, scale)
         out.index_copy_(0, rows, o)
     return out
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -46,6 +47,11 @@ class LoRAManager:
     def head_active(self) -> bool:
         """Whether an adapter of the step last activated has an LM-head adapter."""
         return self.layers.batch.head
+
+    def capturing(self, lora: bool) -> AbstractContextManager[None]:
+        """While inside, the forward runs every LoRA delta (`lora`: a CUDA graph captured there replays any
+        mix of adapters) or none (a graph for steps of the base alone); after, those the last `activate` set."""
+        return self.layers.capturing(lora)
 
     def check(self, lora: LoRARequest) -> None:
         """A ValueError naming what is wrong when `lora` cannot run on this model; else its tensors start

@@ -42,7 +42,7 @@ from ember.runner.pooler import pool_step
 from ember.runner.request_state import RequestState, RequestStates
 from ember.runner.step import StepDescription, StepResult
 from ember.runner.step_broadcast import StepHeader, receive_step, send_step
-from ember.runner.step_inputs import PreparedStep, PromptRows, prepare_step
+from ember.runner.step_inputs import GraphKey, PreparedStep, PromptRows, graph_key, prepare_step
 from ember.runner.step_timer import StepTimer
 from ember.runner.warmup import warm_up_batches
 from ember.sampling.rejection import DraftRows, Verified, verify, verify_greedy
@@ -90,7 +90,7 @@ class _StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    graph: tuple[int, bool] | None  # the CUDA graph to replay (padded size, prefill), or None for an eager forward
+    graph: GraphKey | None  # the CUDA graph to replay, or None for an eager forward
     # each token's LoRA slot when an adapter of the step adapts the LM head (else None: no head delta)
     lora_slots: torch.Tensor | None = None
     token_types: torch.Tensor | None = None  # an encoder's token types (None: every token type 0)
@@ -170,6 +170,10 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
         self._last_sampling: tuple[tuple[RequestState, ...], SamplingBatch] | None = None  # see _sampling_batch
+
+    @property
+    def num_encoded_images(self) -> int:
+        return 0 if self.images is None else self.images.num_encoded
 
     @property
     def _lm(self) -> CausalLM:
@@ -332,7 +336,8 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def capture_cuda_graphs(self) -> None:
-        """Not for an encoder: its steps are whole prompts side by side, which run eagerly anyway."""
+        """Not for an encoder: its steps are whole prompts side by side, which run eagerly anyway. With LoRA
+        on, each size twice: with the LoRA kernels and without (ember/runner/cuda_graph.py)."""
         if self.device.type != "cuda" or self.enforce_eager or isinstance(self.model, EncoderModel):
             return
         before = torch.cuda.memory_reserved(self.device)
@@ -344,6 +349,7 @@ class ModelRunner:
                 sc.max_model_len,
                 capture_sizes(sc.max_num_seqs),
                 prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len),
+                None if self.lora is None else self.lora.capturing,
             )
         timeline.mark("CUDA graphs captured")
         logger.info("CUDA graph memory: %.2f GiB", (torch.cuda.memory_reserved(self.device) - before) / 2**30)
@@ -374,7 +380,7 @@ class ModelRunner:
             b.positions.upload(tokens)[: h.num_tokens],
             meta,
             b.logits_indices.upload(h.num_sample),
-            (h.padded, bool(h.prefill_graph)) if h.padded else None,
+            graph_key(h),
             lora_slots if self.lora is not None and self.lora.head_active else None,
             None if b.token_types is None else b.token_types.upload(tokens)[: h.num_tokens],
             None if images is None else images[0],
@@ -383,7 +389,7 @@ class ModelRunner:
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         if inputs.graph is not None:
             assert self.graphs is not None  # a step is padded only to a captured graph's size
-            return self.graphs.replay(*inputs.graph)
+            return self.graphs.replay(inputs.graph)
         if isinstance(self.model, EncoderModel):
             return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.token_types)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.images)

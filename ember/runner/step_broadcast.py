@@ -28,6 +28,7 @@ class StepHeader:
     num_sample: int  # rows whose logits are computed for sampling
     table_width: int  # block-table columns in use
     prefill_graph: bool = False  # `padded` names a prefill graph: one sequence, `padded` tokens
+    lora: bool = False  # a token runs under a LoRA adapter: a graph replayed must hold the deltas
     # per request wanting prompt logprobs: (first flat row, number of rows)
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
 

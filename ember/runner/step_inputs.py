@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,6 +38,21 @@ class GraphSizes:
 
     def prefill_size(self, tokens: int) -> int | None:
         return _next_size(self.prefill, tokens)
+
+
+class GraphKey(NamedTuple):
+    """One captured CUDA graph: its size (a decode batch's rows, a lone prefill chunk's tokens), whether it
+    is a prefill graph, and whether it holds the LoRA deltas (with LoRA on, each size is captured both ways)."""
+
+    size: int
+    prefill: bool
+    lora: bool
+
+
+def graph_key(header: StepHeader) -> GraphKey | None:
+    """The graph a step replays (None: it runs eagerly). A step with a token under an adapter replays only a
+    graph captured with the LoRA deltas: one without them would drop its deltas, silently."""
+    return GraphKey(header.padded, bool(header.prefill_graph), bool(header.lora)) if header.padded else None
 
 
 def _next_size(sizes: tuple[int, ...], n: int) -> int | None:
@@ -75,7 +91,8 @@ def prepare_step(
     """Fill the host buffers for this step's requests, each computing its `num_new_tokens` next tokens.
     `graphs`: the captured CUDA graph sizes a decode-only batch or a lone prefill chunk is padded to
     (None: every step runs eagerly). `lora_slots`: with LoRA on, the device slot of each adapter the
-    step's requests use (by lora_int_id); each token gets its request's (-1: the base model)."""
+    step's requests use (by lora_int_id); each token gets its request's (-1: the base model), and the
+    header's `lora` says whether any request has an adapter (`graph_key`: which set of graphs it replays)."""
     decoding = [n == 1 or n == 1 + len(r.spec_token_ids) > 1 for r, n in zip(requests, num_new_tokens)]
     order = sorted(range(len(requests)), key=lambda i: not decoding[i])
     b = buffers
@@ -154,6 +171,7 @@ def prepare_step(
         max_seq_len=max_seq_len,
         padded=padded or 0,
         prefill_graph=prefill_graph,
+        lora=any(r.lora_request is not None for r in requests),
         num_sample=num_sample,
         table_width=-(-max_seq_len // block_size),
         prompt_rows=[(r.first_row, r.count) for r in prompt_rows],
