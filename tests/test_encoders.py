@@ -53,9 +53,17 @@ def _save(model: transformers.PreTrainedModel, tokenizer, path, pooling: str | N
     tokenizer.save_pretrained(path)
     if pooling is not None:  # a sentence-transformers directory's pooling module
         (path / "1_Pooling").mkdir()
-        (path / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{pooling}": True}))
+        (path / "2_Normalize").mkdir()
+        flags = {"word_embedding_dimension": model.config.hidden_size, f"pooling_mode_{pooling}": True}
+        (path / "1_Pooling" / "config.json").write_text(json.dumps(flags))
+        modules = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
         (path / "modules.json").write_text(
-            json.dumps([{"type": "sentence_transformers.models.Transformer"}, {"type": "...models.Normalize"}])
+            json.dumps(
+                [
+                    {"idx": i, "name": str(i), "path": where, "type": f"sentence_transformers.models.{kind}"}
+                    for i, (where, kind) in enumerate(modules)
+                ]
+            )
         )
     return str(path)
 
@@ -212,3 +220,21 @@ def test_server_embeds_and_reranks_with_encoders(models):
         assert [r["index"] for r in results] == [i for _, i in want[:3]]
         for r, (score, _) in zip(results, want):
             assert r["relevance_score"] == pytest.approx(score, abs=1e-6)
+
+
+def test_sentence_transformers_agree(models):
+    """The references users compare with: SentenceTransformer.encode on the sentence-transformers directory
+    (tokenizer, Transformer, its 1_Pooling, Normalize) and CrossEncoder.predict on the classifier."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    llm = make_llm(models["bert"])
+    ref = SentenceTransformer(models["bert"], device="cpu").encode(SENTENCES, convert_to_tensor=True)
+    for out, want in zip(llm.embed(SENTENCES, use_tqdm=False), ref):
+        assert_same_vector(out.outputs.embedding, want.float())
+    llm.llm_engine.shutdown()
+    cross = make_llm(models["bert-cross"])
+    pairs = [("the cat", doc) for doc in SENTENCES]
+    want = CrossEncoder(models["bert-cross"], device="cpu").predict(pairs)
+    got = [o.outputs.score for o in cross.score("the cat", SENTENCES, use_tqdm=False)]
+    assert got == pytest.approx(want.tolist(), abs=1e-6)
+    cross.llm_engine.shutdown()
