@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 import transformers
+from conftest import DEVICE
 from test_server import ServerThread, tiny_engine
 
 from ember import LLM, PoolingParams, SamplingParams
@@ -102,7 +103,7 @@ def models(tmp_path_factory):
 
 
 def make_llm(path: str, **kwargs) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", kv_cache_memory=0.01, engine_process=False, **kwargs)
+    return LLM(path, device=DEVICE, dtype="float32", kv_cache_memory=0.01, engine_process=False, **kwargs)
 
 
 def hf_embedding(path: str, text: str, pooling: str) -> torch.Tensor:
