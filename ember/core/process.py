@@ -123,7 +123,12 @@ def main() -> int:
         if not isinstance(e, ValueError):  # bad flags or model files need no traceback; anything else does
             logger.exception("engine core failed to start")
         out_sock.send(encode(_failure(e)))
+        # ctx.term() is what waits for the failure to leave (close only sets the linger): without it the
+        # process exits with the message still queued, maybe before the connection was even made, and the
+        # front end can only report an exit code (seen in CI: test_loader, under load).
+        in_sock.close(linger=0)
         out_sock.close(linger=_LINGER_MS)
+        ctx.term()
         return 1
     heap.settle()
     timeline.mark("core ready")
