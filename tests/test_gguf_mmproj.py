@@ -244,6 +244,13 @@ def test_projector_beside_the_model_is_found(pair, tmp_path, caplog):
     assert "several vision projectors beside it (mmproj-model-f16.gguf, mmproj-model-f32.gguf)" in caplog.text
     chosen = EngineArgs(model=str(model), mmproj=str(d / "mmproj-model-f32.gguf")).load_config()
     assert load_model_files(chosen).model_config.vision is not None
+    (d / "mmproj-model-f32.gguf").unlink()
+    (d / "mmproj-model-f16.gguf").unlink()
+    (d / "mmproj-broken.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file .* --no-mmproj loads it alone"):
+        load_model_files(LoadConfig(str(model), None, "auto", None))
+    with pytest.raises(ModelLoadError, match="--no-mmproj loads it alone"):
+        load_model_info(EngineArgs(model=str(model)).load_config())  # the front end reads its image mean and std
 
 
 def test_cli_flags():

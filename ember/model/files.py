@@ -10,11 +10,13 @@ twice.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,7 +92,9 @@ def load_model_info(load: LoadConfig, chat_template: str | None = None) -> Model
     if is_gguf:
         meta = open_gguf(path)
         mmproj = mmproj_path(load, path, meta.get("general.architecture"), quiet=True)
-        info = gguf_info(load, GGUFVocab.read(meta), {} if mmproj is None else mmproj_image_processor(mmproj))
+        with mmproj_errors(load, path):
+            images = {} if mmproj is None else mmproj_image_processor(mmproj)
+        info = gguf_info(load, GGUFVocab.read(meta), images)
     else:
         info = hf_info(load, path, read_config(path))
     if chat_template is not None and info.tokenizer is not None:
@@ -125,6 +129,17 @@ def mmproj_path(load: LoadConfig, model: str, arch: str | None, quiet: bool = Fa
             ", ".join(os.path.basename(f) for f in found),
         )
     return found[0] if len(found) == 1 else None
+
+
+@contextlib.contextmanager
+def mmproj_errors(load: LoadConfig, model: str) -> Iterator[None]:
+    """A projector found beside the model (not given) that does not load says how to load the model alone."""
+    try:
+        yield
+    except ModelLoadError as e:
+        if load.mmproj is not None:
+            raise
+        raise ModelLoadError(e.path, f"{e.problem} (found beside {model}; --no-mmproj loads it alone)") from e
 
 
 def mmproj_image_processor(path: str) -> dict[str, Any]:

@@ -23,7 +23,16 @@ from safetensors import SafetensorError, safe_open
 
 from ember.config import LoadConfig
 from ember.errors import ModelLoadError
-from ember.model.files import ModelInfo, gguf_info, hf_info, mmproj_path, model_path, read_config, read_json
+from ember.model.files import (
+    ModelInfo,
+    gguf_info,
+    hf_info,
+    mmproj_errors,
+    mmproj_path,
+    model_path,
+    read_config,
+    read_json,
+)
 from ember.model.gguf import load_gguf
 from ember.model.gguf_mmproj import load_mmproj, multimodal_config
 from ember.model.hf_config import ModelConfig
@@ -100,11 +109,12 @@ def _gguf_files(load: LoadConfig, path: str, keep_quantized: bool) -> ModelFiles
     g, dummy = load_gguf(path), load.load_format == "dummy"
     pooling_type = g.hf_config.get("ember_pooling_type")
     mmproj = mmproj_path(load, path, g.hf_config["model_type"])
-    proj = None if mmproj is None else load_mmproj(mmproj)
-    hf_config = g.hf_config
-    if proj is not None:
-        logger.info("%s: vision projector %s", os.path.basename(path), proj.path)
-        hf_config = multimodal_config(g.hf_config, g.vocab.tokens, path, proj)
+    proj, hf_config = None, g.hf_config
+    if mmproj is not None:
+        with mmproj_errors(load, path):
+            proj = load_mmproj(mmproj)
+            hf_config = multimodal_config(g.hf_config, g.vocab.tokens, path, proj)
+        logger.info("%s: vision projector %s", os.path.basename(path), mmproj)
 
     def weights() -> WeightIterator:
         text = (
