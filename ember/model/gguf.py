@@ -154,7 +154,7 @@ def _hf_tensor_name(name: str, arch: str, experts: bool) -> str | None:
     return f"{layers}.{match[1]}.{hf}" + ("" if hf in _UNSUFFIXED else f".{match[3]}")
 
 
-def _unshift_norm(w: np.ndarray) -> np.ndarray:
+def unshift_norm(w: np.ndarray) -> np.ndarray:
     """llama.cpp's Gemma converters store a norm's effective weight 1 + w; Ember's GemmaRMSNorm takes
     transformers' w. (1 + w) - 1 is exact in float32 whenever 1 + w >= 0.5 (Sterbenz), so the model's
     1 + w is then bit for bit the file's value; below 0.5 it may differ by one float32 ulp of 1."""
@@ -212,7 +212,7 @@ class GGUFModel:
         for tensor in self._reader.populated([t for t in self._reader.tensors if t.name not in _CONFIG_TENSORS]):
             hf_name = _hf_tensor_name(tensor.name, arch, experts)
             assert hf_name is not None, "load_gguf validated every tensor name"
-            shape, data = _numpy_shape(tensor), tensor.data
+            shape, data = numpy_shape(tensor), tensor.data
             match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
             n_head = permuted_heads.get(match[2]) if match is not None else None
             if n_head is not None and len(shape) == 2:
@@ -230,7 +230,7 @@ class GGUFModel:
                 if n_head is not None:
                     array = _unpermute(array, n_head)
                 if arch in _GEMMA and tensor.name.endswith("norm.weight"):
-                    array = _unshift_norm(array)
+                    array = unshift_norm(array)
                 weight = array
             yield hf_name, weight
 
@@ -265,7 +265,7 @@ def _keeps_quantized(tensor: GGUFTensor) -> bool:
     stacked experts; a MoE router never does (it is small, and decides which experts run at all)."""
     if tensor.tensor_type not in QUANTIZED_TYPES or ".ffn_gate_inp." in tensor.name:
         return False
-    return len(_numpy_shape(tensor)) == (3 if tensor.name.endswith("_exps.weight") else 2)
+    return len(numpy_shape(tensor)) == (3 if tensor.name.endswith("_exps.weight") else 2)
 
 
 def quantized_tensor(data: np.ndarray, qtype, shape: tuple[int, ...]) -> QuantizedWeight | QuantizedExperts:
@@ -285,7 +285,7 @@ def quantized_tensor(data: np.ndarray, qtype, shape: tuple[int, ...]) -> Quantiz
     )
 
 
-def _numpy_shape(tensor: GGUFTensor) -> tuple[int, ...]:
+def numpy_shape(tensor: GGUFTensor) -> tuple[int, ...]:
     """GGML lists dimensions innermost first; numpy wants them outermost first.
 
     Leading 1s are dropped because a writer may pad a vector to 2-D, which HF never does.
@@ -306,6 +306,10 @@ def load_gguf(path: str) -> GGUFModel:
     assert reader is not None  # open_gguf keeps the file's reader
 
     arch = meta.require("general.architecture")
+    if arch == "clip":
+        raise ModelLoadError(
+            path, "a llama.cpp vision projector (mmproj), not a language model: give it as --mmproj beside the model"
+        )
     if arch not in ARCHITECTURES:
         raise ModelLoadError(path, f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
     names = {tensor.name for tensor in reader.tensors}
@@ -390,7 +394,7 @@ def _bert_config(meta: GGUFMetadata, vocab: GGUFVocab, tensors: dict[str, GGUFTe
         "num_attention_heads": meta.require("bert.attention.head_count"),
         "max_position_embeddings": meta.require("bert.context_length"),
         "layer_norm_eps": meta.require("bert.attention.layer_norm_epsilon"),
-        "type_vocab_size": _numpy_shape(types)[0],
+        "type_vocab_size": numpy_shape(types)[0],
         "hidden_act": "gelu",  # not in the file: BertModel's (erf) GELU, which the checkpoints converted as bert use
         "ember_pooling_type": _POOLING_TYPES.get(meta.get("bert.pooling_type")),
     }
@@ -473,7 +477,7 @@ def _phi3_config(meta: GGUFMetadata, hf_config: dict, tensors: dict[str, GGUFTen
     if all(name in tensors for name in _ROPE_FACTORS.values()):
         original = meta.require("phi3.rope.scaling.original_context_length")
         rope = {
-            key: dequantize(tensors[name].data, tensors[name].tensor_type, _numpy_shape(tensors[name])).tolist()
+            key: dequantize(tensors[name].data, tensors[name].tensor_type, numpy_shape(tensors[name])).tolist()
             for key, name in _ROPE_FACTORS.items()
         }
         rope.update(rope_type="longrope", original_max_position_embeddings=original)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import glob
+import itertools
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,8 +23,18 @@ from safetensors import SafetensorError, safe_open
 
 from ember.config import LoadConfig
 from ember.errors import ModelLoadError
-from ember.model.files import ModelInfo, gguf_info, hf_info, model_path, read_config, read_json
+from ember.model.files import (
+    ModelInfo,
+    gguf_info,
+    hf_info,
+    mmproj_errors,
+    mmproj_path,
+    model_path,
+    read_config,
+    read_json,
+)
 from ember.model.gguf import load_gguf
+from ember.model.gguf_mmproj import load_mmproj, multimodal_config
 from ember.model.hf_config import ModelConfig
 from ember.model.registry import model_class
 from ember.model.sharding import WeightValue
@@ -30,6 +42,8 @@ from ember.pooling.params import PoolerConfig, read_sentence_transformers_poolin
 from ember.quant.checkpoints import METHODS, checkpoint_format, quantized_weights
 from ember.quant.checkpoints.base import CheckpointFormat
 from ember.quant.quantize import QUANTIZERS
+
+logger = logging.getLogger("ember")
 
 WeightIterator = Iterator[tuple[str, WeightValue]]
 
@@ -90,22 +104,32 @@ def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str
 
 
 def _gguf_files(load: LoadConfig, path: str, keep_quantized: bool) -> ModelFiles:
+    """A GGUF language model, with its vision projector (llama.cpp's mmproj file) where there is one: the
+    pair configured and named as transformers' Gemma3ForConditionalGeneration."""
     g, dummy = load_gguf(path), load.load_format == "dummy"
     pooling_type = g.hf_config.get("ember_pooling_type")
-    weights = (
-        None
-        if dummy
-        else lambda: (
+    mmproj = mmproj_path(load, path, g.hf_config["model_type"])
+    proj, hf_config = None, g.hf_config
+    if mmproj is not None:
+        with mmproj_errors(load, path):
+            proj = load_mmproj(mmproj)
+            hf_config = multimodal_config(g.hf_config, g.vocab.tokens, path, proj)
+        logger.info("%s: vision projector %s", os.path.basename(path), mmproj)
+
+    def weights() -> WeightIterator:
+        text = (
             (name, torch.from_numpy(t) if isinstance(t, np.ndarray) else t)
             for name, t in g.tensors(keep_quantized=keep_quantized)
         )
-    )
+        vision = ((name, torch.from_numpy(t)) for name, t in (proj.tensors() if proj is not None else ()))
+        return itertools.chain(text, vision)
+
     return ModelFiles(
         source=path,
-        model_config=_model_config(g.hf_config, path),
+        model_config=_model_config(hf_config, path),
         checkpoint_dtype=None,
-        model_info=functools.partial(gguf_info, load, g.vocab),
-        weights=weights,
+        model_info=functools.partial(gguf_info, load, g.vocab, None if proj is None else proj.image_processor),
+        weights=None if dummy else weights,
         pooler=PoolerConfig(pooling_type) if pooling_type else None,
     )
 

@@ -19,7 +19,15 @@ import numpy as np
 import torch
 
 from ember import timeline
-from ember.config import CacheConfig, LoadConfig, LoRAConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
+from ember.config import (
+    NO_MMPROJ,
+    CacheConfig,
+    LoadConfig,
+    LoRAConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
 from ember.model.bert import EncoderModel
@@ -197,7 +205,7 @@ class ModelRunner:
             return Eagle3Drafter(
                 head, self._kv(head.attention_layers(), layout.num_kv_heads, head_dim), self.block_size, self.device
             )
-        files = load_model_files(LoadConfig(spec.model, None, config.load_format, None))
+        files = load_model_files(LoadConfig(spec.model, None, config.load_format, None, mmproj=NO_MMPROJ))
         if files.model_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"speculative_config.model: the draft model's vocabulary ({files.model_config.vocab_size} tokens) "
