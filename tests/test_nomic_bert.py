@@ -173,6 +173,18 @@ def test_embeddings_match_hf(nomic, kind):
     llm.llm_engine.shutdown()
 
 
+def test_sentence_transformers_agree(nomic):
+    """SentenceTransformer.encode on the directory (tokenizer, transformers' NomicBertModel, 1_Pooling,
+    Normalize), the reference nomic-embed-text's model card uses."""
+    from sentence_transformers import SentenceTransformer
+
+    llm = make_llm(nomic["hf"])
+    ref = SentenceTransformer(nomic["hf"], device="cpu").encode(PROMPTS, convert_to_tensor=True)
+    for out, want in zip(llm.embed(PROMPTS, use_tqdm=False), ref):
+        assert_same_vector(out.outputs.embedding, want.float())
+    llm.llm_engine.shutdown()
+
+
 def test_matryoshka_dimensions(nomic):
     """nomic-embed-text v1.5 is trained for Matryoshka cuts: `dimensions` keeps the first values, renormalized."""
     llm = make_llm(nomic["hf"])
