@@ -50,16 +50,21 @@ def _hf_tokenizer(tmp_path) -> transformers.PreTrainedTokenizerFast:
     return tok
 
 
-def _add_vocab(writer: gguf.GGUFWriter, tok: transformers.PreTrainedTokenizerFast, tok_dir, type_count: int) -> None:
-    """convert_hf_to_gguf's BertModel.set_vocab: get_vocab_base's tokens and types, rewritten to llama.cpp's
-    phantom-space vocabulary (a word start gets "\u2581", a continuation loses "##"), then SpecialVocab."""
+def _add_vocab(
+    writer: gguf.GGUFWriter, tok: transformers.PreTrainedTokenizerFast, tok_dir, type_count: int, size: int = 0
+) -> None:
+    """convert_hf_to_gguf's BertModel.set_vocab: get_vocab_base's tokens and types (padded to the model's
+    vocab_size `size` with unused "[PAD{i}]"), rewritten to llama.cpp's phantom-space vocabulary (a word start
+    gets "\u2581", a continuation loses "##"), then SpecialVocab."""
     by_id = {i: t for t, i in tok.vocab.items()}
     added = tok.get_added_vocab()
     tokens, types = [], []
-    for i in range(len(by_id)):
-        token = by_id[i]
+    for i in range(max(size, len(by_id))):
+        token = by_id.get(i, f"[PAD{i}]")
         control = token in added and tok.added_tokens_decoder[i].special
-        types.append(gguf.TokenType.CONTROL if control else gguf.TokenType.NORMAL)
+        types.append(
+            gguf.TokenType.CONTROL if control else gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED
+        )
         tokens.append(token if control else token[2:] if token.startswith("##") else "\u2581" + token)
     writer.add_token_type_count(type_count)
     writer.add_tokenizer_model("bert")

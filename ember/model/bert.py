@@ -2,6 +2,10 @@
 rerankers): an embedding sum (word, learned absolute position, token type) and LayerNorm, then blocks of
 bidirectional attention and a GELU MLP, each followed by its residual add and LayerNorm (post-LN).
 
+nomic-bert (nomic-embed-text v1 / v1.5) is the same network with three changes (`EncoderConfig.nomic`):
+rotary positions on the queries and keys instead of a position table, no biases in any projection, and a
+SwiGLU MLP, its gate and up projections fused as `intermediate.dense` (rows [0, I) gate, [I, 2I) up).
+
 An encoder only pools: its output is every token's final hidden state (transformers' last_hidden_state,
 what sentence-transformers pools), and a classifier (`*ForSequenceClassification`, a cross-encoder) scores
 the first token's. Attention sees the whole prompt, so the scheduler gives an encoder whole prompts only
@@ -12,8 +16,9 @@ causal mask off (`Masking.causal`). On CPU they never touch the cache: each prom
 own keys straight from the projection, prompts of one length in one SDPA call (ember.ops.attention's
 `bidirectional_attention`), since gathering them back from the cache would only copy them twice.
 
-Parameters keep transformers' names (without the "bert." / "roberta." prefix) except that query, key
-and value are fused into one matmul, `attention.qkv`.
+Parameters keep transformers' BERT names (without the "bert." / "roberta." prefix) except that query, key
+and value are fused into one matmul, `attention.qkv`; nomic-bert's checkpoint names map onto the same
+(`_NOMIC_NAMES`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 
 from ember.errors import ModelLoadError
 from ember.model.hf_config import EncoderConfig, ModelConfig
+from ember.model.layers import RotaryEmbedding
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.ops import registry
 from ember.ops.attention import AttentionMetadata, AttentionShape, Masking, bidirectional_attention
@@ -38,15 +44,32 @@ _QKV = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.valu
 # where no classifier reads it (sentence-transformers pools the last hidden state instead)
 _UNUSED = ("embeddings.position_ids", "cls.", "lm_head.")
 _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+# nomic-bert's checkpoint names (nomic-ai's, which transformers' NomicBert also saves; llama.cpp's nomic-bert
+# tensors are named back to them) -> (this model's parameter, shard of a fused one or None)
+_NOMIC_NAMES = {
+    "emb_ln.": ("embeddings.LayerNorm.", None),
+    "attn.Wqkv.": ("attention.qkv.qkv.", None),  # q, k and v already stacked
+    "attn.out_proj.": ("attention.output.dense.", None),
+    "norm1.": ("attention.output.LayerNorm.", None),
+    "mlp.fc12.": ("intermediate.dense.", 0),  # the gate (silu)
+    "mlp.fc11.": ("intermediate.dense.", 1),  # the up projection
+    "mlp.fc2.": ("output.dense.", None),
+    "norm2.": ("output.LayerNorm.", None),
+}
+_Target = tuple[str, int | None]  # a parameter, and the shard of it a tensor fills (None: all of it)
 
 
 class EncoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Fused q/k/v, then each prompt attending to itself; `rotary` (nomic-bert) rotates queries and keys."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * self.num_heads * self.head_dim, bias=cfg.attention_bias)
         self._target = registry.target(self.qkv.weight.device, self.qkv.weight.dtype)
+        self.rotary = rotary
+        self._rope = None if rotary is None else rotary.implementation(self._target, self.head_dim)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -57,8 +80,13 @@ class EncoderAttention(nn.Module):
             shape = AttentionShape(k_cache.dtype, self.num_heads, num_kv_heads, head_dim, block_size)
             self._attention = registry.attention_impl(self._target, shape)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv(x).view(-1, 3 * self.num_heads, self.head_dim)
+        if self._rope is None:
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : 2 * self.num_heads]
+        else:
+            q, k = self._rope.rotate_qk(self.rotary, positions, qkv[:, : 2 * self.num_heads], self.num_heads)
+        v = qkv[:, 2 * self.num_heads :]
         if not self._target.triton:
             return bidirectional_attention(q, k, v, meta.query_start_host, self.scale).flatten(1)
         assert self.k_cache is not None and self.v_cache is not None, "bind_cache sets the KV cache before any step"
@@ -71,9 +99,9 @@ class DenseNorm(nn.Module):
     """A block's output projection, then LayerNorm of it plus the block's input (transformers' BertSelfOutput
     and BertOutput)."""
 
-    def __init__(self, size_in: int, size_out: int, eps: float) -> None:
+    def __init__(self, size_in: int, size_out: int, eps: float, bias: bool) -> None:
         super().__init__()
-        self.dense = nn.Linear(size_in, size_out)
+        self.dense = nn.Linear(size_in, size_out, bias=bias)
         self.LayerNorm = nn.LayerNorm(size_out, eps=eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -81,30 +109,36 @@ class DenseNorm(nn.Module):
 
 
 class Dense(nn.Module):
-    def __init__(self, size_in: int, size_out: int) -> None:
+    def __init__(self, size_in: int, size_out: int, bias: bool) -> None:
         super().__init__()
-        self.dense = nn.Linear(size_in, size_out)
+        self.dense = nn.Linear(size_in, size_out, bias=bias)
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, enc: EncoderConfig) -> None:
+    def __init__(self, cfg: ModelConfig, enc: EncoderConfig, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
-        self.qkv = EncoderAttention(cfg)
-        self.output = DenseNorm(cfg.hidden_size, cfg.hidden_size, enc.layer_norm_eps)
+        self.qkv = EncoderAttention(cfg, rotary)
+        self.output = DenseNorm(cfg.hidden_size, cfg.hidden_size, enc.layer_norm_eps, cfg.attention_bias)
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, enc: EncoderConfig) -> None:
+    def __init__(self, cfg: ModelConfig, enc: EncoderConfig, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
-        self.attention = SelfAttention(cfg, enc)
-        self.intermediate = Dense(cfg.hidden_size, cfg.intermediate_size)
-        self.output = DenseNorm(cfg.intermediate_size, cfg.hidden_size, enc.layer_norm_eps)
-        if cfg.hidden_act not in _ACTIVATIONS:
+        bias, gated = cfg.attention_bias, enc.nomic
+        self.attention = SelfAttention(cfg, enc, rotary)
+        self.intermediate = Dense(cfg.hidden_size, (2 if gated else 1) * cfg.intermediate_size, bias)
+        self.output = DenseNorm(cfg.intermediate_size, cfg.hidden_size, enc.layer_norm_eps, bias)
+        target = registry.target(self.output.dense.weight.device, self.output.dense.weight.dtype)
+        # SwiGLU over the fused gate/up projection (ember/ops/activation.py), or BERT's GELU
+        self._swiglu = registry.activation_impl(target, "silu", self.intermediate.dense) if gated else None
+        if not gated and cfg.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported for encoders ({sorted(_ACTIVATIONS)})")
-        self._gelu = _ACTIVATIONS[cfg.hidden_act]
+        self._gelu = _ACTIVATIONS.get(cfg.hidden_act, "none")
 
-    def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.attention.output(self.attention.qkv(h, meta), h)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.attention.output(self.attention.qkv(h, positions, meta), h)
+        if self._swiglu is not None:
+            return self.output(self._swiglu(self.intermediate.dense, h), h)
         return self.output(F.gelu(self.intermediate.dense(h), approximate=self._gelu), h)
 
 
@@ -112,21 +146,25 @@ class Embeddings(nn.Module):
     def __init__(self, cfg: ModelConfig, enc: EncoderConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings + enc.position_offset, cfg.hidden_size)
+        self.position_embeddings = (
+            None if enc.nomic else nn.Embedding(cfg.max_position_embeddings + enc.position_offset, cfg.hidden_size)
+        )
         self.token_type_embeddings = nn.Embedding(enc.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=enc.layer_norm_eps)
         self.offset = enc.position_offset
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
-        h = self.word_embeddings(ids) + self.position_embeddings(positions + self.offset)
+        h = self.word_embeddings(ids)
+        if self.position_embeddings is not None:  # nomic-bert's positions are rotary, in the attention
+            h = h + self.position_embeddings(positions + self.offset)
         types = self.token_type_embeddings.weight[0] if token_types is None else self.token_type_embeddings(token_types)
         return self.LayerNorm(h + types)
 
 
 class Encoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, enc: EncoderConfig) -> None:
+    def __init__(self, cfg: ModelConfig, enc: EncoderConfig, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(EncoderLayer(cfg, enc) for _ in range(cfg.num_hidden_layers))
+        self.layer = nn.ModuleList(EncoderLayer(cfg, enc, rotary) for _ in range(cfg.num_hidden_layers))
 
 
 class Classifier(nn.Module):
@@ -151,7 +189,9 @@ class EncoderModel(nn.Module):
         self.config, enc = cfg, cfg.encoder
         self.layout = ShardLayout.of(cfg, 0, 1)
         self.embeddings = Embeddings(cfg, enc)
-        self.encoder = Encoder(cfg, enc)
+        # nomic-bert's one table of cos/sin rows for the engine's context, shared by every layer
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, None) if enc.nomic else None
+        self.encoder = Encoder(cfg, enc, rotary)
         self.classifier = Classifier(cfg.hidden_size, enc.num_labels) if enc.num_labels else None
         self._names = _CheckpointNames(enc)
 
@@ -165,7 +205,7 @@ class EncoderModel(nn.Module):
         """Every token's last hidden state; `token_types` None: all type 0 (one text)."""
         h = self.embeddings(input_ids, positions, token_types)
         for layer in self.encoder.layer:
-            h = layer(h, meta)
+            h = layer(h, positions, meta)
         return h
 
     def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
@@ -189,6 +229,7 @@ class EncoderModel(nn.Module):
             if target is None:
                 continue
             name, shard = target
+            parts = self._names.parts(name)
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(source, f"unexpected tensor {ckpt_name!r} for {self.config.architecture}")
@@ -197,7 +238,7 @@ class EncoderModel(nn.Module):
                 tensor = dequantize(tensor, param.dtype)
             if not isinstance(tensor, torch.Tensor):
                 raise ModelLoadError(source, f"unexpected stacked experts {ckpt_name!r} for an encoder")
-            dest = param.data if shard is None else param.data.chunk(3)[shard]
+            dest = param.data if shard is None else param.data.chunk(parts)[shard]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     source, f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
@@ -205,7 +246,7 @@ class EncoderModel(nn.Module):
             dest.copy_(tensor)
             filled[name] = filled.get(name, 0) + 1
         for name in params:
-            if filled.get(name, 0) != (3 if ".qkv." in name else 1):
+            if filled.get(name, 0) != self._names.parts(name):
                 raise ModelLoadError(source, f"checkpoint is missing weights for {name!r}")
 
     def init_dummy_weights(self, seed: int) -> None:
@@ -222,10 +263,13 @@ class EncoderModel(nn.Module):
 
 
 class _CheckpointNames:
-    """transformers' tensor names -> (this model's parameter, q/k/v shard or None); None: not used."""
+    """transformers' tensor names -> (this model's parameter, shard or None); None: not used."""
 
     def __init__(self, enc: EncoderConfig) -> None:
-        self.prefixes = ("roberta.", "bert.") if enc.roberta else ("bert.", "roberta.")
+        self.nomic = enc.nomic
+        self.prefixes = (
+            ("roberta.", "bert.") if enc.roberta else ("nomic_bert.", "bert.") if enc.nomic else ("bert.", "roberta.")
+        )
         # BERT's classifier is the pooler's dense and `classifier`; RoBERTa's `classifier.dense` and `.out_proj`
         self.head = (
             {"classifier.dense.": "classifier.dense.", "classifier.out_proj.": "classifier.out_proj."}
@@ -233,7 +277,14 @@ class _CheckpointNames:
             else {"pooler.dense.": "classifier.dense.", "classifier.": "classifier.out_proj."}
         )
 
-    def target(self, name: str, classifier: bool) -> tuple[str, int | None] | None:
+    def parts(self, name: str) -> int:
+        """How many checkpoint tensors fill parameter `name`: BERT's separate q, k and v, nomic-bert's gate and
+        up; one for every other (nomic-bert's q, k and v come stacked)."""
+        if ".qkv." in name and not self.nomic:
+            return 3
+        return 2 if self.nomic and ".intermediate." in name else 1
+
+    def target(self, name: str, classifier: bool) -> _Target | None:
         for prefix in self.prefixes:
             name = name.removeprefix(prefix)
         if name.startswith(_UNUSED):
@@ -243,6 +294,12 @@ class _CheckpointNames:
                 return (ours + name[len(ckpt) :], None) if classifier else None
         if name.startswith("pooler."):  # BERT's pooler: used by a classifier only
             return None
+        if self.nomic:
+            name = name.replace("encoder.layers.", "encoder.layer.", 1)
+            for ckpt, (ours, shard) in _NOMIC_NAMES.items():
+                if f".{ckpt}" in f".{name}":
+                    return name.replace(ckpt, ours, 1), shard
+            return name, None
         for part, shard in _QKV.items():
             if f".{part}." in name:
                 return name.replace(part, "attention.qkv.qkv"), shard

@@ -32,6 +32,10 @@ from ember.model.gguf_blocks import (
     quantized_form,
     supported_names,
 )
+from ember.model.gguf_encoders import GLOBAL_TENSORS as ENCODER_GLOBAL_TENSORS
+from ember.model.gguf_encoders import LAYER_PREFIXES as ENCODER_LAYER_PREFIXES
+from ember.model.gguf_encoders import LAYER_TENSORS as ENCODER_LAYER_TENSORS
+from ember.model.gguf_encoders import encoder_config
 from ember.model.gguf_reader import GGUFFile, GGUFTensor
 from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
 from ember.quant.experts import QuantizedExperts
@@ -48,7 +52,8 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
-    "bert": "BertModel",  # an embedding model (all-MiniLM, bge); transformers' names without "bert."
+    "bert": "BertModel",  # embedding models (all-MiniLM, bge; nomic-embed-text): ember/model/gguf_encoders.py
+    "nomic-bert": "NomicBertModel",
 }
 _GEMMA = ("gemma2", "gemma3")
 
@@ -85,30 +90,8 @@ _ARCH_LAYER_TENSORS = {
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
 }
 _UNSUFFIXED = {"self_attn.sinks"}  # HF names without .weight
-# BERT's names (gguf-py's tensor_mapping for MODEL_ARCH.BERT run backwards), as BertModel.state_dict() has
-# them. Its q/k rows are stored as transformers has them: no rotary, so no permutation to undo.
-_BERT_GLOBAL_TENSORS = {
-    "token_embd.weight": "embeddings.word_embeddings.weight",
-    "position_embd.weight": "embeddings.position_embeddings.weight",
-    "token_types.weight": "embeddings.token_type_embeddings.weight",
-    "token_embd_norm.weight": "embeddings.LayerNorm.weight",
-    "token_embd_norm.bias": "embeddings.LayerNorm.bias",
-}
-_BERT_LAYER_TENSORS = {
-    "attn_q": "attention.self.query",
-    "attn_k": "attention.self.key",
-    "attn_v": "attention.self.value",
-    "attn_output": "attention.output.dense",
-    "attn_output_norm": "attention.output.LayerNorm",
-    "ffn_up": "intermediate.dense",
-    "ffn_down": "output.dense",
-    "layer_output_norm": "output.LayerNorm",
-}
 # Embedding tables keep their rows even when there is one (a BERT model with a single token type).
 _TABLES = {"token_types.weight"}
-# llama.cpp's llama_pooling_type, as `{arch}.pooling_type` stores it -> Ember's PoolerConfig.pooling_type.
-# NONE (every token's state) and RANK (a reranker's classifier head) have no Ember pooler.
-_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
 # Files with `{arch}.expert_count` (qwen3moe; llama: Mixtral): the router and each projection stacked over
 # experts (3-D, ember/model/moe.py).
 _MOE_LAYER_TENSORS = {
@@ -128,8 +111,8 @@ _CONFIG_TENSORS = {_ROPE_FREQS, *_ROPE_FACTORS.values()}
 @functools.cache
 def _layer_tensors(arch: str, experts: bool = False) -> dict[str, str]:
     """llama.cpp's per-layer tensor names -> HF's, for one architecture (with experts or without)."""
-    if arch == "bert":
-        return _BERT_LAYER_TENSORS
+    if arch in ENCODER_LAYER_TENSORS:
+        return ENCODER_LAYER_TENSORS[arch]
     return {
         **(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS),
         **_ARCH_LAYER_TENSORS.get(arch, {}),
@@ -138,7 +121,7 @@ def _layer_tensors(arch: str, experts: bool = False) -> dict[str, str]:
 
 
 def _global_tensors(arch: str) -> dict[str, str]:
-    return _BERT_GLOBAL_TENSORS if arch == "bert" else _GLOBAL_TENSORS
+    return ENCODER_GLOBAL_TENSORS.get(arch, _GLOBAL_TENSORS)
 
 
 def _hf_tensor_name(name: str, arch: str, experts: bool) -> str | None:
@@ -150,7 +133,7 @@ def _hf_tensor_name(name: str, arch: str, experts: bool) -> str | None:
     if match is None or match[2] not in layer_tensors:
         return None
     hf = layer_tensors[match[2]]
-    layers = "encoder.layer" if arch == "bert" else "model.layers"
+    layers = ENCODER_LAYER_PREFIXES.get(arch, "model.layers")
     return f"{layers}.{match[1]}.{hf}" + ("" if hf in _UNSUFFIXED else f".{match[3]}")
 
 
@@ -331,8 +314,9 @@ def load_gguf(path: str) -> GGUFModel:
             )
 
     vocab = GGUFVocab.read(meta)
-    if arch == "bert":
-        hf_config = _bert_config(meta, vocab, {t.name: t for t in reader.tensors})
+    if arch in ENCODER_LAYER_TENSORS:
+        types = next((t for t in reader.tensors if t.name == "token_types.weight"), None)
+        hf_config = encoder_config(meta, vocab, arch, None if types is None else numpy_shape(types)[0])
         return GGUFModel(path=path, hf_config=hf_config, vocab=vocab, _reader=reader)
     hf_config = _hf_config(meta, arch, names, len(vocab.tokens), vocab.bos_id, vocab.eos_id)
     if arch == "phi3":
@@ -371,32 +355,6 @@ def _hf_config(
         "torch_dtype": "float32",
         **_sliding_window_config(meta, arch),
         **_moe_config(meta, arch, tensor_names),  # last: a llama file with experts (and a window) is Mixtral
-    }
-
-
-def _bert_config(meta: GGUFMetadata, vocab: GGUFVocab, tensors: dict[str, GGUFTensor]) -> dict:
-    """transformers' BertConfig keys of a llama.cpp "bert" file (what its converter writes for BertModel
-    checkpoints), and the pooling its sentence-transformers module declared as `ember_pooling_type`."""
-    if vocab.model != "bert":  # RoBERTa's byte-level BPE also converts to "bert", with other special tokens
-        raise ModelLoadError(meta.path, f"a bert file with a {vocab.model!r} vocabulary (Ember reads WordPiece only)")
-    if meta.get("bert.attention.causal", False):
-        raise ModelLoadError(meta.path, "bert.attention.causal is true: not a bidirectional encoder")
-    types = tensors.get("token_types.weight")
-    if types is None:  # DistilBERT has no token types
-        raise ModelLoadError(meta.path, "no token_types.weight tensor (a BERT encoder has token-type embeddings)")
-    return {
-        "architectures": [ARCHITECTURES["bert"]],
-        "model_type": "bert",
-        "vocab_size": meta.get("bert.vocab_size", len(vocab.tokens)),
-        "hidden_size": meta.require("bert.embedding_length"),
-        "intermediate_size": meta.require("bert.feed_forward_length"),
-        "num_hidden_layers": meta.require("bert.block_count"),
-        "num_attention_heads": meta.require("bert.attention.head_count"),
-        "max_position_embeddings": meta.require("bert.context_length"),
-        "layer_norm_eps": meta.require("bert.attention.layer_norm_epsilon"),
-        "type_vocab_size": numpy_shape(types)[0],
-        "hidden_act": "gelu",  # not in the file: BertModel's (erf) GELU, which the checkpoints converted as bert use
-        "ember_pooling_type": _POOLING_TYPES.get(meta.get("bert.pooling_type")),
     }
 
 

@@ -36,6 +36,7 @@ ENCODER_ARCHITECTURES = (
     "RobertaForSequenceClassification",
     "XLMRobertaModel",
     "XLMRobertaForSequenceClassification",
+    "NomicBertModel",
 )
 
 
@@ -45,13 +46,16 @@ class EncoderConfig:
     (RoBERTa's and XLM-R's numbered from pad_token_id + 1, so `position_offset`), token-type embeddings,
     LayerNorm after each block, biased projections. `num_labels` > 0: a sequence classifier on the first
     token (a cross-encoder reranker), BERT's pooler (dense, tanh) or RoBERTa's head (dense, tanh,
-    out_proj) before the labels."""
+    out_proj) before the labels. `nomic`: nomic-bert (nomic-embed-text), whose differences are all of a
+    piece: rotary positions (ModelConfig.rope_theta) instead of a learned table, no biases in the
+    projections, a SwiGLU MLP."""
 
     layer_norm_eps: float
     type_vocab_size: int
     position_offset: int
     num_labels: int = 0
     roberta: bool = False  # RoBERTa / XLM-R names and classification head
+    nomic: bool = False  # nomic-bert's rotary, bias-free, SwiGLU layers and checkpoint names
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,9 @@ def _gemma3_vision(cfg: dict[str, Any]) -> VisionConfig | None:
 def _encoder_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:
     """BERT's and RoBERTa's config.json keys. The context is max_position_embeddings less the positions
     RoBERTa skips (514 - 2 = 512 for XLM-R); a classifier's labels are id2label's (transformers' rule)."""
+    nomic = arch == "NomicBertModel"
+    if nomic:
+        cfg = _nomic_keys(cfg)
     if cfg.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type {cfg['position_embedding_type']!r} is not supported (absolute only)")
     roberta = arch.startswith(("Roberta", "XLMRoberta"))
@@ -240,6 +247,7 @@ def _encoder_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:
         position_offset=offset,
         num_labels=labels if arch.endswith("ForSequenceClassification") else 0,
         roberta=roberta,
+        nomic=nomic,
     )
     return ModelConfig(
         architecture=arch,
@@ -249,17 +257,65 @@ def _encoder_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:
         num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        head_dim=hidden // heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
         rms_norm_eps=encoder.layer_norm_eps,
-        rope_theta=0.0,
+        rope_theta=float(cfg.get("rope_theta", 0.0)),
         rope_scaling=None,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 512)) - offset,
         tie_word_embeddings=False,
-        attention_bias=True,
+        attention_bias=not nomic,
         qk_norm=False,
         hidden_act=str(cfg.get("hidden_act", "gelu")),
         encoder=encoder,
     )
+
+
+# nomic-ai's own config.json (for its remote code: GPT-2's key names) -> transformers' NomicBertConfig names
+_NOMIC_KEYS = {
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "intermediate_size": "n_inner",
+    "layer_norm_eps": "layer_norm_epsilon",
+}
+# the remote code's switches, at the values of nomic-embed-text v1 and v1.5 (what transformers' NomicBert
+# and llama.cpp's nomic-bert run; its converter asserts the same); absent or null: that value
+_NOMIC_FIXED: dict[str, Any] = {
+    "activation_function": "swiglu",
+    "prenorm": False,
+    "causal": False,
+    "qkv_proj_bias": False,
+    "mlp_fc1_bias": False,
+    "mlp_fc2_bias": False,
+    "rotary_emb_fraction": 1.0,
+    "rotary_emb_interleaved": False,
+    "rotary_emb_scale_base": None,
+    "rotary_scaling_factor": None,  # dynamic NTK scaling past the trained context
+    "moe_every_n_layers": 0,  # nomic-embed-text-v2-moe's experts
+}
+
+
+def _nomic_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A nomic-bert config in transformers' keys, from either its own or nomic-ai's. The context is the
+    trained one where the file says (nomic-embed-text v1.5 claims n_positions 8192 but was trained on 2048,
+    and reaches 8192 only with the dynamic NTK scaling refused here, as llama.cpp's converter does)."""
+    for key, want in _NOMIC_FIXED.items():
+        if cfg.get(key) not in (None, want):
+            raise ValueError(f"{key} {cfg[key]!r} is not supported for NomicBertModel (only {want!r})")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for NomicBertModel (silu only)")
+    theta, scaling = _rope(cfg, "full_attention")
+    if scaling is not None:
+        raise ValueError(f"rope scaling {_rope_type(scaling)!r} is not supported for NomicBertModel")
+    out = {**cfg, **{key: cfg[old] for key, old in _NOMIC_KEYS.items() if cfg.get(key) is None and old in cfg}}
+    context = cfg.get("max_trained_positions") or cfg.get("max_position_embeddings") or cfg.get("n_positions")
+    return {
+        **out,
+        "intermediate_size": out.get("intermediate_size") or 4 * out["hidden_size"],
+        "max_position_embeddings": context or 2048,
+        "hidden_act": "silu",
+        "rope_theta": theta or cfg.get("rotary_emb_base") or 1000.0,  # transformers' default
+    }
 
 
 def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
