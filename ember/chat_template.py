@@ -69,8 +69,8 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if not (kind == "image" or (kind == "text" and isinstance(part.get("text"), str))):
                     raise ValueError(
-                        f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': ...}} or an image part "
-                        "(images reach the template only where the model accepts them)"
+                        f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': ...}} or an image "
+                        "placeholder {'type': 'image'}"
                     )
             if all(part["type"] == "text" for part in content):
                 content = "".join(part["text"] for part in content)
