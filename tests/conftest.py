@@ -321,6 +321,71 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
     return path
 
 
+# ---- a tiny random Gemma 3 vision-language checkpoint (tests/test_vision.py, tests/test_media.py) ----
+BOI, EOI, IMG = 297, 298, 299  # <start_of_image>, <end_of_image>, <image_soft_token>
+TOKENS_PER_IMAGE = 4
+GEMMA3_WORDS = ["<pad>", "<eos>", "<bos>", "\n\n", *(f"w{i}" for i in range(BOI - 4))]
+# What Gemma 3's template does with content parts, in brief: an image part is its `<start_of_image>`.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<start_of_image>{% else %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+def _gemma3_tokenizer():
+    import transformers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate([*GEMMA3_WORDS, "<start_of_image>", "<end_of_image>", "<image_soft_token>"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n\n| "), behavior="isolated")
+    tok.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<bos>", "<eos>"])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+    fast.chat_template = GEMMA3_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory) -> str:
+    import transformers
+
+    text = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=16,  # longer than an image (4 tokens), shorter than the prompts
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=7
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config={**vision, "vision_use_head": False},
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMG,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    for name, p in model.named_parameters():  # norms away from the identity, so that every one counts
+        if "norm" in name and name.endswith("weight"):
+            p.data.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("gemma3") / "m"
+    model.save_pretrained(path, safe_serialization=True)
+    _gemma3_tokenizer().save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")

@@ -14,62 +14,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_checkpoint
+from conftest import BOI, EOI, GEMMA3_WORDS, IMG, TOKENS_PER_IMAGE, make_checkpoint
 from PIL import Image
 
 from ember import LLM, SamplingParams
-
-BOI, EOI, IMG = 297, 298, 299
-TOKENS_PER_IMAGE = 4
-WORDS = ["<pad>", "<eos>", "<bos>", "\n\n", *(f"w{i}" for i in range(BOI - 4))]
-
-
-def _tokenizer() -> transformers.PreTrainedTokenizerFast:
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate([*WORDS, "<start_of_image>", "<end_of_image>", "<image_soft_token>"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n\n| "), behavior="isolated")
-    tok.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<bos>", "<eos>"])
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory) -> str:
-    text = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=16,  # longer than an image (4 tokens), shorter than the prompts
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=256,
-    )
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=7
-    )
-    config = transformers.Gemma3Config(
-        text_config=text,
-        vision_config={**vision, "vision_use_head": False},
-        mm_tokens_per_image=TOKENS_PER_IMAGE,
-        boi_token_index=BOI,
-        eoi_token_index=EOI,
-        image_token_index=IMG,
-    )
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    for name, p in model.named_parameters():  # norms away from the identity, so that every one counts
-        if "norm" in name and name.endswith("weight"):
-            p.data.normal_(0.0, 0.5)
-    path = tmp_path_factory.mktemp("gemma3") / "m"
-    model.save_pretrained(path, safe_serialization=True)
-    _tokenizer().save_pretrained(path)
-    return str(path)
 
 
 def picture(seed: int, size: tuple[int, int] = (41, 33)) -> Image.Image:
@@ -79,7 +27,7 @@ def picture(seed: int, size: tuple[int, int] = (41, 33)) -> Image.Image:
 def hf_greedy(path: str, ids: list[int], images: list[Image.Image], n: int) -> list[int]:
     """HF generate on the prompt with each placeholder expanded as Gemma3Processor does."""
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    nl = WORDS.index("\n\n")
+    nl = GEMMA3_WORDS.index("\n\n")
     expanded: list[int] = []
     for t in ids:
         expanded += [nl, BOI, *[IMG] * TOKENS_PER_IMAGE, EOI, nl] if t == BOI else [t]
