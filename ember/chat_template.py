@@ -51,7 +51,9 @@ def load_chat_template(value: str) -> str:
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Check roles and flatten OpenAI-style content parts to plain text."""
+    """Check roles and flatten OpenAI-style text parts to plain text. A message with image placeholders
+    (`{"type": "image"}`, left by ember.multimodal.parts) keeps its parts, as Hugging Face templates
+    read them: each image part becomes the model's image token where the template writes it."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     out = []
@@ -63,12 +65,15 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ValueError(f"messages[{i}].role must be one of {ROLES}, got {role!r}")
         content = msg.get("content")
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}")
-                texts.append(part["text"])
-            content = "".join(texts)
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if not (kind == "image" or (kind == "text" and isinstance(part.get("text"), str))):
+                    raise ValueError(
+                        f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': ...}} or an image "
+                        "placeholder {'type': 'image'}"
+                    )
+            if all(part["type"] == "text" for part in content):
+                content = "".join(part["text"] for part in content)
         elif content is None:
             content = ""
         elif not isinstance(content, str):

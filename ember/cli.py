@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ember.config import EngineArgs
 from ember.sampling.params import SamplingParams
@@ -77,19 +77,22 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def cmd_chat(ns: argparse.Namespace) -> int:
     from ember.frontend.engine import LLMEngine
+    from ember.llm import chat_prompt
 
     engine = LLMEngine(EngineArgs.from_cli_args(ns))
-    tokenizer = engine.tokenizer
-    if tokenizer is None:
+    if engine.tokenizer is None:
         raise SystemExit("error: chat needs a tokenizer")
     params = _sampling_params(engine, ns)
-    history: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
+    history: list[dict[str, Any]] = [{"role": "system", "content": ns.system}] if ns.system else []
+    # --image: read here (the command line's own file), attached to the first user message
+    images = [engine.processor.media.load(path) for path in ns.image or ()]
 
     def answer(user_text: str) -> None:
-        history.append({"role": "user", "content": user_text})
-        text = tokenizer.apply_chat_template(history, add_generation_prompt=True)
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-        reply = _print_stream(stream(engine, prompt, params))
+        content: Any = user_text
+        if images and not any(m["role"] == "user" for m in history):
+            content = [*({"type": "image_pil", "image_pil": im} for im in images), {"type": "text", "text": user_text}]
+        history.append({"role": "user", "content": content})
+        reply = _print_stream(stream(engine, chat_prompt(engine.processor, history), params))
         history.append({"role": "assistant", "content": reply})
 
     if ns.message is not None:
@@ -132,6 +135,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
         chat.add_argument("--message", default=None, help="answer this one message and exit")
         chat.add_argument("--system", default=None, help="system prompt")
+        chat.add_argument(
+            "--image",
+            action="append",
+            metavar="PATH",
+            help="attach this image to the first user message (a vision model; may be given again)",
+        )
         EngineArgs.add_cli_args(chat)
         _add_sampling_args(chat, 512)
         chat.set_defaults(func=cmd_chat)

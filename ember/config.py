@@ -295,6 +295,12 @@ class EngineArgs:
     # How score / rerank requests prompt a decoder reranker (the front end's; a ScoreConfig, a dict or its
     # JSON; None: Qwen3-Reranker's template and its "yes" / "no" tokens; see docs/pooling.md).
     score_config: ScoreConfig | dict[str, Any] | str | None = None
+    # Where a request's images may come from (docs/multimodal.md): file:// URLs only under this directory
+    # ("" as in vLLM: none), http(s) URLs only from these hosts (None: any); and how many per prompt
+    # (vLLM's form: {"image": N}, or its JSON).
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
+    limit_mm_per_prompt: dict[str, int] | str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -343,6 +349,12 @@ class EngineArgs:
             raise ValueError("enable_lora: not supported with tensor parallelism yet (tensor_parallel_size > 1)")
         if self.enable_lora and self.speculative_config is not None:
             raise ValueError("enable_lora: not supported with speculative decoding yet (speculative_config)")
+        if isinstance(self.limit_mm_per_prompt, str):
+            self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
+        if self.limit_mm_per_prompt is not None:
+            if not isinstance(self.limit_mm_per_prompt, dict) or set(self.limit_mm_per_prompt) - {"image"}:
+                raise ValueError(f'limit_mm_per_prompt must be {{"image": N}}, got {self.limit_mm_per_prompt!r}')
+            _check_int("limit_mm_per_prompt.image", self.limit_mm_per_prompt.get("image", 0), 0)
 
     def engine_config(self) -> EngineConfig:
         """The engine core's part of the flags, dtype names spelled one way; the front end keeps the rest
@@ -510,6 +522,26 @@ class EngineArgs:
             default=None,
             help='how /v1/score and /rerank prompt a decoder reranker: e.g. \'{"instruction": "...", "true_token": '
             '"yes", "false_token": "no"}\' (default: Qwen3-Reranker\'s template; see docs/pooling.md)',
+        )
+
+        g.add_argument(
+            "--allowed-local-media-path",
+            default="",
+            metavar="DIR",
+            help="let requests' file:// image URLs read files under DIR (default: none are read)",
+        )
+        g.add_argument(
+            "--allowed-media-domains",
+            nargs="+",
+            default=None,
+            metavar="HOST",
+            help="fetch requests' http(s) image URLs only from these hosts (default: any)",
+        )
+        g.add_argument(
+            "--limit-mm-per-prompt",
+            metavar="JSON",
+            default=None,
+            help="images one prompt may carry, as vLLM: '{\"image\": 4}' (default: 8)",
         )
 
     @classmethod

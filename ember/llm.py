@@ -17,8 +17,9 @@ from tqdm.auto import tqdm
 from ember.config import EngineArgs
 from ember.frontend.engine import LLMEngine
 from ember.frontend.output import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
-from ember.frontend.processor import PromptType
+from ember.frontend.processor import Processor, PromptType
 from ember.lora.request import LoRARequest
+from ember.multimodal.parts import NO_VISION, load_images, split_images
 from ember.pooling.params import PoolingParams
 from ember.pooling.score import ScoreConfig, score_pairs, score_requests
 from ember.sampling.params import SamplingParams
@@ -130,7 +131,10 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate. A vision model's
+        messages may hold image parts as the server takes them: `{"type": "image_url", "image_url": {"url":
+        ...}}` (data:, http(s):// and, under `allowed_local_media_path`, file:// URLs) or vLLM's
+        `{"type": "image_pil", "image_pil": <PIL image>}`."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer, and this model was loaded without one")
@@ -138,12 +142,9 @@ class LLM:
         conversations = cast(
             list[Conversation], [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
-        prompts: list[PromptType] = []
-        for conv in conversations:
-            text = tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-            )
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [
+            chat_prompt(self.llm_engine.processor, c, add_generation_prompt, chat_template) for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def run_batch(
@@ -210,3 +211,24 @@ class LLM:
         finally:
             bar.close()
         return results  # type: ignore[return-value]
+
+
+def chat_prompt(
+    processor: Processor, messages: Conversation, add_generation_prompt: bool = True, chat_template: str | None = None
+) -> PromptType:
+    """One conversation as the engine's prompt: the template's text, its token ids and, when its messages
+    hold image parts, the images loaded (by the processor's media rules) as `multi_modal_data`."""
+    tokenizer = processor.tokenizer
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer, and this model was loaded without one")
+    messages, sources = split_images(messages)
+    if sources and processor.images is None:
+        raise ValueError(f"messages: {NO_VISION}")
+    images = load_images(processor.media, sources) if sources else []
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+    )
+    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt

@@ -321,6 +321,15 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
     return path
 
 
+# ---- a tiny random Gemma 3 vision-language checkpoint (tests/test_vision.py, tests/test_media.py) ----
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory) -> str:
+    """The tiny Gemma 3 vision-language checkpoint of tests/vision_fixtures.py, built once per session."""
+    from vision_fixtures import make_gemma3_vision
+
+    return make_gemma3_vision(tmp_path_factory.mktemp("gemma3") / "m")
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")

@@ -14,15 +14,9 @@ import pytest
 import torch
 import transformers
 from conftest import make_checkpoint
-from vision_fixtures import BOI, EOI, IMG, TOKENS_PER_IMAGE, hf_greedy, make_gemma3_vision, make_llm, picture
+from vision_fixtures import BOI, EOI, IMG, TOKENS_PER_IMAGE, hf_greedy, make_llm, picture
 
 from ember import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory) -> str:
-    return make_gemma3_vision(tmp_path_factory.mktemp("gemma3") / "m")
-
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [2, 10, 11, 12, BOI, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]  # past the 16-token window

@@ -27,6 +27,12 @@ VISION = dict(
     image_size=IMAGE_SIZE,
     patch_size=7,
 )
+# What Gemma 3's template does with content parts, in brief: an image part is its `<start_of_image>`.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<start_of_image>{% else %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+)
 
 
 def _tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -36,9 +42,11 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n\n| "), behavior="isolated")
     tok.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<bos>", "<eos>"])
-    return transformers.PreTrainedTokenizerFast(
+    fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
     )
+    fast.chat_template = GEMMA3_TEMPLATE
+    return fast
 
 
 def make_gemma3_vision(path: Path, **text_overrides) -> str:

@@ -38,6 +38,7 @@ from ember.messages import (
     UtilityResult,
 )
 from ember.model.files import load_model_info
+from ember.multimodal.media import MediaConnector
 from ember.pooling.params import PoolingParams
 from ember.pooling.score import ScoreConfig
 from ember.sampling.params import SamplingParams
@@ -150,9 +151,11 @@ class AsyncLLM(ModelFacts):
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        # Tokenizing a long prompt, or checking a new grammar or adapter, takes milliseconds: off the event loop.
+        # Tokenizing a long prompt, checking a new grammar or adapter, or loading and resizing images takes
+        # milliseconds: off the event loop.
         if (
             needs_tokenizing(prompt)
+            or (isinstance(prompt, dict) and prompt.get("multi_modal_data"))
             or (sampling_params is not None and sampling_params.structured_outputs)
             or lora_request is not None
         ):
@@ -313,7 +316,7 @@ def _load_processor(args: EngineArgs, client: EngineCoreClient) -> Processor:
     timeline.mark("tokenizer loaded")
     ready = client.wait_ready()
     timeline.mark("core ready received")
-    return Processor(info, ready, content_filter)
+    return Processor(info, ready, content_filter, MediaConnector.of(args))
 
 
 def _set_events(streams: list[_Stream]) -> None:

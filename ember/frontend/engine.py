@@ -35,6 +35,7 @@ from ember.messages import (
     UtilityResult,
 )
 from ember.model.files import load_model_info
+from ember.multimodal.media import MediaConnector
 from ember.pooling.params import PoolingParams
 from ember.sampling.params import SamplingParams
 
@@ -53,7 +54,7 @@ class LLMEngine(ModelFacts):
             raise
         # An engine dropped without shutdown() still ends its core process (and the core's memory).
         weakref.finalize(self, self.client.shutdown)
-        self.processor = Processor(self.model_info, self.ready, content_filter)
+        self.processor = Processor(self.model_info, self.ready, content_filter, MediaConnector.of(args))
         self.output_processor = OutputProcessor()
         self._final_only: set[str] = set()
         self._ids = itertools.count()

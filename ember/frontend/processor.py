@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from PIL import Image
-
 from ember.frontend.content_filter import ContentFilter
 from ember.frontend.output import RequestState, child_request_id
 from ember.lora.peft import read_adapter
@@ -22,6 +20,7 @@ from ember.lora.request import LoRARequest
 from ember.messages import EngineCoreReady, EngineCoreRequest
 from ember.model.files import ModelInfo
 from ember.multimodal.inputs import ImageInput
+from ember.multimodal.media import MediaConnector
 from ember.multimodal.preprocess import ImageProcessor
 from ember.pooling.params import POOLING_ONLY, PoolingParams, task_problem
 from ember.sampling.params import INT64_MIN, SamplingParams
@@ -51,7 +50,15 @@ def load_content_filter(blocked_words: str | list[str] | None) -> ContentFilter 
 
 
 class Processor:
-    def __init__(self, info: ModelInfo, ready: EngineCoreReady, content_filter: ContentFilter | None = None) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        ready: EngineCoreReady,
+        content_filter: ContentFilter | None = None,
+        media: MediaConnector | None = None,
+    ) -> None:
+        """`media`: where images may come from and their limits (default: vLLM's, no local files)."""
+        self.media = media or MediaConnector()
         self.tokenizer: Tokenizer | None = info.tokenizer
         self.content_filter = content_filter
         self.generation_config = info.generation_config
@@ -209,8 +216,9 @@ class Processor:
         return ProcessedRequest(state, core)
 
     def _prompt_with_images(self, prompt: PromptType) -> tuple[str | None, list[int], list[ImageInput]]:
-        """The prompt tokenized, with the images of vLLM's `multi_modal_data` {"image": one or a list (PIL
-        images)} in place of its placeholders (the model's own, e.g. Gemma 3's `<start_of_image>`)."""
+        """The prompt tokenized, with the images of vLLM's `multi_modal_data` {"image": one or a list} in
+        place of its placeholders (the model's own, e.g. Gemma 3's `<start_of_image>`). An image is a PIL
+        image, bytes, a path or a URL (loaded by `self.media`, under its limits)."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
             text, ids = self.tokenize_prompt(prompt)
@@ -221,9 +229,12 @@ class Processor:
         unknown = set(data) - {"image"}
         if unknown:
             raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(unknown)}")
-        images = data["image"] if isinstance(data["image"], list) else [data["image"]]
-        if not all(isinstance(im, Image.Image) for im in images):
-            raise ValueError("multi_modal_data.image must be a PIL image or a list of them")
+        sources = data["image"] if isinstance(data["image"], list) else [data["image"]]
+        self.media.check_count(len(sources))
+        try:
+            images = [self.media.load(source) for source in sources]
+        except ValueError as e:
+            raise ValueError(f"multi_modal_data.image: {e}") from None
         v, tok = self.images.vision, self.tokenizer
         if "prompt_token_ids" in prompt or tok is None:
             text, ids = self.tokenize_prompt({"prompt_token_ids": prompt.get("prompt_token_ids")})

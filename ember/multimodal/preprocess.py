@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from ember.multimodal.inputs import ImageInput, VisionFacts
+from ember.multimodal.media import to_rgb
 
 _RESAMPLE = {0: Image.Resampling.NEAREST, 2: Image.Resampling.BILINEAR, 3: Image.Resampling.BICUBIC}
 
@@ -42,9 +43,10 @@ class ImageProcessor:
         )
 
     def pixels(self, image: Image.Image) -> np.ndarray:
-        """float32 [3, size, size]: the image as the vision tower reads it."""
+        """float32 [3, size, size]: the image as the vision tower reads it (transparency over white, as
+        transformers' `convert_to_rgb`)."""
         size = self.vision.image_size
-        rgb = image.convert("RGB").resize((size, size), _RESAMPLE[self.resample])
+        rgb = to_rgb(image).resize((size, size), _RESAMPLE[self.resample])
         # as transformers: the resized uint8 image rescaled in float32, then normalized per channel
         x = np.asarray(rgb, dtype=np.float32) * np.float32(self.rescale)
         x = (x - np.asarray(self.mean, dtype=np.float32)) / np.asarray(self.std, dtype=np.float32)

@@ -119,6 +119,7 @@ def _chat_input(body: CountTokensRequest, params: SamplingParams) -> ChatInput:
         tool_name=name,
         parallel_tool_calls=parallel,
         template_kwargs=body.template_kwargs(),
+        messages_field="messages",
     )
 
 

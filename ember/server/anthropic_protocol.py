@@ -2,11 +2,12 @@
 
 Field names and shapes follow Anthropic's API, so the `anthropic` SDK and agents built on it (Claude
 Code with `ANTHROPIC_BASE_URL`) work unchanged. Unknown fields are ignored, as on the OpenAI
-endpoints (clients send `cache_control`, `service_tier`, ...). Content the engine cannot read (images,
-documents, server tools) is a 400 naming the block, never silently dropped.
+endpoints (clients send `cache_control`, `service_tier`, ...). Content the engine cannot read (documents,
+server tools; images on a text-only model) is a 400 naming the block, never silently dropped.
 
 `MessagesRequest.chat_messages` writes the conversation as chat templates read it: `system` first,
-text blocks joined by blank lines, an assistant's `thinking` as `reasoning_content` and its
+text blocks joined by blank lines (a user's message with images: its text and image blocks as content
+parts, in order, images as `image_url` parts), an assistant's `thinking` as `reasoning_content` and its
 `tool_use` blocks as `tool_calls`, each `tool_result` as a `tool` message.
 """
 
@@ -16,7 +17,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, RootModel, field_validator
+from pydantic import BaseModel, Field, RootModel, field_validator, model_validator
 
 from ember.sampling.params import INT32_MAX, SamplingParams
 from ember.sampling.structured import StructuredOutputsParams, check_grammar
@@ -63,10 +64,34 @@ class ToolResultBlock(BaseModel):
         return f"Error: {text}" if self.is_error else text
 
 
+class Base64ImageSource(BaseModel):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class URLImageSource(BaseModel):
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class ImageBlock(BaseModel):
+    """A user's image: its bytes inline or a URL, read as the OpenAI endpoints read an `image_url` part."""
+
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+
+    def image_url_part(self) -> dict[str, Any]:
+        src = self.source
+        url = src.url if isinstance(src, URLImageSource) else f"data:{src.media_type};base64,{src.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
 ContentBlock = Annotated[
-    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")
+    TextBlock | ImageBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
+    Field(discriminator="type"),
 ]
-_READABLE_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use", "tool_result")
+_READABLE_BLOCKS = ("text", "image", "thinking", "redacted_thinking", "tool_use", "tool_result")
 
 
 def _readable_blocks(value: Any) -> Any:
@@ -75,7 +100,7 @@ def _readable_blocks(value: Any) -> Any:
         _READABLE_BLOCKS,
         "content[{i}] is a {kind!r} block; Ember reads "
         + ", ".join(_READABLE_BLOCKS)
-        + " blocks (images and documents are not supported yet)",
+        + " blocks (documents are not supported yet)",
     )
 
 
@@ -84,6 +109,12 @@ class InputMessage(BaseModel):
     content: str | list[ContentBlock]
 
     _check_blocks = field_validator("content", mode="before")(_readable_blocks)
+
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> InputMessage:
+        if self.role == "assistant" and any(isinstance(b, ImageBlock) for b in self.content):
+            raise ValueError("content: image blocks belong in user messages")
+        return self
 
 
 class Tool(BaseModel):
@@ -224,7 +255,14 @@ def _chat_messages(m: InputMessage) -> list[dict[str, Any]]:
             for b in m.content
             if isinstance(b, ToolResultBlock)
         ]
-        if texts or not out:
+        if any(isinstance(b, ImageBlock) for b in m.content):  # the blocks in order, as content parts
+            parts = [
+                b.image_url_part() if isinstance(b, ImageBlock) else {"type": "text", "text": b.text}
+                for b in m.content
+                if isinstance(b, (ImageBlock, TextBlock))
+            ]
+            out.append({"role": "user", "content": parts})
+        elif texts or not out:
             out.append({"role": "user", "content": "\n\n".join(texts)})
         return out
     message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}

@@ -15,14 +15,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
+from PIL import Image
 from pydantic import BaseModel
 
 from ember.frontend.async_llm import AsyncLLM
 from ember.frontend.output import CompletionOutput, Logprob, RequestOutput
 from ember.lora.request import LoRARequest
+from ember.multimodal.media import ImageSource
+from ember.multimodal.parts import IMAGE_PARTS, NO_VISION, load_images, split_images
 from ember.sampling.params import SamplingParams
 from ember.server.chat_answer import AnswerDelta, AnswerParser, ToolMode, tool_constraint
-from ember.server.errors import bad_request, value_error
+from ember.server.errors import APIError, bad_request, value_error
 from ember.server.generation import Generation
 from ember.server.plumbing import (
     check_constraint,
@@ -56,6 +59,9 @@ class ChatInput:
     top_logprobs: int = 0
     tool_choice_field: str = "tool_choice"  # the request field errors about the tool choice name
     lora_request: LoRARequest | None = None  # the adapter the request's `model` names
+    # The request field errors about images name: None when `messages` are the request's own, in order
+    # (chat completions: `messages[i].content`); the API's field otherwise (`messages`, `input`).
+    messages_field: str | None = None
 
 
 @dataclass
@@ -105,7 +111,10 @@ async def start_chat(state: ServerState, engine: AsyncLLM, chat: ChatInput, requ
         params.structured_outputs = tool_constraint(chat.tools, mode, chat.parallel_tool_calls)
         assert params.structured_outputs is not None  # required and named modes always constrain
         await check_constraint(engine, params.structured_outputs, "tools", chat.request_model)
-    prompt = await _render(chat, tokenizer)
+    messages, images = await _load_images(engine, chat)
+    prompt = await _render(chat, tokenizer, messages)
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
     if state.settings.reasoning_parser and params.structured_outputs is not None and _will_think(prompt["prompt"]):
         params.structured_outputs = replace(params.structured_outputs, after_think=True)
     return ChatRun(state, engine, chat, request_id, prompt, mode, tokenizer)
@@ -116,14 +125,58 @@ async def count_prompt_tokens(state: ServerState, engine: AsyncLLM, chat: ChatIn
     400s as running it for a tool choice it could not run."""
     tokenizer = require_tokenizer(engine)
     _tool_mode(chat, state, tokenizer)
-    return len((await _render(chat, tokenizer))["prompt_token_ids"])
+    messages, sources = _split_images(engine, chat)
+    ids = (await _render(chat, tokenizer, messages))["prompt_token_ids"]
+    if sources:  # each placeholder becomes the image's tokens (checked, not loaded: nothing runs on them)
+        assert engine.processor.images is not None  # _split_images refused images to a text-only model
+        ids = engine.processor.images.expand_ids(ids, tokenizer.encode("\n\n", add_special_tokens=False))
+    return len(ids)
 
 
-async def _render(chat: ChatInput, tokenizer: Tokenizer) -> dict[str, Any]:
+def _split_images(engine: AsyncLLM, chat: ChatInput) -> tuple[list[dict[str, Any]], list[ImageSource]]:
+    """The messages with `{"type": "image"}` placeholders, and the images' sources; 400s for a malformed
+    image part, for images to a text-only model and for more images than a prompt may carry."""
+    try:
+        messages, sources = split_images(chat.messages)
+        if sources and engine.processor.images is None:
+            raise ValueError(NO_VISION)
+        if sources:
+            engine.processor.media.check_count(len(sources))
+    except ValueError as e:
+        raise _image_error(chat, e) from None
+    return messages, sources
+
+
+async def _load_images(engine: AsyncLLM, chat: ChatInput) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """`_split_images`, then the images loaded and decoded in a worker thread (a large one takes tens of
+    milliseconds, a fetch up to its timeout: the event loop keeps serving other requests meanwhile)."""
+    messages, sources = _split_images(engine, chat)
+    if not sources:
+        return messages, []
+    try:
+        return messages, await asyncio.to_thread(load_images, engine.processor.media, sources)
+    except ValueError as e:
+        raise _image_error(chat, e) from None
+
+
+def _image_error(chat: ChatInput, e: ValueError) -> APIError:
+    param = chat.messages_field
+    if param is None:
+        first = next((i for i, m in enumerate(chat.messages) if _has_image(m)), None)
+        param = "messages" if first is None else f"messages[{first}].content"
+    return bad_request(f"{param}: {e}", param)
+
+
+def _has_image(message: Any) -> bool:
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in content)
+
+
+async def _render(chat: ChatInput, tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> dict[str, Any]:
     variables = dict(chat.template_kwargs)
     if chat.tools is not None and chat.tool_choice != "none":
         variables["tools"] = [{"type": "function", "function": t} for t in chat.tools]
-    return await asyncio.to_thread(render_chat, tokenizer, chat.messages, True, False, variables, chat.request_model)
+    return await asyncio.to_thread(render_chat, tokenizer, messages, True, False, variables, chat.request_model)
 
 
 def render_chat(

@@ -12,6 +12,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 
 from ember.frontend.async_llm import AsyncLLM
+from ember.multimodal.parts import split_images
 from ember.server.conversation import render_chat
 from ember.server.errors import bad_request
 from ember.server.openapi import BODY_ERRORS, ENGINE_ERRORS, ResetPrefixCacheResponse, route_docs
@@ -52,6 +53,10 @@ async def tokenize(request: Request, engine: AsyncLLM = Depends(ready_engine)) -
         raise bad_request("Send exactly one of 'prompt' or 'messages'", "prompt")
     if body.messages is not None:
         messages = template_messages(body.messages)
+        if split_images(messages)[1]:
+            raise bad_request(
+                "messages: /tokenize does not read images yet (their tokens depend on the model)", "messages"
+            )
         add_special = bool(body.add_special_tokens)
         rendered = await asyncio.to_thread(
             render_chat, tokenizer, messages, body.add_generation_prompt, add_special, None, TokenizeRequest

@@ -203,23 +203,39 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sets the size
+
+
+class ImagePart(BaseModel):
+    """OpenAI's image part; `image_url` may also be the URL alone, as vLLM accepts. Loaded by
+    ember/multimodal/media.py (data:, http(s):// and, where allowed, file:// URLs)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | Annotated[str, Field(min_length=1)]
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_calls, tool_call_id) are passed on to the chat template.
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
-        """Say plainly that an image (or audio, file) part is not read, rather than "Input should be a
-        valid string" from the union's first member."""
+    def _readable_parts(cls, value: Any) -> Any:
+        """Say plainly that an audio or file part is not read, rather than "Input should be a valid
+        string" from the union's first member."""
         return refuse_unreadable(
             value,
-            ("text",),
-            "content[{i}] is a {kind!r} part; Ember reads text parts only "
-            "(images and other media are not supported yet)",
+            ("text", "image_url"),
+            "content[{i}] is a {kind!r} part; Ember reads text and image_url parts "
+            "(audio and files are not supported yet)",
         )
 
 

@@ -166,6 +166,7 @@ async def _start(state: ServerState, engine: AsyncLLM, body: ResponsesRequest, o
         template_kwargs=body.template_kwargs(),
         top_logprobs=body.top_logprobs or 0,
         lora_request=state.lora_for(body.model),
+        messages_field="input",
     )
     obj = ResponseObject.for_request(body, state.served_model(body.model), params)
     run = await start_chat(state, engine, chat, obj.id)

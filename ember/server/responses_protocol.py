@@ -2,9 +2,9 @@
 
 Request items follow OpenAI's shapes, so the `openai` client (`client.responses.create`) and agents
 built on it work unchanged: messages with `input_text` / `output_text` parts (or a plain string),
-`function_call`, `function_call_output` and `reasoning` items. Unknown fields are ignored as on the
-other endpoints; what the engine cannot do (images, files, hosted tools such as web search) is a 400
-naming the item, never silently dropped.
+`function_call`, `function_call_output` and `reasoning` items, `input_image` parts by URL. Unknown fields
+are ignored as on the other endpoints; what the engine cannot do (files, hosted tools such as web search;
+images on a text-only model) is a 400 naming the item, never silently dropped.
 
 `chat_messages` writes a list of items as chat templates read it: an item's text parts joined, a
 `reasoning` item as the next assistant turn's `reasoning_content`, consecutive `function_call`s as
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, Discriminator, Field, RootModel, Tag, field_validator
 
@@ -43,18 +43,38 @@ class Refusal(BaseModel):
     refusal: str
 
 
+class InputImage(BaseModel):
+    """An image by URL (`data:`, http(s)://, or file:// where allowed), read as chat's `image_url` part."""
+
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 TextContent = Annotated[InputText | Refusal, Field(discriminator="type")]
+MessageContent = Annotated[InputText | Refusal | InputImage, Field(discriminator="type")]
 _READABLE_PARTS = ("input_text", "output_text", "refusal")
 
 
-def _readable_parts(value: Any) -> Any:
-    return refuse_unreadable(
-        value,
-        _READABLE_PARTS,
-        "content[{i}] is a {kind!r} part; Ember reads "
-        + ", ".join(_READABLE_PARTS)
-        + " parts (images, audio and files are not supported yet)",
-    )
+def _readable(parts: tuple[str, ...]) -> Any:
+    def check(value: Any) -> Any:
+        return refuse_unreadable(
+            value,
+            parts,
+            "content[{i}] is a {kind!r} part; Ember reads " + ", ".join(parts) + " parts (audio and files are not "
+            "supported yet)",
+        )
+
+    return check
+
+
+def _message_parts(value: Any) -> Any:
+    """`_readable`, and an image without a URL said plainly."""
+    value = _readable((*_READABLE_PARTS, "input_image"))(value)
+    for i, part in enumerate(value if isinstance(value, list) else ()):
+        if isinstance(part, dict) and part.get("type") == "input_image" and not part.get("image_url"):
+            raise ValueError(f"content[{i}]: an input_image needs image_url (file_id is not supported: no files here)")
+    return value
 
 
 def _text(content: str | list[TextContent]) -> str:
@@ -63,14 +83,26 @@ def _text(content: str | list[TextContent]) -> str:
     return "".join(p.text if isinstance(p, InputText) else p.refusal for p in content)
 
 
+def _content(content: str | list[MessageContent]) -> str | list[dict[str, Any]]:
+    """A message's text; with images, its parts in order as chat content parts (images as `image_url`)."""
+    if isinstance(content, str) or not any(isinstance(p, InputImage) for p in content):
+        return _text(cast(str | list[TextContent], content))
+    return [
+        {"type": "image_url", "image_url": {"url": p.image_url}}
+        if isinstance(p, InputImage)
+        else {"type": "text", "text": p.text if isinstance(p, InputText) else p.refusal}
+        for p in content
+    ]
+
+
 class MessageItem(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextContent]
+    content: str | list[MessageContent]
     id: str | None = None
     status: str | None = None
 
-    _check_parts = field_validator("content", mode="before")(_readable_parts)
+    _check_parts = field_validator("content", mode="before")(_message_parts)
 
 
 class FunctionCallItem(BaseModel):
@@ -89,7 +121,7 @@ class FunctionCallOutputItem(BaseModel):
     id: str | None = None
     status: str | None = None
 
-    _check_parts = field_validator("output", mode="before")(_readable_parts)
+    _check_parts = field_validator("output", mode="before")(_readable(_READABLE_PARTS))
 
 
 class ReasoningText(BaseModel):
@@ -119,12 +151,18 @@ def _item_type(value: Any) -> str:
 
 
 def _readable_items(value: Any) -> Any:
+    """Unreadable items and message parts said plainly (the `input` union would only say "not a string")."""
     if isinstance(value, list):
         for i, item in enumerate(value):
             if isinstance(item, dict) and _item_type(item) == "unsupported":
                 raise ValueError(
                     f"input[{i}] is a {item.get('type')!r} item; Ember reads {', '.join(_ITEM_TYPES)} items"
                 )
+            if isinstance(item, dict) and _item_type(item) == "message":
+                try:
+                    _message_parts(item.get("content"))
+                except ValueError as e:
+                    raise ValueError(f"input[{i}].{e}") from None
     return value
 
 
@@ -158,7 +196,7 @@ def chat_messages(items: list[InputItem], instructions: str | None) -> list[dict
             function = {"name": item.name, "arguments": item.arguments}
             last.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": function})
         else:
-            out.append({"role": item.role, "content": _text(item.content)})
+            out.append({"role": item.role, "content": _content(item.content)})
         if reasoning and out and out[-1]["role"] == "assistant":
             out[-1]["reasoning_content"], reasoning = reasoning, ""
     return with_argument_mappings(out)
