@@ -122,7 +122,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.group = cfg.hidden_size * cfg.spatial_merge_size**2
         self.ln_q = VisionRMSNorm(cfg.hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(self.group, self.group), nn.GELU(), nn.Linear(self.group, cfg.out_hidden_size))
+        out = cfg.out_hidden_size
+        self.mlp = nn.Sequential(nn.Linear(self.group, self.group), nn.GELU(), nn.Linear(self.group, out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.group))
