@@ -217,7 +217,7 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() == 1:
             return self.cos[positions], sin[positions]
         assert self.section is not None, "[3, T] positions are M-RoPE's (mrope_section)"
-        rows = positions[self.section].t()  # [T, D]: each channel's position
+        rows = positions[self.section].t().contiguous()  # [T, D]: each channel's position
         cols = torch.arange(self.rotary_dim, device=positions.device)
         return self.cos[rows, cols], sin[rows, cols]
 
