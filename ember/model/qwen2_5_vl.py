@@ -133,6 +133,8 @@ class Qwen25VisionTower(nn.Module):
     """Images' patches -> the language model's image-token embeddings, one row per image token, in image
     order then each image's row-major merged grid."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer): the rotary frequencies of one axis
+
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
         self.config = cfg
