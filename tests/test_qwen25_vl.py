@@ -175,7 +175,7 @@ def test_mrope_positions_equal_hf_rope_index(qwen25vl):
     assert mrope_delta(ours, 2) == int(delta)
 
 
-@pytest.mark.parametrize("budget", [None, 8])  # 8: prefill in chunks (the image's 4 tokens whole)
+@pytest.mark.parametrize("budget", [None, 6])  # 6: chunks that would cut the image (tokens 4-7): [0, 4), [4, 10), ...
 def test_one_image_greedy_equals_hf(qwen25vl, budget):
     llm = make_llm(qwen25vl, max_num_batched_tokens=budget, max_model_len=128)
     image = picture(1, SQUARE)
