@@ -738,6 +738,33 @@ def test_rotary_matches_hf_formula(head_dim: int, group: int, dtype: torch.dtype
     assert_same_rounding(k_rot, k_ref)
 
 
+def test_mrope_rotary_matches_hf_sections() -> None:
+    """M-RoPE ([3, T] positions, Qwen2.5-VL): the Triton kernel (reading each token's own table row) and the
+    PyTorch path rotate as transformers' Qwen2_5_VLRotaryEmbedding + apply_rotary_pos_emb do."""
+    from ember.model.layers import RotaryEmbedding
+    from ember.ops import rotary
+
+    gen = torch.Generator().manual_seed(3)
+    head_dim, section, tokens = 16, (2, 3, 3), 9
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None, None, section).to(DEVICE)
+    positions = torch.randint(0, 64, (3, tokens), generator=gen).to(DEVICE)
+    q, k = randn(tokens, 4, head_dim, gen=gen), randn(tokens, 2, head_dim, gen=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = positions.cpu()[..., None].float() * inv_freq  # [3, T, D / 2]
+    angles = torch.cat([m[i % 3] for i, m in enumerate(freqs.split(list(section), dim=-1))], dim=-1)
+    angles = torch.cat((angles, angles), dim=-1).to(DEVICE)
+    cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., head_dim // 2 :], x[..., : head_dim // 2]), dim=-1)
+
+    expected = (q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)
+    for impl in (rotary.TritonRotary(), rotary.TorchFullRotary(), rotary.TorchRotary()):
+        for got, want in zip(impl(rope, positions, q, k), expected):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert rope.full_tables(head_dim) is None  # the fused rotary-and-store kernels read one position a token
+
+
 def unfused_rotary_store(positions, qkv, cos, sin, k_cache, v_cache, slots, num_heads, qk_norm):
     """What a layer computes without the fused kernel: the per-head norms, rotary, then the store."""
     head_dim = k_cache.shape[-1]

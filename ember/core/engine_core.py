@@ -45,10 +45,10 @@ from ember.messages import (
     Logprobs,
     SchedulerStats,
 )
-from ember.model.hf_config import ModelConfig, VisionConfig
+from ember.model.hf_config import ModelConfig, QwenVisionConfig, VisionConfig
 from ember.model.loader import load_model_files
 from ember.model.sharding import check_divisible
-from ember.multimodal.inputs import VisionFacts
+from ember.multimodal.inputs import QWEN25_VL_FAMILY, ImageInput, VisionFacts
 from ember.pooling.params import (
     POOLING_ONLY,
     PoolerConfig,
@@ -264,23 +264,25 @@ class EngineCore:
         return None if msg.lora_request is None else self._check_lora(msg.lora_request)
 
     def _check_images(self, msg: EngineCoreRequest) -> str | None:
-        """Each image where the front end put it: whole image-token runs of the model's length, in order,
-        inside the prompt, its pixels of the tower's size, and no longer than a step's token budget."""
+        """Each image where the front end put it: whole image-token runs of its length, in order, inside
+        the prompt, its pixels of the tower's size (Gemma 3) or of its patch grid (Qwen2.5-VL), and no
+        longer than a step's token budget (the scheduler never splits an image)."""
         v = self.vision
         if v is None:
             return "images: this model does not accept image input"
         if self.tensor_parallel is not None:  # the other ranks' steps carry no images yet
             return "images: not supported with tensor parallelism yet"
-        if v.tokens_per_image > self.scheduler_config.max_num_batched_tokens:
-            return f"images: an image's {v.tokens_per_image} tokens exceed max_num_batched_tokens"
-        ids, end = msg.prompt_token_ids, 0
+        ids, end, budget = msg.prompt_token_ids, 0, self.scheduler_config.max_num_batched_tokens
         for image in msg.images:
-            if image.offset < end or image.length != v.tokens_per_image or image.end > len(ids):
+            if image.length > budget:
+                return f"images: an image's {image.length} tokens exceed max_num_batched_tokens ({budget})"
+            if image.offset < end or image.end > len(ids):
                 return "images: an image's tokens are out of order, overlap or leave the prompt"
             if any(t != v.image_token_id for t in ids[image.offset : image.end]):
                 return f"images: an image's positions must hold image tokens ({v.image_token_id})"
-            if image.size != v.image_size or len(image.pixels) != 4 * 3 * v.image_size**2:
-                return f"images: pixels must be float32 [3, {v.image_size}, {v.image_size}]"
+            problem = _image_shape_problem(v, image)
+            if problem is not None:
+                return problem
             end = image.end
         return None
 
@@ -572,8 +574,30 @@ def _start_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> T
     return group
 
 
-def _vision_facts(v: VisionConfig) -> VisionFacts:
+def _vision_facts(v: VisionConfig | QwenVisionConfig) -> VisionFacts:
+    if isinstance(v, QwenVisionConfig):
+        ids = (v.image_token_id, v.vision_start_token_id, v.vision_end_token_id)
+        return VisionFacts(0, 0, *ids, QWEN25_VL_FAMILY, v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
     return VisionFacts(v.tokens_per_image, v.image_size, v.image_token_id, v.boi_token_id, v.eoi_token_id)
+
+
+def _image_shape_problem(v: VisionConfig | QwenVisionConfig, image: ImageInput) -> str | None:
+    """Why the image's token count or pixels do not fit the tower, or None."""
+    if isinstance(v, VisionConfig):
+        if image.length != v.tokens_per_image:
+            return f"images: an image has {v.tokens_per_image} tokens, not {image.length}"
+        if image.size != v.image_size or len(image.pixels) != 4 * 3 * v.image_size**2:
+            return f"images: pixels must be float32 [3, {v.image_size}, {v.image_size}]"
+        return None
+    m = v.spatial_merge_size
+    if image.grid is None or len(image.grid) != 3 or min(image.grid) < 1 or image.grid[1] % m or image.grid[2] % m:
+        return f"images: a patch grid (t, h, w) with h and w multiples of {m} must come with each image"
+    t, h, w = image.grid
+    if image.length != t * h * w // m**2:
+        return f"images: an image of patch grid {image.grid} has {t * h * w // m**2} tokens, not {image.length}"
+    if len(image.pixels) != 4 * t * h * w * 3 * v.temporal_patch_size * v.patch_size**2:
+        return f"images: pixels must be float32 [{t * h * w}, {3 * v.temporal_patch_size * v.patch_size**2}]"
+    return None
 
 
 def _shared_window(cfg: ModelConfig) -> int | None:

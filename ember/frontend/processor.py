@@ -21,7 +21,7 @@ from ember.messages import EngineCoreReady, EngineCoreRequest
 from ember.model.files import ModelInfo
 from ember.multimodal.inputs import ImageInput
 from ember.multimodal.media import MediaConnector
-from ember.multimodal.preprocess import ImageProcessor
+from ember.multimodal.preprocess import image_processor
 from ember.pooling.params import POOLING_ONLY, PoolingParams, task_problem
 from ember.sampling.params import INT64_MIN, SamplingParams
 from ember.sampling.structured import GrammarCheck, StructuredOutputsParams, check_grammar
@@ -68,7 +68,7 @@ class Processor:
         self.lora_shapes = ready.lora
         self.hidden_size = ready.hidden_size
         self.pooling_only = ready.runner == "pooling"
-        self.images = None if ready.vision is None else ImageProcessor.of(ready.vision, info.image_processor)
+        self.images = None if ready.vision is None else image_processor(ready.vision, info.image_processor)
         self.encoder, self.num_labels = ready.encoder, ready.num_labels
         self._checked_loras: set[LoRARequest] = set()  # adapters that passed check_lora (files read once)
         self._grammar_check = GrammarCheck(self.tokenizer, self.vocab_size) if self.tokenizer is not None else None
@@ -217,8 +217,8 @@ class Processor:
 
     def _prompt_with_images(self, prompt: PromptType) -> tuple[str | None, list[int], list[ImageInput]]:
         """The prompt tokenized, with the images of vLLM's `multi_modal_data` {"image": one or a list} in
-        place of its placeholders (the model's own, e.g. Gemma 3's `<start_of_image>`). An image is a PIL
-        image, bytes, a path or a URL (loaded by `self.media`, under its limits)."""
+        place of its placeholders (the model's own: Gemma 3's `<start_of_image>`, Qwen2.5-VL's `<|image_pad|>`).
+        An image is a PIL image, bytes, a path or a URL (loaded by `self.media`, under its limits)."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
             text, ids = self.tokenize_prompt(prompt)
@@ -235,17 +235,15 @@ class Processor:
             images = [self.media.load(source) for source in sources]
         except ValueError as e:
             raise ValueError(f"multi_modal_data.image: {e}") from None
-        v, tok = self.images.vision, self.tokenizer
+        tok = self.tokenizer
         if "prompt_token_ids" in prompt or tok is None:
             text, ids = self.tokenize_prompt({"prompt_token_ids": prompt.get("prompt_token_ids")})
-            newline = tok.encode("\n\n", add_special_tokens=False) if tok is not None else []
-            ids = self._check_token_ids(self.images.expand_ids(ids, newline))
+            ids = self._check_token_ids(self.images.expand_ids(ids, images, tok))
         else:
-            names = [tok.id_to_token(t) or "" for t in (v.boi_token_id, v.image_token_id, v.eoi_token_id)]
             text = prompt.get("prompt")
             if not isinstance(text, str):
                 raise ValueError("prompt must be a string or prompt_token_ids given with multi_modal_data")
-            text, ids = self.tokenize_prompt(self.images.expand_text(text, *names))
+            text, ids = self.tokenize_prompt(self.images.expand_text(text, images, tok))
         return text, ids, self.images.inputs(ids, images)
 
     def _process_pooling(

@@ -84,6 +84,35 @@ class VisionConfig:
         return self.image_size // self.patch_size
 
 
+QWEN25_VL = "Qwen2_5_VLForConditionalGeneration"
+
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    """Qwen2.5-VL's vision tower (ember/model/qwen2_5_vl.py): images of any size cut into `patch_size`
+    patches over `temporal_patch_size` frames (a still image repeats its frame), a ViT of RMSNorm blocks
+    with 2D rotary, window attention (`window_size` pixels a side) but in `fullatt_block_indexes`, and a
+    merger of each `spatial_merge_size`^2 patches into one token of `out_hidden_size`. An image becomes
+    grid_h * grid_w / merge^2 `image_token_id` tokens, written by the front end in place of one
+    `<|image_pad|>` (the same id) between `<|vision_start|>` and `<|vision_end|>`."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    hidden_act: str
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    rope_theta: float = 10000.0
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters, in Hugging Face `config.json` terms."""
@@ -126,7 +155,10 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head that is rotated (Phi-4-mini: 0.75)
     moe: MoeConfig | None = None  # mixture-of-experts models (Qwen3-MoE, Mixtral)
     encoder: EncoderConfig | None = None  # an encoder (BERT, XLM-R): pooling only, bidirectional attention
-    vision: VisionConfig | None = None  # a vision tower (Gemma 3's SigLIP): images in the prompt
+    vision: VisionConfig | QwenVisionConfig | None = None  # a vision tower (Gemma 3's SigLIP, Qwen2.5-VL's ViT)
+    # M-RoPE (Qwen2.5-VL): the rotary channel pairs of each head split into sections rotated by a token's
+    # temporal, height and width positions (text tokens: all three the same); None: plain rotary
+    mrope_section: tuple[int, int, int] | None = None
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -137,7 +169,10 @@ class ModelConfig:
         arch = archs[0] if archs else ""
         if arch in ENCODER_ARCHITECTURES:
             return _encoder_config(arch, cfg)
-        vision = None
+        vision: VisionConfig | QwenVisionConfig | None = None
+        mrope = None
+        if arch == QWEN25_VL:
+            vision, mrope, cfg = _qwen25_vl(cfg)
         if arch in _GEMMA_DEFAULTS:
             if arch == "Gemma3ForConditionalGeneration":
                 vision = _gemma3_vision(cfg)
@@ -167,7 +202,7 @@ class ModelConfig:
             rope_scaling=_resolve_yarn(_resolve_longrope(rope_scaling, cfg), cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", _GPT_OSS))),
+            attention_bias=bool(cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", QWEN25_VL, _GPT_OSS))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA3),
             gemma_norms=gemma,
             hidden_act="gelu_pytorch_tanh" if gemma else "silu",
@@ -184,6 +219,7 @@ class ModelConfig:
             o_proj_bias=arch == _GPT_OSS and bool(cfg.get("attention_bias", True)),
             attention_sinks=arch == _GPT_OSS,
             vision=vision,
+            mrope_section=mrope,
         )
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
@@ -227,6 +263,41 @@ def _gemma3_vision(cfg: dict[str, Any]) -> VisionConfig | None:
         boi_token_id=int(cfg.get("boi_token_index", 255999)),
         eoi_token_id=int(cfg.get("eoi_token_index", 256000)),
     )
+
+
+def _qwen25_vl(cfg: dict[str, Any]) -> tuple[QwenVisionConfig, tuple[int, int, int], dict[str, Any]]:
+    """Qwen2.5-VL: its vision tower, its M-RoPE sections and its text model's keys (under `text_config` in
+    transformers >= 5's configs, at the top level in the Hub's; mrope_section under `rope_parameters`
+    or `rope_scaling`, whose type "mrope" / "default" is otherwise plain rotary)."""
+    v = cfg.get("vision_config") or {}
+    text = {**{k: x for k, x in cfg.items() if k != "vision_config"}, **(cfg.get("text_config") or {})}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if not section or len(section) != 3:
+        raise ValueError(f"{QWEN25_VL}: rope_parameters.mrope_section must give three sections, got {section!r}")
+    theta = rope.get("rope_theta") or text.get("rope_theta") or 1_000_000.0
+    text = {**text, "rope_theta": theta, "rope_scaling": None, "rope_parameters": None}
+    if (v.get("rope_parameters") or {}).get("rope_type", "axial") != "axial":
+        raise ValueError(f"{QWEN25_VL}: vision rope_type {v['rope_parameters']['rope_type']!r} (axial only)")
+    vision = QwenVisionConfig(
+        depth=int(v.get("depth", 32)),
+        hidden_size=int(v.get("hidden_size", 3584)),
+        intermediate_size=int(v.get("intermediate_size", 3420)),
+        num_heads=int(v.get("num_heads", 16)),
+        out_hidden_size=int(v.get("out_hidden_size", 3584)),
+        patch_size=int(v.get("patch_size", 14)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        window_size=int(v.get("window_size", 112)),
+        fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        hidden_act=str(v.get("hidden_act", "silu")),
+        image_token_id=int(cfg.get("image_token_id", 151655)),
+        vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
+        vision_end_token_id=int(cfg.get("vision_end_token_id", 151653)),
+        rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+    )
+    a, b, c = (int(x) for x in section)
+    return vision, (a, b, c), text
 
 
 def _encoder_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:

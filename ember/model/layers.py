@@ -134,12 +134,20 @@ class RotaryEmbedding(nn.Module):
     Phi-4-mini); the rest pass through unchanged. `sin_signed` is sin with its first half negated, what
     the PyTorch path and the native kernels multiply roll(x, D / 2) by. The rows for a step's positions
     are looked up once and reused by every layer.
+
+    M-RoPE (Qwen2.5-VL, `mrope_section`): positions come as [3, T] (a token's temporal, height and width
+    positions) and channel pair j rotates by the position of its section (the first `mrope_section[0]`
+    pairs by the temporal one, and so on), so a token's row is the table's row of each channel's own
+    position: one gather, the same values as transformers' per-section concatenation. [T] positions
+    still work (text: the three positions agree). The fused rotary-and-store kernels and the native
+    decode read one position per token, so an M-RoPE layer offers them no tables (`full_tables`).
     """
 
     # buffers (register_buffer): a row per position
     cos: torch.Tensor
     sin: torch.Tensor
     sin_signed: torch.Tensor
+    section: torch.Tensor | None  # M-RoPE: each channel's position row (0, 1, 2), [rotary_dim]
 
     def __init__(
         self,
@@ -148,6 +156,7 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         scaling: dict[str, Any] | None,
         rotary_dim: int | None = None,
+        mrope_section: tuple[int, int, int] | None = None,
     ) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
@@ -164,6 +173,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "sin_signed", torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1), persistent=False
         )
+        section = None
+        if mrope_section is not None:
+            if sum(mrope_section) != half:
+                raise ValueError(f"mrope_section {mrope_section} must add up to rotary_dim / 2 = {half}")
+            section = torch.cat([torch.full((n,), i) for i, n in enumerate(mrope_section)]).repeat(2)
+        self.register_buffer("section", section, persistent=False)
         self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,17 +199,27 @@ class RotaryEmbedding(nn.Module):
 
     def full_tables(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cos and signed sin tables [max_positions, head_dim] when every channel of a head is rotated
-        (what the native fused rotary reads), else None."""
-        return (self.cos, self.sin_signed) if self.rotary_dim == head_dim else None
+        by one position per token (what the native fused rotary reads), else None."""
+        return (self.cos, self.sin_signed) if self.rotary_dim == head_dim and self.section is None else None
 
     def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin rows for `positions`, [T, 1, D]. Held while the same positions tensor
-        (a step's, passed to every layer) keeps coming; the reference keeps its id from being reused."""
+        """cos and signed sin rows for `positions` ([T], or [3, T] with M-RoPE), [T, 1, D]. Held while the
+        same positions tensor (a step's, passed to every layer) keeps coming; the reference keeps its id
+        from being reused."""
         if self._step is None or self._step[0] is not positions or self._step[1] != dtype:
-            cos = self.cos[positions].unsqueeze(1).to(dtype)
-            sin = self.sin_signed[positions].unsqueeze(1).to(dtype)
-            self._step = (positions, dtype, cos, sin)
+            cos, sin = self.token_tables(positions, self.sin_signed)
+            self._step = (positions, dtype, cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype))
         return self._step[2], self._step[3]
+
+    def token_tables(self, positions: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's float32 cos row and `sin` row (this module's `sin` or `sin_signed`), [T, D]: the
+        tables' rows at `positions` [T], or with M-RoPE at [3, T] each channel's row of its own section."""
+        if positions.dim() == 1:
+            return self.cos[positions], sin[positions]
+        assert self.section is not None, "[3, T] positions are M-RoPE's (mrope_section)"
+        rows = positions[self.section].t().contiguous()  # [T, D]: each channel's position
+        cols = torch.arange(self.rotary_dim, device=positions.device)
+        return self.cos[rows, cols], sin[rows, cols]
 
 
 class Embedding(nn.Embedding):

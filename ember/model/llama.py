@@ -23,10 +23,11 @@ from torch import nn
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.errors import ModelLoadError
 from ember.model import gpt_oss
-from ember.model.hf_config import ModelConfig
+from ember.model.hf_config import QWEN25_VL, ModelConfig, QwenVisionConfig
 from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from ember.model.linear import QuantEmbedding, QuantLinear, fp8_input_layout, quantize_module
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
+from ember.model.qwen2_5_vl import Grid, Qwen25VisionTower
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.model.siglip import Gemma3Vision
 from ember.ops import registry
@@ -203,7 +204,9 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, max_positions: int) -> None:
         super().__init__()
         self.layout = layout
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim, cfg.mrope_section
+        )
         local = (
             rotary
             if cfg.rope_local_theta is None
@@ -298,6 +301,7 @@ _LANGUAGE_MODEL_PREFIXES = {
     "language_model.lm_head.": "lm_head.",
 }
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_QWEN_VISION_PREFIXES = ("visual.", "model.visual.")  # Qwen2.5-VL's tower, transformers < 5 and >= 5
 
 
 def _vision_name(name: str) -> str | None:
@@ -305,6 +309,9 @@ def _vision_name(name: str) -> str | None:
     for prefix in _VISION_PREFIXES:
         if name.startswith(prefix):
             return "vision." + name.removeprefix("model.").replace("vision_tower.vision_model.", "vision_tower.", 1)
+    for prefix in _QWEN_VISION_PREFIXES:
+        if name.startswith(prefix):
+            return "vision." + name.removeprefix(prefix)
     return None
 
 
@@ -349,8 +356,12 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.layout = ShardLayout.of(cfg, tp_rank(), tp_size())
         self.model = DecoderModel(cfg, self.layout, max_positions)
-        # Gemma 3's vision tower and projector (whole on every rank); None for text-only models
-        self.vision = None if cfg.vision is None else Gemma3Vision(cfg.vision, cfg.hidden_size)
+        # the vision tower (Gemma 3's with its projector, Qwen2.5-VL's; whole on every rank); None: text only
+        self.vision: Gemma3Vision | Qwen25VisionTower | None = None
+        if isinstance(cfg.vision, QwenVisionConfig):
+            self.vision = Qwen25VisionTower(cfg.vision)
+        elif cfg.vision is not None:
+            self.vision = Gemma3Vision(cfg.vision, cfg.hidden_size)
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.layout.vocab_per_rank, bias=False)
         )
@@ -368,9 +379,16 @@ class CausalLM(nn.Module):
 
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """Preprocessed images [B, 3, S, S] -> [B, tokens_per_image, hidden]: what replaces their image tokens."""
-        if self.vision is None:
-            raise ValueError(f"{self.config.architecture} has no vision tower")
+        if not isinstance(self.vision, Gemma3Vision):
+            raise ValueError(f"{self.config.architecture} has no fixed-size vision tower")
         return self.vision(pixels.to(self.model.norm.weight.dtype))
+
+    def embed_patches(self, patches: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
+        """Qwen2.5-VL: images' flattened patches [sum t*h*w, patch values] and their patch grids -> the rows
+        that replace their image tokens, [sum t*h*w / merge^2, hidden], in image order."""
+        if not isinstance(self.vision, Qwen25VisionTower):
+            raise ValueError(f"{self.config.architecture} has no patch-grid vision tower")
+        return self.vision(patches.to(self.model.norm.weight.dtype), grids)
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         """Have every `forward` keep the residual stream entering each of `layers` (0: the embedding), for
@@ -491,7 +509,7 @@ class CausalLM(nn.Module):
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
         if self.config.architecture == gpt_oss.ARCHITECTURE:
             weights = gpt_oss.checkpoint_tensors(weights, source)
-        multimodal = self.config.architecture == "Gemma3ForConditionalGeneration"
+        multimodal = self.config.architecture in ("Gemma3ForConditionalGeneration", QWEN25_VL)
         for ckpt_name, value in self._unstacked(weights, source):
             vision = _vision_name(ckpt_name) if multimodal else None
             if vision is not None:  # whole on every rank; skipped without a vision tower, as SigLIP's pooling

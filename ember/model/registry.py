@@ -15,7 +15,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration",  # with its SigLIP tower (ember/model/siglip.py)
+    "Gemma3ForConditionalGeneration",  # with its SigLIP tower: ember/model/siglip.py
+    "Qwen2_5_VLForConditionalGeneration",  # Qwen2 with M-RoPE and its ViT: ember/model/qwen2_5_vl.py
     "Qwen3MoeForCausalLM",  # mixtures of experts: ember/model/moe.py
     "MixtralForCausalLM",
     "GptOssForCausalLM",  # attention sinks, biased MoE with a clamped SwiGLU, MXFP4 experts: ember/model/gpt_oss.py

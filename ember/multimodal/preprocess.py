@@ -2,6 +2,7 @@
 image processor does (transformers' Gemma3ImageProcessor: resize to the tower's square side with
 Pillow's bilinear filter, x / 255, then (x - mean) / std per channel), and the prompt's placeholders
 expanded into the image tokens the language model reads. Pillow and numpy only: no torch here.
+Qwen2.5-VL's images, of any size, are ember/multimodal/qwen2_vl.py's; `image_processor` picks.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ember.multimodal.inputs import ImageInput, VisionFacts
+from ember.multimodal.inputs import QWEN25_VL_FAMILY, ImageInput, VisionFacts
 from ember.multimodal.media import to_rgb
+from ember.multimodal.qwen2_vl import QwenImageProcessor
+from ember.tokenizer import Tokenizer
 
 _RESAMPLE = {0: Image.Resampling.NEAREST, 2: Image.Resampling.BILINEAR, 3: Image.Resampling.BICUBIC}
 
@@ -52,10 +55,11 @@ class ImageProcessor:
         x = (x - np.asarray(self.mean, dtype=np.float32)) / np.asarray(self.std, dtype=np.float32)
         return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
 
-    def expand_ids(self, ids: list[int], newline_ids: list[int]) -> list[int]:
+    def expand_ids(self, ids: list[int], images: list[Image.Image], tokenizer: Tokenizer | None) -> list[int]:
         """Token ids with each placeholder (`boi_token_id`) replaced by an image's tokens as Gemma 3's
-        processor writes them: `\\n\\n` boi image*N eoi `\\n\\n` (`newline_ids`: the tokens of `\\n\\n`)."""
+        processor writes them: `\\n\\n` boi image*N eoi `\\n\\n` (`\\n\\n` as the tokenizer writes it)."""
         v = self.vision
+        newline_ids = tokenizer.encode("\n\n", add_special_tokens=False) if tokenizer is not None else []
         out: list[int] = []
         for t in ids:
             if t != v.boi_token_id:
@@ -64,10 +68,12 @@ class ImageProcessor:
             out += [*newline_ids, t, *[v.image_token_id] * v.tokens_per_image, v.eoi_token_id, *newline_ids]
         return out
 
-    def expand_text(self, text: str, boi: str, image: str, eoi: str) -> str:
+    def expand_text(self, text: str, images: list[Image.Image], tokenizer: Tokenizer) -> str:
         """The same in text, before tokenizing (as the processor does: `\\n\\n` then merges with the text
         around it as the tokenizer decides)."""
-        return text.replace(boi, f"\n\n{boi}{image * self.vision.tokens_per_image}{eoi}\n\n")
+        v = self.vision
+        boi, image, eoi = (tokenizer.id_to_token(t) or "" for t in (v.boi_token_id, v.image_token_id, v.eoi_token_id))
+        return text.replace(boi, f"\n\n{boi}{image * v.tokens_per_image}{eoi}\n\n")
 
     def inputs(self, ids: list[int], images: list[Image.Image]) -> list[ImageInput]:
         """The images as the engine takes them, paired in order with the expanded prompt's runs of image
@@ -86,3 +92,11 @@ class ImageProcessor:
             key = hashlib.sha256(pixels).hexdigest()
             out.append(ImageInput(offset, v.tokens_per_image, key, v.image_size, pixels))
         return out
+
+
+def image_processor(vision: VisionFacts, config: dict[str, Any]) -> ImageProcessor | QwenImageProcessor:
+    """The model's image processor from `preprocessor_config.json`: Gemma 3's fixed-size images, or
+    Qwen2.5-VL's of any size (ember/multimodal/qwen2_vl.py)."""
+    if vision.family == QWEN25_VL_FAMILY:
+        return QwenImageProcessor.of(vision, config)
+    return ImageProcessor.of(vision, config)

@@ -4,6 +4,9 @@ channels of a head are rotated; the rest pass through unchanged.
 
 On CPU, rotate_half(x) * sin is computed as roll(x, D / 2) * sin_signed, sin with its first half
 negated: the same products bit for bit, in one op instead of four.
+
+M-RoPE positions ([3, T], Qwen2.5-VL) reach the same kernels as per-token table rows
+(`RotaryEmbedding.token_tables`): the Triton kernel then reads row t for token t.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class TritonRotary(_Rotary):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from ember.kernels import apply_rotary
 
+        if positions.dim() == 2:  # M-RoPE [3, T]: each token's own table row, read at its row index
+            cos, sin = rope.token_tables(positions, rope.sin)
+            return apply_rotary(torch.arange(cos.shape[0], device=cos.device), q, k, cos, sin)
         return apply_rotary(positions, q, k, rope.cos, rope.sin)
 
 

@@ -132,7 +132,7 @@ class StepGraphs:
         else:
             buffers.seq_lens.dev.fill_(1)
             meta = decode_metadata(buffers, n, max_seq_len)
-        ids, pos = buffers.input_ids.dev[:n], buffers.positions.dev[:n]
+        ids, pos = buffers.input_ids.dev[:n], buffers.rope_positions(n)
         model(ids, pos, meta)  # compiles the kernels for this shape outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):

@@ -7,7 +7,8 @@ from a cache keyed by the image's content hash (`ImageInput.key`), filled by one
 for the step's new images: a picture repeated in a conversation, or shared by requests, runs through
 the tower once while it stays among the last `CACHE_IMAGES` used. Gemma 3's image tokens attend to
 every token of their own image, so each image row's query limit (`AttentionMetadata.query_limits`) is
-its image's last position; every other row's is its own position.
+its image's last position; every other row's is its own position. Qwen2.5-VL's attend causally (no
+limits); its images, each of its own patch grid, go through the tower as one sequence of patches.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ class StepImages:
             if r.images
         )
 
-    def rows(self, spans: list[tuple[RequestState, int, int]], positions: np.ndarray) -> tuple[ImageRows, np.ndarray]:
+    def rows(
+        self, spans: list[tuple[RequestState, int, int]], positions: np.ndarray
+    ) -> tuple[ImageRows, np.ndarray | None]:
         """For the step's spans ((request, first flat row, tokens), each request computing from its
         `num_computed_tokens`) and its rows' positions: the image rows with their embeddings, and every
-        row's query limit (int32)."""
+        row's query limit (int32; None where image tokens attend causally, Qwen2.5-VL's)."""
         pieces: list[tuple[ImageInput, int, int, int]] = []  # (image, first row, first token in it, count)
         for req, first, n in spans:
             start = req.num_computed_tokens
@@ -57,9 +60,11 @@ class StepImages:
         self._encode([image for image, *_ in pieces])
         rows = np.concatenate([np.arange(row, row + count) for _, row, _, count in pieces])
         embeddings = torch.cat([self.cache[image.key][skip : skip + count] for image, _, skip, count in pieces])
-        limits = positions.astype(np.int32)
-        for image, row, _, count in pieces:
-            limits[row : row + count] = image.end - 1
+        limits = None
+        if self.model.config.mrope_section is None:  # Gemma 3: an image's tokens see all of it
+            limits = positions.astype(np.int32)
+            for image, row, _, count in pieces:
+                limits[row : row + count] = image.end - 1
         while len(self.cache) > CACHE_IMAGES:  # after the step's own were read: a step may hold more
             self.cache.popitem(last=False)
         return ImageRows(torch.from_numpy(rows).to(self.device), embeddings), limits
@@ -68,12 +73,19 @@ class StepImages:
         """Put every image's tower output in the cache (the missing ones in one batch), most recent last."""
         missing = list({im.key: im for im in images if im.key not in self.cache}.values())
         if missing:
-            pixels = np.stack(
-                [np.frombuffer(im.pixels, dtype=np.float32).reshape(3, im.size, im.size) for im in missing]
-            )
-            out = self.model.embed_images(torch.from_numpy(pixels).to(self.device))
-            self.num_encoded += len(missing)
-            for im, embedding in zip(missing, out):
+            for im, embedding in zip(missing, self._tower(missing)):
                 self.cache[im.key] = embedding
+            self.num_encoded += len(missing)
         for im in images:
             self.cache.move_to_end(im.key)
+
+    def _tower(self, images: list[ImageInput]) -> list[torch.Tensor] | torch.Tensor:
+        """The images' embeddings [length, hidden] each, in one tower call."""
+        grids = [im.grid for im in images if im.grid is not None]
+        values = [np.frombuffer(im.pixels, dtype=np.float32) for im in images]
+        if not grids:  # fixed-size images (Gemma 3): one batch
+            pixels = np.stack([v.reshape(3, im.size, im.size) for v, im in zip(values, images)])
+            return self.model.embed_images(torch.from_numpy(pixels).to(self.device))
+        patches = np.concatenate([v.reshape(t * h * w, -1) for v, (t, h, w) in zip(values, grids)])
+        out = self.model.embed_patches(torch.from_numpy(patches).to(self.device), grids)
+        return list(out.split([im.length for im in images]))

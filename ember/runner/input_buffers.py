@@ -40,6 +40,7 @@ class InputBuffers:
         device: torch.device,
         lora: bool = False,
         token_types: bool = False,
+        mrope: bool = False,
     ) -> None:
         self.input_ids = _Buffer((max_tokens,), torch.int64, device)
         self.positions = _Buffer((max_tokens,), torch.int64, device)
@@ -52,6 +53,8 @@ class InputBuffers:
         self.lora_slots = _Buffer((max_tokens,), torch.int32, device) if lora else None
         # each token's type (1: in the second text of a pair), for an encoder with token types (ember/model/bert.py)
         self.token_types = _Buffer((max_tokens,), torch.int64, device) if token_types else None
+        # each token's M-RoPE (temporal, height, width) positions, for Qwen2.5-VL (ember/multimodal/mrope.py)
+        self.mrope_positions = _Buffer((max_tokens, 3), torch.int64, device) if mrope else None
         self._all = [
             self.input_ids,
             self.positions,
@@ -60,8 +63,15 @@ class InputBuffers:
             self.seq_lens,
             self.query_start_loc,
             self.logits_indices,
-        ] + [b for b in (self.lora_slots, self.token_types) if b is not None]
+        ] + [b for b in (self.lora_slots, self.token_types, self.mrope_positions) if b is not None]
         self._turn = 0
+
+    def rope_positions(self, n: int) -> torch.Tensor:
+        """The first n tokens' positions as the model's rotary reads them, on the device: [n], or M-RoPE's
+        [3, n] (a view of the [n, 3] buffer)."""
+        if self.mrope_positions is None:
+            return self.positions.dev[:n]
+        return self.mrope_positions.dev[:n].t()
 
     def next_set(self) -> None:
         """Switch to the other host set for the next step's inputs."""

@@ -32,6 +32,7 @@ from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
 from ember.model.bert import EncoderModel
 from ember.model.eagle3 import load_eagle3
+from ember.model.hf_config import QwenVisionConfig
 from ember.model.linear import QuantEmbedding, QuantLinear
 from ember.model.llama import CausalLM, ImageRows
 from ember.model.loader import ModelFiles, load_model_files
@@ -103,6 +104,12 @@ class _StepInputs:
     lora_slots: torch.Tensor | None = None
     token_types: torch.Tensor | None = None  # an encoder's token types (None: every token type 0)
     images: ImageRows | None = None  # the step's image-token rows and their embeddings
+    mrope_positions: torch.Tensor | None = None  # M-RoPE models: each token's [3, T] positions
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """The positions the model's rotary reads: M-RoPE's where the model has them."""
+        return self.positions if self.mrope_positions is None else self.mrope_positions
 
 
 @dataclass
@@ -165,6 +172,7 @@ class ModelRunner:
             self.device,
             lora=lora is not None,
             token_types=cfg.encoder is not None and cfg.encoder.type_vocab_size > 1,
+            mrope=cfg.mrope_section is not None,
         )
         lora_slots = self.buffers.lora_slots
         self.lora = None if lora is None or lora_slots is None else LoRAManager(self._lm, lora, lora_slots.dev)
@@ -178,6 +186,14 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._open: PendingStep | None = None  # the launched step whose sampling waits for its masks
         self._last_sampling: tuple[tuple[RequestState, ...], SamplingBatch] | None = None  # see _sampling_batch
+
+    @property
+    def _mrope_merge(self) -> int | None:
+        """An M-RoPE model's spatial merge size (its image tokens' grid is the patch grid / this); None: 1D rotary."""
+        v = self.model_config.vision
+        if self.model_config.mrope_section is None:
+            return None
+        return v.spatial_merge_size if isinstance(v, QwenVisionConfig) else 1
 
     @property
     def num_encoded_images(self) -> int:
@@ -364,7 +380,7 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _upload(self, h: StepHeader, images: tuple[ImageRows, np.ndarray] | None = None) -> _StepInputs:
+    def _upload(self, h: StepHeader, images: tuple[ImageRows, np.ndarray | None] | None = None) -> _StepInputs:
         """Device tensors (and host lists for the PyTorch attention path) from the filled host buffers."""
         b = self.buffers
         tokens, rows = h.tokens, h.rows
@@ -378,7 +394,9 @@ class ModelRunner:
             max_seq_len=h.max_seq_len,
             seq_lens_host=b.seq_lens.np[: h.num_seqs].tolist(),
             query_start_host=b.query_start_loc.np[: h.num_seqs + 1].tolist(),
-            query_limits=None if images is None else torch.from_numpy(images[1]).to(self.device, non_blocking=True),
+            query_limits=None
+            if images is None or images[1] is None
+            else torch.from_numpy(images[1]).to(self.device, non_blocking=True),
         )
         lora_slots = None
         if b.lora_slots is not None:
@@ -392,6 +410,7 @@ class ModelRunner:
             lora_slots if self.lora is not None and self.lora.head_active else None,
             None if b.token_types is None else b.token_types.upload(tokens)[: h.num_tokens],
             None if images is None else images[0],
+            None if b.mrope_positions is None else b.mrope_positions.upload(tokens)[: h.num_tokens].t(),
         )
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
@@ -400,7 +419,7 @@ class ModelRunner:
             return self.graphs.replay(inputs.graph)
         if isinstance(self.model, EncoderModel):
             return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.token_types)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.images)
+        return self.model(inputs.input_ids, inputs.rope_positions, inputs.meta, inputs.images)
 
     @torch.inference_mode()
     def launch(
@@ -431,6 +450,7 @@ class ModelRunner:
             self.block_size,
             self.graphs.sizes if self.graphs is not None and not with_images else None,
             self._lora_slots(requests),
+            self._mrope_merge,
         )
         if tp_size() > 1:
             send_step(step.header, self.buffers)

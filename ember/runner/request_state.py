@@ -36,6 +36,7 @@ class RequestState:
     pooling_params: PoolingParams | None = None  # a pooling request (ember/runner/pooler.py)
     pooled: torch.Tensor | None = None  # its pooling so far: MEAN's running sum, CLS's first row (float32)
     images: list[ImageInput] = field(default_factory=list)  # its prompt's images (ember/runner/images.py)
+    mrope_delta: int | None = None  # M-RoPE: position minus index after the prompt's last image (set once)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -47,6 +47,7 @@ _HEADER_LEN = 2 + len(_SCALARS)  # kind, the scalars, number of prompt-row pairs
 
 def _payload_parts(h: StepHeader, b: InputBuffers) -> list[np.ndarray]:
     """Views of the host buffers a step reads, in the order they travel."""
+    mrope = [] if b.mrope_positions is None else [b.mrope_positions.np[: h.tokens]]
     return [
         b.input_ids.np[: h.tokens],
         b.positions.np[: h.tokens],
@@ -55,6 +56,7 @@ def _payload_parts(h: StepHeader, b: InputBuffers) -> list[np.ndarray]:
         b.query_start_loc.np[: h.num_seqs + 1],
         b.logits_indices.np[: h.num_sample],
         b.block_tables.np[: h.rows, : h.table_width],
+        *mrope,
     ]
 
 

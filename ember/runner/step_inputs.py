@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ember.multimodal.mrope import mrope_delta, mrope_positions
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.request_state import RequestState
 from ember.runner.step_broadcast import StepHeader
@@ -87,12 +88,15 @@ def prepare_step(
     block_size: int,
     graphs: GraphSizes | None,
     lora_slots: dict[int, int] | None = None,
+    mrope_merge: int | None = None,
 ) -> PreparedStep:
     """Fill the host buffers for this step's requests, each computing its `num_new_tokens` next tokens.
     `graphs`: the captured CUDA graph sizes a decode-only batch or a lone prefill chunk is padded to
     (None: every step runs eagerly). `lora_slots`: with LoRA on, the device slot of each adapter the
     step's requests use (by lora_int_id); each token gets its request's (-1: the base model), and the
-    header's `lora` says whether any request has an adapter (`graph_key`: which set of graphs it replays)."""
+    header's `lora` says whether any request has an adapter (`graph_key`: which set of graphs it replays).
+    `mrope_merge`: an M-RoPE model's spatial merge size; each token's 3D positions then fill
+    `buffers.mrope_positions`."""
     decoding = [n == 1 or n == 1 + len(r.spec_token_ids) > 1 for r, n in zip(requests, num_new_tokens)]
     order = sorted(range(len(requests)), key=lambda i: not decoding[i])
     b = buffers
@@ -142,6 +146,8 @@ def prepare_step(
             b.token_types.np[t : t + n] = 0 if second is None else np.arange(start, end) >= second
         if b.lora_slots is not None and lora_slots is not None:
             b.lora_slots.np[t : t + n] = -1 if req.lora_request is None else lora_slots[req.lora_request.lora_int_id]
+        if b.mrope_positions is not None and mrope_merge is not None:
+            b.mrope_positions.np[t : t + n] = _mrope_rows(req, pos[t : t + n], mrope_merge)
         t += n
         max_seq_len = max(max_seq_len, end)
         # a sampling request past them by its drafts: a row per draft, then the bonus token's (a pooling
@@ -163,6 +169,8 @@ def prepare_step(
         slots[num_tokens:padded] = -1
         if b.lora_slots is not None:
             b.lora_slots.np[num_tokens:padded] = -1
+        if b.mrope_positions is not None:
+            b.mrope_positions.np[num_tokens:padded] = 0
     header = StepHeader(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
@@ -177,6 +185,17 @@ def prepare_step(
         prompt_rows=[(r.first_row, r.count) for r in prompt_rows],
     )
     return PreparedStep(header, samplers, prompt_rows, inflight, spans)
+
+
+def _mrope_rows(req: RequestState, positions: np.ndarray, merge: int) -> np.ndarray:
+    """[n, 3] M-RoPE positions of a request's rows at token indices `positions` (ascending): from its images
+    where a row is in the prompt, else index + the prompt's delta (decodes, drafts)."""
+    if req.mrope_delta is None:
+        req.mrope_delta = mrope_delta(req.images, merge)
+    start = int(positions[0])
+    if not req.images or start >= req.num_prompt_tokens:
+        return np.repeat((positions + req.mrope_delta)[:, None], 3, axis=1)
+    return mrope_positions(req.images, merge, start, int(positions[-1]) + 1).T
 
 
 def _graph(graphs: GraphSizes | None, num_seqs: int, num_tokens: int, num_decodes: int) -> int | None:

@@ -1,0 +1,216 @@
+"""Qwen2.5-VL (docs/multimodal.md): a tiny random Qwen2_5_VLForConditionalGeneration checkpoint made here, against
+HF transformers on the same weights and pixels (float32, CPU).
+
+Covers the image processor (smart_resize, bicubic, CLIP normalization, the patch layout, the grid) against
+transformers' Qwen2VLImageProcessorPil, the vision tower (window attention in one block, full attention in
+the other, 2D rotary, the merger) against its `visual`, the M-RoPE positions against `get_rope_index`,
+and greedy tokens against `generate`: one image, two images of different sizes, chunked prefill, the
+prefix cache hit with the same image (its tower run once), text alone, and a text prompt whose
+`<|image_pad|>` the front end expands.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from ember import LLM, SamplingParams
+
+VOCAB = 400
+START, END, PAD = 395, 396, 397  # <|vision_start|>, <|vision_end|>, <|image_pad|>
+MIN_PIXELS = 28 * 28  # so that a 28 x 84 image keeps its size: patch grid 2 x 6
+WORDS = ["<pad>", "<eos>", *(f"w{i}" for i in range(START - 2))]
+
+
+def _tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    vocab = {t: i for i, t in enumerate([*WORDS, *specials])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(" "), behavior="removed")
+    tok.add_special_tokens([*specials, "<eos>"])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+
+
+def _processor() -> transformers.Qwen2VLImageProcessorPil:
+    return transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": 28 * 28 * 64})
+
+
+@pytest.fixture(scope="module")
+def qwen25vl(tmp_path_factory) -> str:
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        eos_token_id=1,
+        bos_token_id=None,
+        initializer_range=0.2,  # sharp attention, so that every position counts
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        window_size=56,  # 2 x 2 merged tokens a window
+        fullatt_block_indexes=[1],
+        patch_size=14,
+        spatial_merge_size=2,
+    )
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=PAD,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        video_token_id=398,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    for name, p in model.named_parameters():  # norms away from the identity, so that every one counts
+        if ("norm" in name and name.endswith("weight")) or "ln_q" in name:
+            p.data.normal_(1.0, 0.5)
+    path = tmp_path_factory.mktemp("qwen25vl") / "m"
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    _processor().save_pretrained(path)
+    return str(path)
+
+
+def picture(seed: int, size: tuple[int, int]) -> Image.Image:
+    """A random RGB image of (width, height)."""
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size[::-1], 3), dtype=np.uint8))
+
+
+def hf_inputs(ids: list[int], images: list[Image.Image]) -> dict[str, torch.Tensor]:
+    """The prompt with each <|image_pad|> expanded as Qwen2_5_VLProcessor does, and its images' features."""
+    kwargs: dict[str, torch.Tensor] = {}
+    lengths = iter([])
+    if images:
+        out = _processor()(images, return_tensors="np")
+        kwargs["pixel_values"] = torch.from_numpy(np.asarray(out["pixel_values"]))
+        kwargs["image_grid_thw"] = grid = torch.from_numpy(np.asarray(out["image_grid_thw"]))
+        lengths = iter((grid.prod(-1) // 4).tolist())
+    expanded = [x for t in ids for x in ([t] * next(lengths) if t == PAD else [t])]
+    x = torch.tensor([expanded])
+    return {"input_ids": x, "attention_mask": torch.ones_like(x), "mm_token_type_ids": (x == PAD).int(), **kwargs}
+
+
+def hf_greedy(path: str, ids: list[int], images: list[Image.Image], n: int) -> list[int]:
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = hf_inputs(ids, images)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def make_llm(path: str, **kwargs) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", kv_cache_memory=0.01, engine_process=False, **kwargs)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+SQUARE, WIDE, RESIZED = (56, 56), (28, 84), (100, 70)  # patch grids 4 x 4, 2 x 6, 4 x 8 (resized to 56 x 112)
+ONE = [2, 10, 11, START, PAD, END, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+TWO = [2, 30, START, PAD, END, 31, 32, START, PAD, END, 33, 34]
+
+
+def test_image_processor_equals_hf(qwen25vl):
+    from ember.multimodal.preprocess import image_processor
+    from ember.multimodal.qwen2_vl import QwenImageProcessor
+
+    llm = make_llm(qwen25vl, max_model_len=128)
+    ours = llm.llm_engine.processor.images
+    assert isinstance(ours, QwenImageProcessor) and ours.min_pixels == MIN_PIXELS
+    assert image_processor(ours.vision, {"min_pixels": 56 * 56}).min_pixels == 56 * 56
+    llm.llm_engine.shutdown()
+    for seed, size in enumerate([SQUARE, WIDE, RESIZED, (300, 500)]):  # the last: scaled down to max_pixels
+        image = picture(seed, size)
+        ref = _processor()([image], return_tensors="np")
+        patches, grid = ours.patches(image)
+        assert grid == tuple(ref["image_grid_thw"][0].tolist())
+        np.testing.assert_allclose(patches, ref["pixel_values"], rtol=0, atol=1e-6)
+        assert ours.length(image) == int(np.prod(grid)) // 4
+
+
+def test_tower_equals_hf(qwen25vl):
+    from ember.config import LoadConfig
+    from ember.model.loader import load_model_files
+    from ember.runner.model_build import build_model
+
+    files = load_model_files(LoadConfig(qwen25vl, None, "auto", None))
+    ours = build_model(files, files.model_config, 128, torch.float32, torch.device("cpu"), 0)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen25vl, dtype=torch.float32).eval()
+    grids = [(1, 4, 4), (1, 2, 6), (1, 8, 10)]  # one window; two; windows cut at the edges
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14)
+    with torch.no_grad():
+        ref = hf.model.visual(patches, grid_thw=torch.tensor(grids)).pooler_output
+        torch.testing.assert_close(ours.embed_patches(patches, grids), ref, rtol=0, atol=1e-5)
+
+
+def test_mrope_positions_equal_hf_rope_index(qwen25vl):
+    from ember.multimodal.inputs import ImageInput
+    from ember.multimodal.mrope import mrope_delta, mrope_positions
+
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen25vl, dtype=torch.float32).eval()
+    images = [picture(1, WIDE), picture(2, RESIZED)]
+    inputs = hf_inputs(TWO, images)
+    ref, delta = hf.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
+    )
+    ids = inputs["input_ids"][0].tolist()
+    runs = [i for i, t in enumerate(ids) if t == PAD and ids[i - 1] != PAD]
+    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
+    ours = [ImageInput(r, int(np.prod(g)) // 4, "", 0, b"", g) for r, g in zip(runs, grids)]
+    assert np.array_equal(mrope_positions(ours, 2, 0, len(ids)), ref[:, 0].numpy())
+    assert np.array_equal(mrope_positions(ours, 2, 5, 17), ref[:, 0, 5:17].numpy())  # a chunk
+    assert mrope_delta(ours, 2) == int(delta)
+
+
+@pytest.mark.parametrize("budget", [None, 6])  # 6: chunks that would cut the image (tokens 4-7): [0, 4), [4, 10), ...
+def test_one_image_greedy_equals_hf(qwen25vl, budget):
+    llm = make_llm(qwen25vl, max_num_batched_tokens=budget, max_model_len=128)
+    image = picture(1, SQUARE)
+    out = llm.generate({"prompt_token_ids": ONE, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids[3:9] == [START, PAD, PAD, PAD, PAD, END]
+    assert list(out.outputs[0].token_ids) == hf_greedy(qwen25vl, ONE, [image], 6)
+    llm.llm_engine.shutdown()
+
+
+def test_two_images_of_different_sizes_and_the_prefix_cache(qwen25vl):
+    llm = make_llm(qwen25vl, max_model_len=128)
+    a, b = picture(2, WIDE), picture(3, RESIZED)
+    two = llm.generate({"prompt_token_ids": TWO, "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)[0]
+    assert len(two.prompt_token_ids) == len(TWO) - 2 + 3 + 8
+    assert list(two.outputs[0].token_ids) == hf_greedy(qwen25vl, TWO, [a, b], 6)
+    image = picture(4, SQUARE)
+    first = llm.generate({"prompt_token_ids": ONE, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    again = llm.generate({"prompt_token_ids": ONE, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 16  # its first block, the image in it
+    assert llm.llm_engine.scheduler_stats().num_encoded_images == 3  # `again` ran no tower
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids) == hf_greedy(qwen25vl, ONE, [image], 6)
+    llm.llm_engine.shutdown()
+
+
+def test_text_alone_and_a_text_prompt(qwen25vl):
+    llm = make_llm(qwen25vl, max_model_len=128)
+    ids = [2, 40, 41, 42, 43, 44, 45]
+    out = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(qwen25vl, ids, [], 6)
+    image = picture(5, WIDE)
+    prompt = "w0 w8 <|vision_start|><|image_pad|><|vision_end|> w9 w10"
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    expected = [2, 10, START, PAD, PAD, PAD, END, 11, 12]
+    assert out.prompt_token_ids == expected
+    assert list(out.outputs[0].token_ids) == hf_greedy(qwen25vl, [2, 10, START, PAD, END, 11, 12], [image], 6)
+    with pytest.raises(ValueError, match=r"2 image\(s\) for 1 image placeholder"):
+        llm.generate({"prompt_token_ids": ONE, "multi_modal_data": {"image": [image, image]}}, GREEDY)
+    llm.llm_engine.shutdown()
