@@ -125,11 +125,11 @@ async def count_prompt_tokens(state: ServerState, engine: AsyncLLM, chat: ChatIn
     400s as running it for a tool choice it could not run."""
     tokenizer = require_tokenizer(engine)
     _tool_mode(chat, state, tokenizer)
-    messages, sources = _split_images(engine, chat)
+    messages, images = await _load_images(engine, chat)  # loaded: a Qwen2.5-VL image's tokens follow its size
     ids = (await _render(chat, tokenizer, messages))["prompt_token_ids"]
-    if sources:  # each placeholder becomes the image's tokens (checked, not loaded: nothing runs on them)
+    if images:  # each placeholder becomes the image's tokens
         assert engine.processor.images is not None  # _split_images refused images to a text-only model
-        ids = engine.processor.images.expand_ids(ids, tokenizer.encode("\n\n", add_special_tokens=False))
+        ids = engine.processor.images.expand_ids(ids, images, tokenizer)
     return len(ids)
 
 
