@@ -65,7 +65,7 @@ class TritonMoe:
         w13, w2 = experts.w13, experts.w2
         if routing == "sigmoid-input":
             rows, ones, ids = input_weighted_rows(x, *route_sigmoid(logits, top_k))
-            out = fused_moe(rows, w13, w2, ones, ids, b13=experts.b13, b2=experts.b2, swiglu=experts.swiglu)
+            out = fused_moe(rows, w13, w2, ones, ids.int(), b13=experts.b13, b2=experts.b2, swiglu=experts.swiglu)
             return _per_token(out, top_k)
         return fused_moe_from_logits(
             x, w13, w2, logits, top_k, renormalize, b13=experts.b13, b2=experts.b2, swiglu=experts.swiglu
