@@ -172,6 +172,35 @@ MORE_ARCHS = {
         "MixtralForCausalLM",
         dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8),
     ),
+    # Llama 4 (tests/test_llama4.py): layers 0, 2, 3 rotate (llama3-scaled) and attend within chunks of 8
+    # positions behind a weightless QK norm; layer 1 is global NoPE with its queries' temperature tuned
+    # (floor_scale 4, so it changes every 4 positions). Layers 1 and 3 are MoE (4 experts of 32 rows, top-1
+    # with a sigmoid gate on the expert's input, a shared expert), 0 and 2 dense of 96 rows.
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            intermediate_size=32,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+            no_rope_layers=[1, 0, 1, 1],
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     # gpt-oss (tests/test_gpt_oss.py): sliding (8 keys) and full layers alternating, attention sinks, 4 biased
     # experts of 32 rows, 2 per token, a SwiGLU limit low enough to clamp, YaRN over a 64-token pre-training length
     "gpt-oss": (

@@ -39,12 +39,14 @@ def attention_ref(
     sinks: torch.Tensor | None = None,
     causal: bool = True,
     query_limits: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Float32 attention of queries [Q, Hq, D] at positions context_len.. over keys [S, Hk, D],
     each query at p seeing keys j with p - sliding_window < j <= p (no lower bound without a
     window; `causal` False: every key); scores capped to cap * tanh(s / cap) with
     `logits_soft_cap`; `sinks` [Hq]: one more logit per head in each row's softmax, whose
-    probability is dropped (it has no value).
+    probability is dropped (it has no value). `attention_chunk` C (Llama 4's local layers): a query at
+    p sees keys j with (p // C) * C <= j <= p, those of its own chunk (transformers' chunked mask).
 
     `query_limits` [Q] (causal only) moves each query's last key from p to its limit L, p <= L < S:
     Gemma 3's image tokens see their whole image (L: its last token), transformers' OR(causal, same
@@ -66,6 +68,8 @@ def attention_ref(
     visible = k_pos <= last[:, None] if causal else torch.ones_like(k_pos, dtype=torch.bool).expand(q.shape[0], -1)
     if sliding_window is not None:
         visible &= k_pos > q_pos[:, None] - sliding_window
+    if attention_chunk is not None:
+        visible &= k_pos // attention_chunk == q_pos[:, None] // attention_chunk
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)

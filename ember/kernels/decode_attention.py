@@ -14,8 +14,9 @@ With a sliding window the query at position seq_len - 1 sees only the last `slid
 tokens, so the loop starts exactly at the window's first token (tiles gather token by token, so
 they need not align with cache blocks): a long context costs only the window's tiles and no key
 left of the window is read, let alone masked. The splits divide the window, and the split count
-is sized by it. Soft-capping and windowing are constexpr switches; with both off the kernel is the
-one compiled before they existed.
+is sized by it. Llama 4's attention chunk is the same with the loop starting at the chunk's first
+token, (seq_len - 1) // chunk * chunk. Soft-capping and windowing are constexpr switches; with both
+off the kernel is the one compiled before they existed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ember.kernels.paged import (
     check_sinks,
     check_window_args,
     dot_precision,
+    first_key,
     head_scales,
     init_softmax,
     kernel_scales,
@@ -95,6 +97,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WINDOWED: tl.constexpr,
+    CHUNKED: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     HEAD_SCALES: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -119,8 +122,8 @@ def _decode_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     first = 0
-    if WINDOWED:
-        first = tl.maximum(seq_len - window, 0)
+    if WINDOWED:  # `window` holds the window or, CHUNKED, the attention chunk
+        first = tl.maximum(first_key(seq_len - 1, window, CHUNKED), 0)
     # Splits get equal whole tiles of this sequence's own (windowed) context, so short sequences
     # in a batch with long ones simply leave their trailing splits empty.
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
@@ -155,7 +158,7 @@ def _decode_kernel(
             stride_vh,
             qk_scale,
             cap,
-            window,
+            q_pos,  # unread: the loop starts at the first visible key (no WINDOW_MASK)
             dims,
             dim_mask,
             BLOCK_SIZE,
@@ -248,9 +251,11 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] attends to its sequence's `seq_lens[b]` cached tokens -> out [B, Hq, D]; with
-    `sliding_window` only to the last that many, and with `logits_soft_cap` its scaled scores s
+    `sliding_window` only to the last that many, with `attention_chunk` C (Llama 4) only to those of
+    its own chunk, positions (p // C) * C to p, and with `logits_soft_cap` its scaled scores s
     become cap * tanh(s / cap) first (Gemma 2), both as in HF transformers. `sinks` (float32 [Hq],
     gpt-oss) adds exp(sinks[h]) to every softmax denominator of head h.
 
@@ -267,7 +272,7 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_args(q, k_cache, v_cache, k_scale, v_scale)
-    check_window_args(sliding_window, logits_soft_cap)
+    check_window_args(sliding_window, logits_soft_cap, attention_chunk)
     check_sinks(sinks, num_heads)
     if out is None:
         out = torch.empty_like(q)
@@ -276,7 +281,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     if num_splits is None:
         max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-        max_context = min(max_context, sliding_window or max_context)
+        max_context = min(max_context, sliding_window or attention_chunk or max_context)
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, num_sms(q.device))
     if num_splits > 1:
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -302,7 +307,7 @@ def paged_decode_attention(
         k_scale,
         v_scale,
         cap,
-        sliding_window or 0,
+        sliding_window or attention_chunk or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -321,7 +326,8 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=tile.block_n,
         BLOCK_D=block_d,
-        WINDOWED=sliding_window is not None,
+        WINDOWED=sliding_window is not None or attention_chunk is not None,
+        CHUNKED=attention_chunk is not None,
         SOFT_CAP=logits_soft_cap is not None,
         HEAD_SCALES=per_head,
         HAS_SINKS=sinks is not None,
@@ -364,6 +370,7 @@ def paged_decode_attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
@@ -378,6 +385,7 @@ def paged_decode_attention_ref(
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
                 sinks=sinks,
+                attention_chunk=attention_chunk,
             )
         )
     result = torch.cat(outs).to(q.dtype)

@@ -43,9 +43,15 @@ def check_paged_args(
     check_kv_scales(k_cache.dtype, k_scale, v_scale, num_kv_heads)
 
 
-def check_window_args(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+def check_window_args(
+    sliding_window: int | None, logits_soft_cap: float | None, attention_chunk: int | None = None
+) -> None:
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if attention_chunk is not None and (not isinstance(attention_chunk, int) or attention_chunk < 1):
+        raise ValueError(f"attention_chunk must be a positive int or None, got {attention_chunk!r}")
+    if sliding_window is not None and attention_chunk is not None:
+        raise ValueError("sliding_window and attention_chunk: a layer has one or the other")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be a positive float or None, got {logits_soft_cap!r}")
 
@@ -157,6 +163,16 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def first_key(pos, span, CHUNKED: tl.constexpr):
+    """The first key position a query at `pos` sees: its chunk's first, (pos // span) * span (Llama 4's
+    chunked attention), or its sliding window's, pos - span + 1 (may be negative: every key)."""
+    first = pos - span + 1
+    if CHUNKED:
+        first = pos // span * span
+    return first
+
+
+@triton.jit
 def attend_tile(
     q,
     m_i,
@@ -178,7 +194,7 @@ def attend_tile(
     stride_vh,
     qk_scale,
     cap,
-    window,
+    q_first,
     dims,
     dim_mask,
     BLOCK_SIZE: tl.constexpr,
@@ -192,10 +208,10 @@ def attend_tile(
     """One online-softmax step over context positions [tile, tile + BLOCK_N), shared by the decode and
     prefill kernels. MASKED hides positions at or past `kv_end` and past each row's `q_limit` (its own
     position `q_pos`, or for an image token of a prefill the last token of its image); tiles wholly
-    inside every row's visible range skip it. WINDOW_MASK (needs MASKED) also hides positions at or
-    before q_pos - window, the sliding window's left edge, which stays at the row's own position
-    whatever its limit; a row may then see nothing in a tile, so its running max can stay -inf and the
-    exponentials are taken against 0.
+    inside every row's visible range skip it. WINDOW_MASK (needs MASKED) also hides positions before
+    `q_first`, each row's first visible key (`first_key`: the sliding window's left edge, counted from
+    the row's own position whatever its limit, or its attention chunk's start); a row may then see
+    nothing in a tile, so its running max can stay -inf and the exponentials are taken against 0.
     SOFT_CAP applies the cap to the scores before masking (`qk_scale` and `cap` from `score_scales`).
 
     fp8 tiles convert to DOT_DTYPE exactly, unscaled: the caller folds k_scale into `qk_scale` and
@@ -222,7 +238,7 @@ def attend_tile(
     if MASKED:
         visible = (pos[None, :] <= q_limit[:, None]) & pos_mask[None, :]
         if WINDOW_MASK:
-            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+            visible = visible & (pos[None, :] >= q_first[:, None])
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_ref = m_new

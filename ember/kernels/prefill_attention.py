@@ -15,6 +15,8 @@ masked, and tiles past its last query are never visited.
 With a sliding window a query block's tiles start at its first query's window edge, so key
 tiles wholly left of every row's window are never read. Tiles from there up to the last query's
 window edge are masked on both sides (window and causal); the rest are split as without a window.
+Llama 4's attention chunk is the same with each row's first key at its chunk's start, (p // C) * C,
+instead of its window's edge (`first_key`): both rise with the row, which is all the tiling assumes.
 Soft-capping and windowing are constexpr switches; with both off the kernel is the one compiled
 before they existed.
 
@@ -39,6 +41,7 @@ from ember.kernels.paged import (
     check_sinks,
     check_window_args,
     dot_precision,
+    first_key,
     head_scales,
     init_softmax,
     kernel_scales,
@@ -84,6 +87,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WINDOWED: tl.constexpr,
+    CHUNKED: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     HEAD_SCALES: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -138,15 +142,17 @@ def _prefill_kernel(
         kv_end = seq_len
         seen_by_all = seq_len
     first = 0
+    q_first = q_pos  # each row's first visible key where WINDOWED (`window`: the window or, CHUNKED, the chunk)
     if WINDOWED:
-        first = tl.maximum(context_len + first_q - window + 1, 0)  # the first query's window edge
+        q_first = first_key(q_pos, window, CHUNKED)
+        first = tl.maximum(first_key(context_len + first_q, window, CHUNKED), 0)  # the first query's edge
     unmasked_end = first + (seen_by_all - first) // BLOCK_N * BLOCK_N
     unmasked_start = first
     masked_start = unmasked_end
     if WINDOWED:
         # From the last query's window edge on every row sees every key, so only the tiles before
         # it need the window mask (and the causal one, should they reach the diagonal or a limit).
-        all_see = q_end - window
+        all_see = first_key(q_end - 1, window, CHUNKED)
         unmasked_start = first + tl.cdiv(tl.maximum(all_see - first, 0), BLOCK_N) * BLOCK_N
         masked_start = tl.maximum(unmasked_start, unmasked_end)
         for tile in range(first, tl.minimum(unmasked_start, kv_end), BLOCK_N):
@@ -171,7 +177,7 @@ def _prefill_kernel(
                 stride_vh,
                 qk_scale,
                 cap,
-                window,
+                q_first,
                 dims,
                 dim_mask,
                 BLOCK_SIZE,
@@ -204,7 +210,7 @@ def _prefill_kernel(
             stride_vh,
             qk_scale,
             cap,
-            window,
+            q_first,
             dims,
             dim_mask,
             BLOCK_SIZE,
@@ -237,7 +243,7 @@ def _prefill_kernel(
             stride_vh,
             qk_scale,
             cap,
-            window,
+            q_first,
             dims,
             dim_mask,
             BLOCK_SIZE,
@@ -294,6 +300,7 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,
     causal: bool = True,
     query_limits: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] holds each sequence's chunk at positions seq_lens[b] - q_len .. seq_lens[b] - 1;
     each query attends causally over its whole cached context (with `sliding_window`, over its last
@@ -302,6 +309,7 @@ def paged_prefill_attention(
     scores s to cap * tanh(s / cap) first (Gemma 2); `sinks` (float32 [Hq], gpt-oss) adds exp(sinks[h])
     to every softmax denominator of head h. `query_limits` (int32 [T], causal only) moves each query's
     last visible key from its own position p to its limit L >= p (see `attention_ref`).
+    `attention_chunk` C (Llama 4's local layers): a query at p sees only keys (p // C) * C .. p.
 
     The chunk's own keys and values must already be in the cache. `max_query_len` is a host int
     (the scheduler knows it) that sizes the grid; blocks past a sequence's chunk exit at once.
@@ -312,10 +320,10 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_paged_args(q, k_cache, v_cache, k_scale, v_scale)
-    check_window_args(sliding_window, logits_soft_cap)
+    check_window_args(sliding_window, logits_soft_cap, attention_chunk)
     check_sinks(sinks, num_heads)
-    if not causal and sliding_window is not None:
-        raise ValueError("sliding_window: a bidirectional (causal=False) attention has no window")
+    if not causal and (sliding_window is not None or attention_chunk is not None):
+        raise ValueError("sliding_window, attention_chunk: a bidirectional (causal=False) attention has neither")
     check_query_limits(query_limits, num_tokens, causal)
     if out is None:
         out = torch.empty_like(q)
@@ -343,7 +351,7 @@ def paged_prefill_attention(
         k_scale,
         v_scale,
         cap,
-        sliding_window or 0,
+        sliding_window or attention_chunk or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -362,7 +370,8 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        WINDOWED=sliding_window is not None,
+        WINDOWED=sliding_window is not None or attention_chunk is not None,
+        CHUNKED=attention_chunk is not None,
         SOFT_CAP=logits_soft_cap is not None,
         HEAD_SCALES=per_head,
         HAS_SINKS=sinks is not None,
@@ -394,6 +403,7 @@ def paged_prefill_attention_ref(
     sinks: torch.Tensor | None = None,
     causal: bool = True,
     query_limits: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     result = torch.empty_like(q) if out is None else out
     for b in range(seq_lens.shape[0]):
@@ -412,5 +422,6 @@ def paged_prefill_attention_ref(
             sinks=sinks,
             causal=causal,
             query_limits=None if query_limits is None else query_limits[start:end],
+            attention_chunk=attention_chunk,
         )
     return result

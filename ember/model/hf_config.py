@@ -27,6 +27,10 @@ class MoeConfig:
     # gpt-oss's clamped SwiGLU (alpha, limit): (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with
     # g = min(gate, limit); None: silu(gate) * up
     swiglu: tuple[float, float] | None = None
+    # "softmax": the top-k of a softmax over all experts weight the experts' outputs (Qwen3-MoE, Mixtral,
+    # gpt-oss); "sigmoid-input" (Llama 4): sigmoid of the top-k logits, each scaling its expert's *input*
+    routing: str = "softmax"
+    shared_expert: bool = False  # Llama 4: a dense SwiGLU of the experts' width that every token also takes
 
 
 ENCODER_ARCHITECTURES = (
@@ -146,11 +150,25 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     o_proj_bias: bool = False  # gpt-oss: attention_bias covers the output projection too
     attention_sinks: bool = False  # gpt-oss: a learned logit per query head in every softmax denominator
+    # Llama 4: "chunked_attention" layers see only keys of their query's chunk of this many positions
+    attention_chunk_size: int | None = None
+    nope_layers: tuple[int, ...] = ()  # Llama 4: layers without rotary (global NoPE layers)
+    # Llama 4's NoPE layers scale queries by log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1:
+    # (floor_scale, attn_scale); None: no temperature tuning
+    attn_temperature: tuple[float, float] | None = None
+    # Llama 4: a weightless RMSNorm of each query and key head (use_qk_norm), on the rope layers only
+    weightless_qk_norm: bool = False
 
     def layer_window(self, layer: int) -> int | None:
         if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of a Llama 4 local layer (keys at k // C == q // C, k <= q), else None."""
+        if self.layer_types is None or self.layer_types[layer] != "chunked_attention":
+            return None
+        return self.attention_chunk_size
 
     partial_rotary_factor: float = 1.0  # the share of each head that is rotated (Phi-4-mini: 0.75)
     moe: MoeConfig | None = None  # mixture-of-experts models (Qwen3-MoE, Mixtral)
@@ -169,6 +187,8 @@ class ModelConfig:
         arch = archs[0] if archs else ""
         if arch in ENCODER_ARCHITECTURES:
             return _encoder_config(arch, cfg)
+        if arch in LLAMA4_ARCHITECTURES:
+            return _llama4_config(arch, cfg)
         vision: VisionConfig | QwenVisionConfig | None = None
         mrope = None
         if arch == QWEN25_VL:
@@ -241,6 +261,72 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Leading channels of each head that RoPE rotates; the rest pass through (HF's rounding)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+
+LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
+
+
+def _llama4_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:
+    """Llama 4's text model (of Llama4ForConditionalGeneration: `text_config`, the vision tower not
+    loaded), transformers' Llama4TextConfig defaults where the file is silent. Layers with rope are
+    local (chunked attention, QK L2 norm), the others global NoPE with temperature tuning; MoE layers
+    every `interleave_moe_layer_step`-th (or those `moe_layers` lists), dense ones of
+    `intermediate_size_mlp` between them."""
+    if arch == "Llama4ForConditionalGeneration":
+        cfg = cfg.get("text_config") or {}
+    n = int(cfg.get("num_hidden_layers", 48))
+    heads, hidden = int(cfg.get("num_attention_heads", 40)), int(cfg.get("hidden_size", 5120))
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu only)")
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    uses_rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]  # 1: rope
+    chunk = cfg.get("attention_chunk_size", 8192)
+    layer_types = cfg.get("layer_types") or [
+        "chunked_attention" if rope and chunk is not None else "full_attention" for rope in uses_rope[:n]
+    ]
+    step = int(cfg.get("interleave_moe_layer_step", 1))
+    moe_layers = cfg.get("moe_layers")
+    moe_layers = set(range(step - 1, n, step) if moe_layers is None else moe_layers)
+    num_experts, top_k = int(cfg.get("num_local_experts", 16)), int(cfg.get("num_experts_per_tok", 1))
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
+    rope_theta, rope_scaling = _rope(cfg, "full_attention")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(cfg.get("vocab_size", 202048)),
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size_mlp", 16384)),  # the dense layers'
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(rope_theta or 500_000.0),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096 * 32)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        o_proj_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=False,
+        weightless_qk_norm=bool(cfg.get("use_qk_norm", True)),
+        layer_types=tuple(layer_types),
+        attention_chunk_size=None if chunk is None else int(chunk),
+        nope_layers=tuple(i for i in range(n) if not uses_rope[i]),
+        attn_temperature=(
+            (float(cfg.get("floor_scale", 8192)), float(cfg.get("attn_scale", 0.1)))
+            if cfg.get("attn_temperature_tuning", True)
+            else None
+        ),
+        moe=MoeConfig(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=int(cfg.get("intermediate_size", 8192)),
+            renormalize=False,
+            dense_layers=tuple(i for i in range(n) if i not in moe_layers),
+            routing="sigmoid-input",
+            shared_expert=True,
+        ),
+    )
 
 
 def _gemma3_vision(cfg: dict[str, Any]) -> VisionConfig | None:

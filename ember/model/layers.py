@@ -49,6 +49,17 @@ class RMSNorm(nn.Module):
         return self.weight
 
 
+class WeightlessRMSNorm(RMSNorm):
+    """RMSNorm without a learned scale (Llama 4's QK L2 norm): its weight is a buffer of ones, which no
+    checkpoint holds."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        ones = self.weight.data
+        del self.weight
+        self.register_buffer("weight", ones, persistent=False)
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm scales by (1 + w), with w as the checkpoint stores it (initialised to 0), in
     float32 (see ember/ops/norm.py, TorchGemmaRMSNorm)."""

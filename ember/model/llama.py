@@ -22,9 +22,9 @@ from torch import nn
 
 from ember.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.errors import ModelLoadError
-from ember.model import gpt_oss
-from ember.model.hf_config import QWEN25_VL, ModelConfig, QwenVisionConfig
-from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
+from ember.model import gpt_oss, llama4
+from ember.model.hf_config import LLAMA4_ARCHITECTURES, QWEN25_VL, ModelConfig, QwenVisionConfig
+from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding, WeightlessRMSNorm
 from ember.model.linear import QuantEmbedding, QuantLinear, fp8_input_layout, quantize_module
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
 from ember.model.qwen2_5_vl import Grid, Qwen25VisionTower
@@ -48,12 +48,13 @@ class Attention(nn.Module):
         self,
         cfg: ModelConfig,
         layout: ShardLayout,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         layer: int,
         input_size: int | None = None,
     ) -> None:
-        """`input_size`: the width qkv_proj reads where it is not the hidden size (an EAGLE-3 draft's
-        layer attends over its token embedding and hidden state side by side, ember/model/eagle3.py)."""
+        """`rotary` None: a layer without positions in its keys (Llama 4's NoPE layers). `input_size`: the
+        width qkv_proj reads where it is not the hidden size (an EAGLE-3 draft's layer attends over its
+        token embedding and hidden state side by side, ember/model/eagle3.py)."""
         super().__init__()
         self.num_heads = layout.num_heads
         self.num_kv_heads = layout.num_kv_heads
@@ -62,6 +63,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.sliding_window = cfg.layer_window(layer)
+        self.attention_chunk = cfg.layer_chunk(layer)
+        # Llama 4's NoPE layers: (floor_scale, attn_scale) of the queries' temperature tuning
+        self.temperature = cfg.attn_temperature if layer in cfg.nope_layers else None
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.qkv_proj = nn.Linear(
             input_size or cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
@@ -70,11 +74,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         # gpt-oss: this rank's heads' sink logits, float32 whatever the model dtype (the kernels' operand)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if cfg.attention_sinks else None
-        self.q_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
-        self.k_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = _norm(cfg, self.head_dim), _norm(cfg, self.head_dim)
+        elif cfg.weightless_qk_norm and rotary is not None:
+            # Llama 4 normalises after rotary, which is the same: a rotation keeps each head's norm
+            self.q_norm = WeightlessRMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = WeightlessRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
         self._target = registry.target(self.o_proj.weight.device, self.o_proj.weight.dtype)
-        self._rope = rotary.implementation(self._target, self.head_dim)
+        self._rope = None if rotary is None else rotary.implementation(self._target, self.head_dim)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         # fp8 KV: stored = value / scale. 1.0 (as vLLM without calibration) keeps |k|, |v| <= 448 exact
@@ -91,7 +100,7 @@ class Attention(nn.Module):
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         shape = AttentionShape(k_cache.dtype, self.num_heads, num_kv_heads, head_dim, block_size)
         self._attention = registry.attention_impl(self._target, shape)
-        self._masking = Masking(self.sliding_window, self.logits_soft_cap, self.sinks)
+        self._masking = Masking(self.sliding_window, self.logits_soft_cap, self.sinks, chunk=self.attention_chunk)
         self._rotary_store = registry.rotary_store_impl(
             self._target,
             k_cache.dtype,
@@ -116,15 +125,23 @@ class Attention(nn.Module):
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
-            if self.q_norm is None or self.k_norm is None:  # both or neither (cfg.qk_norm)
-                q, k = self._rope.rotate_qk(self.rotary, positions, qk, self.num_heads)
-            else:
-                q, k = self._rope(
-                    self.rotary, positions, self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])
-                )
+            q, k = self._qk(positions, qk)
             self._attention.store(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if self.temperature is not None:
+            q = _temperature_tuned(q, positions, *self.temperature)
         o = self._attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+
+    def _qk(self, positions: torch.Tensor, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys [T, H, D] from the fused projection's [T, Hq + Hk, D]: QK norm, then rotary."""
+        if self.q_norm is None or self.k_norm is None:  # both or neither
+            if self.rotary is None or self._rope is None:
+                return qk[:, : self.num_heads], qk[:, self.num_heads :]
+            return self._rope.rotate_qk(self.rotary, positions, qk, self.num_heads)
+        q, k = self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])
+        if self.rotary is None or self._rope is None:
+            return q, k
+        return self._rope(self.rotary, positions, q, k)
 
     def _fused_rotary_store(
         self,
@@ -142,7 +159,14 @@ class Attention(nn.Module):
         """The cos and signed sin tables the fused rotary and store kernels read, where one may compute this
         layer's: every channel rotated, an unscaled cache; else None."""
         unscaled = type(self.k_scale) is float and type(self.v_scale) is float and self.k_scale == self.v_scale == 1.0
-        return self.rotary.full_tables(self.head_dim) if unscaled else None
+        return self.rotary.full_tables(self.head_dim) if unscaled and self.rotary is not None else None
+
+
+def _temperature_tuned(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Llama 4's NoPE-layer queries times log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1, in
+    float32 and rounded back as transformers computes it."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q * scales[:, None, None]).to(q.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -150,7 +174,7 @@ class DecoderLayer(nn.Module):
     output before it joins the residual stream, pre_feedforward_layernorm does what Llama's
     post_attention_layernorm does, and post_feedforward_layernorm normalises the MLP output."""
 
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding | None, layer: int) -> None:
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.self_attn = Attention(cfg, layout, rotary, layer)
@@ -216,7 +240,9 @@ class DecoderModel(nn.Module):
         )
         self.embed_tokens = Embedding(layout.vocab_per_rank, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, layout, rotary if cfg.layer_window(i) is None else local, i)
+            DecoderLayer(
+                cfg, layout, None if i in cfg.nope_layers else rotary if cfg.layer_window(i) is None else local, i
+            )
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = _norm(cfg, cfg.hidden_size)
@@ -292,6 +318,8 @@ FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),  # Llama 4
+    "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
 SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
 # Gemma3ForConditionalGeneration: the language model's tensors under transformers < 5's and >= 5's names
@@ -495,7 +523,7 @@ class CausalLM(nn.Module):
         if fused.endswith("qkv_proj"):
             attn = self.attention_layers()[0]
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        size = self.layout.intermediate_size
+        size = self.layout.moe_intermediate_size if "shared_expert." in fused else self.layout.intermediate_size
         return [size, size]
 
     def load_weights(self, weights: Iterable[tuple[str, WeightValue]], source: str) -> None:
@@ -509,6 +537,8 @@ class CausalLM(nn.Module):
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
         if self.config.architecture == gpt_oss.ARCHITECTURE:
             weights = gpt_oss.checkpoint_tensors(weights, source)
+        if self.config.architecture in LLAMA4_ARCHITECTURES:
+            weights = llama4.checkpoint_tensors(weights, self.config, source)
         multimodal = self.config.architecture in ("Gemma3ForConditionalGeneration", QWEN25_VL)
         for ckpt_name, value in self._unstacked(weights, source):
             vision = _vision_name(ckpt_name) if multimodal else None
@@ -594,7 +624,7 @@ class CausalLM(nn.Module):
         if isinstance(old, nn.Embedding):
             setattr(parent, attr, QuantEmbedding(shards[0], param.dtype, tied=self.lm_head is None))
             return
-        sizes = self._shard_sizes(attr) if attr in SHARDS_PER_FUSED else [param.shape[0]]
+        sizes = self._shard_sizes(module_name) if attr in SHARDS_PER_FUSED else [param.shape[0]]
         parts: list[QuantizedWeight | torch.Tensor] = []
         for i, size in enumerate(sizes):
             parts.append(shards[i] if i in shards else param.data.narrow(0, sum(sizes[:i]), size).clone())

@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral and gpt-oss: a router and E gated experts in two tensors.
+"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral, gpt-oss and Llama 4: a router and E gated experts in
+two tensors (Llama 4: and a shared expert every token takes, its routing in ember/ops/moe.py).
 
 Each token's MLP output is the sum over its top-k experts (by a softmax over all of them, the
 top-k weights renormalised to sum to one where the model says so) of weight * down(silu(gate) * up).
@@ -78,14 +79,20 @@ class SparseMoeBlock(nn.Module):
         assert moe is not None, "make_mlp builds it for the layers cfg.layer_is_moe names"
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
+        self.routing = moe.routing
         self.gate = Router(moe.num_experts, cfg.hidden_size, moe.bias)
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, layout, layer, moe.bias, moe.swiglu)
+        # Llama 4: a dense SwiGLU of one expert's width (this rank's rows) beside the routed experts
+        self.shared_expert = (
+            GatedMLP(cfg.hidden_size, layout.moe_intermediate_size, cfg.hidden_act) if moe.shared_expert else None
+        )
         # the fused MoE kernels, or the experts' PyTorch path (ember/ops/moe.py)
         self._moe = registry.moe_impl(registry.target(self.gate.weight.device, self.gate.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of the experts' outputs, [M, H] in x's dtype."""
-        return self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize)
+        """This rank's partial sum of the experts' outputs (and the shared expert's), [M, H] in x's dtype."""
+        out = self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize, self.routing)
+        return out if self.shared_expert is None else self.shared_expert(x) + out
 
 
 def _expert(w: torch.Tensor | QuantizedExperts, e: int, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",  # mixtures of experts: ember/model/moe.py
     "MixtralForCausalLM",
     "GptOssForCausalLM",  # attention sinks, biased MoE with a clamped SwiGLU, MXFP4 experts: ember/model/gpt_oss.py
+    "Llama4ForCausalLM",  # chunked local + NoPE global attention, shared-expert MoE: ember/model/llama4.py
+    "Llama4ForConditionalGeneration",  # its language model; the vision tower is not loaded
     *ENCODER_ARCHITECTURES,  # BERT, RoBERTa, XLM-R encoders and cross-encoders: ember/model/bert.py
 )
 

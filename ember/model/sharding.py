@@ -109,6 +109,11 @@ class ShardLayout:
             return 0, self.rank * inter, inter
         if ".mlp.down_proj." in name:
             return 1, self.rank * inter, inter
+        shared = self.moe_intermediate_size  # Llama 4's shared expert: one expert's width
+        if ".shared_expert.gate_proj." in name or ".shared_expert.up_proj." in name:
+            return 0, self.rank * shared, shared
+        if ".shared_expert.down_proj." in name:
+            return 1, self.rank * shared, shared
         if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             return 0, self.vocab_start, self.vocab_rows
         return None

@@ -19,7 +19,7 @@ is ember.ops.functional's `store_kv` and `paged_attention`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import TypedDict, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -51,11 +51,14 @@ class AttentionMetadata:
     # rows only: decode tokens are never image tokens, so their entries are their positions and are not
     # read. None (every step without images, and CUDA graphs): plain causal, the kernels compiled without.
     query_limits: torch.Tensor | None = None
-    # the PyTorch path's decode gather plans (block ids, keys per query, key mask) per sliding window (None:
-    # global layers), each made by the first layer of a step that uses it
-    cpu_decode: dict[int | None, tuple[torch.Tensor, int, torch.Tensor | None]] = field(
+    # the PyTorch path's decode gather plans (block ids, keys per query, key mask) per (sliding window,
+    # attention chunk) (None, None: global layers), each made by the first layer of a step that uses it
+    cpu_decode: dict[tuple[int | None, int | None], tuple[torch.Tensor, int, torch.Tensor | None]] = field(
         default_factory=dict, repr=False
     )
+
+
+_Pos = TypeVar("_Pos", int, torch.Tensor)  # key positions: one, or a tensor of them
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,21 @@ class Masking:
     # False: bidirectional (an encoder, ember/model/bert.py): each prompt's queries see its every key. The
     # scheduler gives such a model whole prompts only, so a query's keys are exactly its step's.
     causal: bool = True
+    # Llama 4's chunked local attention: a query at p sees keys from (p // chunk) * chunk to p (no window)
+    chunk: int | None = None
+
+    @property
+    def local(self) -> bool:
+        """Whether a query sees less than its whole causal context (a window or a chunk)."""
+        return self.window is not None or self.chunk is not None
+
+    def first_key(self, pos: _Pos) -> _Pos | None:
+        """The first key position a causal query at each of `pos` may see; None: the sequence's first."""
+        if self.chunk is not None:
+            return pos // self.chunk * self.chunk
+        if self.window is not None:
+            return pos - self.window + 1
+        return None
 
 
 def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -97,6 +115,7 @@ class _KernelMasking(TypedDict):
     sliding_window: int | None
     logits_soft_cap: float | None
     sinks: torch.Tensor | None
+    attention_chunk: int | None
 
 
 class TritonAttention:
@@ -142,6 +161,7 @@ class TritonAttention:
             "sliding_window": masking.window,
             "logits_soft_cap": masking.soft_cap,
             "sinks": masking.sinks,
+            "attention_chunk": masking.chunk,
         }
         if nd:
             paged_decode_attention(
@@ -229,10 +249,10 @@ class TorchAttention:
         """The one-token queries q [nd, Hq, D] -> [nd, Hq, D], gathered for one SDPA call."""
         block_size = k_cache.shape[1]
         nd = meta.num_decodes
-        window = masking.window
-        if window not in meta.cpu_decode:
-            meta.cpu_decode[window] = _decode_plan(meta, block_size, window)
-        ids, keys, mask = meta.cpu_decode[window]
+        plan = (masking.window, masking.chunk)
+        if plan not in meta.cpu_decode:
+            meta.cpu_decode[plan] = _decode_plan(meta, block_size, masking)
+        ids, keys, mask = meta.cpu_decode[plan]
         shape = (nd, ids.numel() // nd * block_size, *k_cache.shape[2:])
         # index_select on the flat block list: 1.6x (one sequence) to 12x (16) faster than k_cache[tables]
         k = dequantize_kv(k_cache.index_select(0, ids).view(shape)[:, :keys], k_scale, q.dtype).transpose(1, 2)
@@ -256,14 +276,13 @@ class TorchAttention:
         reads an eighth of the keys)."""
         block_size = k_cache.shape[1]
         nd = meta.num_decodes
-        window = masking.window
         if nd:
             out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale, masking)
         for i in range(nd, len(meta.seq_lens_host)):
             start, end = meta.query_start_host[i], meta.query_start_host[i + 1]
             q_len, seq_len = end - start, meta.seq_lens_host[i]
             ctx = seq_len - q_len
-            first = _first_block(ctx, window, block_size)
+            first = _first_block(ctx, masking, block_size)
             block_ids = meta.block_tables[i, first : -(-seq_len // block_size)]
             keys = seq_len - first * block_size
             k = dequantize_kv(k_cache.index_select(0, block_ids).flatten(0, 1)[:keys], k_scale, q.dtype).transpose(0, 1)
@@ -273,15 +292,16 @@ class TorchAttention:
             qc = q[start:end].transpose(0, 1)[None]  # [1, Hq, Q, D]
             k, v = k[None], v[None]
             limits = None if meta.query_limits is None else meta.query_limits[start:end]
-            if (ctx == 0 and window is None and limits is None) or not masking.causal:
+            if (ctx == 0 and not masking.local and limits is None) or not masking.causal:
                 o = _attend(qc, k, v, None, scale, masking, causal=masking.causal and ctx == 0)
             else:
                 rows = torch.arange(q_len, device=q.device)[:, None] + ctx
                 pos = torch.arange(keys, device=q.device)[None, :] + first * block_size
                 # up to its own position or its limit; the window counts from its own (attention_ref's rule)
                 mask = pos <= (rows if limits is None else limits[:, None])
-                if window is not None:
-                    mask &= pos > rows - window
+                first_key = masking.first_key(rows)
+                if first_key is not None:
+                    mask &= pos >= first_key
                 o = _attend(qc, k, v, mask[None, None], scale, masking)
             out[start:end] = o[0].transpose(0, 1)
 
@@ -309,6 +329,8 @@ class NativeDecodeAttention(TorchAttention):
         v_scale: KVScale,
         masking: Masking,
     ) -> torch.Tensor:
+        if masking.chunk is not None:  # the native kernel takes one window for all rows, a chunk differs per row
+            return super().decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, masking)
         return native.paged_decode_attention(
             q,
             k_cache,
@@ -353,26 +375,27 @@ def _attend_same_length(
     return F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(1, 2).reshape(q.shape)
 
 
-def _first_block(first_query_pos: int, window: int | None, block_size: int) -> int:
+def _first_block(first_query_pos: int, masking: Masking, block_size: int) -> int:
     """The first block holding a key that a query at first_query_pos or later may see."""
-    return 0 if window is None else max(0, first_query_pos - window + 1) // block_size
+    first_key = masking.first_key(first_query_pos)
+    return 0 if first_key is None else max(0, first_key) // block_size
 
 
 def _decode_plan(
-    meta: AttentionMetadata, block_size: int, window: int | None
+    meta: AttentionMetadata, block_size: int, masking: Masking
 ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """Block ids to gather for the one-token queries (with a window, only the blocks it covers, from
     each sequence's own first one), the number of keys gathered per query, and which of them each
     query may see ([nd, 1, 1, S]; None when all are visible, which lets SDPA skip masking)."""
     nd = meta.num_decodes
     lens = meta.seq_lens_host[:nd]
-    first = [_first_block(n - 1, window, block_size) for n in lens]
+    first = [_first_block(n - 1, masking, block_size) for n in lens]
     width = max(-(-n // block_size) - f for n, f in zip(lens, first))
     dev = meta.block_tables.device
     if not any(first):  # every row from its first block: a plain slice of the tables
         ids = meta.block_tables[:nd, :width].reshape(-1)
         keys = max(lens)
-        if window is None and min(lens) == keys:
+        if not masking.local and min(lens) == keys:
             return ids, keys, None
         offset: torch.Tensor | int = 0
     else:
@@ -385,8 +408,9 @@ def _decode_plan(
     pos = torch.arange(keys, device=dev)[None, :] + offset
     lens_t = meta.seq_lens[:nd, None]
     visible = pos < lens_t
-    if window is not None:
-        visible &= pos >= lens_t - window
+    first_key = masking.first_key(lens_t - 1)
+    if first_key is not None:
+        visible &= pos >= first_key
     return ids, keys, visible[:, None, None, :]
 
 

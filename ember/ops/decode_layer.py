@@ -84,7 +84,8 @@ class NativeDecodeLayers:
 
 def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
     """What `ops.decode_layers` needs of `layer`, where it computes what the layer's modules do: two plain
-    RMSNorms, full neox rotary, no bias but Qwen2's on QKV, no QK norm but Qwen3's, no sinks, an unscaled
+    RMSNorms, full neox rotary, no bias but Qwen2's on QKV, no QK norm but Qwen3's, no sinks, no attention
+    chunk or query temperature (Llama 4), an unscaled
     cache, a SiLU gated MLP, every projection one native weight, one rank; LoRA on every projection (the
     native slots of ember.model.lora's LoRALinear) or on none."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -96,6 +97,8 @@ def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
         or not all(map(_plain_rms_norm, norms))
         or norms[0].eps != norms[1].eps
         or attn.sinks is not None
+        or attn.attention_chunk is not None
+        or attn.temperature is not None
         or not _plain_qk_norm(attn)
         or attn.fused_rotary_tables() is None
     ):

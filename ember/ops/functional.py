@@ -38,6 +38,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Keys/values for the new tokens must already be stored; fp8
     caches are read through their scales (see `dequantize_kv`).
@@ -45,9 +46,11 @@ def paged_attention(
     sliding_window: a query at position p sees only keys j with p - sliding_window < j <= p.
     logits_soft_cap: scaled scores s become cap * tanh(s / cap) before masking and softmax (Gemma 2).
     sinks: float32 [Hq], one logit per query head that joins every softmax denominator without a value
-    (gpt-oss): out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))."""
+    (gpt-oss): out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)).
+    attention_chunk: a query at position p sees only keys j of its own chunk, (p // C) * C <= j <= p (Llama 4)."""
     impl = registry.attention_impl(registry.target(q.device, q.dtype), _shape(q.shape[1], k_cache))
-    return impl(q, k_cache, v_cache, meta, scale, k_scale, v_scale, Masking(sliding_window, logits_soft_cap, sinks))
+    masking = Masking(sliding_window, logits_soft_cap, sinks, chunk=attention_chunk)
+    return impl(q, k_cache, v_cache, meta, scale, k_scale, v_scale, masking)
 
 
 def _shape(num_heads: int, k_cache: torch.Tensor) -> AttentionShape:

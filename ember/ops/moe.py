@@ -1,6 +1,12 @@
 """The mixture-of-experts MLP's routing and expert computation (ember.model.moe.SparseMoeBlock): the
 fused MoE kernels (ember/kernels/fused_moe.py) with their own routing, or the experts module's PyTorch
-path over transformers' routing."""
+path over transformers' routing.
+
+Llama 4 routes otherwise ("sigmoid-input"): the sigmoid of each token's top-k router logits scales the
+chosen experts' *input*, not their output (the activation between the projections makes the two
+differ). Its token-choice pairs become rows of their own, x * weight, each sent to one expert with
+weight 1 through the same experts path, then summed per token (k = 1, every released Llama 4: the
+rows are the tokens, nothing to sum)."""
 
 from __future__ import annotations
 
@@ -20,17 +26,47 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+def route_sigmoid(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's (weights float32 [M, k], expert ids [M, k]): the top-k logits through a sigmoid (the
+    others' sigmoid(-inf) = 0 in transformers, their experts fed zeros, which add nothing)."""
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.sigmoid(values.float()), ids
+
+
+def input_weighted_rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each (token, choice) as its own row x[t] * weights[t, j] ([M * k, H], x's dtype), that row's expert
+    [M * k, 1] and a weight of 1 for it."""
+    rows = (x[:, None, :] * weights[..., None].to(x.dtype)).reshape(-1, x.shape[1])
+    flat = ids.reshape(-1, 1)
+    return rows, torch.ones(flat.shape, dtype=torch.float32, device=x.device), flat
+
+
+def _per_token(out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[M * k, H] rows of token-choice pairs -> [M, H], each token's k summed."""
+    return out if top_k == 1 else out.view(-1, top_k, out.shape[1]).sum(dim=1)
+
+
 class TritonMoe:
     @staticmethod
     def can_implement(target: Target) -> bool:
         return target.triton
 
     def __call__(
-        self, experts: Any, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool
+        self,
+        experts: Any,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        routing: str = "softmax",
     ) -> torch.Tensor:
-        from ember.kernels import fused_moe_from_logits
+        from ember.kernels import fused_moe, fused_moe_from_logits
 
         w13, w2 = experts.w13, experts.w2
+        if routing == "sigmoid-input":
+            rows, ones, ids = input_weighted_rows(x, *route_sigmoid(logits, top_k))
+            out = fused_moe(rows, w13, w2, ones, ids.int(), b13=experts.b13, b2=experts.b2, swiglu=experts.swiglu)
+            return _per_token(out, top_k)
         return fused_moe_from_logits(
             x, w13, w2, logits, top_k, renormalize, b13=experts.b13, b2=experts.b2, swiglu=experts.swiglu
         )
@@ -42,6 +78,14 @@ class TorchMoe:
         return True
 
     def __call__(
-        self, experts: Any, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool
+        self,
+        experts: Any,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        routing: str = "softmax",
     ) -> torch.Tensor:
+        if routing == "sigmoid-input":
+            return _per_token(experts(*input_weighted_rows(x, *route_sigmoid(logits, top_k))), top_k)
         return experts(x, *route(logits, top_k, renormalize))
