@@ -37,7 +37,7 @@ from ember.quant.quantize import method_for
 
 
 def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
-    return (GemmaRMSNorm if cfg.gemma_norms else RMSNorm)(size, cfg.rms_norm_eps)
+    return (GemmaRMSNorm if cfg.gemma_norms or cfg.unit_offset_norms else RMSNorm)(size, cfg.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -104,12 +104,22 @@ class Attention(nn.Module):
         """The layout in which `forward` takes `rows` rows already quantized (see QuantLinear.fp8_layout)."""
         return fp8_input_layout(self.qkv_proj, rows)
 
+    @property
+    def qkv_sizes(self) -> list[int]:
+        """The rows of q, k and v in qkv_proj (a checkpoint's q_proj, k_proj and v_proj)."""
+        return [self.q_size, self.kv_size, self.kv_size]
+
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, meta: AttentionMetadata
     ) -> torch.Tensor:
+        o = self.attend(positions, self.qkv_proj(x), meta)
+        return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Queries, keys and values [T, q + 2 kv] -> the attention output per query head, before o_proj:
+        QK norm and rotary applied, the keys and values stored in the cache."""
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "bind_cache sets the KV cache before any step"
-        qkv = self.qkv_proj(x)
         q = self._fused_rotary_store(positions, qkv, k_cache, v_cache, meta)
         if q is None:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -122,8 +132,7 @@ class Attention(nn.Module):
                     self.rotary, positions, self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])
                 )
             self._attention.store(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        o = self._attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
-        return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+        return self._attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
 
     def _fused_rotary_store(
         self,
@@ -213,7 +222,7 @@ class DecoderModel(nn.Module):
         )
         self.embed_tokens = Embedding(layout.vocab_per_rank, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, layout, rotary if cfg.layer_window(i) is None else local, i)
+            self.make_layer(cfg, layout, rotary if cfg.layer_window(i) is None else local, i)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = _norm(cfg, cfg.hidden_size)
@@ -226,6 +235,11 @@ class DecoderModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
         self.choose_kernels()
+
+    @staticmethod
+    def make_layer(cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding, layer: int) -> nn.Module:
+        """Layer `layer` (a model family with other layer kinds overrides it: ember/model/qwen3_next.py)."""
+        return DecoderLayer(cfg, layout, rotary, layer)
 
     def choose_kernels(self) -> None:
         """Every layer's decode step in one native call (ember/ops/decode_layer.py) where each layer, as
@@ -289,6 +303,8 @@ FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),  # Qwen3-Next's shared expert
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
 SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
 # Gemma3ForConditionalGeneration: the language model's tensors under transformers < 5's and >= 5's names
@@ -344,11 +360,13 @@ class ImageRows:
 
 
 class CausalLM(nn.Module):
+    decoder_class: type[DecoderModel] = DecoderModel  # the layer stack (Qwen3-Next's hybrid one: its own)
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.layout = ShardLayout.of(cfg, tp_rank(), tp_size())
-        self.model = DecoderModel(cfg, self.layout, max_positions)
+        self.model = self.decoder_class(cfg, self.layout, max_positions)
         # Gemma 3's vision tower and projector (whole on every rank); None for text-only models
         self.vision = None if cfg.vision is None else Gemma3Vision(cfg.vision, cfg.hidden_size)
         self.lm_head = (
@@ -475,9 +493,11 @@ class CausalLM(nn.Module):
 
     def _shard_sizes(self, fused: str) -> list[int]:
         if fused.endswith("qkv_proj"):
-            attn = self.attention_layers()[0]
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        size = self.layout.intermediate_size
+            return self.attention_layers()[0].qkv_sizes
+        moe = self.config.moe
+        size = (
+            moe.shared_expert_intermediate_size if "shared_expert" in fused and moe else self.layout.intermediate_size
+        )
         return [size, size]
 
     def load_weights(self, weights: Iterable[tuple[str, WeightValue]], source: str) -> None:
@@ -593,7 +613,9 @@ class CausalLM(nn.Module):
             if name.startswith("vision.") and ("layer_norm" in name or "layernorm" in name):
                 param.data.fill_(1.0 if name.endswith("weight") else 0.0)  # LayerNorms: the identity
             elif name.endswith("norm.weight"):
-                param.data.fill_(0.0 if self.config.gemma_norms else 1.0)  # the identity either way
+                param.data.fill_(
+                    0.0 if self.config.gemma_norms or self.config.unit_offset_norms else 1.0
+                )  # the identity
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
         self.choose_kernels()

@@ -1,9 +1,11 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral and gpt-oss: a router and E gated experts in two tensors.
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen3-Next, Mixtral and gpt-oss: a router and E gated experts in
+two tensors (Qwen3-Next adds a shared expert).
 
 Each token's MLP output is the sum over its top-k experts (by a softmax over all of them, the
 top-k weights renormalised to sum to one where the model says so) of weight * down(silu(gate) * up).
 gpt-oss adds biases to the router and to each expert's gate/up and down, and replaces silu(gate) * up
-by its clamped SwiGLU (`gated_activation`).
+by its clamped SwiGLU (`gated_activation`). Qwen3-Next adds a dense "shared expert" MLP that every token
+runs, scaled by sigmoid(shared_expert_gate(x)), to the routed experts' sum.
 
 Every expert of a layer lives in one of two stacked tensors, the fused MoE kernels' operands
 (ember/kernels/fused_moe.py): `w13` [E, 2I, H] holds each expert's gate rows then its up rows, `w2`
@@ -82,10 +84,17 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, layout, layer, moe.bias, moe.swiglu)
         # the fused MoE kernels, or the experts' PyTorch path (ember/ops/moe.py)
         self._moe = registry.moe_impl(registry.target(self.gate.weight.device, self.gate.weight.dtype))
+        # Qwen3-Next's shared expert; its gate is a Router too, so `--quantization` leaves its one row whole
+        shared = moe.shared_expert_intermediate_size
+        self.shared_expert = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None
+        self.shared_expert_gate = Router(1, cfg.hidden_size) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the experts' outputs, [M, H] in x's dtype."""
-        return self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize)
+        out = self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize)
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype) * self.shared_expert(x)
 
 
 def _expert(w: torch.Tensor | QuantizedExperts, e: int, dtype: torch.dtype) -> torch.Tensor:

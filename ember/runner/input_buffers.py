@@ -40,6 +40,7 @@ class InputBuffers:
         device: torch.device,
         lora: bool = False,
         token_types: bool = False,
+        state_slots: bool = False,
     ) -> None:
         self.input_ids = _Buffer((max_tokens,), torch.int64, device)
         self.positions = _Buffer((max_tokens,), torch.int64, device)
@@ -52,6 +53,8 @@ class InputBuffers:
         self.lora_slots = _Buffer((max_tokens,), torch.int32, device) if lora else None
         # each token's type (1: in the second text of a pair), for an encoder with token types (ember/model/bert.py)
         self.token_types = _Buffer((max_tokens,), torch.int64, device) if token_types else None
+        # each sequence's linear-attention state slot, for a model with such layers (ember/runner/linear_state.py)
+        self.state_slots = _Buffer((max_seqs,), torch.int64, device) if state_slots else None
         self._all = [
             self.input_ids,
             self.positions,
@@ -60,7 +63,7 @@ class InputBuffers:
             self.seq_lens,
             self.query_start_loc,
             self.logits_indices,
-        ] + [b for b in (self.lora_slots, self.token_types) if b is not None]
+        ] + [b for b in (self.lora_slots, self.token_types, self.state_slots) if b is not None]
         self._turn = 0
 
     def next_set(self) -> None:
