@@ -29,7 +29,7 @@ from ember.model.layers import GemmaRMSNorm, RotaryEmbedding
 from ember.model.llama import Attention, CausalLM, DecoderModel
 from ember.model.moe import make_mlp
 from ember.model.sharding import ShardLayout
-from ember.ops import gated_delta
+from ember.ops import gated_delta, registry
 from ember.ops.attention import AttentionMetadata
 from ember.ops.unfused import Unfused
 from ember.quant.formats import Fp8Activation
@@ -94,6 +94,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(la.num_v_heads))
         self.norm = _GatedNorm(la.v_head_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        # the decode update over the pool: Triton on CUDA, PyTorch elsewhere (ember/ops/gated_delta.py)
+        self._recurrent = registry.gated_delta_decode_impl(registry.target(self.A_log.device, self.A_log.dtype))
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1]
         self.ssm_state: torch.Tensor | None = None  # [slots, v_heads, k_dim, v_dim] float32
 
@@ -165,19 +167,16 @@ class GatedDeltaNet(nn.Module):
         """One token for each of B sequences, batched: the convolution's last window and one recurrent step
         of the delta rule from each slot's state (zeros for a one-token prompt)."""
         assert self.conv_state is not None and self.ssm_state is not None
-        conv, ssm = self.conv_state[slots], self.ssm_state[slots]
-        if min(seq_lens) == 1:  # a one-token prompt: no state yet
-            fresh = torch.tensor([n == 1 for n in seq_lens], device=mixed.device)
+        conv = self.conv_state[slots]
+        fresh = torch.tensor([n == 1 for n in seq_lens], device=mixed.device)  # a one-token prompt: no state yet
+        if min(seq_lens) == 1:
             conv = conv.masked_fill(fresh[:, None, None], 0)
-            ssm = ssm.masked_fill(fresh[:, None, None, None], 0)
         weight = self.conv1d.weight[:, 0]
         window = torch.cat([conv.to(weight.dtype), mixed.to(weight.dtype).unsqueeze(-1)], dim=-1)  # [B, C, K]
         conv_out = F.silu((window * weight).sum(-1)).to(mixed.dtype)
-        q, k, v = self._qkv(conv_out.unsqueeze(1))
-        out, new_ssm = gated_delta.recurrent(q, k, v, g.unsqueeze(1), beta.unsqueeze(1), ssm)
         self.conv_state[slots] = window[:, :, 1:].to(self.conv_state.dtype)
-        self.ssm_state[slots] = new_ssm
-        return out[:, 0]
+        q, k, v = self._qkv(conv_out.unsqueeze(1))
+        return self._recurrent(q[:, 0], k[:, 0], v[:, 0], g, beta, self.ssm_state, slots, fresh)
 
 
 class HybridLayer(nn.Module):

@@ -14,12 +14,18 @@ steps carries its state from chunk to chunk.
 
 Before the rule, q, k and v pass a causal depthwise convolution whose last kernel-1 inputs are the
 other part of a request's state (`causal_conv`).
+
+The decode update is a registry choice (`registry.gated_delta_decode_impl`): on CUDA one Triton launch
+for the step's decodes that updates the pool's states in place (`TritonRecurrent`), elsewhere
+`recurrent` over the gathered states (`TorchRecurrent`). Prompt chunks run `chunked` on every device.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ember.ops.target import Target
 
 CHUNK = 64
 
@@ -110,3 +116,53 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     xf = x.to(torch.float32)
     h = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     return (h * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+class TritonRecurrent:
+    """A decode token per sequence in one Triton launch, the state read and written in place in the pool
+    (ember/kernels/gated_delta.py)."""
+
+    @staticmethod
+    def can_implement(target: Target) -> bool:
+        return target.triton
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+    ) -> torch.Tensor:
+        from ember.kernels.gated_delta import fused_recurrent_gated_delta
+
+        return fused_recurrent_gated_delta(q, k, v, g, beta, state, slots, fresh)
+
+
+class TorchRecurrent:
+    """`recurrent` over the sequences' states gathered from the pool, scattered back after."""
+
+    @staticmethod
+    def can_implement(target: Target) -> bool:
+        return True
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+    ) -> torch.Tensor:
+        """q, k [B, Hk, K], v [B, Hv, V], g and beta [B, Hv], state [S, Hv, K, V] (updated at `slots`), fresh
+        [B] (True: start from zeros) -> o [B, Hv, V]."""
+        start = state[slots].masked_fill(fresh[:, None, None, None], 0.0)
+        out, new = recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], start)
+        state[slots] = new
+        return out[:, 0]

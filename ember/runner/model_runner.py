@@ -254,6 +254,8 @@ class ModelRunner:
             self.block_size, self.kv_cache.num_blocks, sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len
         ):
             self.wait(self.launch(step))
+            if self.linear_state is not None:  # its batches reuse ids without finishing them: free every slot
+                self.requests.clear()
         self._last_sampled = None
         self.requests.clear()
         self.timer = StepTimer()
