@@ -182,3 +182,9 @@ def test_triton_path_matches_transformers(checkpoint, references, monkeypatch):
     outs = llm.generate(PROMPTS[1:4], params, use_tqdm=False)
     for prompt, out, (tokens, _) in zip(PROMPTS[1:4], outs, references[1:4]):
         assert out.outputs[0].token_ids == tokens[:6], f"prompt {prompt!r}"
+
+
+def test_speculative_decoding_is_refused(checkpoint):
+    """The recurrent state has no rollback past rejected drafts: refused by name, before anything loads."""
+    with pytest.raises(ValueError, match="speculative decoding is not supported for Qwen3NextForCausalLM"):
+        _llm(checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
