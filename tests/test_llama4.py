@@ -112,7 +112,7 @@ def test_config_follows_transformers_defaults():
     assert cfg.nope_layers == (3, 7)
     assert [cfg.layer_chunk(i) for i in range(8)] == [16, 16, 16, None, 16, 16, 16, None]
     assert [cfg.layer_is_moe(i) for i in range(8)] == [False, True] * 4
-    assert cfg.moe is not None and cfg.moe.routing == "sigmoid-input" and cfg.moe.shared_expert
+    assert cfg.moe is not None and cfg.moe.routing == "sigmoid-input" and cfg.moe.shared_expert_intermediate_size
     assert cfg.attn_temperature == (8192.0, 0.1) and cfg.weightless_qk_norm
     assert cfg.intermediate_size == 16384 and cfg.moe.intermediate_size == 8192  # dense layers, experts
     unchunked = ModelConfig.from_hf_config(

@@ -81,6 +81,7 @@ class EngineCore:
         self.vocab_size = files.model_config.vocab_size
         self.hidden_size = files.model_config.hidden_size
         self.pooler = config.pooler or files.pooler or PoolerConfig()
+        _check_linear_attention(config, files.model_config)
         self.tensor_parallel = _start_tensor_parallel(config, files.model_config)
         try:
             runner_device = self.tensor_parallel.device if self.tensor_parallel else device
@@ -111,7 +112,7 @@ class EngineCore:
         self.block_manager = BlockManager(
             num_blocks,
             config.cache.block_size,
-            config.cache.enable_prefix_caching and self.encoder is None,  # an encoder's keys see later tokens
+            _prefix_caching(config, files.model_config),
             sliding_window=_shared_window(files.model_config),
         )
         self.speculative = config.speculative
@@ -598,6 +599,34 @@ def _image_shape_problem(v: VisionConfig | QwenVisionConfig, image: ImageInput) 
     if len(image.pixels) != 4 * t * h * w * 3 * v.temporal_patch_size * v.patch_size**2:
         return f"images: pixels must be float32 [{t * h * w}, {3 * v.temporal_patch_size * v.patch_size**2}]"
     return None
+
+
+def _prefix_caching(config: EngineConfig, cfg: ModelConfig) -> bool:
+    """Whether the block manager caches prefixes: not for an encoder (its keys see later tokens), nor for a
+    model with linear-attention layers, whose per-request recurrent state at a block boundary is not in
+    the KV cache (a hit would skip tokens the state never saw)."""
+    if not config.cache.enable_prefix_caching or cfg.encoder is not None:
+        return False
+    if cfg.linear_attention is not None:
+        logger.info(
+            "prefix caching disabled: %s keeps a recurrent state per request in its linear-attention layers, "
+            "which the KV cache's blocks do not hold",
+            cfg.architecture,
+        )
+        return False
+    return True
+
+
+def _check_linear_attention(config: EngineConfig, cfg: ModelConfig) -> None:
+    """What a model with linear-attention layers (Qwen3-Next) cannot run with yet, refused by name: its
+    recurrent state advances one token per step and has no rollback for rejected drafts, and its state
+    pool is not split over ranks."""
+    if cfg.linear_attention is None:
+        return
+    if config.speculative is not None:
+        raise ValueError(f"speculative decoding is not supported for {cfg.architecture} (linear-attention layers)")
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"tensor parallelism is not supported for {cfg.architecture} (linear-attention layers)")
 
 
 def _shared_window(cfg: ModelConfig) -> int | None:

@@ -30,7 +30,27 @@ class MoeConfig:
     # "softmax": the top-k of a softmax over all experts weight the experts' outputs (Qwen3-MoE, Mixtral,
     # gpt-oss); "sigmoid-input" (Llama 4): sigmoid of the top-k logits, each scaling its expert's *input*
     routing: str = "softmax"
-    shared_expert: bool = False  # Llama 4: a dense SwiGLU of the experts' width that every token also takes
+    # a dense SwiGLU of this width beside the routed experts that every token takes (Llama 4: one expert's
+    # width; Qwen3-Next: its own); 0: none
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False  # Qwen3-Next: the shared expert scaled by sigmoid(shared_expert_gate(x))
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Qwen3-Next's Gated DeltaNet layers (ember/model/qwen3_next.py): `num_k_heads` query/key heads of
+    `k_head_dim`, each serving num_v_heads / num_k_heads value heads of `v_head_dim`, and a causal
+    depthwise convolution of `conv_kernel` taps over q, k and v."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 ENCODER_ARCHITECTURES = (
@@ -138,6 +158,7 @@ class ModelConfig:
     qk_norm: bool
     # Gemma: (1 + w) norms, four norms per layer, embeddings scaled by sqrt(hidden), GELU-tanh MLP
     gemma_norms: bool = False
+    unit_offset_norms: bool = False  # RMSNorms scale by (1 + w) without Gemma's other traits (Qwen3-Next)
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (default: head_dim)
     # "sliding_attention" / "full_attention" per layer; None: every layer attends to its whole context
@@ -177,6 +198,12 @@ class ModelConfig:
     # M-RoPE (Qwen2.5-VL): the rotary channel pairs of each head split into sections rotated by a token's
     # temporal, height and width positions (text tokens: all three the same); None: plain rotary
     mrope_section: tuple[int, int, int] | None = None
+    # Qwen3-Next: the "linear_attention" layers of layer_types; its full-attention layers gate their output
+    linear_attention: LinearAttentionConfig | None = None
+
+    def layer_is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer: a recurrent state per request instead of KV (ember/runner/linear_state.py)."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -223,8 +250,9 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", QWEN25_VL, _GPT_OSS))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA3),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", _QWEN3_NEXT, *_GEMMA3),
             gemma_norms=gemma,
+            unit_offset_norms=arch == _QWEN3_NEXT,
             hidden_act="gelu_pytorch_tanh" if gemma else "silu",
             query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
             layer_types=_layer_types(arch, cfg),
@@ -234,12 +262,13 @@ class ModelConfig:
             # transformers' Gemma 3 attention ignores attn_logit_softcapping, so Ember does too
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
-            partial_rotary_factor=_partial_rotary_factor(cfg),
+            partial_rotary_factor=_partial_rotary_factor(cfg, 0.25 if arch == _QWEN3_NEXT else 1.0),
             moe=_moe(arch, cfg),
             o_proj_bias=arch == _GPT_OSS and bool(cfg.get("attention_bias", True)),
             attention_sinks=arch == _GPT_OSS,
             vision=vision,
             mrope_section=mrope,
+            linear_attention=_linear_attention(arch, cfg),
         )
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
@@ -324,7 +353,7 @@ def _llama4_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:
             renormalize=False,
             dense_layers=tuple(i for i in range(n) if i not in moe_layers),
             routing="sigmoid-input",
-            shared_expert=True,
+            shared_expert_intermediate_size=int(cfg.get("intermediate_size", 8192)),
         ),
     )
 
@@ -481,10 +510,11 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
     Qwen3-MoE's sliding window (off in every released checkpoint)."""
     if arch == _GPT_OSS:
         return _gpt_oss_moe(cfg)
-    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", _QWEN3_NEXT):
         return None
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == _QWEN3_NEXT else 0
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
-        if cfg.get(key):
+        if cfg.get(key) and arch != _QWEN3_NEXT:
             raise ValueError(f"{key}: shared experts are not supported for {arch}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} experts (silu only)")
@@ -504,7 +534,13 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
     if num_experts and not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
     return MoeConfig(
-        num_experts=num_experts, top_k=top_k, intermediate_size=inter, renormalize=renormalize, dense_layers=dense
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=inter,
+        renormalize=renormalize,
+        dense_layers=dense,
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=bool(shared),
     )
 
 
@@ -557,13 +593,14 @@ def _rope_type(scaling: dict[str, Any] | None) -> str:
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
 
-def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
-    """Top level in config.json (Phi-4-mini), inside `rope_parameters` in transformers >= 5's."""
+def _partial_rotary_factor(cfg: dict[str, Any], default: float = 1.0) -> float:
+    """Top level in config.json (Phi-4-mini), inside `rope_parameters` in transformers >= 5's; `default`
+    where neither gives it (Qwen3-Next's is 0.25)."""
     params = cfg.get("rope_parameters")
     return float(
         cfg.get("partial_rotary_factor")
         or (params if isinstance(params, dict) else {}).get("partial_rotary_factor")
-        or 1.0
+        or default
     )
 
 
@@ -634,14 +671,43 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
     **dict.fromkeys(_GEMMA3, _GEMMA3_DEFAULTS),
 }
 _GPT_OSS = "GptOssForCausalLM"
+_QWEN3_NEXT = "Qwen3NextForCausalLM"
 _DEFAULT_THETA = {_GPT_OSS: 150_000.0}  # transformers' config defaults where config.json gives none
 # architectures whose `sliding_window` is used (Qwen2 configs carry one that is off unless use_sliding_window)
 _SLIDING = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", _GPT_OSS, *_GEMMA_DEFAULTS)
 
 
+def _linear_attention(arch: str, cfg: dict[str, Any]) -> LinearAttentionConfig | None:
+    """Qwen3-Next's Gated DeltaNet shapes (transformers' Qwen3NextConfig defaults where the file is silent)."""
+    if arch != _QWEN3_NEXT:
+        return None
+    la = LinearAttentionConfig(
+        num_k_heads=int(cfg.get("linear_num_key_heads", 16)),
+        num_v_heads=int(cfg.get("linear_num_value_heads", 32)),
+        k_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        v_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
+    if la.num_v_heads % la.num_k_heads:
+        raise ValueError(
+            f"linear_num_value_heads ({la.num_v_heads}) must be a multiple of linear_num_key_heads ({la.num_k_heads})"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu only)")
+    return la
+
+
 def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[str, ...] | None:
     """transformers 5 configs list each layer's type; older ones give a period where every
-    `sliding_window_pattern`-th layer is global (Gemma), or make every layer slide (Mistral)."""
+    `sliding_window_pattern`-th layer is global (Gemma), or make every layer slide (Mistral). Qwen3-Next:
+    "linear_attention" or "full_attention", every `full_attention_interval`-th layer full by default."""
+    if arch == _QWEN3_NEXT:
+        if cfg.get("layer_types"):
+            return tuple(cfg["layer_types"])
+        interval = int(cfg.get("full_attention_interval", 4))
+        return tuple(
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(cfg["num_hidden_layers"])
+        )
     if arch not in _SLIDING or cfg.get("sliding_window") is None:
         return None
     if cfg.get("layer_types"):

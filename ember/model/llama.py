@@ -38,7 +38,7 @@ from ember.quant.quantize import method_for
 
 
 def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
-    return (GemmaRMSNorm if cfg.gemma_norms else RMSNorm)(size, cfg.rms_norm_eps)
+    return (GemmaRMSNorm if cfg.gemma_norms or cfg.unit_offset_norms else RMSNorm)(size, cfg.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -114,12 +114,22 @@ class Attention(nn.Module):
         """The layout in which `forward` takes `rows` rows already quantized (see QuantLinear.fp8_layout)."""
         return fp8_input_layout(self.qkv_proj, rows)
 
+    @property
+    def qkv_sizes(self) -> list[int]:
+        """The rows of q, k and v in qkv_proj (a checkpoint's q_proj, k_proj and v_proj)."""
+        return [self.q_size, self.kv_size, self.kv_size]
+
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, meta: AttentionMetadata
     ) -> torch.Tensor:
+        o = self.attend(positions, self.qkv_proj(x), meta)
+        return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Queries, keys and values [T, q + 2 kv] -> the attention output per query head, before o_proj:
+        QK norm and rotary applied, the keys and values stored in the cache."""
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "bind_cache sets the KV cache before any step"
-        qkv = self.qkv_proj(x)
         q = self._fused_rotary_store(positions, qkv, k_cache, v_cache, meta)
         if q is None:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -129,8 +139,7 @@ class Attention(nn.Module):
             self._attention.store(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if self.temperature is not None:
             q = _temperature_tuned(q, positions, *self.temperature)
-        o = self._attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
-        return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+        return self._attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale, self._masking)
 
     def _qk(self, positions: torch.Tensor, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys [T, H, D] from the fused projection's [T, Hq + Hk, D]: QK norm, then rotary."""
@@ -240,7 +249,7 @@ class DecoderModel(nn.Module):
         )
         self.embed_tokens = Embedding(layout.vocab_per_rank, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(
+            self.make_layer(
                 cfg, layout, None if i in cfg.nope_layers else rotary if cfg.layer_window(i) is None else local, i
             )
             for i in range(cfg.num_hidden_layers)
@@ -255,6 +264,11 @@ class DecoderModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
         self.choose_kernels()
+
+    @staticmethod
+    def make_layer(cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding | None, layer: int) -> nn.Module:
+        """Layer `layer` (a model family with other layer kinds overrides it: ember/model/qwen3_next.py)."""
+        return DecoderLayer(cfg, layout, rotary, layer)
 
     def choose_kernels(self) -> None:
         """Every layer's decode step in one native call (ember/ops/decode_layer.py) where each layer, as
@@ -318,7 +332,7 @@ FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),  # Llama 4
+    "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),  # Llama 4's and Qwen3-Next's shared expert
     "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
 SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
@@ -379,11 +393,13 @@ class ImageRows:
 
 
 class CausalLM(nn.Module):
+    decoder_class: type[DecoderModel] = DecoderModel  # the layer stack (Qwen3-Next's hybrid one: its own)
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.layout = ShardLayout.of(cfg, tp_rank(), tp_size())
-        self.model = DecoderModel(cfg, self.layout, max_positions)
+        self.model = self.decoder_class(cfg, self.layout, max_positions)
         # the vision tower (Gemma 3's with its projector, Qwen2.5-VL's; whole on every rank); None: text only
         self.vision: Gemma3Vision | Qwen25VisionTower | None = None
         if isinstance(cfg.vision, QwenVisionConfig):
@@ -521,9 +537,8 @@ class CausalLM(nn.Module):
 
     def _shard_sizes(self, fused: str) -> list[int]:
         if fused.endswith("qkv_proj"):
-            attn = self.attention_layers()[0]
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        size = self.layout.moe_intermediate_size if "shared_expert." in fused else self.layout.intermediate_size
+            return self.attention_layers()[0].qkv_sizes
+        size = self.layout.shared_expert_size if "shared_expert." in fused else self.layout.intermediate_size
         return [size, size]
 
     def load_weights(self, weights: Iterable[tuple[str, WeightValue]], source: str) -> None:
@@ -641,7 +656,9 @@ class CausalLM(nn.Module):
             if name.startswith("vision.") and ("layer_norm" in name or "layernorm" in name):
                 param.data.fill_(1.0 if name.endswith("weight") else 0.0)  # LayerNorms: the identity
             elif name.endswith("norm.weight"):
-                param.data.fill_(0.0 if self.config.gemma_norms else 1.0)  # the identity either way
+                param.data.fill_(
+                    0.0 if self.config.gemma_norms or self.config.unit_offset_norms else 1.0
+                )  # the identity
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
         self.choose_kernels()

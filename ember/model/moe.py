@@ -1,10 +1,12 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral, gpt-oss and Llama 4: a router and E gated experts in
-two tensors (Llama 4: and a shared expert every token takes, its routing in ember/ops/moe.py).
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen3-Next, Mixtral, gpt-oss and Llama 4: a router and E gated
+experts in two tensors (Llama 4 and Qwen3-Next: and a shared expert every token takes; Llama 4's routing in
+ember/ops/moe.py).
 
 Each token's MLP output is the sum over its top-k experts (by a softmax over all of them, the
 top-k weights renormalised to sum to one where the model says so) of weight * down(silu(gate) * up).
 gpt-oss adds biases to the router and to each expert's gate/up and down, and replaces silu(gate) * up
-by its clamped SwiGLU (`gated_activation`).
+by its clamped SwiGLU (`gated_activation`). Qwen3-Next adds a dense "shared expert" MLP that every token
+runs, scaled by sigmoid(shared_expert_gate(x)), to the routed experts' sum.
 
 Every expert of a layer lives in one of two stacked tensors, the fused MoE kernels' operands
 (ember/kernels/fused_moe.py): `w13` [E, 2I, H] holds each expert's gate rows then its up rows, `w2`
@@ -82,17 +84,23 @@ class SparseMoeBlock(nn.Module):
         self.routing = moe.routing
         self.gate = Router(moe.num_experts, cfg.hidden_size, moe.bias)
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, layout, layer, moe.bias, moe.swiglu)
-        # Llama 4: a dense SwiGLU of one expert's width (this rank's rows) beside the routed experts
-        self.shared_expert = (
-            GatedMLP(cfg.hidden_size, layout.moe_intermediate_size, cfg.hidden_act) if moe.shared_expert else None
-        )
         # the fused MoE kernels, or the experts' PyTorch path (ember/ops/moe.py)
         self._moe = registry.moe_impl(registry.target(self.gate.weight.device, self.gate.weight.dtype))
+        # Llama 4's and Qwen3-Next's shared expert (this rank's rows); Qwen3-Next's gate is a Router, so
+        # `--quantization` leaves its one row whole
+        shared = layout.shared_expert_size
+        self.shared_expert = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None
+        self.shared_expert_gate = Router(1, cfg.hidden_size) if moe.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the experts' outputs (and the shared expert's), [M, H] in x's dtype."""
         out = self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize, self.routing)
-        return out if self.shared_expert is None else self.shared_expert(x) + out
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype) * shared
+        return out + shared
 
 
 def _expert(w: torch.Tensor | QuantizedExperts, e: int, dtype: torch.dtype) -> torch.Tensor:

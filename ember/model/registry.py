@@ -6,6 +6,8 @@ from ember.errors import ModelLoadError
 from ember.model.bert import EncoderModel
 from ember.model.hf_config import ENCODER_ARCHITECTURES, ModelConfig
 from ember.model.llama import CausalLM
+from ember.model.qwen3_next import ARCHITECTURE as QWEN3_NEXT
+from ember.model.qwen3_next import Qwen3NextForCausalLM
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -19,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",  # Qwen2 with M-RoPE and its ViT: ember/model/qwen2_5_vl.py
     "Qwen3MoeForCausalLM",  # mixtures of experts: ember/model/moe.py
     "MixtralForCausalLM",
+    QWEN3_NEXT,  # hybrid: Gated DeltaNet linear attention and gated full attention, shared-expert MoE
     "GptOssForCausalLM",  # attention sinks, biased MoE with a clamped SwiGLU, MXFP4 experts: ember/model/gpt_oss.py
     "Llama4ForCausalLM",  # chunked local + NoPE global attention, shared-expert MoE: ember/model/llama4.py
     "Llama4ForConditionalGeneration",  # its language model; the vision tower is not loaded
@@ -34,4 +37,6 @@ def model_class(cfg: ModelConfig, source: str) -> type[CausalLM] | type[EncoderM
         raise ModelLoadError(
             source, f"unsupported architecture {cfg.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    return EncoderModel if cfg.encoder is not None else CausalLM
+    if cfg.encoder is not None:
+        return EncoderModel
+    return Qwen3NextForCausalLM if cfg.architecture == QWEN3_NEXT else CausalLM

@@ -59,6 +59,7 @@ class ShardLayout:
     vocab_size: int  # the whole vocabulary
     vocab_per_rank: int  # embedding / LM head rows per rank (the last rank's may be partly padding)
     moe_intermediate_size: int = 0  # each expert's intermediate rows on this rank (0: no experts)
+    shared_expert_size: int = 0  # the shared expert's intermediate rows on this rank (0: none)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
@@ -79,6 +80,7 @@ class ShardLayout:
             vocab_size=cfg.vocab_size,
             vocab_per_rank=-(-cfg.vocab_size // size),
             moe_intermediate_size=cfg.moe.intermediate_size // size if cfg.moe else 0,
+            shared_expert_size=cfg.moe.shared_expert_intermediate_size // size if cfg.moe else 0,
         )
 
     @property
@@ -109,7 +111,7 @@ class ShardLayout:
             return 0, self.rank * inter, inter
         if ".mlp.down_proj." in name:
             return 1, self.rank * inter, inter
-        shared = self.moe_intermediate_size  # Llama 4's shared expert: one expert's width
+        shared = self.shared_expert_size
         if ".shared_expert.gate_proj." in name or ".shared_expert.up_proj." in name:
             return 0, self.rank * shared, shared
         if ".shared_expert.down_proj." in name:

@@ -51,6 +51,9 @@ class AttentionMetadata:
     # rows only: decode tokens are never image tokens, so their entries are their positions and are not
     # read. None (every step without images, and CUDA graphs): plain causal, the kernels compiled without.
     query_limits: torch.Tensor | None = None
+    # [B] int64, each sequence's slot in the linear-attention state pool (ember/runner/linear_state.py); None
+    # for a model without linear-attention layers
+    state_slots: torch.Tensor | None = None
     # the PyTorch path's decode gather plans (block ids, keys per query, key mask) per (sliding window,
     # attention chunk) (None, None: global layers), each made by the first layer of a step that uses it
     cpu_decode: dict[tuple[int | None, int | None], tuple[torch.Tensor, int, torch.Tensor | None]] = field(

@@ -21,7 +21,19 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ember.cpu_native import ops as native
-from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, linear_native, lora, moe, norm, rotary
+from ember.ops import (
+    activation,
+    attention,
+    gated_delta,
+    linear,
+    linear_cpu,
+    linear_gpu,
+    linear_native,
+    lora,
+    moe,
+    norm,
+    rotary,
+)
 from ember.ops.decode_layer import NativeDecodeLayers
 from ember.ops.target import Target
 from ember.ops.unfused import Unfused
@@ -93,6 +105,10 @@ FP8_ACTIVATION: tuple[Implementation[activation.TritonFp8SiluAndMul], ...] = (ac
 MOE: tuple[Implementation[moe.TritonMoe | moe.TorchMoe], ...] = (moe.TritonMoe, moe.TorchMoe)
 LORA: tuple[Implementation[lora.TritonLoRA | lora.TorchLoRA], ...] = (lora.TritonLoRA, lora.NativeLoRA, lora.TorchLoRA)
 DECODE_LAYER: tuple[Implementation[NativeDecodeLayers | Unfused], ...] = (NativeDecodeLayers, Unfused)
+GATED_DELTA_DECODE: tuple[Implementation[gated_delta.TritonRecurrent | gated_delta.TorchRecurrent], ...] = (
+    gated_delta.TritonRecurrent,
+    gated_delta.TorchRecurrent,
+)
 
 
 def target(device: torch.device, dtype: torch.dtype) -> Target:
@@ -169,6 +185,11 @@ def fp8_activation_impl(t: Target, act: str) -> activation.TritonFp8SiluAndMul |
 
 def moe_impl(t: Target) -> moe.TritonMoe | moe.TorchMoe:
     return _first(MOE, t)()
+
+
+def gated_delta_decode_impl(t: Target) -> gated_delta.TritonRecurrent | gated_delta.TorchRecurrent:
+    """One decode token of the gated delta rule per sequence, over the linear-attention state pool."""
+    return _first(GATED_DELTA_DECODE, t)()
 
 
 def lora_impl(t: Target) -> lora.TritonLoRA | lora.TorchLoRA:

@@ -32,11 +32,12 @@ from ember.distributed import host_group, tp_size
 from ember.messages import Logprobs
 from ember.model.bert import EncoderModel
 from ember.model.eagle3 import load_eagle3
-from ember.model.hf_config import QwenVisionConfig
+from ember.model.hf_config import ModelConfig, QwenVisionConfig
 from ember.model.linear import QuantEmbedding, QuantLinear
 from ember.model.llama import CausalLM, ImageRows
 from ember.model.loader import ModelFiles, load_model_files
 from ember.model.moe import FusedExperts
+from ember.model.qwen3_next import Qwen3NextForCausalLM
 from ember.model.registry import Model
 from ember.ops.attention import AttentionMetadata
 from ember.quant.formats import FP8_DTYPE
@@ -45,6 +46,7 @@ from ember.runner.drafter import DraftModelDrafter, DraftStep, Eagle3Drafter
 from ember.runner.images import StepImages
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.kv_cache import CachedAttention, KVCache
+from ember.runner.linear_state import LinearStatePool
 from ember.runner.lora_manager import LoRAManager
 from ember.runner.model_build import build_model
 from ember.runner.pooler import pool_step
@@ -159,6 +161,7 @@ class ModelRunner:
         self.quantization = files.quantization
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
         self.kv_cache = self._kv(self.model.attention_layers(), self.model.layout.num_kv_heads, cfg.head_dim)
+        self.linear_state = self._linear_state(cfg, scheduler_config.max_num_seqs)
         self.sampler = Sampler()
         self.drafter = self._drafter(speculative, config) if speculative is not None else None
         self.enforce_eager = config.enforce_eager
@@ -173,12 +176,13 @@ class ModelRunner:
             lora=lora is not None,
             token_types=cfg.encoder is not None and cfg.encoder.type_vocab_size > 1,
             mrope=cfg.mrope_section is not None,
+            state_slots=self.linear_state is not None,
         )
         lora_slots = self.buffers.lora_slots
         self.lora = None if lora is None or lora_slots is None else LoRAManager(self._lm, lora, lora_slots.dev)
         self.graphs: StepGraphs | None = None
         self.timer = StepTimer() if self.device.type == "cuda" else None
-        self.requests = RequestStates(self.device)
+        self.requests = RequestStates(self.device, None if self.linear_state is None else self.linear_state.slots)
         self.pooler = config.pooler
         vision = isinstance(self.model, CausalLM) and self.model.vision is not None
         self.images = StepImages(self._lm, device) if vision else None
@@ -234,6 +238,13 @@ class ModelRunner:
         kv = self._kv(model.attention_layers(), model.layout.num_kv_heads, cfg.head_dim)
         return DraftModelDrafter(model, kv, self.block_size, self.device)
 
+    def _linear_state(self, cfg: ModelConfig, max_num_seqs: int) -> LinearStatePool | None:
+        """The state pool of a model with linear-attention layers (Qwen3-Next): a slot per running sequence."""
+        if cfg.linear_attention is None or not isinstance(self.model, Qwen3NextForCausalLM):
+            return None
+        layers = self.model.linear_attention_layers()
+        return LinearStatePool(layers, cfg.linear_attention, max_num_seqs, self.dtype, self.device)
+
     def _kv(self, layers: Sequence[CachedAttention], num_kv_heads: int, head_dim: int) -> KVCache:
         return KVCache(layers, num_kv_heads, head_dim, self.block_size, self.kv_dtype, self.device)
 
@@ -266,6 +277,8 @@ class ModelRunner:
             self.block_size, self.kv_cache.num_blocks, sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len
         ):
             self.wait(self.launch(step))
+            if self.linear_state is not None:  # its batches reuse ids without finishing them: free every slot
+                self.requests.clear()
         self._last_sampled = None
         self.requests.clear()
         self.timer = StepTimer()
@@ -336,6 +349,9 @@ class ModelRunner:
             max_seq_len=max(lens),
             seq_lens_host=lens,
             query_start_host=starts,
+            state_slots=None
+            if self.linear_state is None
+            else torch.arange(len(lens), device=dev) % self.linear_state.slots.num_slots,
         )
         ids = torch.zeros(tokens, dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
@@ -363,6 +379,11 @@ class ModelRunner:
         """Not for an encoder: its steps are whole prompts side by side, which run eagerly anyway. With LoRA
         on, each size twice: with the LoRA kernels and without (ember/runner/cuda_graph.py)."""
         if self.device.type != "cuda" or self.enforce_eager or isinstance(self.model, EncoderModel):
+            return
+        if self.linear_state is not None:
+            logger.info(
+                "CUDA graphs off: the linear-attention layers' PyTorch path reads the step's lengths on the host"
+            )
             return
         before = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
@@ -397,6 +418,7 @@ class ModelRunner:
             query_limits=None
             if images is None or images[1] is None
             else torch.from_numpy(images[1]).to(self.device, non_blocking=True),
+            state_slots=None if b.state_slots is None else b.state_slots.upload(rows)[: h.num_seqs],
         )
         lora_slots = None
         if b.lora_slots is not None:

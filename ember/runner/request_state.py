@@ -15,6 +15,7 @@ import torch
 from ember.lora.request import LoRARequest
 from ember.multimodal.inputs import ImageInput
 from ember.pooling.params import PoolingParams
+from ember.runner.linear_state import StateSlots
 from ember.runner.step import NewRequest, StepDescription
 from ember.sampling.params import SamplingParams
 
@@ -37,6 +38,8 @@ class RequestState:
     pooled: torch.Tensor | None = None  # its pooling so far: MEAN's running sum, CLS's first row (float32)
     images: list[ImageInput] = field(default_factory=list)  # its prompt's images (ember/runner/images.py)
     mrope_delta: int | None = None  # M-RoPE: position minus index after the prompt's last image (set once)
+    # its slot in the linear-attention state pool while scheduled (ember/runner/linear_state.py); None without
+    state_slot: int | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -89,11 +92,19 @@ class RequestState:
 
 
 class RequestStates:
-    """Every request the runner knows, by id."""
+    """Every request the runner knows, by id. With `slots` (a model with linear-attention layers) each
+    request holds a state slot from the step that first schedules it until it finishes or is preempted
+    (a preempted request recomputes its prompt from a fresh slot)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, slots: StateSlots | None = None) -> None:
         self.device = device
+        self.slots = slots
         self._states: dict[str, RequestState] = {}
+
+    def _release(self, state: RequestState | None) -> None:
+        if state is not None and state.state_slot is not None and self.slots is not None:
+            self.slots.free(state.state_slot)
+            state.state_slot = None
 
     def __len__(self) -> int:
         return len(self._states)
@@ -107,9 +118,11 @@ class RequestStates:
                 del states[request_id].block_ids[kept:]
         for request_id in step.preempted_request_ids:
             states[request_id].block_ids = []
+            self._release(states[request_id])
         for request_id in step.finished_request_ids:
-            states.pop(request_id, None)
+            self._release(states.pop(request_id, None))
         for new in step.new_requests:
+            self._release(states.get(new.request_id))
             states[new.request_id] = RequestState.from_new(new, self.device)
         scheduled = []
         for request_id, computed, inflight, tokens, blocks, drafts in zip(
@@ -128,8 +141,12 @@ class RequestStates:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens, state.num_inflight_tokens = computed, inflight
             state.spec_token_ids = drafts
+            if self.slots is not None and state.state_slot is None:
+                state.state_slot = self.slots.allocate()
             scheduled.append(state)
         return scheduled
 
     def clear(self) -> None:
         self._states.clear()
+        if self.slots is not None:
+            self.slots.reset()

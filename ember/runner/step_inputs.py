@@ -115,6 +115,8 @@ def prepare_step(
             # table, attending up to its own position (every layer stores a step's keys before attending).
             for j in range(n):
                 tables[seq, : len(req.block_ids)] = req.block_ids
+                if b.state_slots is not None:
+                    b.state_slots.np[seq] = req.state_slot
                 p = start + j
                 if p < req.num_tokens or j:
                     ids[t + j] = req.token_ids[p] if p < req.num_tokens else req.spec_token_ids[j - 1]
@@ -128,6 +130,8 @@ def prepare_step(
             num_decodes += n
         else:
             tables[seq, : len(req.block_ids)] = req.block_ids
+            if b.state_slots is not None:
+                b.state_slots.np[seq] = req.state_slot
             max_query_len = max(max_query_len, n)
             chunk = np.arange(start, end)
             ids[t : t + n] = req.input_token_ids(start, end)

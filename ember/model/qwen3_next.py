@@ -1,0 +1,246 @@
+"""Qwen3-Next: a hybrid decoder whose layers mix tokens by Gated DeltaNet linear attention (most of them)
+or by gated full attention (every fourth, by `layer_types`), each followed by a mixture of experts with
+a shared expert (ember/model/moe.py). Every RMSNorm scales by (1 + w), Gemma's style, except the
+DeltaNet's gated output norm.
+
+A Gated DeltaNet layer keeps, per request, a convolution state (the last kernel-1 inputs of its causal
+depthwise convolution, [conv_dim, kernel-1]) and a recurrent state ([v_heads, k_dim, v_dim], float32)
+in a pool of slots beside the paged KV cache (ember/runner/linear_state.py); the step's metadata gives
+each sequence its slot (`AttentionMetadata.state_slots`). A sequence whose context before the step is
+empty starts from zeros, so a slot needs no clearing when a request takes it, and a preempted request
+simply recomputes its prompt. The mixing itself is ember/ops/gated_delta.py's: the chunked delta rule
+for prompt chunks, the recurrent update for decode tokens (batched over the step's decodes).
+
+The full-attention layers are Ember's paged attention (ember/model/llama.py) with two changes: q_proj
+gives each head its query and an output gate side by side ([q_h, gate_h] per head), and the output is
+multiplied by sigmoid(gate) before o_proj. Only these layers have KV; `attention_layers` lists them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.distributed import all_reduce
+from ember.errors import ModelLoadError
+from ember.model.hf_config import LinearAttentionConfig, ModelConfig
+from ember.model.layers import GemmaRMSNorm, RotaryEmbedding
+from ember.model.llama import Attention, CausalLM, DecoderModel
+from ember.model.moe import make_mlp
+from ember.model.sharding import ShardLayout
+from ember.ops import gated_delta, registry
+from ember.ops.attention import AttentionMetadata
+from ember.ops.unfused import Unfused
+from ember.quant.formats import Fp8Activation
+
+ARCHITECTURE = "Qwen3NextForCausalLM"
+
+
+class GatedAttention(Attention):
+    """Full attention whose q_proj also yields a sigmoid gate on each head's output."""
+
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding | None, layer: int) -> None:
+        super().__init__(cfg, layout, rotary, layer)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+
+    @property
+    def qkv_sizes(self) -> list[int]:
+        return [2 * self.q_size, self.kv_size, self.kv_size]
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qg, kv = self.qkv_proj(x).split([2 * self.q_size, 2 * self.kv_size], dim=-1)
+        q, gate = qg.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        qkv = torch.cat([q.reshape(-1, self.q_size), kv], dim=-1)
+        o = self.attend(positions, qkv, meta).reshape(-1, self.q_size)
+        return all_reduce(self.o_proj(o * torch.sigmoid(gate.reshape(-1, self.q_size))))
+
+
+class _Conv(nn.Module):
+    """The depthwise convolution's weight [conv_dim, 1, kernel] under the checkpoint's name (no bias)."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+
+class _GatedNorm(nn.Module):
+    """The DeltaNet's output RMSNorm (plain w, not 1 + w), gated by silu(z): ember.ops.gated_delta.gated_rms_norm."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_delta.gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer: projections, the causal convolution and delta rule over its slots'
+    state, the gated output norm and out_proj."""
+
+    def __init__(self, cfg: ModelConfig, la: LinearAttentionConfig) -> None:
+        super().__init__()
+        self.la = la
+        self.groups = la.num_v_heads // la.num_k_heads  # value heads per key head
+        self.key_dim, self.value_dim = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
+        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * la.num_v_heads, bias=False)
+        self.conv1d = _Conv(la.conv_dim, la.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.empty(la.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(la.num_v_heads))
+        self.norm = _GatedNorm(la.v_head_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        # the decode update over the pool: Triton on CUDA, PyTorch elsewhere (ember/ops/gated_delta.py)
+        self._recurrent = registry.gated_delta_decode_impl(registry.target(self.A_log.device, self.A_log.dtype))
+        self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1]
+        self.ssm_state: torch.Tensor | None = None  # [slots, v_heads, k_dim, v_dim] float32
+
+    def bind_state(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> None:
+        """Set this layer's state pool (None: released); ember/runner/linear_state.py allocates it."""
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """transformers' grouped layout: per key head its q, k, then its value heads' v and z; b and a per
+        key head likewise. Returns the conv input [T, conv_dim] (q, k, v flat), z [T, Hv, Dv], b, a [T, Hv]."""
+        la, t = self.la, x.shape[0]
+        qkvz = self.in_proj_qkvz(x).view(t, la.num_k_heads, -1)
+        dv = self.groups * la.v_head_dim
+        q, k, v, z = qkvz.split([la.k_head_dim, la.k_head_dim, dv, dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, la.num_k_heads, 2 * self.groups).split([self.groups, self.groups], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, la.num_v_heads, la.v_head_dim), b.reshape(t, -1), a.reshape(t, -1)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert self.conv_state is not None and self.ssm_state is not None, "bind_state sets the pool before any step"
+        assert meta.state_slots is not None, "a model with linear attention gets each sequence's state slot"
+        mixed, z, b, a = self._split(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = torch.empty_like(z)
+        n = meta.num_decodes
+        if n:
+            out[:n] = self._decode(mixed[:n], beta[:n], g[:n], meta.state_slots[:n], meta.seq_lens_host[:n])
+        starts, lens = meta.query_start_host, meta.seq_lens_host
+        for seq in range(n, len(lens)):
+            lo, hi = starts[seq], starts[seq + 1]
+            out[lo:hi] = self._prefill(
+                mixed[lo:hi], beta[lo:hi], g[lo:hi], meta.state_slots[seq], lens[seq] - (hi - lo)
+            )
+        la = self.la
+        normed = self.norm(out.reshape(-1, la.v_head_dim), z.reshape(-1, la.v_head_dim))
+        return self.out_proj(normed.reshape(x.shape[0], self.value_dim))
+
+    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output [B, T, conv_dim] -> q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv]."""
+        la = self.la
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        shape = conv_out.shape[:2]
+        return (
+            q.reshape(*shape, la.num_k_heads, la.k_head_dim),
+            k.reshape(*shape, la.num_k_heads, la.k_head_dim),
+            v.reshape(*shape, la.num_v_heads, la.v_head_dim),
+        )
+
+    def _prefill(
+        self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slot: torch.Tensor, context: int
+    ) -> torch.Tensor:
+        """One sequence's chunk of tokens after `context` computed ones: the chunked delta rule from its slot's
+        state (zeros when the context is empty), the slot's state advanced past the chunk."""
+        assert self.conv_state is not None and self.ssm_state is not None
+        conv, ssm = self.conv_state[slot], self.ssm_state[slot]
+        if context == 0:
+            conv, ssm = torch.zeros_like(conv), torch.zeros_like(ssm)
+        conv_out, new_conv = gated_delta.causal_conv(mixed.t(), conv, self.conv1d.weight[:, 0])
+        q, k, v = self._qkv(conv_out.t().unsqueeze(0))
+        out, new_ssm = gated_delta.chunked(q, k, v, g.unsqueeze(0), beta.unsqueeze(0), ssm.unsqueeze(0))
+        self.conv_state[slot] = new_conv.to(self.conv_state.dtype)
+        self.ssm_state[slot] = new_ssm[0]
+        return out[0]
+
+    def _decode(
+        self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slots: torch.Tensor, seq_lens: list[int]
+    ) -> torch.Tensor:
+        """One token for each of B sequences, batched: the convolution's last window and one recurrent step
+        of the delta rule from each slot's state (zeros for a one-token prompt)."""
+        assert self.conv_state is not None and self.ssm_state is not None
+        conv = self.conv_state[slots]
+        fresh = torch.tensor([n == 1 for n in seq_lens], device=mixed.device)  # a one-token prompt: no state yet
+        if min(seq_lens) == 1:
+            conv = conv.masked_fill(fresh[:, None, None], 0)
+        weight = self.conv1d.weight[:, 0]
+        window = torch.cat([conv.to(weight.dtype), mixed.to(weight.dtype).unsqueeze(-1)], dim=-1)  # [B, C, K]
+        conv_out = F.silu((window * weight).sum(-1)).to(mixed.dtype)
+        self.conv_state[slots] = window[:, :, 1:].to(self.conv_state.dtype)
+        q, k, v = self._qkv(conv_out.unsqueeze(1))
+        return self._recurrent(q[:, 0], k[:, 0], v[:, 0], g, beta, self.ssm_state, slots, fresh)
+
+
+class HybridLayer(nn.Module):
+    """A Qwen3-Next decoder layer: (1 + w) norms around a token mixer (Gated DeltaNet or gated attention)
+    and the MLP (experts with a shared one, or dense by mlp_only_layers / decoder_sparse_step)."""
+
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding | None, layer: int) -> None:
+        super().__init__()
+        assert cfg.linear_attention is not None, "a Qwen3-Next config (hf_config._linear_attention)"
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.linear = cfg.layer_is_linear(layer)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_attention)
+        else:
+            self.self_attn = GatedAttention(cfg, layout, rotary, layer)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = make_mlp(cfg, layout, layer)
+
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.linear_attn(h, meta) if self.linear else self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class HybridDecoderModel(DecoderModel):
+    """DecoderModel's embedding, final norm and loop over HybridLayers; no whole-layer native decode."""
+
+    @staticmethod
+    def make_layer(cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding | None, layer: int) -> nn.Module:
+        return HybridLayer(cfg, layout, rotary, layer)
+
+    def choose_kernels(self) -> None:
+        self._decode = Unfused()
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    decoder_class = HybridDecoderModel
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        if cfg.linear_attention is None:
+            raise ModelLoadError(cfg.architecture, "not a Qwen3-Next config (no linear_attention)")
+        super().__init__(cfg, max_positions)
+
+    def hybrid_layers(self) -> list[HybridLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, HybridLayer)]
+
+    def attention_layers(self) -> list[Attention]:
+        """The full-attention layers: the only ones with KV."""
+        return [layer.self_attn for layer in self.hybrid_layers() if not layer.linear]
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.hybrid_layers() if layer.linear]
+
+    def init_dummy_weights(self, seed: int) -> None:
+        """CausalLM's, then transformers' init where a random draw would not do: the DeltaNet's output norm
+        is 1, dt_bias 1, and A = exp(A_log) uniform in [1, 16]."""
+        super().init_dummy_weights(seed)
+        for layer in self.linear_attention_layers():
+            layer.norm.weight.data.fill_(1.0)
+            layer.dt_bias.data.fill_(1.0)
+            layer.A_log.data.copy_(torch.linspace(1.0, 16.0, layer.A_log.numel()).log())
