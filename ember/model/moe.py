@@ -1,4 +1,6 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral and gpt-oss: a router and E gated experts in two tensors.
+"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral, gpt-oss and DeepSeek: a router and E gated experts in
+two tensors (DeepSeek: beside shared experts every token runs, and its own grouped routing,
+ember.ops.moe.route_grouped).
 
 Each token's MLP output is the sum over its top-k experts (by a softmax over all of them, the
 top-k weights renormalised to sum to one where the model says so) of weight * down(silu(gate) * up).
@@ -28,6 +30,7 @@ from ember.model.hf_config import ModelConfig
 from ember.model.layers import GatedMLP
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.ops import registry
+from ember.ops.moe import route_grouped
 from ember.quant.experts import QuantizedExperts, dequantize_experts, quantize_experts
 from ember.quant.formats import QuantizedWeight, dequantize, same_format
 
@@ -60,12 +63,16 @@ def make_mlp(cfg: ModelConfig, layout: ShardLayout, layer: int) -> nn.Module:
 
 
 class Router(nn.Module):
-    """Not an nn.Linear, so `--quantization` leaves it whole: routing decides which experts run at all."""
+    """Not an nn.Linear, so `--quantization` leaves it whole: routing decides which experts run at all.
+    DeepSeek-V3's `e_score_correction_bias` (float32, as transformers keeps it) shifts its choice only."""
 
-    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False, score_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts, dtype=torch.float32)) if score_bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias).float()
@@ -78,14 +85,29 @@ class SparseMoeBlock(nn.Module):
         assert moe is not None, "make_mlp builds it for the layers cfg.layer_is_moe names"
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
-        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.bias)
+        self.routing = moe.routing
+        self.gate = Router(
+            moe.num_experts, cfg.hidden_size, moe.bias, moe.routing is not None and moe.routing.score_bias
+        )
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, layout, layer, moe.bias, moe.swiglu)
+        # DeepSeek's shared experts: one gated MLP as wide as all of them (whole on one rank)
+        self.shared_experts = (
+            GatedMLP(cfg.hidden_size, moe.shared_intermediate_size, cfg.hidden_act)
+            if moe.shared_intermediate_size
+            else None
+        )
         # the fused MoE kernels, or the experts' PyTorch path (ember/ops/moe.py)
         self._moe = registry.moe_impl(registry.target(self.gate.weight.device, self.gate.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the experts' outputs, [M, H] in x's dtype."""
-        return self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize)
+        if self.routing is None:
+            return self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route_grouped(
+            self.gate(x), self.top_k, self.renormalize, self.routing, self.gate.e_score_correction_bias
+        )
+        out = self._moe.routed(self.experts, x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
 def _expert(w: torch.Tensor | QuantizedExperts, e: int, dtype: torch.dtype) -> torch.Tensor:
