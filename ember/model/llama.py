@@ -26,6 +26,7 @@ from ember.model import gpt_oss
 from ember.model.hf_config import ModelConfig
 from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from ember.model.linear import QuantEmbedding, QuantLinear, fp8_input_layout, quantize_module
+from ember.model.mla import MLAttention
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.model.siglip import Gemma3Vision
@@ -152,7 +153,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        self.self_attn = Attention(cfg, layout, rotary, layer)
+        # DeepSeek's multi-head latent attention (ember/model/mla.py), or the usual kind
+        self.self_attn = MLAttention(cfg, layout, rotary, layer) if cfg.mla else Attention(cfg, layout, rotary, layer)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         if cfg.gemma_norms:
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
@@ -289,6 +291,8 @@ FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_experts.gate_proj": ("mlp.shared_experts.gate_up_proj", 0),
+    "mlp.shared_experts.up_proj": ("mlp.shared_experts.gate_up_proj", 1),
 }
 SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
 # Gemma3ForConditionalGeneration: the language model's tensors under transformers < 5's and >= 5's names
@@ -470,13 +474,19 @@ class CausalLM(nn.Module):
             )
         return experts
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[Attention | MLAttention]:
         return [layer.self_attn for layer in self.model.decoder_layers()]
 
     def _shard_sizes(self, fused: str) -> list[int]:
+        """The parts' rows of a fused parameter (its full name, or its module's attribute name)."""
         if fused.endswith("qkv_proj"):
             attn = self.attention_layers()[0]
+            assert isinstance(attn, Attention), "MLA layers fuse no q/k/v"
             return [attn.q_size, attn.kv_size, attn.kv_size]
+        if ".shared_experts." in fused:  # DeepSeek's shared experts: as wide as all of them together
+            moe = self.config.moe
+            assert moe is not None, "shared experts belong to a mixture of experts"
+            return [moe.shared_intermediate_size] * 2
         size = self.layout.intermediate_size
         return [size, size]
 
@@ -513,9 +523,9 @@ class CausalLM(nn.Module):
                 tensor = torch.zeros_like(tensor)
             target, offset, size, shard = name, 0, None, 0
             for ckpt, (fused, index) in FUSED.items():
-                if f".{ckpt}." in name:
+                if f".{ckpt}." in name and name.replace(ckpt, fused) in params:  # (MLA's q_proj stays whole)
                     target, shard = name.replace(ckpt, fused), index
-                    sizes = self._shard_sizes(fused)
+                    sizes = self._shard_sizes(target)
                     offset, size = sum(sizes[:shard]), sizes[shard]
                     break
             param = params.get(target)
@@ -576,7 +586,7 @@ class CausalLM(nn.Module):
         if isinstance(old, nn.Embedding):
             setattr(parent, attr, QuantEmbedding(shards[0], param.dtype, tied=self.lm_head is None))
             return
-        sizes = self._shard_sizes(attr) if attr in SHARDS_PER_FUSED else [param.shape[0]]
+        sizes = self._shard_sizes(module_name) if attr in SHARDS_PER_FUSED else [param.shape[0]]
         parts: list[QuantizedWeight | torch.Tensor] = []
         for i, size in enumerate(sizes):
             parts.append(shards[i] if i in shards else param.data.narrow(0, sum(sizes[:i]), size).clone())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ember.errors import ModelLoadError
 from ember.model.bert import EncoderModel
-from ember.model.hf_config import ENCODER_ARCHITECTURES, ModelConfig
+from ember.model.hf_config import DEEPSEEK_ARCHITECTURES, ENCODER_ARCHITECTURES, ModelConfig
 from ember.model.llama import CausalLM
 
 SUPPORTED_ARCHITECTURES = (
@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",  # mixtures of experts: ember/model/moe.py
     "MixtralForCausalLM",
     "GptOssForCausalLM",  # attention sinks, biased MoE with a clamped SwiGLU, MXFP4 experts: ember/model/gpt_oss.py
+    *DEEPSEEK_ARCHITECTURES,  # multi-head latent attention (ember/model/mla.py), grouped-routing MoE
     *ENCODER_ARCHITECTURES,  # BERT, RoBERTa, XLM-R encoders and cross-encoders: ember/model/bert.py
 )
 

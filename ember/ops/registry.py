@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ember.cpu_native import ops as native
-from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, linear_native, lora, moe, norm, rotary
+from ember.ops import activation, attention, linear, linear_cpu, linear_gpu, linear_native, lora, mla, moe, norm, rotary
 from ember.ops.decode_layer import NativeDecodeLayers
 from ember.ops.target import Target
 from ember.ops.unfused import Unfused
@@ -68,6 +68,8 @@ ATTENTION: tuple[Implementation[attention.TorchAttention | attention.TritonAtten
     attention.NativeDecodeAttention,
     attention.TorchAttention,
 )
+# DeepSeek's multi-head latent attention over its latent cache (ember/ops/mla.py)
+MLA: tuple[Implementation[mla.TorchMLA], ...] = (mla.TritonMLA, mla.TorchMLA)
 NORM: tuple[Implementation[norm.NormImpl], ...] = (norm.TritonRMSNorm, norm.TorchRMSNorm, norm.TorchGemmaRMSNorm)
 # wrapping the PyTorch norm, which runs for the rows they do not take
 NATIVE_NORM: tuple[Implementation[norm.NormImpl], ...] = (norm.NativeRMSNorm,)
@@ -122,6 +124,10 @@ def linear_impl(t: Target, w: QuantizedWeight | torch.Tensor, dtype: torch.dtype
 
 def attention_impl(t: Target, shape: attention.AttentionShape) -> attention.TorchAttention | attention.TritonAttention:
     return _first(ATTENTION, t, shape)()
+
+
+def mla_impl(t: Target, shape: mla.MlaShape) -> mla.TorchMLA:
+    return _first(MLA, t, shape)(shape)
 
 
 def norm_impl(t: Target, style: str) -> norm.NormImpl:
