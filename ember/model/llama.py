@@ -478,7 +478,8 @@ class CausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.decoder_layers()]
 
     def _shard_sizes(self, fused: str) -> list[int]:
-        """The parts' rows of a fused parameter (its full name, or its module's attribute name)."""
+        """The parts' rows of a fused parameter (its name, its module's, or the module's attribute name)."""
+        fused = fused.removesuffix(".weight")
         if fused.endswith("qkv_proj"):
             attn = self.attention_layers()[0]
             assert isinstance(attn, Attention), "MLA layers fuse no q/k/v"
