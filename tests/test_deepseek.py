@@ -13,6 +13,7 @@ The Triton MLA decode kernel runs against its float32 reference (the interpreter
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,20 @@ def test_triton_path_matches_torch_path(checkpoints, monkeypatch):
             assert {t: v.logprob for t, v in la.items()} == pytest.approx(
                 {t: v.logprob for t, v in lb.items()}, abs=1e-3
             )
+
+
+def test_multi_token_prediction_layer_is_skipped(checkpoints, tmp_path):
+    """A layer past num_hidden_layers (DeepSeek-V3's release ships its MTP module as model.layers.61) is
+    not loaded, as transformers skips it."""
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(checkpoints["deepseek-v3"], tmp_path / "mtp")
+    tensors = load_file(d / "model.safetensors")
+    tensors.update({k.replace(".layers.2.", ".layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k})
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ours, plain = (_llm(p).generate(PROMPTS[:1], params, use_tqdm=False) for p in (d, checkpoints["deepseek-v3"]))
+    assert ours[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
 
 
 def test_dummy_weights_run(checkpoints):

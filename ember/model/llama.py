@@ -312,6 +312,12 @@ def _vision_name(name: str) -> str | None:
     return None
 
 
+def _past_last_layer(name: str, num_layers: int) -> bool:
+    """A `model.layers.{i}.` tensor with i >= num_layers."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
+
 def _copy_whole(params: dict[str, nn.Parameter], name: str, value: WeightValue, source: str) -> int:
     """Copy one unsharded checkpoint tensor into its parameter (shapes checked); returns 1."""
     param = params.get(name)
@@ -513,6 +519,8 @@ class CausalLM(nn.Module):
             if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             name = moe_tensor_name(name)
+            if self.config.mla is not None and _past_last_layer(name, self.config.num_hidden_layers):
+                continue  # DeepSeek-V3's multi-token-prediction layer (model.layers.61), which transformers skips too
             if FusedExperts.owns(name):
                 self._experts_of(name, source).load(name, value, source)
                 continue
