@@ -485,8 +485,7 @@ class CausalLM(nn.Module):
 
     def _shard_sizes(self, fused: str) -> list[int]:
         """The parts' rows of a fused parameter (its name, its module's, or the module's attribute name)."""
-        fused = fused.removesuffix(".weight")
-        if fused.endswith("qkv_proj"):
+        if "qkv_proj" in fused:
             attn = self.attention_layers()[0]
             assert isinstance(attn, Attention), "MLA layers fuse no q/k/v"
             return [attn.q_size, attn.kv_size, attn.kv_size]
