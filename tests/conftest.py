@@ -117,6 +117,29 @@ def _longrope(rotary_dim: int, original: int) -> dict:
     }
 
 
+_DEEPSEEK_MLA = dict(
+    num_hidden_layers=3,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=24,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+)
+_DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+}
+
+
 # Architectures with their own test files (tests/test_phi3.py), beside the ARCHS every equality test runs.
 MORE_ARCHS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
@@ -224,6 +247,43 @@ MORE_ARCHS = {
                 "truncate": False,
                 "original_max_position_embeddings": 64,
             },
+        ),
+    ),
+    # DeepSeek (tests/test_deepseek.py): multi-head latent attention (a 32-wide latent and 8 rotated channels a
+    # token), 8 routed experts of 32 rows plus shared ones, the first layer dense. V2-Lite-like: no q_lora,
+    # greedy softmax routing; V2: q_lora, group-limited routing, YaRN with DeepSeek's mscale_all_dim; V3:
+    # sigmoid routing with its correction bias over 4 groups (noaux_tc), renormalised and scaled by 2.5.
+    "deepseek-v2-lite": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(_DEEPSEEK_MLA, q_lora_rank=None, n_shared_experts=2, topk_method="greedy"),
+    ),
+    "deepseek-v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            _DEEPSEEK_MLA,
+            q_lora_rank=48,
+            n_shared_experts=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=4.0,
+            rope_parameters=_DEEPSEEK_YARN,
+        ),
+    ),
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _DEEPSEEK_MLA,
+            q_lora_rank=48,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_parameters=_DEEPSEEK_YARN,
         ),
     ),
 }
@@ -345,6 +405,9 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> Path:
                 # Gemma scales by 1 + w (w starts at 0): make w matter, keeping 1 + w >= 0.5 so the
                 # GGUF twin's stored 1 + w converts back exactly (see ember.model.gguf)
                 p.uniform_(-0.4, 0.4)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zeros unless drawn
+                b.uniform_(-0.2, 0.2)
     model.save_pretrained(path)
     _train_tokenizer(path, cfg.vocab_size)
     return path

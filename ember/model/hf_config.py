@@ -30,8 +30,9 @@ class MoeConfig:
     # "softmax": the top-k of a softmax over all experts weight the experts' outputs (Qwen3-MoE, Mixtral,
     # gpt-oss); "sigmoid-input" (Llama 4): sigmoid of the top-k logits, each scaling its expert's *input*
     routing: str = "softmax"
+    grouped: GroupedRouting | None = None  # DeepSeek's routing, in place of `routing`'s
     # a dense SwiGLU of this width beside the routed experts that every token takes (Llama 4: one expert's
-    # width; Qwen3-Next: its own); 0: none
+    # width; Qwen3-Next: its own; DeepSeek: its n_shared_experts as one); 0: none
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False  # Qwen3-Next: the shared expert scaled by sigmoid(shared_expert_gate(x))
 
@@ -51,6 +52,44 @@ class LinearAttentionConfig:
     @property
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's routing (ember.ops.moe.route_grouped): scores by softmax (V2) or sigmoid (V3, whose choice
+    adds a per-expert correction bias, `noaux_tc`), the experts split into `n_group` groups of which each
+    token keeps the `topk_group` best (a group's score: its best expert's for V2's group_limited_greedy,
+    its best two's sum for V3), then the top k of the kept experts; the weights (renormalised where the
+    config says so) multiplied by `scaling` (routed_scaling_factor)."""
+
+    sigmoid: bool
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+    score_bias: bool = False  # V3's e_score_correction_bias, added for the choice only
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention. Each token's keys and values are one latent of `kv_lora_rank`
+    values (kv_a_proj_with_mqa then kv_a_layernorm) and one key of `qk_rope_head_dim` values shared by
+    every head (rotated); the cache keeps those two side by side, `cache_dim` values a token per layer.
+    kv_b_proj expands the latent into each head's unrotated key (qk_nope_head_dim) and value (v_head_dim).
+    Queries come from q_proj, or through a low-rank q_a_proj, q_a_layernorm, q_b_proj (`q_lora_rank`).
+    The rotated channels are paired as (0, 1), (2, 3), ... (DeepSeek's interleaved layout, transformers'
+    `rope_interleave`); `softmax_scale` is qk_head_dim^-1/2 times YaRN's mscale(mscale_all_dim)^2."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    rope_interleave: bool = True
+
+    @property
+    def cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 ENCODER_ARCHITECTURES = (
@@ -205,6 +244,8 @@ class ModelConfig:
         """A Gated DeltaNet layer: a recurrent state per request instead of KV (ember/runner/linear_state.py)."""
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
+    mla: MlaConfig | None = None  # DeepSeek's multi-head latent attention (ember/model/mla.py) in every layer
+
     def layer_is_moe(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
 
@@ -216,6 +257,8 @@ class ModelConfig:
             return _encoder_config(arch, cfg)
         if arch in LLAMA4_ARCHITECTURES:
             return _llama4_config(arch, cfg)
+        if arch in DEEPSEEK_ARCHITECTURES:
+            return _deepseek_config(cls, arch, cfg)
         vision: VisionConfig | QwenVisionConfig | None = None
         mrope = None
         if arch == QWEN25_VL:
@@ -544,6 +587,89 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
     )
 
 
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+
+
+def _deepseek_config(cls: type[ModelConfig], arch: str, cfg: dict[str, Any]) -> ModelConfig:
+    """DeepSeek-V2 / V2-Lite / V3: the Llama-like rest read as any decoder's, with `head_dim` the rotated
+    width (the rotary tables' width, as transformers sets it) and one KV "head" (the latent); then MLA and
+    the MoE. Where config.json is silent, transformers' DeepseekV2Config / DeepseekV3Config defaults."""
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ValueError(f"{key}: biases are not supported for {arch}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu only)")
+    heads, rope_dim = cfg["num_attention_heads"], int(cfg.get("qk_rope_head_dim", 64))
+    plain = {**cfg, "architectures": [], "head_dim": rope_dim, "num_key_value_heads": heads}
+    base = cls.from_hf_config(plain)
+    v3 = arch == _DEEPSEEK_V3
+    nope = int(cfg.get("qk_nope_head_dim", 128))
+    scale = (nope + rope_dim) ** -0.5
+    raw_scaling = _rope(cfg, "full_attention")[1] or {}
+    if base.rope_scaling is not None and raw_scaling.get("mscale_all_dim"):
+        # transformers' yarn_apply_mscale: every logit, not only the rotated channels' share, is scaled
+        factor = base.rope_scaling.get("factor") or raw_scaling["factor"]
+        m = _yarn_mscale(float(factor), float(raw_scaling["mscale_all_dim"]))
+        scale *= m * m
+    q_lora = cfg.get("q_lora_rank", 1536)
+    mla = MlaConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=int(cfg.get("v_head_dim", 128)),
+        softmax_scale=scale,
+        # transformers' V2 always pairs adjacent channels (complex multiplication); V3 unless told not to
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+    )
+    return dataclasses.replace(base, architecture=arch, mla=mla, moe=_deepseek_moe(arch, cfg))
+
+
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def _deepseek_moe(arch: str, cfg: dict[str, Any]) -> MoeConfig:
+    """Routed experts behind `first_k_dense_replace` dense layers, shared experts beside them.
+
+    transformers' DeepseekV2 router ignores norm_topk_prob; Ember applies it as DeepSeek's own code and
+    vLLM do (every released V2 and V2-Lite config sets it false, where both agree)."""
+    v3 = arch == _DEEPSEEK_V3
+    num_experts, top_k = int(cfg.get("n_routed_experts", 256 if v3 else 64)), cfg.get("num_experts_per_tok")
+    if top_k is None or not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if method not in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")):
+        raise ValueError(f"topk_method {method!r} is not supported for {arch}")
+    grouped = v3 or method == "group_limited_greedy"
+    n_group = int(cfg.get("n_group") or (8 if v3 else 1)) if grouped else 1
+    topk_group = int(cfg.get("topk_group") or (4 if v3 else 1)) if grouped else 1
+    if num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"n_group {n_group} / topk_group {topk_group} do not fit {num_experts} experts")
+    if v3 and num_experts // n_group < 2:
+        raise ValueError(f"n_group {n_group}: noaux_tc scores a group by its best two experts")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"num_experts_per_tok {top_k} exceeds the experts of topk_group {topk_group} groups")
+    inter = int(cfg.get("moe_intermediate_size", 2048 if v3 else 1407))
+    first_dense = int(cfg.get("first_k_dense_replace", 3 if v3 else 0))
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=int(top_k),
+        intermediate_size=inter,
+        renormalize=bool(cfg.get("norm_topk_prob", v3)),
+        dense_layers=tuple(range(min(first_dense, cfg["num_hidden_layers"]))),
+        shared_expert_intermediate_size=inter * int(cfg.get("n_shared_experts", 1 if v3 else 2) or 0),
+        grouped=GroupedRouting(
+            sigmoid=v3,
+            n_group=n_group,
+            topk_group=topk_group,
+            scaling=float(cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+            score_bias=v3,
+        ),
+    )
+
+
 def _gpt_oss_moe(cfg: dict[str, Any]) -> MoeConfig:
     """gpt-oss takes the softmax of the top-k router logits, which is the softmax over all experts
     renormalised over the top k; its config's hidden_act is unused (the experts' clamped SwiGLU is fixed)."""
@@ -571,9 +697,7 @@ def _resolve_yarn(scaling: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[s
         raise ValueError("rope_scaling: yarn needs original_max_position_embeddings")
     factor = float(scaling.get("factor") or cfg["max_position_embeddings"] / original)
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
+    mscale = _yarn_mscale
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")

@@ -12,7 +12,7 @@ fused already, as Phi-3's, is first cut into its parts so both kinds take one pa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -26,6 +26,7 @@ from ember.model import gpt_oss, llama4
 from ember.model.hf_config import LLAMA4_ARCHITECTURES, QWEN25_VL, ModelConfig, QwenVisionConfig
 from ember.model.layers import Embedding, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding, WeightlessRMSNorm
 from ember.model.linear import QuantEmbedding, QuantLinear, fp8_input_layout, quantize_module
+from ember.model.mla import MLAttention
 from ember.model.moe import FusedExperts, make_mlp, moe_tensor_name
 from ember.model.qwen2_5_vl import Grid, Qwen25VisionTower
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
@@ -186,7 +187,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, rotary: RotaryEmbedding | None, layer: int) -> None:
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        self.self_attn = Attention(cfg, layout, rotary, layer)
+        # DeepSeek's multi-head latent attention (ember/model/mla.py), or the usual kind
+        self.self_attn = MLAttention(cfg, layout, rotary, layer) if cfg.mla else Attention(cfg, layout, rotary, layer)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         if cfg.gemma_norms:
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
@@ -332,7 +334,10 @@ FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),  # Llama 4's and Qwen3-Next's shared expert
+    "shared_expert.gate_proj": (
+        "shared_expert.gate_up_proj",
+        0,
+    ),  # Llama 4's, Qwen3-Next's and DeepSeek's shared expert(s)
     "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
 SHARDS_PER_FUSED = {"qkv_proj": 3, "gate_up_proj": 2}
@@ -355,6 +360,12 @@ def _vision_name(name: str) -> str | None:
         if name.startswith(prefix):
             return "vision." + name.removeprefix(prefix)
     return None
+
+
+def _past_last_layer(name: str, num_layers: int) -> bool:
+    """A `model.layers.{i}.` tensor with i >= num_layers."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
 
 
 def _copy_whole(params: dict[str, nn.Parameter], name: str, value: WeightValue, source: str) -> int:
@@ -532,12 +543,15 @@ class CausalLM(nn.Module):
             )
         return experts
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> Sequence[Attention | MLAttention]:
         return [layer.self_attn for layer in self.model.decoder_layers()]
 
     def _shard_sizes(self, fused: str) -> list[int]:
-        if fused.endswith("qkv_proj"):
-            return self.attention_layers()[0].qkv_sizes
+        """The parts' rows of a fused parameter (its name, its module's, or the module's attribute name)."""
+        if "qkv_proj" in fused:
+            attn = self.attention_layers()[0]
+            assert isinstance(attn, Attention), "MLA layers fuse no q/k/v"
+            return attn.qkv_sizes
         size = self.layout.shared_expert_size if "shared_expert." in fused else self.layout.intermediate_size
         return [size, size]
 
@@ -554,6 +568,8 @@ class CausalLM(nn.Module):
             weights = gpt_oss.checkpoint_tensors(weights, source)
         if self.config.architecture in LLAMA4_ARCHITECTURES:
             weights = llama4.checkpoint_tensors(weights, self.config, source)
+        if self.config.mla is not None:  # DeepSeek's shared experts, fused into one: the blocks' shared_expert
+            weights = ((name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), w) for name, w in weights)
         multimodal = self.config.architecture in ("Gemma3ForConditionalGeneration", QWEN25_VL)
         for ckpt_name, value in self._unstacked(weights, source):
             vision = _vision_name(ckpt_name) if multimodal else None
@@ -565,6 +581,8 @@ class CausalLM(nn.Module):
             if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             name = moe_tensor_name(name)
+            if self.config.mla is not None and _past_last_layer(name, self.config.num_hidden_layers):
+                continue  # DeepSeek-V3's multi-token-prediction layer (model.layers.61), which transformers skips too
             if FusedExperts.owns(name):
                 self._experts_of(name, source).load(name, value, source)
                 continue
@@ -576,9 +594,9 @@ class CausalLM(nn.Module):
                 tensor = torch.zeros_like(tensor)
             target, offset, size, shard = name, 0, None, 0
             for ckpt, (fused, index) in FUSED.items():
-                if f".{ckpt}." in name:
+                if f".{ckpt}." in name and name.replace(ckpt, fused) in params:  # (MLA's q_proj stays whole)
                     target, shard = name.replace(ckpt, fused), index
-                    sizes = self._shard_sizes(fused)
+                    sizes = self._shard_sizes(target)
                     offset, size = sum(sizes[:shard]), sizes[shard]
                     break
             param = params.get(target)

@@ -33,7 +33,7 @@ from torch import nn
 from ember.cpu_native import ops as native
 from ember.lora.peft import EMBED, HEAD, TARGETS, LoRAShapes, PeftAdapter
 from ember.model.layers import GatedMLP
-from ember.model.llama import CausalLM
+from ember.model.llama import Attention, CausalLM
 from ember.ops import registry
 from ember.ops.linear_native import native_expand_min_rows
 from ember.ops.lora import LoRAWeights, NativeLoRA
@@ -162,6 +162,8 @@ class _Slices:
 def _modules(model: CausalLM) -> dict[str, _Slices]:
     """Ember module suffix -> its slices, for the projections every decoder layer has (MoE MLPs have none)."""
     cfg, attn = model.config, model.attention_layers()[0]
+    if not isinstance(attn, Attention):
+        raise ValueError(f"LoRA adapters are not supported for {cfg.architecture} (multi-head latent attention)")
     hidden, q, kv = cfg.hidden_size, attn.q_size, attn.kv_size
     modules = {"self_attn.qkv_proj": _Slices(hidden, [q, kv, kv]), "self_attn.o_proj": _Slices(q, [hidden])}
     mlps = [layer.mlp for layer in model.model.decoder_layers()]

@@ -1,6 +1,6 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Qwen3-Next, Mixtral, gpt-oss and Llama 4: a router and E gated
-experts in two tensors (Llama 4 and Qwen3-Next: and a shared expert every token takes; Llama 4's routing in
-ember/ops/moe.py).
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen3-Next, Mixtral, gpt-oss, Llama 4 and DeepSeek: a router and E
+gated experts in two tensors (Llama 4, Qwen3-Next and DeepSeek: and a shared expert every token takes;
+Llama 4's and DeepSeek's routing in ember/ops/moe.py).
 
 Each token's MLP output is the sum over its top-k experts (by a softmax over all of them, the
 top-k weights renormalised to sum to one where the model says so) of weight * down(silu(gate) * up).
@@ -31,6 +31,7 @@ from ember.model.hf_config import ModelConfig
 from ember.model.layers import GatedMLP
 from ember.model.sharding import ShardLayout, WeightValue, read_shard
 from ember.ops import registry
+from ember.ops.moe import route_grouped
 from ember.quant.experts import QuantizedExperts, dequantize_experts, quantize_experts
 from ember.quant.formats import QuantizedWeight, dequantize, same_format
 
@@ -63,12 +64,16 @@ def make_mlp(cfg: ModelConfig, layout: ShardLayout, layer: int) -> nn.Module:
 
 
 class Router(nn.Module):
-    """Not an nn.Linear, so `--quantization` leaves it whole: routing decides which experts run at all."""
+    """Not an nn.Linear, so `--quantization` leaves it whole: routing decides which experts run at all.
+    DeepSeek-V3's `e_score_correction_bias` (float32, as transformers keeps it) shifts its choice only."""
 
-    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False, score_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts, dtype=torch.float32)) if score_bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias).float()
@@ -82,19 +87,29 @@ class SparseMoeBlock(nn.Module):
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.routing = moe.routing
-        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.bias)
+        self.grouped = moe.grouped
+        self.gate = Router(
+            moe.num_experts, cfg.hidden_size, moe.bias, moe.grouped is not None and moe.grouped.score_bias
+        )
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, layout, layer, moe.bias, moe.swiglu)
         # the fused MoE kernels, or the experts' PyTorch path (ember/ops/moe.py)
         self._moe = registry.moe_impl(registry.target(self.gate.weight.device, self.gate.weight.dtype))
-        # Llama 4's and Qwen3-Next's shared expert (this rank's rows); Qwen3-Next's gate is a Router, so
-        # `--quantization` leaves its one row whole
+        # Llama 4's, Qwen3-Next's and DeepSeek's shared expert(s) (this rank's rows; DeepSeek's checkpoints name
+        # them shared_experts, renamed at load); Qwen3-Next's gate is a Router, so `--quantization` leaves its
+        # one row whole
         shared = layout.shared_expert_size
         self.shared_expert = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None
         self.shared_expert_gate = Router(1, cfg.hidden_size) if moe.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the experts' outputs (and the shared expert's), [M, H] in x's dtype."""
-        out = self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize, self.routing)
+        if self.grouped is None:
+            out = self._moe(self.experts, x, self.gate(x), self.top_k, self.renormalize, self.routing)
+        else:
+            weights, ids = route_grouped(
+                self.gate(x), self.top_k, self.renormalize, self.grouped, self.gate.e_score_correction_bias
+            )
+            out = self._moe.routed(self.experts, x, weights, ids)
         if self.shared_expert is None:
             return out
         shared = self.shared_expert(x)

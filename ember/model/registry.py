@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ember.errors import ModelLoadError
 from ember.model.bert import EncoderModel
-from ember.model.hf_config import ENCODER_ARCHITECTURES, ModelConfig
+from ember.model.hf_config import DEEPSEEK_ARCHITECTURES, ENCODER_ARCHITECTURES, ModelConfig
 from ember.model.llama import CausalLM
 from ember.model.qwen3_next import ARCHITECTURE as QWEN3_NEXT
 from ember.model.qwen3_next import Qwen3NextForCausalLM
@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",  # attention sinks, biased MoE with a clamped SwiGLU, MXFP4 experts: ember/model/gpt_oss.py
     "Llama4ForCausalLM",  # chunked local + NoPE global attention, shared-expert MoE: ember/model/llama4.py
     "Llama4ForConditionalGeneration",  # its language model; the vision tower is not loaded
+    *DEEPSEEK_ARCHITECTURES,  # multi-head latent attention (ember/model/mla.py), grouped-routing MoE
     *ENCODER_ARCHITECTURES,  # BERT, RoBERTa, XLM-R encoders and cross-encoders: ember/model/bert.py
 )
 

@@ -130,6 +130,8 @@ class ShardLayout:
 def check_divisible(cfg: ModelConfig, size: int) -> None:
     """A clear error, before any process starts, for a model that cannot be split `size` ways."""
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if cfg.mla is not None and size > 1:
+        raise ValueError(f"tensor_parallel_size {size}: multi-head latent attention (DeepSeek) runs on one rank only")
     problems = []
     if heads % size:
         problems.append(f"num_attention_heads ({heads})")

@@ -91,7 +91,8 @@ def decode_layer_weights(layer: Any) -> native.DecodeLayerWeights | None:
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if (
-        layer.sandwich
+        not hasattr(attn, "qkv_proj")  # multi-head latent attention (DeepSeek) projects otherwise
+        or layer.sandwich
         or tp_size() != 1
         or getattr(mlp, "act", None) != "silu"
         or not all(map(_plain_rms_norm, norms))

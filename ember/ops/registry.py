@@ -30,6 +30,7 @@ from ember.ops import (
     linear_gpu,
     linear_native,
     lora,
+    mla,
     moe,
     norm,
     rotary,
@@ -80,6 +81,8 @@ ATTENTION: tuple[Implementation[attention.TorchAttention | attention.TritonAtten
     attention.NativeDecodeAttention,
     attention.TorchAttention,
 )
+# DeepSeek's multi-head latent attention over its latent cache (ember/ops/mla.py)
+MLA: tuple[Implementation[mla.TorchMLA], ...] = (mla.TritonMLA, mla.TorchMLA)
 NORM: tuple[Implementation[norm.NormImpl], ...] = (norm.TritonRMSNorm, norm.TorchRMSNorm, norm.TorchGemmaRMSNorm)
 # wrapping the PyTorch norm, which runs for the rows they do not take
 NATIVE_NORM: tuple[Implementation[norm.NormImpl], ...] = (norm.NativeRMSNorm,)
@@ -138,6 +141,10 @@ def linear_impl(t: Target, w: QuantizedWeight | torch.Tensor, dtype: torch.dtype
 
 def attention_impl(t: Target, shape: attention.AttentionShape) -> attention.TorchAttention | attention.TritonAttention:
     return _first(ATTENTION, t, shape)()
+
+
+def mla_impl(t: Target, shape: mla.MlaShape) -> mla.TorchMLA:
+    return _first(MLA, t, shape)(shape)
 
 
 def norm_impl(t: Target, style: str) -> norm.NormImpl:

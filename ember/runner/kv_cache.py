@@ -1,5 +1,7 @@
 """The paged KV pool's memory: per attention layer one K and one V tensor of
-`[num_blocks, block_size, num_kv_heads, head_dim]`, which the attention layers read and write.
+`[num_blocks, block_size, num_kv_heads, head_dim]`, which the attention layers read and write; or, for
+multi-head latent attention (`latent=True`, ember/model/mla.py), one tensor of
+`[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]` and no V.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        latent: bool = False,
     ) -> None:
         self.layers = layers
+        self.tensors_per_layer = 1 if latent else 2
         self.block_shape = (block_size, num_kv_heads, head_dim)
         self.dtype = dtype
         self.device = device
@@ -38,11 +42,12 @@ class KVCache:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * math.prod(self.block_shape) * elem
+        return self.tensors_per_layer * len(self.layers) * math.prod(self.block_shape) * elem
 
     def allocate(self, num_blocks: int) -> None:
+        shape = (num_blocks, *self.block_shape)
         for attn in self.layers:
-            attn.bind_cache(self._zeros((num_blocks, *self.block_shape)), self._zeros((num_blocks, *self.block_shape)))
+            attn.bind_cache(self._zeros(shape), self._zeros(shape) if self.tensors_per_layer == 2 else None)
         self.num_blocks = num_blocks
 
     def release(self) -> None:

@@ -160,7 +160,14 @@ class ModelRunner:
         timeline.mark("model loaded")
         self.quantization = files.quantization
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
-        self.kv_cache = self._kv(self.model.attention_layers(), self.model.layout.num_kv_heads, cfg.head_dim)
+        if cfg.mla is not None and self.kv_dtype != self.dtype:
+            raise ValueError("kv_cache_dtype 'fp8' is not supported for multi-head latent attention (DeepSeek)")
+        if cfg.mla is not None:  # one latent row per token and layer (ember/model/mla.py)
+            self.kv_cache = KVCache(
+                self.model.attention_layers(), 1, cfg.mla.cache_dim, self.block_size, self.kv_dtype, device, latent=True
+            )
+        else:
+            self.kv_cache = self._kv(self.model.attention_layers(), self.model.layout.num_kv_heads, cfg.head_dim)
         self.linear_state = self._linear_state(cfg, scheduler_config.max_num_seqs)
         self.sampler = Sampler()
         self.drafter = self._drafter(speculative, config) if speculative is not None else None
@@ -393,7 +400,8 @@ class ModelRunner:
                 self.buffers,
                 sc.max_model_len,
                 capture_sizes(sc.max_num_seqs),
-                prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len),
+                # MLA's prefill chunks run PyTorch ops over host lengths (ember/ops/mla.py): eagerly
+                [] if self.model_config.mla else prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len),
                 None if self.lora is None else self.lora.capturing,
             )
         timeline.mark("CUDA graphs captured")

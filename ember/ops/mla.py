@@ -1,0 +1,174 @@
+"""Multi-head latent attention over the paged latent cache (ember/model/mla.py says what the rows hold).
+
+A batch holds `num_decodes` one-token queries first, then prefill chunks (ember.ops.attention's
+AttentionMetadata). Each implementation `store`s a step's new rows ([T, cache_dim], slot -1 skipped on
+the Triton path) and, called, gives every query's attention output per head, [T, H, v_head_dim]:
+
+* one-token queries, absorbed: q_lat = q_nope W_UK (per head, [L]), scores = (q_lat . c + q_pe . k_pe) *
+  scale over the sequence's cached rows, o_lat = softmax . c, out = o_lat W_UV^T. `attend_latent` is the
+  middle part, the only one that reads the cache: PyTorch's gather + two matmuls (TorchMLA, also the
+  reference), or one Triton kernel over the paged rows in place (TritonMLA, ember/kernels/mla_decode.py).
+* prefill chunks, decompressed: the sequence's rows gathered, kv_b_proj applied to the latents (each
+  head's unrotated key and value, as transformers computes them), and one SDPA call per chunk with the
+  causal mask offset by its cached context. Both implementations run this in PyTorch (on the GPU too:
+  steps with prefill rows run eagerly for MLA models, see ModelRunner.capture_cuda_graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ember.ops.attention import AttentionMetadata, Masking, _decode_plan
+from ember.ops.target import Target
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """What an implementation is chosen by, known once a layer's cache is set."""
+
+    dtype: torch.dtype
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class AbsorbedWeights:
+    """kv_b_proj's rows per head: W_UK [H, nope, L] (keys) and W_UV^T [H, L, v] (values)."""
+
+    w_uk: torch.Tensor
+    w_uv_t: torch.Tensor
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """[T, H, nope] -> [T, H, L]: each head's unrotated query in the latent space."""
+    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+
+def expand_output(o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+    """[T, H, L] -> [T, H, v]: each head's latent attention output through its value rows."""
+    return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
+
+
+class TorchMLA:
+    @staticmethod
+    def can_implement(target: Target, shape: MlaShape) -> bool:
+        return True
+
+    def __init__(self, shape: MlaShape) -> None:
+        self.kv_lora_rank = shape.kv_lora_rank
+
+    def store(self, rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+
+    def __call__(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        absorbed: AbsorbedWeights,
+        kv_b_proj: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        nd, tokens = meta.num_decodes, q_nope.shape[0]
+        if nd == tokens:
+            return self.decode(q_nope, q_pe, cache, meta, absorbed, scale)
+        heads, v_dim = q_nope.shape[1], absorbed.w_uv_t.shape[2]
+        new = torch.zeros if meta.pad_rows else torch.empty
+        out = new(tokens, heads, v_dim, dtype=q_nope.dtype, device=q_nope.device)
+        if nd:
+            out[:nd] = self.decode(q_nope[:nd], q_pe[:nd], cache, meta, absorbed, scale)
+        for i in range(nd, len(meta.seq_lens_host)):
+            start, end = meta.query_start_host[i], meta.query_start_host[i + 1]
+            out[start:end] = self._prefill_chunk(
+                q_nope[start:end], q_pe[start:end], cache, meta, i, kv_b_proj, v_dim, scale
+            )
+        return out
+
+    def decode(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        absorbed: AbsorbedWeights,
+        scale: float,
+    ) -> torch.Tensor:
+        """The one-token queries [nd, H, *] -> [nd, H, v], absorbed (no decompression)."""
+        q = torch.cat([absorb_query(q_nope, absorbed.w_uk), q_pe], dim=-1)
+        return expand_output(self.attend_latent(q, cache, meta, scale), absorbed.w_uv_t)
+
+    def attend_latent(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q [nd, H, L + rope] over each sequence's cached rows -> [nd, H, L] (the rows' latents as values)."""
+        nd = q.shape[0]
+        if (None, None) not in meta.cpu_decode:  # the plan of global layers: every block of each sequence
+            meta.cpu_decode[None, None] = _decode_plan(meta, cache.shape[1], Masking())
+        ids, keys, mask = meta.cpu_decode[None, None]
+        rows = cache.index_select(0, ids).view(nd, -1, cache.shape[-1])[:, :keys].to(q.dtype)  # [nd, S, D]
+        scores = torch.matmul(q, rows.transpose(1, 2)) * scale  # [nd, H, S]
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, rows[..., : self.kv_lora_rank])
+
+    def _prefill_chunk(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        i: int,
+        kv_b_proj: Any,
+        v_dim: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One chunk's queries [Q, H, *] against its sequence's decompressed context -> [Q, H, v]."""
+        q_len, seq_len = q_nope.shape[0], meta.seq_lens_host[i]
+        ctx, heads, nope = seq_len - q_len, q_nope.shape[1], q_nope.shape[2]
+        latent_dim = self.kv_lora_rank
+        block_ids = meta.block_tables[i, : -(-seq_len // cache.shape[1])]
+        rows = cache.index_select(0, block_ids).view(-1, cache.shape[-1])[:seq_len].to(q_nope.dtype)
+        latent, k_pe = rows.split([latent_dim, q_pe.shape[2]], dim=-1)
+        k_nope, v = kv_b_proj(latent.contiguous()).view(seq_len, heads, nope + v_dim).split([nope, v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(seq_len, heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        qb, kb, vb = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, *, *]
+        if ctx == 0:
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+        else:
+            pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = pos <= torch.arange(q_len, device=q.device)[:, None] + ctx
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[None, None], scale=scale)
+        return o[0].transpose(0, 1)
+
+
+class TritonMLA(TorchMLA):
+    """One-token queries read the paged latent rows in place (ember/kernels/mla_decode.py, split over the
+    context); rows are stored by a kernel that skips slot -1 (CUDA graphs' padding). Prefill as TorchMLA."""
+
+    @staticmethod
+    def can_implement(target: Target, shape: MlaShape) -> bool:
+        return target.triton
+
+    def store(self, rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        from ember.kernels.mla_decode import store_latent
+
+        store_latent(rows, cache, slot_mapping)
+
+    def attend_latent(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        from ember.kernels.mla_decode import mla_decode_attention
+
+        nd = q.shape[0]
+        return mla_decode_attention(
+            q, cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, self.kv_lora_rank, max_seq_len=meta.max_seq_len
+        )

@@ -1,0 +1,263 @@
+"""DeepSeek-V2 / V2-Lite / V3: multi-head latent attention over the paged latent cache, and DeepSeek's MoE
+(shared experts, grouped routing), against transformers.
+
+The tiny checkpoints (tests/conftest.py: deepseek-v2-lite, deepseek-v2, deepseek-v3) are built with
+transformers' own DeepseekV2/V3 classes: a 32-wide latent and 8 rotated channels per token, values
+(24) wider than the unrotated keys (16), YaRN with mscale_all_dim on V2 and V3, V3's routing bias drawn
+non-zero. Greedy tokens equal transformers' in float32 with top-5 logprobs within 2e-3, for a batch of
+prompts of different lengths with chunked prefill and the prefix cache (the last three prompts share 20
+tokens, so a later request's prefill reads its prefix's latents from blocks another one wrote).
+The Triton MLA decode kernel runs against its float32 reference (the interpreter without a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DEVICE, inproc_core, make_checkpoint
+from test_hf_equality import assert_output_matches, hf_references
+from test_new_archs import GREEDY, NUM_TOKENS, PROMPTS
+
+from ember import LLM, SamplingParams
+from ember.kernels.mla_decode import (
+    mla_decode_attention,
+    mla_decode_attention_ref,
+    store_latent,
+    store_latent_ref,
+)
+from ember.model.hf_config import GroupedRouting, ModelConfig
+from ember.model.mla import MLAttention
+from ember.model.moe import SparseMoeBlock
+from ember.ops.moe import route_grouped
+
+ARCHS = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    return {arch: make_checkpoint(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    return hf_references(checkpoints, PROMPTS, NUM_TOKENS)
+
+
+def _llm(path: Path, **kwargs) -> LLM:
+    args = {"kv_cache_memory": 0.01, "block_size": 8, "max_num_batched_tokens": 16, **kwargs}
+    return LLM(str(path), device=DEVICE, dtype="float32", engine_process=False, **args)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matches_transformers(checkpoints, references, arch):
+    llm = _llm(checkpoints[arch])
+    layers = inproc_core(llm).runner.model.model.layers
+    assert all(isinstance(layer.self_attn, MLAttention) for layer in layers)
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [False, True, True]  # first_k_dense_replace
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out, (tokens, logprobs) in zip(PROMPTS, outs, references[arch]):
+        assert_output_matches(out.outputs[0], tokens, logprobs, prompt)
+    # the shared prefix's blocks were found in the cache (a second round is no stricter test: one of these
+    # prompts meets two candidates 2e-7 apart in logprob, which summing in another order may swap)
+    assert llm.llm_engine.scheduler_stats().prefix_cache_hits > 0
+
+
+def test_latent_cache_is_one_row_per_token(checkpoints):
+    """No separate K and V: one [blocks, block_size, 1, kv_lora_rank + rope] tensor per layer, and the
+    pool sized by its bytes."""
+    llm = _llm(checkpoints["deepseek-v3"], kv_cache_memory=0.001)
+    runner = inproc_core(llm).runner
+    cfg = json.loads((checkpoints["deepseek-v3"] / "config.json").read_text())
+    width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    bytes_per_block = cfg["num_hidden_layers"] * 8 * width * 4
+    assert runner.kv_cache.bytes_per_block == bytes_per_block
+    assert runner.kv_cache.num_blocks == int(0.001 * 2**30 // bytes_per_block)
+    for attn in runner.model.attention_layers():
+        assert attn.cache is not None and tuple(attn.cache.shape) == (runner.kv_cache.num_blocks, 8, 1, width)
+
+
+def test_preempted_requests_recompute(checkpoints, references):
+    """Blocks for about two sequences at once: requests are preempted and recomputed from the latents."""
+    arch = "deepseek-v3"  # (V2-Lite's longest prompt meets a near-tie that another batching may swap)
+    cfg = json.loads((checkpoints[arch] / "config.json").read_text())
+    block_bytes = cfg["num_hidden_layers"] * 8 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    llm = _llm(
+        checkpoints[arch], kv_cache_memory=14 * block_bytes / 2**30, max_model_len=96, enable_prefix_caching=False
+    )
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.llm_engine.scheduler_stats().num_preemptions > 0
+    for prompt, out, (tokens, logprobs) in zip(PROMPTS, outs, references[arch]):
+        assert_output_matches(out.outputs[0], tokens, logprobs, prompt)
+
+
+def test_triton_path_matches_torch_path(checkpoints, monkeypatch):
+    """The engine on the kernels (the MLA decode kernel and latent store, the fused MoE with DeepSeek's
+    routing) gives the PyTorch path's tokens and logprobs, with a chunked prefill and decodes."""
+    from ember.ops import registry as backend
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    path = checkpoints["deepseek-v3"]
+    torch_outs = _llm(path).generate(PROMPTS[2:4], params, use_tqdm=False)
+    monkeypatch.setattr(backend, "FORCE_TRITON", True)
+    triton_outs = _llm(path).generate(PROMPTS[2:4], params, use_tqdm=False)
+    for a, b in zip(torch_outs, triton_outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in la.items()} == pytest.approx(
+                {t: v.logprob for t, v in lb.items()}, abs=1e-3
+            )
+
+
+def test_multi_token_prediction_layer_is_skipped(checkpoints, tmp_path):
+    """A layer past num_hidden_layers (DeepSeek-V3's release ships its MTP module as model.layers.61) is
+    not loaded, as transformers skips it."""
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(checkpoints["deepseek-v3"], tmp_path / "mtp")
+    tensors = load_file(d / "model.safetensors")
+    tensors.update({k.replace(".layers.2.", ".layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k})
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ours, plain = (_llm(p).generate(PROMPTS[:1], params, use_tqdm=False) for p in (d, checkpoints["deepseek-v3"]))
+    assert ours[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+def test_dummy_weights_run(checkpoints):
+    llm = _llm(checkpoints["deepseek-v3"], load_format="dummy")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:2], params, use_tqdm=False)[1].outputs[0].token_ids) == 3
+
+
+# --- configuration -----------------------------------------------------------------------------------
+
+
+def _v3_config(**overrides) -> dict:
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 128,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 24,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        **overrides,
+    }
+
+
+def test_config_reads_deepseek_v3_as_released():
+    """DeepSeek-V3's config.json keys: YaRN with mscale = mscale_all_dim (so no cos/sin scale, but a softmax
+    scale of mscale(40)^2 / sqrt(192)), noaux_tc over 8 groups, 3 dense layers, one latent KV head."""
+    yarn = {
+        "type": "yarn",
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    cfg = ModelConfig.from_hf_config(
+        _v3_config(
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            rope_scaling=yarn,
+            topk_method="noaux_tc",
+            n_group=8,
+            topk_group=4,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            first_k_dense_replace=3,
+            max_position_embeddings=163840,
+        )
+    )
+    assert cfg.mla is not None and cfg.moe is not None and cfg.moe.grouped is not None
+    assert cfg.head_dim == 64 and cfg.num_key_value_heads == 4 and cfg.mla.cache_dim == 16 + 64
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["attention_factor"] == 1.0
+    mscale = 0.1 * torch.log(torch.tensor(40.0)).item() + 1.0
+    assert cfg.mla.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
+    assert cfg.moe.dense_layers == (0, 1, 2) and cfg.moe.renormalize
+    assert cfg.moe.grouped == GroupedRouting(sigmoid=True, n_group=8, topk_group=4, scaling=2.5, score_bias=True)
+    assert cfg.moe.shared_expert_intermediate_size == 16
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"topk_method": "group_limited_greedy"}, "topk_method 'group_limited_greedy' is not supported"),
+        ({"n_group": 3}, "n_group 3 / topk_group 4 do not fit 8 experts"),
+        ({"n_group": 8, "topk_group": 1}, "noaux_tc scores a group by its best two experts"),
+        ({"attention_bias": True}, "attention_bias: biases are not supported"),
+    ],
+)
+def test_unsupported_variants_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config(_v3_config(**overrides))
+
+
+# --- routing -------------------------------------------------------------------------------------------
+
+
+def test_grouped_routing_keeps_only_the_best_groups():
+    """V3: groups ranked by their best two biased scores; the weights are the unbiased sigmoid scores."""
+    logits = torch.tensor([[0.0, 0.1, 3.0, 2.9, -1.0, -1.0, 5.0, -5.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -10.0, 0.0])
+    routing = GroupedRouting(sigmoid=True, n_group=4, topk_group=1, scaling=2.0, score_bias=True)
+    weights, ids = route_grouped(logits, 2, True, routing, bias)
+    assert sorted(ids[0].tolist()) == [2, 3]  # group 1; expert 6's bias sinks group 3
+    s = logits[0, [2, 3]].sigmoid()
+    torch.testing.assert_close(weights[0].sort().values, (2.0 * s / s.sum()).sort().values)
+    # V2's group_limited_greedy: a group's score is its best expert's softmax probability
+    v2 = GroupedRouting(sigmoid=False, n_group=4, topk_group=2)
+    weights, ids = route_grouped(logits, 3, False, v2)
+    assert sorted(ids[0].tolist()) == [2, 3, 6]
+    torch.testing.assert_close(weights[0].sum(), logits.softmax(-1)[0, [2, 3, 6]].sum())
+
+
+# --- the Triton MLA decode kernel --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_lora,rope,heads,block_size", [(32, 8, 4, 8), (48, 16, 20, 16)])
+def test_mla_decode_kernel_matches_reference(kv_lora, rope, heads, block_size, dtype, num_splits):
+    """Sequences of 1 to 70 rows spread over shuffled blocks; more heads than one program holds; widths
+    that are no power of two; a zero-length (padded) row gives zeros."""
+    gen = torch.Generator().manual_seed(kv_lora + heads)
+    lens = [1, 70, 17, 33, 0]
+    width, num_blocks = kv_lora + rope, 48
+    cache = torch.randn(num_blocks, block_size, 1, width, generator=gen).to(dtype).to(KERNEL_DEVICE)
+    per_seq = -(-max(lens) // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
+    tables = tables.to(torch.int32).to(KERNEL_DEVICE)
+    q = torch.randn(len(lens), heads, width, generator=gen).to(dtype).to(KERNEL_DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=KERNEL_DEVICE)
+    scale = width**-0.5
+    out = mla_decode_attention(q, cache, tables, seq_lens, scale, kv_lora, num_splits=num_splits, max_seq_len=70)
+    ref = mla_decode_attention_ref(q, cache, tables, seq_lens, scale, kv_lora)
+    tol = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    assert out.shape == (len(lens), heads, kv_lora) and out.dtype == dtype
+    torch.testing.assert_close(out[:-1].float(), ref[:-1], **tol)
+    assert torch.equal(out[-1].float(), torch.zeros(heads, kv_lora, device=KERNEL_DEVICE))
+
+
+def test_store_latent_skips_padding():
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(5, 40, generator=gen).to(KERNEL_DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, -1], dtype=torch.int64, device=KERNEL_DEVICE)
+    cache, ref = (torch.zeros(4, 8, 1, 40, device=KERNEL_DEVICE) for _ in range(2))
+    store_latent(rows, cache, slots)
+    store_latent_ref(rows, ref, slots)
+    assert torch.equal(cache, ref)
