@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import DEVICE
 from PIL import Image
 
 from ember import LLM, SamplingParams
@@ -114,7 +115,7 @@ def hf_greedy(path: str, ids: list[int], images: list[Image.Image], n: int) -> l
 
 
 def make_llm(path: str, **kwargs) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", kv_cache_memory=0.01, engine_process=False, **kwargs)
+    return LLM(path, device=DEVICE, dtype="float32", kv_cache_memory=0.01, engine_process=False, **kwargs)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
