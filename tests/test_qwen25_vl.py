@@ -260,7 +260,8 @@ def test_a_chunk_ends_inside_an_image_and_an_abort_releases_it(qwen25vl):
     llm.llm_engine.shutdown()
 
 
-def test_a_request_preempted_in_the_middle_of_an_image(qwen25vl):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_preempted_in_the_middle_of_an_image(qwen25vl, async_scheduling):
     # 8 blocks of 4 tokens: `text` decoding and `image` prefilling 4 tokens a step outgrow them, and the
     # newest running request, `image`, is preempted, in the middle of its image among other times
     llm = make_llm(
@@ -270,6 +271,7 @@ def test_a_request_preempted_in_the_middle_of_an_image(qwen25vl):
         kv_cache_memory=8 * 2048 / 2**30,  # K and V, 2 layers, 4 tokens, 2 heads of 16, float32
         max_model_len=32,
         enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
     )
     assert llm.llm_engine.ready.num_blocks == 8
     image = picture(1, RESIZED)
