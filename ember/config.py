@@ -73,6 +73,10 @@ class SchedulerConfig:
     max_model_len: int
     # False: a prompt is scheduled whole or waits (an encoder's attention needs all of it in one step)
     chunked_prefill: bool = True
+    # Image tokens whose vision-tower outputs one step computes (ember/core/encoder_budget.py)
+    max_num_encoder_input_tokens: int | None = None  # None: max_num_batched_tokens
+    # False: a prefill chunk never ends inside an image (its tokens attend both ways: Gemma 3)
+    split_images: bool = True
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: LoRA off (`--enable-lora` not given)
     pooler: PoolerConfig | None = None  # None: the checkpoint's 1_Pooling/config.json, else LAST (EngineCore)
     runner: str = "auto"  # "generate", "pooling" or "auto" (by the model: EngineCore resolves it)
+    max_num_encoder_input_tokens: int | None = None  # None: the step's token budget
 
     def resolved_runner(self, model_config: ModelConfig) -> str:
         """ "pooling" or "generate": an encoder only pools, and is refused anything that generates."""
@@ -245,7 +250,15 @@ class EngineConfig:
                     "is never split across steps"
                 )
             budget = max_len
-        return SchedulerConfig(self.max_num_seqs, budget, max_len, chunked_prefill=not encoder)
+        vision = model_config.vision
+        return SchedulerConfig(
+            self.max_num_seqs,
+            budget,
+            max_len,
+            chunked_prefill=not encoder,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+            split_images=vision is None or not vision.bidirectional_images,
+        )
 
 
 @dataclass
@@ -268,6 +281,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # vLLM's SchedulerConfig field: image tokens whose tower outputs one step computes (None: the step's
+    # token budget; an image longer than it is encoded alone in its step; docs/multimodal.md)
+    max_num_encoder_input_tokens: int | None = None
     enforce_eager: bool = False
     chat_template: str | None = None
     served_model_name: str | None = None
@@ -316,6 +332,8 @@ class EngineArgs:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.max_num_batched_tokens is not None:
             _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_encoder_input_tokens is not None:
+            _check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 1)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -376,6 +394,7 @@ class EngineArgs:
             lora=self.lora_config(),
             pooler=PoolerConfig.parse(self.pooler_config) if self.pooler_config is not None else None,
             runner=self.runner,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
         )
 
     def lora_config(self) -> LoRAConfig | None:
@@ -444,6 +463,13 @@ class EngineArgs:
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument(
+            "--max-num-encoder-input-tokens",
+            type=int,
+            default=None,
+            help="image tokens whose vision-tower outputs one step computes (default: --max-num-batched-tokens; "
+            "a larger image is encoded alone)",
+        )
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--chat-template", default=None, help="a Jinja2 chat template file or string")
         g.add_argument(

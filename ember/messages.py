@@ -113,6 +113,7 @@ class SchedulerStats(_Message):
     gpu_mask_wait_s: float = 0.0  # CUDA: time the GPU waited inside steps for grammar masks
     num_requests: int = 0  # requests the core holds in any state (0 when idle: nothing left behind)
     num_encoded_images: int = 0  # images run through the vision tower (one whose output was cached runs none)
+    num_pinned_images: int = 0  # tower outputs kept for requests that have computed part of the image
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding
 
 

@@ -6,7 +6,10 @@ transformers' Qwen2VLImageProcessorPil, the vision tower (window attention in on
 the other, 2D rotary, the merger) against its `visual`, the M-RoPE positions against `get_rope_index`,
 and greedy tokens against `generate`: one image, two images of different sizes, chunked prefill, the
 prefix cache hit with the same image (its tower run once), text alone, and a text prompt whose
-`<|image_pad|>` the front end expands.
+`<|image_pad|>` the front end expands. Image scheduling (docs/multimodal.md): a chunk ending inside
+an image (its tower run once, its output pinned until the request is done with it), a request aborted
+or preempted in the middle of an image (pins released, the output reused), and the encoder budget
+delaying a second image to a later step.
 """
 
 from __future__ import annotations
@@ -115,7 +118,9 @@ def hf_greedy(path: str, ids: list[int], images: list[Image.Image], n: int) -> l
 
 
 def make_llm(path: str, **kwargs) -> LLM:
-    return LLM(path, device=DEVICE, dtype="float32", kv_cache_memory=0.01, engine_process=False, **kwargs)
+    return LLM(
+        path, **{"device": DEVICE, "dtype": "float32", "kv_cache_memory": 0.01, "engine_process": False, **kwargs}
+    )
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -176,7 +181,7 @@ def test_mrope_positions_equal_hf_rope_index(qwen25vl):
     assert mrope_delta(ours, 2) == int(delta)
 
 
-@pytest.mark.parametrize("budget", [None, 6])  # 6: chunks that would cut the image (tokens 4-7): [0, 4), [4, 10), ...
+@pytest.mark.parametrize("budget", [None, 6])  # 6: chunks [0, 6), [6, 12), ... cut the image (tokens 4-7)
 def test_one_image_greedy_equals_hf(qwen25vl, budget):
     llm = make_llm(qwen25vl, max_num_batched_tokens=budget, max_model_len=128)
     image = picture(1, SQUARE)
@@ -215,3 +220,85 @@ def test_text_alone_and_a_text_prompt(qwen25vl):
     with pytest.raises(ValueError, match=r"2 image\(s\) for 1 image placeholder"):
         llm.generate({"prompt_token_ids": ONE, "multi_modal_data": {"image": [image, image]}}, GREEDY)
     llm.llm_engine.shutdown()
+
+
+ONE_LONG = [2, 10, 11, START, PAD, END, 12, 13, 14, 15]  # with a RESIZED image: its 8 tokens at [4, 12)
+
+
+def _run(llm: LLM, prompts: dict[str, dict], params: dict[str, SamplingParams] | None = None, abort_when_pinned=""):
+    """Add the prompts by id (GREEDY, or their `params`) and step until all end: their tokens, and the stats
+    after each step. `abort_when_pinned`: abort that request after the first step that leaves an image pinned."""
+    engine = llm.llm_engine
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, (params or {}).get(rid, GREEDY))
+    tokens, trace = {}, []
+    while engine.has_unfinished_requests():
+        tokens |= {o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished}
+        trace.append(engine.scheduler_stats())
+        if abort_when_pinned in engine.output_processor.requests and trace[-1].num_pinned_images:
+            engine.abort_request(abort_when_pinned)
+    return tokens, trace
+
+
+def test_a_chunk_ends_inside_an_image_and_an_abort_releases_it(qwen25vl):
+    # 4 tokens a step cut the 8-token image in two; it is longer than the encoder budget (4, the step's
+    # tokens), so the tower runs for it alone, once
+    llm = make_llm(qwen25vl, max_num_batched_tokens=4, max_model_len=64, enable_prefix_caching=False)
+    image = picture(1, RESIZED)
+    prompt = {"prompt_token_ids": ONE_LONG, "multi_modal_data": {"image": image}}
+    expected = hf_greedy(qwen25vl, ONE_LONG, [image], 6)
+    tokens, trace = _run(llm, {"a": prompt})
+    assert tokens["a"] == expected
+    assert [s.num_pinned_images for s in trace[:3]] == [0, 1, 0]  # chunks [0, 4), [4, 8), [8, 12): pinned between
+    assert trace[-1].num_encoded_images == 1
+
+    # aborted in the middle of the image: the next step releases its pin; the output stays cached
+    tokens, trace = _run(llm, {"b": prompt}, abort_when_pinned="b")
+    assert "b" not in tokens and trace[-1].num_pinned_images == 1  # no step since the abort
+    tokens, trace = _run(llm, {"c": {"prompt_token_ids": [2, 40, 41]}, "d": prompt})
+    assert tokens["d"] == expected and trace[0].num_pinned_images == 0
+    assert trace[-1].num_encoded_images == 1  # `b` and `d` found it cached
+    llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_preempted_in_the_middle_of_an_image(qwen25vl, async_scheduling):
+    # 8 blocks of 4 tokens: `text` decoding and `image` prefilling 4 tokens a step outgrow them, and the
+    # newest running request, `image`, is preempted, in the middle of its image among other times
+    llm = make_llm(
+        qwen25vl,
+        max_num_batched_tokens=4,
+        block_size=4,
+        kv_cache_memory=8 * 2048 / 2**30,  # K and V, 2 layers, 4 tokens, 2 heads of 16, float32
+        max_model_len=32,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+    )
+    assert llm.llm_engine.ready.num_blocks == 8
+    image = picture(1, RESIZED)
+    prompts = {
+        "text": {"prompt_token_ids": [2, 40, 41]},
+        "image": {"prompt_token_ids": ONE_LONG, "multi_modal_data": {"image": image}},
+    }
+    tokens, trace = _run(llm, prompts, {"text": SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)})
+    preempted_while_pinned = [
+        a.num_pinned_images and b.num_preemptions > a.num_preemptions for a, b in zip(trace, trace[1:])
+    ]
+    assert any(preempted_while_pinned)
+    assert tokens["image"] == hf_greedy(qwen25vl, ONE_LONG, [image], 6)
+    assert trace[-1].num_pinned_images == 0 and trace[-1].num_encoded_images == 1  # reused after each preemption
+    llm.llm_engine.shutdown()
+
+
+def test_the_encoder_budget_delays_the_second_image_to_a_later_step(qwen25vl):
+    a, b = picture(2, WIDE), picture(3, RESIZED)  # 3 and 8 image tokens
+    prompt = {"prompt_token_ids": TWO, "multi_modal_data": {"image": [a, b]}}
+    expected = hf_greedy(qwen25vl, TWO, [a, b], 6)
+    steps = []
+    for encoder_budget in (None, 8):
+        llm = make_llm(qwen25vl, max_model_len=128, max_num_encoder_input_tokens=encoder_budget)
+        tokens, trace = _run(llm, {"r": prompt})
+        assert tokens["r"] == expected and trace[-1].num_encoded_images == 2
+        steps.append(trace[-1].num_steps)
+        llm.llm_engine.shutdown()
+    assert steps == [6, 7]  # the prompt in one step, or up to the second image and then the rest

@@ -3,7 +3,8 @@ greedy tokens against HF transformers' Gemma3ForConditionalGeneration on the sam
 
 Covers the vision tower and projector (equal to HF's image features), the placeholder's expansion into
 the image tokens, Gemma 3's bidirectional attention among an image's tokens (full and sliding-window
-layers), images never split by chunked prefill, two images in one prompt, the prefix cache keyed by the
+layers), images never split by chunked prefill (never pinned half computed; one longer than a step's
+tokens is refused), two images in one prompt, the prefix cache keyed by the
 image (the same picture hits and skips the tower; another picture with the same tokens does not), and
 the errors: a count of images that does not match the placeholders, images to a text-only model.
 """
@@ -46,6 +47,24 @@ def test_greedy_tokens_equal_hf(gemma3, budget):
     assert list(out.outputs[0].token_ids) == hf_greedy(gemma3, PROMPT, [image], 6)
     assert out.prompt_token_ids[5 : 5 + TOKENS_PER_IMAGE + 2] == [BOI, *[IMG] * TOKENS_PER_IMAGE, EOI]
     llm.llm_engine.shutdown()
+
+
+def test_a_chunk_never_ends_inside_an_image(gemma3):
+    # 8 tokens a step would cut the image at [6, 10); the chunks are [0, 6), [6, 14), ... instead, so no
+    # step leaves it half computed (pinned in the runner's cache, as a split Qwen2.5-VL image is)
+    llm = make_llm(gemma3, max_num_batched_tokens=8, max_model_len=64)
+    engine, image = llm.llm_engine, picture(1)
+    engine.add_request("r", {"prompt_token_ids": PROMPT, "multi_modal_data": {"image": image}}, GREEDY)
+    pinned = []
+    while engine.has_unfinished_requests():
+        tokens = [list(o.outputs[0].token_ids) for o in engine.step() if o.finished]
+        pinned.append(engine.scheduler_stats().num_pinned_images)
+    assert tokens == [hf_greedy(gemma3, PROMPT, [image], 6)] and pinned == [0] * len(pinned)
+    engine.shutdown()
+    small = make_llm(gemma3, max_num_batched_tokens=3, max_model_len=64)
+    (out,) = small.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+    assert out.error == "images: an image's 4 tokens exceed max_num_batched_tokens (3)"
+    small.llm_engine.shutdown()
 
 
 def test_two_images_and_the_prefix_cache_keyed_by_image(gemma3):

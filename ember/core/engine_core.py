@@ -266,8 +266,9 @@ class EngineCore:
 
     def _check_images(self, msg: EngineCoreRequest) -> str | None:
         """Each image where the front end put it: whole image-token runs of its length, in order, inside
-        the prompt, its pixels of the tower's size (Gemma 3) or of its patch grid (Qwen2.5-VL), and no
-        longer than a step's token budget (the scheduler never splits an image)."""
+        the prompt, its pixels of the tower's size (Gemma 3) or of its patch grid (Qwen2.5-VL), and, where
+        a chunk must hold an image whole (`SchedulerConfig.split_images` False), no longer than a step's
+        token budget."""
         v = self.vision
         if v is None:
             return "images: this model does not accept image input"
@@ -275,7 +276,7 @@ class EngineCore:
             return "images: not supported with tensor parallelism yet"
         ids, end, budget = msg.prompt_token_ids, 0, self.scheduler_config.max_num_batched_tokens
         for image in msg.images:
-            if image.length > budget:
+            if image.length > budget and not self.scheduler_config.split_images:
                 return f"images: an image's {image.length} tokens exceed max_num_batched_tokens ({budget})"
             if image.offset < end or image.end > len(ids):
                 return "images: an image's tokens are out of order, overlap or leave the prompt"
@@ -372,6 +373,7 @@ class EngineCore:
             gpu_mask_wait_s=timer.mask_wait_s if timer else 0.0,
             num_requests=len(self.requests),
             num_encoded_images=self.runner.num_encoded_images,
+            num_pinned_images=self.runner.num_pinned_images,
             spec_decode=self.spec_counts.message() if self.speculative else None,
         )
 

@@ -4,7 +4,8 @@ There is no separate prefill phase. Every request has `num_computed_tokens`; eac
 running requests (decodes and unfinished prefill chunks) their share of the token budget first,
 then admits waiting requests while budget, sequence slots and KV blocks last. A prompt longer
 than the remaining budget is split into chunks over several steps. When blocks run out, the
-newest running request is preempted: its blocks are freed and it is recomputed later. With a
+newest running request is preempted: its blocks are freed and it is recomputed later. A prompt's
+images bound where a chunk ends and how many a step starts (`EncoderBudget`). With a
 model windowed in every layer, blocks that have left a request's window are released before each
 step's allocations (see `BlockManager.drop_out_of_window`).
 
@@ -30,8 +31,8 @@ from dataclasses import dataclass, field
 
 from ember.config import SchedulerConfig, SpeculativeConfig
 from ember.core.block_manager import BlockManager
+from ember.core.encoder_budget import EncoderBudget
 from ember.core.request import Request, RequestStatus
-from ember.multimodal.inputs import chunk_end
 from ember.runner.step import NewRequest, StepDescription
 
 
@@ -106,6 +107,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        encoder = EncoderBudget(self.config.max_num_encoder_input_tokens or budget, self.config.split_images)
         num_preemptions = self.num_preemptions
         i = 0
         block_size = self.block_manager.block_size
@@ -115,11 +117,11 @@ class Scheduler:
                 i += 1  # its last token is in flight; it finishes when that arrives
                 continue
             self.block_manager.drop_out_of_window(request)
-            n = self._whole_images(request, request.num_computed_tokens, budget)
-            if n == 0:  # its next image does not fit this step's budget: a later step
+            n = min(budget, request.num_scheduled_tokens - request.num_computed_tokens)
+            n, encoded = encoder.fit(request.images, request.num_computed_tokens, n, budget, resumed=True)
+            if n == 0:  # its next image does not fit this step's budgets: a later step
                 i += 1
                 continue
-            n = min(n, request.num_scheduled_tokens - request.num_computed_tokens)
             drafts = request.spec_token_ids[: budget - n] if n == 1 and not request.num_inflight_tokens else []
             n += len(drafts)
             slots = n + self._lookahead(request, request.num_computed_tokens + n)
@@ -133,6 +135,7 @@ class Scheduler:
                 new_blocks = allocated
             self._add(batch, request, n, new_blocks, drafts)
             budget -= n
+            encoder.take(encoded)
             i += 1
 
         # Admitting new work right after a preemption would only thrash the cache.
@@ -152,7 +155,8 @@ class Scheduler:
                 continue
             prefix_blocks = self.block_manager.match_prefix(request)
             num_cached = len(prefix_blocks) * self.block_manager.block_size
-            n = min(request.num_tokens - num_cached, self._whole_images(request, num_cached, budget))
+            n = min(request.num_tokens - num_cached, budget)
+            n, encoded = encoder.fit(request.images, num_cached, n, budget, resumed=False)
             if n == 0 or (n < request.num_tokens - num_cached and not self.config.chunked_prefill):
                 break  # whole (an encoder's prompt, an image) or not at all: first in a later step
             allocation = self.block_manager.allocate(
@@ -171,6 +175,7 @@ class Scheduler:
             adapters.add(request.lora_int_id)
             adapters.discard(0)
             budget -= n
+            encoder.take(encoded)
         self.waiting.extendleft(reversed(skipped))
         if batch:  # an empty batch is never launched: its ids wait for the next one
             batch.step.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
@@ -179,14 +184,6 @@ class Scheduler:
             if self.drafts.lookahead:
                 batch.step.num_speculative_tokens = self.num_draft_tokens()
         return batch
-
-    @staticmethod
-    def _whole_images(request: Request, start: int, budget: int) -> int:
-        """The most tokens from `start` a step may compute within `budget` without splitting an image (its
-        tokens attend to each other both ways: ember.multimodal.inputs.chunk_end); 0 when even that
-        image does not fit (EngineCore admits no image longer than a step's budget)."""
-        end = chunk_end(request.images, start, start + budget) if request.images else start + budget
-        return end - start if end - start <= budget else 0
 
     def _needs_lora_slot(self, request: Request, adapters: set[int]) -> bool:
         """Whether admitting the request would make the running requests use more adapters than max_loras."""

@@ -146,6 +146,12 @@ class VisionConfig:
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
+    @property
+    def bidirectional_images(self) -> bool:
+        """An image's tokens attend to every token of their image (transformers' token_type_ids mask), so a
+        prefill chunk holds all of an image it computes: the last token's keys must be cached or in the step."""
+        return True
+
 
 QWEN25_VL = "Qwen2_5_VLForConditionalGeneration"
 
@@ -174,6 +180,11 @@ class QwenVisionConfig:
     vision_start_token_id: int
     vision_end_token_id: int
     rope_theta: float = 10000.0
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """Image tokens attend causally, as text: a prefill chunk may end inside an image."""
+        return False
 
 
 @dataclass(frozen=True)

@@ -58,11 +58,11 @@ def images_in(images: list[ImageInput], start: int, end: int) -> list[ImageInput
 
 
 def chunk_end(images: list[ImageInput], start: int, end: int) -> int:
-    """Where a prefill chunk over [start, end) may end so that it splits no image: an image's tokens attend
-    to each other both ways (Gemma 3), so one chunk holds all of an image's tokens it computes (kept for
-    Qwen2.5-VL's causal image tokens too: the runner reads each image's tower output whole). `end` when
-    no image straddles it; else the image's start, or, when the chunk starts inside that image (a
-    prefix-cache hit may end there), its end (which may be past `end`: the caller checks its budget)."""
+    """Where a prefill chunk over [start, end) may end so that it splits no image, for a model whose image
+    tokens attend to each other both ways (Gemma 3; ember/core/encoder_budget.py): one chunk holds all
+    of an image's tokens it computes. `end` when no image straddles it; else the image's start, or, when
+    the chunk starts inside that image (a prefix-cache hit may end there), its end (which may be past
+    `end`: the caller checks its budget)."""
     for im in images:
         if im.offset < end < im.end:
             return im.offset if im.offset > start else im.end

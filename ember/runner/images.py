@@ -1,14 +1,20 @@
 """A step's images: the vision tower's output for each image token the step computes, and how far each of
 those tokens attends.
 
-A prefill chunk holds all of an image's tokens it computes (the scheduler never splits an image:
-ember.multimodal.inputs.chunk_end), so the step needs each of its images' embeddings whole. They come
-from a cache keyed by the image's content hash (`ImageInput.key`), filled by one batched tower call
-for the step's new images: a picture repeated in a conversation, or shared by requests, runs through
-the tower once while it stays among the last `CACHE_IMAGES` used. Gemma 3's image tokens attend to
-every token of their own image, so each image row's query limit (`AttentionMetadata.query_limits`) is
-its image's last position; every other row's is its own position. Qwen2.5-VL's attend causally (no
-limits); its images, each of its own patch grid, go through the tower as one sequence of patches.
+The tower runs once for a whole image, in the step that first computes one of its tokens, and the step
+takes the rows of it that it computes: all of them for Gemma 3, whose chunks never split an image, a
+slice [lo, hi) where Qwen2.5-VL's chunk begins or ends inside one (ember/core/encoder_budget.py). The
+outputs live in a cache keyed by the image's content hash (`ImageInput.key`), filled by one batched
+tower call for the step's new images: a picture repeated in a conversation, or shared by requests, runs
+through the tower once while it stays among the last `CACHE_IMAGES` used. A request that has computed
+part of an image pins its output until it computes the rest, finishes, is aborted or is preempted (the
+step descriptions' finished and preempted ids), so its next chunk never runs the tower again: pinned
+outputs are never evicted (the cache outgrows `CACHE_IMAGES` only while more are pinned).
+
+Gemma 3's image tokens attend to every token of their own image, so each image row's query limit
+(`AttentionMetadata.query_limits`) is its image's last position; every other row's is its own position.
+Qwen2.5-VL's attend causally (no limits); its images, each of its own patch grid, go through the tower
+as one sequence of patches.
 """
 
 from __future__ import annotations
@@ -33,7 +39,24 @@ class StepImages:
         self.model = model
         self.device = device
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # key -> [tokens_per_image, hidden]
+        self.pins: dict[str, set[str]] = {}  # request id -> keys of the images it has computed part of
         self.num_encoded = 0  # images run through the tower (a cache hit runs none)
+        vision = model.config.vision
+        self.bidirectional = vision is not None and vision.bidirectional_images
+
+    @property
+    def num_pinned(self) -> int:
+        """Images whose outputs some request still needs the rest of."""
+        return len(self._pinned())
+
+    def _pinned(self) -> set[str]:
+        return set().union(*self.pins.values())
+
+    def release(self, request_ids: list[str]) -> None:
+        """Unpin what finished, aborted or preempted requests held; the outputs stay cached for reuse (a
+        preempted request's next chunk, another request's same picture) until evicted."""
+        for request_id in request_ids:
+            self.pins.pop(request_id, None)
 
     @staticmethod
     def in_step(requests: list[RequestState], num_new_tokens: list[int]) -> bool:
@@ -57,17 +80,27 @@ class StepImages:
             for image in images_in(req.images, start, start + n):
                 lo, hi = max(image.offset, start), min(image.end, start + n)
                 pieces.append((image, first + lo - start, lo - image.offset, hi - lo))
+                if hi < image.end:  # the rest in a later step
+                    self.pins.setdefault(req.request_id, set()).add(image.key)
+                elif req.request_id in self.pins:
+                    self.pins[req.request_id].discard(image.key)
         self._encode([image for image, *_ in pieces])
         rows = np.concatenate([np.arange(row, row + count) for _, row, _, count in pieces])
         embeddings = torch.cat([self.cache[image.key][skip : skip + count] for image, _, skip, count in pieces])
         limits = None
-        if self.model.config.mrope_section is None:  # Gemma 3: an image's tokens see all of it
+        if self.bidirectional:  # Gemma 3: an image's tokens see all of it
             limits = positions.astype(np.int32)
             for image, row, _, count in pieces:
                 limits[row : row + count] = image.end - 1
-        while len(self.cache) > CACHE_IMAGES:  # after the step's own were read: a step may hold more
-            self.cache.popitem(last=False)
+        self._evict()
         return ImageRows(torch.from_numpy(rows).to(self.device), embeddings), limits
+
+    def _evict(self) -> None:
+        """Drop the least recently used unpinned outputs past `CACHE_IMAGES` (after the step's own were read:
+        a step may hold more)."""
+        pinned = self._pinned()
+        for key in [k for k in self.cache if k not in pinned][: max(0, len(self.cache) - CACHE_IMAGES)]:
+            del self.cache[key]
 
     def _encode(self, images: list[ImageInput]) -> None:
         """Put every image's tower output in the cache (the missing ones in one batch), most recent last."""

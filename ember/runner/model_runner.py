@@ -211,6 +211,10 @@ class ModelRunner:
         return 0 if self.images is None else self.images.num_encoded
 
     @property
+    def num_pinned_images(self) -> int:
+        return 0 if self.images is None else self.images.num_pinned
+
+    @property
     def _lm(self) -> CausalLM:
         """The model as a generator, for every sampling path: an encoder's engine admits pooling requests only
         (EngineCore refuses the rest), so these paths never meet one."""
@@ -471,6 +475,8 @@ class ModelRunner:
         """The requests' state updated, the step's inputs on the host and their copies queued: nothing
         here needs the step before."""
         requests = self.requests.update(description)
+        if self.images is not None:
+            self.images.release(description.preempted_request_ids + description.finished_request_ids)
         self.buffers.next_set()
         with_images = self.images is not None and self.images.in_step(requests, description.num_new_tokens)
         step = prepare_step(
