@@ -102,6 +102,11 @@ def test_kernel_warm_up_batches_run_through_the_runner(llama_dir):
         result = runner.wait(runner.launch(batch))
         assert len(result.token_ids) == len(batch) and all(len(t) == 1 and 0 <= t[0] < 512 for t in result.token_ids)
     assert warm_up_batches(16, 3, 256, 2048, 512) == []  # a pool too small for the first batch: no warm-up
+    # max_model_len 64: a block table has 4 blocks, so no warm-up request is longer (on a GPU the 81-token
+    # chunk after a block of context once failed every engine of max_model_len 64 at start-up)
+    short = warm_up_batches(16, runner.kv_cache.num_blocks, 256, 2048, 64)
+    assert [b.num_new_tokens for b in short][:7] == [[1, n] for n in (2, 3, 5, 9, 17, 33)] + [[64] * 4 + [1]]
+    assert all(len(r.prompt_token_ids) <= 64 for b in short for r in b.new_requests)
 
 
 def test_sampling_tensors_are_reused_only_for_the_same_rows_without_per_step_state(llama_dir):

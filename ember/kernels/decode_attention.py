@@ -289,7 +289,7 @@ def paged_decode_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused: the kernel writes the final output directly
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot takes K >= 16: small heads padded (masked)
     tile = TILES[k_cache.element_size()]
     qk_scale, cap, k_scale, v_scale, per_head = kernel_scales(scale, k_scale, v_scale, logits_soft_cap)
     _decode_kernel[(batch, num_kv_heads, num_splits)](

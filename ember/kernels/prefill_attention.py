@@ -335,7 +335,7 @@ def paged_prefill_attention(
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
     qk_scale, cap, k_scale, v_scale, per_head = kernel_scales(scale, k_scale, v_scale, logits_soft_cap)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot takes K >= 16: small heads padded (masked)
     block_n, num_stages = _tiling(block_m, q.dtype, block_d)
     _prefill_kernel[grid](
         q,

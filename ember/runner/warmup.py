@@ -47,7 +47,8 @@ def warm_up_batches(
         if with_decode:
             first_block = _add_request(step, "warm-up-decode", block_size + 1, block_size, block_size, 0)
         chunk_blocks = _add_request(step, "warm-up-chunk", block_size + n, block_size, block_size, first_block)
-        if first_block + chunk_blocks > num_blocks or n + with_decode > max_num_batched_tokens:
+        too_long = block_size + n > max_model_len  # a block table holds max_model_len tokens' blocks
+        if too_long or first_block + chunk_blocks > num_blocks or n + with_decode > max_num_batched_tokens:
             break
         batches.append(step)
     return batches + _row_bucket_batches(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len)
