@@ -106,7 +106,9 @@ class Projector(nn.Module):
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         b, _, hidden = patches.shape
         grid = patches.transpose(1, 2).reshape(b, hidden, self.side, self.side)
-        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2).reshape(-1, hidden).contiguous()
+        pooled = (
+            F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2).reshape(-1, hidden).contiguous()
+        )
         return (self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight).view(b, -1, self.text_hidden)
 
 
