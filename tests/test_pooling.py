@@ -95,13 +95,24 @@ def test_last_token_reuses_the_prefix_cache(ckpts):
     llm.llm_engine.shutdown()
 
 
-def test_dimensions_truncate_then_normalize(ckpts):
-    llm = make_llm(ckpts["qwen3"])
-    params = [PoolingParams(dimensions=16), PoolingParams(dimensions=16, normalize=False), PoolingParams()]
-    outs = llm.embed([PROMPTS[0]] * 3, params, use_tqdm=False)
-    assert [len(o.outputs.embedding) for o in outs] == [16, 16, 64]
-    assert_close(outs[0].outputs.embedding, hf_embed(ckpts["qwen3"], PROMPTS[0], "LAST", 16))
-    assert_close(outs[1].outputs.embedding, hf_embed(ckpts["qwen3"], PROMPTS[0], "LAST", 16, normalize=False))
+@pytest.mark.parametrize("kind", ["LAST", "MEAN", "CLS"])
+def test_dimensions_truncate_then_normalize(ckpts, kind):
+    """Whole prompts in one step pool as one batch per Matryoshka cut (ember/runner/pooler.py): each request's
+    own cut and normalization still apply, and a prompt chunked over steps (LONG) pools beside them."""
+    llm = make_llm(ckpts["qwen3"], pooler_config={"pooling_type": kind})
+    params = [
+        PoolingParams(dimensions=16),
+        PoolingParams(dimensions=16, normalize=False),
+        PoolingParams(),
+        PoolingParams(normalize=False),
+        PoolingParams(dimensions=8),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[2], LONG]
+    outs = llm.embed(prompts, params, use_tqdm=False)
+    assert [len(o.outputs.embedding) for o in outs] == [16, 16, 64, 64, 8]
+    for prompt, p, out in zip(prompts, params, outs):
+        ref = hf_embed(ckpts["qwen3"], prompt, kind, p.dimensions, normalize=p.normalize is not False)
+        assert_close(out.outputs.embedding, ref)
     with pytest.raises(ValueError, match="dimensions"):
         llm.embed([PROMPTS[0]], PoolingParams(dimensions=65), use_tqdm=False)
     llm.llm_engine.shutdown()

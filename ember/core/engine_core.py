@@ -221,7 +221,7 @@ class EngineCore:
         ids = msg.prompt_token_ids
         if msg.request_id in self.requests:
             return f"request_id {msg.request_id!r} is already in use"
-        if not ids or any(not 0 <= t < self.vocab_size for t in ids):
+        if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:  # C loops (a generator: 4 us a 32-token prompt)
             return f"prompt_token_ids must be a non-empty list of integers in [0, {self.vocab_size})"
         p = msg.sampling_params
         for name, sampled_ids in (
