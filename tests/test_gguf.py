@@ -332,7 +332,7 @@ def test_unsupported_architecture(tmp_path) -> None:
     _write_tiny(path, arch="gpt2")
     _assert_load_error(
         path,
-        r"unsupported architecture 'gpt2' \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
+        r"unsupported architecture 'gpt2' \(supported: llama, qwen2, qwen2vl, qwen3, gemma2, gemma3, phi3, "
         r"qwen3moe, gpt-oss, bert, nomic-bert\)",
     )
 

