@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import DEVICE, add_bpe_vocab, gguf_writer
+from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
 from test_hf_equality import assert_output_matches, hf_greedy
 from test_new_archs import NUM_TOKENS
@@ -22,6 +23,7 @@ from test_qwen3_next import CONFIG, PROMPTS, _make_checkpoint
 from ember import LLM, SamplingParams
 from ember.model.gguf import load_gguf
 
+_QUANTIZED = (".attn_qkv.weight", ".attn_gate.weight", ".ssm_out.weight")
 _DENSE = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
@@ -47,8 +49,9 @@ def _converted(name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
     return [(name, w)]
 
 
-def _write(src: Path, path: Path) -> dict[str, np.ndarray]:
-    """The file at path; returns the checkpoint's tensors (experts stacked) the load must give back."""
+def _write(src: Path, path: Path, qtype: QType | None = None) -> dict[str, np.ndarray]:
+    """The file at path (with qtype: the DeltaNet's matrices quantized to it); returns the checkpoint's
+    tensors (experts stacked) the load must give back, for float files."""
     import json
 
     cfg = json.loads((src / "config.json").read_text())
@@ -92,7 +95,10 @@ def _write(src: Path, path: Path) -> dict[str, np.ndarray]:
             elif rest.startswith("linear_attn.attn_"):
                 new = f"blk.{parts[2]}.{rest.split('.')[-1]}.weight"
             assert new is not None, hf
-            w.add_tensor(new, data)
+            if qtype is not None and new.endswith(_QUANTIZED):
+                w.add_tensor(new, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            else:
+                w.add_tensor(new, data)
     for stacked, by_expert in experts.items():
         data = np.stack([by_expert[e] for e in sorted(by_expert)])
         new = names.get_name(stacked, try_suffixes=(".weight",))
@@ -131,6 +137,24 @@ def test_tensors_and_config_equal_the_checkpoint(converted):
         assert isinstance(got, np.ndarray) and got.shape == want.shape, name
         # A_log comes back through log(exp(.)): within float32 rounding; the rest exactly
         np.testing.assert_allclose(got, want, rtol=1e-6 if name.endswith("A_log") else 0, atol=0, err_msg=name)
+
+
+def test_quantized_halves_are_regrouped_as_floats(converted, tmp_path):
+    """With --quantization gguf the halves of in_proj_qkvz are decoded (their rows are regrouped) and merged;
+    out_proj stays quantized, and decodes to what the file holds."""
+    from ember.quant.formats import QuantizedWeight
+
+    src, _, _ = converted
+    path = tmp_path / "q8.gguf"
+    _write(src, path, QType.Q8_0)
+    floats = dict(load_gguf(str(path)).tensors())
+    kept = dict(load_gguf(str(path)).tensors(keep_quantized=True))
+    qkvz = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    assert isinstance(kept[qkvz], np.ndarray)
+    np.testing.assert_array_equal(kept[qkvz], floats[qkvz])
+    want = load_file(src / "model.safetensors")[qkvz]
+    np.testing.assert_allclose(floats[qkvz], want, atol=0.01)  # Q8_0's rounding, in the right rows
+    assert isinstance(kept["model.layers.0.linear_attn.out_proj.weight"], QuantizedWeight)
 
 
 def test_greedy_tokens_equal_transformers(converted):

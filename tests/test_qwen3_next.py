@@ -7,8 +7,9 @@ dt_bias and the gated norm are drawn away from their identity init so a mistaken
 gate shows. Greedy tokens equal transformers' in float32 (top-5 logprobs within 2e-3): prompts of
 different lengths batched together, with a prompt split over many steps (the conv and recurrent state
 carried between chunks), with requests finishing at different times so their state slots are reused,
-and under preemption. The GPU's path (the Triton decode kernel among the other kernels) runs through
-Triton's interpreter, and the chunked rule is held to the token-by-token rule across chunk splits.
+and under preemption. The GPU's path (the Triton prefill and decode kernels among the other kernels)
+runs through Triton's interpreter, the prefill kernel is held to the chunked rule, and the chunked rule
+to the token-by-token rule across chunk splits.
 """
 
 from __future__ import annotations
