@@ -7,8 +7,9 @@ dt_bias and the gated norm are drawn away from their identity init so a mistaken
 gate shows. Greedy tokens equal transformers' in float32 (top-5 logprobs within 2e-3): prompts of
 different lengths batched together, with a prompt split over many steps (the conv and recurrent state
 carried between chunks), with requests finishing at different times so their state slots are reused,
-and under preemption. The GPU's path (the Triton decode kernel among the other kernels) runs through
-Triton's interpreter, and the chunked rule is held to the token-by-token rule across chunk splits.
+and under preemption. The GPU's path (the Triton prefill and decode kernels among the other kernels)
+runs through Triton's interpreter, the prefill kernel is held to the chunked rule, and the chunked rule
+to the token-by-token rule across chunk splits.
 """
 
 from __future__ import annotations
@@ -171,8 +172,39 @@ def test_triton_recurrent_kernel_matches_reference():
     torch.testing.assert_close(pool, torch_pool, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("carried", [False, True], ids=["fresh", "carried"])
+def test_triton_prefill_kernel_matches_chunked_rule(carried):
+    """The Triton prefill kernel (the interpreter without a GPU) against the chunked rule the CPU runs, one
+    sequence at a time: four sequences of 1, 3, 1 and 9 tokens in one launch, grouped heads, value heads
+    split over two channel blocks, the pool's states from its slots (or zeros where fresh) and back; one
+    slot is left alone. Then the same chunks again from the states the first left behind."""
+    from conftest import KERNEL_DEVICE
+
+    from ember.kernels.gated_delta import prefill_gated_delta
+
+    torch.manual_seed(0)
+    lens, hk, hv, kd, vd, slots_n = (1, 3, 1, 9), 2, 4, 16, 80, 5
+    t, dev = sum(lens), KERNEL_DEVICE
+    q, k = torch.randn(t, hk, kd, device=dev), torch.randn(t, hk, kd, device=dev)
+    v = torch.randn(t, hv, vd, device=dev)
+    g, beta = -torch.rand(t, hv, device=dev), torch.rand(t, hv, device=dev)
+    pool = torch.randn(slots_n, hv, kd, vd, device=dev)
+    slots = torch.tensor([4, 0, 2, 1], device=dev)
+    fresh = torch.tensor([not carried, True, not carried, False], device=dev)
+    starts = [0, 1, 4, 5, 14]
+    before, torch_pool = pool.clone(), pool.clone()
+    for _ in range(2):  # the second round starts from the first's states
+        out = prefill_gated_delta(q, k, v, g, beta, pool, slots, fresh, torch.tensor(starts, device=dev))
+        host = torch.tensor(starts)
+        ref = gated_delta.TorchChunkedPrefill()(q, k, v, g, beta, torch_pool, slots, fresh, host, starts)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(pool, torch_pool, atol=1e-4, rtol=1e-4)
+        fresh = torch.zeros_like(fresh)
+    assert torch.equal(pool[3], before[3])
+
+
 def test_triton_path_matches_transformers(checkpoint, references, monkeypatch):
-    """The GPU's kernels (FORCE_TRITON: paged attention, fused MoE, the recurrent decode kernel) through
+    """The GPU's kernels (FORCE_TRITON: paged attention, fused MoE, the delta rule's prefill and decode kernels) through
     Triton's interpreter on CPU: the same greedy tokens as transformers (fewer tokens, for time)."""
     from ember.ops import registry
 

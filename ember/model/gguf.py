@@ -23,6 +23,7 @@ import numpy as np
 import tokenizers
 
 from ember.errors import ModelLoadError
+from ember.model import gguf_qwen3next as qwen3next
 from ember.model.gguf_blocks import (
     FLOAT_TYPES,
     QUANTIZED_TYPES,
@@ -54,6 +55,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",  # its own tensors and transforms: ember/model/gguf_qwen3next.py
     "gpt-oss": "GptOssForCausalLM",
     "bert": "BertModel",  # embedding models (all-MiniLM, bge; nomic-embed-text): ember/model/gguf_encoders.py
     "nomic-bert": "NomicBertModel",
@@ -91,8 +93,9 @@ _GEMMA_LAYER_TENSORS = {
 _ARCH_LAYER_TENSORS = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
+    qwen3next.ARCH: qwen3next.LAYER_TENSORS,
 }
-_UNSUFFIXED = {"self_attn.sinks"}  # HF names without .weight
+_UNSUFFIXED = {"self_attn.sinks", *qwen3next.UNSUFFIXED}  # HF names without .weight
 # Embedding tables keep their rows even when there is one (a BERT model with a single token type).
 _TABLES = {"token_types.weight"}
 # Files with `{arch}.expert_count` (qwen3moe; llama: Mixtral): the router and each projection stacked over
@@ -103,7 +106,8 @@ _MOE_LAYER_TENSORS = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-_LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp names a tensor that has no HF suffix without one (qwen3next's ssm_a, from A_log)
+_LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
 # llama.cpp's llama3 rope scaling, precomputed per frequency; HF derives it from config instead.
 _ROPE_FREQS = "rope_freqs.weight"
 # Phi-3's LongRoPE factors (HF keeps them in config.json's rope_scaling): read into the config.
@@ -136,6 +140,8 @@ def _hf_tensor_name(name: str, arch: str, experts: bool) -> str | None:
     if match is None or match[2] not in layer_tensors:
         return None
     hf = layer_tensors[match[2]]
+    if match[3] is None and hf not in _UNSUFFIXED:
+        return None
     layers = ENCODER_LAYER_PREFIXES.get(arch, "model.layers")
     return f"{layers}.{match[1]}.{hf}" + ("" if hf in _UNSUFFIXED else f".{match[3]}")
 
@@ -190,6 +196,7 @@ class GGUFModel:
         arch = self.hf_config["model_type"]
         experts = _has_experts(self.hf_config)
         permuted_heads = {}
+        pending: dict[str, np.ndarray] = {}  # qwen3next: a layer's attn_qkv or attn_gate until the other comes
         if arch == "llama":
             permuted_heads = {
                 "attn_q": self.hf_config["num_attention_heads"],
@@ -207,7 +214,7 @@ class GGUFModel:
                 # cost 1.8 s of the default model's 2.2 s load on a busy machine).
                 data, n_head = _unpermute(data.reshape(shape[0], -1), n_head), None
             weight: np.ndarray | QuantizedWeight | QuantizedExperts
-            if keep_quantized and _keeps_quantized(tensor):
+            if keep_quantized and _keeps_quantized(tensor, arch):
                 weight = quantized_tensor(data, tensor.tensor_type, shape)
             else:
                 array = dequantize(data, tensor.tensor_type, shape)
@@ -217,22 +224,31 @@ class GGUFModel:
                     array = _unpermute(array, n_head)
                 if arch in _GEMMA and tensor.name.endswith("norm.weight"):
                     array = unshift_norm(array)
-                weight = array
+                weight = qwen3next.fix(hf_name, array) if arch == qwen3next.ARCH else array
+            if arch == qwen3next.ARCH and hf_name.endswith(qwen3next.MERGED):
+                assert isinstance(weight, np.ndarray), "_keeps_quantized leaves the split in_proj_qkvz as floats"
+                layer = hf_name.rsplit(".", 3)[0]  # model.layers.N
+                pending[hf_name] = weight
+                qkv, z = (pending.get(f"{layer}.{part}") for part in qwen3next.MERGED)
+                if qkv is not None and z is not None:
+                    del pending[f"{layer}.{qwen3next.MERGED[0]}"], pending[f"{layer}.{qwen3next.MERGED[1]}"]
+                    yield f"{layer}.linear_attn.in_proj_qkvz.weight", qwen3next.merge_qkvz(qkv, z, self.hf_config)
+                continue
             yield hf_name, weight
 
     def _type_summary(self, keep_quantized: bool) -> str:
         """One line: each tensor type with its count and what it becomes, e.g.
         "F32 x 49 -> float, IQ3_S x 24 -> int8 g32 (kept), Q4_K x 120 -> int4 g32 (kept)"."""
         forms = Counter(
-            (t.tensor_type.name, _form(t, keep_quantized))
+            (t.tensor_type.name, _form(t, keep_quantized, self.hf_config["model_type"]))
             for t in self._reader.tensors
             if t.name not in _CONFIG_TENSORS
         )
         return ", ".join(f"{name} x {count} -> {form}" for (name, form), count in sorted(forms.items()))
 
 
-def _form(tensor: GGUFTensor, keep_quantized: bool) -> str:
-    if keep_quantized and _keeps_quantized(tensor):
+def _form(tensor: GGUFTensor, keep_quantized: bool, arch: str) -> str:
+    if keep_quantized and _keeps_quantized(tensor, arch):
         return f"{quantized_form(tensor.tensor_type)} (kept)"
     return "float" if tensor.tensor_type in FLOAT_TYPES else "decoded to float"
 
@@ -246,10 +262,13 @@ def _known_tensor_names(arch: str, experts: bool) -> str:
     return ", ".join([*_global_tensors(arch), *sorted(_CONFIG_TENSORS), *layer]) + " (and .bias of blk.N tensors)"
 
 
-def _keeps_quantized(tensor: GGUFTensor) -> bool:
+def _keeps_quantized(tensor: GGUFTensor, arch: str) -> bool:
     """Matrices of a type with an exact QuantizedWeight form stay quantized (vectors are small), and so do
-    stacked experts; a MoE router never does (it is small, and decides which experts run at all)."""
+    stacked experts; a MoE router never does (it is small, and decides which experts run at all), nor
+    do the halves of Qwen3-Next's in_proj_qkvz (regrouped at load)."""
     if tensor.tensor_type not in QUANTIZED_TYPES or ".ffn_gate_inp." in tensor.name:
+        return False
+    if arch == qwen3next.ARCH and tensor.name.endswith((".attn_qkv.weight", ".attn_gate.weight")):
         return False
     return len(numpy_shape(tensor)) == (3 if tensor.name.endswith("_exps.weight") else 2)
 
@@ -326,6 +345,8 @@ def load_gguf(path: str) -> GGUFModel:
         hf_config["mrope_section"] = _mrope_section(meta, hf_config["head_dim"])
     if arch == "phi3":
         hf_config.update(_phi3_config(meta, hf_config, {t.name: t for t in reader.tensors}))
+    if arch == qwen3next.ARCH:
+        hf_config.update(qwen3next.config(meta, hf_config["head_dim"]))
     return GGUFModel(path=path, hf_config=hf_config, vocab=vocab, _reader=reader)
 
 

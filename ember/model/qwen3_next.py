@@ -8,8 +8,10 @@ depthwise convolution, [conv_dim, kernel-1]) and a recurrent state ([v_heads, k_
 in a pool of slots beside the paged KV cache (ember/runner/linear_state.py); the step's metadata gives
 each sequence its slot (`AttentionMetadata.state_slots`). A sequence whose context before the step is
 empty starts from zeros, so a slot needs no clearing when a request takes it, and a preempted request
-simply recomputes its prompt. The mixing itself is ember/ops/gated_delta.py's: the chunked delta rule
-for prompt chunks, the recurrent update for decode tokens (batched over the step's decodes).
+simply recomputes its prompt. The mixing itself is ember/ops/gated_delta.py's, each half batched over
+the step's sequences: the delta rule over prompt chunks (Triton on CUDA, the chunked rule per sequence
+elsewhere) and the recurrent update for decode tokens. The convolution of a prompt chunk runs per
+sequence in PyTorch.
 
 The full-attention layers are Ember's paged attention (ember/model/llama.py) with two changes: q_proj
 gives each head its query and an output gate side by side ([q_h, gate_h] per head), and the output is
@@ -95,7 +97,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = _GatedNorm(la.v_head_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         # the decode update over the pool: Triton on CUDA, PyTorch elsewhere (ember/ops/gated_delta.py)
-        self._recurrent = registry.gated_delta_decode_impl(registry.target(self.A_log.device, self.A_log.dtype))
+        # and the step's prompt chunks over it likewise
+        target = registry.target(self.A_log.device, self.A_log.dtype)
+        self._recurrent = registry.gated_delta_decode_impl(target)
+        self._delta_prefill = registry.gated_delta_prefill_impl(target)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1]
         self.ssm_state: torch.Tensor | None = None  # [slots, v_heads, k_dim, v_dim] float32
 
@@ -124,12 +129,8 @@ class GatedDeltaNet(nn.Module):
         n = meta.num_decodes
         if n:
             out[:n] = self._decode(mixed[:n], beta[:n], g[:n], meta.state_slots[:n], meta.seq_lens_host[:n])
-        starts, lens = meta.query_start_host, meta.seq_lens_host
-        for seq in range(n, len(lens)):
-            lo, hi = starts[seq], starts[seq + 1]
-            out[lo:hi] = self._prefill(
-                mixed[lo:hi], beta[lo:hi], g[lo:hi], meta.state_slots[seq], lens[seq] - (hi - lo)
-            )
+        if n < len(meta.seq_lens_host):
+            out[meta.query_start_host[n] :] = self._prefill(mixed, beta, g, meta)
         la = self.la
         normed = self.norm(out.reshape(-1, la.v_head_dim), z.reshape(-1, la.v_head_dim))
         return self.out_proj(normed.reshape(x.shape[0], self.value_dim))
@@ -146,20 +147,35 @@ class GatedDeltaNet(nn.Module):
         )
 
     def _prefill(
-        self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slot: torch.Tensor, context: int
+        self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """One sequence's chunk of tokens after `context` computed ones: the chunked delta rule from its slot's
-        state (zeros when the context is empty), the slot's state advanced past the chunk."""
-        assert self.conv_state is not None and self.ssm_state is not None
-        conv, ssm = self.conv_state[slot], self.ssm_state[slot]
-        if context == 0:
-            conv, ssm = torch.zeros_like(conv), torch.zeros_like(ssm)
-        conv_out, new_conv = gated_delta.causal_conv(mixed.t(), conv, self.conv1d.weight[:, 0])
-        q, k, v = self._qkv(conv_out.t().unsqueeze(0))
-        out, new_ssm = gated_delta.chunked(q, k, v, g.unsqueeze(0), beta.unsqueeze(0), ssm.unsqueeze(0))
-        self.conv_state[slot] = new_conv.to(self.conv_state.dtype)
-        self.ssm_state[slot] = new_ssm[0]
-        return out[0]
+        """The step's prompt chunks (the sequences after its decodes): each sequence's convolution from its
+        slot's state (zeros when its context before the chunk is empty), then the delta rule for all of them
+        at once (`gated_delta_prefill_impl`), the slots' states advanced past the chunks."""
+        assert self.conv_state is not None and self.ssm_state is not None and meta.state_slots is not None
+        n, starts, lens = meta.num_decodes, meta.query_start_host, meta.seq_lens_host
+        first, weight = starts[n], self.conv1d.weight[:, 0]
+        conv_out, fresh = torch.empty_like(mixed[first:]), []
+        for seq in range(n, len(lens)):
+            lo, hi, slot = starts[seq], starts[seq + 1], meta.state_slots[seq]
+            fresh.append(lens[seq] == hi - lo)  # no context before this chunk
+            conv = torch.zeros_like(self.conv_state[slot]) if fresh[-1] else self.conv_state[slot]
+            out, self.conv_state[slot] = gated_delta.causal_conv(mixed[lo:hi].t(), conv, weight)
+            conv_out[lo - first : hi - first] = out.t()
+        q, k, v = self._qkv(conv_out.unsqueeze(0))
+        local = [s - first for s in starts[n:]]
+        return self._delta_prefill(
+            q[0],
+            k[0],
+            v[0],
+            g[first:],
+            beta[first:],
+            self.ssm_state,
+            meta.state_slots[n:],
+            torch.tensor(fresh, device=mixed.device),
+            meta.query_start_loc[n:] - first,
+            local,
+        )
 
     def _decode(
         self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slots: torch.Tensor, seq_lens: list[int]

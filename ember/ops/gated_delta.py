@@ -15,9 +15,12 @@ steps carries its state from chunk to chunk.
 Before the rule, q, k and v pass a causal depthwise convolution whose last kernel-1 inputs are the
 other part of a request's state (`causal_conv`).
 
-The decode update is a registry choice (`registry.gated_delta_decode_impl`): on CUDA one Triton launch
-for the step's decodes that updates the pool's states in place (`TritonRecurrent`), elsewhere
-`recurrent` over the gathered states (`TorchRecurrent`). Prompt chunks run `chunked` on every device.
+Both halves of a step are registry choices, each one launch on CUDA that reads and writes the pool's
+states in place (ember/kernels/gated_delta.py): the decode update (`registry.gated_delta_decode_impl`:
+`TritonRecurrent`, elsewhere `recurrent` over the gathered states, `TorchRecurrent`) and the step's
+prompt chunks (`registry.gated_delta_prefill_impl`: `TritonPrefill`, the recurrent update walked over
+each chunk's tokens for all sequences at once; elsewhere `chunked` one sequence at a time,
+`TorchChunkedPrefill`).
 """
 
 from __future__ import annotations
@@ -166,3 +169,64 @@ class TorchRecurrent:
         out, new = recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], start)
         state[slots] = new
         return out[:, 0]
+
+
+class TritonPrefill:
+    """The step's prompt chunks in one Triton launch: per (sequence, value head, value block) the recurrent
+    update over the chunk's tokens, the state tile in registers from the pool slot to the pool slot
+    (ember/kernels/gated_delta.py). Exact, like `recurrent`; sequential in the chunk's length."""
+
+    @staticmethod
+    def can_implement(target: Target) -> bool:
+        return target.triton
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+        starts: torch.Tensor,
+        starts_host: list[int],
+    ) -> torch.Tensor:
+        from ember.kernels.gated_delta import prefill_gated_delta
+
+        return prefill_gated_delta(q, k, v, g, beta, state, slots, fresh, starts)
+
+
+class TorchChunkedPrefill:
+    """`chunked` for each sequence in turn, from its slot's state (zeros where fresh) back to the slot."""
+
+    @staticmethod
+    def can_implement(target: Target) -> bool:
+        return True
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+        starts: torch.Tensor,
+        starts_host: list[int],
+    ) -> torch.Tensor:
+        """q, k [T, Hk, K], v [T, Hv, V], g and beta [T, Hv] for B sequences back to back (`starts_host`
+        [B + 1]: each one's first row, then T; `starts` the same on the device), state [S, Hv, K, V]
+        (updated at `slots` [B]), fresh [B] (True: start from zeros) -> o [T, Hv, V]."""
+        out = torch.empty_like(v)
+        for i in range(slots.shape[0]):
+            lo, hi, slot = starts_host[i], starts_host[i + 1], slots[i : i + 1]
+            start = state[slot].masked_fill(fresh[i : i + 1, None, None, None], 0.0)
+            o, state[slot] = chunked(
+                q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g[None, lo:hi], beta[None, lo:hi], start
+            )
+            out[lo:hi] = o[0]
+        return out

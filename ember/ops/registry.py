@@ -112,6 +112,10 @@ GATED_DELTA_DECODE: tuple[Implementation[gated_delta.TritonRecurrent | gated_del
     gated_delta.TritonRecurrent,
     gated_delta.TorchRecurrent,
 )
+GATED_DELTA_PREFILL: tuple[Implementation[gated_delta.TritonPrefill | gated_delta.TorchChunkedPrefill], ...] = (
+    gated_delta.TritonPrefill,
+    gated_delta.TorchChunkedPrefill,
+)
 
 
 def target(device: torch.device, dtype: torch.dtype) -> Target:
@@ -197,6 +201,11 @@ def moe_impl(t: Target) -> moe.TritonMoe | moe.TorchMoe:
 def gated_delta_decode_impl(t: Target) -> gated_delta.TritonRecurrent | gated_delta.TorchRecurrent:
     """One decode token of the gated delta rule per sequence, over the linear-attention state pool."""
     return _first(GATED_DELTA_DECODE, t)()
+
+
+def gated_delta_prefill_impl(t: Target) -> gated_delta.TritonPrefill | gated_delta.TorchChunkedPrefill:
+    """The step's prompt chunks of the gated delta rule, over the linear-attention state pool."""
+    return _first(GATED_DELTA_PREFILL, t)()
 
 
 def lora_impl(t: Target) -> lora.TritonLoRA | lora.TorchLoRA:
