@@ -216,8 +216,7 @@ class GGUFModel:
                 # cost 1.8 s of the default model's 2.2 s load on a busy machine).
                 data, n_head = _unpermute(data.reshape(shape[0], -1), n_head), None
             weight: np.ndarray | QuantizedWeight | QuantizedExperts
-            dense = match is not None and match[2] in DENSE_TENSORS.get(arch, ())
-            if keep_quantized and _keeps_quantized(tensor) and not dense:
+            if keep_quantized and _keeps_quantized(tensor, arch):
                 weight = quantized_tensor(data, tensor.tensor_type, shape)
             else:
                 array = dequantize(data, tensor.tensor_type, shape)
@@ -239,15 +238,15 @@ class GGUFModel:
         """One line: each tensor type with its count and what it becomes, e.g.
         "F32 x 49 -> float, IQ3_S x 24 -> int8 g32 (kept), Q4_K x 120 -> int4 g32 (kept)"."""
         forms = Counter(
-            (t.tensor_type.name, _form(t, keep_quantized))
+            (t.tensor_type.name, _form(t, keep_quantized, self.hf_config["model_type"]))
             for t in self._reader.tensors
             if t.name not in _CONFIG_TENSORS
         )
         return ", ".join(f"{name} x {count} -> {form}" for (name, form), count in sorted(forms.items()))
 
 
-def _form(tensor: GGUFTensor, keep_quantized: bool) -> str:
-    if keep_quantized and _keeps_quantized(tensor):
+def _form(tensor: GGUFTensor, keep_quantized: bool, arch: str) -> str:
+    if keep_quantized and _keeps_quantized(tensor, arch):
         return f"{quantized_form(tensor.tensor_type)} (kept)"
     return "float" if tensor.tensor_type in FLOAT_TYPES else "decoded to float"
 
@@ -261,10 +260,14 @@ def _known_tensor_names(arch: str, experts: bool) -> str:
     return ", ".join([*_global_tensors(arch), *sorted(_CONFIG_TENSORS), *layer]) + " (and .bias of blk.N tensors)"
 
 
-def _keeps_quantized(tensor: GGUFTensor) -> bool:
+def _keeps_quantized(tensor: GGUFTensor, arch: str) -> bool:
     """Matrices of a type with an exact QuantizedWeight form stay quantized (vectors are small), and so do
-    stacked experts; a MoE router never does (it is small, and decides which experts run at all)."""
+    stacked experts; a MoE router never does (it is small, and decides which experts run at all), nor an
+    architecture's DENSE_TENSORS (ember/model/gguf_moe.py)."""
     if tensor.tensor_type not in QUANTIZED_TYPES or ".ffn_gate_inp." in tensor.name:
+        return False
+    match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+    if match is not None and match[2] in DENSE_TENSORS.get(arch, ()):
         return False
     return len(numpy_shape(tensor)) == (3 if tensor.name.endswith("_exps.weight") else 2)
 
