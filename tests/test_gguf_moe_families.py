@@ -47,11 +47,12 @@ _LAYER = {
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
-# (checkpoint, overrides, kv_b layout, dtype of the matrices)
+# (checkpoint, overrides, kv_b layout, dtype of the matrices: "q8_0" where whole blocks fit, else float32)
 CASES = {
     "v2-lite-split-f32": ("deepseek-v2-lite", {}, "split", np.float32),
     "v2-whole-f16": ("deepseek-v2", {"rope_parameters": _YARN}, "whole", np.float16),
     "v3-split-f32": ("deepseek-v3", {"rope_parameters": _YARN}, "split", np.float32),
+    "v3-whole-q8_0": ("deepseek-v3", {"rope_parameters": _YARN}, "whole", "q8_0"),
 }
 
 
@@ -88,7 +89,7 @@ def _metadata(w, cfg: dict) -> None:
         w.add_expert_group_used_count(cfg["topk_group"])
 
 
-def _write(src: Path, path: Path, twin: Path, layout: str, dtype) -> None:
+def _write(src: Path, path: Path, twin: Path, layout: str, dtype: type | str) -> None:
     cfg = json.loads((src / "config.json").read_text())
     w = gguf_writer(path, "deepseek2", {**cfg, "num_key_value_heads": 1})
     _metadata(w, cfg)
@@ -100,7 +101,11 @@ def _write(src: Path, path: Path, twin: Path, layout: str, dtype) -> None:
     decoded, experts = {}, {}
 
     def add(name: str, weight: np.ndarray) -> np.ndarray:
-        stored = weight.astype(dtype) if weight.ndim > 1 else weight
+        if dtype == "q8_0" and weight.shape[-1] % 32 == 0 and weight.ndim > 1 and "ffn_gate_inp" not in name:
+            data = gguf.quants.quantize(np.ascontiguousarray(weight), QType.Q8_0)
+            w.add_tensor(name, data, raw_dtype=QType.Q8_0)
+            return gguf.quants.dequantize(data, QType.Q8_0).reshape(weight.shape)
+        stored = weight.astype(dtype) if weight.ndim > 1 and dtype != "q8_0" else weight
         w.add_tensor(name, stored)
         return stored.astype(np.float32)
 
@@ -118,6 +123,7 @@ def _write(src: Path, path: Path, twin: Path, layout: str, dtype) -> None:
             kv_b = weight.reshape(heads, -1, rank)
             add(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)))
             add(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]))
+            assert dtype != "q8_0", "Q8_0 blocks of 32 do not fit attn_k_b's 16-wide rows"
             decoded[name] = weight.astype(dtype).astype(np.float32)  # the same rounding, element by element
         else:
             decoded[name] = add(f"blk.{layer}.{_LAYER[rest.removesuffix('.weight')]}.weight", weight)
@@ -153,7 +159,13 @@ def test_deepseek2_file_gives_its_twins_tokens(tmp_path, case):
     ours = ModelConfig.from_hf_config(cfg)
     theirs = ModelConfig.from_hf_config(json.loads((twin / "config.json").read_text()))
     assert (ours.moe, ours.rope_scaling) == (theirs.moe, theirs.rope_scaling)  # routing and YaRN as the checkpoint's
-    assert_same_outputs(_generate(path), _generate(twin), abs=1e-4)
+    quantization = "none"
+    if dtype == "q8_0":  # kv_b_proj, o_proj and the experts stay quantized (the MLA decode absorbs kv_b as loaded)
+        kinds = {name: type(t).__name__ for name, t in load_gguf(str(path)).tensors(keep_quantized=True)}
+        assert kinds["model.layers.1.self_attn.kv_b_proj.weight"] == "QuantizedWeight"
+        assert kinds["model.layers.1.mlp.experts.down_proj.weight"] == "QuantizedExperts"
+        quantization = "gguf"
+    assert_same_outputs(_generate(path, quantization), _generate(twin), abs=1e-4)
 
 
 def _write_header(path: Path, tensors: dict[str, np.ndarray], **keys) -> None:
