@@ -333,7 +333,7 @@ def test_unsupported_architecture(tmp_path) -> None:
     _assert_load_error(
         path,
         r"unsupported architecture 'gpt2' \(supported: llama, qwen2, qwen2vl, qwen3, gemma2, gemma3, phi3, "
-        r"qwen3moe, qwen3next, gpt-oss, bert, nomic-bert\)",
+        r"qwen3moe, qwen3next, gpt-oss, bert, nomic-bert, deepseek2, llama4\)",
     )
 
 

@@ -37,6 +37,9 @@ from ember.model.gguf_encoders import GLOBAL_TENSORS as ENCODER_GLOBAL_TENSORS
 from ember.model.gguf_encoders import LAYER_PREFIXES as ENCODER_LAYER_PREFIXES
 from ember.model.gguf_encoders import LAYER_TENSORS as ENCODER_LAYER_TENSORS
 from ember.model.gguf_encoders import encoder_config
+from ember.model.gguf_moe import DENSE_TENSORS, SPLIT_KV_B, deepseek2_config, join_kv_b, llama4_config
+from ember.model.gguf_moe import LAYER_TENSORS as MOE_LAYER_TENSORS
+from ember.model.gguf_moe import UNSUFFIXED as MOE_UNSUFFIXED
 from ember.model.gguf_reader import GGUFFile, GGUFTensor
 from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
 from ember.quant.experts import QuantizedExperts
@@ -59,6 +62,8 @@ ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "bert": "BertModel",  # embedding models (all-MiniLM, bge; nomic-embed-text): ember/model/gguf_encoders.py
     "nomic-bert": "NomicBertModel",
+    "deepseek2": "DeepseekV2ForCausalLM",  # or V3, by its routing: ember/model/gguf_moe.py
+    "llama4": "Llama4ForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3")
 
@@ -95,7 +100,9 @@ _ARCH_LAYER_TENSORS = {
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
     qwen3next.ARCH: qwen3next.LAYER_TENSORS,
 }
-_UNSUFFIXED = {"self_attn.sinks", *qwen3next.UNSUFFIXED}  # HF names without .weight
+_UNSUFFIXED = {"self_attn.sinks", *qwen3next.UNSUFFIXED, *MOE_UNSUFFIXED}  # HF names without .weight
+# tensors that never stay quantized: an architecture reorders or regroups their rows at load
+_DENSE = {**DENSE_TENSORS, qwen3next.ARCH: ("attn_qkv", "attn_gate")}
 # Embedding tables keep their rows even when there is one (a BERT model with a single token type).
 _TABLES = {"token_types.weight"}
 # Files with `{arch}.expert_count` (qwen3moe; llama: Mixtral): the router and each projection stacked over
@@ -120,6 +127,8 @@ def _layer_tensors(arch: str, experts: bool = False) -> dict[str, str]:
     """llama.cpp's per-layer tensor names -> HF's, for one architecture (with experts or without)."""
     if arch in ENCODER_LAYER_TENSORS:
         return ENCODER_LAYER_TENSORS[arch]
+    if arch in MOE_LAYER_TENSORS:
+        return MOE_LAYER_TENSORS[arch]
     return {
         **(_GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS),
         **_ARCH_LAYER_TENSORS.get(arch, {}),
@@ -202,11 +211,16 @@ class GGUFModel:
                 "attn_q": self.hf_config["num_attention_heads"],
                 "attn_k": self.hf_config["num_key_value_heads"],
             }
+        by_name = {t.name: t for t in self._reader.tensors}
         for tensor in self._reader.populated([t for t in self._reader.tensors if t.name not in _CONFIG_TENSORS]):
             hf_name = _hf_tensor_name(tensor.name, arch, experts)
             assert hf_name is not None, "load_gguf validated every tensor name"
             shape, data = numpy_shape(tensor), tensor.data
             match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+            if match is not None and match[2] in SPLIT_KV_B:
+                if match[2] == "attn_v_b":  # the pair as one kv_b_proj, at the second of them
+                    yield hf_name, self._kv_b(by_name[tensor.name.replace("attn_v_b", "attn_k_b")], tensor)
+                continue
             n_head = permuted_heads.get(match[2]) if match is not None else None
             if n_head is not None and len(shape) == 2:
                 # Rows are output channels, whole blocks each: reorder the stored rows once rather
@@ -236,6 +250,11 @@ class GGUFModel:
                 continue
             yield hf_name, weight
 
+    def _kv_b(self, k_b: GGUFTensor, v_b: GGUFTensor) -> np.ndarray:
+        """deepseek2's kv_b_proj from newer converters' attn_k_b and attn_v_b (ember/model/gguf_moe.py)."""
+        k, v = (dequantize(t.data, t.tensor_type, numpy_shape(t)) for t in (k_b, v_b))
+        return join_kv_b(k, v, self.hf_config["num_attention_heads"], self.hf_config["kv_lora_rank"])
+
     def _type_summary(self, keep_quantized: bool) -> str:
         """One line: each tensor type with its count and what it becomes, e.g.
         "F32 x 49 -> float, IQ3_S x 24 -> int8 g32 (kept), Q4_K x 120 -> int4 g32 (kept)"."""
@@ -264,11 +283,13 @@ def _known_tensor_names(arch: str, experts: bool) -> str:
 
 def _keeps_quantized(tensor: GGUFTensor, arch: str) -> bool:
     """Matrices of a type with an exact QuantizedWeight form stay quantized (vectors are small), and so do
-    stacked experts; a MoE router never does (it is small, and decides which experts run at all), nor
-    do the halves of Qwen3-Next's in_proj_qkvz (regrouped at load)."""
+    stacked experts; a MoE router never does (it is small, and decides which experts run at all), nor the
+    tensors an architecture reorders or regroups at load (_DENSE: Llama 4's q and k, Qwen3-Next's halves of
+    in_proj_qkvz)."""
     if tensor.tensor_type not in QUANTIZED_TYPES or ".ffn_gate_inp." in tensor.name:
         return False
-    if arch == qwen3next.ARCH and tensor.name.endswith((".attn_qkv.weight", ".attn_gate.weight")):
+    match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+    if match is not None and match[2] in _DENSE.get(arch, ()):
         return False
     return len(numpy_shape(tensor)) == (3 if tensor.name.endswith("_exps.weight") else 2)
 
@@ -347,6 +368,12 @@ def load_gguf(path: str) -> GGUFModel:
         hf_config.update(_phi3_config(meta, hf_config, {t.name: t for t in reader.tensors}))
     if arch == qwen3next.ARCH:
         hf_config.update(qwen3next.config(meta, hf_config["head_dim"]))
+    if arch == "deepseek2":
+        hf_config.update(deepseek2_config(meta, names, hf_config["rope_scaling"]))
+    if arch == "llama4":
+        freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+        array = None if freqs is None else dequantize(freqs.data, freqs.tensor_type, numpy_shape(freqs))
+        hf_config.update(llama4_config(meta, array, hf_config["rope_scaling"]))
     return GGUFModel(path=path, hf_config=hf_config, vocab=vocab, _reader=reader)
 
 
@@ -401,7 +428,7 @@ def _moe_config(meta: GGUFMetadata, arch: str, tensor_names: set[str]) -> dict:
     """The HF config keys of a mixture of experts. llama.cpp renormalises the top-k weights of both
     (Qwen3-MoE's released models set norm_topk_prob too), and a layer without a router is dense."""
     experts = meta.get(f"{arch}.expert_count")
-    if not experts:
+    if not experts or arch in MOE_LAYER_TENSORS:  # those families' own keys: ember/model/gguf_moe.py
         return {}
     top_k = meta.require(f"{arch}.expert_used_count")
     if arch == "llama":  # Mixtral, whose feed_forward_length is one expert's

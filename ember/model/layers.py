@@ -87,6 +87,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         return _longrope_inv_freq(head_dim, theta, scaling)
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if rope_type == "freq_factors":  # llama.cpp's rope_freqs tensor: each frequency's divisor (ember/model/gguf_moe.py)
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -101,7 +103,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     raise ValueError(
-        f"rope_scaling: unsupported rope type {rope_type!r} (supported: default, linear, llama3, longrope, yarn)"
+        f"rope_scaling: unsupported rope type {rope_type!r} "
+        "(supported: default, linear, llama3, longrope, yarn, freq_factors)"
     )
 
 
