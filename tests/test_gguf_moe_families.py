@@ -14,7 +14,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from conftest import _DEEPSEEK_YARN, DEVICE, add_bpe_vocab, assert_same_outputs, gguf_writer, make_checkpoint
+from conftest import (
+    _DEEPSEEK_YARN,
+    DEVICE,
+    add_bpe_vocab,
+    assert_same_outputs,
+    gguf_writer,
+    llama3_rope_freqs,
+    make_checkpoint,
+)
 from conftest import write_gguf_and_twin as write_twin
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
@@ -248,24 +256,6 @@ _LLAMA4_LAYER = {
 }
 
 
-def _llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
-    """LlamaModel.generate_extra_tensors' rope_freqs: each frequency's divisor under llama3 scaling."""
-    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old = rope["original_max_position_embeddings"]
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * np.pi / freq
-        if wavelen < old / high:
-            factors.append(1.0)
-        elif wavelen > old / low:
-            factors.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(factors, dtype=np.float32)
-
-
 def _write_llama4(src: Path, path: Path, twin: Path, dtype: type | str) -> None:
     """As Llama4Model writes it: q/k rows unpermuted, gate_up split and transposed, llama3 as rope_freqs."""
     cfg = json.loads((src / "config.json").read_text())
@@ -283,7 +273,7 @@ def _write_llama4(src: Path, path: Path, twin: Path, dtype: type | str) -> None:
     w.add_tokenizer_pre("gpt-2")
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg["rope_parameters"], cfg["head_dim"]))
+    w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg["rope_parameters"], cfg["head_dim"]))
     decoded = {}
 
     def add(name: str, weight: np.ndarray) -> np.ndarray:

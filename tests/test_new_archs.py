@@ -17,7 +17,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, WINDOWED_ARCHS, add_bpe_vocab, gguf_writer, make_checkpoint, write_gguf_and_twin
+from conftest import (
+    DEVICE,
+    WINDOWED_ARCHS,
+    add_bpe_vocab,
+    gguf_writer,
+    llama3_rope_freqs,
+    make_checkpoint,
+    write_gguf_and_twin,
+)
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file, save_file
 from test_hf_equality import TOP, assert_output_matches, hf_greedy, hf_references
@@ -198,6 +206,17 @@ _TYPES = {
 # What llama.cpp cannot express is fixed there: Gemma's attention scale is head_dim (but for the 27B
 # models), Gemma 3's local rope base is 10000 and every 6th layer is global. The twins follow suit.
 _GGUF_COMPATIBLE = {
+    # Llama 3.1's rope: llama.cpp writes it as the rope_freqs tensor (the file has no rope scaling keys)
+    "llama": dict(
+        rope_parameters={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        }
+    ),
     "mistral-sw": {},
     "gemma2": dict(query_pre_attn_scalar=16),
     "gemma3": dict(
@@ -241,12 +260,15 @@ def _write_gguf_twin(src: Path, path: Path, twin: Path) -> None:
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("sliding_window") is not None:
+        w.add_sliding_window(cfg["sliding_window"])
     rope = cfg["rope_parameters"].get("full_attention", cfg["rope_parameters"])
     w.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, cfg["head_dim"]))
     if cfg.get("attn_logit_softcapping") is not None:
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
     if cfg.get("final_logit_softcapping") is not None:

@@ -159,9 +159,9 @@ def deepseek2_config(meta: GGUFMetadata, tensor_names: set[str], rope_scaling: d
     return config
 
 
-def llama4_config(meta: GGUFMetadata, rope_freqs: np.ndarray | None, rope_scaling: dict | None) -> dict:
+def llama4_config(meta: GGUFMetadata) -> dict:
     """Llama4TextConfig's keys of a llama4 file beside the common ones gguf._hf_config reads: its MoE keys
-    and llama.cpp's fixed facts (see the module docstring); `rope_freqs`: the file's tensor, if any."""
+    and llama.cpp's fixed facts (see the module docstring; its rope_freqs: gguf._rope_freqs_scaling)."""
     arch = "llama4"
     if meta.get(f"{arch}.attention.sliding_window") == 0:
         raise ModelLoadError(meta.path, "llama4.attention.sliding_window 0 (rope in every layer) is not supported")
@@ -176,8 +176,4 @@ def llama4_config(meta: GGUFMetadata, rope_freqs: np.ndarray | None, rope_scalin
         "use_qk_norm": experts != 128,
         **_LLAMA4_FIXED,
     }
-    if rope_freqs is not None:
-        if rope_scaling is not None:
-            raise ModelLoadError(meta.path, f"rope_freqs beside rope scaling {rope_scaling['rope_type']!r}")
-        config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": rope_freqs.tolist()}
     return config
