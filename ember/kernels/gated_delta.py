@@ -12,10 +12,11 @@ then stores the tile back. Value heads share a key head in groups of num_v_heads
 transformers' repeat_interleave pairs them. The PyTorch reference is `fused_recurrent_gated_delta_ref`,
 which is ember.ops.gated_delta.recurrent over the gathered states.
 
-The prefill kernel is the same program walking its sequence's tokens (rows `starts[b]` to `starts[b + 1]`
-of the step's prompt tokens laid back to back) with the state tile held in registers, storing each
-token's output and the final tile. It is exact (the recurrence itself, not the chunked UT-transform
-form, which agrees to rounding: its reference is ember.ops.gated_delta.chunked) and simple, at the cost
+The program walks its sequence's tokens (rows `starts[b]` to `starts[b + 1]` of the step's tokens laid
+back to back) with the state tile held in registers, storing each token's output and the final tile; a
+decode step is the same launch with one token per sequence. It is exact (the recurrence itself, not
+the chunked UT-transform form, which agrees to rounding: its reference is ember.ops.gated_delta.chunked)
+and simple, at the cost
 of a sequential walk over the chunk: a program's work grows with the chunk's length, and the grid is
 only sequences x value heads x value blocks wide. A chunked (WY) kernel would put the intra-chunk work
 on tensor cores; this one has not been timed on a GPU.
@@ -26,52 +27,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _recurrent_kernel(
-    q_ptr,  # [B, Hk, K]
-    k_ptr,  # [B, Hk, K]
-    v_ptr,  # [B, Hv, V]
-    g_ptr,  # [B, Hv] float32
-    beta_ptr,  # [B, Hv] float32
-    state_ptr,  # [S, Hv, K, V] float32
-    slots_ptr,  # [B] int64
-    fresh_ptr,  # [B] int32: 1 where the sequence has no state yet
-    o_ptr,  # [B, Hv, V]
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    b = tl.program_id(0)
-    hv = tl.program_id(1)
-    vb = tl.program_id(2)
-    hk = hv // (HV // HK)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    mk, mv = offs_k < K, offs_v < V
-    q = tl.load(q_ptr + (b * HK + hk) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + (b * HK + hk) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + (b * HV + hv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(K * 1.0))
-    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    g = tl.load(g_ptr + b * HV + hv)
-    beta = tl.load(beta_ptr + b * HV + hv)
-    slot = tl.load(slots_ptr + b)
-    fresh = tl.load(fresh_ptr + b)
-    tile = state_ptr + ((slot * HV + hv) * K + offs_k[:, None]) * V + offs_v[None, :]
-    mask = mk[:, None] & mv[None, :]
-    state = tl.load(tile, mask=mask, other=0.0)
-    state = tl.where(fresh != 0, 0.0, state) * tl.exp(g)
-    kv_mem = tl.sum(state * k[:, None], axis=0)
-    delta = (v - kv_mem) * beta
-    state = state + k[:, None] * delta[None, :]
-    o = tl.sum(state * q[:, None], axis=0)
-    tl.store(tile, state, mask=mask)
-    tl.store(o_ptr + (b * HV + hv) * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
 
 
 def fused_recurrent_gated_delta(
@@ -85,30 +40,10 @@ def fused_recurrent_gated_delta(
     fresh: torch.Tensor,
 ) -> torch.Tensor:
     """q, k [B, Hk, K], v [B, Hv, V], g and beta [B, Hv], state [S, Hv, K, V] float32 (updated in place at
-    `slots` [B]), fresh [B] (nonzero: start from zeros). Returns o [B, Hv, V] in v's dtype."""
-    bsz, hk, kd = q.shape
-    hv, vd = v.shape[1:]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = torch.empty_like(v)
-    block_v = min(triton.next_power_of_2(vd), 64)
-    _recurrent_kernel[(bsz, hv, triton.cdiv(vd, block_v))](
-        q,
-        k,
-        v,
-        g.float().contiguous(),
-        beta.float().contiguous(),
-        state,
-        slots.to(torch.int64).contiguous(),
-        fresh.to(torch.int32).contiguous(),
-        o,
-        HK=hk,
-        HV=hv,
-        K=kd,
-        V=vd,
-        BLOCK_K=triton.next_power_of_2(kd),
-        BLOCK_V=block_v,
-    )
-    return o
+    `slots` [B]), fresh [B] (nonzero: start from zeros). Returns o [B, Hv, V] in v's dtype: the prefill
+    kernel over one-token sequences."""
+    starts = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return prefill_gated_delta(q, k, v, g, beta, state, slots, fresh, starts)
 
 
 def fused_recurrent_gated_delta_ref(
