@@ -337,21 +337,35 @@ def paged_decode_attention(
         num_stages=tile.num_stages,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            head_dim,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
-            num_warps=4,
-        )
+        merge_splits(out, part_acc, part_max, part_sum, head_dim, block_d)
     return out
+
+
+def merge_splits(
+    out: torch.Tensor,
+    part_acc: torch.Tensor,
+    part_max: torch.Tensor,
+    part_sum: torch.Tensor,
+    width: int,
+    block_d: int,
+) -> None:
+    """out [B, H, width] from the splits' partial results (part_acc [B, H, NUM_SPLITS, width], part_max and
+    part_sum [B, H, NUM_SPLITS], fp32), combined by their log-sum-exp: paged decode's and MLA decode's."""
+    batch, num_heads, num_splits = part_max.shape
+    _merge_splits_kernel[(batch, num_heads)](
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        width,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
 
 
 def paged_decode_attention_ref(

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.decode_attention import _merge_splits_kernel, choose_num_splits
+from ember.kernels.decode_attention import choose_num_splits, merge_splits
 from ember.kernels.paged import dot_dtype, dot_precision, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -97,7 +97,7 @@ def _mla_decode_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a zero-length (padded) sequence: zeros
         dst = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + ldims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:  # scratch [B, H, NUM_SPLITS] (+ [kv_lora]) in fp32, as _merge_splits_kernel reads it
+    else:  # scratch [B, H, NUM_SPLITS] (+ [kv_lora]) in fp32, as merge_splits reads it
         part = (seq * num_heads + heads) * NUM_SPLITS + split
         tl.store(part_max_ptr + part, m_i, mask=head_mask)
         tl.store(part_sum_ptr + part, l_i, mask=head_mask)
@@ -175,20 +175,7 @@ def mla_decode_attention(
         num_stages=2,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            kv_lora_rank,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_l,
-            num_warps=4,
-        )
+        merge_splits(out, part_acc, part_max, part_sum, kv_lora_rank, block_l)
     return out
 
 
