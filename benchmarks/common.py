@@ -213,3 +213,30 @@ async def reset_prefix_cache(base_url: str) -> None:
         await resp.close()
     if resp.status != 200:
         raise RuntimeError(f"POST /reset_prefix_cache answered {resp.status}: {body[:200]!r}")
+
+
+def bar_chart(
+    path: str, bars: dict[str, float], title: str, ylabel: str, lines: dict[str, float] | None = None
+) -> bool:
+    """One bar per entry, with optional labelled horizontal lines (a target, a roofline). matplotlib is no
+    project dependency: without it there is no chart, and False says so."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.bar_label(ax.bar(list(bars), list(bars.values()), color="#d9541e"), fmt="%.1f", fontsize=8)
+    for i, (label, y) in enumerate((lines or {}).items()):
+        ax.axhline(y, color=["black", "gray", "#4a7ab5"][i % 3], linestyle=["-", "--", ":"][i % 3], label=label)
+    if lines:
+        ax.legend(fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.tick_params(labelsize=8)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -37,6 +37,12 @@
 #   headline     the rows every GPU-touching change re-runs: serve (offline 0.6B, then `ember bench serve`, 256 at
 #                once, from 1 and 8 client processes; SERVE_QUICK skips the openai client and the sweep), tput8b,
 #                latency, startup
+#   vision       benchmarks/vision.py: Qwen2.5-VL-7B shape, 256 requests with one 448x448 image each against the same
+#                lengths in text alone, and the vision tower's time per image (issue 33)
+#   deepseek     offline throughput and batch-1 TTFT / TPOT, DeepSeek-V2-Lite shape (MLA + DeepSeek MoE), then the
+#                MLA decode kernel against its bandwidth roofline at 256 x 2,048 (benchmarks/mla_decode.py)
+#   qwen3next    offline throughput, Qwen3-Next-80B-A3B cut to 12 layers (9 Gated DeltaNet, 3 full attention), beside
+#                the same cut with every layer full attention
 #   soak         benchmarks/soak.py: `ember serve` of the Qwen3-0.6B shape for $SOAK_S seconds (default 600) at 256
 #                concurrent streaming clients in $SOAK_CLIENT_PROCS processes (default 4), 10% cancelled
 #                mid-stream, 5% malformed
@@ -47,6 +53,8 @@ Q=benchmarks/configs/qwen3-0.6b
 L=benchmarks/configs/llama-3.1-8b
 G=benchmarks/configs/gemma-3-1b
 MOE="benchmarks/configs/qwen3-30b-a3b benchmarks/configs/mixtral-8x7b"
+DSV2=benchmarks/configs/deepseek-v2-lite
+NEXT=benchmarks/configs/qwen3-next-12l
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 log() { echo "=== $* ($(date +%T))"; }
 quiet() { grep -vE "Processed|it/s"; }
@@ -171,6 +179,18 @@ stage_moehf() {
     limit=280 tput --model $m --num-seqs 1 --min-input 512 --max-input 512 --min-output 256 --max-output 256 \
       --hf --hf-mode generate --out "$OUT/batch1-$(basename $m)-cuda-$D.json"
   done
+}
+stage_vision() {
+  timeout ${limit:-300} python3 benchmarks/vision.py --out "$OUT/vision-qwen2.5-vl-7b-cuda-$D.json" 2>&1 | quiet | tail -6
+}
+stage_deepseek() {
+  limit=240 tput --model $DSV2 --out "$OUT/throughput-deepseek-v2-lite-cuda-$D.json"
+  lat --model $DSV2 --out "$OUT/latency-deepseek-v2-lite-cuda-$D.json"
+  timeout 90 python3 benchmarks/mla_decode.py --out "$OUT/mla-decode-cuda-$D.json" 2>&1 | tail -5
+}
+stage_qwen3next() {
+  limit=200 tput --model $NEXT --out "$OUT/throughput-qwen3-next-12l-cuda-$D.json"
+  limit=200 tput --model $NEXT-full --out "$OUT/throughput-qwen3-next-12l-full-cuda-$D.json"
 }
 for s in "$@"; do log "$s"; "stage_$s"; done
 log done

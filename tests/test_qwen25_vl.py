@@ -14,6 +14,11 @@ delaying a second image to a later step.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -218,3 +223,20 @@ def test_the_encoder_budget_delays_the_second_image_to_a_later_step(qwen25vl):
         steps.append(trace[-1].num_steps)
         llm.llm_engine.shutdown()
     assert steps == [6, 7]  # the prompt in one step, or up to the second image and then the rest
+
+
+def test_vision_benchmark_runs_on_a_tiny_model(qwen25vl, tmp_path):
+    """benchmarks/vision.py end to end on the CPU (its GPU run is the Qwen2.5-VL-7B shape): both runs do the whole
+    workload, the text-only twin has the image run's prompt lengths, and the tower is timed per batch."""
+    out = tmp_path / "v.json"
+    flags = "--device cpu --load-format auto --num-prompts 3 --output-len 4 --image-size 56 --text-len 8"
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "benchmarks/vision.py", "--model", qwen25vl, *flags.split(), "--out", str(out)]
+    r = subprocess.run([*cmd, "--encoder-batches", "1", "2"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    images, texts = res["with_images"], res["text_only"]
+    assert images["output_tokens"] == texts["output_tokens"] == 3 * 4
+    assert images["prompt_tokens"] == texts["prompt_tokens"] == 3 * (8 + 2 + 4)  # 56 x 56: 4 merged image tokens
+    assert set(res["tower_ms_per_image"]) == {"1", "2"} and min(res["tower_ms_per_image"].values()) > 0
+    assert res["ratio"] == round(images["output_tok_per_s"] / texts["output_tok_per_s"], 3)
