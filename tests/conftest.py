@@ -309,15 +309,24 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def write_gguf_and_twin(w, src: Path, twin: Path, decoded: dict) -> None:
-    """Write the GGUF file `w` holds, and make `twin`: a copy of the HF checkpoint `src` whose weights are
-    `decoded` (numpy arrays: what the file's tensors dequantize to), the reference a load of the file
-    must equal."""
-    from safetensors.numpy import save_file
+    """Write the GGUF file `w` holds, and make `twin` (`save_twin`)."""
+    close_gguf(w)
+    save_twin(src, twin, decoded)
 
+
+def close_gguf(w) -> None:
+    """Write out everything the gguf.GGUFWriter `w` holds, in the order GGUF lays it out, and close it."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def save_twin(src: Path, twin: Path, decoded: dict) -> None:
+    """Make `twin`: a copy of the HF checkpoint `src` whose weights are `decoded` (numpy arrays: what a GGUF
+    file's tensors dequantize to), the reference a load of the file must equal."""
+    from safetensors.numpy import save_file
+
     shutil.copytree(src, twin)
     save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
 

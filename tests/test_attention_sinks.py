@@ -1,15 +1,15 @@
 """Attention sinks (gpt-oss): one learned logit per query head that joins every softmax denominator
 and carries no value. The Triton decode and prefill kernels (through the interpreter), the engine's
-PyTorch path and the float32 reference all against float64 attention written here, with and without a
-sliding window, and with the decode context split over several programs (the sink joins once).
+PyTorch path and the float32 reference all against float64 attention (tests/masked_attention.py), with
+and without a sliding window, and with the decode context split over several programs (the sink joins once).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from masked_attention import check, dense_ref, query_starts, replay_decode_graph, step_metadata
 from test_kernels import (  # sets TRITON_INTERPRET before ember.kernels is imported
-    ATTN_TOL,
     DEVICE,
     NUM_KV_HEADS,
     as_int32,
@@ -24,46 +24,15 @@ from ember.kernels import (
     paged_prefill_attention_ref,
 )
 from ember.ops import registry as backend
-from ember.ops.attention import AttentionMetadata
 from ember.ops.functional import paged_attention
 
 GROUP, HEAD_DIM, BLOCK = 2, 32, 8
 NUM_HEADS = NUM_KV_HEADS * GROUP
 
 
-def sink_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    table: torch.Tensor,
-    seq_len: int,
-    scale: float,
-    window: int | None,
-    sinks: torch.Tensor,
-) -> torch.Tensor:
-    """float64: the last q.shape[0] positions of one sequence, exp(sink) added to each denominator."""
-    pos = torch.arange(seq_len)
-    blocks, offsets = table.cpu().long()[pos // BLOCK], pos % BLOCK
-    k = k_cache.cpu()[blocks, offsets].double().repeat_interleave(GROUP, dim=1)
-    v = v_cache.cpu()[blocks, offsets].double().repeat_interleave(GROUP, dim=1)
-    scores = torch.einsum("qhd,shd->hqs", q.cpu().double(), k) * scale
-    q_pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
-    visible = pos[None, :] <= q_pos
-    if window is not None:
-        visible &= pos[None, :] > q_pos - window
-    weights = scores.masked_fill(~visible, float("-inf")).exp()
-    denominator = weights.sum(-1, keepdim=True) + sinks.cpu().double().exp()[:, None, None]
-    return torch.einsum("hqs,shd->qhd", weights / denominator, v)
-
-
 def _sinks(gen: torch.Generator) -> torch.Tensor:
     """Sinks from well below to well above the scores (|s| ~ 1): from no effect to most of the mass."""
     return (torch.randn(NUM_HEADS, generator=gen) * 2).to(DEVICE)
-
-
-def _check(out: torch.Tensor, expected: torch.Tensor) -> None:
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.cpu().double(), expected, **ATTN_TOL[torch.float32], check_dtype=False)
 
 
 DECODE_LENS = [1, 7, 40, 133]
@@ -89,7 +58,11 @@ def test_decode_with_sinks(window, num_splits, fn):
         sinks=sinks,
     )
     for b, n in enumerate(DECODE_LENS):
-        _check(out[b : b + 1], sink_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window, sinks))
+        check(
+            out[b : b + 1],
+            dense_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window=window, sinks=sinks),
+            torch.float32,
+        )
 
 
 # (cached context, new tokens), as in tests/test_sliding_window_kernels.py, with a sequence of no queries
@@ -102,9 +75,7 @@ def test_prefill_with_sinks(window, fn):
     gen = torch.Generator().manual_seed(11 + (window or 0))
     seq_lens = [c + n for c, n in PREFILL_CHUNKS]
     k_cache, v_cache, tables = paged_kv(seq_lens, BLOCK, HEAD_DIM, torch.float32, gen)
-    starts = [0]
-    for _, n in PREFILL_CHUNKS:
-        starts.append(starts[-1] + n)
+    starts = query_starts(PREFILL_CHUNKS)
     q = randn(starts[-1], NUM_HEADS, HEAD_DIM, gen=gen)
     sinks = _sinks(gen)
     attend = paged_prefill_attention if fn == "kernel" else paged_prefill_attention_ref
@@ -122,7 +93,11 @@ def test_prefill_with_sinks(window, fn):
     )
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
-        _check(out[rows], sink_ref(q[rows], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window, sinks))
+        check(
+            out[rows],
+            dense_ref(q[rows], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window=window, sinks=sinks),
+            torch.float32,
+        )
 
 
 @pytest.mark.parametrize("window", [None, 13])
@@ -136,26 +111,18 @@ def test_engine_attention_with_sinks(window, path, monkeypatch):
     seq_lens = [c + n for c, n in chunks]
     k_cache, v_cache, tables = paged_kv(seq_lens, BLOCK, HEAD_DIM, torch.float32, gen)
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)  # the CPU path gathers whole blocks
-    starts = [0]
-    for _, n in chunks:
-        starts.append(starts[-1] + n)
+    starts = query_starts(chunks)
     q = randn(starts[-1], NUM_HEADS, HEAD_DIM, gen=gen)
     sinks = _sinks(gen)
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64),
-        block_tables=tables,
-        seq_lens=as_int32(seq_lens),
-        query_start_loc=as_int32(starts),
-        num_decodes=2,
-        max_query_len=19,
-        max_seq_len=max(seq_lens),
-        seq_lens_host=seq_lens,
-        query_start_host=starts,
-    )
+    meta = step_metadata(chunks, tables, num_decodes=2)
     out = paged_attention(q, k_cache, v_cache, meta, HEAD_DIM**-0.5, sliding_window=window, sinks=sinks)
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
-        _check(out[rows], sink_ref(q[rows], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window, sinks))
+        check(
+            out[rows],
+            dense_ref(q[rows], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window=window, sinks=sinks),
+            torch.float32,
+        )
 
 
 def test_bad_sinks_are_a_clear_error():
@@ -176,37 +143,19 @@ def test_sinks_replay_in_a_cuda_graph():
     capacity = [40, 133, 7]
     k_cache, v_cache, tables = paged_kv(capacity, BLOCK, HEAD_DIM, torch.float32, gen)
     q = randn(len(capacity), NUM_HEADS, HEAD_DIM, gen=gen)
-    lens = as_int32(capacity)
     layers = [(16, _sinks(gen)), (None, _sinks(gen))]
-    outs = [torch.empty_like(q) for _ in layers]
-
-    def step() -> None:
-        for (window, sinks), out in zip(layers, outs):
-            paged_decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                tables,
-                lens,
-                HEAD_DIM**-0.5,
-                out=out,
-                max_seq_len=256,
-                sliding_window=window,
-                sinks=sinks,
-            )
-
-    step()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
     new_lens = [33, 120, 5]
-    lens.copy_(as_int32(new_lens))
-    for _, sinks in layers:
-        sinks.copy_(_sinks(gen))
-    graph.replay()
-    torch.cuda.synchronize()
+
+    def new_sinks() -> None:
+        for _, sinks in layers:
+            sinks.copy_(_sinks(gen))
+
+    masks = [{"sliding_window": window, "sinks": sinks} for window, sinks in layers]
+    outs = replay_decode_graph(q, k_cache, v_cache, tables, HEAD_DIM**-0.5, masks, capacity, new_lens, new_sinks)
     for (window, sinks), out in zip(layers, outs):
         for b, n in enumerate(new_lens):
-            _check(
-                out[b : b + 1], sink_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window, sinks)
+            check(
+                out[b : b + 1],
+                dense_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, HEAD_DIM**-0.5, window=window, sinks=sinks),
+                torch.float32,
             )

@@ -1,6 +1,6 @@
 """Llama 4's chunked local attention in the Triton decode and prefill kernels and the PyTorch path, against
-dense masked attention in float64 written here (transformers' rule: a query at p sees keys j with
-j // C == p // C and j <= p).
+dense masked attention in float64 (tests/masked_attention.py; transformers' rule: a query at p sees keys j
+with j // C == p // C and j <= p).
 
 Keys and values before each query's chunk are overwritten with NaN in the caches the kernels read (the
 reference reads clean copies), so a kernel that loads a single one of them fails: a long context costs
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from masked_attention import check, dense_ref, poison_before, query_starts, step_metadata
 from test_kernels import (  # sets TRITON_INTERPRET before ember.kernels is imported
-    ATTN_TOL,
     DEVICE,
     FP8,
     NUM_KV_HEADS,
@@ -21,7 +21,6 @@ from test_kernels import (  # sets TRITON_INTERPRET before ember.kernels is impo
     paged_kv,
     randn,
 )
-from test_sliding_window_kernels import FP8_NAN
 
 from ember.kernels import (
     paged_decode_attention,
@@ -30,53 +29,15 @@ from ember.kernels import (
     paged_prefill_attention_ref,
 )
 from ember.ops import registry as backend
-from ember.ops.attention import AttentionMetadata
 from ember.ops.functional import paged_attention
 
 CHUNKS = [1, 5, 8, 16, 37, 500]  # a single token, within one block, one block, two, not a block multiple, all
 
 
-def dense_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seq_len: int, scale: float,
-    chunk: int, k_scale: float = 1.0, v_scale: float = 1.0,
-) -> torch.Tensor:  # fmt: skip
-    """float64 attention of one sequence's last q.shape[0] positions over its first seq_len keys."""
-    block_size = k_cache.shape[1]
-    pos = torch.arange(seq_len)
-    blocks, offsets = table.cpu().long()[pos // block_size], pos % block_size
-    k = k_cache.cpu()[blocks, offsets].double() * k_scale  # [S, Hk, D]
-    v = v_cache.cpu()[blocks, offsets].double() * v_scale
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,shd->hqs", q.cpu().double(), k) * scale
-    q_pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
-    visible = (pos[None, :] <= q_pos) & (pos[None, :] // chunk == q_pos // chunk)
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("hqs,shd->qhd", probs, v)
-
-
-def poison_before_chunk(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, first_query: int, chunk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the caches with every key and value before `first_query`'s chunk set to NaN."""
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    start = first_query // chunk * chunk
-    if start == 0:
-        return k_cache, v_cache
-    block_size = k_cache.shape[1]
-    pos = torch.arange(start)
-    blocks, offsets = table.long()[pos // block_size], pos % block_size
-    for cache in (k_cache, v_cache):
-        if cache.dtype == FP8:
-            cache.view(torch.uint8)[blocks, offsets] = FP8_NAN
-        else:
-            cache[blocks, offsets] = float("nan")
-    return k_cache, v_cache
-
-
-def check(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.cpu().double(), expected, **ATTN_TOL[dtype], check_dtype=False)
+def _chunk_start(first_query: int, chunk: int) -> int:
+    """The first position a query at first_query (or after it) may see: its chunk's first. The keys before it,
+    poisoned, must never be loaded."""
+    return first_query // chunk * chunk
 
 
 DECODE_LENS = [1, 7, 8, 9, 40, 133]  # chunk edges: a query first in its chunk, last in it
@@ -90,14 +51,14 @@ def test_decode_chunk(chunk: int, num_splits: int) -> None:
     q = randn(len(DECODE_LENS), NUM_KV_HEADS * 2, 32, gen=gen)
     k_cache, v_cache = k_clean, v_clean
     for b, n in enumerate(DECODE_LENS):
-        k_cache, v_cache = poison_before_chunk(k_cache, v_cache, tables[b], n - 1, chunk)
+        k_cache, v_cache = poison_before(k_cache, v_cache, tables[b], _chunk_start(n - 1, chunk))
     lens = as_int32(DECODE_LENS)
 
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, num_splits=num_splits, attention_chunk=chunk)
     ref = paged_decode_attention_ref(q, k_clean, v_clean, tables, lens, 0.2, attention_chunk=chunk)
 
     for b, n in enumerate(DECODE_LENS):
-        expected = dense_ref(q[b : b + 1], k_clean, v_clean, tables[b], n, 0.2, chunk)
+        expected = dense_ref(q[b : b + 1], k_clean, v_clean, tables[b], n, 0.2, chunk=chunk)
         check(out[b : b + 1], expected, torch.float32)
         check(ref[b : b + 1], expected, torch.float32)
 
@@ -115,14 +76,12 @@ def run_prefill(
     cache_dtype = cache_dtype or dtype
     seq_lens = [c + n for c, n in chunks]
     k_clean, v_clean, tables = paged_kv(seq_lens, block_size, head_dim, cache_dtype, gen)
-    starts = [0]
-    for _, n in chunks:
-        starts.append(starts[-1] + n)
+    starts = query_starts(chunks)
     q = randn(starts[-1], NUM_KV_HEADS * group, head_dim, gen=gen, dtype=dtype)
     scales = kv_scales(cache_dtype)
     k_cache, v_cache = k_clean, v_clean
     for b, (ctx, _) in enumerate(chunks):
-        k_cache, v_cache = poison_before_chunk(k_cache, v_cache, tables[b], ctx, chunk)
+        k_cache, v_cache = poison_before(k_cache, v_cache, tables[b], _chunk_start(ctx, chunk))
     lens, locs, max_q = as_int32(seq_lens), as_int32(starts), max(n for _, n in chunks)
 
     out = paged_prefill_attention(q, k_cache, v_cache, tables, lens, locs, max_q, 0.2, **scales, attention_chunk=chunk)
@@ -132,7 +91,7 @@ def run_prefill(
 
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
-        expected = dense_ref(q[rows], k_clean, v_clean, tables[b], n, 0.2, chunk, **scales)
+        expected = dense_ref(q[rows], k_clean, v_clean, tables[b], n, 0.2, chunk=chunk, **scales)
         check(out[rows], expected, dtype)
         check(ref[rows], expected, dtype)
 
@@ -177,24 +136,12 @@ def test_model_attention_forwards_the_chunk(monkeypatch, triton: bool) -> None:
     seq_lens = [c + n for c, n in chunks]
     k_cache, v_cache, tables = paged_kv(seq_lens, 8, 32, torch.float32, gen)
     k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()  # the PyTorch path gathers whole blocks
-    starts = [0]
-    for _, n in chunks:
-        starts.append(starts[-1] + n)
+    starts = query_starts(chunks)
     q = randn(starts[-1], NUM_KV_HEADS * 2, 32, gen=gen) * 3
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long, device=DEVICE),
-        block_tables=tables,
-        seq_lens=as_int32(seq_lens),
-        query_start_loc=as_int32(starts),
-        num_decodes=2,
-        max_query_len=25,
-        max_seq_len=max(seq_lens),
-        seq_lens_host=seq_lens,
-        query_start_host=starts,
-    )
+    meta = step_metadata(chunks, tables, num_decodes=2)
 
     out = paged_attention(q, k_cache, v_cache, meta, 0.2, attention_chunk=10)
 
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
-        check(out[rows], dense_ref(q[rows], k_cache, v_cache, tables[b], n, 0.2, 10), torch.float32)
+        check(out[rows], dense_ref(q[rows], k_cache, v_cache, tables[b], n, 0.2, chunk=10), torch.float32)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import default_gguf_path, gguf_writer
-from safetensors.numpy import load_file, save_file
+from conftest import close_gguf, default_gguf_path, gguf_writer
+from gguf_mmproj_fixtures import Tensors, add_word_vocab, gguf_pair, mmproj_writer, stored
+from safetensors.numpy import load_file
 from vision_fixtures import BOI, TOKENS_PER_IMAGE, WORDS, hf_greedy, make_gemma3_vision, make_llm, picture
 
 from ember import EngineArgs, SamplingParams
@@ -61,16 +62,51 @@ def _normalized(name: str) -> str:
 
 
 def _stored(name: str, w: np.ndarray, outtype: str) -> np.ndarray:
-    """The converter's tensor types: 1-D tensors and norms F32; a Gemma 3 projector's input projection F16
-    and its embeddings F32 whatever the outtype; the rest the outtype."""
+    """The converter's tensor types (`stored`), but a Gemma 3 projector's input projection F16 and its
+    embeddings F32 whatever the outtype."""
     if "input_projection" in name:
         return w.astype(np.float16)
-    if w.ndim <= 1 or name.endswith("norm.weight") or ".embeddings." in name or outtype == "f32":
+    if ".embeddings." in name:
         return w.astype(np.float32)
-    return w.astype(np.float16)
+    return stored(name, w, outtype)
 
 
-def _write_text(path: Path, ckpt: Path, weights: dict[str, np.ndarray], outtype: str) -> dict[str, np.ndarray]:
+def _add_tensors(
+    w: gguf.GGUFWriter,
+    weights: Tensors,
+    names: gguf.TensorNameMap,
+    outtype: str,
+    rename: Callable[[str], str | None],
+    shifted: Callable[[str], bool],
+) -> Tensors:
+    """Each checkpoint tensor that `rename` gives an HF name (None: the other file's) under its gguf-py name,
+    as 1 + w where `shifted` (Gemma's norms); returns what each decodes to."""
+    decoded = {}
+    for ckpt_name, t in weights.items():
+        name = rename(ckpt_name)
+        if name is None:
+            continue
+        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        shift = shifted(name)
+        data = _stored(name, t + np.float32(1.0) if shift else t, outtype)
+        w.add_tensor(new, data)
+        value = data.astype(np.float32)
+        decoded[ckpt_name] = value - np.float32(1.0) if shift else value
+    return decoded
+
+
+def _text_name(ckpt_name: str) -> str | None:
+    name = _normalized(ckpt_name)
+    return name if name.startswith(("model.", "lm_head.")) else None
+
+
+def _vision_name(ckpt_name: str) -> str | None:
+    name = _normalized(ckpt_name).replace("_weight", ".weight")
+    return name if name.startswith(("vision_tower.", "multi_modal_projector.")) else None
+
+
+def _write_text(path: Path, ckpt: Path, weights: Tensors, outtype: str) -> Tensors:
     """The language model as Gemma3Model writes it; returns what each tensor decodes to, by checkpoint name."""
     cfg = json.loads((ckpt / "config.json").read_text())["text_config"]
     w = gguf_writer(path, "gemma3", cfg)
@@ -80,85 +116,51 @@ def _write_text(path: Path, ckpt: Path, weights: dict[str, np.ndarray], outtype:
     w.add_sliding_window(cfg["sliding_window"])
     w.add_file_type(0 if outtype == "f32" else 1)
     tokens = [*WORDS, "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
     # "\n\n" user-defined (4): matched whole, as the HF tokenizer of these tests splits it
-    w.add_token_types([3 if t in _SPECIAL else 4 if t == "\n\n" else 1 for t in tokens])
-    w.add_add_space_prefix(False)
+    add_word_vocab(w, tokens, [3 if t in _SPECIAL else 4 if t == "\n\n" else 1 for t in tokens])
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
     w.add_add_bos_token(True)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg["num_hidden_layers"])
-    decoded = {}
-    for ckpt_name, t in weights.items():
-        name = _normalized(ckpt_name)
-        if not name.startswith(("model.", "lm_head.")):
-            continue
-        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert new is not None, name
-        shifted = name.endswith("norm.weight")
-        data = _stored(new, t + np.float32(1.0) if shifted else t, outtype)  # Gemma's norms: 1 + w
-        w.add_tensor(new, data)
-        value = data.astype(np.float32)
-        decoded[ckpt_name] = value - np.float32(1.0) if shifted else value
-    _close(w)
+    decoded = _add_tensors(w, weights, names, outtype, _text_name, lambda name: name.endswith("norm.weight"))
+    close_gguf(w)
     return decoded
 
 
 def _write_mmproj(
     path: Path,
     ckpt: Path,
-    weights: dict[str, np.ndarray],
+    weights: Tensors,
     outtype: str,
     projector_type: str = "gemma3",
     projection_dim: int | None = None,
-) -> dict[str, np.ndarray]:
+) -> Tensors:
     """The vision tower and projector as MmprojModel and Gemma3VisionModel write them; returns what each
     tensor decodes to, by checkpoint name."""
     cfg = json.loads((ckpt / "config.json").read_text())
     v = cfg["vision_config"]
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_file_type(0 if outtype == "f32" else 1)
-    w.add_clip_has_vision_encoder(True)
-    w.add_vision_projection_dim(projection_dim or cfg["text_config"]["hidden_size"])
-    w.add_vision_image_size(v["image_size"])
-    w.add_vision_patch_size(v["patch_size"])
-    w.add_vision_embedding_length(v["hidden_size"])
-    w.add_vision_feed_forward_length(v["intermediate_size"])
-    w.add_vision_block_count(v["num_hidden_layers"])
-    w.add_vision_head_count(v["num_attention_heads"])
-    w.add_vision_image_mean(MEAN)
-    w.add_vision_image_std(STD)
-    w.add_clip_projector_type(projector_type)
-    w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-6))
+    w = mmproj_writer(
+        path,
+        outtype,
+        projector_type,
+        v,
+        projection_dim=projection_dim or cfg["text_config"]["hidden_size"],
+        image_size=v["image_size"],
+        blocks=v["num_hidden_layers"],
+        heads=v["num_attention_heads"],
+        mean=MEAN,
+        std=STD,
+        eps=v.get("layer_norm_eps", 1e-6),
+    )
     w.add_vision_use_gelu(True)
     factor = (v["image_size"] // v["patch_size"]) // int(cfg["mm_tokens_per_image"] ** 0.5)
     if factor != 4:  # written only where it is not llama.cpp's default (a test model)
         w.add_vision_projector_scale_factor(factor)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, v["num_hidden_layers"])
-    decoded = {}
-    for ckpt_name, t in weights.items():
-        name = _normalized(ckpt_name).replace("_weight", ".weight")
-        if not name.startswith(("vision_tower.", "multi_modal_projector.")):
-            continue
-        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert new is not None, name
-        shifted = "soft_emb_norm.weight" in name  # the only Gemma norm of the vision side
-        data = _stored(name, t + np.float32(1.0) if shifted else t, outtype)
-        w.add_tensor(new, data)
-        value = data.astype(np.float32)
-        decoded[ckpt_name] = value - np.float32(1.0) if shifted else value
-    _close(w)
+    # soft_emb_norm: the only Gemma norm of the vision side
+    decoded = _add_tensors(w, weights, names, outtype, _vision_name, lambda name: "soft_emb_norm.weight" in name)
+    close_gguf(w)
     return decoded
-
-
-def _close(w: gguf.GGUFWriter) -> None:
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.fixture(scope="module")
@@ -169,15 +171,14 @@ def hf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=["f32", "f16"])
 def pair(request, hf, tmp_path_factory) -> tuple[str, str, str]:
     """(text GGUF, mmproj GGUF, the twin checkpoint holding what they decode to) for one outtype."""
-    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
-    weights = load_file(hf / "model.safetensors")
-    text, mmproj, twin = root / "gemma-3-tiny.gguf", root / "mmproj-gemma-3-tiny.gguf", root / "twin"
-    decoded = _write_text(text, hf, weights, request.param)
-    decoded |= _write_mmproj(mmproj, hf, weights, request.param)
-    assert decoded.keys() == weights.keys()  # every tensor went to one file or the other
-    shutil.copytree(hf, twin)
-    save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
-    return str(text), str(mmproj), str(twin)
+    outtype = request.param
+    return gguf_pair(
+        tmp_path_factory.mktemp(f"gguf-{outtype}"),
+        hf,
+        "gemma-3-tiny",
+        lambda path, weights: _write_text(path, hf, weights, outtype),
+        lambda path, weights: _write_mmproj(path, hf, weights, outtype),
+    )
 
 
 def test_mmproj_config_equals_the_checkpoints(pair):
@@ -283,7 +284,7 @@ def test_gemma3_4b_header_gives_256_tokens_per_image(tmp_path):
         ("add_vision_image_std", STD),
     ]:
         getattr(w, add)(value)
-    _close(w)
+    close_gguf(w)
     proj = load_mmproj(str(path))
     assert proj.tokens_per_image == 256 and proj.projection_dim == 2560
     assert proj.vision_config["image_size"] == 896 and proj.vision_config["hidden_act"] == "gelu_pytorch_tanh"

@@ -12,7 +12,6 @@ to; the text file alone loads as Qwen2 (M-RoPE is plain rotary for text). Also t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import gguf
@@ -20,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import gguf_writer
+from conftest import close_gguf, gguf_writer
+from gguf_mmproj_fixtures import Tensors, add_word_vocab, gguf_pair, mmproj_writer, stored
 from qwen_vl_fixtures import END, PAD, START, WORDS, hf_greedy, make_llm, make_qwen25_vl, picture
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from ember import SamplingParams
 from ember.config import LoadConfig
@@ -39,21 +39,7 @@ ONE = [2, 10, 11, START, PAD, END, 12, 13, 14]
 TWO = [2, 30, START, PAD, END, 31, 32, START, PAD, END, 33, 34]
 
 
-def _stored(name: str, w: np.ndarray, outtype: str) -> np.ndarray:
-    """The converter's tensor types: 1-D tensors and norms F32, the rest the outtype."""
-    if w.ndim <= 1 or name.endswith("norm.weight") or outtype == "f32":
-        return w.astype(np.float32)
-    return w.astype(np.float16)
-
-
-def _close(w: gguf.GGUFWriter) -> None:
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _write_text(path: Path, ckpt: Path, weights: dict, outtype: str, sections: list[int] | None) -> dict:
+def _write_text(path: Path, ckpt: Path, weights: Tensors, outtype: str, sections: list[int] | None) -> Tensors:
     """The language model as Qwen2VLModel writes it; returns what each tensor decodes to, by checkpoint name."""
     cfg = json.loads((ckpt / "config.json").read_text())["text_config"]
     w = gguf_writer(path, "qwen2vl", cfg)
@@ -61,11 +47,7 @@ def _write_text(path: Path, ckpt: Path, weights: dict, outtype: str, sections: l
     if sections is not None:
         w.add_rope_dimension_sections(sections)
     w.add_file_type(0 if outtype == "f32" else 1)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(TOKENS)
-    w.add_token_scores([0.0] * len(TOKENS))
-    w.add_token_types([3 if t.startswith("<") else 1 for t in TOKENS])
-    w.add_add_space_prefix(False)
+    add_word_vocab(w, TOKENS, [3 if t.startswith("<") else 1 for t in TOKENS])
     w.add_eos_token_id(1)
     w.add_add_bos_token(False)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2VL, cfg["num_hidden_layers"])
@@ -76,37 +58,35 @@ def _write_text(path: Path, ckpt: Path, weights: dict, outtype: str, sections: l
             continue
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, name
-        data = _stored(new, t, outtype)
+        data = stored(new, t, outtype)
         w.add_tensor(new, data)
         decoded[ckpt_name] = data.astype(np.float32)
-    _close(w)
+    close_gguf(w)
     return decoded
 
 
 def _write_mmproj(
-    path: Path, ckpt: Path, weights: dict, outtype: str, projector_type: str = "qwen2.5vl_merger", drop: str = ""
-) -> dict:
+    path: Path, ckpt: Path, weights: Tensors, outtype: str, projector_type: str = "qwen2.5vl_merger", drop: str = ""
+) -> Tensors:
     """The tower and merger as MmprojModel and Qwen2VLVisionModel write them (less the tensor `drop`);
     returns what each tensor decodes to, by checkpoint name."""
     cfg = json.loads((ckpt / "config.json").read_text())
     v = cfg["vision_config"]
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_file_type(0 if outtype == "f32" else 1)
-    w.add_clip_has_vision_encoder(True)
-    w.add_vision_projection_dim(cfg["text_config"]["hidden_size"])
-    w.add_vision_image_size(560)  # the converter's default: Qwen's config has none
-    w.add_vision_patch_size(v["patch_size"])
-    w.add_vision_embedding_length(v["hidden_size"])
-    w.add_vision_feed_forward_length(v["intermediate_size"])
-    w.add_vision_block_count(v["depth"])
-    w.add_vision_head_count(v["num_heads"])
-    w.add_vision_image_mean(list(CLIP_MEAN))
-    w.add_vision_image_std(list(CLIP_STD))
-    w.add_clip_projector_type(projector_type)
+    w = mmproj_writer(
+        path,
+        outtype,
+        projector_type,
+        v,
+        projection_dim=cfg["text_config"]["hidden_size"],
+        image_size=560,  # the converter's default: Qwen's config has none
+        blocks=v["depth"],
+        heads=v["num_heads"],
+        mean=list(CLIP_MEAN),
+        std=list(CLIP_STD),
+        eps=cfg["text_config"]["rms_norm_eps"],
+    )
     w.add_vision_use_silu(True)
     w.add_vision_n_wa_pattern(v["fullatt_block_indexes"][0] + 1)
-    w.add_vision_attention_layernorm_eps(cfg["text_config"]["rms_norm_eps"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(v["depth"], 3))  # mm.2 numbered as a block
     decoded = {}
     for ckpt_name, t in weights.items():
@@ -121,16 +101,16 @@ def _write_mmproj(
             parts = [(patch, t[:, :, 0]), (patch + ".1", t[:, :, 1])]
         else:
             parts = [(names.get_name(name, try_suffixes=(".weight", ".bias")), t)]
-        stored = []
+        values = []
         for new, part in parts:
             assert new is not None, name
-            data = _stored(new, np.ascontiguousarray(part), outtype)
+            data = stored(new, np.ascontiguousarray(part), outtype)
             if new != drop:
                 w.add_tensor(new, data)
-            stored.append(data.astype(np.float32))
-        joined = np.stack(stored, axis=2) if "patch_embed" in name else np.concatenate(stored, axis=0)
+            values.append(data.astype(np.float32))
+        joined = np.stack(values, axis=2) if "patch_embed" in name else np.concatenate(values, axis=0)
         decoded[ckpt_name] = joined
-    _close(w)
+    close_gguf(w)
     return decoded
 
 
@@ -142,15 +122,14 @@ def hf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=["f32", "f16"])
 def pair(request, hf, tmp_path_factory) -> tuple[str, str, str]:
     """(text GGUF, mmproj GGUF, the twin checkpoint holding what they decode to) for one outtype."""
-    root = tmp_path_factory.mktemp(f"qwen-gguf-{request.param}")
-    weights = load_file(hf / "model.safetensors")
-    text, mmproj, twin = root / "qwen2.5-vl-tiny.gguf", root / "mmproj-qwen2.5-vl-tiny.gguf", root / "twin"
-    decoded = _write_text(text, hf, weights, request.param, [2, 3, 3, 0])
-    decoded |= _write_mmproj(mmproj, hf, weights, request.param)
-    assert decoded.keys() == weights.keys()  # every tensor went to one file or the other
-    shutil.copytree(hf, twin)
-    save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
-    return str(text), str(mmproj), str(twin)
+    outtype = request.param
+    return gguf_pair(
+        tmp_path_factory.mktemp(f"qwen-gguf-{outtype}"),
+        hf,
+        "qwen2.5-vl-tiny",
+        lambda path, weights: _write_text(path, hf, weights, outtype, [2, 3, 3, 0]),
+        lambda path, weights: _write_mmproj(path, hf, weights, outtype),
+    )
 
 
 def test_config_equals_the_checkpoints(pair):

@@ -146,12 +146,12 @@ def test_chunked_rule_equals_recurrent_across_splits():
 
 
 def test_triton_recurrent_kernel_matches_reference():
-    """The Triton decode kernel (the interpreter without a GPU) against its PyTorch reference and against
+    """The Triton decode launch (the interpreter without a GPU) against its PyTorch reference and against
     the PyTorch path the CPU takes: outputs and the pool's states, grouped heads, a fresh sequence, and
     value heads split over two channel blocks."""
     from conftest import KERNEL_DEVICE
 
-    from ember.kernels.gated_delta import fused_recurrent_gated_delta, fused_recurrent_gated_delta_ref
+    from ember.kernels.gated_delta import fused_recurrent_gated_delta_ref
 
     torch.manual_seed(0)
     b, hk, hv, kd, vd, slots_n = 3, 2, 4, 16, 80, 5
@@ -162,10 +162,11 @@ def test_triton_recurrent_kernel_matches_reference():
     pool = torch.randn(slots_n, hv, kd, vd, device=dev)
     slots = torch.tensor([4, 0, 2], device=dev)
     fresh = torch.tensor([False, True, False], device=dev)
+    starts = torch.arange(b + 1, dtype=torch.int32, device=dev)  # one token a sequence, as a step's decodes
     ref_pool, torch_pool = pool.clone(), pool.clone()
-    out = fused_recurrent_gated_delta(q, k, v, g, beta, pool, slots, fresh)
+    out = gated_delta.TritonRecurrent()(q, k, v, g, beta, pool, slots, fresh, starts)
     ref = fused_recurrent_gated_delta_ref(q, k, v, g, beta, ref_pool, slots, fresh)
-    path = gated_delta.TorchRecurrent()(q, k, v, g, beta, torch_pool, slots, fresh)
+    path = gated_delta.TorchRecurrent()(q, k, v, g, beta, torch_pool, slots, fresh, starts)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, path, atol=1e-5, rtol=1e-5)

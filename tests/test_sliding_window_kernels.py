@@ -1,6 +1,6 @@
 """Sliding-window attention and logit soft-capping in the Triton decode and prefill kernels, against
-dense masked attention in float64 written here (HF's rule: a query at p sees p - window < j <= p;
-a capped score is cap * tanh(s / cap), before masking).
+dense masked attention in float64 (tests/masked_attention.py; HF's rule: a query at p sees
+p - window < j <= p; a capped score is cap * tanh(s / cap), before masking).
 
 Keys and values left of every query's window are overwritten with NaN in the caches the kernels
 read (the reference reads clean copies), so a kernel that loads a single one of them, masked or
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from masked_attention import check, dense_ref, poison_before, query_starts, replay_decode_graph, step_metadata
 from test_kernels import (  # sets TRITON_INTERPRET before ember.kernels is imported
-    ATTN_TOL,
-    DEVICE,
     FP8,
     NUM_KV_HEADS,
     as_int32,
@@ -29,66 +28,13 @@ from ember.kernels import (
     paged_prefill_attention_ref,
 )
 from ember.ops import registry as backend
-from ember.ops.attention import AttentionMetadata
 from ember.ops.functional import paged_attention
 
-# e4m3fn's NaN bit pattern: the GPU reads NaN, the interpreter 480 (see test_kernels.paged_kv).
-FP8_NAN = 0x7F
 
-
-def dense_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    table: torch.Tensor,
-    seq_len: int,
-    scale: float,
-    window: int | None,
-    cap: float | None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """float64 attention of one sequence's last q.shape[0] positions over its first seq_len keys."""
-    block_size = k_cache.shape[1]
-    pos = torch.arange(seq_len)
-    blocks, offsets = table.cpu().long()[pos // block_size], pos % block_size
-    k = k_cache.cpu()[blocks, offsets].double() * k_scale  # [S, Hk, D]
-    v = v_cache.cpu()[blocks, offsets].double() * v_scale
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,shd->hqs", q.cpu().double(), k) * scale
-    if cap is not None:
-        scores = cap * torch.tanh(scores / cap)
-    q_pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
-    visible = pos[None, :] <= q_pos
-    if window is not None:
-        visible &= pos[None, :] > q_pos - window
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("hqs,shd->qhd", probs, v)
-
-
-def poison_left_of_window(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, first_query: int, window: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the caches with every key and value that no query at or after `first_query` may see
-    (positions <= first_query - window) set to NaN."""
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    if window is None or first_query - window < 0:
-        return k_cache, v_cache
-    block_size = k_cache.shape[1]
-    pos = torch.arange(first_query - window + 1)
-    blocks, offsets = table.long()[pos // block_size], pos % block_size
-    for cache in (k_cache, v_cache):
-        if cache.dtype == FP8:
-            cache.view(torch.uint8)[blocks, offsets] = FP8_NAN
-        else:
-            cache[blocks, offsets] = float("nan")
-    return k_cache, v_cache
-
-
-def check(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.cpu().double(), expected, **ATTN_TOL[dtype], check_dtype=False)
+def _window_start(first_query: int, window: int | None) -> int:
+    """The first position a query at first_query (or after it) may see: the keys before it, poisoned, must
+    never be loaded."""
+    return 0 if window is None else first_query - window + 1
 
 
 # ---------------------------------------------------------------- decode
@@ -117,7 +63,7 @@ def run_decode(
     scale, scales = head_dim**-0.5, kv_scales(cache_dtype)
     k_cache, v_cache = k_clean, v_clean
     for b, n in enumerate(DECODE_LENS):  # blocks are private to a sequence, so poisoning one touches no other
-        k_cache, v_cache = poison_left_of_window(k_cache, v_cache, tables[b], n - 1, window)
+        k_cache, v_cache = poison_before(k_cache, v_cache, tables[b], _window_start(n - 1, window))
     splits = {"num_splits": None, "max_seq_len": 1024} if num_splits is None else {"num_splits": num_splits}
 
     out = paged_decode_attention(
@@ -135,7 +81,9 @@ def run_decode(
 
     for b, n in enumerate(DECODE_LENS):
         check(
-            out[b : b + 1], dense_ref(q[b : b + 1], k_clean, v_clean, tables[b], n, scale, window, cap, **scales), dtype
+            out[b : b + 1],
+            dense_ref(q[b : b + 1], k_clean, v_clean, tables[b], n, scale, window=window, cap=cap, **scales),
+            dtype,
         )
 
 
@@ -188,14 +136,12 @@ def run_prefill(
     cache_dtype = cache_dtype or dtype
     seq_lens = [c + n for c, n in chunks]
     k_clean, v_clean, tables = paged_kv(seq_lens, block_size, head_dim, cache_dtype, gen)
-    starts = [0]
-    for _, n in chunks:
-        starts.append(starts[-1] + n)
+    starts = query_starts(chunks)
     q = randn(starts[-1], NUM_KV_HEADS * group, head_dim, gen=gen, dtype=dtype) * q_gain
     scale, scales = head_dim**-0.5, kv_scales(cache_dtype)
     k_cache, v_cache = k_clean, v_clean
     for b, (ctx, _) in enumerate(chunks):
-        k_cache, v_cache = poison_left_of_window(k_cache, v_cache, tables[b], ctx, window)
+        k_cache, v_cache = poison_before(k_cache, v_cache, tables[b], _window_start(ctx, window))
     max_q = max(n for _, n in chunks)
 
     out = paged_prefill_attention(
@@ -214,7 +160,11 @@ def run_prefill(
 
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
-        check(out[rows], dense_ref(q[rows], k_clean, v_clean, tables[b], n, scale, window, cap, **scales), dtype)
+        check(
+            out[rows],
+            dense_ref(q[rows], k_clean, v_clean, tables[b], n, scale, window=window, cap=cap, **scales),
+            dtype,
+        )
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -257,7 +207,7 @@ def test_refs_follow_the_same_rule() -> None:
         q, k_cache, v_cache, tables, lens, as_int32([0, 1, 2]), 1, 0.2, sliding_window=window, logits_soft_cap=cap
     )
     for b, n in enumerate(seq_lens):
-        expected = dense_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, 0.2, window, cap)
+        expected = dense_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, 0.2, window=window, cap=cap)
         check(decode[b : b + 1], expected, torch.float32)
         check(prefill[b : b + 1], expected, torch.float32)
 
@@ -287,28 +237,16 @@ def test_model_attention_forwards_window_and_cap_to_both_kernels(monkeypatch) ->
     chunks = [(30, 1), (60, 1), (0, 25), (40, 12)]
     seq_lens = [c + n for c, n in chunks]
     k_cache, v_cache, tables = paged_kv(seq_lens, 8, 32, torch.float32, gen)
-    starts = [0]
-    for _, n in chunks:
-        starts.append(starts[-1] + n)
+    starts = query_starts(chunks)
     q = randn(starts[-1], NUM_KV_HEADS * 2, 32, gen=gen) * 3
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long, device=DEVICE),
-        block_tables=tables,
-        seq_lens=as_int32(seq_lens),
-        query_start_loc=as_int32(starts),
-        num_decodes=2,
-        max_query_len=25,
-        max_seq_len=max(seq_lens),
-        seq_lens_host=seq_lens,
-        query_start_host=starts,
-    )
+    meta = step_metadata(chunks, tables, num_decodes=2)
     window, cap = 10, 4.0
 
     out = paged_attention(q, k_cache, v_cache, meta, 0.2, sliding_window=window, logits_soft_cap=cap)
 
     for b, n in enumerate(seq_lens):
         rows = slice(starts[b], starts[b + 1])
-        check(out[rows], dense_ref(q[rows], k_cache, v_cache, tables[b], n, 0.2, window, cap), torch.float32)
+        check(out[rows], dense_ref(q[rows], k_cache, v_cache, tables[b], n, 0.2, window=window, cap=cap), torch.float32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (gpu_suite.sh's kernels stage)")
@@ -319,38 +257,16 @@ def test_windowed_and_capped_decode_replay_in_one_cuda_graph() -> None:
     capacity = [40, 133, 7]
     k_cache, v_cache, tables = paged_kv(capacity, 16, 64, torch.bfloat16, gen)
     q = randn(len(capacity), NUM_KV_HEADS * 2, 64, gen=gen, dtype=torch.bfloat16) * 3
-    lens = as_int32(capacity)
     layers = [(16, None), (None, 5.0), (37, 5.0)]
-    outs = [torch.empty_like(q) for _ in layers]
-
-    def step() -> None:
-        for (window, cap), out in zip(layers, outs):
-            paged_decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                tables,
-                lens,
-                0.125,
-                out=out,
-                max_seq_len=256,
-                sliding_window=window,
-                logits_soft_cap=cap,
-            )
-
-    step()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
     new_lens = [33, 120, 5]
-    lens.copy_(as_int32(new_lens))
-    graph.replay()
-    torch.cuda.synchronize()
+    masks = [{"sliding_window": window, "logits_soft_cap": cap} for window, cap in layers]
+
+    outs = replay_decode_graph(q, k_cache, v_cache, tables, 0.125, masks, capacity, new_lens)
 
     for (window, cap), out in zip(layers, outs):
         for b, n in enumerate(new_lens):
             check(
                 out[b : b + 1],
-                dense_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, 0.125, window, cap),
+                dense_ref(q[b : b + 1], k_cache, v_cache, tables[b], n, 0.125, window=window, cap=cap),
                 torch.bfloat16,
             )

@@ -1,6 +1,6 @@
-"""The gated delta rule (Qwen3-Next's linear attention) over the state pool: one decode token per sequence
-(`fused_recurrent_gated_delta`), or a step's prompt chunks (`prefill_gated_delta`), each one launch that
-reads and writes each sequence's recurrent state in place in the pool.
+"""The gated delta rule (Qwen3-Next's linear attention) over the state pool: a step's prompt chunks, or its
+decodes as one-token sequences (`prefill_gated_delta`), in one launch that reads and writes each
+sequence's recurrent state in place in the pool.
 
 One program per (sequence, value head, block of value channels): it L2-normalises its key head's q and k
 (float32, eps 1e-6, transformers' l2norm), scales q by 1/sqrt(k_dim), loads its [k_dim, BLOCK_V] tile of
@@ -9,8 +9,9 @@ the state (zeros for a sequence with no context yet), and computes
     S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
 
 then stores the tile back. Value heads share a key head in groups of num_v_heads / num_k_heads, as
-transformers' repeat_interleave pairs them. The PyTorch reference is `fused_recurrent_gated_delta_ref`,
-which is ember.ops.gated_delta.recurrent over the gathered states.
+transformers' repeat_interleave pairs them. The PyTorch reference of a decode step (one token per
+sequence) is `fused_recurrent_gated_delta_ref`, which is ember.ops.gated_delta.recurrent over the
+gathered states.
 
 The program walks its sequence's tokens (rows `starts[b]` to `starts[b + 1]` of the step's tokens laid
 back to back) with the state tile held in registers, storing each token's output and the final tile; a
@@ -27,23 +28,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-def fused_recurrent_gated_delta(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    slots: torch.Tensor,
-    fresh: torch.Tensor,
-) -> torch.Tensor:
-    """q, k [B, Hk, K], v [B, Hv, V], g and beta [B, Hv], state [S, Hv, K, V] float32 (updated in place at
-    `slots` [B]), fresh [B] (nonzero: start from zeros). Returns o [B, Hv, V] in v's dtype: the prefill
-    kernel over one-token sequences."""
-    starts = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return prefill_gated_delta(q, k, v, g, beta, state, slots, fresh, starts)
 
 
 def fused_recurrent_gated_delta_ref(

@@ -6,12 +6,13 @@ DeltaNet's gated output norm.
 A Gated DeltaNet layer keeps, per request, a convolution state (the last kernel-1 inputs of its causal
 depthwise convolution, [conv_dim, kernel-1]) and a recurrent state ([v_heads, k_dim, v_dim], float32)
 in a pool of slots beside the paged KV cache (ember/runner/linear_state.py); the step's metadata gives
-each sequence its slot (`AttentionMetadata.state_slots`). A sequence whose context before the step is
-empty starts from zeros, so a slot needs no clearing when a request takes it, and a preempted request
-simply recomputes its prompt. The mixing itself is ember/ops/gated_delta.py's, each half batched over
-the step's sequences: the delta rule over prompt chunks (Triton on CUDA, the chunked rule per sequence
-elsewhere) and the recurrent update for decode tokens. The convolution of a prompt chunk runs per
-sequence in PyTorch.
+each sequence its slot (`AttentionMetadata.state_slots`) and says whether its context before the step is
+empty (`state_fresh`): such a sequence starts from zeros, so a slot needs no clearing when a request takes
+it, and a preempted request simply recomputes its prompt. Both are filled once per step in the runner's
+persistent input buffers, so the layers copy nothing to the device. The mixing itself is
+ember/ops/gated_delta.py's, each half batched over the step's sequences: the delta rule over prompt chunks
+(Triton on CUDA, the chunked rule per sequence elsewhere) and the recurrent update for decode tokens. The
+convolution of a prompt chunk runs per sequence in PyTorch.
 
 The full-attention layers are Ember's paged attention (ember/model/llama.py) with two changes: q_proj
 gives each head its query and an output gate side by side ([q_h, gate_h] per head), and the output is
@@ -121,14 +122,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert self.conv_state is not None and self.ssm_state is not None, "bind_state sets the pool before any step"
-        assert meta.state_slots is not None, "a model with linear attention gets each sequence's state slot"
+        assert meta.state_slots is not None and meta.state_fresh is not None, "a linear-attention model's step"
         mixed, z, b, a = self._split(x)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = torch.empty_like(z)
         n = meta.num_decodes
         if n:
-            out[:n] = self._decode(mixed[:n], beta[:n], g[:n], meta.state_slots[:n], meta.seq_lens_host[:n])
+            out[:n] = self._decode(mixed[:n], beta[:n], g[:n], meta)
         if n < len(meta.seq_lens_host):
             out[meta.query_start_host[n] :] = self._prefill(mixed, beta, g, meta)
         la = self.la
@@ -152,14 +153,15 @@ class GatedDeltaNet(nn.Module):
         """The step's prompt chunks (the sequences after its decodes): each sequence's convolution from its
         slot's state (zeros when its context before the chunk is empty), then the delta rule for all of them
         at once (`gated_delta_prefill_impl`), the slots' states advanced past the chunks."""
-        assert self.conv_state is not None and self.ssm_state is not None and meta.state_slots is not None
+        assert self.conv_state is not None and self.ssm_state is not None
+        assert meta.state_slots is not None and meta.state_fresh is not None
         n, starts, lens = meta.num_decodes, meta.query_start_host, meta.seq_lens_host
         first, weight = starts[n], self.conv1d.weight[:, 0]
-        conv_out, fresh = torch.empty_like(mixed[first:]), []
+        conv_out = torch.empty_like(mixed[first:])
         for seq in range(n, len(lens)):
             lo, hi, slot = starts[seq], starts[seq + 1], meta.state_slots[seq]
-            fresh.append(lens[seq] == hi - lo)  # no context before this chunk
-            conv = torch.zeros_like(self.conv_state[slot]) if fresh[-1] else self.conv_state[slot]
+            fresh = lens[seq] == hi - lo  # no context before this chunk: the host's copy of state_fresh[seq]
+            conv = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
             out, self.conv_state[slot] = gated_delta.causal_conv(mixed[lo:hi].t(), conv, weight)
             conv_out[lo - first : hi - first] = out.t()
         q, k, v = self._qkv(conv_out.unsqueeze(0))
@@ -172,27 +174,31 @@ class GatedDeltaNet(nn.Module):
             beta[first:],
             self.ssm_state,
             meta.state_slots[n:],
-            torch.tensor(fresh, device=mixed.device),
+            meta.state_fresh[n:],
             meta.query_start_loc[n:] - first,
             local,
         )
 
     def _decode(
-        self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slots: torch.Tensor, seq_lens: list[int]
+        self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """One token for each of B sequences, batched: the convolution's last window and one recurrent step
-        of the delta rule from each slot's state (zeros for a one-token prompt)."""
+        """One token for each of the step's B decodes, batched: the convolution's last window and one recurrent
+        step of the delta rule from each slot's state (zeros for a one-token prompt: `state_fresh`). The
+        decodes lead the step one token each, so their query_start_loc[: B + 1] is the 0..B the update walks."""
         assert self.conv_state is not None and self.ssm_state is not None
+        assert meta.state_slots is not None and meta.state_fresh is not None
+        n = meta.num_decodes
+        slots, fresh = meta.state_slots[:n], meta.state_fresh[:n]
         conv = self.conv_state[slots]
-        fresh = torch.tensor([n == 1 for n in seq_lens], device=mixed.device)  # a one-token prompt: no state yet
-        if min(seq_lens) == 1:
+        if min(meta.seq_lens_host[:n]) == 1:  # some one-token prompt, known on the host
             conv = conv.masked_fill(fresh[:, None, None], 0)
         weight = self.conv1d.weight[:, 0]
         window = torch.cat([conv.to(weight.dtype), mixed.to(weight.dtype).unsqueeze(-1)], dim=-1)  # [B, C, K]
         conv_out = F.silu((window * weight).sum(-1)).to(mixed.dtype)
         self.conv_state[slots] = window[:, :, 1:].to(self.conv_state.dtype)
         q, k, v = self._qkv(conv_out.unsqueeze(1))
-        return self._recurrent(q[:, 0], k[:, 0], v[:, 0], g, beta, self.ssm_state, slots, fresh)
+        starts = meta.query_start_loc[: n + 1]
+        return self._recurrent(q[:, 0], k[:, 0], v[:, 0], g, beta, self.ssm_state, slots, fresh, starts)
 
 
 class HybridLayer(nn.Module):

@@ -54,6 +54,9 @@ class AttentionMetadata:
     # [B] int64, each sequence's slot in the linear-attention state pool (ember/runner/linear_state.py); None
     # for a model without linear-attention layers
     state_slots: torch.Tensor | None = None
+    # [B] bool, with state_slots: True where a sequence has no tokens before the step's, so its state starts
+    # from zeros (the slot is not cleared when a request takes it)
+    state_fresh: torch.Tensor | None = None
     # the PyTorch path's decode gather plans (block ids, keys per query, key mask) per (sliding window,
     # attention chunk) (None, None: global layers), each made by the first layer of a step that uses it
     cpu_decode: dict[tuple[int | None, int | None], tuple[torch.Tensor, int, torch.Tensor | None]] = field(

@@ -122,7 +122,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 class TritonRecurrent:
-    """A decode token per sequence in one Triton launch, the state read and written in place in the pool
+    """A decode token per sequence in one Triton launch, the state read and written in place in the pool: the
+    prefill kernel over one-token sequences, `starts` [B + 1] (0..B) giving each its row
     (ember/kernels/gated_delta.py)."""
 
     @staticmethod
@@ -139,10 +140,11 @@ class TritonRecurrent:
         state: torch.Tensor,
         slots: torch.Tensor,
         fresh: torch.Tensor,
+        starts: torch.Tensor,
     ) -> torch.Tensor:
-        from ember.kernels.gated_delta import fused_recurrent_gated_delta
+        from ember.kernels.gated_delta import prefill_gated_delta
 
-        return fused_recurrent_gated_delta(q, k, v, g, beta, state, slots, fresh)
+        return prefill_gated_delta(q, k, v, g, beta, state, slots, fresh, starts)
 
 
 class TorchRecurrent:
@@ -162,9 +164,11 @@ class TorchRecurrent:
         state: torch.Tensor,
         slots: torch.Tensor,
         fresh: torch.Tensor,
+        starts: torch.Tensor,
     ) -> torch.Tensor:
         """q, k [B, Hk, K], v [B, Hv, V], g and beta [B, Hv], state [S, Hv, K, V] (updated at `slots`), fresh
-        [B] (True: start from zeros) -> o [B, Hv, V]."""
+        [B] (True: start from zeros) -> o [B, Hv, V]. `starts` (0..B, the kernel's token rows) is not needed:
+        row b is sequence b."""
         start = state[slots].masked_fill(fresh[:, None, None, None], 0.0)
         out, new = recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], start)
         state[slots] = new

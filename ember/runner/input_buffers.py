@@ -56,8 +56,11 @@ class InputBuffers:
         self.token_types = _Buffer((max_tokens,), torch.int64, device) if token_types else None
         # each token's M-RoPE (temporal, height, width) positions, for Qwen2.5-VL (ember/multimodal/mrope.py)
         self.mrope_positions = _Buffer((max_tokens, 3), torch.int64, device) if mrope else None
-        # each sequence's linear-attention state slot, for a model with such layers (ember/runner/linear_state.py)
+        # each sequence's linear-attention state slot, for a model with such layers (ember/runner/linear_state.py),
+        # and whether its state starts from zeros (no tokens before the step's): filled once per step here rather
+        # than copied to the device by every layer
         self.state_slots = _Buffer((max_seqs,), torch.int64, device) if state_slots else None
+        self.state_fresh = _Buffer((max_seqs,), torch.bool, device) if state_slots else None
         self._all = [
             self.input_ids,
             self.positions,
@@ -66,7 +69,11 @@ class InputBuffers:
             self.seq_lens,
             self.query_start_loc,
             self.logits_indices,
-        ] + [b for b in (self.lora_slots, self.token_types, self.mrope_positions, self.state_slots) if b is not None]
+        ] + [
+            b
+            for b in (self.lora_slots, self.token_types, self.mrope_positions, self.state_slots, self.state_fresh)
+            if b is not None
+        ]
         self._turn = 0
 
     def rope_positions(self, n: int) -> torch.Tensor:

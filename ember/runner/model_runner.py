@@ -363,6 +363,7 @@ class ModelRunner:
             state_slots=None
             if self.linear_state is None
             else torch.arange(len(lens), device=dev) % self.linear_state.slots.num_slots,
+            state_fresh=None if self.linear_state is None else torch.ones(len(lens), dtype=torch.bool, device=dev),
         )
         ids = torch.zeros(tokens, dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
@@ -431,6 +432,7 @@ class ModelRunner:
             if images is None or images[1] is None
             else torch.from_numpy(images[1]).to(self.device, non_blocking=True),
             state_slots=None if b.state_slots is None else b.state_slots.upload(rows)[: h.num_seqs],
+            state_fresh=None if b.state_fresh is None else b.state_fresh.upload(rows)[: h.num_seqs],
         )
         lora_slots = None
         if b.lora_slots is not None:

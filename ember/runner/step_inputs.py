@@ -115,9 +115,8 @@ def prepare_step(
             # table, attending up to its own position (every layer stores a step's keys before attending).
             for j in range(n):
                 tables[seq, : len(req.block_ids)] = req.block_ids
-                if b.state_slots is not None:
-                    b.state_slots.np[seq] = req.state_slot
                 p = start + j
+                _state_row(b, seq, req, p)
                 if p < req.num_tokens or j:
                     ids[t + j] = req.token_ids[p] if p < req.num_tokens else req.spec_token_ids[j - 1]
                 else:
@@ -130,8 +129,7 @@ def prepare_step(
             num_decodes += n
         else:
             tables[seq, : len(req.block_ids)] = req.block_ids
-            if b.state_slots is not None:
-                b.state_slots.np[seq] = req.state_slot
+            _state_row(b, seq, req, start)
             max_query_len = max(max_query_len, n)
             chunk = np.arange(start, end)
             ids[t : t + n] = req.input_token_ids(start, end)
@@ -189,6 +187,15 @@ def prepare_step(
         prompt_rows=[(r.first_row, r.count) for r in prompt_rows],
     )
     return PreparedStep(header, samplers, prompt_rows, inflight, spans)
+
+
+def _state_row(b: InputBuffers, seq: int, req: RequestState, first: int) -> None:
+    """A linear-attention model's sequence row: the request's state slot, and whether its state starts from
+    zeros (its row's first token is the request's first). Set here, once a step, so that no layer copies
+    them to the device."""
+    if b.state_slots is not None and b.state_fresh is not None:
+        b.state_slots.np[seq] = req.state_slot
+        b.state_fresh.np[seq] = first == 0
 
 
 def _mrope_rows(req: RequestState, positions: np.ndarray, merge: int) -> np.ndarray:
