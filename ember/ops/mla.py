@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ember.ops.attention import AttentionMetadata, Masking, _decode_plan
+from ember.ops.attention import AttentionMetadata, Masking, decode_plan
 from ember.ops.target import Target
 
 
@@ -110,7 +110,7 @@ class TorchMLA:
         """q [nd, H, L + rope] over each sequence's cached rows -> [nd, H, L] (the rows' latents as values)."""
         nd = q.shape[0]
         if (None, None) not in meta.cpu_decode:  # the plan of global layers: every block of each sequence
-            meta.cpu_decode[None, None] = _decode_plan(meta, cache.shape[1], Masking())
+            meta.cpu_decode[None, None] = decode_plan(meta, cache.shape[1], Masking())
         ids, keys, mask = meta.cpu_decode[None, None]
         rows = cache.index_select(0, ids).view(nd, -1, cache.shape[-1])[:, :keys].to(q.dtype)  # [nd, S, D]
         scores = torch.matmul(q, rows.transpose(1, 2)) * scale  # [nd, H, S]
