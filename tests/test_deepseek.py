@@ -7,7 +7,9 @@ transformers' own DeepseekV2/V3 classes: a 32-wide latent and 8 rotated channels
 non-zero. Greedy tokens equal transformers' in float32 with top-5 logprobs within 2e-3, for a batch of
 prompts of different lengths with chunked prefill and the prefix cache (the last three prompts share 20
 tokens, so a later request's prefill reads its prefix's latents from blocks another one wrote).
-The Triton MLA decode kernel runs against its float32 reference (the interpreter without a GPU).
+The Triton MLA decode kernel runs against its float64 reference (the interpreter without a GPU), over
+float and e4m3 rows. The fp8 latent cache (`kv_cache_dtype="fp8"`) equals a float32 cache holding the
+e4m3-rounded rows, stays close to the float32 cache, and holds twice a bf16 cache's blocks.
 """
 
 from __future__ import annotations
