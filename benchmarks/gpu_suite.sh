@@ -28,7 +28,8 @@
 #   structured   benchmarks/structured.py --mode h200: 256 JSON-schema requests vs the same unconstrained at matched
 #                lengths, mask time and GPU mask wait per step ($TOKENIZER: a directory with tokenizer.json)
 #   fp8gemm      benchmarks/fp8_gemm.py (per-channel vs block-scaled fp8 GEMMs per batch size; prints the
-#                cuBLAS-blockwise crossover) and benchmarks/fp8_kv_attention.py (bf16 vs fp8 caches)
+#                cuBLAS-blockwise crossover), benchmarks/fp8_kv_attention.py (bf16 vs fp8 caches) and
+#                benchmarks/mla_fp8_cache.py (bf16 vs fp8 MLA latent caches)
 #   moe          offline throughput, Qwen3-30B-A3B shape (61 GB of bf16 experts), with HF generate on the first 8
 #                requests (HF's continuous batching did not finish 16 of them in 135 s on the H200)
 #   moelat       batch-1 TTFT / TPOT with a 512-token prompt, Qwen3-30B-A3B and Mixtral-8x7B shapes
@@ -168,6 +169,7 @@ stage_structured() {
 stage_fp8gemm() {
   timeout 240 python3 benchmarks/fp8_gemm.py --time-limit 150 --out "$OUT/fp8-gemm-cuda-$D.json" 2>&1 | tail -40
   timeout 90 python3 benchmarks/fp8_kv_attention.py --out "$OUT/fp8-kv-attention-cuda-$D.json" 2>&1 | tail -20
+  timeout 120 python3 benchmarks/mla_fp8_cache.py --out "$OUT/mla-fp8-cache-cuda-$D.json" 2>&1 | tail -14
 }
 stage_moe() {
   limit=400 tput --model benchmarks/configs/qwen3-30b-a3b --hf --hf-num-seqs 8 --hf-mode generate \

@@ -486,7 +486,7 @@ class EngineArgs:
             "--kv-cache-dtype",
             default="auto",
             choices=KV_CACHE_DTYPES,
-            help="'fp8' stores keys and values as float8 e4m3: twice the KV capacity",
+            help="'fp8' stores keys and values (MLA: the latent rows) as float8 e4m3: twice the KV capacity",
         )
         g.add_argument(
             "--tensor-parallel-size",

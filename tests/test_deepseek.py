@@ -7,7 +7,9 @@ transformers' own DeepseekV2/V3 classes: a 32-wide latent and 8 rotated channels
 non-zero. Greedy tokens equal transformers' in float32 with top-5 logprobs within 2e-3, for a batch of
 prompts of different lengths with chunked prefill and the prefix cache (the last three prompts share 20
 tokens, so a later request's prefill reads its prefix's latents from blocks another one wrote).
-The Triton MLA decode kernel runs against its float32 reference (the interpreter without a GPU).
+The Triton MLA decode kernel runs against its float64 reference (the interpreter without a GPU), over
+float and e4m3 rows. The fp8 latent cache (`kv_cache_dtype="fp8"`) equals a float32 cache holding the
+e4m3-rounded rows, stays close to the float32 cache, and holds twice a bf16 cache's blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from ember.kernels.mla_decode import (
 from ember.model.hf_config import GroupedRouting, ModelConfig
 from ember.model.mla import MLAttention
 from ember.model.moe import SparseMoeBlock
+from ember.ops.mla import MlaShape, TorchMLA, TritonMLA
 from ember.ops.moe import route_grouped
+from ember.quant.formats import FP8_DTYPE
+from ember.quant.kv_scale import dequantize_kv, quantize_kv
 
 ARCHS = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3")
 
@@ -49,8 +54,8 @@ def references(checkpoints) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
 
 
 def _llm(path: Path, **kwargs) -> LLM:
-    args = {"kv_cache_memory": 0.01, "block_size": 8, "max_num_batched_tokens": 16, **kwargs}
-    return LLM(str(path), device=DEVICE, dtype="float32", engine_process=False, **args)
+    args = {"kv_cache_memory": 0.01, "block_size": 8, "max_num_batched_tokens": 16, "dtype": "float32", **kwargs}
+    return LLM(str(path), device=DEVICE, engine_process=False, **args)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -95,16 +100,104 @@ def test_preempted_requests_recompute(checkpoints, references):
         assert_output_matches(out.outputs[0], tokens, logprobs, prompt)
 
 
-def test_triton_path_matches_torch_path(checkpoints, monkeypatch):
+# --- the fp8 latent cache ---------------------------------------------------------------------------
+
+
+def _e4m3_rounded(store, scale: float):
+    """An MLA implementation's store that writes its rows as an fp8 cache with `scale` reads them back,
+    into a float cache (of scale 1.0)."""
+
+    def rounded(self, rows, cache, slot_mapping, kv_scale):
+        as_read = dequantize_kv(quantize_kv(rows[:, None], FP8_DTYPE, scale), scale, rows.dtype)[:, 0]
+        store(self, as_read, cache, slot_mapping, kv_scale)
+
+    return rounded
+
+
+@pytest.mark.parametrize("kv_scale", [1.0, 0.37])
+def test_fp8_latent_cache_reads_back_what_it_stored(checkpoints, monkeypatch, kv_scale):
+    """`kv_cache_dtype="fp8"` gives the tokens and logprobs of a float32 cache whose rows were rounded to
+    e4m3 (by the layers' scale, the engine's 1.0 or another) as they were stored: the decode (absorbed)
+    and the prefill chunks that decompress cached latents (a later chunk's context, the shared prefix's
+    blocks) all dequantize what they read, and nothing else changes. A scale set after start-up runs
+    eagerly: a CUDA graph keeps the host float it was captured with."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    path = checkpoints["deepseek-v3"]
+    llm = _llm(path, kv_cache_dtype="fp8", enforce_eager=kv_scale != 1.0)
+    for attn in inproc_core(llm).runner.model.attention_layers():
+        assert attn.cache.dtype == FP8_DTYPE
+        attn.kv_scale = kv_scale
+    fp8 = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.llm_engine.scheduler_stats().prefix_cache_hits > 0
+    for impl in (TorchMLA, TritonMLA):
+        monkeypatch.setattr(impl, "store", _e4m3_rounded(impl.store, kv_scale))
+    emulated = _llm(path).generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(fp8, emulated):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in la.items()} == pytest.approx(
+                {t: v.logprob for t, v in lb.items()}, abs=1e-5
+            )
+
+
+# |logprob difference| of every prompt token, fp8 latent cache against float32, over PROMPTS: measured on
+# CPU, mean 0.024 / 0.046 / 0.045 and worst 0.07 / 0.40 / 0.28 for V2-Lite / V2 / V3 (the MoE routing turns
+# a few small differences into another expert; the tiny Llama's fp8 KV cache: worst 0.12)
+FP8_MEAN_LOGPROB_ERROR, FP8_WORST_LOGPROB_ERROR = 0.08, 0.8
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_latent_cache_stays_close_to_float32(checkpoints, arch):
+    """The cost of quantizing the latents: e4m3 keeps 3 mantissa bits (a relative error of up to 1/16 per
+    value), which the decompression and attention average. Teacher-forced (prompt logprobs) over chunked
+    prefills, so no near-tie's greedy divergence hides a difference; a wrong scale or a missing
+    dequantization costs whole nats."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    runs = [
+        _llm(checkpoints[arch], kv_cache_dtype=kv).generate(PROMPTS, params, use_tqdm=False) for kv in ("auto", "fp8")
+    ]
+    errors = torch.tensor(
+        [
+            abs(ref[tok].logprob - got[tok].logprob)
+            for a, b in zip(*runs)
+            for ref, got in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
+            for tok in ref
+        ]
+    )
+    assert errors.mean() <= FP8_MEAN_LOGPROB_ERROR and errors.max() <= FP8_WORST_LOGPROB_ERROR, (
+        errors.mean(),
+        errors.max(),
+    )
+
+
+def test_fp8_latent_cache_holds_twice_the_tokens_of_bf16(checkpoints):
+    """One byte a value: the pool's bytes per block are half a bf16 cache's, so the same memory holds
+    twice the blocks (and tokens)."""
+    path = checkpoints["deepseek-v3"]
+    cfg = json.loads((path / "config.json").read_text())
+    values_per_block = cfg["num_hidden_layers"] * 8 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+    pools = {
+        kv: inproc_core(_llm(path, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=0.001)).runner.kv_cache
+        for kv in ("auto", "fp8")
+    }
+    assert pools["auto"].bytes_per_block == 2 * values_per_block and pools["fp8"].bytes_per_block == values_per_block
+    assert pools["auto"].num_blocks == int(0.001 * 2**30 // (2 * values_per_block))
+    assert pools["fp8"].num_blocks == int(0.001 * 2**30 // values_per_block)
+    assert pools["fp8"].num_blocks in (2 * pools["auto"].num_blocks, 2 * pools["auto"].num_blocks + 1)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_triton_path_matches_torch_path(checkpoints, monkeypatch, kv_cache_dtype):
     """The engine on the kernels (the MLA decode kernel and latent store, the fused MoE with DeepSeek's
-    routing) gives the PyTorch path's tokens and logprobs, with a chunked prefill and decodes."""
+    routing) gives the PyTorch path's tokens and logprobs, with a chunked prefill and decodes, over a
+    float32 or an fp8 latent cache."""
     from ember.ops import registry as backend
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
     path = checkpoints["deepseek-v3"]
-    torch_outs = _llm(path).generate(PROMPTS[2:4], params, use_tqdm=False)
+    torch_outs = _llm(path, kv_cache_dtype=kv_cache_dtype).generate(PROMPTS[2:4], params, use_tqdm=False)
     monkeypatch.setattr(backend, "FORCE_TRITON", True)
-    triton_outs = _llm(path).generate(PROMPTS[2:4], params, use_tqdm=False)
+    triton_outs = _llm(path, kv_cache_dtype=kv_cache_dtype).generate(PROMPTS[2:4], params, use_tqdm=False)
     for a, b in zip(torch_outs, triton_outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -249,8 +342,55 @@ def test_mla_decode_kernel_matches_reference(kv_lora, rope, heads, block_size, d
     ref = mla_decode_attention_ref(q, cache, tables, seq_lens, scale, kv_lora)
     tol = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
     assert out.shape == (len(lens), heads, kv_lora) and out.dtype == dtype
-    torch.testing.assert_close(out[:-1].float(), ref[:-1], **tol)
+    torch.testing.assert_close(out[:-1].double(), ref[:-1], **tol)
     assert torch.equal(out[-1].float(), torch.zeros(heads, kv_lora, device=KERNEL_DEVICE))
+
+
+# Near amax / 448 for the rows below (as a calibrated scale would be, so the largest values saturate) and
+# no power of two (so scaling rounds); as a layer's float, and as the one "KV head"'s float32 tensor.
+FP8_ROW_SCALES = [0.0123, "tensor"]
+
+
+def _kv_scale(scale: float | str) -> float | torch.Tensor:
+    return torch.tensor([0.0091], device=KERNEL_DEVICE) if scale == "tensor" else scale
+
+
+@pytest.mark.parametrize("kv_scale", FP8_ROW_SCALES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_kernel_reads_fp8_rows(dtype, num_splits, kv_scale):
+    """Fresh random e4m3 rows (a few saturated) against the float64 reference over the same rows
+    dequantized, with and without splits; bf16 queries multiply in fp16 (kv_dot_dtype)."""
+    kv_lora, rope, heads, block_size = 48, 16, 20, 16
+    gen = torch.Generator().manual_seed(7 + num_splits)
+    lens = [1, 70, 17, 0]
+    width, num_blocks = kv_lora + rope, 24
+    kv_scale = _kv_scale(kv_scale)
+    rows = torch.randn(num_blocks, block_size, 1, width, generator=gen) * 2
+    cache = quantize_kv(rows.to(KERNEL_DEVICE), FP8_DTYPE, kv_scale)
+    assert cache.float().abs().max() == 448  # some rows saturate
+    per_seq = -(-max(lens) // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
+    tables = tables.to(torch.int32).to(KERNEL_DEVICE)
+    q = torch.randn(len(lens), heads, width, generator=gen).to(dtype).to(KERNEL_DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=KERNEL_DEVICE)
+    scale = width**-0.5
+    out = mla_decode_attention(q, cache, tables, seq_lens, scale, kv_lora, num_splits=num_splits, kv_scale=kv_scale)
+    ref = mla_decode_attention_ref(q, cache, tables, seq_lens, scale, kv_lora, kv_scale)
+    tol = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    assert out.shape == (len(lens), heads, kv_lora) and out.dtype == dtype
+    torch.testing.assert_close(out[:-1].double(), ref[:-1], **tol)
+    assert torch.equal(out[-1].float(), torch.zeros(heads, kv_lora, device=KERNEL_DEVICE))
+
+
+def test_mla_decode_kernel_refuses_mismatched_caches():
+    q = torch.zeros(1, 2, 40, device=KERNEL_DEVICE)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32, device=KERNEL_DEVICE), torch.ones(1, dtype=torch.int32)
+    cache = torch.zeros(2, 8, 1, 40, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="only fp8 may differ"):
+        mla_decode_attention(q.bfloat16(), cache, table, lens.to(KERNEL_DEVICE), 0.1, 32)
+    with pytest.raises(ValueError, match="only to fp8 caches"):
+        mla_decode_attention(q, cache, table, lens.to(KERNEL_DEVICE), 0.1, 32, kv_scale=0.5)
 
 
 def test_store_latent_skips_padding():
@@ -261,3 +401,31 @@ def test_store_latent_skips_padding():
     store_latent(rows, cache, slots)
     store_latent_ref(rows, ref, slots)
     assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("kv_scale", FP8_ROW_SCALES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_latent_fp8_rounds_like_the_torch_path(dtype, kv_scale):
+    """The kernel, its reference and TorchMLA's store write the same e4m3 bits: rounded to nearest even,
+    saturated at +-448 (never NaN), signed zeros and subnormals kept."""
+    gen = torch.Generator().manual_seed(2)
+    kv_scale = _kv_scale(kv_scale)
+    rows = (torch.randn(6, 40, generator=gen) * 3).to(dtype)
+    rows[2, :9] = torch.tensor([1e4, -1e4, float("inf"), float("-inf"), -0.0, 1e-6, -1e-6, 3e-5, -7e-5]).to(dtype)
+    slots = torch.tensor([3, -1, 17, 0, -1, 30], dtype=torch.int64)
+    before = quantize_kv(torch.randn(4, 8, 1, 40, generator=gen), FP8_DTYPE, _cpu(kv_scale))
+    cache, ref = (before.to(KERNEL_DEVICE, copy=True) for _ in range(2))
+    store_latent(rows.to(KERNEL_DEVICE), cache, slots.to(KERNEL_DEVICE), kv_scale)
+    store_latent_ref(rows.to(KERNEL_DEVICE), ref, slots.to(KERNEL_DEVICE), kv_scale)
+    torch_path, keep = before.clone(), slots >= 0  # the PyTorch path is never given padding slots
+    TorchMLA(MlaShape(FP8_DTYPE, 4, 32, 8, 8)).store(rows[keep], torch_path, slots[keep], _cpu(kv_scale))
+    bits = [t.cpu().view(torch.uint8) for t in (cache, ref, torch_path)]
+    assert torch.equal(bits[0], bits[1]) and torch.equal(bits[0], bits[2])
+    assert not torch.equal(bits[0], before.view(torch.uint8))  # the rows did land
+    stored = cache.cpu().view(-1, 40).float()
+    assert torch.equal(stored[int(slots[2]), :4], torch.tensor([448.0, -448.0, 448.0, -448.0]))
+    assert not stored.isnan().any()
+
+
+def _cpu(scale: float | torch.Tensor) -> float | torch.Tensor:
+    return scale.cpu() if isinstance(scale, torch.Tensor) else scale

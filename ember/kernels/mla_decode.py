@@ -8,6 +8,11 @@ s = q_lat . c + q_pe . k_pe (two products: the latent and the rotated parts are 
 neither width need be a power of two) and o += p . c. The query comes absorbed (q_nope through W_UK, by
 the caller) and the output stays latent ([B, H, kv_lora_rank]; W_UV is the caller's too). The split's
 partial results are merged by decode_attention's log-sum-exp kernel, as paged decode's are.
+
+An fp8 cache (`--kv-cache-dtype fp8`) holds each row as e4m3 under the fp8 KV cache's scale rules
+(ember.quant.kv_scale), the latent row being the layer's one KV head: the store quantizes with
+`quantize_e4m3`, and the decode kernel converts the e4m3 tiles in registers as paged decode does (the
+scale folded into the score scale and applied once to the accumulator; products in fp16 for bf16 queries).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import triton
 import triton.language as tl
 
 from ember.kernels.decode_attention import choose_num_splits, merge_splits
-from ember.kernels.paged import dot_dtype, dot_precision, num_sms
+from ember.kernels.e4m3 import quantize_e4m3
+from ember.kernels.paged import dot_precision, head_scales, kernel_scales, kv_dot_dtype, num_sms
+from ember.quant.formats import FP8_DTYPE
+from ember.quant.kv_scale import KVScale, check_kv_scales, dequantize_kv, quantize_kv
 
-_LOG2E = 1.4426950408889634
 BLOCK_N = 32  # context tokens per row tile
 BLOCK_H = 16  # query heads per program: the tensor cores' minimum
 
@@ -35,6 +42,8 @@ def _mla_decode_kernel(
     part_max_ptr,
     part_sum_ptr,
     qk_scale,
+    k_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_ob,
@@ -51,11 +60,14 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     split = tl.program_id(2)
+    # an fp8 row's scale, as key in the scores' scale and as value once on the accumulator
+    qk_scale, v_scale = head_scales(qk_scale, k_scale, v_scale, 0, HEAD_SCALES)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
     ldims = tl.arange(0, BLOCK_L)
@@ -91,6 +103,7 @@ def _mla_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), lat, input_precision=PRECISION)
         m_i = m_new
+    acc = acc * v_scale
 
     out_mask = head_mask[:, None] & lmask[None, :]
     if NUM_SPLITS == 1:
@@ -114,11 +127,13 @@ def mla_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    kv_scale: KVScale = 1.0,
 ) -> torch.Tensor:
     """q [B, H, kv_lora_rank + rope] (absorbed queries) against each sequence's `seq_lens[b]` cached rows
     (cache [num_blocks, block_size, 1, kv_lora_rank + rope]) -> out [B, H, kv_lora_rank]: softmax(q . row *
-    scale) . row[:kv_lora_rank]. Reads nothing on the host (CUDA graphs): the split count is `num_splits`,
-    else from `max_seq_len`, else from the block table's width."""
+    scale) . row[:kv_lora_rank], an fp8 cache's rows read as float(stored) * kv_scale. Reads nothing on the
+    host (CUDA graphs): the split count is `num_splits`, else from `max_seq_len`, else from the block
+    table's width."""
     batch, num_heads, width = q.shape
     num_blocks, block_size, one, cache_dim = cache.shape
     if one != 1 or cache_dim != width or not cache.is_contiguous() or q.stride(2) != 1:
@@ -128,6 +143,10 @@ def mla_decode_attention(
         )
     if not 0 < kv_lora_rank < width:
         raise ValueError(f"mla_decode_attention: kv_lora_rank {kv_lora_rank} must lie in (0, {width})")
+    if cache.dtype not in (q.dtype, FP8_DTYPE):
+        raise ValueError(f"mla_decode_attention: a {cache.dtype} cache for {q.dtype} queries (only fp8 may differ)")
+    check_kv_scales(cache.dtype, kv_scale, kv_scale, 1)
+    qk_scale, _, k_scale, v_scale, per_head = kernel_scales(scale, kv_scale, kv_scale, None)
     if out is None:
         out = torch.empty(batch, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -152,7 +171,9 @@ def mla_decode_attention(
         part_acc,
         part_max,
         part_sum,
-        scale * _LOG2E,
+        qk_scale,
+        k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -169,7 +190,8 @@ def mla_decode_attention(
         BLOCK_N=BLOCK_N,
         BLOCK_L=block_l,
         BLOCK_R=max(16, triton.next_power_of_2(width - kv_lora_rank)),
-        DOT_DTYPE=dot_dtype(q.dtype),
+        HEAD_SCALES=per_head,
+        DOT_DTYPE=kv_dot_dtype(q.dtype, cache.dtype),
         PRECISION=dot_precision(q.dtype),
         num_warps=4 if block_l <= 256 else 8,
         num_stages=2,
@@ -186,41 +208,73 @@ def mla_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    kv_scale: KVScale = 1.0,
 ) -> torch.Tensor:
-    """The same in float32 PyTorch, one sequence at a time: [B, H, kv_lora_rank] float32."""
+    """The same in float64 PyTorch over the dequantized rows, one sequence at a time: [B, H, kv_lora_rank]
+    float64."""
     outs = []
     block_size = cache.shape[1]
     for b in range(q.shape[0]):
         n = int(seq_lens[b])
-        rows = cache[block_tables[b, : -(-n // block_size)].long()].reshape(-1, cache.shape[-1])[:n].float()
-        probs = torch.softmax(q[b].float() @ rows.t() * scale, dim=-1)
+        rows = cache[block_tables[b, : -(-n // block_size)].long()].flatten(0, 1)[:n]  # [n, 1, D]
+        rows = dequantize_kv(rows, kv_scale, torch.float64).double()[:, 0]
+        probs = torch.softmax(q[b].double() @ rows.t() * scale, dim=-1)
         outs.append(probs @ rows[:, :kv_lora_rank])
     return torch.stack(outs)
 
 
 @triton.jit
-def _store_latent_kernel(rows_ptr, cache_ptr, slot_ptr, stride_r, width, BLOCK: tl.constexpr):
+def _store_latent_kernel(
+    rows_ptr,
+    cache_ptr,
+    slot_ptr,
+    scale,
+    stride_r,
+    width,
+    BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # a padding token
         return
     dims = tl.arange(0, BLOCK)
     row = tl.load(rows_ptr + token.to(tl.int64) * stride_r + dims, mask=dims < width)
+    if FP8:
+        if HEAD_SCALES:
+            scale = tl.load(scale)
+        row = quantize_e4m3(row, scale, ROUND_IN_FP32)
     tl.store(cache_ptr + slot * width + dims, row.to(cache_ptr.dtype.element_ty), mask=dims < width)
 
 
-def store_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: KVScale = 1.0) -> None:
     """rows [T, cache_dim] into cache [num_blocks, block_size, 1, cache_dim] at `slot_mapping` [T]; slot -1
-    skips the token (a CUDA graph's padding)."""
+    skips the token (a CUDA graph's padding). An fp8 cache stores clamp(row / kv_scale, -448, 448), as
+    store_kv stores keys."""
     tokens, width = rows.shape
     if rows.stride(1) != 1 or not cache.is_contiguous() or cache.shape[-1] != width or cache.shape[2] != 1:
         raise ValueError(f"store_latent: rows [T, {cache.shape[-1]}] and a contiguous [N, S, 1, D] cache expected")
+    check_kv_scales(cache.dtype, kv_scale, kv_scale, 1)
     if tokens:
         _store_latent_kernel[(tokens,)](
-            rows, cache, slot_mapping, rows.stride(0), width, BLOCK=triton.next_power_of_2(width)
+            rows,
+            cache,
+            slot_mapping,
+            kv_scale,
+            rows.stride(0),
+            width,
+            BLOCK=triton.next_power_of_2(width),
+            FP8=cache.dtype == FP8_DTYPE,
+            HEAD_SCALES=isinstance(kv_scale, torch.Tensor),
+            ROUND_IN_FP32=triton.knobs.runtime.interpret,
         )
 
 
-def store_latent_ref(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_latent_ref(
+    rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: KVScale = 1.0
+) -> None:
     keep = slot_mapping >= 0
-    cache.view(-1, cache.shape[-1])[slot_mapping[keep]] = rows[keep].to(cache.dtype)
+    rows = quantize_kv(rows[keep][:, None], cache.dtype, kv_scale).to(cache.dtype)
+    cache.view(-1, *cache.shape[2:])[slot_mapping[keep]] = rows

@@ -5,7 +5,7 @@ Per token the cache holds one row of `kv_lora_rank + qk_rope_head_dim` values (e
 MlaConfig.cache_dim): the normalised latent c (kv_a_proj_with_mqa, kv_a_layernorm) and the rotated key
 k_pe that every head shares. There is no V tensor: the pool is one [num_blocks, block_size, 1, cache_dim]
 tensor per layer (ember.runner.kv_cache, `latent=True`), 576 values a token for V2/V3 against 2 x 128
-heads x 192 for their decompressed keys and values.
+heads x 192 for their decompressed keys and values; in e4m3 with `--kv-cache-dtype fp8` (one byte a value).
 
 Prefill chunks decompress their sequence's cached latents (kv_b_proj: each head's unrotated key and its
 value) and attend as multi-head attention; one-token queries never decompress: the query's unrotated part
@@ -63,6 +63,9 @@ class MLAttention(nn.Module):
         perm = torch.cat([torch.arange(0, self.rope_dim, 2), torch.arange(1, self.rope_dim, 2)])
         self._deinterleave = perm.to(self.o_proj.weight.device) if mla.rope_interleave else None
         self.cache: torch.Tensor | None = None
+        # fp8 latent cache: stored = row / kv_scale, the fp8 KV cache's rule with the row as the one KV head;
+        # 1.0 (as for other layers' k_scale and v_scale, uncalibrated) keeps |row| <= 448 to e4m3's mantissa
+        self.kv_scale = 1.0
         self._absorbed: AbsorbedWeights | None = None
 
     def bind_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
@@ -108,6 +111,6 @@ class MLAttention(nn.Module):
         if self._deinterleave is not None:
             q_pe, k_pe = q_pe[..., self._deinterleave], k_pe[..., self._deinterleave]
         q_pe, k_pe = self._rope(self.rotary, positions, q_pe.contiguous(), k_pe.contiguous())
-        self._mla.store(torch.cat([latent, k_pe.squeeze(1)], dim=-1), cache, meta.slot_mapping)
-        o = self._mla(q_nope, q_pe, cache, meta, absorbed, self.kv_b_proj, self.scale)
+        self._mla.store(torch.cat([latent, k_pe.squeeze(1)], dim=-1), cache, meta.slot_mapping, self.kv_scale)
+        o = self._mla(q_nope, q_pe, cache, meta, absorbed, self.kv_b_proj, self.scale, self.kv_scale)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))

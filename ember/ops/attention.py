@@ -94,8 +94,9 @@ class Masking:
         return None
 
 
-def _copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """index_copy_ has no CPU kernel for fp8, so fp8 caches are written through their raw bytes."""
+def copy_to_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """values [T, *cache.shape[2:]] into a paged cache at `slot_mapping` [T] (the PyTorch path's store, MLA's
+    latent rows too). index_copy_ has no CPU kernel for fp8, so fp8 caches are written through their raw bytes."""
     if cache.dtype == FP8_DTYPE:
         cache, values = cache.view(torch.uint8), values.view(torch.uint8)
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values)
@@ -220,8 +221,8 @@ class TorchAttention:
         v_scale: KVScale,
     ) -> None:
         check_kv_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
-        _copy_to_slots(k_cache, slot_mapping, quantize_kv(k, k_cache.dtype, k_scale))
-        _copy_to_slots(v_cache, slot_mapping, quantize_kv(v, v_cache.dtype, v_scale))
+        copy_to_slots(k_cache, slot_mapping, quantize_kv(k, k_cache.dtype, k_scale))
+        copy_to_slots(v_cache, slot_mapping, quantize_kv(v, v_cache.dtype, v_scale))
 
     def __call__(
         self,
@@ -257,7 +258,7 @@ class TorchAttention:
         nd = meta.num_decodes
         plan = (masking.window, masking.chunk)
         if plan not in meta.cpu_decode:
-            meta.cpu_decode[plan] = _decode_plan(meta, block_size, masking)
+            meta.cpu_decode[plan] = decode_plan(meta, block_size, masking)
         ids, keys, mask = meta.cpu_decode[plan]
         shape = (nd, ids.numel() // nd * block_size, *k_cache.shape[2:])
         # index_select on the flat block list: 1.6x (one sequence) to 12x (16) faster than k_cache[tables]
@@ -387,12 +388,13 @@ def _first_block(first_query_pos: int, masking: Masking, block_size: int) -> int
     return 0 if first_key is None else max(0, first_key) // block_size
 
 
-def _decode_plan(
+def decode_plan(
     meta: AttentionMetadata, block_size: int, masking: Masking
 ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """Block ids to gather for the one-token queries (with a window, only the blocks it covers, from
     each sequence's own first one), the number of keys gathered per query, and which of them each
-    query may see ([nd, 1, 1, S]; None when all are visible, which lets SDPA skip masking)."""
+    query may see ([nd, 1, 1, S]; None when all are visible, which lets SDPA skip masking). MLA's
+    PyTorch decode gathers its latent rows by the same plan (ember/ops/mla.py)."""
     nd = meta.num_decodes
     lens = meta.seq_lens_host[:nd]
     first = [_first_block(n - 1, masking, block_size) for n in lens]

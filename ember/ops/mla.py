@@ -12,6 +12,10 @@ the Triton path) and, called, gives every query's attention output per head, [T,
   head's unrotated key and value, as transformers computes them), and one SDPA call per chunk with the
   causal mask offset by its cached context. Both implementations run this in PyTorch (on the GPU too:
   steps with prefill rows run eagerly for MLA models, see ModelRunner.capture_cuda_graphs).
+
+An fp8 cache (`--kv-cache-dtype fp8`) stores each row quantized by the layer's `kv_scale` under the fp8 KV
+cache's rules (ember.quant.kv_scale: the latent row is the layer's one KV head). Both paths dequantize
+what they read: the PyTorch one each gathered sequence's rows (decode and prefill), the kernel each tile.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ember.ops.attention import AttentionMetadata, Masking, _decode_plan
+from ember.ops.attention import AttentionMetadata, Masking, copy_to_slots, decode_plan
 from ember.ops.target import Target
+from ember.quant.kv_scale import KVScale, check_kv_scales, dequantize_kv, quantize_kv
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,9 @@ class TorchMLA:
     def __init__(self, shape: MlaShape) -> None:
         self.kv_lora_rank = shape.kv_lora_rank
 
-    def store(self, rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+    def store(self, rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: KVScale) -> None:
+        check_kv_scales(cache.dtype, kv_scale, kv_scale, 1)
+        copy_to_slots(cache, slot_mapping, quantize_kv(rows[:, None], cache.dtype, kv_scale).to(cache.dtype))
 
     def __call__(
         self,
@@ -75,19 +81,21 @@ class TorchMLA:
         absorbed: AbsorbedWeights,
         kv_b_proj: Any,
         scale: float,
+        kv_scale: KVScale,
     ) -> torch.Tensor:
+        check_kv_scales(cache.dtype, kv_scale, kv_scale, 1)
         nd, tokens = meta.num_decodes, q_nope.shape[0]
         if nd == tokens:
-            return self.decode(q_nope, q_pe, cache, meta, absorbed, scale)
+            return self.decode(q_nope, q_pe, cache, meta, absorbed, scale, kv_scale)
         heads, v_dim = q_nope.shape[1], absorbed.w_uv_t.shape[2]
         new = torch.zeros if meta.pad_rows else torch.empty
         out = new(tokens, heads, v_dim, dtype=q_nope.dtype, device=q_nope.device)
         if nd:
-            out[:nd] = self.decode(q_nope[:nd], q_pe[:nd], cache, meta, absorbed, scale)
+            out[:nd] = self.decode(q_nope[:nd], q_pe[:nd], cache, meta, absorbed, scale, kv_scale)
         for i in range(nd, len(meta.seq_lens_host)):
             start, end = meta.query_start_host[i], meta.query_start_host[i + 1]
             out[start:end] = self._prefill_chunk(
-                q_nope[start:end], q_pe[start:end], cache, meta, i, kv_b_proj, v_dim, scale
+                q_nope[start:end], q_pe[start:end], cache, meta, i, kv_b_proj, v_dim, scale, kv_scale
             )
         return out
 
@@ -99,20 +107,21 @@ class TorchMLA:
         meta: AttentionMetadata,
         absorbed: AbsorbedWeights,
         scale: float,
+        kv_scale: KVScale,
     ) -> torch.Tensor:
         """The one-token queries [nd, H, *] -> [nd, H, v], absorbed (no decompression)."""
         q = torch.cat([absorb_query(q_nope, absorbed.w_uk), q_pe], dim=-1)
-        return expand_output(self.attend_latent(q, cache, meta, scale), absorbed.w_uv_t)
+        return expand_output(self.attend_latent(q, cache, meta, scale, kv_scale), absorbed.w_uv_t)
 
     def attend_latent(
-        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_scale: KVScale
     ) -> torch.Tensor:
         """q [nd, H, L + rope] over each sequence's cached rows -> [nd, H, L] (the rows' latents as values)."""
         nd = q.shape[0]
         if (None, None) not in meta.cpu_decode:  # the plan of global layers: every block of each sequence
-            meta.cpu_decode[None, None] = _decode_plan(meta, cache.shape[1], Masking())
+            meta.cpu_decode[None, None] = decode_plan(meta, cache.shape[1], Masking())
         ids, keys, mask = meta.cpu_decode[None, None]
-        rows = cache.index_select(0, ids).view(nd, -1, cache.shape[-1])[:, :keys].to(q.dtype)  # [nd, S, D]
+        rows = dequantize_kv(cache.index_select(0, ids).view(nd, -1, cache.shape[-1])[:, :keys], kv_scale, q.dtype)
         scores = torch.matmul(q, rows.transpose(1, 2)) * scale  # [nd, H, S]
         if mask is not None:
             scores = scores.masked_fill(~mask[:, 0], float("-inf"))
@@ -129,13 +138,16 @@ class TorchMLA:
         kv_b_proj: Any,
         v_dim: int,
         scale: float,
+        kv_scale: KVScale,
     ) -> torch.Tensor:
         """One chunk's queries [Q, H, *] against its sequence's decompressed context -> [Q, H, v]."""
         q_len, seq_len = q_nope.shape[0], meta.seq_lens_host[i]
         ctx, heads, nope = seq_len - q_len, q_nope.shape[1], q_nope.shape[2]
         latent_dim = self.kv_lora_rank
         block_ids = meta.block_tables[i, : -(-seq_len // cache.shape[1])]
-        rows = cache.index_select(0, block_ids).view(-1, cache.shape[-1])[:seq_len].to(q_nope.dtype)
+        rows = dequantize_kv(
+            cache.index_select(0, block_ids).view(-1, cache.shape[-1])[:seq_len], kv_scale, q_nope.dtype
+        )
         latent, k_pe = rows.split([latent_dim, q_pe.shape[2]], dim=-1)
         k_nope, v = kv_b_proj(latent.contiguous()).view(seq_len, heads, nope + v_dim).split([nope, v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(seq_len, heads, -1)], dim=-1)
@@ -158,17 +170,24 @@ class TritonMLA(TorchMLA):
     def can_implement(target: Target, shape: MlaShape) -> bool:
         return target.triton
 
-    def store(self, rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store(self, rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: KVScale) -> None:
         from ember.kernels.mla_decode import store_latent
 
-        store_latent(rows, cache, slot_mapping)
+        store_latent(rows, cache, slot_mapping, kv_scale)
 
     def attend_latent(
-        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_scale: KVScale
     ) -> torch.Tensor:
         from ember.kernels.mla_decode import mla_decode_attention
 
         nd = q.shape[0]
         return mla_decode_attention(
-            q, cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, self.kv_lora_rank, max_seq_len=meta.max_seq_len
+            q,
+            cache,
+            meta.block_tables[:nd],
+            meta.seq_lens[:nd],
+            scale,
+            self.kv_lora_rank,
+            max_seq_len=meta.max_seq_len,
+            kv_scale=kv_scale,
         )

@@ -160,8 +160,6 @@ class ModelRunner:
         timeline.mark("model loaded")
         self.quantization = files.quantization
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype != "auto" else self.dtype
-        if cfg.mla is not None and self.kv_dtype != self.dtype:
-            raise ValueError("kv_cache_dtype 'fp8' is not supported for multi-head latent attention (DeepSeek)")
         if cfg.mla is not None:  # one latent row per token and layer (ember/model/mla.py)
             self.kv_cache = KVCache(
                 self.model.attention_layers(), 1, cfg.mla.cache_dim, self.block_size, self.kv_dtype, device, latent=True
