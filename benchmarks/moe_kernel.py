@@ -8,6 +8,12 @@ states in and out; FLOPs are 6 * M * k * H * I (gate, up and down). Both are set
 4.3 TB/s and 790 TFLOP/s (../shared/DESIGN.md); `roofline_us` is the larger of the two bounds.
 
     python benchmarks/moe_kernel.py --out benchmarks/results/moe-kernel-h200-<date>.json
+
+--fused compares, per MoE layer (routing and alignment included, as the engine runs it), the
+two-GEMM path with the one-kernel MLP (fused_moe.fused_mlp) at M = 1..4: its default tiles, or each
+--fused-tiles set (BLOCK_I BLOCK_K BLOCK_H warps stages), with each one's error against the float64 reference:
+
+    python benchmarks/moe_kernel.py --fused --out benchmarks/results/moe-fused-h100-<date>.json
 """
 
 from __future__ import annotations
@@ -23,14 +29,22 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from ember.kernels.fused_moe import Experts, fused_moe, fused_moe_ref, moe_config_for, weight_kind
-from ember.kernels.moe_config import device_key, lookup, problem_key
+from ember.kernels.fused_moe import (
+    Experts,
+    fused_moe,
+    fused_moe_from_logits,
+    fused_moe_ref,
+    moe_config_for,
+    weight_kind,
+)
+from ember.kernels.moe_config import FusedTiles, MoeConfig, default_fused_tiles, device_key, lookup, problem_key
 from ember.kernels.moe_routing import moe_route
 from ember.quant.experts import QuantizedExperts, quantize_experts
 
 PEAK_GBS = 4300.0
 PEAK_TFLOPS = 790.0
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+FUSED_BATCH_SIZES = [1, 2, 3, 4]
 
 
 class MoeShape(NamedTuple):
@@ -113,6 +127,63 @@ def measure(shape: MoeShape, w13: Experts, w2: Experts, m: int, rep_ms: int, gen
     }
 
 
+def compare_fused(
+    shape: MoeShape, w13: Experts, w2: Experts, m: int, tile_sets: list[FusedTiles], rep_ms: int, gen: torch.Generator
+) -> dict[str, Any]:
+    """One MoE layer (fused_moe_from_logits) at M tokens: the two-GEMM path's time, then each fused
+    tile set's time, speed-up over it and largest error against the float64 reference."""
+    hidden = torch.randn(m, shape.hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    logits = torch.randn(m, shape.num_experts, device="cuda", generator=gen)
+    weights, ids = moe_route(logits, shape.top_k, True)
+    ref = fused_moe_ref(hidden, w13, w2, weights, ids).double()
+
+    def layer(cfg: MoeConfig) -> torch.Tensor:
+        return fused_moe_from_logits(hidden, w13, w2, logits, shape.top_k, True, cfg)
+
+    def rel_error(cfg: MoeConfig) -> float:
+        return round(float((layer(cfg).double() - ref).abs().max() / ref.abs().max()), 5)
+
+    def timed(cfg: MoeConfig) -> float:
+        return bench_us(lambda: layer(cfg), rep_ms)
+
+    two_kernel = moe_config_for(hidden, w13, w2, shape.top_k)._replace(fused=None)
+    two_us = timed(two_kernel)
+    row: dict[str, Any] = {
+        "m": m,
+        "two_kernel_us": round(two_us, 2),
+        "two_kernel_config": two_kernel.to_json(),
+        "two_kernel_rel_error": rel_error(two_kernel),
+        "fused": [],
+    }
+    for tiles in tile_sets:
+        cfg = two_kernel._replace(fused=tiles)
+        us = timed(cfg)
+        row["fused"].append(
+            {"tiles": list(tiles), "us": round(us, 2), "speedup": round(two_us / us, 3), "rel_error": rel_error(cfg)}
+        )
+    return row
+
+
+def run_fused(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """--fused: per shape, bf16 experts, the two paths side by side at each batch size."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        w13, w2 = make_experts(shape, "bf16", gen)
+        tile_sets = [FusedTiles(*t) for t in args.fused_tiles] or [default_fused_tiles(shape.top_k, shape.inter)]
+        entry: dict[str, Any] = {"shape": name, **shape._asdict(), "kind": "bf16", "rows": []}
+        for m in args.batch_sizes or FUSED_BATCH_SIZES:
+            row = compare_fused(shape, w13, w2, m, tile_sets, args.rep_ms, gen)
+            entry["rows"].append(row)
+            best = min(row["fused"], key=lambda f: f["us"])
+            print(f"{name} M={m}: two kernels {row['two_kernel_us']:.1f} us, fused {best['us']:.1f} us {best['tiles']}")
+        results.append(entry)
+        del w13, w2
+        torch.cuda.empty_cache()
+    return results
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     deadline = time.monotonic() + args.time_limit
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -134,7 +205,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             }
             print(f"{name} {kind}: max relative error {entry['max_rel_error']}")
             print(f"{'M':>5} {'us':>9} {'route':>7} {'experts':>7} {'GB/s':>8} {'TFLOP/s':>8} {'roofline':>9}")
-            for m in args.batch_sizes:
+            for m in args.batch_sizes or BATCH_SIZES:
                 if time.monotonic() > deadline:
                     print(f"time limit reached at M={m}")
                     entry["truncated_at_m"] = m
@@ -186,7 +257,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--kinds", nargs="+", choices=KINDS, default=["bf16"], help="expert storage: bf16 or a --quantization kind"
     )
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=BATCH_SIZES)
+    ap.add_argument(
+        "--batch-sizes", type=int, nargs="+", help=f"default {BATCH_SIZES}; with --fused {FUSED_BATCH_SIZES}"
+    )
+    ap.add_argument("--fused", action="store_true", help="per layer: the two-GEMM path vs the one-kernel MLP")
+    ap.add_argument(
+        "--fused-tiles",
+        type=int,
+        nargs=5,
+        action="append",
+        default=[],
+        metavar=("BLOCK_I", "BLOCK_K", "BLOCK_H", "WARPS", "STAGES"),
+        help="with --fused, a tile set to time (repeatable); default the runtime's default_fused_tiles",
+    )
     ap.add_argument("--rep-ms", type=int, default=50, help="milliseconds of graph replays per measurement")
     ap.add_argument(
         "--time-limit",
@@ -207,11 +290,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("moe_kernel.py times the Triton kernels on a CUDA GPU; none is visible")
     machine = machine_info()
-    results = run(args)
+    results = run_fused(args) if args.fused else run(args)
     write_json(
         args.out,
         {
-            "benchmark": "moe_kernel",
+            "benchmark": "moe_kernel_fused" if args.fused else "moe_kernel",
             "date": today(),
             "machine": machine,
             "command": sys.argv,
@@ -219,7 +302,8 @@ def main() -> None:
             "results": results,
         },
     )
-    write_chart(os.path.splitext(args.out)[0] + ".png", results)
+    if not args.fused:
+        write_chart(os.path.splitext(args.out)[0] + ".png", results)
     print("wrote", args.out)
 
 

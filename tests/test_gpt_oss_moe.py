@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_kernels import BY_TOKEN_TILES, SMALL_TILES, TOL, _experts, _gen, _randn, _routing
+from test_moe_kernels import BY_TOKEN_TILES, FUSED_TILES, SMALL_TILES, TOL, _experts, _gen, _randn, _routing
 
 from ember.kernels.fused_moe import fused_moe, fused_moe_ref
 from ember.model.moe import FusedExperts
@@ -39,6 +39,8 @@ def per_token_reference(x, w13, w2, b13, b2, weights, ids, swiglu=SWIGLU) -> tor
         (torch.float32, torch.float32, 1, 4, 2, 64, 32, None),
         (torch.float32, torch.float32, 1, 6, 3, 40, 32, BY_TOKEN_TILES),  # down's bias in down_by_token
         (torch.float32, torch.float32, 9, 6, 2, 40, 24, SMALL_TILES),
+        (torch.float32, torch.float32, 3, 6, 2, 40, 48, FUSED_TILES),  # both biases in the one-kernel MLP
+        ("int8-g16", torch.bfloat16, 2, 5, 2, 64, 48, FUSED_TILES),
         (torch.bfloat16, torch.bfloat16, 5, 8, 3, 64, 32, None),
         ("int8-g16", torch.float32, 7, 5, 2, 64, 48, SMALL_TILES),  # GGUF/HF MXFP4 experts load as int8 g32
     ],

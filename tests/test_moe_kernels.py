@@ -8,6 +8,7 @@ and tiles that split N, K and the sorted slots into several blocks.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import zlib
@@ -22,6 +23,8 @@ if not torch.cuda.is_available():
 from ember.kernels.fused_moe import fused_moe, fused_moe_from_logits, fused_moe_ref, grouped_gemm, weight_kind
 from ember.kernels.moe_align import max_padded_slots, moe_align_block_size, route_and_align
 from ember.kernels.moe_config import (
+    FUSED_MAX_TOKENS,
+    FusedTiles,
     GemmTiles,
     MoeConfig,
     choose_moe_config,
@@ -30,6 +33,7 @@ from ember.kernels.moe_config import (
     problem_key,
 )
 from ember.kernels.moe_routing import moe_route, moe_route_ref
+from ember.kernels.split_k import tile_counters
 from ember.quant.experts import QuantizedExperts, quantize_experts
 from ember.quant.formats import pack_int4
 
@@ -45,6 +49,9 @@ TOL = {
 SMALL_TILES = MoeConfig(16, GemmTiles(16, 16, 2, 1), GemmTiles(16, 32, 2, 1))
 # M = 1's down and sum over k in one kernel, in N tiles narrower than tl.dot takes and several K tiles.
 BY_TOKEN_TILES = SMALL_TILES._replace(down_by_token=GemmTiles(8, 16, 2, 1))
+# The whole MLP in one kernel: several 16-row slices of I, 16-column K steps and 32-row chunks of H
+# (ragged at the end).
+FUSED_TILES = SMALL_TILES._replace(fused=FusedTiles(16, 16, 32, 2, 1))
 
 
 def _gen(*key: object) -> torch.Generator:
@@ -225,8 +232,8 @@ def _check_fused(
 ) -> None:
     out = fused_moe(hidden, w13, w2, weights, ids, config=config)
     assert out.dtype == hidden.dtype and out.shape == hidden.shape
-    ref = fused_moe_ref(hidden.float(), w13, w2, weights, ids)
-    torch.testing.assert_close(out.float(), ref, **tol)
+    ref = fused_moe_ref(hidden.double(), w13, w2, weights, ids)
+    torch.testing.assert_close(out.double(), ref, **tol)
 
 
 # (weight kind, activation dtype, M, E, k, H, I, config): M = 1 (most experts get nothing), ragged
@@ -283,11 +290,73 @@ def test_down_by_token_matches_reference(kind, dtype: torch.dtype, e: int, k: in
     weights, ids = _routing(1, e, k, gen)
     hidden = _randn(1, h, gen=gen, dtype=dtype)
     _check_fused(hidden, w13, w2, weights, ids, BY_TOKEN_TILES, TOL[dtype])
-    ref = fused_moe_ref(hidden.float(), w13, w2, weights, ids)
+    ref = fused_moe_ref(hidden.double(), w13, w2, weights, ids)
     by_token, grouped = (
-        fused_moe(hidden, w13, w2, weights, ids, config=c).float() for c in (BY_TOKEN_TILES, SMALL_TILES)
+        fused_moe(hidden, w13, w2, weights, ids, config=c).double() for c in (BY_TOKEN_TILES, SMALL_TILES)
     )
     assert (by_token - ref).abs().max() <= (grouped - ref).abs().max() + TOL[dtype]["atol"] / 10
+
+
+# (weight kind, activation dtype, M, E, k, H, I): top-k 1, 2 and 8 at M = 1..4 (at k = 8 of 128 most
+# experts get nothing; at k = 2 of 4, blocks of several tokens), ragged H and I, each quantized form,
+# and w13 and w2 quantized in different forms (as GGUF files mix them).
+FUSED_CASES = [
+    (torch.float32, torch.float32, 1, 8, 1, 64, 48),
+    (torch.float32, torch.float32, 3, 4, 2, 40, 24),
+    (torch.bfloat16, torch.bfloat16, 1, 128, 8, 64, 32),
+    (torch.bfloat16, torch.bfloat16, 4, 128, 8, 48, 64),
+    (torch.float16, torch.float16, 2, 6, 2, 32, 48),
+    ("int8-channel", torch.bfloat16, 2, 5, 2, 64, 48),
+    ("int4-g16", torch.float32, 4, 6, 2, 64, 48),
+    ("int4-g32", torch.bfloat16, 1, 8, 2, 64, 64),
+    ("fp8-channel", torch.float32, 3, 4, 2, 32, 48),
+    (("int4-g16", "int8-channel"), torch.float32, 2, 5, 2, 64, 32),
+]
+
+
+@pytest.mark.parametrize(
+    "kind,dtype,m,e,k,h,inter",
+    FUSED_CASES,
+    ids=[
+        f"{c[0] if not isinstance(c[0], torch.dtype) else str(c[0])[6:]}-M{c[2]}-E{c[3]}-k{c[4]}" for c in FUSED_CASES
+    ],
+)
+def test_fused_mlp_matches_float64_reference(kind, dtype: torch.dtype, m: int, e: int, k: int, h: int, inter: int):
+    """The one-kernel MLP gives the float64 MoE; bit for bit again on a second call (the partials are
+    summed in split order whoever sums them, and every counter is back at zero), and each token's
+    row is what the token gets alone (nothing depends on its batch-mates)."""
+    gen = _gen("fused-mlp", kind, dtype, m, e, k)
+    if isinstance(kind, tuple):
+        w13, w2 = _experts(kind[0], e, h, inter, gen)[0], _experts(kind[1], e, h, inter, gen)[1]
+    else:
+        w13, w2 = _experts(kind, e, h, inter, gen)
+    weights, ids = _routing(m, e, k, gen)
+    hidden = _randn(m, h, gen=gen, dtype=dtype)
+    _check_fused(hidden, w13, w2, weights, ids, FUSED_TILES, TOL[dtype])
+    out = fused_moe(hidden, w13, w2, weights, ids, config=FUSED_TILES)
+    assert not tile_counters(hidden.device).any()
+    assert torch.equal(fused_moe(hidden, w13, w2, weights, ids, config=FUSED_TILES), out)
+    for t in range(m):
+        alone = fused_moe(hidden[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], config=FUSED_TILES)
+        assert torch.equal(alone, out[t : t + 1])
+
+
+def test_fused_mlp_is_chosen_up_to_a_few_tokens(monkeypatch) -> None:
+    """Decode batches up to FUSED_MAX_TOKENS take the one-kernel MLP (tuned tiles where the table has
+    them, fitted to the problem), larger ones the two GEMMs; fused_moe_from_logits follows the choice."""
+    module = importlib.import_module("ember.kernels.fused_moe")  # ember.kernels.fused_moe is also the function
+    cpu = torch.device("cpu")
+    grouped = choose_moe_config(1, 8, 128, 2048, 768, "int4-g32", cpu, (32, 32)).fused
+    assert grouped is not None and grouped.block_i <= 32 and grouped.block_k <= 32  # inside w2's and w13's groups
+    calls = []
+    monkeypatch.setattr(module, "fused_mlp", lambda *args: calls.append(args[5]) or torch.zeros_like(args[0]))
+    gen = _gen("fused-auto")
+    w13, w2 = _experts(torch.float32, 8, 32, 48, gen)
+    for m in range(1, FUSED_MAX_TOKENS + 2):
+        assert (choose_moe_config(m, 8, 128, 2048, 768, "bfloat16", cpu).fused is not None) == (m <= FUSED_MAX_TOKENS)
+        fused_moe_from_logits(_randn(m, 32, gen=gen), w13, w2, _randn(m, 8, gen=gen), 2, True)
+        assert len(calls) == min(m, FUSED_MAX_TOKENS)
+    assert calls[0] == choose_moe_config(1, 2, 8, 32, 48, "float32", cpu).fused
 
 
 @pytest.mark.parametrize("kind,k", [(torch.float32, 1), ("int4-g16", 2)])
@@ -347,9 +416,9 @@ def test_config_table_lookup_and_fallback() -> None:
     assert lookup("GPU Y", key, 1, table) is None
     cfg = choose_moe_config(1, 8, 128, 2048, 768, "int4-g32", torch.device("cpu"), (32, 32))
     assert cfg.block_m == 16 and cfg.gate_up.block_k <= 32 and cfg.down.block_k <= 32  # K tiles inside a group
-    by_token = entry._replace(down_by_token=GemmTiles(8, 256, 4, 4))
+    by_token = entry._replace(down_by_token=GemmTiles(8, 256, 4, 4), fused=FusedTiles(32, 128, 256, 4, 3))
     assert MoeConfig.from_json(json.loads(json.dumps(by_token.to_json()))) == by_token
-    assert "down_by_token" not in entry.to_json()  # tables written before it read and write unchanged
+    assert entry.to_json().keys() == {"block_m", "gate_up", "down"}  # older tables read and write unchanged
 
 
 def test_down_by_token_only_at_one_token(monkeypatch) -> None:

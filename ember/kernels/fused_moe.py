@@ -11,6 +11,15 @@ expert's weights once per N tile. Nothing is read back to the host, so CUDA grap
 At M = 1, where the tuned table says so, down_by_token does the last two lines in one kernel, one
 program per N tile of H walking the token's k experts in order (one launch fewer a layer).
 
+Up to FUSED_MAX_TOKENS tokens (decode), fused_mlp does all three lines in one launch: a program
+per (block of sorted slots, BLOCK_I slice of I) computes its slice of act from x and w13 (K = H),
+rounds it as the two-kernel path stores it, and at once multiplies it by w2[e][:, slice], chunk by
+chunk of H, into fp32 partials weighted by the routing weight, one row of H per (token, j, slice).
+The last program to store a (token, chunk) (an atomic counter, ember/kernels/split_k.py) sums the
+k * I / BLOCK_I partials in (j, slice) order and writes the output: deterministic, act never leaves
+the SM, and a layer is route_and_align plus this one kernel. Each program still reads only its
+block's expert, so the experts read are those of the two-kernel path.
+
 Quantized experts (`QuantizedExperts`: int8, int4 with groups and zeros, fp8 per channel)
 dequantize tile by tile inside the K loop, through the same `dequant_tile` as quant_matmul, then
 multiply in the activations' dtype on tensor cores; the codes stay quantized in HBM, which is what
@@ -30,9 +39,10 @@ import triton
 import triton.language as tl
 
 from ember.kernels.moe_align import MoeAlignment, moe_align_block_size, route_and_align
-from ember.kernels.moe_config import GemmTiles, MoeConfig, choose_moe_config
+from ember.kernels.moe_config import FusedTiles, GemmTiles, MoeConfig, choose_moe_config
 from ember.kernels.paged import dot_dtype, dot_precision
 from ember.kernels.quant_matmul import dequant_tile
+from ember.kernels.split_k import MAX_TILES, arrive, sum_parts, tile_counters
 from ember.quant.experts import QuantizedExperts, dequantize_experts
 from ember.quant.formats import KINDS
 
@@ -101,38 +111,22 @@ def _weight_tile(
     return w
 
 
-@triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
-def _grouped_gemm_kernel(
-    x_ptr,
+@triton.jit
+def _products(
+    x_rows,
+    m_mask,
     w_ptr,
     s_ptr,
     z_ptr,
-    out_ptr,
-    route_w_ptr,
-    sorted_ptr,
-    expert_ids_ptr,
-    total_ptr,
-    bias_ptr,
-    num_slots,
+    offs_n,
+    n_mask,
     N,
     K,
     num_groups,
-    num_m_blocks,
-    alpha,
-    limit,
-    stride_xm,
-    stride_we,
     stride_wn,
-    stride_se,
     stride_sn,
-    stride_ze,
     stride_zn,
-    stride_om,
-    stride_be,
-    SLOTS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr,
     QUANT: tl.constexpr,
     GROUP: tl.constexpr,
     INT4: tl.constexpr,
@@ -141,28 +135,11 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """out[s, n] for one block of sorted slots and one N tile. x row of slot s: s // SLOTS_PER_ROW
-    (top_k for gate_up, whose x is the tokens' hidden states; 1 for down). GATED: weight rows n and
-    N + n are gate and up, out = silu(gate) * up; else out = topk_weight[s] * (x @ w.T).
-    HAS_BIAS adds the expert's bias row (gate's then up's, or down's) to the products first; SWIGLU
-    replaces silu(gate) * up by gpt-oss's (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g =
-    min(gate, limit). Both are constexpr: without them the kernel is the one compiled before them."""
-    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_mask = slots < num_slots
-    x_rows = x_ptr + (slots // SLOTS_PER_ROW).to(tl.int64)[:, None] * stride_xm
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    w_ptr += expert * stride_we
-    s_ptr += expert * stride_se
-    z_ptr += expert * stride_ze
+    """fp32 [BLOCK_M, BLOCK_N] products of the x rows with one expert's weight rows offs_n, and
+    (GATED) with rows N + offs_n, the up half: both halves share each x tile's load."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -209,18 +186,110 @@ def _grouped_gemm_kernel(
                 BLOCK_K,
             )
             acc_up = tl.dot(x, tl.trans(w_up.to(DOT_DTYPE)), acc_up, input_precision=PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
+def _gate(acc, acc_up, bias_row, offs_n, n_mask, N, alpha, limit, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    """silu(gate) * up of the gate and up products (after the expert's bias row, gate's then up's),
+    or with SWIGLU gpt-oss's (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
     if HAS_BIAS:
-        bias_row = bias_ptr + expert * stride_be
         acc += tl.load(bias_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(bias_row + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias_row + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:
+        gate = tl.minimum(acc, limit)
+        return (tl.minimum(tl.maximum(acc_up, -limit), limit) + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    return acc / (1.0 + tl.exp(-acc)) * acc_up
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
+def _grouped_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    route_w_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    bias_ptr,
+    num_slots,
+    N,
+    K,
+    num_groups,
+    num_m_blocks,
+    alpha,
+    limit,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_zn,
+    stride_om,
+    stride_be,
+    SLOTS_PER_ROW: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    UNIFORM_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """out[s, n] for one block of sorted slots and one N tile. x row of slot s: s // SLOTS_PER_ROW
+    (top_k for gate_up, whose x is the tokens' hidden states; 1 for down). GATED: weight rows n and
+    N + n are gate and up, out = _gate(gate, up); else out = topk_weight[s] * (x @ w.T).
+    HAS_BIAS adds the expert's bias row (gate's then up's, or down's) to the products first. It and
+    SWIGLU are constexpr: without them the kernel is the one compiled before them."""
+    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slots < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc, acc_up = _products(
+        x_ptr + (slots // SLOTS_PER_ROW).to(tl.int64)[:, None] * stride_xm,
+        m_mask,
+        w_ptr + expert * stride_we,
+        s_ptr + expert * stride_se,
+        z_ptr + expert * stride_ze,
+        offs_n,
+        n_mask,
+        N,
+        K,
+        num_groups,
+        stride_wn,
+        stride_sn,
+        stride_zn,
+        GATED,
+        QUANT,
+        GROUP,
+        INT4,
+        HAS_ZEROS,
+        UNIFORM_GROUP,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_DTYPE,
+        PRECISION,
+    )
     if GATED:
-        if SWIGLU:
-            gate = tl.minimum(acc, limit)
-            acc = (tl.minimum(tl.maximum(acc_up, -limit), limit) + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-        else:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = _gate(acc, acc_up, bias_ptr + expert * stride_be, offs_n, n_mask, N, alpha, limit, HAS_BIAS, SWIGLU)
     else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc = acc * tl.load(route_w_ptr + slots, mask=m_mask, other=0.0)[:, None]
     out = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -312,6 +381,153 @@ def _down_by_token_kernel(
             bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             out += tl.load(route_w_ptr + token * TOP_K + j) * bias
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _mlp_kernel(
+    x_ptr,
+    w13_ptr,
+    s13_ptr,
+    z13_ptr,
+    w2_ptr,
+    s2_ptr,
+    z2_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    route_w_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    b13_ptr,
+    b2_ptr,
+    num_slots,
+    H,
+    I,
+    groups13,
+    groups2,
+    alpha,
+    limit,
+    stride_xm,
+    stride_w13e,
+    stride_w13n,
+    stride_s13e,
+    stride_s13n,
+    stride_z13e,
+    stride_z13n,
+    stride_w2e,
+    stride_w2n,
+    stride_s2e,
+    stride_s2n,
+    stride_z2e,
+    stride_z2n,
+    stride_om,
+    stride_b13e,
+    stride_b2e,
+    TOP_K: tl.constexpr,
+    HAS_B13: tl.constexpr,
+    HAS_B2: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    QUANT13: tl.constexpr,
+    GROUP13: tl.constexpr,
+    INT4_13: tl.constexpr,
+    ZEROS13: tl.constexpr,
+    UNIFORM13: tl.constexpr,
+    QUANT2: tl.constexpr,
+    GROUP2: tl.constexpr,
+    INT4_2: tl.constexpr,
+    ZEROS2: tl.constexpr,
+    UNIFORM2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The whole MLP of one block of sorted slots (one expert) for one BLOCK_I slice p of I:
+    act = _gate(x @ w13[e, slice].T, x @ w13[e, I + slice].T), rounded to x's dtype, then per BLOCK_H
+    chunk of H the partial topk_weight * (act @ w2[e, chunk, slice].T) of each slot's token, stored
+    as split j * (I / BLOCK_I) + p of that token (j: the slot's place in the token's top k). The last
+    program to store a (token, chunk) sums its k * I / BLOCK_I splits in split order and writes the
+    output. Programs start their chunk walk at different chunks, so the last arrivals (and the sums)
+    spread over the programs finishing last rather than all falling to one."""
+    pid_m, pid_i = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slots < num_slots
+    tokens = (slots // TOP_K).to(tl.int64)
+    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    gate, up = _products(
+        x_ptr + tokens[:, None] * stride_xm,
+        m_mask,
+        w13_ptr + expert * stride_w13e,
+        s13_ptr + expert * stride_s13e,
+        z13_ptr + expert * stride_z13e,
+        offs_i,
+        offs_i < I,
+        I,
+        H,
+        groups13,
+        stride_w13n,
+        stride_s13n,
+        stride_z13n,
+        True,
+        QUANT13,
+        GROUP13,
+        INT4_13,
+        ZEROS13,
+        UNIFORM13,
+        BLOCK_M,
+        BLOCK_I,
+        BLOCK_K,
+        DOT_DTYPE,
+        PRECISION,
+    )
+    act = _gate(gate, up, b13_ptr + expert * stride_b13e, offs_i, offs_i < I, I, alpha, limit, HAS_B13, SWIGLU)
+    act = act.to(out_ptr.dtype.element_ty).to(DOT_DTYPE)
+    route_w = tl.load(route_w_ptr + slots, mask=m_mask, other=0.0)
+    splits = TOP_K * tl.num_programs(1)
+    parts = part_ptr + (tokens * splits)[:, None] * H
+    mine = parts + ((slots % TOP_K) * tl.num_programs(1) + pid_i).to(tl.int64)[:, None] * H
+    num_chunks = tl.cdiv(H, BLOCK_H)
+    for it in range(0, num_chunks):
+        chunk = (it + pid_m + pid_i) % num_chunks
+        offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < H
+        w = _weight_tile(
+            w2_ptr + expert * stride_w2e,
+            s2_ptr + expert * stride_s2e,
+            z2_ptr + expert * stride_z2e,
+            offs_h,
+            h_mask,
+            pid_i * BLOCK_I,
+            I,
+            groups2,
+            stride_w2n,
+            stride_s2n,
+            stride_z2n,
+            QUANT2,
+            GROUP2,
+            INT4_2,
+            ZEROS2,
+            UNIFORM2,
+            BLOCK_I,
+        )
+        y = tl.dot(act, tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
+        if HAS_B2:
+            if pid_i == 0:  # the expert's bias once per slot, in its first slice's split
+                y += tl.load(b2_ptr + expert * stride_b2e + offs_h, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(mine + offs_h[None, :], y * route_w[:, None], mask=m_mask[:, None] & h_mask[None, :])
+        is_last = arrive(count_ptr + tokens * num_chunks + chunk, splits, m_mask)
+        if tl.max(is_last.to(tl.int32), axis=0) > 0:
+            mask = is_last[:, None] & h_mask[None, :]
+            out = sum_parts(parts + offs_h[None, :], splits, H, mask)
+            tl.store(
+                out_ptr + tokens[:, None] * stride_om + offs_h[None, :], out.to(out_ptr.dtype.element_ty), mask=mask
+            )
 
 
 class _Operand(NamedTuple):
@@ -457,9 +673,9 @@ def down_by_token(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act [M * k, I] -> [M, H]: the down GEMM with each token's weighted sum over its k experts,
-    one program per (token, N tile); replaces grouped_gemm + sum_topk at M = 1 where the table says
-    so (every expert is read once either way, and the sum's launch, 1.6 us a layer at Qwen3-30B-A3B
-    decode on an H200, goes)."""
+    one program per (token, N tile); replaces grouped_gemm + sum_topk at M = 1 where the config says
+    so and has no fused tiles (every expert is read once either way, and the sum's launch, 1.6 us a
+    layer at Qwen3-30B-A3B decode on an H200, goes)."""
     op = _operand(w2)
     m, top_k = topk_ids.shape
     n, k = _shape(w2)[1], act.shape[1]
@@ -494,6 +710,97 @@ def down_by_token(
         UNIFORM_GROUP=op.group % tiles.block_k == 0 or op.group >= k,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def fused_mlp(
+    hidden: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
+    topk_weights: torch.Tensor,
+    align: MoeAlignment,
+    tiles: FusedTiles,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """The whole experts MLP, gate/up, activation, down and the sum over k, in one launch (_mlp_kernel);
+    for a few tokens (moe_config's
+    FUSED_MAX_TOKENS), where the two GEMM launches and the act round trip between them cost more than
+    the fp32 partials it writes (k * I / block_n rows of H per token, summed in L2)."""
+    m, h = hidden.shape
+    top_k = topk_weights.shape[1]
+    inter = _shape(w2)[2]
+    slices, chunks = triton.cdiv(inter, tiles.block_i), triton.cdiv(h, tiles.block_h)
+    if m * chunks > MAX_TILES:
+        raise ValueError(f"fused_mlp: {m} tokens x {chunks} chunks of H need more than {MAX_TILES} counters")
+    op13, op2 = _operand(w13), _operand(w2)
+    out = torch.empty_like(hidden)
+    part = torch.empty(m, top_k * slices, h, dtype=torch.float32, device=hidden.device)
+    alpha, limit = swiglu or (0.0, 0.0)
+    _mlp_kernel[(align.expert_ids.numel(), slices)](
+        hidden,
+        op13.w,
+        op13.scales,
+        op13.zeros,
+        op2.w,
+        op2.scales,
+        op2.zeros,
+        out,
+        part,
+        tile_counters(hidden.device),
+        topk_weights.contiguous(),
+        align.sorted_token_ids,
+        align.expert_ids,
+        align.num_tokens_post_padded,
+        out if b13 is None else b13,
+        out if b2 is None else b2,
+        m * top_k,
+        h,
+        inter,
+        op13.num_groups,
+        op2.num_groups,
+        alpha,
+        limit,
+        hidden.stride(0),
+        op13.w.stride(0),
+        op13.w.stride(1),
+        op13.scales.stride(0),
+        op13.scales.stride(1),
+        op13.zeros.stride(0),
+        op13.zeros.stride(1),
+        op2.w.stride(0),
+        op2.w.stride(1),
+        op2.scales.stride(0),
+        op2.scales.stride(1),
+        op2.zeros.stride(0),
+        op2.zeros.stride(1),
+        out.stride(0),
+        0 if b13 is None else b13.stride(0),
+        0 if b2 is None else b2.stride(0),
+        TOP_K=top_k,
+        HAS_B13=b13 is not None,
+        HAS_B2=b2 is not None,
+        SWIGLU=swiglu is not None,
+        QUANT13=op13.quant,
+        GROUP13=op13.group,
+        INT4_13=op13.int4,
+        ZEROS13=op13.has_zeros,
+        UNIFORM13=op13.group % tiles.block_k == 0 or op13.group >= h,
+        QUANT2=op2.quant,
+        GROUP2=op2.group,
+        INT4_2=op2.int4,
+        ZEROS2=op2.has_zeros,
+        UNIFORM2=op2.group % tiles.block_i == 0 or op2.group >= inter,
+        BLOCK_M=align.block_m,
+        BLOCK_I=tiles.block_i,
+        BLOCK_K=tiles.block_k,
+        BLOCK_H=tiles.block_h,
+        DOT_DTYPE=dot_dtype(hidden.dtype),
+        PRECISION=dot_precision(hidden.dtype),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -581,8 +888,11 @@ def _experts_mlp(
     b2: torch.Tensor | None,
     swiglu: tuple[float, float] | None,
 ) -> torch.Tensor:
-    """The gate_up grouped GEMM over the aligned slots, then down and each token's sum over its k
-    experts: one kernel (down_by_token) where the config says so, else a grouped GEMM and sum_topk."""
+    """Up to FUSED_MAX_TOKENS tokens the whole MLP in one kernel (fused_mlp). Else the gate_up grouped
+    GEMM over the aligned slots, then down and each token's sum over its k experts: one kernel
+    (down_by_token) where the config says so, else a grouped GEMM and sum_topk."""
+    if cfg.fused is not None:
+        return fused_mlp(hidden, w13, w2, topk_weights, align, cfg.fused, b13, b2, swiglu)
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     inter = _shape(w2)[2]
@@ -612,14 +922,14 @@ def fused_moe_ref(
     b2: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """The same MoE in float32 torch, one expert at a time over the tokens routed to it."""
-    dense13 = dequantize_experts(w13) if isinstance(w13, QuantizedExperts) else w13.float()
-    dense2 = dequantize_experts(w2) if isinstance(w2, QuantizedExperts) else w2.float()
-    x = hidden.float()
+    """The same MoE in float64 torch, one expert at a time over the tokens routed to it."""
+    dense13 = (dequantize_experts(w13) if isinstance(w13, QuantizedExperts) else w13).double()
+    dense2 = (dequantize_experts(w2) if isinstance(w2, QuantizedExperts) else w2).double()
+    x = hidden.double()
     out = torch.zeros_like(x)
     for e in range(dense13.shape[0]):
         tokens, j = (topk_ids == e).nonzero(as_tuple=True)
-        gate_up = x[tokens] @ dense13[e].T + (0.0 if b13 is None else b13[e].float())
+        gate_up = x[tokens] @ dense13[e].T + (0.0 if b13 is None else b13[e].double())
         gate, up = gate_up.chunk(2, dim=-1)
         if swiglu is None:
             act = torch.nn.functional.silu(gate) * up
@@ -627,6 +937,6 @@ def fused_moe_ref(
             alpha, limit = swiglu
             gate = gate.clamp(max=limit)
             act = (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
-        y = act @ dense2[e].T + (0.0 if b2 is None else b2[e].float())
-        out.index_add_(0, tokens, y * topk_weights[tokens, j, None])
+        y = act @ dense2[e].T + (0.0 if b2 is None else b2[e].double())
+        out.index_add_(0, tokens, y * topk_weights[tokens, j, None].double())
     return out.to(hidden.dtype)
