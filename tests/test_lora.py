@@ -287,6 +287,31 @@ def test_embedding_delta_matches_reference():
         torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
 
 
+def test_fused_shrink_where_it_applies(monkeypatch):
+    """A dense nn.Linear under the Triton path: its weight and bias moved to the head of the stacked buffer,
+    the same values, so the module computes as before (steps of the base alone); none on the CPU's own
+    paths, for a quantized base, or where A's rows pass FUSED_SHRINK_MAX_ROWS of W's."""
+    from ember.model.linear import quantize_module
+    from ember.model.lora import FUSED_SHRINK_MAX_ROWS, _fused_shrink
+    from ember.ops import registry
+
+    def linear() -> torch.nn.Linear:
+        torch.manual_seed(0)
+        return torch.nn.Linear(32, 64, bias=True)
+
+    x = torch.randn(5, 32)
+    assert _fused_shrink(linear(), 8) is None  # the CPU's native / PyTorch delta
+    monkeypatch.setattr(registry, "FORCE_TRITON", True)
+    base = linear()
+    want = base(x)
+    fused = _fused_shrink(base, 8)
+    assert fused is not None and base.weight.data_ptr() == fused.weight.data_ptr()
+    assert fused.weight.shape == (64 + 8, 32) and fused.a(2).shape == (2, 4, 32) and not fused.a(2).any()
+    assert torch.equal(base(x), want)
+    assert _fused_shrink(linear(), int(64 * FUSED_SHRINK_MAX_ROWS) + 1) is None
+    assert _fused_shrink(quantize_module(linear(), "int8", torch.float32, tied=False), 8) is None
+
+
 def _fuse_shrink(monkeypatch, fused: bool) -> None:
     """Every dense projection's shrink inside its GEMM (`fused`; the tiny model's A is too wide beside W for
     FUSED_SHRINK_MAX_ROWS, lifted here), or none."""

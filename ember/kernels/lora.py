@@ -302,7 +302,7 @@ def _expand(xa: torch.Tensor, slot_stride: int, b: list[torch.Tensor], slots: to
 
 def _check_stacked(b: list[torch.Tensor]) -> None:
     """A ValueError unless b's 1 to 3 slices lie one after another in one buffer, each contiguous, as the
-    kernels address them (`_slice_columns`)."""
+    kernels address them (`_b_tile`)."""
     num_slots, r = b[0].shape[0], b[0].shape[1]
     first = 0
     for t in b:

@@ -148,10 +148,11 @@ class FusedShrink:
     dtype. The segmented expand rounded it so already (its tensor-core operand); the gathered one now
     multiplies it in float32 as it comes. The delta's added error, about 2^-8 of its |B| |xa|, is under
     the output's own bf16 rounding wherever the delta is smaller than the output; a float32 tail would
-    take a second GEMM (a GEMM has one output dtype). The
-    base's own columns are W's dot products as before, though cuBLAS may pick another kernel for the wider
-    product (another summation order, in the last bit, as another batch size may): a step of the base alone
-    runs W alone (`base_weight`), as an engine without LoRA does."""
+    take a second GEMM (a GEMM has one output dtype).
+
+    The base's own columns are W's dot products as before, though cuBLAS may pick another kernel for the
+    wider product (another summation order, in the last bit, as another batch size may): a step of the base
+    alone runs W alone (`base_weight`), as an engine without LoRA does."""
 
     weight: torch.Tensor  # [N + A's rows, K]
     bias: torch.Tensor | None  # [N + A's rows]: the base's, then zeros
