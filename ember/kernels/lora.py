@@ -3,8 +3,8 @@ adapter (prefill) and a gathered form for the other rows (decode, request bounda
 
 `lora_shrink`: xa[t] = A[slots[t]] @ x[t], every slice's rank columns at once, in float32.
 `lora_expand`: y[t, off_i:off_i + out_i] += B_i[slots[t]] @ xa[t, slice i's columns] for every slice i
-(q/k/v, gate/up) in one launch, rounded once into y: a program's columns may cross from one slice into
-the next, each column reading its own slice's B and rank columns. `lora_expand_slots`: the same from
+(q/k/v, gate/up) in one launch, rounded once into y: a program whose columns span slices walks each
+slice's part of them with that slice's B and rank columns. `lora_expand_slots`: the same from
 every slot's shrink of each row side by side, each row reading its own slot's: the tail of a dense base
 GEMM run over [W ; A] (ember.ops.lora.FusedShrink), so where the base is dense no shrink kernel runs.
 
@@ -135,76 +135,106 @@ def _shrink_segments_kernel(
 
 
 @triton.jit
-def _b_tile(b_ptr, slot, rs, cols, R, END0, END1, N, SLOTS_R):
-    """Each output column's slice (0, 1 or 2; slices end at END0, END1 and N) and the pointers to B[slot]'s
-    rank rows `rs` at those columns. B's slices lie one after another in one buffer
-    (ember.ops.lora.stacked_slices): slice i's [slots, R, width_i] from SLOTS_R (slots * R) times its first
-    column."""
-    sl = (cols >= END0).to(tl.int32) + (cols >= END1).to(tl.int32)
-    first = tl.where(sl == 0, 0, tl.where(sl == 1, END0, END1))
-    width = tl.where(sl == 0, END0, tl.where(sl == 1, END1, N)) - first
-    columns = first.to(tl.int64) * SLOTS_R + (cols - first)
-    rank_rows = (tl.maximum(slot, 0) * R + rs[:, None]).to(tl.int64)
-    return sl, b_ptr + columns[None, :] + rank_rows * width[None, :]
+def _expand_row_slice(
+    xa_row, b_ptr, y_row, slot, c_begin, c_end, lo, hi, b_start, xa_col, R, SPLITS, stride_xap,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The gathered expand of one row's columns [c_begin, c_end) that fall in the slice of output columns
+    [lo, hi): its B [slots, R, hi - lo] at b_ptr + b_start (`stacked_slices`), its input the R columns of
+    the row's shrink from xa_col. Tile by tile, each a contiguous run of one slice's B row."""
+    begin = tl.maximum(c_begin, lo)
+    end = tl.minimum(c_end, hi)
+    rs = tl.arange(0, BLOCK_R)
+    xa = _sum_splits(xa_row + xa_col + rs, rs < R, SPLITS, stride_xap, end > begin)
+    b_rows = b_ptr + b_start + (tl.maximum(slot, 0) * R + rs[:, None]) * (hi - lo) - lo  # + an output column
+    for c0 in range(begin, end, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        mask = cols < end
+        b = tl.load(b_rows + cols[None, :], mask=(rs[:, None] < R) & mask[None, :], other=0.0)
+        delta = tl.sum(xa[:, None] * b.to(tl.float32), axis=0)
+        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, (y + delta).to(y_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _expand_gathered_kernel(
-    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, END0, END1, SLOTS_R, SPLITS, stride_xap, stride_xat, stride_xas,
-    stride_yt, COLUMNS, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, END0, END1, B_START1, B_START2, SPLITS, stride_xap, stride_xat,
+    stride_xas, stride_yt, COLUMNS, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     SEGMENT_M: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     mine = _gathered_row(slots_ptr, row, T, SEGMENT_M)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    # this program's COLUMNS output columns; none for a row without an adapter (it reads and writes nothing)
+    # this program's COLUMNS output columns, across slices; none for a row without an adapter (it reads and
+    # writes nothing)
     c_begin = tl.program_id(1) * COLUMNS
     c_end = tl.minimum(c_begin + COLUMNS, tl.where(mine & (slot >= 0), N, 0))
-    work = c_end > c_begin
-    rs = tl.arange(0, BLOCK_R)
-    # each slice's R columns of the row's shrink (of its own slot's where xa holds every slot's), read once
-    xa_row = xa_ptr + row * stride_xat + tl.maximum(slot, 0) * stride_xas + rs
-    xa0 = _sum_splits(xa_row, rs < R, SPLITS, stride_xap, work)
-    xa1 = xa0
-    xa2 = xa0
+    xa_row = xa_ptr + row * stride_xat + tl.maximum(slot, 0) * stride_xas  # the row's own slot's shrink
+    y_row = y_ptr + row * stride_yt
+    _expand_row_slice(
+        xa_row, b_ptr, y_row, slot, c_begin, c_end, 0, END0, 0, 0, R, SPLITS, stride_xap, BLOCK_R, BLOCK_N
+    )
     if N_SLICES > 1:
-        xa1 = _sum_splits(xa_row + R, rs < R, SPLITS, stride_xap, work)
+        _expand_row_slice(
+            xa_row, b_ptr, y_row, slot, c_begin, c_end, END0, END1, B_START1, R, R, SPLITS, stride_xap, BLOCK_R,
+            BLOCK_N,
+        )  # fmt: skip
     if N_SLICES > 2:
-        xa2 = _sum_splits(xa_row + 2 * R, rs < R, SPLITS, stride_xap, work)
-    for c0 in range(c_begin, c_end, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N)
-        mask = cols < c_end
-        sl, b_ptrs = _b_tile(b_ptr, slot, rs, cols, R, END0, END1, N, SLOTS_R)
-        b = tl.load(b_ptrs, mask=(rs[:, None] < R) & mask[None, :], other=0.0)
-        xa = tl.where(sl[None, :] == 0, xa0[:, None], tl.where(sl[None, :] == 1, xa1[:, None], xa2[:, None]))
-        delta = tl.sum(xa * b.to(tl.float32), axis=0)
-        y_cols = y_ptr + row * stride_yt + cols
-        y = tl.load(y_cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_cols, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+        _expand_row_slice(
+            xa_row, b_ptr, y_row, slot, c_begin, c_end, END1, N, B_START2, 2 * R, R, SPLITS, stride_xap, BLOCK_R,
+            BLOCK_N,
+        )  # fmt: skip
+
+
+@triton.jit
+def _segment_slice(
+    delta, xa_tile, xa_mask, b_ptr, slot, cols, live, lo, hi, b_start, xa_col, R, SPLITS, stride_xap,
+    BLOCK_R: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """delta plus the segmented expand of the tile's columns in the slice of output columns [lo, hi) (B and
+    xa's columns as `_expand_row_slice`'s); nothing read where the tile has none of them."""
+    ours = live & (cols >= lo) & (cols < hi)
+    any_ours = tl.max(ours.to(tl.int32)) > 0
+    if any_ours:
+        rs = tl.arange(0, BLOCK_R)
+        xa = _sum_splits(xa_tile + xa_col, xa_mask, SPLITS, stride_xap, any_ours)
+        b_rows = b_ptr + b_start + (tl.maximum(slot, 0) * R + rs[:, None]) * (hi - lo) - lo
+        b = tl.load(b_rows + cols[None, :], mask=(rs[:, None] < R) & ours[None, :], other=0.0)
+        delta = tl.dot(xa.to(DOT_DTYPE), b.to(DOT_DTYPE), delta, input_precision=PRECISION)
+    return delta
 
 
 @triton.jit
 def _expand_segments_kernel(
-    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, END0, END1, SLOTS_R, SPLITS, stride_xap, stride_xat, stride_xas,
-    stride_yt, N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, END0, END1, B_START1, B_START2, SPLITS, stride_xap, stride_xat,
+    stride_xas, stride_yt, N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     slot = _tile_slot(slots_ptr, tl.program_id(0), T, BLOCK_M).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_end = tl.where(slot >= 0, N, 0)  # only a tile under one adapter: a mixed one is the gathered kernel's
+    # only a tile under one adapter: a mixed one is the gathered kernel's
+    live = cols < tl.where(slot >= 0, N, 0)
     rs = tl.arange(0, BLOCK_R)
-    live = cols < n_end
-    sl, b_ptrs = _b_tile(b_ptr, slot, rs, cols, R, END0, END1, N, SLOTS_R)
-    b = tl.load(b_ptrs, mask=(rs[:, None] < R) & live[None, :], other=0.0)
     xa_tile = xa_ptr + rows[:, None] * stride_xat + tl.maximum(slot, 0) * stride_xas + rs[None, :]
     xa_mask = (rows[:, None] < T) & (rs[None, :] < R)
+    # a tile's columns are of one slice but where slices meet: there each slice's product, the others'
+    # columns masked to exact zeros
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in tl.static_range(N_SLICES):  # a tile's columns are of one slice but where slices meet
-        if tl.max(((sl == i) & live).to(tl.int32)) > 0:
-            xa = _sum_splits(xa_tile + i * R, xa_mask, SPLITS, stride_xap, True)
-            b_i = tl.where(sl[None, :] == i, b, 0.0)  # the other slices' columns: exact zeros added
-            delta = tl.dot(xa.to(DOT_DTYPE), b_i.to(DOT_DTYPE), delta, input_precision=PRECISION)
+    delta = _segment_slice(
+        delta, xa_tile, xa_mask, b_ptr, slot, cols, live, 0, END0, 0, 0, R, SPLITS, stride_xap, BLOCK_R,
+        DOT_DTYPE, PRECISION,
+    )  # fmt: skip
+    if N_SLICES > 1:
+        delta = _segment_slice(
+            delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END0, END1, B_START1, R, R, SPLITS, stride_xap,
+            BLOCK_R, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
+    if N_SLICES > 2:
+        delta = _segment_slice(
+            delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END1, N, B_START2, 2 * R, R, SPLITS, stride_xap,
+            BLOCK_R, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
     y_tile = y_ptr + rows[:, None] * stride_yt + cols[None, :]
     mask = (rows[:, None] < T) & live[None, :]
     y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
@@ -284,8 +314,8 @@ def _expand(xa: torch.Tensor, slot_stride: int, b: list[torch.Tensor], slots: to
         return
     end0, end1 = [*itertools.accumulate(widths), n, n][:2]  # where slices 0 and 1 end (n: no such slice)
     args = (
-        xa, b[0], slots, y, rows, r, n, end0, end1, num_slots * r, parts, xa.stride(0), xa.stride(1), slot_stride,
-        y.stride(0),
+        xa, b[0], slots, y, rows, r, n, end0, end1, num_slots * r * end0, num_slots * r * end1, parts,
+        xa.stride(0), xa.stride(1), slot_stride, y.stride(0),
     )  # fmt: skip
     block_m, block_r, block_n = _segment_rows(rows), _tile(r), _tile(n, 128)
     if block_m:
@@ -302,7 +332,7 @@ def _expand(xa: torch.Tensor, slot_stride: int, b: list[torch.Tensor], slots: to
 
 def _check_stacked(b: list[torch.Tensor]) -> None:
     """A ValueError unless b's 1 to 3 slices lie one after another in one buffer, each contiguous, as the
-    kernels address them (`_b_tile`)."""
+    kernels address them (`_expand_row_slice`)."""
     num_slots, r = b[0].shape[0], b[0].shape[1]
     first = 0
     for t in b:
