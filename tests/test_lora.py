@@ -89,9 +89,34 @@ def _llm(base: Path, **kwargs) -> LLM:
     return LLM(str(base), enable_lora=True, max_lora_rank=16, **{**args, **kwargs})
 
 
-@pytest.fixture(scope="module")
-def llm(setup):
-    return _llm(setup[0], max_loras=len(ADAPTERS))
+def _fuse_shrink(monkeypatch, fused: bool) -> None:
+    """Every dense projection's shrink inside its GEMM (`fused`; the tiny model's A is too wide beside W for
+    FUSED_SHRINK_MAX_ROWS, lifted here), or none."""
+    from ember.model import lora
+
+    monkeypatch.setattr(lora, "FUSED_SHRINK_MAX_ROWS", float("inf") if fused else 0.0)
+
+
+def _check_fused(llm: LLM, fused: bool) -> None:
+    from ember.model.lora import LoRALinear
+
+    wrapped = [m for m in inproc_core(llm).runner.model.modules() if isinstance(m, LoRALinear)]
+    assert wrapped and all((m.fused_shrink is not None) == fused for m in wrapped)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[False, True] if DEVICE == "cuda" else [False],
+    ids=lambda fused: "fused" if fused else "kernels",
+)
+def llm(setup, request):
+    """On a GPU (EMBER_TEST_DEVICE=cuda) twice: with the shrink kernels, and with the shrink inside the
+    dense base GEMMs (`_fuse_shrink`); on CPU the native delta, which has its own fusion."""
+    with pytest.MonkeyPatch.context() as patch:
+        _fuse_shrink(patch, request.param)
+        llm = _llm(setup[0], max_loras=len(ADAPTERS))
+    _check_fused(llm, request.param)
+    return llm
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -310,21 +335,6 @@ def test_fused_shrink_where_it_applies(monkeypatch):
     assert torch.equal(base(x), want)
     assert _fused_shrink(linear(), int(64 * FUSED_SHRINK_MAX_ROWS) + 1) is None
     assert _fused_shrink(quantize_module(linear(), "int8", torch.float32, tied=False), 8) is None
-
-
-def _fuse_shrink(monkeypatch, fused: bool) -> None:
-    """Every dense projection's shrink inside its GEMM (`fused`; the tiny model's A is too wide beside W for
-    FUSED_SHRINK_MAX_ROWS, lifted here), or none."""
-    from ember.model import lora
-
-    monkeypatch.setattr(lora, "FUSED_SHRINK_MAX_ROWS", float("inf") if fused else 0.0)
-
-
-def _check_fused(llm: LLM, fused: bool) -> None:
-    from ember.model.lora import LoRALinear
-
-    wrapped = [m for m in inproc_core(llm).runner.model.modules() if isinstance(m, LoRALinear)]
-    assert wrapped and all((m.fused_shrink is not None) == fused for m in wrapped)
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -315,10 +315,11 @@ def _fused_shrink(base: nn.Module, a_rows: int) -> FusedShrink | None:
     Not where A outgrows FUSED_SHRINK_MAX_ROWS, nor for a quantized base (int4/int8/fp8, GGUF): its GEMM
     reads W in its own format, so the A rows would have to be quantized alike or run as a second GEMM,
     which the shrink kernel already is. Tensor parallelism (not yet with LoRA) keeps the layout: a
-    column-parallel layer (q/k/v, gate/up) splits W's rows and would hold A whole; a row-parallel one
-    (o, down) splits K, W's and A's alike, so its GEMM gives a partial shrink, and the delta of that
-    partial through the whole B, added before the all-reduce that sums the base's partial outputs, sums to
-    the delta of the whole shrink (B is linear), as vLLM's row-parallel LoRA layers compute it."""
+    column-parallel layer (q/k/v, gate/up) splits W's rows and would hold A whole (B's columns cut as W's
+    rows); a row-parallel one (o, down) splits K, W's and A's alike, so its GEMM gives a partial shrink,
+    and the delta of that partial through the whole B, added before the all-reduce that sums the base's
+    partial outputs, sums to the delta of the whole shrink (B is linear), as vLLM's row-parallel LoRA
+    layers compute it."""
     if not isinstance(base, nn.Linear) or base.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
     w = base.weight
