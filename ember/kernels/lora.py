@@ -24,8 +24,8 @@ gathered kernel alone: one launch per product instead of two.
 
 Both forms read the slots on the device (each program its own tile's), so one captured CUDA graph serves
 every mix of adapters. The shrink splits K when its rows and column tiles are few (`_split_k`). So a
-layer's delta is four launches with a dense base (an expand a projection) or eight with a quantized one,
-where it was eleven (a shrink a projection, an expand a slice): at batch 1 the launches, a few
+decode step's delta is four launches a layer with a dense base (an expand a projection) or eight with a
+quantized one, where it was eleven (a shrink a projection, an expand a slice): at batch 1 the launches, a few
 microseconds each, are most of what an adapter costs (docs/lora.md, Measured).
 """
 
