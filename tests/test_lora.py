@@ -89,9 +89,34 @@ def _llm(base: Path, **kwargs) -> LLM:
     return LLM(str(base), enable_lora=True, max_lora_rank=16, **{**args, **kwargs})
 
 
-@pytest.fixture(scope="module")
-def llm(setup):
-    return _llm(setup[0], max_loras=len(ADAPTERS))
+def _fuse_shrink(monkeypatch, fused: bool) -> None:
+    """Every dense projection's shrink inside its GEMM (`fused`; the tiny model's A is too wide beside W for
+    FUSED_SHRINK_MAX_ROWS, lifted here), or none."""
+    from ember.model import lora
+
+    monkeypatch.setattr(lora, "FUSED_SHRINK_MAX_ROWS", float("inf") if fused else 0.0)
+
+
+def _check_fused(llm: LLM, fused: bool) -> None:
+    from ember.model.lora import LoRALinear
+
+    wrapped = [m for m in inproc_core(llm).runner.model.modules() if isinstance(m, LoRALinear)]
+    assert wrapped and all((m.fused_shrink is not None) == fused for m in wrapped)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[False, True] if DEVICE == "cuda" else [False],
+    ids=lambda fused: "fused" if fused else "kernels",
+)
+def llm(setup, request):
+    """On a GPU (EMBER_TEST_DEVICE=cuda) twice: with the shrink kernels, and with the shrink inside the
+    dense base GEMMs (`_fuse_shrink`); on CPU the native delta, which has its own fusion."""
+    with pytest.MonkeyPatch.context() as patch:
+        _fuse_shrink(patch, request.param)
+        llm = _llm(setup[0], max_loras=len(ADAPTERS))
+    _check_fused(llm, request.param)
+    return llm
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -239,30 +264,24 @@ def test_qwen3_adapter_matches_peft(tmp_path):
 
 @pytest.mark.parametrize("widths", [[48, 16, 16], [40]])
 def test_triton_kernels_match_reference(widths):
-    """Shrink then expand per slice, rows under 3 slots and none, against the float64 reference; the
-    PyTorch implementation (the CPU path) against the same."""
+    """Shrink then one expand for every slice, rows under 3 slots and none, against the float64 reference;
+    the PyTorch implementation (the CPU path) against the same."""
     from ember.kernels.lora import lora_expand, lora_ref, lora_shrink
-    from ember.ops.lora import LoRAWeights, TorchLoRA
+    from ember.ops.lora import LoRAWeights, TorchLoRA, stacked_slices
 
     gen = torch.Generator().manual_seed(0)
     slots_n, rank, k, rows = 3, 8, 40, 7
     a = torch.randn(slots_n, len(widths) * rank, k, generator=gen)
-    b = [torch.randn(slots_n, rank, n, generator=gen) for n in widths]
+    b = stacked_slices(slots_n, rank, widths, torch.float32, KERNEL_DEVICE)
+    for bi in b:
+        bi.copy_(torch.randn(bi.shape, generator=gen))
     x = torch.randn(rows, k, generator=gen)
     slots = torch.tensor([0, -1, 2, 1, 2, -1, 0], dtype=torch.int32)
     base = torch.randn(rows, sum(widths), generator=gen)
-    a, b, x, slots, base = (
-        a.to(KERNEL_DEVICE),
-        [t.to(KERNEL_DEVICE) for t in b],
-        x.to(KERNEL_DEVICE),
-        slots.to(KERNEL_DEVICE),
-        base.to(KERNEL_DEVICE),
-    )
+    a, x, slots, base = (t.to(KERNEL_DEVICE) for t in (a, x, slots, base))
     want = base.double() + lora_ref(x, a, b, slots)
     y = base.clone()
-    xa = lora_shrink(x, a, slots)
-    for i, bi in enumerate(b):
-        lora_expand(xa, bi, slots, y, i, sum(widths[:i]))
+    lora_expand(lora_shrink(x, a, slots), b, slots, y)
     torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
     y = base.clone()
     TorchLoRA()(x, y, LoRAWeights(a, b, [sum(widths[:i]) for i in range(len(widths))]), slots)
@@ -293,15 +312,43 @@ def test_embedding_delta_matches_reference():
         torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
 
 
-def test_triton_path_mixed_batch(setup, monkeypatch):
+def test_fused_shrink_where_it_applies(monkeypatch):
+    """A dense nn.Linear under the Triton path: its weight and bias moved to the head of the stacked buffer,
+    the same values, so the module computes as before (steps of the base alone); none on the CPU's own
+    paths, for a quantized base, or where A's rows pass FUSED_SHRINK_MAX_ROWS of W's."""
+    from ember.model.linear import quantize_module
+    from ember.model.lora import FUSED_SHRINK_MAX_ROWS, _fused_shrink
+    from ember.ops import registry
+
+    def linear() -> torch.nn.Linear:
+        torch.manual_seed(0)
+        return torch.nn.Linear(32, 64, bias=True)
+
+    x = torch.randn(5, 32)
+    assert _fused_shrink(linear(), 8) is None  # the CPU's native / PyTorch delta
+    monkeypatch.setattr(registry, "FORCE_TRITON", True)
+    base = linear()
+    want = base(x)
+    fused = _fused_shrink(base, 8)
+    assert fused is not None and base.weight.data_ptr() == fused.weight.data_ptr()
+    assert fused.weight.shape == (64 + 8, 32) and fused.a(2).shape == (2, 4, 32) and not fused.a(2).any()
+    assert torch.equal(base(x), want)
+    assert _fused_shrink(linear(), int(64 * FUSED_SHRINK_MAX_ROWS) + 1) is None
+    assert _fused_shrink(quantize_module(linear(), "int8", torch.float32, tied=False), 8) is None
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_path_mixed_batch(setup, monkeypatch, fused: bool):
     """The whole GPU code path (registry.FORCE_TRITON: Triton kernels through the interpreter, the LoRA
-    delta by the shrink/expand kernels) with two adapters (one adapting embed_tokens and lm_head) and the
-    base in one batch."""
+    delta by the shrink/expand kernels, or, `fused`, the shrink inside the dense base's GEMM and the expand
+    alone) with two adapters (one adapting embed_tokens and lm_head) and the base in one batch."""
     from ember.ops import registry
 
     base, loras, refs, _ = setup
     monkeypatch.setattr(registry, "FORCE_TRITON", True)
+    _fuse_shrink(monkeypatch, fused)
     llm = _llm(base, max_loras=2)
+    _check_fused(llm, fused)
     names = [None, "all-r8", "embed-head-r4"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     per_prompt = [None if n is None else loras[n] for n in names for _ in PROMPTS]
@@ -339,12 +386,14 @@ def test_step_inputs_carry_each_tokens_slot():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graphs_with_and_without_the_lora_kernels(setup, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_graphs_with_and_without_the_lora_kernels(setup, monkeypatch, fused: bool):
     """CUDA graphs on: steps of the base alone replay the graphs captured without the LoRA kernels, steps with
     an adapter (decodes of two adapters, one adapting embed_tokens and lm_head, beside the base; a lone
     prompt's prefill graph) only those with them; the greedy tokens of the base alone, then adapters, then
-    the base alone again equal enforce_eager's."""
+    the base alone again equal enforce_eager's; with the shrink kernels or inside the base GEMMs (`fused`)."""
     base, loras, _, _ = setup
+    _fuse_shrink(monkeypatch, fused)
     phases = [
         [None] * 3,
         [loras["all-r8"], None, loras["embed-head-r4"]],
@@ -360,6 +409,7 @@ def test_cuda_graphs_with_and_without_the_lora_kernels(setup, monkeypatch):
     assert want[1][0] != want[0][0] and want[1][2] != want[0][2], "the adapters change nothing"
     eager.llm_engine.shutdown()
     llm = _llm(base, device="cuda", max_loras=2, max_num_seqs=8)
+    _check_fused(llm, fused)
     graphs = inproc_core(llm).runner.graphs
     replay, replayed = graphs.replay, []
     monkeypatch.setattr(graphs, "replay", lambda key: replayed.append(key) or replay(key))

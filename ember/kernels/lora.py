@@ -2,7 +2,11 @@
 adapter (prefill) and a gathered form for the other rows (decode, request boundaries).
 
 `lora_shrink`: xa[t] = A[slots[t]] @ x[t], every slice's rank columns at once, in float32.
-`lora_expand`: y[t, start:start + out] += B[slots[t]] @ xa[t, slice's columns], rounded once into y.
+`lora_expand`: y[t, off_i:off_i + out_i] += B_i[slots[t]] @ xa[t, slice i's columns] for every slice i
+(q/k/v, gate/up) in one launch, rounded once into y: a program whose columns span slices walks each
+slice's part of them with that slice's B and rank columns. `lora_expand_slots`: the same from
+every slot's shrink of each row side by side, each row reading its own slot's: the tail of a dense base
+GEMM run over [W ; A] (ember.ops.lora.FusedShrink), so where the base is dense no shrink kernel runs.
 
 The gathered form (punica's BGMV): a program per row and tile of output columns reads only that row's
 slot's weights, on CUDA cores. A 512-token prefill under one adapter so re-reads the adapter's weights
@@ -19,11 +23,15 @@ adapters (every tile mixed) would pay for in full. Batches under SEGMENTED_MIN_R
 gathered kernel alone: one launch per product instead of two.
 
 Both forms read the slots on the device (each program its own tile's), so one captured CUDA graph serves
-every mix of adapters. The shrink splits K when its rows and column tiles are few (`_split_k`). Not built
-yet: fusion with the base GEMM.
+every mix of adapters. The shrink splits K when its rows and column tiles are few (`_split_k`). So a
+decode step's delta is four launches a layer with a dense base (an expand a projection) or eight with a
+quantized one, where it was eleven (a shrink a projection, an expand a slice): at batch 1 the launches, a few
+microseconds each, are most of what an adapter costs (docs/lora.md, Measured).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import triton
@@ -72,9 +80,10 @@ def _k_range(split, K, K_CHUNK, work):
 
 @triton.jit
 def _sum_splits(ptrs, mask, SPLITS, stride_s, work):
-    """The shrink's split-K partial sums at `ptrs` added in split order (the same sum whatever the batch);
-    only the first part read without `work`."""
-    xa = tl.load(ptrs, mask=mask, other=0.0)
+    """The shrink at `ptrs` in float32: its split-K partial sums added in split order (the same sum whatever
+    the batch), or the fused base GEMM's one part (SPLITS 1, in the GEMM's dtype); only the first part read
+    without `work`."""
+    xa = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     for s in range(1, tl.where(work, SPLITS, 1)):
         xa += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
     return xa
@@ -126,50 +135,108 @@ def _shrink_segments_kernel(
 
 
 @triton.jit
+def _expand_row_slice(
+    xa_row, b_ptr, y_row, slot, c_begin, c_end, lo, hi, b_start, xa_col, R, SPLITS, stride_xap,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The gathered expand of one row's columns [c_begin, c_end) that fall in the slice of output columns
+    [lo, hi): its B [slots, R, hi - lo] at b_ptr + b_start (`stacked_slices`), its input the R columns of
+    the row's shrink from xa_col. Tile by tile, each a contiguous run of one slice's B row."""
+    begin = tl.maximum(c_begin, lo)
+    end = tl.minimum(c_end, hi)
+    rs = tl.arange(0, BLOCK_R)
+    xa = _sum_splits(xa_row + xa_col + rs, rs < R, SPLITS, stride_xap, end > begin)
+    b_rows = b_ptr + b_start + (tl.maximum(slot, 0) * R + rs[:, None]) * (hi - lo) - lo  # + an output column
+    for c0 in range(begin, end, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        mask = cols < end
+        b = tl.load(b_rows + cols[None, :], mask=(rs[:, None] < R) & mask[None, :], other=0.0)
+        delta = tl.sum(xa[:, None] * b.to(tl.float32), axis=0)
+        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, (y + delta).to(y_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _expand_gathered_kernel(
-    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, SPLITS, xa_offset, y_offset, stride_xat, stride_xas, stride_bs,
-    stride_br, stride_yt, COLUMNS, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT_M: tl.constexpr,
+    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, END0, END1, B_START1, B_START2, SPLITS, stride_xap, stride_xat,
+    stride_xas, stride_yt, COLUMNS, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEGMENT_M: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     mine = _gathered_row(slots_ptr, row, T, SEGMENT_M)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    # this program's COLUMNS output columns; none for a row without an adapter (it reads and writes nothing)
+    # this program's COLUMNS output columns, across slices; none for a row without an adapter (it reads and
+    # writes nothing)
     c_begin = tl.program_id(1) * COLUMNS
     c_end = tl.minimum(c_begin + COLUMNS, tl.where(mine & (slot >= 0), N, 0))
-    rs = tl.arange(0, BLOCK_R)
-    xa = _sum_splits(xa_ptr + row * stride_xat + xa_offset + rs, rs < R, SPLITS, stride_xas, c_end > c_begin)
-    b_rows = b_ptr + tl.maximum(slot, 0) * stride_bs + rs[:, None] * stride_br
-    for c0 in range(c_begin, c_end, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N)
-        mask = cols < c_end
-        b = tl.load(b_rows + cols[None, :], mask=(rs[:, None] < R) & mask[None, :], other=0.0)
-        delta = tl.sum(xa[:, None] * b.to(tl.float32), axis=0)
-        y_cols = y_ptr + row * stride_yt + y_offset + cols
-        y = tl.load(y_cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_cols, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+    xa_row = xa_ptr + row * stride_xat + tl.maximum(slot, 0) * stride_xas  # the row's own slot's shrink
+    y_row = y_ptr + row * stride_yt
+    _expand_row_slice(
+        xa_row, b_ptr, y_row, slot, c_begin, c_end, 0, END0, 0, 0, R, SPLITS, stride_xap, BLOCK_R, BLOCK_N
+    )
+    if N_SLICES > 1:
+        _expand_row_slice(
+            xa_row, b_ptr, y_row, slot, c_begin, c_end, END0, END1, B_START1, R, R, SPLITS, stride_xap, BLOCK_R,
+            BLOCK_N,
+        )  # fmt: skip
+    if N_SLICES > 2:
+        _expand_row_slice(
+            xa_row, b_ptr, y_row, slot, c_begin, c_end, END1, N, B_START2, 2 * R, R, SPLITS, stride_xap, BLOCK_R,
+            BLOCK_N,
+        )  # fmt: skip
+
+
+@triton.jit
+def _segment_slice(
+    delta, xa_tile, xa_mask, b_ptr, slot, cols, live, lo, hi, b_start, xa_col, R, SPLITS, stride_xap,
+    BLOCK_R: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """delta plus the segmented expand of the tile's columns in the slice of output columns [lo, hi) (B and
+    xa's columns as `_expand_row_slice`'s); nothing read where the tile has none of them."""
+    ours = live & (cols >= lo) & (cols < hi)
+    any_ours = tl.max(ours.to(tl.int32)) > 0
+    if any_ours:
+        rs = tl.arange(0, BLOCK_R)
+        xa = _sum_splits(xa_tile + xa_col, xa_mask, SPLITS, stride_xap, any_ours)
+        b_rows = b_ptr + b_start + (tl.maximum(slot, 0) * R + rs[:, None]) * (hi - lo) - lo
+        b = tl.load(b_rows + cols[None, :], mask=(rs[:, None] < R) & ours[None, :], other=0.0)
+        delta = tl.dot(xa.to(DOT_DTYPE), b.to(DOT_DTYPE), delta, input_precision=PRECISION)
+    return delta
 
 
 @triton.jit
 def _expand_segments_kernel(
-    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, SPLITS, xa_offset, y_offset, stride_xat, stride_xas, stride_bs,
-    stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, END0, END1, B_START1, B_START2, SPLITS, stride_xap, stride_xat,
+    stride_xas, stride_yt, N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     slot = _tile_slot(slots_ptr, tl.program_id(0), T, BLOCK_M).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_end = tl.where(slot >= 0, N, 0)  # only a tile under one adapter: a mixed one is the gathered kernel's
+    # only a tile under one adapter: a mixed one is the gathered kernel's
+    live = cols < tl.where(slot >= 0, N, 0)
     rs = tl.arange(0, BLOCK_R)
-    xa_tile = xa_ptr + rows[:, None] * stride_xat + xa_offset + rs[None, :]
-    xa = _sum_splits(xa_tile, (rows[:, None] < T) & (rs[None, :] < R), SPLITS, stride_xas, n_end > 0)
-    b = tl.load(
-        b_ptr + tl.maximum(slot, 0) * stride_bs + rs[:, None] * stride_br + cols[None, :],
-        mask=(rs[:, None] < R) & (cols[None, :] < n_end),
-        other=0.0,
-    )
-    delta = tl.dot(xa.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=PRECISION)
-    y_tile = y_ptr + rows[:, None] * stride_yt + y_offset + cols[None, :]
-    mask = (rows[:, None] < T) & (cols[None, :] < n_end)
+    xa_tile = xa_ptr + rows[:, None] * stride_xat + tl.maximum(slot, 0) * stride_xas + rs[None, :]
+    xa_mask = (rows[:, None] < T) & (rs[None, :] < R)
+    # a tile's columns are of one slice but where slices meet: there each slice's product, the others'
+    # columns masked to exact zeros
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    delta = _segment_slice(
+        delta, xa_tile, xa_mask, b_ptr, slot, cols, live, 0, END0, 0, 0, R, SPLITS, stride_xap, BLOCK_R,
+        DOT_DTYPE, PRECISION,
+    )  # fmt: skip
+    if N_SLICES > 1:
+        delta = _segment_slice(
+            delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END0, END1, B_START1, R, R, SPLITS, stride_xap,
+            BLOCK_R, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
+    if N_SLICES > 2:
+        delta = _segment_slice(
+            delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END1, N, B_START2, 2 * R, R, SPLITS, stride_xap,
+            BLOCK_R, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
+    y_tile = y_ptr + rows[:, None] * stride_yt + cols[None, :]
+    mask = (rows[:, None] < T) & live[None, :]
     y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_tile, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -220,32 +287,61 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
     return out
 
 
-def lora_expand(
-    xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor, slice_index: int, start: int
-) -> None:
-    """y[t, start:start + N] += b[slots[t]]^T-applied: b [slots, R, N], its input the slice's R columns of
-    xa [parts, T, n_slices * R] (`lora_shrink`'s partial sums, added here); rows with slot -1 are left
+def lora_expand(xa: torch.Tensor, b: list[torch.Tensor], slots: torch.Tensor, y: torch.Tensor) -> None:
+    """y[t, :sum N_i] += each slice i's b[i][slots[t]] applied to its R columns of row t's shrink, every slice
+    in one launch (per form): xa [parts, T, n_slices * R] is `lora_shrink`'s partial sums (added here), b
+    per slice [slots, R, N_i], laid out by `ember.ops.lora.stacked_slices`; rows with slot -1 are left
     alone. The segmented form multiplies in b's dtype (xa rounded to it, as a tensor-core product must), the
     gathered form in float32."""
+    _expand(xa, 0, b, slots, y)
+
+
+def lora_expand_slots(xa: torch.Tensor, b: list[torch.Tensor], slots: torch.Tensor, y: torch.Tensor) -> None:
+    """`lora_expand` from xa [T, slots * n_slices * R]: every slot's shrink of each row side by side, as the
+    base GEMM fused with the shrink writes them (ember.ops.lora.FusedShrink: its output's tail columns, rows
+    strided), each row reading its own slot's."""
+    _expand(xa[None], len(b) * b[0].shape[1], b, slots, y)
+
+
+def _expand(xa: torch.Tensor, slot_stride: int, b: list[torch.Tensor], slots: torch.Tensor, y: torch.Tensor) -> None:
+    """Both expand forms over xa [parts, T, ...], row t's slice i's R columns at slots[t] * slot_stride + i * R."""
     parts, rows = xa.shape[0], xa.shape[1]
-    r, n = b.shape[1], b.shape[2]
+    num_slots, r = b[0].shape[0], b[0].shape[1]
+    widths = [t.shape[2] for t in b]
+    n = sum(widths)
+    _check_stacked(b)
     if rows == 0:
         return
+    end0, end1 = [*itertools.accumulate(widths), n, n][:2]  # where slices 0 and 1 end (n: no such slice)
     args = (
-        xa, b, slots, y, rows, r, n, parts, slice_index * r, start, xa.stride(1), xa.stride(0), b.stride(0),
-        b.stride(1), y.stride(0),
+        xa, b[0], slots, y, rows, r, n, end0, end1, num_slots * r * end0, num_slots * r * end1, parts,
+        xa.stride(0), xa.stride(1), slot_stride, y.stride(0),
     )  # fmt: skip
     block_m, block_r, block_n = _segment_rows(rows), _tile(r), _tile(n, 128)
     if block_m:
         _expand_segments_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
-            *args, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, DOT_DTYPE=dot_dtype(b.dtype),
-            PRECISION=dot_precision(b.dtype),
+            *args, N_SLICES=len(b), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
+            DOT_DTYPE=dot_dtype(b[0].dtype), PRECISION=dot_precision(b[0].dtype),
         )  # fmt: skip
     column_programs = min(triton.cdiv(n, block_n), triton.cdiv(EXPAND_PROGRAMS, rows))
     columns = triton.cdiv(triton.cdiv(n, column_programs), block_n) * block_n
     _expand_gathered_kernel[(rows, triton.cdiv(n, columns))](
-        *args, columns, BLOCK_R=block_r, BLOCK_N=block_n, SEGMENT_M=block_m
+        *args, columns, N_SLICES=len(b), BLOCK_R=block_r, BLOCK_N=block_n, SEGMENT_M=block_m
     )
+
+
+def _check_stacked(b: list[torch.Tensor]) -> None:
+    """A ValueError unless b's 1 to 3 slices lie one after another in one buffer, each contiguous, as the
+    kernels address them (`_expand_row_slice`)."""
+    num_slots, r = b[0].shape[0], b[0].shape[1]
+    first = 0
+    for t in b:
+        at = b[0].data_ptr() + first * num_slots * r * t.element_size()
+        if not t.is_contiguous() or t.shape[:2] != b[0].shape[:2] or t.dtype != b[0].dtype or t.data_ptr() != at:
+            raise ValueError("lora_expand: B's slices must lie one after another in one buffer (stacked_slices)")
+        first += t.shape[2]
+    if not 1 <= len(b) <= 3:
+        raise ValueError(f"lora_expand: 1 to 3 slices, got {len(b)}")
 
 
 def lora_ref(x: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:

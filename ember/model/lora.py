@@ -36,7 +36,14 @@ from ember.model.layers import GatedMLP
 from ember.model.llama import Attention, CausalLM
 from ember.ops import registry
 from ember.ops.linear_native import native_expand_min_rows
-from ember.ops.lora import LoRAWeights, NativeLoRA
+from ember.ops.lora import FusedShrink, LoRAWeights, NativeLoRA, TritonLoRA, stacked_slices
+
+# The most A rows (max_loras * n_slices * max_lora_rank) a dense base's GEMM takes on (`FusedShrink`), as a
+# fraction of its output columns. The fused GEMM reads every slot's A and computes every slot's shrink for
+# every row, where the shrink kernel reads only the rows' own slots': worth a launch saved while that is a
+# few percent of the base's bytes (8 rank-16 slots on Llama-3-8B: 2% of a layer's weights), not once A
+# grows toward W's size (64 rank-64 slots of a 4096-wide o_proj: 4096 rows, a GEMM twice as long).
+FUSED_SHRINK_MAX_ROWS = 0.125
 
 
 @dataclass
@@ -60,11 +67,16 @@ class LoRALinear(nn.Module):
     native GEMV for its rows (else the base, then NativeLoRA's delta: the same numbers); GEMV + SiLU is the
     base's where no row has an adapter, else `forward` then the same native SiLU."""
 
-    def __init__(self, base: nn.Module, weights: LoRAWeights, batch: LoRABatch) -> None:
+    def __init__(
+        self, base: nn.Module, weights: LoRAWeights, batch: LoRABatch, fused: FusedShrink | None = None
+    ) -> None:
+        """`fused`: the base's weight with the slots' A under it (`weights.a` its view, `base` a view of the
+        rest), whose one GEMM computes the shrink too (`_with_fused_shrink`)."""
         super().__init__()
         self.base = base
         self.weights = weights
         self.batch = batch
+        self.fused_shrink = fused
         self._impl = registry.lora_impl(registry.target(weights.a.device, weights.a.dtype))
         gemv = self.native_gemv_weight()
         self._silu_rows = 0 if gemv is None else native_expand_min_rows(gemv)  # rows the native SiLU takes
@@ -97,6 +109,8 @@ class LoRALinear(nn.Module):
         return native.silu_mul(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch.active and self.fused_shrink is not None:
+            return self._with_fused_shrink(x)
         if self.batch.active and isinstance(self._impl, NativeLoRA) and x.dim() == 2:
             y = self._fused(x)
             if y is not None:
@@ -106,6 +120,16 @@ class LoRALinear(nn.Module):
             rows = x.reshape(-1, x.shape[-1])
             self._impl(rows, y.view(-1, y.shape[-1]), self.weights, self.batch.slots[: rows.shape[0]])
         return y
+
+    def _with_fused_shrink(self, x: torch.Tensor) -> torch.Tensor:
+        """The base GEMM that computes every slot's shrink too, then one expand launch for every slice. The
+        output is a view of the GEMM's, its rows strided (the kernels reading projections' outputs take
+        row strides: rotary and KV store, SiLU, the norms)."""
+        assert self.fused_shrink is not None
+        rows = x.reshape(-1, x.shape[-1])
+        y, xa = self.fused_shrink(rows)
+        TritonLoRA.expand_slots(xa, y, self.weights, self.batch.slots[: rows.shape[0]])
+        return y.unflatten(0, x.shape[:-1])
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor | None:
         """The base's native GEMV (+ bias) and NativeLoRA's delta in one call whose parallel region runs both
@@ -189,9 +213,14 @@ class LoRALayers:
             for suffix, sl in modules.items():
                 parent_name, attr = suffix.split(".")
                 parent = getattr(layer, parent_name)
-                w = _weights(max_loras, max_rank, sl.in_features, sl.widths, dtype, device)
+                base = getattr(parent, attr)
+                fused = _fused_shrink(base, max_loras * len(sl.widths) * max_rank)
+                a = None if fused is None else fused.a(max_loras)
+                w = _weights(max_loras, max_rank, sl.in_features, sl.widths, dtype, device, a)
                 self.weights[index, suffix] = w
-                setattr(parent, attr, LoRALinear(getattr(parent, attr), w, self.batch))
+                setattr(parent, attr, LoRALinear(base, w, self.batch, fused))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the weights moved into FusedShrink's buffers: the KV sizing counts held memory
         model.choose_kernels()  # the native fused paths take the wrapped projections' deltas
         vocab, hidden = model.config.vocab_size, model.config.hidden_size
         self.embed = _weights(max_loras, max_rank, vocab, [hidden], dtype, device)
@@ -261,11 +290,45 @@ class LoRALayers:
 
 
 def _weights(
-    max_loras: int, max_rank: int, in_features: int, widths: list[int], dtype: torch.dtype, device: torch.device
+    max_loras: int,
+    max_rank: int,
+    in_features: int,
+    widths: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    a: torch.Tensor | None = None,
 ) -> LoRAWeights:
-    """Zeroed slots of a projection in_features -> sum(widths), a slice per width."""
+    """Zeroed slots of a projection in_features -> sum(widths), a slice per width; `a`: A's zeroed slots
+    where they are already laid out (FusedShrink.a)."""
     return LoRAWeights(
-        torch.zeros(max_loras, len(widths) * max_rank, in_features, dtype=dtype, device=device),
-        [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for n in widths],
+        torch.zeros(max_loras, len(widths) * max_rank, in_features, dtype=dtype, device=device) if a is None else a,
+        stacked_slices(max_loras, max_rank, widths, dtype, device),
         [sum(widths[:i]) for i in range(len(widths))],
     )
+
+
+def _fused_shrink(base: nn.Module, a_rows: int) -> FusedShrink | None:
+    """Where the GPU path runs the delta (TritonLoRA) and the base is dense (an nn.Linear of bf16, fp16 or
+    fp32), `base`'s weight and bias moved into a FusedShrink with `a_rows` zero rows of A under them, `base`
+    keeping views of its own (so it computes as before, for steps of the base alone); else None.
+
+    Not where A outgrows FUSED_SHRINK_MAX_ROWS, nor for a quantized base (int4/int8/fp8, GGUF): its GEMM
+    reads W in its own format, so the A rows would have to be quantized alike or run as a second GEMM,
+    which the shrink kernel already is. Tensor parallelism (not yet with LoRA) keeps the layout: a
+    column-parallel layer (q/k/v, gate/up) splits W's rows and would hold A whole (B's columns cut as W's
+    rows); a row-parallel one (o, down) splits K, W's and A's alike, so its GEMM gives a partial shrink,
+    and the delta of that partial through the whole B, added before the all-reduce that sums the base's
+    partial outputs, sums to the delta of the whole shrink (B is linear), as vLLM's row-parallel LoRA
+    layers compute it."""
+    if not isinstance(base, nn.Linear) or base.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    w = base.weight
+    if a_rows > FUSED_SHRINK_MAX_ROWS * w.shape[0] or not isinstance(
+        registry.lora_impl(registry.target(w.device, w.dtype)), TritonLoRA
+    ):
+        return None
+    fused = FusedShrink.stack(w.detach(), None if base.bias is None else base.bias.detach(), a_rows)
+    for name, view in (("weight", fused.base_weight), ("bias", fused.base_bias)):
+        if view is not None:
+            setattr(base, name, nn.Parameter(view, requires_grad=False))
+    return fused
