@@ -183,7 +183,7 @@ stage_moehf() {
   done
 }
 stage_vision() {
-  timeout ${limit:-300} python3 benchmarks/vision.py --out "$OUT/vision-qwen2.5-vl-7b-cuda-$D.json" 2>&1 | quiet | tail -6
+  timeout ${limit:-300} python3 benchmarks/vision.py --profile-tower 8 --out "$OUT/vision-qwen2.5-vl-7b-cuda-$D.json" 2>&1 | quiet | tail -32
 }
 stage_deepseek() {
   limit=240 tput --model $DSV2 --out "$OUT/throughput-deepseek-v2-lite-cuda-$D.json"

@@ -92,18 +92,25 @@ def run(llm: LLM, prompts: list[dict[str, Any]], output_len: int) -> tuple[dict[
     return row, lengths
 
 
-def tower_ms_per_image(cfg: dict[str, Any], batches: list[int], size: int, device: torch.device) -> dict[str, float]:
+def tower_ms_per_image(
+    cfg: dict[str, Any], batches: list[int], size: int, device: torch.device, profile: int
+) -> dict[str, float]:
     """The tower's milliseconds per image at each batch size (random weights and patches: the cost does not
-    depend on the values)."""
+    depend on the values); with `profile`, its kernels' table at that batch size is printed."""
     vision = ModelConfig.from_hf_config(cfg).vision
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tower = Qwen25VisionTower(vision).to(device=device, dtype=dtype).eval()
     side = size // vision.patch_size
     width = 3 * vision.temporal_patch_size * vision.patch_size**2
     out = {}
-    for n in batches:
+    for n in batches + ([profile] if profile else []):
         patches = torch.randn(n * side * side, width, device=device, dtype=dtype)
         grids = [(1, side, side)] * n
+        if n == profile and len(out) == len(batches):
+            with torch.inference_mode(), torch.profiler.profile() as prof:
+                tower(patches, grids)
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+            break
         with torch.inference_mode():
             tower(patches, grids)
             reps = 5
@@ -129,6 +136,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--encoder-batches", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--profile-tower", type=int, default=0, help="print the tower's kernels at this many images")
     ap.add_argument("--out", default=None, help="JSON path (a PNG goes next to it)")
     args = ap.parse_args()
     machine = machine_info()
@@ -150,7 +158,7 @@ def main() -> None:
     texts, _ = run(llm, [{"prompt_token_ids": text_ids(rng, n, vocab)} for n in lengths], args.output_len)
     llm.llm_engine.shutdown()
     device = torch.device(ready.device)
-    tower = tower_ms_per_image(cfg, args.encoder_batches, args.image_size, device) if args.encoder_batches else {}
+    tower = tower_ms_per_image(cfg, args.encoder_batches, args.image_size, device, args.profile_tower)
     ratio = round(images["output_tok_per_s"] / texts["output_tok_per_s"], 3)
     for name, row in (("with images", images), ("text only", texts)):
         print(

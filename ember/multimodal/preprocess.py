@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -16,10 +17,9 @@ from PIL import Image
 
 from ember.multimodal.inputs import QWEN25_VL_FAMILY, ImageInput, VisionFacts
 from ember.multimodal.media import to_rgb
-from ember.multimodal.qwen2_vl import QwenImageProcessor
+from ember.multimodal.normalize import byte_table, normalized
+from ember.multimodal.qwen2_vl import RESAMPLE, QwenImageProcessor
 from ember.tokenizer import Tokenizer
-
-_RESAMPLE = {0: Image.Resampling.NEAREST, 2: Image.Resampling.BILINEAR, 3: Image.Resampling.BICUBIC}
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class ImageProcessor:
     @classmethod
     def of(cls, vision: VisionFacts, config: dict[str, Any]) -> ImageProcessor:
         resample = int(config.get("resample", 2))
-        if resample not in _RESAMPLE:
-            raise ValueError(f"preprocessor_config.json: resample {resample} is not supported ({sorted(_RESAMPLE)})")
+        if resample not in RESAMPLE:
+            raise ValueError(f"preprocessor_config.json: resample {resample} is not supported ({sorted(RESAMPLE)})")
         return cls(
             vision,
             tuple(config.get("image_mean", cls.mean)),
@@ -49,11 +49,13 @@ class ImageProcessor:
         """float32 [3, size, size]: the image as the vision tower reads it (transparency over white, as
         transformers' `convert_to_rgb`)."""
         size = self.vision.image_size
-        rgb = to_rgb(image).resize((size, size), _RESAMPLE[self.resample])
-        # as transformers: the resized uint8 image rescaled in float32, then normalized per channel
-        x = np.asarray(rgb, dtype=np.float32) * np.float32(self.rescale)
-        x = (x - np.asarray(self.mean, dtype=np.float32)) / np.asarray(self.std, dtype=np.float32)
-        return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
+        rgb = to_rgb(image).resize((size, size), RESAMPLE[self.resample])
+        return normalized(np.ascontiguousarray(np.asarray(rgb).transpose(2, 0, 1)), self.table, axis=0)
+
+    @cached_property
+    def table(self) -> np.ndarray:
+        """as transformers: the resized uint8 image rescaled in float32, then normalized per channel"""
+        return byte_table(self.rescale, self.mean, self.std)
 
     def expand_ids(self, ids: list[int], images: list[Image.Image], tokenizer: Tokenizer | None) -> list[int]:
         """Token ids with each placeholder (`boi_token_id`) replaced by an image's tokens as Gemma 3's
