@@ -21,8 +21,7 @@ def byte_table(rescale: float, mean: tuple[float, ...], std: tuple[float, ...]) 
 def normalized(pixels: np.ndarray, table: np.ndarray, axis: int) -> np.ndarray:
     """float32 values of uint8 `pixels` whose channel index runs along `axis`, looked up in `table`."""
     out = np.empty(pixels.shape, dtype=np.float32)
-    at = [slice(None)] * pixels.ndim
     for c in range(table.shape[0]):
-        at[axis] = c
-        np.take(table[c], pixels[tuple(at)], out=out[tuple(at)], mode="clip")  # bytes never leave the table
+        at = (slice(None),) * axis + (c,)
+        np.take(table[c], pixels[at], out=out[at], mode="clip")  # bytes never leave the table
     return out
