@@ -28,6 +28,7 @@ from ember.kernels.moe_config import (
     GemmTiles,
     MoeConfig,
     choose_moe_config,
+    default_fused_tiles,
     default_moe_config,
     lookup,
     problem_key,
@@ -341,11 +342,19 @@ def test_fused_mlp_matches_float64_reference(kind, dtype: torch.dtype, m: int, e
         assert torch.equal(alone, out[t : t + 1])
 
 
-def test_fused_mlp_is_chosen_up_to_a_few_tokens(monkeypatch) -> None:
-    """Decode batches up to FUSED_MAX_TOKENS take the one-kernel MLP (tuned tiles where the table has
-    them, fitted to the problem), larger ones the two GEMMs; fused_moe_from_logits follows the choice."""
+def test_fused_mlp_is_chosen_where_the_table_says_up_to_a_few_tokens(monkeypatch) -> None:
+    """Without a tuned `fused` entry no batch takes the one-kernel MLP (the two GEMMs are what was measured);
+    with one, decode batches up to FUSED_MAX_TOKENS take it (its tiles fitted to the problem), larger ones
+    the two GEMMs; fused_moe_from_logits follows the choice."""
     module = importlib.import_module("ember.kernels.fused_moe")  # ember.kernels.fused_moe is also the function
     cpu = torch.device("cpu")
+    assert choose_moe_config(1, 8, 128, 2048, 768, "bfloat16", cpu).fused is None
+    entry = {"block_m": 16, "gate_up": [64, 64, 4, 3], "down": [64, 64, 4, 3], "fused": [*default_fused_tiles(8, 768)]}
+    keys = [problem_key(128, 2048, 768, kind) for kind in ("bfloat16", "int4-g32")] + [
+        problem_key(8, 32, 48, "float32")
+    ]
+    table = {"cpu": {key: {"1": entry} for key in keys}}
+    monkeypatch.setattr(importlib.import_module("ember.kernels.moe_config"), "load_table", lambda: table)
     grouped = choose_moe_config(1, 8, 128, 2048, 768, "int4-g32", cpu, (32, 32)).fused
     assert grouped is not None and grouped.block_i <= 32 and grouped.block_k <= 32  # inside w2's and w13's groups
     calls = []

@@ -11,7 +11,8 @@ expert's weights once per N tile. Nothing is read back to the host, so CUDA grap
 At M = 1, where the tuned table says so, down_by_token does the last two lines in one kernel, one
 program per N tile of H walking the token's k experts in order (one launch fewer a layer).
 
-Up to FUSED_MAX_TOKENS tokens (decode), fused_mlp does all three lines in one launch: a program
+Up to FUSED_MAX_TOKENS tokens (decode), where the tuned table has a `fused` entry (measured faster than
+the two GEMMs by benchmarks/moe_kernel.py --fused), fused_mlp does all three lines in one launch: a program
 per (block of sorted slots, BLOCK_I slice of I) computes its slice of act from x and w13 (K = H),
 rounds it as the two-kernel path stores it, and at once multiplies it by w2[e][:, slice], chunk by
 chunk of H, into fp32 partials weighted by the routing weight, one row of H per (token, j, slice).
@@ -888,9 +889,10 @@ def _experts_mlp(
     b2: torch.Tensor | None,
     swiglu: tuple[float, float] | None,
 ) -> torch.Tensor:
-    """Up to FUSED_MAX_TOKENS tokens the whole MLP in one kernel (fused_mlp). Else the gate_up grouped
-    GEMM over the aligned slots, then down and each token's sum over its k experts: one kernel
-    (down_by_token) where the config says so, else a grouped GEMM and sum_topk."""
+    """Where the config has fused tiles (up to FUSED_MAX_TOKENS tokens, a tuned entry) the whole MLP in one
+    kernel (fused_mlp). Else the gate_up grouped GEMM over the aligned slots, then down and each token's
+    sum over its k experts: one kernel (down_by_token) where the config says so, else a grouped GEMM and
+    sum_topk."""
     if cfg.fused is not None:
         return fused_mlp(hidden, w13, w2, topk_weights, align, cfg.fused, b13, b2, swiglu)
     m, h = hidden.shape

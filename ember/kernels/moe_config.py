@@ -20,7 +20,9 @@ from typing import NamedTuple
 import torch
 import triton
 
-# Batches up to this many tokens run the fused MLP kernel. Its fp32 partials, k * I / BLOCK_I rows
+# Batches up to this many tokens may run the fused MLP kernel, where the tuned table has a `fused` entry
+# for the problem (benchmarks/moe_kernel.py --fused measures it against the two GEMMs): it is not yet
+# measured on a GPU, so no entry exists and nothing takes it unasked. Its fp32 partials, k * I / BLOCK_I rows
 # of H per token, grow with the batch while what it saves (a launch, the act round trip) does not:
 # at 4 tokens of Qwen3-30B-A3B (BLOCK_I 32) 6 MiB written and read back, against ~270 MB of experts
 # read; the sums fall to the last programs, so they lengthen the kernel's tail as they grow.
@@ -106,8 +108,8 @@ def default_moe_config(num_slots: int, num_experts: int) -> MoeConfig:
 def default_fused_tiles(top_k: int, inter: int) -> FusedTiles:
     """block_i for one token's k * I / block_i programs near 256, about two per SM of an H100/H200's
     132 (192 at Qwen3-30B-A3B, 224 at Mixtral), within 16 (tl.dot's minimum) and 128; 256-row chunks
-    of H: 8 or 16 counters per token, each sum k * I / block_i rows of 1 KiB. Untuned: a starting
-    point for benchmarks/moe_kernel.py --fused --fused-tiles."""
+    of H: 8 or 16 counters per token, each sum k * I / block_i rows of 1 KiB. Untuned: the starting
+    point benchmarks/moe_kernel.py --fused times, whose best tiles go into the table's `fused` entry."""
     block_i = min(128, max(16, triton.next_power_of_2(top_k * inter // 256)))
     return FusedTiles(block_i, 128, 256, 4, 3)
 
@@ -161,7 +163,7 @@ def choose_moe_config(
         cfg = default_moe_config(m * top_k, num_experts)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(m * top_k)))
     by_token = cfg.down_by_token if m == 1 else None  # an M = 1 entry may serve larger M beyond the table
-    fused = (cfg.fused or default_fused_tiles(top_k, inter)) if m <= FUSED_MAX_TOKENS else None
+    fused = cfg.fused if m <= FUSED_MAX_TOKENS else None  # only where measured faster: the table's entry
     return MoeConfig(
         block_m,
         fit_tiles(cfg.gate_up, inter, hidden, groups[0]),
