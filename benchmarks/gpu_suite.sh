@@ -29,7 +29,7 @@
 #                lengths, mask time and GPU mask wait per step ($TOKENIZER: a directory with tokenizer.json)
 #   fp8gemm      benchmarks/fp8_gemm.py (per-channel vs block-scaled fp8 GEMMs per batch size; prints the
 #                cuBLAS-blockwise crossover), benchmarks/fp8_kv_attention.py (bf16 vs fp8 caches) and
-#                benchmarks/mla_fp8_cache.py (bf16 vs fp8 MLA latent caches)
+#                benchmarks/mla_decode.py at DeepSeek-V3's 128 heads (bf16 vs fp8 MLA latent caches)
 #   moe          offline throughput, Qwen3-30B-A3B shape (61 GB of bf16 experts), with HF generate on the first 8
 #                requests (HF's continuous batching did not finish 16 of them in 135 s on the H200)
 #   moelat       batch-1 TTFT / TPOT with a 512-token prompt, Qwen3-30B-A3B and Mixtral-8x7B shapes
@@ -41,7 +41,7 @@
 #   vision       benchmarks/vision.py: Qwen2.5-VL-7B shape, 256 requests with one 448x448 image each against the same
 #                lengths in text alone, and the vision tower's time per image (issue 33)
 #   deepseek     offline throughput and batch-1 TTFT / TPOT, DeepSeek-V2-Lite shape (MLA + DeepSeek MoE), then the
-#                MLA decode kernel against its bandwidth roofline at 256 x 2,048 (benchmarks/mla_decode.py)
+#                MLA decode kernel (bf16 and fp8 caches) against its bandwidth roofline (benchmarks/mla_decode.py)
 #   qwen3next    offline throughput, Qwen3-Next-80B-A3B cut to 12 layers (9 Gated DeltaNet, 3 full attention), beside
 #                the same cut with every layer full attention
 #   soak         benchmarks/soak.py: `ember serve` of the Qwen3-0.6B shape for $SOAK_S seconds (default 600) at 256
@@ -169,7 +169,8 @@ stage_structured() {
 stage_fp8gemm() {
   timeout 240 python3 benchmarks/fp8_gemm.py --time-limit 150 --out "$OUT/fp8-gemm-cuda-$D.json" 2>&1 | tail -40
   timeout 90 python3 benchmarks/fp8_kv_attention.py --out "$OUT/fp8-kv-attention-cuda-$D.json" 2>&1 | tail -20
-  timeout 120 python3 benchmarks/mla_fp8_cache.py --out "$OUT/mla-fp8-cache-cuda-$D.json" 2>&1 | tail -14
+  timeout 120 python3 benchmarks/mla_decode.py --heads 128 --shapes 1x8192,16x4096,64x2048,256x1024 \
+    --out "$OUT/mla-decode-v3-cuda-$D.json" 2>&1 | tail -9
 }
 stage_moe() {
   limit=400 tput --model benchmarks/configs/qwen3-30b-a3b --hf --hf-num-seqs 8 --hf-mode generate \
@@ -188,7 +189,7 @@ stage_vision() {
 stage_deepseek() {
   limit=240 tput --model $DSV2 --out "$OUT/throughput-deepseek-v2-lite-cuda-$D.json"
   lat --model $DSV2 --out "$OUT/latency-deepseek-v2-lite-cuda-$D.json"
-  timeout 90 python3 benchmarks/mla_decode.py --out "$OUT/mla-decode-cuda-$D.json" 2>&1 | tail -5
+  timeout 90 python3 benchmarks/mla_decode.py --out "$OUT/mla-decode-cuda-$D.json" 2>&1 | tail -8
 }
 stage_qwen3next() {
   limit=200 tput --model $NEXT --out "$OUT/throughput-qwen3-next-12l-cuda-$D.json"

@@ -102,26 +102,25 @@ def tower_ms_per_image(
     tower = Qwen25VisionTower(vision).to(device=device, dtype=dtype).eval()
     side = size // vision.patch_size
     width = 3 * vision.temporal_patch_size * vision.patch_size**2
-    out = {}
-    for n in batches + ([profile] if profile else []):
+
+    def run(n: int, reps: int = 1) -> None:
         patches = torch.randn(n * side * side, width, device=device, dtype=dtype)
-        grids = [(1, side, side)] * n
-        if n == profile and len(out) == len(batches):
-            with torch.inference_mode(), torch.profiler.profile() as prof:
-                tower(patches, grids)
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
-            break
         with torch.inference_mode():
-            tower(patches, grids)
-            reps = 5
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
             for _ in range(reps):
-                tower(patches, grids)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        out[str(n)] = round(1e3 * (time.perf_counter() - t0) / reps / n, 3)
+                tower(patches, [(1, side, side)] * n)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    out = {}
+    for n in batches:
+        run(n)  # warm-up
+        t0 = time.perf_counter()
+        run(n, reps=5)
+        out[str(n)] = round(1e3 * (time.perf_counter() - t0) / 5 / n, 3)
+    if profile:
+        with torch.profiler.profile() as prof:
+            run(profile)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
     return out
 
 

@@ -322,6 +322,16 @@ def test_grouped_routing_keeps_only_the_best_groups():
 # --- the Triton MLA decode kernel --------------------------------------------------------------------
 
 
+def _decode_inputs(
+    lens: list[int], num_blocks: int, block_size: int, heads: int, width: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block tables over shuffled blocks, random queries and the lengths of sequences of `lens` rows."""
+    per_seq = -(-max(lens) // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
+    q = torch.randn(len(lens), heads, width, generator=gen).to(dtype).to(KERNEL_DEVICE)
+    return tables.to(torch.int32).to(KERNEL_DEVICE), q, torch.tensor(lens, dtype=torch.int32, device=KERNEL_DEVICE)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_lora,rope,heads,block_size", [(32, 8, 4, 8), (48, 16, 20, 16)])
@@ -332,11 +342,7 @@ def test_mla_decode_kernel_matches_reference(kv_lora, rope, heads, block_size, d
     lens = [1, 70, 17, 33, 0]
     width, num_blocks = kv_lora + rope, 48
     cache = torch.randn(num_blocks, block_size, 1, width, generator=gen).to(dtype).to(KERNEL_DEVICE)
-    per_seq = -(-max(lens) // block_size)
-    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
-    tables = tables.to(torch.int32).to(KERNEL_DEVICE)
-    q = torch.randn(len(lens), heads, width, generator=gen).to(dtype).to(KERNEL_DEVICE)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=KERNEL_DEVICE)
+    tables, q, seq_lens = _decode_inputs(lens, num_blocks, block_size, heads, width, dtype, gen)
     scale = width**-0.5
     out = mla_decode_attention(q, cache, tables, seq_lens, scale, kv_lora, num_splits=num_splits, max_seq_len=70)
     ref = mla_decode_attention_ref(q, cache, tables, seq_lens, scale, kv_lora)
@@ -369,11 +375,7 @@ def test_mla_decode_kernel_reads_fp8_rows(dtype, num_splits, kv_scale):
     rows = torch.randn(num_blocks, block_size, 1, width, generator=gen) * 2
     cache = quantize_kv(rows.to(KERNEL_DEVICE), FP8_DTYPE, kv_scale)
     assert cache.float().abs().max() == 448  # some rows saturate
-    per_seq = -(-max(lens) // block_size)
-    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
-    tables = tables.to(torch.int32).to(KERNEL_DEVICE)
-    q = torch.randn(len(lens), heads, width, generator=gen).to(dtype).to(KERNEL_DEVICE)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=KERNEL_DEVICE)
+    tables, q, seq_lens = _decode_inputs(lens, num_blocks, block_size, heads, width, dtype, gen)
     scale = width**-0.5
     out = mla_decode_attention(q, cache, tables, seq_lens, scale, kv_lora, num_splits=num_splits, kv_scale=kv_scale)
     ref = mla_decode_attention_ref(q, cache, tables, seq_lens, scale, kv_lora, kv_scale)
