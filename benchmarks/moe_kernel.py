@@ -54,7 +54,12 @@ class MoeShape(NamedTuple):
     inter: int
 
 
-SHAPES = {"qwen3-30b-a3b": MoeShape(128, 8, 2048, 768), "mixtral-8x7b": MoeShape(8, 2, 4096, 14336)}
+# The routed experts of each layer; DeepSeek-V2-Lite's two shared experts run as a dense MLP beside them.
+SHAPES = {
+    "qwen3-30b-a3b": MoeShape(128, 8, 2048, 768),
+    "mixtral-8x7b": MoeShape(8, 2, 4096, 14336),
+    "deepseek-v2-lite": MoeShape(64, 6, 2048, 1408),
+}
 KINDS = ("bf16", "int8", "int4", "fp8")
 
 
