@@ -250,7 +250,8 @@ def test_native_layouts_do_not_grow_memory() -> None:
     assert emb.screen is None
     assert sum(t.numel() * t.element_size() for t in {id(t): t for t in emb.weight_tensors()}.values()) == w8.nbytes()
     x = torch.randn(3, 64)
-    torch.testing.assert_close(emb.attend(x), x @ dequantize(w8).T, rtol=1e-5, atol=1e-4)
+    xa = x.bfloat16().float() if ops.bf16_fits(w8) else x  # int8 in bf16 arithmetic rounds x alone
+    torch.testing.assert_close(emb.attend(x), xa @ dequantize(w8).T, rtol=1e-5, atol=1e-4)
     assert torch.equal(emb.argmax(x), emb.attend(x).argmax(dim=1))
 
 
@@ -293,10 +294,59 @@ def test_bf16_gemv_matches_bf16_reference(half: bool) -> None:
     assert torch.equal(ops.dequantize(nat), _bf16_weight(w))
 
 
-@pytest.mark.parametrize("arithmetic", ["int4-bf16", "int4-float32", "int8-float32"])
+def _int58_bf16_reference(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """int5/int8 bf16 arithmetic in float64: x rounded to bf16 times the exact weights (codes times scales),
+    exact sums, and the float32 sums' error bound."""
+    xb, dense = x.bfloat16().double(), dequantize(w).double()
+    return xb @ dense.T, 2e-6 * math.sqrt(w.in_features) * (xb.abs() @ dense.abs().T) + 1e-7
+
+
+@pytest.mark.skipif(not ops.has_bf16(), reason="this CPU has no AVX512_BF16: int5/int8 are float32")
+@pytest.mark.parametrize(
+    ("kind", "k", "group", "half"),
+    [
+        ("int5", 96, 32, True),
+        ("int5", 128, 64, False),
+        ("int8", 96, 32, True),
+        ("int8", 128, 16, False),
+        ("int8", 160, None, False),
+    ],
+)
+def test_int5_int8_bf16_gemv_matches_float64_reference(kind: str, k: int, group: int | None, half: bool) -> None:
+    """int5 and zero-free int8 in bf16 arithmetic: x rounded to bf16, the codes exact, each group's float32
+    sum times its scale, so the float64 product of bf16(x) and the dequantized weight within the float32
+    sums' error (and not x's own product: x was rounded); each row alone as in its batch; the GEMV + SiLU
+    and gemv_lora the GEMV's numbers; the expansion float32, exact. K 96 and 160: a run of 32 after the
+    blocks of 64; groups of 16 (Q6_K), 32, 64 and per channel."""
+    w = _weight(kind, 38, k, group or k, False, half=half)
+    nat = ops.native_weight(w, bf16=True)
+    assert nat.kind == kind and nat.bf16
+    x = torch.randn(17, k)
+    got = ops.matmul(x, nat)
+    ref, bound = _int58_bf16_reference(x, w)
+    assert (got.double() - ref).abs().le(bound).all()
+    assert not (got.double() - x.double() @ dequantize(w).double().T).abs().le(bound).all()
+    for m in (1, 2, 3, 9):
+        assert torch.equal(ops.matmul(x[:m], nat), got[:m]), m
+    gate, up = got.split(19, dim=-1)
+    torch.testing.assert_close(ops.matmul_silu(x, nat), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    no_adapter = torch.full((17,), -1, dtype=torch.int32)
+    assert torch.equal(ops.matmul_lora(x, nat, None, (torch.zeros(1, 4, k), [torch.zeros(1, 4, 38)]), no_adapter), got)
+    assert torch.equal(ops.dequantize(nat), dequantize(w))
+
+
+def test_plain_c_build_refuses_bf16_arithmetic(plain_c) -> None:
+    """Without AVX512_BF16 (the plain-C build) the bf16 variants raise; ops.bf16_fits keeps them unused."""
+    for name in ("gemv_q4_bf16", "gemv_q5_bf16", "gemv_q8_bf16"):
+        with pytest.raises(RuntimeError, match="built without AVX512_BF16"):
+            getattr(plain_c, name)(0, 0, 0, 0, 0, 1, 32, 1, 32, 1, 0)
+
+
+@pytest.mark.parametrize("arithmetic", ["int4-bf16", "int4-float32", "int8-float32", "int5-bf16", "int8-bf16"])
 def test_quant_linear_keeps_one_arithmetic_at_every_row_count(monkeypatch, arithmetic: str) -> None:
     """Below the crossover the native GEMV runs, from it the weight is expanded for oneDNN's GEMM: either
-    way the weight's one arithmetic (bf16 for int4 where the CPU has it, float32 otherwise). Below the
+    way the weight's one arithmetic (bf16 for int4, int5 and zero-free int8 where the CPU has it, float32
+    otherwise; int5 and int8 in bf16 expand to float32 and round x alone). Below the
     crossover each row's result is bit for bit the same whatever the batch it comes in; past it, the
     same up to summation order. So a prompt's tail computed after a prefix-cache hit sees the numbers
     the whole prompt would."""
@@ -304,14 +354,19 @@ def test_quant_linear_keeps_one_arithmetic_at_every_row_count(monkeypatch, arith
     if dtype == "bf16" and not ops.has_bf16():
         pytest.skip("this CPU has no AVX512_BF16")
     monkeypatch.setattr(linear, "CPU_INT4_BF16", dtype == "bf16")
-    w = _weight(kind, 48, 96, 32, True)
+    monkeypatch.setattr(linear, "CPU_INT8_BF16", dtype == "bf16")
+    codes_only = kind != "int4" and dtype == "bf16"  # int5/int8 bf16 arithmetic: weights without zeros
+    w = _weight(kind, 48, 96, 32, not codes_only)
     layer = QuantLinear([w], None, torch.float32)
-    crossover = NATIVE_EXPAND_MIN_ROWS[dtype]
+    assert layer._native[0].bf16 == (dtype == "bf16")
+    crossover = NATIVE_EXPAND_MIN_ROWS["float32" if codes_only else dtype]
     x = torch.randn(crossover + 3, 96)
     alone = torch.cat([layer(row[None]) for row in x])
     for rows in (1, 5, 16, crossover - 1, crossover, crossover + 3):
         got = layer(x[:rows]).double()
-        if dtype == "bf16":
+        if codes_only:
+            ref, bound = _int58_bf16_reference(x[:rows], w)
+        elif dtype == "bf16":
             ref, bound = _bf16_reference(x[:rows], w)
             bound = bound + ref.abs() * 2.0**-8  # the sums' error, then the output's rounding
         else:
@@ -397,8 +452,10 @@ def test_default_model_equals_its_float32_twin(monkeypatch) -> None:
     """Native kernels compute the Q4_1/Q8_0 weights exactly in float32 activations, so greedy tokens
     equal the same file loaded dense (quantization "none"), batched and alone. (The PyTorch path rounds
     activations to bf16 for its int4 kernel and may differ on near ties: "def fibonacci(n):" does.) So
-    int4 runs in float32 here, not in the bf16 arithmetic CPUs with AVX512_BF16 use by default."""
+    int4 and the Q8_0 head run in float32 here, not in the bf16 arithmetic CPUs with AVX512_BF16 use by
+    default."""
     monkeypatch.setattr(linear, "CPU_INT4_BF16", False)
+    monkeypatch.setattr(linear, "CPU_INT8_BF16", False)
     kwargs = {"kv_cache_memory": 0.05, "max_model_len": 256, "engine_process": False}
     dense = _generate(LLM(default_gguf_path(), quantization="none", **kwargs), PROMPTS, 24)
     llm = LLM(default_gguf_path(), **kwargs)
@@ -426,8 +483,9 @@ def test_tiny_quantized_llama_equals_its_float32_twin(tmp_path, monkeypatch, met
     float32 model holding the same values, batched and alone, logprobs within float32 noise. The
     PyTorch path (EMBER_CPU_NATIVE=0), whose int4/int8 kernels take bf16 activations, holds to the
     first 12 tokens (its first divergence on these prompts is at token 16) with logprobs within 0.05.
-    int4 runs in float32 here (CPU_INT4_BF16), as on CPUs without AVX512_BF16."""
+    int4 and int8 run in float32 here (CPU_INT4_BF16, CPU_INT8_BF16), as on CPUs without AVX512_BF16."""
     monkeypatch.setattr(linear, "CPU_INT4_BF16", False)
+    monkeypatch.setattr(linear, "CPU_INT8_BF16", False)
     path = make_checkpoint(tmp_path / "llama", "llama")
     twin = LLM(
         str(_dense_twin(path, tmp_path / "twin", method)), kv_cache_memory=0.02, max_model_len=256, engine_process=False
@@ -461,3 +519,7 @@ def test_k_quant_two_level_scales(kernels, qtype_name: str) -> None:
     assert torch.equal(ops.dequantize(native), reference)
     for m in (1, 3, 9):
         _check_matmul(torch.randn(m, shape[1], generator=torch.Generator().manual_seed(m)), w)
+    if w.kind == "int8" and ops.bf16_fits(w):  # Q6_K: groups of 16 in bf16 arithmetic, two-level scales
+        x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(5))
+        ref, bound = _int58_bf16_reference(x, w)
+        assert (ops.matmul(x, ops.native_weight(w, bf16=True)).double() - ref).abs().le(bound).all()

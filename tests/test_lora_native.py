@@ -69,6 +69,8 @@ def test_lora_delta_matches_float64_reference(kernels, widths: list[int], k: int
         ("int5", False, False, [1536, 1536], 5),  # gate/up
         ("int8", False, True, [38, 26], 3),  # under the GEMV's parallel threshold, a column tail
         ("int4", True, False, [320, 62], 16),  # bf16 arithmetic
+        ("int5", True, True, [1536, 1536], 5),
+        ("int8", True, False, [38, 26], 17),
     ],
 )
 def test_gemv_lora_is_the_gemv_then_the_delta(kernels, kind, bf16, bias, widths, rows, monkeypatch) -> None:
@@ -80,7 +82,8 @@ def test_gemv_lora_is_the_gemv_then_the_delta(kernels, kind, bf16, bias, widths,
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     gen = torch.Generator().manual_seed(sum(widths) + rows)
     k, num_slots, rank = 576, 4, 16
-    w = ops.native_weight(base._weight(kind, sum(widths), k, 32, True, seed=rows), bf16=bf16)
+    zeros = kind == "int4" or not bf16  # int5/int8 in bf16 arithmetic: weights without zeros
+    w = ops.native_weight(base._weight(kind, sum(widths), k, 32, zeros, seed=rows), bf16=bf16)
     a = torch.randn(num_slots, len(widths) * rank, k, generator=gen)
     b = [torch.randn(num_slots, rank, n, generator=gen) for n in widths]
     x = torch.randn(rows, k, generator=gen) / k**0.5

@@ -24,16 +24,17 @@ logger = logging.getLogger("ember")
 _CHUNK = {"int4": 32, "int8": 16}  # inputs per vector step of each kernel
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _BITS = {"int4": 4, "int5": 5, "int8": 8}  # the kernels' name for a layout
-# (kind, bf16) -> the kernels' GEMV, GEMV + SiLU and dense expansion of that layout and arithmetic
+_BF16 = 16  # gemv.c's BF16: `bits | _BF16` names a layout in bf16 arithmetic
+# (kind, bf16) -> the kernels' GEMV, GEMV + SiLU and dense expansion of that layout and arithmetic (int5's
+# and int8's bf16 arithmetic multiplies the codes exactly, so their expansion is the float32 one)
 _KERNELS = {
     (kind, bf16): (
         f"gemv_q{bits}{suffix}",
         f"gemv_silu_q{bits}{suffix}",
-        f"dequantize_q{bits}_{'bf16' if bf16 else 'f32'}",
+        f"dequantize_q{bits}_{'bf16' if bf16 and kind == 'int4' else 'f32'}",
     )
     for kind, bits in _BITS.items()
     for bf16, suffix in ((False, ""), (True, "_bf16"))
-    if not bf16 or kind == "int4"
 }
 _MAX_GROUP_DIM = 8192  # kernels.c MAX_ACC: query heads per KV head times head dim
 _MAX_BLOCK = 256
@@ -91,10 +92,12 @@ class NativeWeight:
     two-level form (uint8 bytes: int8 codes [N, G], then float16 bases per 256 inputs; kernels.h, param),
     others float16 where that holds them exactly, else float32; w = q * scale + zero.
 
-    `bf16` (int4 only, CPUs with AVX512_BF16) fixes the weight's arithmetic at every row count: x and w
-    rounded to bf16, float32 sums, outputs rounded to bf16, as oneDNN's bf16 GEMM computes; else float32.
-    One arithmetic per weight, whatever the batch, is what lets a prompt's tail computed after a prefix-
-    cache hit see the numbers the whole prompt would."""
+    `bf16` (CPUs with AVX512_BF16; weights without zeros but int4) fixes the weight's arithmetic at every
+    row count: x rounded to bf16, bf16 products, float32 sums. int4's w = q * scale + zero is rounded to
+    bf16 and its outputs too, as oneDNN's bf16 GEMM computes; int5's and int8's codes are exact in bf16 and
+    each group's float32 sum is multiplied by its scale, so they differ from float32 arithmetic only by
+    x's rounding. Else float32. One arithmetic per weight, whatever the batch, is what lets a prompt's
+    tail computed after a prefix-cache hit see the numbers the whole prompt would."""
 
     kind: str  # "int4", "int5" or "int8"
     codes: torch.Tensor  # uint8 [N, K / 2] (int4), uint8 [N, K / 32 * 20] (int5) or int8 [N, K]
@@ -107,6 +110,11 @@ class NativeWeight:
     @property
     def out_features(self) -> int:
         return self.codes.shape[0]
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        """The dtype of `dequantize(self)`: bf16 for int4 in bf16 arithmetic, else float32 (exact)."""
+        return torch.bfloat16 if self.bf16 and self.kind == "int4" else torch.float32
 
     @property
     def param_mode(self) -> int:
@@ -132,8 +140,14 @@ def fits(w: QuantizedWeight) -> bool:
     )
 
 
+def bf16_fits(w: QuantizedWeight) -> bool:
+    """Whether `w` can take bf16 arithmetic (`native_weight(w, bf16=True)`): a CPU with AVX512_BF16, and
+    int4, or int8 without zeros (a zero would add a group's sum of x to each output: not implemented)."""
+    return has_bf16() and (w.kind == "int4" or (w.kind == "int8" and w.zeros is None and w.in_features % 32 == 0))
+
+
 def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
-    """The native layout of `w` (which must fit), in bf16 arithmetic if asked (int4 where `has_bf16()`).
+    """The native layout of `w` (which must fit), in bf16 arithmetic if asked (where `bf16_fits(w)`).
     int4 codes are re-laid out (the same bytes, which replace the file's), int8 codes in [-16, 15] without
     zeros packed to int5; other int8 codes are shared with `w` when contiguous, so a tied LM head costs
     only its float16 scales beside its embedding."""
@@ -142,14 +156,14 @@ def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
             f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
             f"{w.block_rows}) does not fit the CPU native kernels"
         )
-    if bf16 and (w.kind != "int4" or not has_bf16()):
-        raise ValueError(f"bf16 arithmetic needs an int4 weight (got {w.kind}) and a CPU with AVX512_BF16")
+    if bf16 and not bf16_fits(w):
+        raise ValueError(f"bf16 arithmetic needs an int4 or zero-free int8 weight (got {w.kind}) and AVX512_BF16")
     scales, zeros = _two_level_params(w) or _compact_params(w.scales, w.zeros)
     if w.kind == "int8":
         five = _pack_int5(w) if zeros is None else None
         if five is not None:
-            return NativeWeight("int5", five, scales, None, w.group_size, w.in_features)
-        return NativeWeight(w.kind, w.qweight.contiguous(), scales, zeros, w.group_size, w.in_features)
+            return NativeWeight("int5", five, scales, None, w.group_size, w.in_features, bf16)
+        return NativeWeight(w.kind, w.qweight.contiguous(), scales, zeros, w.group_size, w.in_features, bf16)
     return NativeWeight(
         w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features, bf16
     )
@@ -272,10 +286,11 @@ def has_bf16() -> bool:
 
 
 def dequantize(w: NativeWeight) -> torch.Tensor:
-    """The dense [N, K] weight: float32, exactly `formats.dequantize(...)` (q * scale, then + zero); for a
-    weight in bf16 arithmetic, q * scale + zero in one FMA rounded to bf16, the values the bf16 GEMV
-    multiplies, so oneDNN's bf16 GEMM over it computes what `matmul` does."""
-    out = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16 if w.bf16 else torch.float32)
+    """The dense [N, K] weight: float32, exactly `formats.dequantize(...)` (q * scale, then + zero); for an
+    int4 weight in bf16 arithmetic, q * scale + zero in one FMA rounded to bf16, the values the bf16 GEMV
+    multiplies, so oneDNN's bf16 GEMM over it computes what `matmul` does. (int5 and int8 in bf16: float32,
+    whose GEMM over x rounded to bf16 computes `matmul`'s sums in another order.)"""
+    out = torch.empty(w.out_features, w.in_features, dtype=w.dense_dtype)
     kernels = _module()
     fn = getattr(kernels, _KERNELS[w.kind, w.bf16][2])
     fn(
@@ -635,7 +650,7 @@ def matmul_lora(
         w.group_size,
         torch.get_num_threads(),
         w.param_mode,
-        16 if w.bf16 else _BITS[w.kind],
+        _arithmetic_bits(w),
         _ptr(bias),
         slots.data_ptr(),
         a.data_ptr(),
@@ -650,9 +665,14 @@ def matmul_lora(
     return y
 
 
+def _arithmetic_bits(w: NativeWeight) -> int:
+    """The kernels' name for the weight's layout and arithmetic: 4, 5 or 8, | 16 in bf16 (gemv.c, BF16)."""
+    return _BITS[w.kind] | (_BF16 if w.bf16 else 0)
+
+
 def _weight_args(w: NativeWeight) -> tuple[int, ...]:
-    """A weight as a layer record holds it: codes, scales, zeros, group, half, bits (16: bf16 arithmetic)."""
-    bits = 16 if w.bf16 else _BITS[w.kind]
+    """A weight as a layer record holds it: codes, scales, zeros, group, half, bits (`_arithmetic_bits`)."""
+    bits = _arithmetic_bits(w)
     return (
         w.codes.data_ptr(),
         w.scales.data_ptr(),

@@ -20,6 +20,15 @@ from ember.quant.formats import QuantizedWeight, shape_only
 # and bf16 above, and a prompt whose first blocks came from the prefix cache answered differently from
 # the whole prompt (tests/test_llm_api.py keeps that case).
 CPU_INT4_BF16 = True
+# int5 and zero-free int8 weights (GGUF Q5_0, Q8_0, Q6_K) take bf16 arithmetic likewise where the CPU has
+# AVX512_BF16: their codes are exact in bf16, so only x is rounded (gemv.c, q58bf_body). The float32 GEMV
+# decoded each code to float32 and multiplied in float32, compute-bound from cache on two Zen 4 cores:
+# Qwen2-0.5B's 4864 x 896 int5 gate/up, 16 rows 0.88-0.93 ms in float32 against 0.64-0.68 in bf16, one
+# row 0.20-0.21 against 0.18; Q8_0 at that shape 1.06 against 0.63 (16 rows), 0.18 both (one row); the
+# synthetic Qwen2-0.5B Q4_K_M file's 128-token prefill 0.68-0.76 s against 0.56-0.58 (2026-12-07,
+# benchmarks/results/cpu-int58-bf16-2026-12-07.json). Its batch-1 step, reading 409 MB from DRAM, moved
+# within noise (30.0 / 33.2 ms against 29.5 / 31.7).
+CPU_INT8_BF16 = True
 # Rows from which a native weight is expanded for oneDNN's GEMM (`ops.dequantize`: bf16 or float32, the
 # weight's arithmetic) instead of running the native GEMV. `benchmarks/cpu_native_kernels.py`
 # (crossover), one SmolLM2-135M layer's int4 weights in cache, 2-core AVX-512 EPYC at load 0.8-1.4,
@@ -40,7 +49,8 @@ ROW_BUCKETS_PER_OCTAVE = 4
 
 class NativeLinear:
     """x @ W^T in the weight's arithmetic (bf16 or float32) at every row count: the native GEMV below the
-    crossover (NATIVE_EXPAND_MIN_ROWS), above it the weight expanded for oneDNN's GEMM."""
+    crossover (NATIVE_EXPAND_MIN_ROWS), above it the weight expanded for oneDNN's GEMM (int5 and int8 in
+    bf16: float32, exact, over x rounded to bf16; their crossover is float32's, not measured since)."""
 
     layout = "native"
     permutes_input = True
@@ -50,7 +60,8 @@ class NativeLinear:
         return target.native and native.fits(w)
 
     def __init__(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
-        self.native = native.native_weight(w, bf16=CPU_INT4_BF16 and w.kind == "int4" and native.has_bf16())
+        arithmetic = CPU_INT4_BF16 if w.kind == "int4" else CPU_INT8_BF16
+        self.native = native.native_weight(w, bf16=arithmetic and native.bf16_fits(w))
         self.weight = shape_only(w)  # the native layout replaces the codes it was made from
         self.expand_min_rows = native_expand_min_rows(self.native)
 
@@ -61,7 +72,8 @@ class NativeLinear:
         rows = x.shape[0]
         if rows >= self.expand_min_rows:
             dense = native.dequantize(self.native)
-            padded = F.pad(x.to(dense.dtype), (0, 0, 0, row_bucket(rows) - rows))
+            x_arith = x.to(torch.bfloat16) if self.native.bf16 else x  # int5/int8 in bf16: x rounded, w float32
+            padded = F.pad(x_arith.to(dense.dtype), (0, 0, 0, row_bucket(rows) - rows))
             return F.linear(padded, dense)[:rows].to(x.dtype)
         if x.dtype == torch.float32:
             return native.matmul(x, self.native)
@@ -84,4 +96,4 @@ def row_bucket(rows: int) -> int:
 
 def native_expand_min_rows(w: native.NativeWeight) -> int:
     """Rows from which `w` is expanded for oneDNN; below, the native GEMV runs."""
-    return NATIVE_EXPAND_MIN_ROWS["bf16" if w.bf16 else "float32"]
+    return NATIVE_EXPAND_MIN_ROWS["bf16" if w.dense_dtype == torch.bfloat16 else "float32"]

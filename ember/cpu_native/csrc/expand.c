@@ -67,7 +67,7 @@ static inline void q4_expand_run_bf16(const uint8_t *p, float s, float z, uint16
 #endif
 
 /* dequantize_q{4,5,8}_f32(codes, scales, zeros, out, N, K, group, threads, half): out float32 [N, K];
- * dequantize_q4_bf16 (bits 16): the same rounded to bf16, for oneDNN's bf16 GEMM */
+ * dequantize_q4_bf16 (bits BF16 | 4): the same rounded to bf16, for oneDNN's bf16 GEMM */
 static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[9];
     if (!bf16_built(bits, name) || parse(args, nargs, 9, name, v, NULL, 0) < 0) return NULL;
@@ -104,7 +104,7 @@ static PyObject *dequantize_q4_f32(PyObject *self, PyObject *const *args, Py_ssi
 }
 
 static PyObject *dequantize_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    return expand_entry(args, nargs, 16, "dequantize_q4_bf16");
+    return expand_entry(args, nargs, BF16 | 4, "dequantize_q4_bf16");
 }
 
 static PyObject *dequantize_q8_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

@@ -211,7 +211,15 @@ static PyObject *gemv_silu_q8(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 static PyObject *gemv_silu_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    return gemv_silu_entry(args, nargs, 16, "gemv_silu_q4_bf16");
+    return gemv_silu_entry(args, nargs, BF16 | 4, "gemv_silu_q4_bf16");
+}
+
+static PyObject *gemv_silu_q5_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_silu_entry(args, nargs, BF16 | 5, "gemv_silu_q5_bf16");
+}
+
+static PyObject *gemv_silu_q8_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_silu_entry(args, nargs, BF16 | 8, "gemv_silu_q8_bf16");
 }
 
 /* ---- a GEMV with its LoRA delta in one parallel region ---- */
@@ -233,17 +241,9 @@ static int gemv_lora(gemv_args *a, int bits, int threads, const float *bias, con
     }
     const int64_t blocks = (a->N + NR - 1) / NR, M = a->M, N = a->N, SR = w ? w->slices * w->rank : 0;
     if (M * N * a->K < PARALLEL_MIN_WORK) threads = 1;
-    uint16_t *xb = NULL;
-    if (bits == 16) {
-#if HAS_BF16
-        xb = malloc(sizeof(uint16_t) * (size_t)(M * a->K));
-        if (!xb) {
-            lora_plan_free(&p);
-            return -1;
-        }
-        round_bf16(a->x, NULL, xb, M * a->K);
-        a->xb = xb;
-#endif
+    if (bf16_x(a, bits) < 0) {
+        lora_plan_free(&p);
+        return -1;
     }
 #pragma omp parallel num_threads(threads)
     {
@@ -260,16 +260,15 @@ static int gemv_lora(gemv_args *a, int bits, int threads, const float *bias, con
         const int64_t c0 = b0 * NR, c1 = b1 * NR < N ? b1 * NR : N;
         for (int64_t m = 0; c0 < c1 && m < M; m++) {
             float *y = a->y + m * N;
-#if HAS_BF16
-            if (bits == 16) round_bf16(y + c0, y + c0, NULL, c1 - c0);
-#endif
+            round_outputs(bits, y + c0, c1 - c0);
             if (bias)
                 for (int64_t c = c0; c < c1; c++) y[c] += bias[c];
         }
 #pragma omp barrier
         if (p.n_used && c0 < c1) lora_expand_range(w, &p, c0, c1, a->y, N);
     }
-    free(xb);
+    free((void *)a->xb);
+    a->xb = NULL;
     lora_plan_free(&p);
     return 0;
 }
@@ -277,15 +276,15 @@ static int gemv_lora(gemv_args *a, int bits, int threads, const float *bias, con
 /* gemv_lora(x, codes, scales, zeros, y, M, K, N, group, threads, half, bits, bias, slots, a, b0, b1, b2, n0, n1,
  *           n2, slices, rank, loras): y [M, N] = x @ W^T (+ bias float32 [N], 0: none) + each row's LoRA delta
  *           (slots int32 [M], -1: none; a 0: no adapter) in one parallel region (gemv_lora); the weight as
- *           gemv_q{bits} takes it (bits 4, 5, 8, 16: int4 in bf16 arithmetic), the slots as lora_delta takes
+ *           gemv_q{bits} takes it (bits 4, 5, 8, | BF16 for bf16 arithmetic), the slots as lora_delta takes
  *           them, n0 + n1 + n2 = N. The module path's fused projection (LoRALinear), the same numbers as
  *           decode_layers'. */
 static PyObject *gemv_lora_entry(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t v[24];
     if (parse(args, nargs, 24, "gemv_lora", v, NULL, 0) < 0) return NULL;
     const int bits = (int)v[11];
-    if (bits != 4 && bits != 5 && bits != 8 && bits != 16) {
-        PyErr_SetString(PyExc_ValueError, "gemv_lora: bits 4, 5, 8 or 16");
+    if ((bits & ~BF16) != 4 && (bits & ~BF16) != 5 && (bits & ~BF16) != 8) {
+        PyErr_SetString(PyExc_ValueError, "gemv_lora: bits 4, 5 or 8, | 16 for bf16 arithmetic");
         return NULL;
     }
     if (!bf16_built(bits, "gemv_lora")) return NULL;
@@ -312,7 +311,7 @@ static PyObject *gemv_lora_entry(PyObject *self, PyObject *const *args, Py_ssize
 /* A layer's fixed arguments: one int64 row of a records array that ops.layer_record packs at load
  * (pointers and sizes; the R_EPS.. ones float64 bits), so a step passes one pointer for all its layers
  * instead of 57 Python ints a layer (~25 us of Python a layer, 2026-12-05). A weight is 6 slots: codes,
- * scales, zeros, group, half, bits (4, 5, 8 or 16). Pointers 0 where absent (QK norm, QKV bias). */
+ * scales, zeros, group, half, bits (4, 5 or 8, | BF16 in bf16 arithmetic). Pointers 0 where absent (QK norm, QKV bias). */
 enum {
     R_IN_NORM, R_POST_NORM, R_QKV, R_O = R_QKV + 6, R_GATE_UP = R_O + 6, R_DOWN = R_GATE_UP + 6,
     R_COS = R_DOWN + 6, R_SIN, R_TABLE_ROWS, R_K_CACHE, R_V_CACHE, R_CACHE_SLOTS, R_BLOCK_SIZE, R_WINDOW,
@@ -390,8 +389,7 @@ static int64_t scratch_sizes(const int64_t *r, int64_t M, int64_t *sizes) {
 
 /* ValueError / IndexError / RuntimeError unless the kernels take this layer at this step */
 static int layer_fits(const int64_t *r, const step_args *s) {
-    const int any_bf16 = r[R_QKV + 5] == 16 || r[R_O + 5] == 16 || r[R_GATE_UP + 5] == 16 || r[R_DOWN + 5] == 16;
-    if (!bf16_built(any_bf16 ? 16 : 0, "decode_layers")) return -1;
+    if (!bf16_built((int)(r[R_QKV + 5] | r[R_O + 5] | r[R_GATE_UP + 5] | r[R_DOWN + 5]), "decode_layers")) return -1;
     const attn_args at = attention_of(r, s);
     if (!attention_fits(&at)) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: group, head dim or block size too large");

@@ -266,6 +266,167 @@ static void round_bf16(const float *in, float *out, uint16_t *halves, int64_t n)
             out[i] = bf16_value(h);
     }
 }
+/* bf16 values of u - 16 for u = 0..31: VPERMW turns an int5 index (code + 16) into its code in bf16 */
+static inline __m512i q5_bf16_table(void) {
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return (__m512i)_mm512_cvtne2ps_pbh(iota, _mm512_sub_ps(iota, _mm512_set1_ps(16.f)));
+}
+
+/* The int5 runs at p and p + Q5_RUN_BYTES (inputs k .. k + 64) as bf16 codes in the order bf16_blocks
+ * lays x out: v0 = inputs 0-15 of each run (the low nibbles), v1 = inputs 16-31 (the high ones). In 16-bit
+ * lanes and through a table, 9 instructions for 64 codes where q5_run's float32 took 18 with its FMAs. */
+static inline __attribute__((always_inline)) void q5_pair_bf16(const uint8_t *p, __m512i table, __m512bh *v0,
+                                                               __m512bh *v1) {
+    uint32_t a, b;
+    memcpy(&a, p, 4);
+    memcpy(&b, p + Q5_RUN_BYTES, 4);
+    const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 4))),
+                                                  _mm_loadu_si128((const __m128i *)(p + Q5_RUN_BYTES + 4)), 1);
+    const __m512i n = _mm512_cvtepu8_epi16(bytes), top = _mm512_set1_epi16(16);
+    const __m512i lo = _mm512_and_si512(n, _mm512_set1_epi16(0x0F)), hi = _mm512_srli_epi16(n, 4);
+    const __mmask32 m0 = (a & 0xFFFF) | b << 16, m1 = a >> 16 | (b & 0xFFFF0000u);
+    *v0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(lo, m0, lo, top), table);
+    *v1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(hi, m1, hi, top), table);
+}
+
+/* One int5 run (inputs k .. k + 32, a row's last when K is an odd number of runs) in natural order */
+static inline __attribute__((always_inline)) __m512bh q5_run_bf16(const uint8_t *p, __m512i table) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m512i n = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 4))));
+    const __m512i shift = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 4);
+    const __m512i c = _mm512_and_si512(_mm512_srlv_epi16(n, shift), _mm512_set1_epi16(0x0F));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(c, bits, c, _mm512_set1_epi16(16)), table);
+}
+
+/* 16 int8 codes as floats (exact) */
+static inline __attribute__((always_inline)) __m512 q8_floats(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* 64 int8 codes as bf16 in bf16_blocks' order (v0: inputs 0-15 and 32-47, v1: 16-31 and 48-63) */
+static inline __attribute__((always_inline)) void q8_pair_bf16(const int8_t *p, __m512bh *v0, __m512bh *v1) {
+    *v0 = _mm512_cvtne2ps_pbh(q8_floats(p + 32), q8_floats(p));
+    *v1 = _mm512_cvtne2ps_pbh(q8_floats(p + 48), q8_floats(p + 16));
+}
+
+/* [scale i] in lanes 0-7, [scale j] in lanes 8-15: a VDPBF16PS sum's lanes 0-7 hold the products of the
+ * first 16 of its 32 inputs, 8-15 those of the last 16. Float16 scales side by side (Q5_0's, Q8_0's) take
+ * one load and one conversion: two scalar ones made a 4864 x 896 int5 GEMV of one row 12% slower. */
+static inline __attribute__((always_inline)) __m512 two_scales(const gemv_args *a, int64_t i, int64_t j) {
+    if (a->half == 1 && j == i + 1) {
+        int32_t pair;
+        memcpy(&pair, (const uint16_t *)a->scales + i, 4);
+        const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))));
+    }
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale_at(a, i)), _mm512_set1_ps(scale_at(a, j)));
+}
+
+/* g[j]: the group of input k + 16 j, advanced from its value at an earlier k (no division in the loop) */
+static inline __attribute__((always_inline)) void advance_groups(int64_t *g, int64_t k, int64_t group, int n) {
+    for (int j = 0; j < n; j++)
+        while (k + 16 * j >= (g[j] + 1) * group) g[j]++;
+}
+
+/* int5 (five 1) and int8 (five 0, no zeros) in bf16 arithmetic: the codes, exact in bf16, times x rounded
+ * to bf16 (VDPBF16PS: 32 products a instruction, exact in float32, float32 sums), each group's sums times
+ * its scale. A 64-input block is two VDPBF16PS whose 16 lanes each sum one group's inputs: with groups of
+ * 32 (Q5_0, Q8_0) one FMA applies both groups' scales to the two, where float32 took four FMAs for the
+ * products and two (int5) or four (int8) for the scales. `shared` (groups a multiple of 32): the block's
+ * two vectors cover the same two groups; else (Q6_K's 16) each takes its own scales. */
+static inline __attribute__((always_inline)) void q58bf_body(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                             int mt, int five, int shared) {
+    const int64_t K = a->K, G = groups(K, a->group), whole = K & ~(int64_t)63;
+    const int64_t row_bytes = five ? K / 32 * Q5_RUN_BYTES : K;
+    const __m512i table = q5_bf16_table();
+    __m512 acc[NR][MT];
+    int64_t g[4] = {0, 0, 0, 0}; /* the groups of inputs k, k + 16, k + 32, k + 48 */
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < whole; k += 64) {
+        advance_groups(g, k, a->group, 4);
+        __m512bh w0[NR], w1[NR];
+        __m512 s0[NR], s1[NR];
+        UNROLL
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * row_bytes + (five ? k / 32 * Q5_RUN_BYTES : k);
+            _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+            if (five)
+                q5_pair_bf16(p, table, &w0[r], &w1[r]);
+            else
+                q8_pair_bf16((const int8_t *)p, &w0[r], &w1[r]);
+            s0[r] = two_scales(a, (n0 + r) * G + g[0], (n0 + r) * G + g[2]);
+            if (!shared) s1[r] = two_scales(a, (n0 + r) * G + g[1], (n0 + r) * G + g[3]);
+        }
+        UNROLL
+        for (int m = 0; m < mt; m++) {
+            const uint16_t *xm = a->xb + (m0 + m) * K + k;
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)xm);
+            const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xm + 32));
+            UNROLL
+            for (int r = 0; r < nr; r++) {
+                const __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0[r], x0);
+                if (shared) {
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(d0, w1[r], x1), s0[r], acc[r][m]);
+                } else {
+                    acc[r][m] = _mm512_fmadd_ps(d0, s0[r], acc[r][m]);
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w1[r], x1), s1[r], acc[r][m]);
+                }
+            }
+        }
+    }
+    if (whole < K) { /* one run of 32 left, in natural order */
+        advance_groups(g, whole, a->group, 2);
+        UNROLL
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * row_bytes + (five ? whole / 32 * Q5_RUN_BYTES : whole);
+            const __m512bh w = five ? q5_run_bf16(p, table)
+                                    : _mm512_cvtne2ps_pbh(q8_floats((const int8_t *)p + 16), q8_floats((const int8_t *)p));
+            const __m512 s = two_scales(a, (n0 + r) * G + g[0], (n0 + r) * G + g[1]);
+            UNROLL
+            for (int m = 0; m < mt; m++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(a->xb + (m0 + m) * K + whole));
+                acc[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w, xv), s, acc[r][m]);
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < nr; r++)
+        UNROLL
+        for (int m = 0; m < mt; m++)
+            a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+static inline __attribute__((always_inline)) void q5bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                             int mt) {
+    q58bf_body(a, n0, nr, m0, mt, 1, 1); /* int5 groups are whole runs: a multiple of 32 */
+}
+
+static inline __attribute__((always_inline)) void q8bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
+                                                             int mt) {
+    if (a->group % 32 == 0)
+        q58bf_body(a, n0, nr, m0, mt, 0, 1);
+    else
+        q58bf_body(a, n0, nr, m0, mt, 0, 0);
+}
+
+/* x [M, K] in bf16 for q58bf_body: in each 64-input block, inputs 32-47 before 16-31 (so a VDPBF16PS's
+ * first 16 lanes meet inputs 0-15 and 32-47 of the codes, which q5_pair_bf16 decodes side by side), a
+ * last run of 32 in order */
+static void bf16_blocks(const float *x, uint16_t *xb, int64_t M, int64_t K) {
+    static const int order[4] = {0, 2, 1, 3};
+    for (int64_t m = 0; m < M; m++) {
+        const float *in = x + m * K;
+        uint16_t *out = xb + m * K;
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64)
+            for (int j = 0; j < 4; j++) round_bf16(in + k + 16 * order[j], NULL, out + k + 16 * j, 16);
+        round_bf16(in + k, NULL, out + k, K - k);
+    }
+}
 #define HAS_BF16 1
 #else
 #define HAS_BF16 0
@@ -304,56 +465,68 @@ static void round_bf16(const float *in, float *out, uint16_t *halves, int64_t n)
  * whichever of its threads was descheduled. */
 #define PARALLEL_MIN_WORK (1 << 18)
 
-/* Blocks b0 .. b1 of NR output rows: what one thread of `gemv`'s loop computes (for bits 16, a->xb made) */
+/* `bits` | BF16: the weight in bf16 arithmetic (int4: q4bf_tile; int5, int8: q58bf_body) */
+#define BF16 16
+
+/* Blocks b0 .. b1 of NR output rows: what one thread of `gemv`'s loop computes (bf16 arithmetic: a->xb made) */
 static void gemv_blocks(const gemv_args *a, int bits, int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
         const int64_t nr = a->N - b * NR < NR ? a->N - b * NR : NR;
-        if (bits == 4)
-            ROW_BLOCK(q4_tile, a, b * NR, nr);
-        else if (bits == 5)
-            ROW_BLOCK(q5_tile, a, b * NR, nr);
-        else if (bits == 8)
-            ROW_BLOCK(q8_tile, a, b * NR, nr);
+        switch (bits) {
+        case 4: ROW_BLOCK(q4_tile, a, b * NR, nr); break;
+        case 5: ROW_BLOCK(q5_tile, a, b * NR, nr); break;
+        case 8: ROW_BLOCK(q8_tile, a, b * NR, nr); break;
 #if HAS_BF16
-        else
-            ROW_BLOCK(q4bf_tile, a, b * NR, nr);
+        case BF16 | 4: ROW_BLOCK(q4bf_tile, a, b * NR, nr); break;
+        case BF16 | 5: ROW_BLOCK(q5bf_tile, a, b * NR, nr); break;
+        case BF16 | 8: ROW_BLOCK(q8bf_tile, a, b * NR, nr); break;
 #endif
+        }
     }
 }
 
-/* bits 4 / 5 / 8: int4 / int5 / int8 codes, float32 arithmetic; 16: int4 codes, bf16 arithmetic (q4bf_tile), x
- * rounded to bf16 here first. Returns -1 when the bf16 copy of x cannot be allocated. */
-static int gemv(gemv_args *a, int bits, int threads) {
-    const int64_t blocks = (a->N + NR - 1) / NR;
-    if (a->M * a->N * a->K < PARALLEL_MIN_WORK) threads = 1;
-    int64_t b;
-    if (bits == 4) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (b = 0; b < blocks; b++) ROW_BLOCK(q4_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
-    } else if (bits == 5) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (b = 0; b < blocks; b++) ROW_BLOCK(q5_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
-    } else if (bits == 8) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (b = 0; b < blocks; b++) ROW_BLOCK(q8_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
-    } else {
+/* For bf16 arithmetic, a->xb = x rounded to bf16 (int4's in order, int5's and int8's as bf16_blocks lays it
+ * out), which the caller frees; -1 when it cannot be allocated */
+static int bf16_x(gemv_args *a, int bits) {
 #if HAS_BF16
-        uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(a->M * a->K));
-        if (!xb) return -1;
+    if (!(bits & BF16)) return 0;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(a->M * a->K));
+    if (!xb) return -1;
+    if (bits == (BF16 | 4))
         round_bf16(a->x, NULL, xb, a->M * a->K);
-        a->xb = xb;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (b = 0; b < blocks; b++) ROW_BLOCK(q4bf_tile, a, b * NR, a->N - b * NR < NR ? a->N - b * NR : NR);
-        free(xb);
-        round_bf16(a->y, a->y, NULL, a->M * a->N);
+    else
+        bf16_blocks(a->x, xb, a->M, a->K);
+    a->xb = xb;
 #endif
-    }
     return 0;
 }
 
-/* the bf16 variants (bits 16) exist only where the CPU has AVX512_BF16 (see has_bf16) */
+/* int4 in bf16 arithmetic rounds its n outputs at y to bf16, as oneDNN's bf16 GEMM over its expansion
+ * does; int5 and int8 keep float32 outputs (their expansion is float32: see ops.dequantize) */
+static void round_outputs(int bits, float *y, int64_t n) {
+#if HAS_BF16
+    if (bits == (BF16 | 4)) round_bf16(y, y, NULL, n);
+#endif
+}
+
+/* bits 4 / 5 / 8: int4 / int5 / int8 codes, float32 arithmetic; | BF16: bf16 arithmetic, x rounded to bf16
+ * here first. Returns -1 when the bf16 copy of x cannot be allocated. */
+static int gemv(gemv_args *a, int bits, int threads) {
+    const int64_t blocks = (a->N + NR - 1) / NR;
+    if (a->M * a->N * a->K < PARALLEL_MIN_WORK) threads = 1;
+    if (bf16_x(a, bits) < 0) return -1;
+    int64_t b;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (b = 0; b < blocks; b++) gemv_blocks(a, bits, b, b + 1);
+    free((void *)a->xb);
+    a->xb = NULL;
+    round_outputs(bits, a->y, a->M * a->N);
+    return 0;
+}
+
+/* the bf16 variants exist only where the CPU has AVX512_BF16 (see has_bf16) */
 static int bf16_built(int bits, const char *name) {
-    if (bits == 16 && !HAS_BF16) {
+    if ((bits & BF16) && !HAS_BF16) {
         PyErr_Format(PyExc_RuntimeError, "%s: built without AVX512_BF16", name);
         return 0;
     }
@@ -386,9 +559,17 @@ static PyObject *gemv_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return gemv_entry(args, nargs, 8, "gemv_q8");
 }
 
-/* gemv_q4_bf16: gemv_q4 in bf16 arithmetic (q4bf_tile), x float32 */
+/* gemv_q{4,5,8}_bf16: gemv_q{4,5,8} in bf16 arithmetic (q4bf_tile, q58bf_body), x float32 */
 static PyObject *gemv_q4_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    return gemv_entry(args, nargs, 16, "gemv_q4_bf16");
+    return gemv_entry(args, nargs, BF16 | 4, "gemv_q4_bf16");
+}
+
+static PyObject *gemv_q5_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_entry(args, nargs, BF16 | 5, "gemv_q5_bf16");
+}
+
+static PyObject *gemv_q8_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return gemv_entry(args, nargs, BF16 | 8, "gemv_q8_bf16");
 }
 
 static PyObject *has_bf16(PyObject *self, PyObject *unused) { return PyBool_FromLong(HAS_BF16); }

@@ -52,6 +52,8 @@ static PyMethodDef methods[] = {
     {"dequantize_q4_f32", (PyCFunction)(void (*)(void))dequantize_q4_f32, METH_FASTCALL, "int4 -> float32 [N, K]"},
     {"dequantize_q4_bf16", (PyCFunction)(void (*)(void))dequantize_q4_bf16, METH_FASTCALL, "int4 -> bf16 [N, K]"},
     {"gemv_q4_bf16", (PyCFunction)(void (*)(void))gemv_q4_bf16, METH_FASTCALL, "y = x @ W^T, int4, bf16 arithmetic"},
+    {"gemv_q5_bf16", (PyCFunction)(void (*)(void))gemv_q5_bf16, METH_FASTCALL, "y = x @ W^T, int5, bf16 arithmetic"},
+    {"gemv_q8_bf16", (PyCFunction)(void (*)(void))gemv_q8_bf16, METH_FASTCALL, "y = x @ W^T, int8, bf16 arithmetic"},
     {"has_bf16", has_bf16, METH_NOARGS, "whether the bf16 variants were compiled (AVX512_BF16)"},
     {"dequantize_q8_f32", (PyCFunction)(void (*)(void))dequantize_q8_f32, METH_FASTCALL, "int8 -> float32 [N, K]"},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))paged_decode_attention, METH_FASTCALL,
@@ -73,6 +75,10 @@ static PyMethodDef methods[] = {
     {"gemv_silu_q8", (PyCFunction)(void (*)(void))gemv_silu_q8, METH_FASTCALL, "silu(x @ G^T) * (x @ U^T), int8"},
     {"gemv_silu_q4_bf16", (PyCFunction)(void (*)(void))gemv_silu_q4_bf16, METH_FASTCALL,
      "silu(x @ G^T) * (x @ U^T), int4, bf16 arithmetic"},
+    {"gemv_silu_q5_bf16", (PyCFunction)(void (*)(void))gemv_silu_q5_bf16, METH_FASTCALL,
+     "silu(x @ G^T) * (x @ U^T), int5, bf16 arithmetic"},
+    {"gemv_silu_q8_bf16", (PyCFunction)(void (*)(void))gemv_silu_q8_bf16, METH_FASTCALL,
+     "silu(x @ G^T) * (x @ U^T), int8, bf16 arithmetic"},
     {NULL, NULL, 0, NULL},
 };
 
