@@ -21,7 +21,7 @@ from ember.quant.formats import QuantizedWeight
 
 logger = logging.getLogger("ember")
 
-_CHUNK = {"int4": 32, "int8": 16}  # inputs per vector step of each kernel
+_CHUNK = {"int4": 32, "int5": 32, "int8": 16}  # inputs per vector step of each kernel
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _BITS = {"int4": 4, "int5": 5, "int8": 8}  # the kernels' name for a layout
 # (kind, bf16) -> the kernels' GEMV, GEMV + SiLU and dense expansion of that layout and arithmetic
@@ -135,8 +135,8 @@ def fits(w: QuantizedWeight) -> bool:
 def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
     """The native layout of `w` (which must fit), in bf16 arithmetic if asked (int4 where `has_bf16()`).
     int4 codes are re-laid out (the same bytes, which replace the file's), int8 codes in [-16, 15] without
-    zeros packed to int5; other int8 codes are shared with `w` when contiguous, so a tied LM head costs
-    only its float16 scales beside its embedding."""
+    zeros packed to int5; int5 codes (GGUF Q5_0's, kept as read) and other int8 codes are shared with `w`
+    when contiguous, so a tied LM head costs only its float16 scales beside its embedding."""
     if not fits(w):
         raise ValueError(
             f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
@@ -149,6 +149,7 @@ def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
         five = _pack_int5(w) if zeros is None else None
         if five is not None:
             return NativeWeight("int5", five, scales, None, w.group_size, w.in_features)
+    if w.kind in ("int5", "int8"):
         return NativeWeight(w.kind, w.qweight.contiguous(), scales, zeros, w.group_size, w.in_features)
     return NativeWeight(
         w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features, bf16
@@ -156,8 +157,9 @@ def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
 
 
 def _pack_int5(w: QuantizedWeight) -> torch.Tensor | None:
-    """int8 codes that all lie in [-16, 15] (GGUF Q5_0's) as int5 runs, else None. A Qwen2-0.5B Q4_K_M
-    file is 64% Q5_0 by weight: in int8 a decode step read 545 MB against llama.cpp's 395 (issue 30)."""
+    """int8 codes that all lie in [-16, 15] as int5 runs, else None: MXFP4's, say (GGUF Q5_0 arrives as
+    int5). A Qwen2-0.5B Q4_K_M file is 64% Q5_0 by weight: in int8 a decode step read 545 MB against
+    llama.cpp's 395 (issue 30)."""
     if w.group_size % 32 or w.in_features % 32:
         return None
     codes = w.qweight.contiguous()
