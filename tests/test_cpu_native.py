@@ -11,18 +11,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import default_gguf_path, inproc_core, make_checkpoint
+from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
+from ember.bench.gguf_files import random_tensor
 from ember.cpu_native import build, ops
+from ember.model.gguf_blocks import quantized
 from ember.model.linear import QuantEmbedding, QuantLinear
 from ember.ops import linear_native as linear
 from ember.ops.linear_native import NATIVE_EXPAND_MIN_ROWS, row_bucket
-from ember.quant.formats import QuantizedWeight, codes, dense_weight, dequantize, pack_int4
+from ember.quant.formats import QuantizedWeight, codes, concat_out, dense_weight, dequantize, pack_int4, widen_int5
 from ember.quant.quantize import quantize
 
 
@@ -500,18 +505,56 @@ def test_tiny_quantized_llama_equals_its_float32_twin(tmp_path, monkeypatch, met
     _assert_same(fallback, [(tokens[:12], logprobs[:12]) for tokens, logprobs in expected[:3]], 5e-2)
 
 
+def _q5_0(rows: int, cols: int, seed: int) -> QuantizedWeight:
+    """A random GGUF Q5_0 matrix as the loader keeps it."""
+    raw = random_tensor(QType.Q5_0, (rows, cols), np.random.default_rng(seed), scale=0.5)
+    return quantized(raw, QType.Q5_0, (rows, cols))
+
+
+def test_q5_0_loads_as_the_int5_runs_the_two_pass_path_packed(kernels) -> None:
+    """GGUF Q5_0 kept as its blocks' int5 runs (one strided copy) is, bit for bit, the native weight the
+    int8 decoding then `pack_q5` made; its expansion is gguf's own decoding, its GEMV the float64 one."""
+    raw = random_tensor(QType.Q5_0, (37, 512), np.random.default_rng(0), scale=0.5)
+    w = quantized(raw, QType.Q5_0, (37, 512))
+    direct, two_pass = ops.native_weight(w), ops.native_weight(widen_int5(w))
+    assert (w.kind, direct.kind, two_pass.kind) == ("int5", "int5", "int5")
+    assert torch.equal(direct.codes, two_pass.codes) and torch.equal(direct.scales, two_pass.scales)
+    assert direct.scales.dtype == torch.float16
+    assert torch.equal(ops.dequantize(direct), torch.from_numpy(gguf.quants.dequantize(raw, QType.Q5_0)))
+    _check_matmul(torch.randn(3, 512, generator=torch.Generator().manual_seed(3)), w)
+
+
+def test_q5_0_layers_fuse_as_before(kernels) -> None:
+    """q/k/v of Q5_0 fuse into one int5 weight; Q5_0 q/k beside a Q8_0 v are widened and fuse into one
+    int8 weight: either way the native weight of the int8 decoding, bit for bit."""
+    q, k = _q5_0(64, 256, 1), _q5_0(32, 256, 2)
+    v8 = torch.randn(32, 256, generator=torch.Generator().manual_seed(3)).numpy()
+    v8 = quantized(gguf.quants.quantize(v8, QType.Q8_0), QType.Q8_0, (32, 256))
+    for v, kind in ((_q5_0(32, 256, 4), "int5"), (v8, "int8")):
+        (matmul,) = QuantLinear([q, k, v], None, torch.float32).matmuls
+        old = ops.native_weight(concat_out([widen_int5(p) for p in (q, k, v)]))
+        assert isinstance(matmul, linear.NativeLinear) and matmul.native.kind == old.kind == kind
+        assert torch.equal(matmul.native.codes, old.codes) and torch.equal(matmul.native.scales, old.scales)
+
+
+def test_q5_0_tied_embedding_shares_its_int5_codes(kernels) -> None:
+    """A Q5_0 embedding looks rows up from the int5 runs its tied LM head's GEMV reads: one copy of codes."""
+    w = _q5_0(40, 256, 5)
+    embedding = QuantEmbedding(w, torch.float32, tied=True)
+    assert embedding.head is not None
+    (matmul,) = embedding.head.matmuls
+    assert isinstance(matmul, linear.NativeLinear) and matmul.native.codes.data_ptr() == w.qweight.data_ptr()
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(embedding(ids), dequantize(w)[ids])
+
+
 @pytest.mark.parametrize("qtype_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_two_level_scales(kernels, qtype_name: str) -> None:
     """GGUF K-quants keep their scales and zeros as int8 codes times float16 super-block bases (one byte a
     group): the expansion equals gguf's own decoding bit for bit, the GEMV the float64 reference."""
-    import gguf
-
-    from ember.bench.gguf_files import random_tensor
-    from ember.model.gguf_blocks import quantized
-
-    qtype = gguf.GGMLQuantizationType[qtype_name]
+    qtype = QType[qtype_name]
     shape = (37, 512)
-    raw = random_tensor(qtype, shape, __import__("numpy").random.default_rng(0), scale=0.5)
+    raw = random_tensor(qtype, shape, np.random.default_rng(0), scale=0.5)
     w = quantized(raw, qtype, shape)
     native = ops.native_weight(w)
     assert native.param_mode == 2

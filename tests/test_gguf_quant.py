@@ -10,11 +10,14 @@ import itertools
 import gguf
 import numpy as np
 import pytest
+import torch
 from conftest import default_gguf_path
 from gguf import GGMLQuantizationType as QType
 
+from ember.bench.gguf_files import random_tensor
 from ember.model.gguf import load_gguf
 from ember.model.gguf_blocks import quantized
+from ember.model.linear import QuantEmbedding, QuantLinear
 from ember.quant import formats
 from ember.quant.formats import QuantizedWeight
 
@@ -42,3 +45,20 @@ def test_default_model_keeps_weights_quantized_exactly() -> None:
     assert kinds["model.embed_tokens.weight"] == "int8"
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == "int4"
     assert "model.layers.0.input_layernorm.weight" not in kinds
+
+
+def test_int5_widens_and_narrows_as_its_int8_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q5_0 kept as int5 runs: widened to int8, cut by rows or whole groups of columns (a tensor-parallel
+    slice), it dequantizes to gguf's decoding; where the native kernels are off, layers keep it as int8."""
+    raw = random_tensor(QType.Q5_0, (8, 128), np.random.default_rng(0))
+    w = quantized(raw, QType.Q5_0, (8, 128))
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, QType.Q5_0))
+    wide = formats.widen_int5(w)
+    assert (w.kind, wide.kind, wide.qweight.dtype) == ("int5", "int8", torch.int8)
+    for form in (w, wide):
+        assert torch.equal(formats.dequantize(form), reference)
+    assert torch.equal(formats.dequantize(w.narrow(0, 3, 4)), reference[3:7])
+    assert torch.equal(formats.dequantize(w.narrow(1, 32, 64)), reference[:, 32:96])
+    monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
+    assert QuantLinear([w], None, torch.float32).parts[0].kind == "int8"
+    assert QuantEmbedding(w, torch.float32, tied=False).weight_q.kind == "int8"

@@ -30,7 +30,7 @@ KEPT = {
     QType.Q8_0: ("int8", 32, True, (-128, 127)),
     QType.Q4_0: ("int4", 32, False, (0, 15)),
     QType.Q4_1: ("int4", 32, False, (0, 15)),
-    QType.Q5_0: ("int8", 32, True, (-16, 15)),
+    QType.Q5_0: ("int5", 32, True, (-16, 15)),  # the file's blocks without their scales
     QType.Q5_1: ("int8", 32, False, (0, 31)),
     QType.Q2_K: ("int4", 16, False, (0, 3)),
     QType.Q3_K: ("int8", 16, True, (-4, 3)),
@@ -88,8 +88,8 @@ def test_every_type_llama_quantize_writes_is_supported() -> None:
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_random_blocks_decode_exactly(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Chunks of 2 blocks put chunk boundaries inside rows, where codes and scales could slip.
-    monkeypatch.setattr(gguf_blocks, "_BLOCKS_PER_CHUNK", 2)
+    # Chunks of 2 blocks (1 of 256 elements) put chunk boundaries inside rows, where codes and scales could slip.
+    monkeypatch.setattr(gguf_blocks, "_ELEMENTS_PER_CHUNK", 64)
     with np.errstate(all="ignore"):  # random IQ1_M scales may be inf: the reference decodes them too
         _assert_decodes_exactly(random_tensor(qtype, _shape(qtype), np.random.default_rng(int(qtype))), qtype)
 
@@ -112,7 +112,7 @@ def test_kept_form_and_memory(qtype: QType) -> None:
     assert (w.out_features, w.in_features, w.num_groups) == (rows, cols, cols // group_size)
     codes = formats.codes(w)
     assert lo <= int(codes.min()) and int(codes.max()) <= hi
-    code_bytes = rows * cols * {"int8": 8, "int4": 4}[kind] // 8
+    code_bytes = rows * cols * {"int8": 8, "int5": 5, "int4": 4}[kind] // 8
     assert w.nbytes() == code_bytes + rows * (cols // group_size) * 4 * (1 if symmetric else 2)
 
 

@@ -21,7 +21,7 @@ from ember.quant.formats import QuantizedWeight
 
 logger = logging.getLogger("ember")
 
-_CHUNK = {"int4": 32, "int8": 16}  # inputs per vector step of each kernel
+_CHUNK = {"int4": 32, "int5": 32, "int8": 16}  # inputs per vector step of each kernel
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _BITS = {"int4": 4, "int5": 5, "int8": 8}  # the kernels' name for a layout
 _BF16 = 16  # gemv.c's BF16: `bits | _BF16` names a layout in bf16 arithmetic
@@ -142,15 +142,16 @@ def fits(w: QuantizedWeight) -> bool:
 
 def bf16_fits(w: QuantizedWeight) -> bool:
     """Whether `w` can take bf16 arithmetic (`native_weight(w, bf16=True)`): a CPU with AVX512_BF16, and
-    int4, or int8 without zeros (a zero would add a group's sum of x to each output: not implemented)."""
-    return has_bf16() and (w.kind == "int4" or (w.kind == "int8" and w.zeros is None and w.in_features % 32 == 0))
+    int4, or int5 or int8 without zeros (a zero would add a group's sum of x to each output: not implemented)."""
+    zero_free = w.kind in ("int5", "int8") and w.zeros is None and w.in_features % 32 == 0
+    return has_bf16() and (w.kind == "int4" or zero_free)
 
 
 def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
     """The native layout of `w` (which must fit), in bf16 arithmetic if asked (where `bf16_fits(w)`).
     int4 codes are re-laid out (the same bytes, which replace the file's), int8 codes in [-16, 15] without
-    zeros packed to int5; other int8 codes are shared with `w` when contiguous, so a tied LM head costs
-    only its float16 scales beside its embedding."""
+    zeros packed to int5; int5 codes (GGUF Q5_0's, kept as read) and other int8 codes are shared with `w`
+    when contiguous, so a tied LM head costs only its float16 scales beside its embedding."""
     if not fits(w):
         raise ValueError(
             f"{w.kind} weight with groups of {w.group_size} over K={w.in_features} (block rows "
@@ -163,6 +164,7 @@ def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
         five = _pack_int5(w) if zeros is None else None
         if five is not None:
             return NativeWeight("int5", five, scales, None, w.group_size, w.in_features, bf16)
+    if w.kind in ("int5", "int8"):
         return NativeWeight(w.kind, w.qweight.contiguous(), scales, zeros, w.group_size, w.in_features, bf16)
     return NativeWeight(
         w.kind, _relayout_int4(w.qweight, w.in_features), scales, zeros, w.group_size, w.in_features, bf16
@@ -170,8 +172,9 @@ def native_weight(w: QuantizedWeight, bf16: bool = False) -> NativeWeight:
 
 
 def _pack_int5(w: QuantizedWeight) -> torch.Tensor | None:
-    """int8 codes that all lie in [-16, 15] (GGUF Q5_0's) as int5 runs, else None. A Qwen2-0.5B Q4_K_M
-    file is 64% Q5_0 by weight: in int8 a decode step read 545 MB against llama.cpp's 395 (issue 30)."""
+    """int8 codes that all lie in [-16, 15] as int5 runs, else None: MXFP4's, say (GGUF Q5_0 arrives as
+    int5). A Qwen2-0.5B Q4_K_M file is 64% Q5_0 by weight: in int8 a decode step read 545 MB against
+    llama.cpp's 395 (issue 30)."""
     if w.group_size % 32 or w.in_features % 32:
         return None
     codes = w.qweight.contiguous()

@@ -25,14 +25,17 @@ from gguf import GGMLQuantizationType as QType
 
 from ember.model.gguf_codes import BLOCK_CODES, BlockCodes
 from ember.model.gguf_grids import GRID_CODES
-from ember.quant.formats import QuantizedWeight, ScaleFactors
+from ember.quant.formats import QuantizedWeight, ScaleFactors, code_bytes
 
-# Blocks decoded at once: chunks of a few thousand blocks keep the intermediates in cache (65536-block
-# chunks took 2.4x the CPU time of 4096 for Q4_K and 2.1x for Q6_K on a 4096x4096 tensor, 1024-block
-# chunks 1.1x). 2048 rather than 4096 keeps each temporary (Q6_K's codes: 512 KB) below the sizes glibc
-# keeps mapping and unmapping afresh: a first decode of the 1.5B-parameter Q4_K_M file then faulted in
-# 344k pages in every run (the outputs) against 506-834k, 0.57-0.67 s of system time against 0.76-1.33.
-_BLOCKS_PER_CHUNK = 1 << 11
+# Elements decoded at once: chunks of a few thousand 256-element blocks keep the intermediates in cache
+# (65536-block chunks took 2.4x the CPU time of 4096 for Q4_K and 2.1x for Q6_K on a 4096x4096 tensor,
+# 1024-block chunks 1.1x). 2048 rather than 4096 keeps each temporary (Q6_K's codes: 512 KB) below the
+# sizes glibc keeps mapping and unmapping afresh: a first decode of the 1.5B-parameter Q4_K_M file then
+# faulted in 344k pages in every run (the outputs) against 506-834k, 0.57-0.67 s of system time against
+# 0.76-1.33. Counted in elements, so 32-element blocks come 16384 at a time with temporaries of the same
+# size: at 2048 a Qwen2-0.5B Q4_K_M file's Q5_0 (7.9M blocks, now one copy each) took 0.20-0.27 s in
+# 3.9k chunks' overhead against 0.08-0.11 s (2-core EPYC, 2026-12-07).
+_ELEMENTS_PER_CHUNK = 1 << 19
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 _TORCH_DTYPES: dict[type, torch.dtype] = {np.uint8: torch.uint8, np.int8: torch.int8, np.float32: torch.float32}
@@ -83,9 +86,10 @@ def _pool() -> ThreadPoolExecutor:
     return _pools[pid]
 
 
-def _each_chunk(n: int, decode: Callable[[slice], None]) -> None:
+def _each_chunk(n: int, block_size: int, decode: Callable[[slice], None]) -> None:
     """Run `decode` on every chunk of n blocks across the pool; chunks write disjoint rows."""
-    chunks = [slice(start, start + _BLOCKS_PER_CHUNK) for start in range(0, n, _BLOCKS_PER_CHUNK)]
+    step = max(1, _ELEMENTS_PER_CHUNK // block_size)
+    chunks = [slice(start, start + step) for start in range(0, n, step)]
     if len(chunks) == 1:
         decode(chunks[0])
     else:
@@ -114,12 +118,13 @@ def dequantize(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> np.ndar
         else:
             np.copyto(out, blocks.view(np.float32 if qtype == QType.F32 else np.float16).reshape(shape))
         return out
-    out = _empty((len(blocks), gguf.GGML_QUANT_SIZES[qtype][0]), np.float32)
+    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+    out = _empty((len(blocks), block_size), np.float32)
 
     def decode(rows: slice) -> None:
         _dense(blocks[rows], _CODES[qtype], out[rows])
 
-    _each_chunk(len(blocks), decode)
+    _each_chunk(len(blocks), block_size, decode)
     return out.reshape(shape)
 
 
@@ -139,7 +144,7 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
     blocks = _stored_blocks(raw, qtype, shape)
     n, block_size = len(blocks), gguf.GGML_QUANT_SIZES[qtype][0]
     int4 = fmt.kind == "int4"
-    qweight = _empty((n, block_size // 2 if int4 else block_size), np.uint8 if int4 else np.int8)
+    qweight = _empty((n, code_bytes(fmt.kind, block_size)), np.int8 if fmt.kind == "int8" else np.uint8)
     scales = _empty((n, block_size // fmt.group_size), np.float32)
     zeros = _empty(scales.shape, np.float32) if fmt.has_zeros else None
     factors = _factor_arrays(n, scales.shape[1], fmt.has_zeros) if fmt.factors is not None else None
@@ -162,7 +167,7 @@ def quantized(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quantize
                 if array is not None and part is not None:
                     array[rows] = part
 
-    _each_chunk(n, decode)
+    _each_chunk(n, block_size, decode)
     out_features, in_features = shape
 
     def rows(a: np.ndarray) -> torch.Tensor:

@@ -18,7 +18,15 @@ from ember.ops.linear_cpu import DenseInt8Linear
 from ember.ops.linear_gpu import Fp8Linear
 from ember.ops.linear_native import NativeLinear
 from ember.ops.screened_argmax import ScreenedArgmax
-from ember.quant.formats import Fp8Activation, Fp8Layout, QuantizedWeight, concat_out, dequantize, same_format
+from ember.quant.formats import (
+    Fp8Activation,
+    Fp8Layout,
+    QuantizedWeight,
+    concat_out,
+    dequantize,
+    same_format,
+    widen_int5,
+)
 from ember.quant.quantize import quantize
 
 
@@ -31,8 +39,10 @@ class QuantLinear(nn.Module):
     ) -> None:
         super().__init__()
         quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
-        if len(parts) > 1 and len(quantized) == len(parts) and same_format(quantized):
-            parts = [concat_out(quantized)]
+        if len(parts) > 1 and len(quantized) == len(parts):
+            quantized = _beside_int8(quantized)
+            if same_format(quantized):
+                parts = [concat_out(quantized)]
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.out_features = sum(p.out_features if isinstance(p, QuantizedWeight) else p.shape[0] for p in parts)
         target = registry.target(_device(parts[0]), dtype)
@@ -107,6 +117,14 @@ class QuantLinear(nn.Module):
         return tensors + [t for m in self.matmuls for t in m.tensors()]
 
 
+def _beside_int8(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """The parts with int5 ones widened to int8 where another part is int8 (GGUF Q5_0 q/k beside a Q8_0
+    v), so that they still fuse into one weight: one GEMV, and one native weight for the decode layer."""
+    if not any(p.kind == "int8" for p in parts):
+        return parts
+    return [widen_int5(p) for p in parts]
+
+
 def _device(p: QuantizedWeight | torch.Tensor) -> torch.device:
     return (p.qweight if isinstance(p, QuantizedWeight) else p).device
 
@@ -117,6 +135,7 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, tied: bool) -> None:
         super().__init__()
+        weight = registry.kept_form(registry.target(weight.qweight.device, dtype), weight)
         self.weight_q = weight
         self.dtype = dtype
         self.head = QuantLinear([weight], None, dtype) if tied else None

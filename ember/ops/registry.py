@@ -38,7 +38,7 @@ from ember.ops import (
 from ember.ops.decode_layer import NativeDecodeLayers
 from ember.ops.target import Target
 from ember.ops.unfused import Unfused
-from ember.quant.formats import Fp8Activation, QuantizedWeight
+from ember.quant.formats import Fp8Activation, QuantizedWeight, widen_int5
 
 FORCE_TRITON = False
 FUSE_FP8_QUANT = os.environ.get("EMBER_FUSE_FP8_QUANT", "1") != "0"
@@ -134,8 +134,16 @@ def _fp8_fused(table: tuple[Impl, ...], *facts: Any) -> Impl | None:
     return next((cls for cls in table if FUSE_FP8_QUANT and cls.can_implement(*facts)), None)
 
 
+def kept_form(t: Target, w: QuantizedWeight) -> QuantizedWeight:
+    """`w` as a layer on `t` keeps it: int5 codes (GGUF Q5_0's blocks, as read) where the native CPU kernels
+    run them, int8 elsewhere, which the other kernels take (DequantizeLinear would take int5 too, and
+    unpack it at every call)."""
+    return w if w.kind != "int5" or linear_native.NativeLinear.can_implement(t, w) else widen_int5(w)
+
+
 def linear_impl(t: Target, w: QuantizedWeight | torch.Tensor, dtype: torch.dtype) -> linear.LinearImpl:
     """One part of a QuantLinear: its implementation, built (the weight laid out) once."""
+    w = kept_form(t, w) if isinstance(w, QuantizedWeight) else w
     cls = _first(LINEAR, t, w)
     impl = cls(w, dtype)
     if cls.permutes_input and isinstance(w, QuantizedWeight) and w.in_perm is not None:

@@ -6,6 +6,12 @@ GGUF block type we map (Q4_1's min, Q4_0's implicit 8, the K-quants' sub-block s
 so kernels need no per-source cases. Scales and zeros are float32: GGUF scale products such as
 `d * sc` need more mantissa than bf16 keeps, and float32 keeps GGUF decoding exact.
 
+int5 codes are GGUF Q5_0's blocks without their float16 scale, kept as the file stores them: runs of 32
+codes, 4 bytes of fifth bits (bit j of the little-endian word: input j) then 16 bytes of low nibbles (input
+j low, j + 16 high), the unsigned codes q + 16 of int8 codes q in [-16, 15]; symmetric, groups of 32. That
+is the layout the native CPU kernels read, so a Q5_0 matrix loads as one strided copy of its blocks; the
+consumers that take int8 only get them widened (`widen_int5`).
+
 fp8 weights are e4m3 with one float32 scale per output channel (`zeros` None, g = K), or, as
 DeepSeek-V3 and Qwen3-FP8 checkpoints store them, one scale per 128x128 block: `block_rows` output
 rows share a row of `scales` (`scales[n // block_rows, k // group_size]`). `block_rows` is 1 for
@@ -19,13 +25,15 @@ exllama do), which keeps the file's values exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 KINDS = ("int8", "int4", "fp8")
+INT5_RUN = 32  # int5 codes per run
+INT5_RUN_BYTES = 20  # a run's bytes: 4 of fifth bits, 16 of low nibbles
 FP8_DTYPE = torch.float8_e4m3fn  # fp8 weights and the fp8 KV cache
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448; e4m3fn has no inf, so a cast beyond it may give NaN
 # Torch dtypes numpy can view without a copy (not bf16 or fp8), for the CPU copies done through numpy.
@@ -93,8 +101,9 @@ def _cat_factors(parts: list[QuantizedWeight]) -> ScaleFactors | None:
 
 @dataclass
 class QuantizedWeight:
-    kind: str  # "int8" (int8 storage), "int4" (two unsigned nibbles per byte), "fp8"
-    qweight: torch.Tensor  # int8 [N, K]; uint8 [N, ceil(K / 2)] for int4; float8_e4m3fn [N, K] for fp8
+    kind: str  # "int8" (int8 storage), "int4" (two unsigned nibbles per byte), "int5" (runs of 32), "fp8"
+    # int8 [N, K]; uint8 [N, ceil(K / 2)] for int4, [N, K / 32 * INT5_RUN_BYTES] for int5; float8_e4m3fn [N, K] for fp8
+    qweight: torch.Tensor
     scales: torch.Tensor  # float32 [N, ceil(K / group_size)]
     zeros: torch.Tensor | None  # float32, shape of scales; None for symmetric formats
     group_size: int
@@ -149,7 +158,7 @@ class QuantizedWeight:
             )
         if self.kind == "int4" and start % 2:
             raise ValueError(f"cannot split packed int4 codes at the odd column {start}")
-        cols = slice(start // 2, -(-end // 2)) if self.kind == "int4" else slice(start, end)
+        cols = slice(code_bytes(self.kind, start), code_bytes(self.kind, end))
         groups = slice(start // self.group_size, -(-end // self.group_size))
         return QuantizedWeight(
             self.kind,
@@ -182,6 +191,14 @@ class QuantizedWeight:
         )
 
 
+def code_bytes(kind: str, inputs: int) -> int:
+    """The stored columns (bytes, but for fp8) that the codes of a row's first `inputs` inputs take; for
+    int5, `inputs` is whole runs."""
+    if kind == "int4":
+        return -(-inputs // 2)
+    return inputs // INT5_RUN * INT5_RUN_BYTES if kind == "int5" else inputs
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """[N, K] values in 0..15 -> uint8 [N, ceil(K / 2)], element 2j in the low nibble of byte j.
 
@@ -209,8 +226,28 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :in_features]
 
 
+def int5_values(runs: np.ndarray) -> np.ndarray:
+    """uint8 int5 runs [n, INT5_RUN_BYTES] -> their unsigned codes, uint8 [n, INT5_RUN] in 0..31."""
+    nibbles = runs[:, 4:INT5_RUN_BYTES]
+    low = np.stack([nibbles & 0x0F, nibbles >> 4], axis=-2).reshape(len(runs), INT5_RUN)
+    return low | (np.unpackbits(runs[:, :4], axis=-1, bitorder="little") << 4)
+
+
+def widen_int5(w: QuantizedWeight) -> QuantizedWeight:
+    """`w` with int5 codes as int8 ones (the same values; other kinds as they are), for the consumers that
+    take int8: GPU kernels, PyTorch's CPU operators, stacked experts, a fused layer beside an int8 part.
+    Unpacked on the host, once, at load."""
+    if w.kind != "int5":
+        return w
+    runs = np.ascontiguousarray(w.qweight.cpu().numpy()).reshape(-1, INT5_RUN_BYTES)
+    q = (int5_values(runs).view(np.int8) - np.int8(16)).reshape(w.out_features, w.in_features)
+    return replace(w, kind="int8", qweight=torch.from_numpy(q).to(w.qweight.device))
+
+
 def codes(w: QuantizedWeight) -> torch.Tensor:
     """The integer (or fp8) codes as an [N, K] tensor, unpacked."""
+    if w.kind == "int5":
+        return widen_int5(w).qweight
     return unpack_int4(w.qweight, w.in_features) if w.kind == "int4" else w.qweight
 
 
