@@ -4,7 +4,7 @@ that the interpreter accepts and the compiler refuses, and tiles over the card's
 not cover numerics or speed.
 
 All 504 binaries of the older kernel tests compiled too (2026-12-06, 8 minutes). CI runs only the kernels
-that landed without a GPU run: LoRA, the MoE MLP, MLA with its fp8 cache, and the gated delta rule
+that landed without a GPU run: LoRA, the MoE MLP, MLA with its fp8 cache and fused prep, and the gated delta rule
 (about 2 minutes).
 """
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = [
     ["tests/test_lora_kernels.py"],
     ["tests/test_moe_kernels.py", "-k", "fused_mlp or grouped_gemm"],
-    ["tests/test_deepseek.py", "-k", "mla_decode_kernel or store_latent"],
+    ["tests/test_deepseek.py", "-k", "mla_decode_kernel or store_latent or mla_prep_kernel"],
     ["tests/test_qwen3_next.py", "-k", "triton_recurrent_kernel or triton_prefill_kernel"],
 ]
 

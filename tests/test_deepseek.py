@@ -31,7 +31,11 @@ from ember.kernels.mla_decode import (
     store_latent,
     store_latent_ref,
 )
+from ember.kernels.mla_prep import mla_prep
+from ember.kernels.rmsnorm import rms_norm
+from ember.kernels.rotary import apply_rotary
 from ember.model.hf_config import GroupedRouting, ModelConfig
+from ember.model.layers import RotaryEmbedding
 from ember.model.mla import MLAttention
 from ember.model.moe import SparseMoeBlock
 from ember.ops.mla import MlaShape, TorchMLA, TritonMLA
@@ -131,6 +135,7 @@ def test_fp8_latent_cache_reads_back_what_it_stored(checkpoints, monkeypatch, kv
     assert llm.llm_engine.scheduler_stats().prefix_cache_hits > 0
     for impl in (TorchMLA, TritonMLA):
         monkeypatch.setattr(impl, "store", _e4m3_rounded(impl.store, kv_scale))
+    monkeypatch.setattr(TritonMLA, "prepare", TorchMLA.prepare)  # the fused prep stores without `store`
     emulated = _llm(path).generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(fp8, emulated):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -431,3 +436,81 @@ def test_store_latent_fp8_rounds_like_the_torch_path(dtype, kv_scale):
 
 def _cpu(scale: float | torch.Tensor) -> float | torch.Tensor:
     return scale.cpu() if isinstance(scale, torch.Tensor) else scale
+
+
+# --- the fused MLA prep: latent norm, rotary and store in one kernel ------------------------------------
+
+
+def _prep_unfused(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    rope: RotaryEmbedding,
+    weight: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_scale: float | torch.Tensor,
+    interleaved: bool,
+) -> torch.Tensor:
+    """The Triton path's separate ops, as MLAttention ran them before the fused kernel."""
+    rope_dim = q_pe.shape[-1]
+    latent, k_pe = kv.split([kv.shape[1] - rope_dim, rope_dim], dim=-1)
+    latent = rms_norm(latent.contiguous(), weight, 1e-6)
+    k_pe = k_pe.unsqueeze(1)
+    if interleaved:
+        perm = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)]).to(KERNEL_DEVICE)
+        q_pe, k_pe = q_pe[..., perm], k_pe[..., perm]
+    q_pe, k_pe = apply_rotary(positions, q_pe.contiguous(), k_pe.contiguous(), rope.cos, rope.sin)
+    store_latent(torch.cat([latent, k_pe.squeeze(1)], dim=-1), cache, slots, kv_scale)
+    return q_pe
+
+
+@pytest.mark.parametrize("cache_kind", ["model", "fp8", "fp8-tensor"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,nope,rope_dim,kv_lora", [(3, 16, 8, 40), (16, 128, 64, 512)])
+def test_mla_prep_kernel_matches_unfused_ops(heads, nope, rope_dim, kv_lora, dtype, interleaved, cache_kind):
+    """The fused prep's rotated queries and cache (every byte, padding slots untouched) equal the separate
+    norm, de-interleave, rotary and store kernels' bit for bit: strided views of the projections' outputs,
+    heads and a latent width that are no power of two or DeepSeek-V2-Lite's, YaRN tables, e4m3 rows that
+    saturate."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = 5
+    scaling = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, attention_factor=1.2)
+    scaling.update(beta_fast=32.0, beta_slow=1.0, truncate=True)
+    rope = RotaryEmbedding(rope_dim, 64, 10000.0, scaling).to(KERNEL_DEVICE)
+    q = torch.randn(tokens, heads * (nope + rope_dim), generator=gen).to(dtype).to(KERNEL_DEVICE)
+    q_pe = q.view(tokens, heads, nope + rope_dim)[..., nope:]
+    kv = (torch.randn(tokens, kv_lora + rope_dim + 4, generator=gen) * 3).to(dtype).to(KERNEL_DEVICE)
+    kv = kv[:, : kv_lora + rope_dim]  # rows strided like a wider projection's
+    weight = (torch.randn(kv_lora, generator=gen) * 4).to(dtype).to(KERNEL_DEVICE)
+    positions = torch.tensor([0, 7, 63, 12, 30], device=KERNEL_DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, 30], dtype=torch.int64, device=KERNEL_DEVICE)
+    kv_scale = 1.0 if cache_kind == "model" else _kv_scale(0.0123 if cache_kind == "fp8" else "tensor")
+    before = torch.randn(4, 8, 1, kv_lora + rope_dim, generator=gen).to(dtype)
+    if cache_kind != "model":
+        before = quantize_kv(before, FP8_DTYPE, _cpu(kv_scale))
+    fused, unfused = (before.to(KERNEL_DEVICE, copy=True) for _ in range(2))
+    cos, sin_signed = rope.full_tables(rope_dim)
+    out = mla_prep(positions, q_pe, kv, cos, sin_signed, weight, 1e-6, fused, slots, kv_scale, interleaved)
+    ref = _prep_unfused(positions, q_pe, kv, rope, weight, unfused, slots, kv_scale, interleaved)
+    assert out.shape == (tokens, heads, rope_dim) and out.is_contiguous()
+    assert torch.equal(out.cpu().view(torch.uint8), ref.cpu().view(torch.uint8))
+    assert torch.equal(fused.cpu().view(torch.uint8), unfused.cpu().view(torch.uint8))
+    assert not torch.equal(fused.cpu().view(torch.uint8), before.view(torch.uint8))  # the rows did land
+    if cache_kind != "model":
+        assert fused.float().abs().max() == 448  # some values saturate
+
+
+def test_mla_prep_kernel_refuses_mismatched_inputs():
+    q_pe = torch.zeros(2, 3, 8, device=KERNEL_DEVICE)
+    kv, weight = torch.zeros(2, 48, device=KERNEL_DEVICE), torch.ones(40, device=KERNEL_DEVICE)
+    cos = torch.zeros(16, 8, device=KERNEL_DEVICE)
+    positions, slots = (torch.zeros(2, dtype=torch.int64, device=KERNEL_DEVICE) for _ in range(2))
+    cache = torch.zeros(2, 8, 1, 48, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="kv \\[T, 48\\]"):
+        mla_prep(positions, q_pe, kv[:, :40], cos, cos, weight, 1e-6, cache, slots)
+    with pytest.raises(ValueError, match="of torch.float32 or fp8"):
+        mla_prep(positions, q_pe, kv, cos, cos, weight, 1e-6, cache.bfloat16(), slots)
+    with pytest.raises(ValueError, match="only to fp8 caches"):
+        mla_prep(positions, q_pe, kv, cos, cos, weight, 1e-6, cache, slots, kv_scale=0.5)

@@ -224,6 +224,26 @@ def mla_decode_attention_ref(
 
 
 @triton.jit
+def store_cache_values(dst, x, mask, scale, FP8: tl.constexpr, HEAD_SCALES: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """x at `dst` as the latent cache holds it: an fp8 cache clamp(x / scale, -448, 448) in e4m3 (`scale`
+    a float, or with HEAD_SCALES a pointer to the one float32), any other cache x as is."""
+    if FP8:
+        if HEAD_SCALES:
+            scale = tl.load(scale)
+        x = quantize_e4m3(x, scale, ROUND_IN_FP32)
+    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
+def cache_store_flags(cache: torch.Tensor, kv_scale: KVScale) -> dict[str, bool]:
+    """The constexprs of `store_cache_values` for `cache` and `kv_scale`."""
+    return {
+        "FP8": cache.dtype == FP8_DTYPE,
+        "HEAD_SCALES": isinstance(kv_scale, torch.Tensor),
+        "ROUND_IN_FP32": triton.knobs.runtime.interpret,
+    }
+
+
+@triton.jit
 def _store_latent_kernel(
     rows_ptr,
     cache_ptr,
@@ -242,11 +262,7 @@ def _store_latent_kernel(
         return
     dims = tl.arange(0, BLOCK)
     row = tl.load(rows_ptr + token.to(tl.int64) * stride_r + dims, mask=dims < width)
-    if FP8:
-        if HEAD_SCALES:
-            scale = tl.load(scale)
-        row = quantize_e4m3(row, scale, ROUND_IN_FP32)
-    tl.store(cache_ptr + slot * width + dims, row.to(cache_ptr.dtype.element_ty), mask=dims < width)
+    store_cache_values(cache_ptr + slot * width + dims, row, dims < width, scale, FP8, HEAD_SCALES, ROUND_IN_FP32)
 
 
 def store_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: KVScale = 1.0) -> None:
@@ -266,9 +282,7 @@ def store_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Te
             rows.stride(0),
             width,
             BLOCK=triton.next_power_of_2(width),
-            FP8=cache.dtype == FP8_DTYPE,
-            HEAD_SCALES=isinstance(kv_scale, torch.Tensor),
-            ROUND_IN_FP32=triton.knobs.runtime.interpret,
+            **cache_store_flags(cache, kv_scale),
         )
 
 

@@ -22,7 +22,7 @@ from ember.quant.formats import Fp8Activation, Fp8Layout
 
 
 @triton.jit
-def _normed_row(
+def normed_row(
     x_ptr,
     residual_ptr,
     weight_ptr,
@@ -73,7 +73,7 @@ def _rms_norm_kernel(
     inner = row % inner_rows
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    y = _normed_row(
+    y = normed_row(
         x_ptr,
         residual_ptr,
         weight_ptr,
@@ -114,7 +114,7 @@ def _rms_norm_fp8_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < tl.where(row < rows, hidden, 0)  # rows past `rows`: the layout's zero padding, read from nothing
-    y = _normed_row(
+    y = normed_row(
         x_ptr,
         residual_ptr,
         weight_ptr,

@@ -14,6 +14,59 @@ import triton.language as tl
 
 
 @triton.jit
+def head_tile(num_heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """A tile of a token's heads (rows) by the channels of one half (columns), and which of it is real."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    return heads, cols, (heads < num_heads) & (cols < half)
+
+
+@triton.jit
+def rotated_halves(
+    src,
+    stride_src_h,
+    num_heads,
+    c1,
+    c2,
+    s1,
+    s2,
+    half,
+    norm_ptr,
+    eps,
+    NORM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """The rotated halves (out[:half], out[half:], in src's dtype) of the heads of one token at `src` (its
+    first element): out[:half] = x1 c1 + x2 s1, out[half:] = x2 c2 + x1 s2, with s1 the negated sine
+    (`sin_signed`'s first half: the negation is exact, so the sum equals HF's x1 cos - x2 sin), each
+    product rounded to the model dtype as HF rounds it. x1 and x2 are a head's halves, or with
+    INTERLEAVED its even and odd channels (DeepSeek's pairs (2j, 2j + 1), which transformers rotates as
+    the neox halves of the de-interleaved head). NORM: Qwen3's RMSNorm of each head first (weight at
+    `norm_ptr`), rounded where rmsnorm.py's kernel rounds: the normed value, then the weighted one."""
+    heads, cols, mask = head_tile(num_heads, half, BLOCK_H, BLOCK_HALF)
+    step, pair = 1, half  # x1 at channel `step * j` of a head, x2 `pair` channels on
+    if INTERLEAVED:
+        step, pair = 2, 1
+    first = src + heads * stride_src_h + step * cols
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + pair, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    if NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(norm_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + cols + half, mask=cols < half, other=0.0).to(tl.float32)
+        x1f = (w1 * (x1f * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2f = (w2 * (x2f * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    o1 = (x1f * c1).to(dtype).to(tl.float32) + (x2f * s1).to(dtype).to(tl.float32)
+    o2 = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
+    return o1.to(dtype), o2.to(dtype)
+
+
+@triton.jit
 def rotate_heads(
     src,
     dst,
@@ -30,30 +83,16 @@ def rotate_heads(
     NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,
 ):
-    """Rotate the heads of one token from `src` to `dst` (each a token's first element): out[:half] =
-    x1 c1 + x2 s1, out[half:] = x2 c2 + x1 s2, with s1 the negated sine (`sin_signed`'s first half: the
-    negation is exact, so the sum equals HF's x1 cos - x2 sin), each product rounded to the model dtype as
-    HF rounds it. NORM: Qwen3's RMSNorm of each head first (weight at `norm_ptr`), rounded where
-    rmsnorm.py's kernel rounds: the normed value, then the weighted one."""
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < num_heads) & (cols < half)
-    x1 = tl.load(src + heads * stride_src_h + cols, mask=mask, other=0.0)
-    x2 = tl.load(src + heads * stride_src_h + cols + half, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    if NORM:
-        inv_rms = tl.rsqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * half) + eps)[:, None]
-        w1 = tl.load(norm_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
-        w2 = tl.load(norm_ptr + cols + half, mask=cols < half, other=0.0).to(tl.float32)
-        x1f = (w1 * (x1f * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2f = (w2 * (x2f * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    o1 = (x1f * c1).to(dtype).to(tl.float32) + (x2f * s1).to(dtype).to(tl.float32)
-    o2 = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
-    tl.store(dst + heads * stride_dst_h + cols, o1.to(dtype), mask=mask)
-    tl.store(dst + heads * stride_dst_h + cols + half, o2.to(dtype), mask=mask)
+    """`rotated_halves` of one token's heads at `src`, stored as neox halves at `dst` (each a token's
+    first element)."""
+    o1, o2 = rotated_halves(
+        src, stride_src_h, num_heads, c1, c2, s1, s2, half, norm_ptr, eps, NORM, INTERLEAVED, BLOCK_H, BLOCK_HALF
+    )
+    heads, cols, mask = head_tile(num_heads, half, BLOCK_H, BLOCK_HALF)
+    tl.store(dst + heads * stride_dst_h + cols, o1, mask=mask)
+    tl.store(dst + heads * stride_dst_h + cols + half, o2, mask=mask)
 
 
 @triton.jit

@@ -16,6 +16,13 @@ Triton kernel over the paged rows.
 
 DeepSeek pairs the rotated channels as (0, 1), (2, 3), ...; transformers rotates them as neox halves of the
 de-interleaved channels (even ones, then odd ones), which is what `forward` does before Ember's rotary.
+
+Between the projections and the attention, a step normalises the latent (kv_a_layernorm), rotates the
+query's and the key's rotated channels and stores the cache row: on the Triton path one kernel does all of
+it from the projections' outputs (TritonMLA.prepare, ember/kernels/mla_prep.py: one launch a layer where
+the separate ops take about 7), given the rotary's full tables (RotaryEmbedding.full_tables; DeepSeek's
+YaRN tables are); elsewhere, or without them, the layer's own ops run (`_prepare_unfused`), the same
+values bit for bit.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from ember.model.layers import RMSNorm, RotaryEmbedding
 from ember.model.sharding import ShardLayout
 from ember.ops import registry
 from ember.ops.attention import AttentionMetadata
-from ember.ops.mla import AbsorbedWeights, MlaShape
+from ember.ops.mla import AbsorbedWeights, LatentPrep, MlaShape
 from ember.quant.formats import Fp8Layout
 
 _LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps, not rms_norm_eps
@@ -67,6 +74,7 @@ class MLAttention(nn.Module):
         # 1.0 (as for other layers' k_scale and v_scale, uncalibrated) keeps |row| <= 448 to e4m3's mantissa
         self.kv_scale = 1.0
         self._absorbed: AbsorbedWeights | None = None
+        self._prep: LatentPrep | None = None
 
     def bind_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         """This layer's latent cache [num_blocks, block_size, 1, cache_dim] (no V: `v_cache` is None), or
@@ -79,6 +87,15 @@ class MLAttention(nn.Module):
         shape = MlaShape(k_cache.dtype, self.num_heads, self.kv_lora_rank, self.rope_dim, k_cache.shape[1])
         self._mla = registry.mla_impl(self._target, shape)
         self._absorbed = self.absorbed_weights()
+        self._prep = self.latent_prep()
+
+    def latent_prep(self) -> LatentPrep | None:
+        """What a fused prep reads (ember/ops/mla.py), or None where the rotary offers no full tables."""
+        tables = self.rotary.full_tables(self.rope_dim)
+        if tables is None:
+            return None
+        norm = self.kv_a_layernorm
+        return LatentPrep(*tables, norm.weight, norm.eps, self._deinterleave is not None)
 
     @torch.no_grad()
     def absorbed_weights(self) -> AbsorbedWeights:
@@ -105,12 +122,24 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(tokens, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], -1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        fused = None
+        if self._prep is not None:
+            fused = self._mla.prepare(positions, q_pe, kv, self._prep, cache, meta.slot_mapping, self.kv_scale)
+        q_pe = self._prepare_unfused(positions, q_pe, kv, cache, meta.slot_mapping) if fused is None else fused
+        o = self._mla(q_nope, q_pe, cache, meta, absorbed, self.kv_b_proj, self.scale, self.kv_scale)
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
+
+    def _prepare_unfused(
+        self, positions: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The latent's norm, the rotary (after de-interleaving) and the cache row's store as separate ops:
+        the rotated q_pe [T, H, rope]."""
+        latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         k_pe = k_pe.unsqueeze(1)
         if self._deinterleave is not None:
             q_pe, k_pe = q_pe[..., self._deinterleave], k_pe[..., self._deinterleave]
         q_pe, k_pe = self._rope(self.rotary, positions, q_pe.contiguous(), k_pe.contiguous())
-        self._mla.store(torch.cat([latent, k_pe.squeeze(1)], dim=-1), cache, meta.slot_mapping, self.kv_scale)
-        o = self._mla(q_nope, q_pe, cache, meta, absorbed, self.kv_b_proj, self.scale, self.kv_scale)
-        return self.o_proj(o.reshape(tokens, self.num_heads * self.v_dim))
+        self._mla.store(torch.cat([latent, k_pe.squeeze(1)], dim=-1), cache, slots, self.kv_scale)
+        return q_pe

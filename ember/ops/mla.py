@@ -2,7 +2,10 @@
 
 A batch holds `num_decodes` one-token queries first, then prefill chunks (ember.ops.attention's
 AttentionMetadata). Each implementation `store`s a step's new rows ([T, cache_dim], slot -1 skipped on
-the Triton path) and, called, gives every query's attention output per head, [T, H, v_head_dim]:
+the Triton path) and, called, gives every query's attention output per head, [T, H, v_head_dim]. The
+Triton one also `prepare`s them: from the projections' outputs, the latent's norm, the rotary of the query's
+and the key's rotated channels and the store in one kernel (ember/kernels/mla_prep.py), where the layer's
+rotary tables allow (LatentPrep); TorchMLA leaves that to the layer's own ops.
 
 * one-token queries, absorbed: q_lat = q_nope W_UK (per head, [L]), scores = (q_lat . c + q_pe . k_pe) *
   scale over the sequence's cached rows, o_lat = softmax . c, out = o_lat W_UV^T. `attend_latent` is the
@@ -43,6 +46,19 @@ class MlaShape:
 
 
 @dataclass(frozen=True)
+class LatentPrep:
+    """What a fused prep (`prepare`) reads besides a step's tensors: the rotary tables, cos and signed sin
+    [max_positions, rope] (RotaryEmbedding.full_tables), kv_a_layernorm's weight [L] and eps, and whether
+    the rotated channels pair as (2j, 2j + 1) (DeepSeek's `rope_interleave`)."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    norm_weight: torch.Tensor
+    norm_eps: float
+    interleaved: bool
+
+
+@dataclass(frozen=True)
 class AbsorbedWeights:
     """kv_b_proj's rows per head: W_UK [H, nope, L] (keys) and W_UV^T [H, L, v] (values)."""
 
@@ -71,6 +87,19 @@ class TorchMLA:
     def store(self, rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: KVScale) -> None:
         check_kv_scales(cache.dtype, kv_scale, kv_scale, 1)
         copy_to_slots(cache, slot_mapping, quantize_kv(rows[:, None], cache.dtype, kv_scale).to(cache.dtype))
+
+    def prepare(
+        self,
+        positions: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv: torch.Tensor,
+        prep: LatentPrep,
+        cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scale: KVScale,
+    ) -> torch.Tensor | None:
+        """The fused prep: None here, where the layer runs its norm, rotary and `store` as separate ops."""
+        return None
 
     def __call__(
         self,
@@ -164,7 +193,9 @@ class TorchMLA:
 
 class TritonMLA(TorchMLA):
     """One-token queries read the paged latent rows in place (ember/kernels/mla_decode.py, split over the
-    context); rows are stored by a kernel that skips slot -1 (CUDA graphs' padding). Prefill as TorchMLA."""
+    context); rows are stored by a kernel that skips slot -1 (CUDA graphs' padding), and where the layer
+    offers a LatentPrep, `prepare`d by one: the latent's norm, the rotary and the store in one launch
+    (ember/kernels/mla_prep.py). Prefill as TorchMLA."""
 
     @staticmethod
     def can_implement(target: Target, shape: MlaShape) -> bool:
@@ -174,6 +205,34 @@ class TritonMLA(TorchMLA):
         from ember.kernels.mla_decode import store_latent
 
         store_latent(rows, cache, slot_mapping, kv_scale)
+
+    def prepare(
+        self,
+        positions: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv: torch.Tensor,
+        prep: LatentPrep,
+        cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scale: KVScale,
+    ) -> torch.Tensor:
+        """q_pe [T, H, rope] rotated (a new tensor), with kv [T, L + rope]'s row [normed latent, rotated
+        k_pe] stored at `slot_mapping` (-1 skipped)."""
+        from ember.kernels.mla_prep import mla_prep
+
+        return mla_prep(
+            positions,
+            q_pe,
+            kv,
+            prep.cos,
+            prep.sin_signed,
+            prep.norm_weight,
+            prep.norm_eps,
+            cache,
+            slot_mapping,
+            kv_scale,
+            prep.interleaved,
+        )
 
     def attend_latent(
         self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_scale: KVScale
