@@ -80,7 +80,7 @@ static inline __attribute__((always_inline)) void q45_tile(const gemv_args *a, i
             UNROLL
             for (int r = 0; r < nr; r++) {
                 const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * row_bytes + (five ? k / 32 * Q5_RUN_BYTES : k / 2);
-                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                PREFETCH(p);
                 if (five)
                     q5_run(p, s[r], z[r], &wl[r], &wh[r]);
                 else
@@ -131,7 +131,7 @@ static inline __attribute__((always_inline)) void q8_tile(const gemv_args *a, in
             UNROLL
             for (int r = 0; r < nr; r++) {
                 const int8_t *p = (const int8_t *)a->codes + (n0 + r) * K + k;
-                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                PREFETCH(p);
                 w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))),
                                        s[r], z[r]);
             }
@@ -207,6 +207,35 @@ static inline float bf16_value(uint16_t h) {
 }
 
 #ifdef __AVX512BF16__
+/* The parameters p (a->scales or a->zeros) of groups g0 .. g0 + 16 of row n as floats (lanes past the row's G
+ * groups 0), each the value param gives: the bf16 GEMVs convert a row's parameters 16 groups at a time and
+ * pick a block's with one permute, where param's scalar loads, conversions and broadcasts a group and row
+ * made the two-level Q6_K GEMV 30% and the Q5_0 one 10% slower (gate_up, 896 x 4864 down, from DRAM) */
+static inline __attribute__((always_inline)) __m512 param_chunk(const gemv_args *a, const void *p, int64_t n, int64_t G,
+                                                                int64_t g0) {
+    const int64_t i = n * G + g0;
+    const __mmask16 m = tail_mask(G - g0);
+    if (a->half == 1) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i));
+    if (a->half == 0) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    /* two-level (param): lanes 0-7 share one base, 8-15 one (the chunk starts a super-block: g0 a multiple of
+     * 16, G of 256 / group) */
+    const int64_t count = a->N * G, shift = a->group == 16 ? 4 : 3;
+    const uint16_t *base = (const uint16_t *)((const uint8_t *)p + count + (count & 1));
+    const float lo = half_to_float(base[i >> shift]), hi = G - g0 > 8 ? half_to_float(base[(i + 8) >> shift]) : lo;
+    const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)p + i)));
+    return _mm512_mul_ps(_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(lo), _mm512_set1_ps(hi)), codes);
+}
+
+/* The 32 weights of the int4 run at p in bf16 through `table`, a group's 16 weights q * scale + zero (one
+ * float32 FMA each, rounded to bf16) in words 0-15 and again in 16-31: VPERMW reads an index's low 5 bits,
+ * so a low nibble's byte needs no mask. 3 instructions a run and 2 a group where converting each weight
+ * took 8 a run: a Q4_K 896 x 4864 GEMV of one row from cache 0.225 -> 0.213 ms (2026-12-07). */
+static inline __attribute__((always_inline)) __m512bh q4bf_run(const uint8_t *p, __m512i table) {
+    const __m512i n = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)));
+    const __m512i shift = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 4);
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(n, shift), table);
+}
+
 /* int4 in bf16 arithmetic, as oneDNN's bf16 GEMM computes the expanded weight (`dequantize_q4_bf16`)
  * from 20 rows: x and w = q * scale + zero (one float32 FMA, then rounded to bf16) multiplied by
  * VDPBF16PS, 32 multiply-adds an instruction, float32 sums, each output rounded to bf16 (by `gemv`).
@@ -219,19 +248,36 @@ static inline __attribute__((always_inline)) void q4bf_tile(const gemv_args *a, 
     for (int r = 0; r < nr; r++)
         UNROLL
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 scales[NR], zeros[NR]; /* groups g - g % 16 .. + 16 of each row (param_chunk) */
     for (int64_t g = 0; g < G; g++) {
+        if (g % 16 == 0)
+            UNROLL
+            for (int r = 0; r < nr; r++) {
+                scales[r] = param_chunk(a, a->scales, n0 + r, G, g);
+                zeros[r] = a->zeros ? param_chunk(a, a->zeros, n0 + r, G, g) : _mm512_setzero_ps();
+            }
+        const __m512i lane = _mm512_set1_epi32((int)(g % 16));
         __m512 s[NR], z[NR];
-        group_params(a, n0, nr, G, g, s, z);
+        UNROLL
+        for (int r = 0; r < nr; r++) {
+            s[r] = _mm512_permutexvar_ps(lane, scales[r]);
+            z[r] = _mm512_permutexvar_ps(lane, zeros[r]);
+        }
+        __m512i table[NR]; /* the group's 16 weights in bf16, twice (q4bf_run) */
+        UNROLL
+        for (int r = 0; r < nr; r++) {
+            const __m512 w16 = _mm512_fmadd_ps(iota, s[r], z[r]);
+            table[r] = (__m512i)_mm512_cvtne2ps_pbh(w16, w16);
+        }
         const int64_t end = (g + 1) * a->group < K ? (g + 1) * a->group : K;
         for (int64_t k = g * a->group; k < end; k += 32) {
             __m512bh w[NR];
             UNROLL
             for (int r = 0; r < nr; r++) {
                 const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * (K / 2) + k / 2;
-                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-                __m512 lo, hi;
-                q4_run(p, s[r], z[r], &lo, &hi);
-                w[r] = _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0-15: inputs k..k+15, 16-31: k+16..k+31 */
+                PREFETCH(p);
+                w[r] = q4bf_run(p, table[r]); /* lanes 0-15: inputs k..k+15, 16-31: k+16..k+31 */
             }
             UNROLL
             for (int m = 0; m < mt; m++) {
@@ -334,9 +380,12 @@ static inline __attribute__((always_inline)) void advance_groups(int64_t *g, int
  * its scale. A 64-input block is two VDPBF16PS whose 16 lanes each sum one group's inputs: with groups of
  * 32 (Q5_0, Q8_0) one FMA applies both groups' scales to the two, where float32 took four FMAs for the
  * products and two (int5) or four (int8) for the scales. `shared` (groups a multiple of 32): the block's
- * two vectors cover the same two groups; else (Q6_K's 16) each takes its own scales. */
+ * two vectors cover the same two groups; else (Q6_K's 16) each takes its own scales. `chunked` (the group
+ * size, 32 shared or 16 not, else 0): each row's scales converted 16 groups at a time (param_chunk), a
+ * block's picked by one permute, where two_scales took a load, a move, a conversion and a permute a block
+ * and row. */
 static inline __attribute__((always_inline)) void q58bf_body(const gemv_args *a, int64_t n0, int nr, int64_t m0,
-                                                             int mt, int five, int shared) {
+                                                             int mt, int five, int shared, int chunked) {
     const int64_t K = a->K, G = groups(K, a->group), whole = K & ~(int64_t)63;
     const int64_t row_bytes = five ? K / 32 * Q5_RUN_BYTES : K;
     const __m512i table = q5_bf16_table();
@@ -346,20 +395,33 @@ static inline __attribute__((always_inline)) void q58bf_body(const gemv_args *a,
     for (int r = 0; r < nr; r++)
         UNROLL
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
+    __m512 chunk[NR];
+    /* a block's two groups' lanes in a chunk (lanes 0-7: the group of input k, 8-15: of k + 32) */
+    const __m512i pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t k = 0; k < whole; k += 64) {
-        advance_groups(g, k, a->group, 4);
+        const int64_t j = chunked ? k % (16 * chunked) / chunked : 0; /* group of input k within its chunk */
+        if (chunked && j == 0)
+            UNROLL
+            for (int r = 0; r < nr; r++) chunk[r] = param_chunk(a, a->scales, n0 + r, G, k / chunked);
+        if (!chunked) advance_groups(g, k, a->group, 4);
+        const __m512i lanes = _mm512_add_epi32(chunked == 32 ? _mm512_srli_epi32(pick, 1) : pick, _mm512_set1_epi32((int)j));
         __m512bh w0[NR], w1[NR];
         __m512 s0[NR], s1[NR];
         UNROLL
         for (int r = 0; r < nr; r++) {
             const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * row_bytes + (five ? k / 32 * Q5_RUN_BYTES : k);
-            _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+            PREFETCH(p);
             if (five)
                 q5_pair_bf16(p, table, &w0[r], &w1[r]);
             else
                 q8_pair_bf16((const int8_t *)p, &w0[r], &w1[r]);
-            s0[r] = two_scales(a, (n0 + r) * G + g[0], (n0 + r) * G + g[2]);
-            if (!shared) s1[r] = two_scales(a, (n0 + r) * G + g[1], (n0 + r) * G + g[3]);
+            if (chunked) {
+                s0[r] = _mm512_permutexvar_ps(lanes, chunk[r]);
+                if (!shared) s1[r] = _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(1)), chunk[r]);
+            } else {
+                s0[r] = two_scales(a, (n0 + r) * G + g[0], (n0 + r) * G + g[2]);
+                if (!shared) s1[r] = two_scales(a, (n0 + r) * G + g[1], (n0 + r) * G + g[3]);
+            }
         }
         UNROLL
         for (int m = 0; m < mt; m++) {
@@ -379,7 +441,7 @@ static inline __attribute__((always_inline)) void q58bf_body(const gemv_args *a,
         }
     }
     if (whole < K) { /* one run of 32 left, in natural order */
-        advance_groups(g, whole, a->group, 2);
+        advance_groups(g, whole, a->group, 2); /* from 0 where chunked: K / 64 steps at most, once a call */
         UNROLL
         for (int r = 0; r < nr; r++) {
             const uint8_t *p = (const uint8_t *)a->codes + (n0 + r) * row_bytes + (five ? whole / 32 * Q5_RUN_BYTES : whole);
@@ -402,15 +464,22 @@ static inline __attribute__((always_inline)) void q58bf_body(const gemv_args *a,
 
 static inline __attribute__((always_inline)) void q5bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
                                                              int mt) {
-    q58bf_body(a, n0, nr, m0, mt, 1, 1); /* int5 groups are whole runs: a multiple of 32 */
+    if (a->group == 32) /* int5 groups are whole runs: a multiple of 32 */
+        q58bf_body(a, n0, nr, m0, mt, 1, 1, 32);
+    else
+        q58bf_body(a, n0, nr, m0, mt, 1, 1, 0);
 }
 
 static inline __attribute__((always_inline)) void q8bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
                                                              int mt) {
-    if (a->group % 32 == 0)
-        q58bf_body(a, n0, nr, m0, mt, 0, 1);
+    if (a->group == 32)
+        q58bf_body(a, n0, nr, m0, mt, 0, 1, 32);
+    else if (a->group % 32 == 0)
+        q58bf_body(a, n0, nr, m0, mt, 0, 1, 0);
+    else if (a->group == 16)
+        q58bf_body(a, n0, nr, m0, mt, 0, 0, 16);
     else
-        q58bf_body(a, n0, nr, m0, mt, 0, 0);
+        q58bf_body(a, n0, nr, m0, mt, 0, 0, 0);
 }
 
 /* x [M, K] in bf16 for q58bf_body: in each 64-input block, inputs 32-47 before 16-31 (so a VDPBF16PS's

@@ -19,12 +19,15 @@
 #define UNROLL _Pragma("GCC unroll 8")
 #define MT 8 /* activation rows per tile: each weight chunk is dequantized once per tile */
 #define NR 4 /* output rows per block */
-/* Codes are prefetched this far ahead of the loads: from DRAM, without it the GEMVs of one decode
- * step's weights (30 SmolLM2 layers, 66 MB) read 12 GB/s with two threads; 1-16 KB ahead measured
- * 15-24 GB/s, 4 KB the best (the machine shared, so within noise of 8 KB). */
+/* Codes are prefetched this far ahead of the loads, into L2 (_MM_HINT_T1): a core keeps more misses to L2 in
+ * flight than to L1. From DRAM, without any the GEMVs of one decode step's weights (30 SmolLM2 layers, 66 MB)
+ * read 12 GB/s with two threads; into L1 (T0) 4 KB ahead read 15-24 GB/s, and held the Qwen2-0.5B Q4_K_M
+ * step's weights (409 MB) to 16-17 GB/s, its kernels in cache 23-29; into L2 8-16 KB ahead 25 GB/s (its
+ * Q8_0 LM head 31 against 20, a plain read with two threads 34; benchmarks/cpu_weight_stream.py, 2026-12-07). */
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 4096
+#define PREFETCH_BYTES 16384
 #endif
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_BYTES, _MM_HINT_T1)
 
 /* An int5 run of 32 inputs: 4 bytes whose bit j (little-endian) is the fifth bit of input j, then 16 bytes
  * of low nibbles laid out as an int4 run; codes c + 16 of int8 codes c in [-16, 15]. That is a GGUF Q5_0
