@@ -165,6 +165,32 @@ def test_fits_and_clear_errors() -> None:
         ops.native_weight(_weight("int4", 8, 64, 16, True))
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_kernels_refuse_int4_groups_of_16(kernels, bf16: bool) -> None:
+    """int4 groups of 16 (GGUF Q2_K's) are refused by fits(), so such weights take PyTorch's path. Passed
+    to the kernels anyway, the AVX-512 tiles read 32 codes and inputs a group, past x's last row: outputs
+    of 1e14 and more that changed from call to call. The kernels refuse the layout themselves; a weight
+    that fits at the same K (groups of 32, 928 = 29 runs) gives the reference, call after call."""
+    if bf16 and not ops.has_bf16():
+        pytest.skip("no AVX512_BF16")
+    w = _weight("int4", 152, 928, 16, True, half=True)
+    assert not ops.fits(w)
+    scales, zeros = ops._compact_params(w.scales, w.zeros)
+    unfit = ops.NativeWeight("int4", ops._relayout_int4(w.qweight, 928), scales, zeros, 16, 928, bf16)
+    x = torch.randn(5, 928, generator=torch.Generator().manual_seed(5))
+    for _ in range(20):  # on main the AVX-512 build returned different garbage each call; plain C no error
+        for call in (lambda: ops.matmul(x, unfit), lambda: ops.matmul_silu(x, unfit), lambda: ops.dequantize(unfit)):
+            with pytest.raises(ValueError, match="does not fit the kernels"):
+                call()
+    fit = _weight("int4", 151, 928, 32, True)
+    native, first = ops.native_weight(fit), None
+    for _ in range(20):
+        got = ops.matmul(x, native)
+        assert first is None or torch.equal(got, first)
+        first = got
+    _check_matmul(x, fit)
+
+
 def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, cap, sinks) -> torch.Tensor:
     """Straight from `paged_attention`'s definition, in float64, one query at a time."""
     nd, hq, d = q.shape

@@ -128,7 +128,8 @@ class NativeWeight:
 def fits(w: QuantizedWeight) -> bool:
     """Whether the kernels cover the weight: int4 or int8 on CPU, groups and K in runs of the kernel's
     vector step (int8 per channel included; a shorter last group too, as `quantize_int4` makes for a K
-    below its group size), one scale row per output row."""
+    below its group size), one scale row per output row. GGUF Q2_K's int4 groups of 16 do not (PyTorch runs
+    them); the kernels themselves refuse such groups and K with a ValueError (gemv.c, layout_fits)."""
     chunk = _CHUNK.get(w.kind)
     return (
         chunk is not None

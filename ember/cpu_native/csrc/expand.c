@@ -71,6 +71,7 @@ static inline void q4_expand_run_bf16(const uint8_t *p, float s, float z, uint16
 static PyObject *expand_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[9];
     if (!bf16_built(bits, name) || parse(args, nargs, 9, name, v, NULL, 0) < 0) return NULL;
+    if (!layout_fits(bits, v[5], v[6], (int)v[8], name)) return NULL;
     const void *scales = PTR(v[1]), *zeros = PTR(v[2]);
     const int half = (int)v[8];
     const int64_t N = v[4], K = v[5], group = v[6], G = groups(K, group), run = bits == 8 ? 16 : 32;

@@ -183,6 +183,7 @@ static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t narg
 static PyObject *gemv_silu_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[11];
     if (!bf16_built(bits, name) || parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
+    if (!layout_fits(bits, v[6], v[8], (int)v[10], name)) return NULL;
     const int64_t M = v[5], I = v[7];
     /* a scratch per call: freed blocks this size come back from malloc's free lists (glibc raises its
      * mmap threshold to a freed block's size), so this costs nanoseconds against a GEMV's microseconds */
@@ -287,7 +288,7 @@ static PyObject *gemv_lora_entry(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "gemv_lora: bits 4, 5 or 8, | 16 for bf16 arithmetic");
         return NULL;
     }
-    if (!bf16_built(bits, "gemv_lora")) return NULL;
+    if (!bf16_built(bits, "gemv_lora") || !layout_fits(bits, v[6], v[8], (int)v[10], "gemv_lora")) return NULL;
     gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], v[7], v[8], (int)v[10], NULL};
     const lora_ref w = {PTR(v[14]), {PTR(v[15]), PTR(v[16]), PTR(v[17])}, {v[18], v[19], v[20]},
                         {0, v[18], v[18] + v[19]}, v[21], v[22], v[6], v[23]};
@@ -390,6 +391,11 @@ static int64_t scratch_sizes(const int64_t *r, int64_t M, int64_t *sizes) {
 /* ValueError / IndexError / RuntimeError unless the kernels take this layer at this step */
 static int layer_fits(const int64_t *r, const step_args *s) {
     if (!bf16_built((int)(r[R_QKV + 5] | r[R_O + 5] | r[R_GATE_UP + 5] | r[R_DOWN + 5]), "decode_layers")) return -1;
+    const int64_t K[4] = {r[R_H], r[R_HQ] * r[R_D], r[R_H], r[R_I]}, field[4] = {R_QKV, R_O, R_GATE_UP, R_DOWN};
+    for (int i = 0; i < 4; i++) {
+        const int64_t *w = r + field[i];
+        if (!layout_fits((int)w[5], K[i], w[3], (int)w[4], "decode_layers")) return -1;
+    }
     const attn_args at = attention_of(r, s);
     if (!attention_fits(&at)) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: group, head dim or block size too large");

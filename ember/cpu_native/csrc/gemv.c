@@ -602,11 +602,31 @@ static int bf16_built(int bits, const char *name) {
     return 1;
 }
 
+/* Whether the tiles cover a weight (`bits` as gemv_blocks takes it) of K inputs in groups of `group`, its
+ * parameters in form `half` (param), as ops.fits and bf16_fits promise: K and the group whole vector steps
+ * (int4 and int5 runs of 32, int8 steps of 16, int8 in bf16 arithmetic K in runs of 32), the two-level form
+ * over whole super-blocks in groups of 16 or 32. Else ValueError: the AVX-512 tiles step a run at a time
+ * within a group, so int4 groups of 16 (GGUF Q2_K's, which fits refuses) read 32 codes and inputs a group,
+ * the last past x's row: outputs of 1e14 and more that changed from call to call. (The plain-C tiles
+ * compute any group; one rule for both builds.) */
+static int layout_fits(int bits, int64_t K, int64_t group, int half, const char *name) {
+    const int kind = bits & ~BF16, step = kind == 8 ? 16 : 32, k_step = kind == 8 && !(bits & BF16) ? 16 : 32;
+    int ok = (kind == 4 || kind == 5 || kind == 8) && K >= 0 && group > 0 && group % step == 0 && K % k_step == 0;
+    ok = ok && (half == 0 || half == 1 || (half == 2 && K % 256 == 0 && (group == 16 || group == 32)));
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "%s: a weight of layout %d in groups of %lld over K=%lld (scales form %d) does not fit the "
+                     "kernels (see ops.fits)",
+                     name, bits, (long long)group, (long long)K, half);
+    return ok;
+}
+
 /* gemv_q{4,5,8}(x, codes, scales, zeros, y, M, K, N, group, threads, half): y = x @ W^T; half: the form of
  * the scales and zeros (param: 0 float32, 1 float16, 2 two-level) */
 static PyObject *gemv_entry(PyObject *const *args, Py_ssize_t nargs, int bits, const char *name) {
     int64_t v[11];
     if (!bf16_built(bits, name) || parse(args, nargs, 11, name, v, NULL, 0) < 0) return NULL;
+    if (!layout_fits(bits, v[6], v[8], (int)v[10], name)) return NULL;
     gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], v[7], v[8], (int)v[10], NULL};
     int status;
     Py_BEGIN_ALLOW_THREADS
