@@ -32,6 +32,7 @@ from ember import LLM
 from ember.errors import ModelLoadError
 from ember.model.gguf import load_gguf
 from ember.model.hf_config import ModelConfig
+from ember.ops import linear_native
 
 # llama.cpp keeps no mscale beside mscale_all_dim (it leaves the rotated channels unscaled): equal, as released
 _YARN = {**_DEEPSEEK_YARN, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -157,7 +158,8 @@ def _generate(path: Path, quantization: str = "none") -> list:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_deepseek2_file_gives_its_twins_tokens(tmp_path, case):
+def test_deepseek2_file_gives_its_twins_tokens(tmp_path, monkeypatch, case):
+    monkeypatch.setattr(linear_native, "CPU_INT8_BF16", False)  # Q8_0 in float32 arithmetic, as the float32 twin
     arch, overrides, layout, dtype = CASES[case]
     src = make_checkpoint(tmp_path / "hf", arch, **overrides)
     path, twin = tmp_path / "model.gguf", tmp_path / "twin"
@@ -306,8 +308,10 @@ def _write_llama4(src: Path, path: Path, twin: Path, dtype: type | str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, "q8_0"])
-def test_llama4_file_gives_its_twins_tokens(tmp_path, dtype):
-    """Q8_0: matrices and stacked experts stay quantized, except the q and k the load reorders."""
+def test_llama4_file_gives_its_twins_tokens(tmp_path, monkeypatch, dtype):
+    """Q8_0: matrices and stacked experts stay quantized, except the q and k the load reorders; in float32
+    arithmetic (CPU_INT8_BF16 off), as the float32 twin computes."""
+    monkeypatch.setattr(linear_native, "CPU_INT8_BF16", False)
     src = make_checkpoint(tmp_path / "hf", "llama4", **_LLAMA4_FIXED)
     path, twin = tmp_path / "model.gguf", tmp_path / "twin"
     _write_llama4(src, path, twin, dtype)

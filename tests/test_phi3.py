@@ -22,6 +22,7 @@ from test_hf_equality import PROMPTS, TOP, assert_output_matches, hf_greedy
 from ember import LLM, SamplingParams
 from ember.model.gguf import load_gguf
 from ember.model.linear import QuantLinear
+from ember.ops import linear_native
 
 # Phi-3-mini-4k-instruct's template (tokenizer_config.json)
 PHI3_TEMPLATE = (
@@ -231,7 +232,8 @@ def _write_gguf(hf_dir: Path, gguf_path: Path, twin_dir: Path) -> None:
 
 # Phi-3-mini-like dequantized to float32; Phi-4-mini-like with its Q8_0 tensors kept quantized (int8).
 @pytest.mark.parametrize("variant,quantization", [("phi3", "none"), ("phi4-mini", None)])
-def test_gguf_matches_its_safetensors_twin(tmp_path, variant, quantization):
+def test_gguf_matches_its_safetensors_twin(tmp_path, monkeypatch, variant, quantization):
+    monkeypatch.setattr(linear_native, "CPU_INT8_BF16", False)  # float32 arithmetic, as the float32 twin
     hf_dir = make_checkpoint(tmp_path / "hf", variant)
     gguf_path, twin_dir = tmp_path / "phi.gguf", tmp_path / "twin"
     _write_gguf(hf_dir, gguf_path, twin_dir)
@@ -267,8 +269,8 @@ def test_tensor_parallel_2_matches_1(tmp_path):
     """Fused checkpoint tensors are cut into q/k/v and gate/up before each rank takes its slice, here
     from a GGUF file whose fused Q8_0 tensors stay quantized (the slower of the two paths; safetensors
     take the same one, read lazily)."""
-    from test_tensor_parallel import _assert_same
+    from test_tensor_parallel import BF16_INT8_TOL, _assert_same
 
     hf_dir = make_checkpoint(tmp_path / "hf", "phi4-mini")
     _write_gguf(hf_dir, tmp_path / "phi.gguf", tmp_path / "twin")
-    _assert_same(str(tmp_path / "phi.gguf"))
+    _assert_same(str(tmp_path / "phi.gguf"), BF16_INT8_TOL)

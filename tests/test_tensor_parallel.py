@@ -56,12 +56,19 @@ def _greedy(model: str, tp: int) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, logprobs
 
 
-def _assert_same(model: str) -> None:
+# Logprob tolerance where int8 (GGUF Q8_0) layers run on CPU: with AVX512_BF16 they take bf16 arithmetic
+# (x rounded to bf16, ember/ops/linear_native.py CPU_INT8_BF16), so the ranks' float32 summation order can
+# move an activation by one bf16 step, ~4e-3 in a logprob (Phi-4-mini-like Q8_0, 2026-12-07). The tokens
+# must still agree; the workers are spawned processes, so the arithmetic cannot be switched per test.
+BF16_INT8_TOL = 1e-2
+
+
+def _assert_same(model: str, tol: float = 1e-4) -> None:
     tokens1, lps1 = _greedy(model, 1)
     tokens2, lps2 = _greedy(model, 2)
     assert tokens2 == tokens1
     for a, b in zip(lps1, lps2):
-        assert all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4) for x, y in zip(a, b)), (a, b)
+        assert all(math.isclose(x, y, rel_tol=tol, abs_tol=tol) for x, y in zip(a, b)), (a, b)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -93,7 +100,7 @@ def test_tp2_gguf_kept_quantized(tmp_path):
             "blk.1.ffn_down.weight": QType.Q8_0,
         },
     )
-    _assert_same(path)
+    _assert_same(path, BF16_INT8_TOL)
 
 
 def test_tp2_gguf_quantized_tied_head_with_an_odd_vocabulary(tmp_path):
