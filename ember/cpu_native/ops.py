@@ -17,11 +17,11 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from ember.quant.formats import QuantizedWeight
+from ember.quant.formats import INT5_RUN, QuantizedWeight, code_bytes
 
 logger = logging.getLogger("ember")
 
-_CHUNK = {"int4": 32, "int5": 32, "int8": 16}  # inputs per vector step of each kernel
+_CHUNK = {"int4": 32, "int5": INT5_RUN, "int8": 16}  # inputs per vector step of each kernel
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _BITS = {"int4": 4, "int5": 5, "int8": 8}  # the kernels' name for a layout
 _BF16 = 16  # gemv.c's BF16: `bits | _BF16` names a layout in bf16 arithmetic
@@ -176,10 +176,10 @@ def _pack_int5(w: QuantizedWeight) -> torch.Tensor | None:
     """int8 codes that all lie in [-16, 15] as int5 runs, else None: MXFP4's, say (GGUF Q5_0 arrives as
     int5). A Qwen2-0.5B Q4_K_M file is 64% Q5_0 by weight: in int8 a decode step read 545 MB against
     llama.cpp's 395 (issue 30)."""
-    if w.group_size % 32 or w.in_features % 32:
+    if w.group_size % INT5_RUN or w.in_features % INT5_RUN:
         return None
     codes = w.qweight.contiguous()
-    out = torch.empty(w.out_features, w.in_features // 32 * 20, dtype=torch.uint8)
+    out = torch.empty(w.out_features, code_bytes("int5", w.in_features), dtype=torch.uint8)
     n, k = codes.shape
     if not _module().pack_q5(codes.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()):
         return None
