@@ -462,26 +462,6 @@ static inline __attribute__((always_inline)) void q58bf_body(const gemv_args *a,
             a->y[(m0 + m) * a->N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-static inline __attribute__((always_inline)) void q5bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
-                                                             int mt) {
-    if (a->group == 32) /* int5 groups are whole runs: a multiple of 32 */
-        q58bf_body(a, n0, nr, m0, mt, 1, 1, 32);
-    else
-        q58bf_body(a, n0, nr, m0, mt, 1, 1, 0);
-}
-
-static inline __attribute__((always_inline)) void q8bf_tile(const gemv_args *a, int64_t n0, int nr, int64_t m0,
-                                                             int mt) {
-    if (a->group == 32)
-        q58bf_body(a, n0, nr, m0, mt, 0, 1, 32);
-    else if (a->group % 32 == 0)
-        q58bf_body(a, n0, nr, m0, mt, 0, 1, 0);
-    else if (a->group == 16)
-        q58bf_body(a, n0, nr, m0, mt, 0, 0, 16);
-    else
-        q58bf_body(a, n0, nr, m0, mt, 0, 0, 0);
-}
-
 /* x [M, K] in bf16 for q58bf_body: in each 64-input block, inputs 32-47 before 16-31 (so a VDPBF16PS's
  * first 16 lanes meet inputs 0-15 and 32-47 of the codes, which q5_pair_bf16 decodes side by side), a
  * last run of 32 in order */
@@ -537,18 +517,68 @@ static void bf16_blocks(const float *x, uint16_t *xb, int64_t M, int64_t K) {
 /* `bits` | BF16: the weight in bf16 arithmetic (int4: q4bf_tile; int5, int8: q58bf_body) */
 #define BF16 16
 
+/* One function a tile kind (noinline): as the cases of one switch, the 63 bf16 tile instantiations made one
+ * 220 KB function whose register dataflow took GCC 20 of the build's 22 s; apart it takes 7 s (2 cores, GCC 12; was 22.7).
+ * A call a block of NR rows costs nothing against the block's K * NR weights. */
+#define ROWS_FN(name, tile)                                                                             \
+    static __attribute__((noinline)) void name(const gemv_args *a, int64_t n0, int64_t nr) {           \
+        ROW_BLOCK(tile, a, n0, nr);                                                                     \
+    }
+
+ROWS_FN(q4_rows, q4_tile)
+ROWS_FN(q5_rows, q5_tile)
+ROWS_FN(q8_rows, q8_tile)
+
+#if HAS_BF16
+/* q58bf_body's variants, each with its arguments constant: (int5, shared, chunked) */
+#define Q58BF_TILE(name, five, shared, chunked)                                                          \
+    static inline __attribute__((always_inline)) void name(const gemv_args *a, int64_t n0, int nr, int64_t m0, \
+                                                           int mt) {                                     \
+        q58bf_body(a, n0, nr, m0, mt, five, shared, chunked);                                            \
+    }
+Q58BF_TILE(q5bf32_tile, 1, 1, 32) /* int5 groups are whole runs: a multiple of 32 */
+Q58BF_TILE(q5bf_tile, 1, 1, 0)
+Q58BF_TILE(q8bf32_tile, 0, 1, 32)
+Q58BF_TILE(q8bf_shared_tile, 0, 1, 0) /* groups a multiple of 32 */
+Q58BF_TILE(q8bf16_tile, 0, 0, 16)
+Q58BF_TILE(q8bf_tile, 0, 0, 0)
+
+ROWS_FN(q4bf_rows, q4bf_tile)
+ROWS_FN(q5bf32_rows, q5bf32_tile)
+ROWS_FN(q5bf_rows, q5bf_tile)
+ROWS_FN(q8bf32_rows, q8bf32_tile)
+ROWS_FN(q8bf_shared_rows, q8bf_shared_tile)
+ROWS_FN(q8bf16_rows, q8bf16_tile)
+ROWS_FN(q8bf_rows, q8bf_tile)
+
+static void q5bf_rows_of(const gemv_args *a, int64_t n0, int64_t nr) {
+    (a->group == 32 ? q5bf32_rows : q5bf_rows)(a, n0, nr);
+}
+
+static void q8bf_rows_of(const gemv_args *a, int64_t n0, int64_t nr) {
+    if (a->group == 32)
+        q8bf32_rows(a, n0, nr);
+    else if (a->group % 32 == 0)
+        q8bf_shared_rows(a, n0, nr);
+    else if (a->group == 16)
+        q8bf16_rows(a, n0, nr);
+    else
+        q8bf_rows(a, n0, nr);
+}
+#endif
+
 /* Blocks b0 .. b1 of NR output rows: what one thread of `gemv`'s loop computes (bf16 arithmetic: a->xb made) */
 static void gemv_blocks(const gemv_args *a, int bits, int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
         const int64_t nr = a->N - b * NR < NR ? a->N - b * NR : NR;
         switch (bits) {
-        case 4: ROW_BLOCK(q4_tile, a, b * NR, nr); break;
-        case 5: ROW_BLOCK(q5_tile, a, b * NR, nr); break;
-        case 8: ROW_BLOCK(q8_tile, a, b * NR, nr); break;
+        case 4: q4_rows(a, b * NR, nr); break;
+        case 5: q5_rows(a, b * NR, nr); break;
+        case 8: q8_rows(a, b * NR, nr); break;
 #if HAS_BF16
-        case BF16 | 4: ROW_BLOCK(q4bf_tile, a, b * NR, nr); break;
-        case BF16 | 5: ROW_BLOCK(q5bf_tile, a, b * NR, nr); break;
-        case BF16 | 8: ROW_BLOCK(q8bf_tile, a, b * NR, nr); break;
+        case BF16 | 4: q4bf_rows(a, b * NR, nr); break;
+        case BF16 | 5: q5bf_rows_of(a, b * NR, nr); break;
+        case BF16 | 8: q8bf_rows_of(a, b * NR, nr); break;
 #endif
         }
     }
