@@ -373,11 +373,33 @@ def test_plain_c_build_refuses_bf16_arithmetic(plain_c) -> None:
             getattr(plain_c, name)(0, 0, 0, 0, 0, 1, 32, 1, 32, 1, 0)
 
 
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gemv_over_windows_of_rows_gives_each_row_its_own_sums(kind: str, bf16: bool) -> None:
+    """At K 4096 a window of activation rows (gemv.c, WINDOW_BYTES) holds 16 bf16 or 8 float32 rows: 43 rows
+    take several windows and a last short one, alone and inside gemv_lora's region (a bias and one row
+    under an adapter), every row's outputs bit for bit those of the row alone."""
+    if bf16 and not ops.has_bf16():
+        pytest.skip("this CPU has no AVX512_BF16")
+    w = _weight(kind, 10, 4096, 32, kind == "int4")
+    nat = ops.native_weight(w, bf16=bf16)
+    x = torch.randn(43, 4096)
+    alone = torch.cat([ops.matmul(row[None], nat) for row in x])
+    assert torch.equal(ops.matmul(x, nat), alone)
+    bias, slots = torch.randn(10), torch.full((43,), -1, dtype=torch.int32)
+    slots[7] = 0
+    lora = (torch.randn(1, 4, 4096) * 0.01, [torch.randn(1, 4, 10)])
+    fused = ops.matmul_lora(x, nat, bias, lora, slots)
+    rows = [ops.matmul_lora(x[m : m + 1], nat, bias, lora, slots[m : m + 1]) for m in range(43)]
+    assert torch.equal(fused, torch.cat(rows))
+    assert torch.equal(fused[:7], alone[:7] + bias) and not torch.equal(fused[7], alone[7] + bias)
+
+
 @pytest.mark.parametrize("arithmetic", ["int4-bf16", "int4-float32", "int8-float32", "int5-bf16", "int8-bf16"])
 def test_quant_linear_keeps_one_arithmetic_at_every_row_count(monkeypatch, arithmetic: str) -> None:
     """Below the crossover the native GEMV runs, from it the weight is expanded for oneDNN's GEMM: either
     way the weight's one arithmetic (bf16 for int4, int5 and zero-free int8 where the CPU has it, float32
-    otherwise; int5 and int8 in bf16 expand to float32 and round x alone). Below the
+    otherwise; int5 and int8 in bf16 never expand). Below the
     crossover each row's result is bit for bit the same whatever the batch it comes in; past it, the
     same up to summation order. So a prompt's tail computed after a prefix-cache hit sees the numbers
     the whole prompt would."""
@@ -390,10 +412,12 @@ def test_quant_linear_keeps_one_arithmetic_at_every_row_count(monkeypatch, arith
     w = _weight(kind, 48, 96, 32, not codes_only)
     layer = QuantLinear([w], None, torch.float32)
     assert layer._native[0].bf16 == (dtype == "bf16")
-    crossover = NATIVE_EXPAND_MIN_ROWS["float32" if codes_only else dtype]
-    x = torch.randn(crossover + 3, 96)
+    crossover = linear.native_expand_min_rows(layer._native[0])
+    assert crossover == (math.inf if codes_only else NATIVE_EXPAND_MIN_ROWS[dtype])
+    top = int(min(crossover, NATIVE_EXPAND_MIN_ROWS["float32"]))
+    x = torch.randn(top + 3, 96)
     alone = torch.cat([layer(row[None]) for row in x])
-    for rows in (1, 5, 16, crossover - 1, crossover, crossover + 3):
+    for rows in (1, 5, 16, top - 1, top, top + 3):
         got = layer(x[:rows]).double()
         if codes_only:
             ref, bound = _int58_bf16_reference(x[:rows], w)

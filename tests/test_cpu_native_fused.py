@@ -144,7 +144,7 @@ def test_quant_linear_fuses_silu_on_its_native_gemvs(monkeypatch) -> None:
     gate, up = layer(x).split(32, dim=-1)
     torch.testing.assert_close(layer.native_silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
     assert layer.native_silu_and_mul(x.double()) is None
-    rows = torch.randn(max(linear.NATIVE_EXPAND_MIN_ROWS.values()), 128)
+    rows = torch.randn(int(linear.native_expand_min_rows(layer._native[0])), 128)
     assert layer.native_silu_and_mul(rows) is None
 
 

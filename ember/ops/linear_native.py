@@ -4,6 +4,8 @@ shared as they are)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +39,10 @@ CPU_INT8_BF16 = True
 # rows), 32 rows 0.98-1.03 / 1.86-1.87, 128 3.9-4.0 / 5.4, 256 8.5 / 9.9, 384 14.0 / 14.2, 512
 # 19.5-20.2 / 18.2-19.0, 1024 46 / 36. The 49152 x 576 Q8_0 head, whose float32 expansion writes
 # 113 MB: 256 rows 104 against 148 ms, 512 282 / 273.
-NATIVE_EXPAND_MIN_ROWS = {"bf16": 20, "float32": 512}
+# int5 and int8 in bf16 arithmetic never expand: their expansion is float32 (exact), whose GEMM ran at half
+# the native tiles' rate. The synthetic Qwen2-0.5B Q4_K_M file, 32 prompts of 128 tokens at once (steps of
+# 2,048 rows): 220 tok/s expanded from 512 rows, 265-276 native at every row count (2026-12-07).
+NATIVE_EXPAND_MIN_ROWS = {"bf16": 20, "float32": 512, "int5/int8 bf16": math.inf}
 # oneDNN keeps state for every row count its GEMM sees (a primitive and its JIT code, ~0.5-1 MB each on
 # AMX), so a server whose steps have every row count from 20 to thousands grew without end: the core's
 # RSS rose ~6 MiB per 16 requests of random lengths over 30 rounds here, and was flat with every step at
@@ -50,7 +55,7 @@ ROW_BUCKETS_PER_OCTAVE = 4
 class NativeLinear:
     """x @ W^T in the weight's arithmetic (bf16 or float32) at every row count: the native GEMV below the
     crossover (NATIVE_EXPAND_MIN_ROWS), above it the weight expanded for oneDNN's GEMM (int5 and int8 in
-    bf16: float32, exact, over x rounded to bf16; their crossover is float32's, not measured since)."""
+    bf16 have none: the native GEMV at every row count)."""
 
     layout = "native"
     permutes_input = True
@@ -72,8 +77,7 @@ class NativeLinear:
         rows = x.shape[0]
         if rows >= self.expand_min_rows:
             dense = native.dequantize(self.native)
-            x_arith = x.to(torch.bfloat16) if self.native.bf16 else x  # int5/int8 in bf16: x rounded, w float32
-            padded = F.pad(x_arith.to(dense.dtype), (0, 0, 0, row_bucket(rows) - rows))
+            padded = F.pad(x.to(dense.dtype), (0, 0, 0, row_bucket(rows) - rows))
             return F.linear(padded, dense)[:rows].to(x.dtype)
         if x.dtype == torch.float32:
             return native.matmul(x, self.native)
@@ -94,6 +98,8 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def native_expand_min_rows(w: native.NativeWeight) -> int:
-    """Rows from which `w` is expanded for oneDNN; below, the native GEMV runs."""
-    return NATIVE_EXPAND_MIN_ROWS["bf16" if w.dense_dtype == torch.bfloat16 else "float32"]
+def native_expand_min_rows(w: native.NativeWeight) -> float:
+    """Rows from which `w` is expanded for oneDNN (math.inf: never); below, the native GEMV runs."""
+    if w.bf16:
+        return NATIVE_EXPAND_MIN_ROWS["bf16" if w.kind == "int4" else "int5/int8 bf16"]
+    return NATIVE_EXPAND_MIN_ROWS["float32"]

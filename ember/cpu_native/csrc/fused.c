@@ -248,16 +248,12 @@ static int gemv_lora(gemv_args *a, int bits, int threads, const float *bias, con
     }
 #pragma omp parallel num_threads(threads)
     {
-        int64_t u, b, b0 = blocks, b1 = 0;
+        int64_t u, b0, b1;
 #pragma omp for schedule(static) nowait
         for (u = 0; u < p.n_used * SR; u++) lora_shrink_unit(w, &p, a->x, a->K, u);
-        /* static without a chunk size: one contiguous run of blocks a thread, remembered for the expand */
-#pragma omp for schedule(static) nowait
-        for (b = 0; b < blocks; b++) {
-            gemv_blocks(a, bits, b, b + 1);
-            b0 = b < b0 ? b : b0;
-            b1 = b + 1;
-        }
+        /* one contiguous run of blocks a thread, whose columns it then rounds, biases and expands */
+        thread_blocks(blocks, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+        gemv_blocks(a, bits, b0, b1);
         const int64_t c0 = b0 * NR, c1 = b1 * NR < N ? b1 * NR : N;
         for (int64_t m = 0; c0 < c1 && m < M; m++) {
             float *y = a->y + m * N;

@@ -567,21 +567,49 @@ static void q8bf_rows_of(const gemv_args *a, int64_t n0, int64_t nr) {
 }
 #endif
 
-/* Blocks b0 .. b1 of NR output rows: what one thread of `gemv`'s loop computes (bf16 arithmetic: a->xb made) */
-static void gemv_blocks(const gemv_args *a, int bits, int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b++) {
-        const int64_t nr = a->N - b * NR < NR ? a->N - b * NR : NR;
-        switch (bits) {
-        case 4: q4_rows(a, b * NR, nr); break;
-        case 5: q5_rows(a, b * NR, nr); break;
-        case 8: q8_rows(a, b * NR, nr); break;
-#if HAS_BF16
-        case BF16 | 4: q4bf_rows(a, b * NR, nr); break;
-        case BF16 | 5: q5bf_rows_of(a, b * NR, nr); break;
-        case BF16 | 8: q8bf_rows_of(a, b * NR, nr); break;
+/* Bytes of activations (x, or its bf16 copy) a window of rows holds: a thread sweeps its output rows over one
+ * window, then the next, so the window stays in its core's L2 (1 MB on Zen 4) while the weight rows stream
+ * past. Sweeping all rows at each block of NR weight rows read the activations from L3 once a block: 32
+ * prompts of 128 tokens at once (2,048 rows) prefilled at 220 tok/s where one prompt of 128 ran 290-310
+ * (the synthetic Qwen2-0.5B Q4_K_M, 2 Zen 4 cores, 2026-12-07). */
+#ifndef WINDOW_BYTES
+#define WINDOW_BYTES (128 * 1024)
 #endif
+
+/* Blocks b0 .. b1 of NR output rows: what one thread of `gemv`'s region computes (bf16 arithmetic: a->xb
+ * made), a window of activation rows at a time. Each output's sum is the same in any window. */
+static void gemv_blocks(const gemv_args *a, int bits, int64_t b0, int64_t b1) {
+    const int64_t row_bytes = a->K * (int64_t)((bits & BF16) ? sizeof(uint16_t) : sizeof(float));
+    int64_t rows = WINDOW_BYTES / row_bytes / MT * MT;
+    rows = rows < MT ? MT : rows;
+    for (int64_t m0 = 0; m0 < a->M; m0 += rows) {
+        gemv_args w = *a;
+        w.M = a->M - m0 < rows ? a->M - m0 : rows;
+        w.x = a->x + m0 * a->K;
+        w.xb = a->xb ? a->xb + m0 * a->K : NULL;
+        w.y = a->y + m0 * a->N;
+        for (int64_t b = b0; b < b1; b++) {
+            const int64_t nr = a->N - b * NR < NR ? a->N - b * NR : NR;
+            switch (bits) {
+            case 4: q4_rows(&w, b * NR, nr); break;
+            case 5: q5_rows(&w, b * NR, nr); break;
+            case 8: q8_rows(&w, b * NR, nr); break;
+#if HAS_BF16
+            case BF16 | 4: q4bf_rows(&w, b * NR, nr); break;
+            case BF16 | 5: q5bf_rows_of(&w, b * NR, nr); break;
+            case BF16 | 8: q8bf_rows_of(&w, b * NR, nr); break;
+#endif
+            }
         }
     }
+}
+
+/* The blocks [*b0, *b1) of `blocks` that thread t of `threads` takes: contiguous runs, the first
+ * blocks % threads threads one block more (as OpenMP's static schedule splits them) */
+static void thread_blocks(int64_t blocks, int t, int threads, int64_t *b0, int64_t *b1) {
+    const int64_t q = blocks / threads, extra = blocks % threads;
+    *b0 = t * q + (t < extra ? t : extra);
+    *b1 = *b0 + q + (t < extra);
 }
 
 /* For bf16 arithmetic, a->xb = x rounded to bf16 (int4's in order, int5's and int8's as bf16_blocks lays it
@@ -614,9 +642,12 @@ static int gemv(gemv_args *a, int bits, int threads) {
     const int64_t blocks = (a->N + NR - 1) / NR;
     if (a->M * a->N * a->K < PARALLEL_MIN_WORK) threads = 1;
     if (bf16_x(a, bits) < 0) return -1;
-    int64_t b;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (b = 0; b < blocks; b++) gemv_blocks(a, bits, b, b + 1);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t b0, b1;
+        thread_blocks(blocks, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+        gemv_blocks(a, bits, b0, b1);
+    }
     free((void *)a->xb);
     a->xb = NULL;
     round_outputs(bits, a->y, a->M * a->N);
