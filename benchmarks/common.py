@@ -57,6 +57,17 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def cuda_graph_us(fn, rep_ms: int, return_mode: str = "mean") -> float:
+    """Triton's do_bench_cudagraph of fn, in microseconds, once the device is idle. do_bench_cudagraph runs fn
+    on a stream of its own, which does not wait for the default stream: its first call may read inputs still
+    being written (mla_decode.py's random block tables: an illegal memory access on an H100 that
+    CUDA_LAUNCH_BLOCKING=1 hid, 2026-12-07)."""
+    import triton.testing
+
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode=return_mode) * 1e3
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.common import RESULTS_DIR, cuda_graph_us, machine_info, today, write_json
 from ember.kernels.fp8_matmul import (
     Fp8MatmulConfig,
     choose_fp8_matmul_config,
@@ -58,9 +58,7 @@ PATHS = ("bf16", "ptpc_scaled_mm", "block_triton", "block_scaled_mm")
 
 
 def bench_us(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=30) * 1e3
+    return cuda_graph_us(fn, 30)
 
 
 def ptpc(x: torch.Tensor, w) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.common import RESULTS_DIR, cuda_graph_us, machine_info, today, write_json
 from ember.kernels import decode_attention, paged_decode_attention, paged_prefill_attention, store_kv
 from ember.quant.formats import FP8_DTYPE
 
@@ -29,9 +29,7 @@ NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 8, 2, 128, 16  # Qwen3-0.6B
 
 
 def bench_us(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=40) * 1e3
+    return cuda_graph_us(fn, 40)
 
 
 SWEEP_TILES = [

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, bar_chart, machine_info, today, write_json
+from benchmarks.common import RESULTS_DIR, bar_chart, cuda_graph_us, machine_info, today, write_json
 from ember.kernels.mla_decode import mla_decode_attention, store_latent
 from ember.quant.formats import FP8_DTYPE
 
@@ -36,9 +36,7 @@ CACHES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 
 
 def bench_us(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
+    return cuda_graph_us(fn, 100)
 
 
 def copy_tbps() -> float:

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.common import RESULTS_DIR, cuda_graph_us, machine_info, today, write_json
 from ember.kernels.fused_moe import (
     Experts,
     fused_moe,
@@ -93,10 +93,8 @@ def touched_bytes(w13: Experts, w2: Experts, ids: torch.Tensor, hidden: torch.Te
 
 def bench_us(fn, rep_ms: int) -> float:
     """Median time of fn replayed in a CUDA graph, in microseconds."""
-    import triton.testing
-
     fn()  # compiles outside the capture
-    return triton.testing.do_bench_cudagraph(fn, rep=rep_ms) * 1e3
+    return cuda_graph_us(fn, rep_ms)
 
 
 def check_accuracy(shape: MoeShape, w13: Experts, w2: Experts, gen: torch.Generator) -> float:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.common import RESULTS_DIR, cuda_graph_us, machine_info, today, write_json
 from ember.kernels.paged import num_sms
 from ember.kernels.quant_matmul import dequantize_kernel, quant_matmul
 from ember.kernels.quant_packed import (
@@ -129,8 +129,6 @@ class Timer:
         expected: torch.Tensor | None = None,
         force: bool = False,
     ) -> float | None:
-        import triton.testing
-
         if not force and time.monotonic() > self.deadline:
             self.skipped += 1
             return None
@@ -140,8 +138,7 @@ class Timer:
                 err = ((out.float() - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
                 if not err < 2e-2:
                     raise AssertionError(f"relative error {err:.3g}")
-            ms = triton.testing.do_bench_cudagraph(lambda: [fn(w) for w in weights], rep=10, return_mode="median")
-            return ms * 1e3 / len(weights)
+            return cuda_graph_us(lambda: [fn(w) for w in weights], 10, "median") / len(weights)
         except Exception as e:  # noqa: BLE001 - one failing config must not end the run
             self.errors.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
             print("  FAILED", self.errors[-1], flush=True)

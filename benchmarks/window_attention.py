@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
+from benchmarks.common import RESULTS_DIR, cuda_graph_us, machine_info, today, write_json
 from ember.kernels import paged_decode_attention, paged_prefill_attention
 
 BLOCK_SIZE, KV_HEADS, GROUP, HEAD_DIM = 16, 1, 4, 256
@@ -30,8 +30,7 @@ VARIANTS = {"none": {}, "window512": {"sliding_window": 512}, "softcap50": {"log
 def bench_us(fn, graph: bool) -> float:
     import triton.testing
 
-    bench = triton.testing.do_bench_cudagraph if graph else triton.testing.do_bench
-    return bench(fn, rep=50) * 1e3
+    return cuda_graph_us(fn, 50) if graph else triton.testing.do_bench(fn, rep=50) * 1e3
 
 
 def paged_cache(batch: int, context: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

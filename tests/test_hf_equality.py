@@ -61,11 +61,22 @@ def assert_matches_hf(llm: LLM, hf_model, prompts: list[str], chat: bool = False
         assert_output_matches(out.outputs[0], *hf_greedy(hf_model, out.prompt_token_ids, NUM_TOKENS), prompt)
 
 
+# Two candidates closer than this in transformers' logprobs are a tie: float32 sums in another order (another
+# kernel, another device) may pick either. A random tiny DeepSeek-V2-Lite on an H100 met one 9.5e-7 apart,
+# every logprob within 1.9e-6 of transformers' (2026-12-07).
+TIE = 1e-5
+
+
 def assert_output_matches(got, ref_tokens: list[int], ref_logprobs: torch.Tensor, prompt: object) -> None:
-    """An Ember completion (greedy, logprobs=TOP) against hf_greedy's tokens and logprobs."""
-    assert got.token_ids == ref_tokens, f"prompt {prompt!r} diverged from transformers"
-    assert got.finish_reason == "length"
-    for step, (token, lp) in enumerate(zip(got.token_ids, got.logprobs)):
+    """An Ember completion (greedy, logprobs=TOP) against hf_greedy's tokens and logprobs: the same tokens,
+    or the same up to a step where transformers' pick and Ember's tie (TIE); top-TOP logprobs within 2e-3
+    up to there."""
+    assert len(got.token_ids) == len(ref_tokens) and got.finish_reason == "length"
+    steps = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref_tokens)) if a != b), None)
+    if steps is not None:
+        gap = (ref_logprobs[steps][ref_tokens[steps]] - ref_logprobs[steps][got.token_ids[steps]]).item()
+        assert gap < TIE, f"prompt {prompt!r} diverged from transformers at step {steps} (logprob gap {gap:.2e})"
+    for step, (token, lp) in enumerate(zip(got.token_ids[: None if steps is None else steps + 1], got.logprobs)):
         ref_top = torch.topk(ref_logprobs[step], TOP)
         ours = {tid: v.logprob for tid, v in lp.items()}
         for tid, ref in zip(ref_top.indices.tolist(), ref_top.values.tolist()):

@@ -192,7 +192,9 @@ def _broken(root: Path, good: Path, name: str, config: dict | None = None, tenso
     return LoRARequest(name, 100 + len(name), str(out))
 
 
-def test_bad_adapters_are_refused(setup, llm):
+def test_bad_adapters_are_refused(setup, llm, tmp_path):
+    """Each bad adapter is refused with a ValueError naming what is wrong, and the engine serves on; the broken
+    copies go to tmp_path, as `setup` is shared by both `llm` parameters."""
     base, loras, refs, root = setup
     good = Path(loras["all-r8"].lora_path)
 
@@ -201,25 +203,27 @@ def test_bad_adapters_are_refused(setup, llm):
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lora)
 
     refused(LoRARequest("gone", 90, str(root / "nowhere")), "no such directory")
-    missing = root / "broken" / "empty"
+    missing = tmp_path / "broken" / "empty"
     missing.mkdir(parents=True)
     (missing / "adapter_config.json").write_text("{}")
     refused(LoRARequest("empty", 91, str(missing)), "missing adapter_model.safetensors")
-    refused(_broken(root, good, "rank", {"r": 32}), "rank 32 is larger than max_lora_rank")
-    refused(_broken(root, good, "bias", {"bias": "all"}), "bias")
-    refused(_broken(root, good, "save", {"modules_to_save": ["lm_head"]}), "modules_to_save: whole replaced modules")
-    refused(_broken(root, good, "unknown", {"target_modules": ["wte", "q_proj"]}), "'wte' cannot be mapped")
-    refused(_broken(root, good, "dora", {"use_dora": True}), "use_dora")
+    refused(_broken(tmp_path, good, "rank", {"r": 32}), "rank 32 is larger than max_lora_rank")
+    refused(_broken(tmp_path, good, "bias", {"bias": "all"}), "bias")
+    refused(
+        _broken(tmp_path, good, "save", {"modules_to_save": ["lm_head"]}), "modules_to_save: whole replaced modules"
+    )
+    refused(_broken(tmp_path, good, "unknown", {"target_modules": ["wte", "q_proj"]}), "'wte' cannot be mapped")
+    refused(_broken(tmp_path, good, "dora", {"use_dora": True}), "use_dora")
 
     def widen(w: dict) -> dict:
         return {k: torch.zeros(v.shape[0], v.shape[1] + 1) if "q_proj.lora_A" in k else v for k, v in w.items()}
 
-    refused(_broken(root, good, "shape", tensors=widen), r"lora_A.weight' has shape \[8, 65\], expected \[8, 64\]")
+    refused(_broken(tmp_path, good, "shape", tensors=widen), r"lora_A.weight' has shape \[8, 65\], expected \[8, 64\]")
 
     def lm_head(w: dict) -> dict:
         return {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}
 
-    refused(_broken(root, good, "head", tensors=lm_head), "lm_head has no lora_B tensor")
+    refused(_broken(tmp_path, good, "head", tensors=lm_head), "lm_head has no lora_B tensor")
 
     def more_tokens(w: dict) -> dict:  # PEFT's added tokens: every vocabulary axis one longer
         axis = {"lora_embedding_A": 1, "lm_head.lora_B": 0, "base_layer": 0}
@@ -227,7 +231,7 @@ def test_bad_adapters_are_refused(setup, llm):
         return {k: v if grow[k] is None else torch.cat([v, v.narrow(grow[k], 0, 1)], grow[k]) for k, v in w.items()}
 
     embed_head = Path(loras["embed-head-r4"].lora_path)
-    refused(_broken(root, embed_head, "vocab", tensors=more_tokens), "added tokens are not supported")
+    refused(_broken(tmp_path, embed_head, "vocab", tensors=more_tokens), "added tokens are not supported")
     refused(LoRARequest("zero", 0, str(good)), "lora_int_id must be an integer >= 1")
     # the engine serves on, the good adapters unchanged
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras["all-r8"])) == refs["all-r8"]

@@ -30,6 +30,7 @@ from ember.kernels.moe_config import (
     choose_moe_config,
     default_fused_tiles,
     default_moe_config,
+    device_key,
     lookup,
     problem_key,
 )
@@ -353,7 +354,7 @@ def test_fused_mlp_is_chosen_where_the_table_says_up_to_a_few_tokens(monkeypatch
     keys = [problem_key(128, 2048, 768, kind) for kind in ("bfloat16", "int4-g32")] + [
         problem_key(8, 32, 48, "float32")
     ]
-    table = {"cpu": {key: {"1": entry} for key in keys}}
+    table = {name: {key: {"1": entry} for key in keys} for name in {"cpu", device_key(torch.device(DEVICE))}}
     monkeypatch.setattr(importlib.import_module("ember.kernels.moe_config"), "load_table", lambda: table)
     grouped = choose_moe_config(1, 8, 128, 2048, 768, "int4-g32", cpu, (32, 32)).fused
     assert grouped is not None and grouped.block_i <= 32 and grouped.block_k <= 32  # inside w2's and w13's groups
