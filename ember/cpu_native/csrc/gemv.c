@@ -226,14 +226,22 @@ static inline __attribute__((always_inline)) __m512 param_chunk(const gemv_args 
     return _mm512_mul_ps(_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(lo), _mm512_set1_ps(hi)), codes);
 }
 
+/* The 16 bytes of a run at p as 32 words: words 0-15 the bytes (low nibble, high one above it), 16-31 the
+ * bytes shifted down 4 (the high nibbles): inputs j and j + 16 of the run in word j and j + 16 */
+static inline __attribute__((always_inline)) __m512i run_nibble_words(const uint8_t *p) {
+    const __m512i n = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)));
+    return _mm512_srlv_epi16(n, _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 4));
+}
+
+/* 0, 1, .., 15 */
+static inline __m512 lane_iota(void) { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+
 /* The 32 weights of the int4 run at p in bf16 through `table`, a group's 16 weights q * scale + zero (one
  * float32 FMA each, rounded to bf16) in words 0-15 and again in 16-31: VPERMW reads an index's low 5 bits,
  * so a low nibble's byte needs no mask. 3 instructions a run and 2 a group where converting each weight
  * took 8 a run: a Q4_K 896 x 4864 GEMV of one row from cache 0.225 -> 0.213 ms (2026-12-07). */
 static inline __attribute__((always_inline)) __m512bh q4bf_run(const uint8_t *p, __m512i table) {
-    const __m512i n = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)));
-    const __m512i shift = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 4);
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(n, shift), table);
+    return (__m512bh)_mm512_permutexvar_epi16(run_nibble_words(p), table);
 }
 
 /* int4 in bf16 arithmetic, as oneDNN's bf16 GEMM computes the expanded weight (`dequantize_q4_bf16`)
@@ -248,7 +256,7 @@ static inline __attribute__((always_inline)) void q4bf_tile(const gemv_args *a, 
     for (int r = 0; r < nr; r++)
         UNROLL
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
-    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 iota = lane_iota();
     __m512 scales[NR], zeros[NR]; /* groups g - g % 16 .. + 16 of each row (param_chunk) */
     for (int64_t g = 0; g < G; g++) {
         if (g % 16 == 0)
@@ -314,7 +322,7 @@ static void round_bf16(const float *in, float *out, uint16_t *halves, int64_t n)
 }
 /* bf16 values of u - 16 for u = 0..31: VPERMW turns an int5 index (code + 16) into its code in bf16 */
 static inline __m512i q5_bf16_table(void) {
-    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 iota = lane_iota();
     return (__m512i)_mm512_cvtne2ps_pbh(iota, _mm512_sub_ps(iota, _mm512_set1_ps(16.f)));
 }
 
@@ -339,9 +347,7 @@ static inline __attribute__((always_inline)) void q5_pair_bf16(const uint8_t *p,
 static inline __attribute__((always_inline)) __m512bh q5_run_bf16(const uint8_t *p, __m512i table) {
     uint32_t bits;
     memcpy(&bits, p, 4);
-    const __m512i n = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 4))));
-    const __m512i shift = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 4);
-    const __m512i c = _mm512_and_si512(_mm512_srlv_epi16(n, shift), _mm512_set1_epi16(0x0F));
+    const __m512i c = _mm512_and_si512(run_nibble_words(p + 4), _mm512_set1_epi16(0x0F));
     return (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(c, bits, c, _mm512_set1_epi16(16)), table);
 }
 
