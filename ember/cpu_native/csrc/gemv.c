@@ -524,8 +524,8 @@ static void bf16_blocks(const float *x, uint16_t *xb, int64_t M, int64_t K) {
 #define BF16 16
 
 /* One function a tile kind (noinline): as the cases of one switch, the 63 bf16 tile instantiations made one
- * 220 KB function whose register dataflow took GCC 20 of the build's 22 s; apart it takes 7 s (2 cores, GCC 12; was 22.7).
- * A call a block of NR rows costs nothing against the block's K * NR weights. */
+ * 220 KB function whose register dataflow took GCC 12 20 s of the build's 22.7 on 2 cores; apart, the build
+ * takes 7.1 s. A call a block of NR rows costs nothing against the block's K * NR weights. */
 #define ROWS_FN(name, tile)                                                                             \
     static __attribute__((noinline)) void name(const gemv_args *a, int64_t n0, int64_t nr) {           \
         ROW_BLOCK(tile, a, n0, nr);                                                                     \
