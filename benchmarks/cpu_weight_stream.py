@@ -19,13 +19,10 @@ random order, so a shared machine's drift falls on all of them alike. Medians ov
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import statistics
-import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +37,8 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
-from ember.cpu_native.build import FLAGS, SOURCES, cache_dir, compiler, load
+from ember.cpu_native.build import SOURCES, load
+from ember.cpu_native.build import build as build_kernels
 
 LAYERS, HIDDEN, INTER, VOCAB = 24, 896, 4864, 151936
 READ_BYTES = 1 << 30
@@ -114,17 +112,7 @@ def step_weights(gen: torch.Generator) -> dict[str, list[Weight]]:
 def build(spec: str) -> ModuleType:
     """The kernels of `DIR[:FLAG,FLAG]` compiled with the engine's flags (cached by content)."""
     src, _, flags_text = spec.partition(":")
-    flags = [f for f in flags_text.split(",") if f]
-    key = hashlib.sha256(" ".join(flags).encode())
-    for path in sorted(Path(src).iterdir()):
-        key.update(path.read_bytes())
-    out = cache_dir() / "stream" / f"kernels-{key.hexdigest()[:20]}{sysconfig.get_config_var('EXT_SUFFIX')}"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        include = f"-I{sysconfig.get_paths()['include']}"
-        cmd = [compiler(), *FLAGS, *flags, include, str(Path(src) / "kernels.c"), "-o", str(out), "-lm"]
-        subprocess.run(cmd, check=True)
-    return load(out)
+    return load(build_kernels(tuple(f for f in flags_text.split(",") if f), Path(src)))
 
 
 def read_gbs(threads: int, repeats: int = 5) -> float:

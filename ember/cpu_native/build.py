@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 SOURCES = Path(__file__).with_name("csrc")  # kernel families, one header, one translation unit
-SOURCE = SOURCES / "kernels.c"
+UNIT = "kernels.c"  # the translation unit, which includes the families
 MODULE_NAME = "_ember_cpu_kernels"
 # -ffp-contract=off: the dense expansions must round q * scale and then + zero as `dequantize` does;
 # the kernels ask for their FMAs explicitly.
@@ -75,12 +75,12 @@ def _compiler_version(cc: str) -> str:
     return done.stdout
 
 
-def library_path(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Where the build for this source, these flags, this compiler, Python ABI and CPU lives."""
+def library_path(cc: str, extra_flags: tuple[str, ...] = (), sources: Path | None = None) -> Path:
+    """Where the build for these sources (default SOURCES), flags, this compiler, Python ABI and CPU lives."""
     key = hashlib.sha256()
-    sources = b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCES.glob("*.[ch]")))
+    code = b"".join(f.name.encode() + f.read_bytes() for f in sorted((sources or SOURCES).glob("*.[ch]")))
     for part in (
-        sources,
+        code,
         " ".join(FLAGS + extra_flags).encode(),
         cc.encode(),
         _compiler_version(cc).encode(),
@@ -93,24 +93,26 @@ def library_path(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     return cache_dir() / f"kernels-{key.hexdigest()[:20]}{sysconfig.get_config_var('EXT_SUFFIX')}"
 
 
-def build(extra_flags: tuple[str, ...] = ()) -> Path:
+def build(extra_flags: tuple[str, ...] = (), sources: Path | None = None) -> Path:
     """The compiled library's path, compiling it first unless the cache has it. `extra_flags` go after
-    the defaults (tests build the plain-C path with -mno-avx512f)."""
+    the defaults (tests build the plain-C path with -mno-avx512f); `sources`, another copy of csrc/
+    (benchmarks/cpu_weight_stream.py compares kernel versions)."""
     cc = compiler()
-    target = library_path(cc, extra_flags)
+    sources = sources or SOURCES
+    target = library_path(cc, extra_flags, sources)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
     os.close(fd)
-    cmd = [cc, *FLAGS, *extra_flags, f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [cc, *FLAGS, *extra_flags, f"-I{sysconfig.get_paths()['include']}", str(sources / UNIT), "-o", tmp, "-lm"]
     try:
         done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise BuildError(f"{' '.join(cmd)} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise BuildError(f"compiling {SOURCE.name} with {cc!r} failed: {e}") from e
+        raise BuildError(f"compiling {UNIT} with {cc!r} failed: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
