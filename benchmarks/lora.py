@@ -39,6 +39,8 @@ from safetensors.torch import save_file
 
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
 from benchmarks.latency import measure
+from benchmarks.step_profile import print_profile
+from benchmarks.throughput import full_batch_profile
 from ember import LLM, LoRARequest, SamplingParams
 from ember.bench.workloads import nano_vllm_requests
 from ember.config import LOAD_FORMATS
@@ -117,8 +119,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--latency", action="store_true", help="batch-1 TPOT with one adapter vs the base")
     parser.add_argument("--load", action="store_true", help="a new adapter's load to first token")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="kernel profile of this many decode steps of the full batch, base-lora-on and adapters (in process)",
+    )
     parser.add_argument("--output", default=None, help="default: benchmarks/results/lora-<device>-<date>.json")
     args = parser.parse_args()
+    if args.profile_steps and args.engine_process:
+        parser.error("--profile-steps profiles this process: leave out --engine-process")
     args.requests = args.requests or (256 if args.workload == "nano-vllm" else 16)
     args.output = args.output or os.path.join(RESULTS_DIR, f"lora-{args.device.split(':')[0]}-{today()}.json")
     return args
@@ -158,6 +168,12 @@ def main() -> None:
             rounds["base-lora-on"].append(timed(lora, requests, none))
             rounds["adapters"].append(timed(lora, requests, dealt))
         tok_s.update({name: statistics.median(runs) for name, runs in rounds.items()})
+        profiles = {}
+        if args.profile_steps:
+            batch = len(none)
+            for name, loras in (("base-lora-on", none), ("adapters", dealt)):
+                profiles[name] = full_batch_profile(lora, batch, args.profile_steps, loras)
+                print_profile(profiles[name], f"{name}: kernel profile at {batch} decoding requests")
         if args.latency:
             latency["lora_on_base_tpot_ms"] = tpot_ms(lora, None)
             latency["adapter_tpot_ms"] = tpot_ms(lora, adapters[0])
@@ -185,6 +201,7 @@ def main() -> None:
             "rounds_tok_per_s": rounds,
             "adapters_vs_lora_on": round(tok_s["adapters"] / tok_s["base-lora-on"], 3),
             "batch1_and_load": latency,
+            "profiles": profiles,
         },
     )
 

@@ -186,16 +186,19 @@ def run_ember(args: argparse.Namespace, concurrency: int) -> tuple[dict[str, Any
     return ember, resolved, workload
 
 
-def full_batch_profile(llm: LLM, batch: int, steps: int) -> dict[str, Any]:
+def full_batch_profile(llm: LLM, batch: int, steps: int, loras: list[Any] | None = None) -> dict[str, Any]:
     """Device time per step by kernel over `steps` decode steps of `batch` requests, profiled once every
-    request is past its prefill (128-token prompts); the requests are then aborted."""
+    request is past its prefill (128-token prompts); the requests are then aborted. `loras`: request r's
+    LoRARequest (or None), for benchmarks/lora.py."""
     engine = llm.llm_engine
+    loras = loras or [None] * batch
     vocab = engine.ready.vocab_size
     ids = [
         engine.add_request(
             None,
             {"prompt_token_ids": [(7 * r + i) % vocab for i in range(PROFILE_PROMPT_LEN)]},
             SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=4 * steps + 64),
+            lora_request=loras[r],
         )
         for r in range(batch)
     ]
