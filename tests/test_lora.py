@@ -361,8 +361,9 @@ def test_triton_path_mixed_batch(setup, monkeypatch, fused: bool):
 
 
 def test_step_inputs_carry_each_tokens_slot():
-    """prepare_step writes each token's adapter slot, decodes first, and -1 for the base and for the pad
-    rows of a CUDA graph (host side: the buffer the LoRA layers read)."""
+    """prepare_step writes each token's adapter slot, decodes first and in slot order (the LoRA kernels' row
+    tiles then mostly hold one adapter), and -1 for the base and for the pad rows of a CUDA graph (host side:
+    the buffer the LoRA layers read)."""
     import numpy as np
 
     from ember.runner.input_buffers import InputBuffers
@@ -382,11 +383,12 @@ def test_step_inputs_carry_each_tokens_slot():
     for r in reqs[1:]:
         r.token_ids.append(1)
     prepare_step(reqs, [5, 1, 1], buffers, 4, None, {7: 0, 9: 3})
-    np.testing.assert_array_equal(buffers.lora_slots.np[:7], [0, -1, 3, 3, 3, 3, 3])  # decodes, then the prompt
+    np.testing.assert_array_equal(buffers.lora_slots.np[:7], [-1, 0, 3, 3, 3, 3, 3])  # decodes, then the prompt
+    assert buffers.input_ids.np[:2].tolist() == [1, 1] and buffers.positions.np[:2].tolist() == [5, 5]
     decodes = reqs[1:]
     header = prepare_step(decodes, [1, 1], buffers, 4, GraphSizes(decode=(4,)), {7: 1}).header
     assert header.padded == 4
-    np.testing.assert_array_equal(buffers.lora_slots.np[:4], [1, -1, -1, -1])
+    np.testing.assert_array_equal(buffers.lora_slots.np[:4], [-1, 1, -1, -1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -1,5 +1,5 @@
-"""LoRA shrink and expand over a per-row adapter slot index, in a segmented form for tiles of rows under one
-adapter (prefill) and a gathered form for the other rows (decode, request boundaries).
+"""LoRA shrink and expand over a per-row adapter slot index, in a segmented form for batches of many rows
+(prefill, decode at large batch) and a gathered form for decode-sized ones.
 
 `lora_shrink`: xa[t] = A[slots[t]] @ x[t], every slice's rank columns at once, in float32.
 `lora_expand`: y[t, off_i:off_i + out_i] += B_i[slots[t]] @ xa[t, slice i's columns] for every slice i
@@ -11,22 +11,23 @@ GEMM run over [W ; A] (ember.ops.lora.FusedShrink), so where the base is dense n
 The gathered form (punica's BGMV): a program per row and tile of output columns reads only that row's
 slot's weights, on CUDA cores. A 512-token prefill under one adapter so re-reads the adapter's weights
 512 times and uses no tensor cores. The segmented form (SGMV-like, without a host-side segment table): a
-program per tile of SEGMENT_ROWS consecutive rows and tile of columns; a tile whose rows share one slot
-(a request's tokens are contiguous, so nearly every tile of a prefill) is one `tl.dot` against that
-slot's weights, read once for the tile; a tile of the base (-1) adds nothing.
+program per tile of SEGMENT_ROWS consecutive rows and tile of columns walks the adapters its rows use,
+one `tl.dot` each against that slot's weights with the other rows masked out, so each slot's weights are
+read once a tile; rows of the base (-1) add nothing. A request's prefill tokens are contiguous, and the
+runner puts a step's decode rows in slot order (ember/runner/step_inputs.py), so nearly every tile has
+one adapter and a tile where runs meet two. Batches under SEGMENTED_MIN_ROWS rows (decode at small batch)
+run the gathered kernel alone; larger ones the segmented kernel alone.
 
-A tile that mixes slots (request boundaries, and a decode batch, whose rows are one per request) is left
-to the gathered kernel, launched beside the segmented one over every row: its programs for rows of a
-single-slot tile do nothing. So each row is done by exactly one form, and mixed rows keep a program each
-rather than running one after another inside their tile's program, which a decode batch of round-robin
-adapters (every tile mixed) would pay for in full. Batches under SEGMENTED_MIN_ROWS rows (decode) run the
-gathered kernel alone: one launch per product instead of two.
+At 256 decode rows of the 8B shape over 8 rank-16 adapters dealt round-robin, the earlier split (a tile
+of one slot segmented, a mixed tile's rows gathered, a program each re-reading its slot's B from L2)
+left every tile mixed, most of the delta on CUDA cores: the adapters ran at 0.61x the base's tok/s (H100,
+2026-12-07).
 
-Both forms read the slots on the device (each program its own tile's), so one captured CUDA graph serves
+Both forms read the slots on the device (each program its own row's or tile's), so one captured CUDA graph serves
 every mix of adapters. The shrink splits K when its rows and column tiles are few (`_split_k`). So a
 decode step's delta is four launches a layer with a dense base (an expand a projection) or eight with a
-quantized one, where it was eleven (a shrink a projection, an expand a slice): at batch 1 the launches, a few
-microseconds each, are most of what an adapter costs (docs/lora.md, Measured).
+quantized one (one form each), where it was eleven (a shrink a projection, an expand a slice): at batch 1
+the launches, a few microseconds each, are most of what an adapter costs (docs/lora.md, Measured).
 """
 
 from __future__ import annotations
@@ -49,26 +50,20 @@ SPLIT_K_MIN_COLUMNS = 256
 # decode rows of the 8B shape, most of them rows without an adapter that only exit, and LoRA turned on cost
 # requests using none 35% of their throughput (H100, 2026-12-06).
 EXPAND_PROGRAMS = 1056
-MIXED: tl.constexpr = tl.constexpr(-2)  # _tile_slot's answer for a tile whose rows are under different slots
+NO_SLOT: tl.constexpr = tl.constexpr(1 << 30)  # above every slot: a row past the batch's end, or none left
 
 
 @triton.jit
-def _tile_slot(slots_ptr, tile, T, BLOCK_M: tl.constexpr):
-    """The slot every row of rows [tile * BLOCK_M, + BLOCK_M) below T is under, or MIXED."""
-    rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    first = tl.load(slots_ptr + tile.to(tl.int64) * BLOCK_M)
-    slots = tl.load(slots_ptr + rows, mask=rows < T, other=first)
-    return tl.where(tl.max((slots != first).to(tl.int32)) == 0, first, MIXED)
+def _row_slots(slots_ptr, rows, T):
+    """The slots of a tile's rows, NO_SLOT past T."""
+    return tl.load(slots_ptr + rows, mask=rows < T, other=NO_SLOT)
 
 
 @triton.jit
-def _gathered_row(slots_ptr, row, T, SEGMENT_M: tl.constexpr):
-    """Whether the gathered kernel does this row: always alone (SEGMENT_M = 0), beside the segmented kernel
-    only a row of a mixed tile."""
-    mine = row >= 0  # every row
-    if SEGMENT_M > 0:
-        mine = _tile_slot(slots_ptr, row // SEGMENT_M, T, SEGMENT_M) == MIXED
-    return mine
+def _next_slot(tile_slots, after):
+    """The smallest adapter slot above `after` among the tile's rows (NO_SLOT where none is): called from
+    -1, the adapters a tile uses in ascending order, the base's rows skipped."""
+    return tl.min(tl.where(tile_slots > after, tile_slots, NO_SLOT))
 
 
 @triton.jit
@@ -92,13 +87,12 @@ def _sum_splits(ptrs, mask, SPLITS, stride_s, work):
 @triton.jit
 def _shrink_gathered_kernel(
     x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, K_CHUNK, stride_xt, stride_as, stride_an, stride_ot, stride_os,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEGMENT_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mine = _gathered_row(slots_ptr, row, T, SEGMENT_M)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    k_begin, k_end = _k_range(tl.program_id(2), K, K_CHUNK, mine & (slot >= 0))  # no adapter: writes zeros
+    k_begin, k_end = _k_range(tl.program_id(2), K, K_CHUNK, slot >= 0)  # no adapter: writes zeros
     a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + cols[:, None] * stride_an
     out_ptr += tl.program_id(2).to(tl.int64) * stride_os
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -107,7 +101,7 @@ def _shrink_gathered_kernel(
         x = tl.load(x_ptr + row * stride_xt + ks, mask=ks < K, other=0.0).to(tl.float32)
         a = tl.load(a_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
         acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-    tl.store(out_ptr + row * stride_ot + cols, acc, mask=cols < tl.where(mine, N, 0))
+    tl.store(out_ptr + row * stride_ot + cols, acc, mask=cols < N)
 
 
 @triton.jit
@@ -116,21 +110,24 @@ def _shrink_segments_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    slot = _tile_slot(slots_ptr, tl.program_id(0), T, BLOCK_M).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # the base's tile writes zeros, a mixed one nothing (the gathered kernel's)
-    k_begin, k_end = _k_range(tl.program_id(2), K, K_CHUNK, slot >= 0)
+    tile_slots = _row_slots(slots_ptr, rows, T)
+    k_begin, k_end = _k_range(tl.program_id(2), K, K_CHUNK, True)
     x_rows = x_ptr + rows[:, None] * stride_xt
-    a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + cols[:, None] * stride_an
     out_ptr += tl.program_id(2).to(tl.int64) * stride_os
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < T) & (ks[None, :] < K), other=0.0)
-        a = tl.load(a_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
-        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc, input_precision=PRECISION)
-    mask = (rows[:, None] < tl.where(slot != MIXED, T, 0)) & (cols[None, :] < N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the base's rows keep zeros
+    slot = _next_slot(tile_slots, -1)
+    while slot < NO_SLOT:
+        own = tile_slots == slot
+        a_rows = a_ptr + slot.to(tl.int64) * stride_as + cols[:, None] * stride_an
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=own[:, None] & (ks[None, :] < K), other=0.0)
+            a = tl.load(a_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+        slot = _next_slot(tile_slots, slot)
+    mask = (rows[:, None] < T) & (cols[None, :] < N)
     tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc, mask=mask)
 
 
@@ -160,15 +157,13 @@ def _expand_row_slice(
 def _expand_gathered_kernel(
     xa_ptr, b_ptr, slots_ptr, y_ptr, T, R, N, END0, END1, B_START1, B_START2, SPLITS, stride_xap, stride_xat,
     stride_xas, stride_yt, COLUMNS, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEGMENT_M: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    mine = _gathered_row(slots_ptr, row, T, SEGMENT_M)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     # this program's COLUMNS output columns, across slices; none for a row without an adapter (it reads and
     # writes nothing)
     c_begin = tl.program_id(1) * COLUMNS
-    c_end = tl.minimum(c_begin + COLUMNS, tl.where(mine & (slot >= 0), N, 0))
+    c_end = tl.minimum(c_begin + COLUMNS, tl.where(slot >= 0, N, 0))
     xa_row = xa_ptr + row * stride_xat + tl.maximum(slot, 0) * stride_xas  # the row's own slot's shrink
     y_row = y_ptr + row * stride_yt
     _expand_row_slice(
@@ -210,40 +205,43 @@ def _expand_segments_kernel(
     stride_xas, stride_yt, N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    slot = _tile_slot(slots_ptr, tl.program_id(0), T, BLOCK_M).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # only a tile under one adapter: a mixed one is the gathered kernel's
-    live = cols < tl.where(slot >= 0, N, 0)
+    tile_slots = _row_slots(slots_ptr, rows, T)
+    live = cols < N
     rs = tl.arange(0, BLOCK_R)
-    xa_tile = xa_ptr + rows[:, None] * stride_xat + tl.maximum(slot, 0) * stride_xas + rs[None, :]
-    xa_mask = (rows[:, None] < T) & (rs[None, :] < R)
-    # a tile's columns are of one slice but where slices meet: there each slice's product, the others'
-    # columns masked to exact zeros
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    delta = _segment_slice(
-        delta, xa_tile, xa_mask, b_ptr, slot, cols, live, 0, END0, 0, 0, R, SPLITS, stride_xap, BLOCK_R,
-        DOT_DTYPE, PRECISION,
-    )  # fmt: skip
-    if N_SLICES > 1:
+    slot = _next_slot(tile_slots, -1)
+    while slot < NO_SLOT:  # each adapter of the tile's rows: its B read once, the other rows' xa masked to zeros
+        xa_mask = (tile_slots == slot)[:, None] & (rs[None, :] < R)
+        slot = slot.to(tl.int64)
+        xa_tile = xa_ptr + rows[:, None] * stride_xat + slot * stride_xas + rs[None, :]
+        # a tile's columns are of one slice but where slices meet: there each slice's product, the others'
+        # columns masked to exact zeros
         delta = _segment_slice(
-            delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END0, END1, B_START1, R, R, SPLITS, stride_xap,
-            BLOCK_R, DOT_DTYPE, PRECISION,
+            delta, xa_tile, xa_mask, b_ptr, slot, cols, live, 0, END0, 0, 0, R, SPLITS, stride_xap, BLOCK_R,
+            DOT_DTYPE, PRECISION,
         )  # fmt: skip
-    if N_SLICES > 2:
-        delta = _segment_slice(
-            delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END1, N, B_START2, 2 * R, R, SPLITS, stride_xap,
-            BLOCK_R, DOT_DTYPE, PRECISION,
-        )  # fmt: skip
+        if N_SLICES > 1:
+            delta = _segment_slice(
+                delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END0, END1, B_START1, R, R, SPLITS, stride_xap,
+                BLOCK_R, DOT_DTYPE, PRECISION,
+            )  # fmt: skip
+        if N_SLICES > 2:
+            delta = _segment_slice(
+                delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END1, N, B_START2, 2 * R, R, SPLITS, stride_xap,
+                BLOCK_R, DOT_DTYPE, PRECISION,
+            )  # fmt: skip
+        slot = _next_slot(tile_slots, slot.to(tl.int32))
     y_tile = y_ptr + rows[:, None] * stride_yt + cols[None, :]
-    mask = (rows[:, None] < T) & live[None, :]
+    mask = ((tile_slots >= 0) & (tile_slots < NO_SLOT))[:, None] & live[None, :]  # the base's rows left alone
     y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_tile, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _segment_rows(rows: int) -> int:
-    """The segmented kernels' tile height for a batch of `rows`, or 0 where the gathered kernels run alone:
-    a decode-sized batch has few tiles to share weight reads and would pay a second launch per product."""
+    """The segmented kernels' tile height for a batch of `rows`, or 0 where the gathered kernels run instead:
+    a decode-sized batch has few rows a tile to share its weight reads."""
     return SEGMENT_ROWS if rows >= SEGMENTED_MIN_ROWS else 0
 
 
@@ -281,15 +279,14 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
             *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=SHRINK_BLOCK_K, DOT_DTYPE=dot_dtype(x.dtype),
             PRECISION=dot_precision(x.dtype),
         )  # fmt: skip
-    _shrink_gathered_kernel[(rows, triton.cdiv(n, block_n), parts)](
-        *args, BLOCK_N=block_n, BLOCK_K=SHRINK_BLOCK_K, SEGMENT_M=block_m
-    )
+    else:
+        _shrink_gathered_kernel[(rows, triton.cdiv(n, block_n), parts)](*args, BLOCK_N=block_n, BLOCK_K=SHRINK_BLOCK_K)
     return out
 
 
 def lora_expand(xa: torch.Tensor, b: list[torch.Tensor], slots: torch.Tensor, y: torch.Tensor) -> None:
     """y[t, :sum N_i] += each slice i's b[i][slots[t]] applied to its R columns of row t's shrink, every slice
-    in one launch (per form): xa [parts, T, n_slices * R] is `lora_shrink`'s partial sums (added here), b
+    in one launch: xa [parts, T, n_slices * R] is `lora_shrink`'s partial sums (added here), b
     per slice [slots, R, N_i], laid out by `ember.ops.lora.stacked_slices`; rows with slot -1 are left
     alone. The segmented form multiplies in b's dtype (xa rounded to it, as a tensor-core product must), the
     gathered form in float32."""
@@ -304,7 +301,8 @@ def lora_expand_slots(xa: torch.Tensor, b: list[torch.Tensor], slots: torch.Tens
 
 
 def _expand(xa: torch.Tensor, slot_stride: int, b: list[torch.Tensor], slots: torch.Tensor, y: torch.Tensor) -> None:
-    """Both expand forms over xa [parts, T, ...], row t's slice i's R columns at slots[t] * slot_stride + i * R."""
+    """The expand over xa [parts, T, ...] in the form for T rows, row t's slice i's R columns at
+    slots[t] * slot_stride + i * R."""
     parts, rows = xa.shape[0], xa.shape[1]
     num_slots, r = b[0].shape[0], b[0].shape[1]
     widths = [t.shape[2] for t in b]
@@ -323,10 +321,11 @@ def _expand(xa: torch.Tensor, slot_stride: int, b: list[torch.Tensor], slots: to
             *args, N_SLICES=len(b), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
             DOT_DTYPE=dot_dtype(b[0].dtype), PRECISION=dot_precision(b[0].dtype),
         )  # fmt: skip
+        return
     column_programs = min(triton.cdiv(n, block_n), triton.cdiv(EXPAND_PROGRAMS, rows))
     columns = triton.cdiv(triton.cdiv(n, column_programs), block_n) * block_n
     _expand_gathered_kernel[(rows, triton.cdiv(n, columns))](
-        *args, columns, N_SLICES=len(b), BLOCK_R=block_r, BLOCK_N=block_n, SEGMENT_M=block_m
+        *args, columns, N_SLICES=len(b), BLOCK_R=block_r, BLOCK_N=block_n
     )
 
 
