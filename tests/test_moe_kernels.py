@@ -251,6 +251,7 @@ CASES = [
     ("int8-g16", torch.bfloat16, 4, 6, 2, 64, 32, None),
     ("int4-g16", torch.float32, 7, 5, 2, 64, 48, SMALL_TILES),
     ("int4-g32", torch.bfloat16, 1, 8, 2, 64, 64, None),
+    ("int4-g32", torch.bfloat16, 5, 6, 2, 64, 64, SMALL_TILES),  # 16-column K tiles, raised for int4 (INT4_MMA_MIN_K)
     ("fp8-channel", torch.float32, 6, 4, 2, 32, 48, SMALL_TILES),
     ("fp8-channel", torch.bfloat16, 3, 6, 2, 64, 32, None),
 ]
