@@ -4,7 +4,9 @@ Building the parser imports nothing heavy (no torch, no web stack): `ember --hel
 and each command imports what it runs. A command's own parser is built alone when the command line
 names it: `ember serve` reaches the engine core's spawn without importing `run-batch`'s and `bench`'s
 modules (asyncio, the HTTP client, prometheus' parser): 0.079 s of CPU from `import ember.cli` to the
-launcher imported, against 0.126 s with every parser (medians of 7, 2-core EPYC, 2026-12-05).
+launcher imported, against 0.126 s with every parser (medians of 7, 2-core EPYC, 2026-12-05). Before
+any of that, `ember serve` starts its engine core's process (ember.frontend.core_spawn), so this
+module imports nothing of the engine at its top.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ember.config import EngineArgs
-from ember.sampling.params import SamplingParams
+from ember.frontend import core_spawn
+from ember.torchrun import launched_by_torchrun
 
 if TYPE_CHECKING:
     from ember.frontend.engine import LLMEngine, PromptType
+    from ember.sampling.params import SamplingParams
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_max_tokens: int) -> None:
@@ -32,6 +35,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, default_max_tokens: int) -> N
 
 
 def _sampling_params(engine: LLMEngine, ns: argparse.Namespace) -> SamplingParams:
+    from ember.sampling.params import SamplingParams
+
     defaults = engine.default_sampling_params()
     overrides = {
         k: getattr(ns, k)
@@ -68,6 +73,7 @@ def _print_stream(chunks: Iterator[str]) -> str:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    from ember.config import EngineArgs
     from ember.frontend.engine import LLMEngine
 
     engine = LLMEngine(EngineArgs.from_cli_args(ns))
@@ -76,6 +82,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
+    from ember.config import EngineArgs
     from ember.frontend.engine import LLMEngine
     from ember.llm import chat_prompt
 
@@ -120,10 +127,11 @@ _COMMANDS = ("generate", "chat", "serve", "run-batch", "bench")
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every command's parser; only `command`'s when it names one (the rest would only cost imports)."""
+    from ember.config import EngineArgs
+
     parser = argparse.ArgumentParser(prog="ember", description="Ember LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     wanted = set(_COMMANDS) if command not in _COMMANDS else {command}
-
     if "generate" in wanted:
         gen = sub.add_parser("generate", help="complete one prompt and print the text")
         gen.add_argument("prompt")
@@ -161,8 +169,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _serves_from_a_core_process(argv: list[str]) -> bool:
+    """Whether the command line is `ember serve` with an engine core process of its own (the default)."""
+    flags = {arg.split("=", 1)[0] for arg in argv[1:]}
+    return argv[:1] == ["serve"] and not flags & {"-h", "--help", "--no-engine-process"} and not launched_by_torchrun()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if _serves_from_a_core_process(argv):
+        core_spawn.start_early()
     ns = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return ns.func(ns)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -576,10 +575,6 @@ class EngineArgs:
         kwargs = {k: v for k, v in vars(ns).items() if k in names}
         model = getattr(ns, "model_flag", None) or getattr(ns, "model", None)
         return cls(model=model, **kwargs)
-
-
-def launched_by_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

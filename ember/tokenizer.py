@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import tokenizers
+if TYPE_CHECKING:
+    import tokenizers
 
 
 class Tokenizer:

@@ -2,8 +2,10 @@
 
 - the server logs one start-up line: the front end's and the engine core process's moments, in
   time order, in seconds since the server's process started;
+- `ember serve` starts its engine core's process before parsing its flags, and one nobody took
+  (bad flags, `--help`) is killed when the front end exits;
 - `ember serve` builds only its own command's parser (no `run-batch` / `bench` modules), and neither
-  process imports llguidance before the first grammar;
+  process imports llguidance before the first grammar, nor the engine core `tokenizers`;
 - the engine core leaves a GGUF vocabulary's strings undecoded until read (`StringArray`), and the
   decoded strings are the file's;
 - the native int4 relayout gives the bytes the unpack-and-repack reference gives;
@@ -104,6 +106,44 @@ def test_serve_builds_only_its_own_parser_and_no_process_imports_llguidance_at_s
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["[]", "True", "['bench', 'chat', 'generate', 'run-batch', 'serve']"]
+
+
+def test_serve_starts_its_core_before_its_flags_and_a_core_nobody_took_dies_with_the_front_end():
+    code = (
+        "import sys\n"
+        "from ember.frontend import core_spawn\n"
+        "from ember.cli import _serves_from_a_core_process as early\n"
+        "print(early(['serve']), early(['serve', '--port=1']), early(['serve', '--no-engine-process']),\n"
+        "      early(['serve', '-h']), early(['generate', 'x']))\n"
+        "core_spawn.start_early()\n"
+        "early_proc, later = core_spawn.spawn(), core_spawn.spawn()\n"
+        "print(early_proc.args[1:], later is not early_proc)\n"
+        "for proc in (early_proc, later):\n"
+        "    proc.kill(), proc.wait()\n"
+        "core_spawn.start_early()\n"
+        "print(core_spawn._early.pid)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    flags, taken, unclaimed = r.stdout.splitlines()[:3]
+    assert flags == "True True False False False"
+    assert taken == "['-m', 'ember.core.process'] True"
+    with pytest.raises(ProcessLookupError):  # killed and reaped at exit, not left importing torch
+        os.kill(int(unclaimed), 0)
+
+
+def test_the_engine_core_imports_tokenizers_only_to_build_its_grammar_tokenizer():
+    code = (
+        "import sys\n"
+        "import ember.core.process, ember.core.engine_core, ember.core.loop\n"
+        "from ember.model.gguf_tokenizer import GGUFVocab, open_gguf\n"
+        "print('tokenizers' in sys.modules)\n"
+        f"vocab = GGUFVocab.read(open_gguf({default_gguf_path()!r}, lazy_strings=True))\n"
+        "print(vocab.build().get_vocab_size() == len(vocab.tokens), 'tokenizers' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["False", "True True"]
 
 
 def test_lazy_strings_are_the_files_strings_decoded_on_first_read():

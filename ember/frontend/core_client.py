@@ -19,13 +19,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
 import zmq
 
-from ember.config import EngineArgs, EngineConfig, launched_by_torchrun
+from ember.config import EngineArgs, EngineConfig
+from ember.frontend import core_spawn
 from ember.frontend.errors import EngineStartError
 from ember.messages import (
     CoreBootstrap,
@@ -39,6 +39,7 @@ from ember.messages import (
     decode_output,
     encode,
 )
+from ember.torchrun import launched_by_torchrun
 
 logger = logging.getLogger("ember")
 _POLL_S = 0.1  # how often a waiting client checks that the core process is alive
@@ -135,8 +136,7 @@ class MPClient(EngineCoreClient):
         self._watch = HangWatch.from_env()
         self._watching = False  # from EngineCoreReady on: loading may take long and sends no heartbeats
         self._handshake: EngineCoreReady | None = None  # the core's EngineCoreReady, once received
-        # The core never needs its own stdout; keeping stdin open tells it the front end lives.
-        self.proc = subprocess.Popen([sys.executable, "-m", "ember.core.process"], stdin=subprocess.PIPE)
+        self.proc = core_spawn.spawn()
         boot = CoreBootstrap(config, self._address("in"), self._address("out"), self._watch.heartbeat_interval)
         assert self.proc.stdin is not None  # stdin=PIPE
         boot.write(self.proc.stdin)

