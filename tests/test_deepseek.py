@@ -231,6 +231,24 @@ def test_dummy_weights_run(checkpoints):
     assert len(llm.generate(PROMPTS[:2], params, use_tqdm=False)[1].outputs[0].token_ids) == 3
 
 
+def test_prefill_attention_leaves_out_cudnn(checkpoints, monkeypatch):
+    """The prefill's attention runs with cuDNN's backend off (it builds a graph per prompt length on the
+    host: ember.ops.mla.PREFILL_BACKENDS), both with and without cached context, and only there."""
+    import ember.ops.mla as mla
+
+    seen, sdpa = [], mla.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), "attn_mask" in kwargs))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(mla.F, "scaled_dot_product_attention", spy)
+    _llm(checkpoints["deepseek-v3"]).generate(PROMPTS, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert {masked for _, masked in seen} == {False, True}  # a first chunk and a later one over its context
+    assert not any(enabled for enabled, _ in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 # --- configuration -----------------------------------------------------------------------------------
 
 

@@ -28,10 +28,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ember.ops.attention import AttentionMetadata, Masking, copy_to_slots, decode_plan
 from ember.ops.target import Target
 from ember.quant.kv_scale import KVScale, check_kv_scales, dequantize_kv, quantize_kv
+
+# The prefill's attention backends: every one but cuDNN's, which builds a graph for each new shape (each
+# prompt length) on the host. In the DeepSeek-V2-Lite shape's nano-vllm run (H100, 2026-12-07,
+# benchmarks/results/h100-2026-12-07-b.md) the prefill steps, ~15 prompts a step, each its own shape, held
+# the device idle 780 ms a step beside 150 ms of work: 12 s of the run's 29, with 414 cuDNN attention calls a
+# step. The memory-efficient kernel takes q/k's 192 columns against v's 128; math is the last resort.
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -182,12 +190,13 @@ class TorchMLA:
         k = torch.cat([k_nope, k_pe[:, None].expand(seq_len, heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         qb, kb, vb = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, *, *]
-        if ctx == 0:
-            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
-        else:
-            pos = torch.arange(seq_len, device=q.device)[None, :]
-            mask = pos <= torch.arange(q_len, device=q.device)[:, None] + ctx
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[None, None], scale=scale)
+        with sdpa_kernel(PREFILL_BACKENDS):
+            if ctx == 0:
+                o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+            else:
+                pos = torch.arange(seq_len, device=q.device)[None, :]
+                mask = pos <= torch.arange(q_len, device=q.device)[:, None] + ctx
+                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[None, None], scale=scale)
         return o[0].transpose(0, 1)
 
 
