@@ -39,6 +39,13 @@ FRONT_END_ORDER = ["front end imported", "core spawned", "web stack imported", "
 CORE_ORDER = ["core process started", "core imported", "model files read", "model loaded", "KV allocated", "core ready"]
 
 
+def _run_python(code: str) -> str:
+    """The standard output of `code` run in a fresh interpreter, which must exit 0."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def test_serve_logs_one_start_up_timeline(llama_dir):
     port = free_port()
     proc = subprocess.Popen(
@@ -84,9 +91,8 @@ def test_process_start_is_the_start_of_this_interpreter():
         "print(before - start, time.monotonic() >= start)\n"
     )
     outer = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    age, ordered = r.stdout.split()
+    out = _run_python(code)
+    age, ordered = out.split()
     assert ordered == "True" and -0.02 <= float(age) < time.monotonic() - outer + 0.02
 
 
@@ -103,9 +109,8 @@ def test_serve_builds_only_its_own_parser_and_no_process_imports_llguidance_at_s
         "full = build_parser()._subparsers._group_actions[0].choices\n"
         "print(sorted(full))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["[]", "True", "['bench', 'chat', 'generate', 'run-batch', 'serve']"]
+    out = _run_python(code)
+    assert out.splitlines() == ["[]", "True", "['bench', 'chat', 'generate', 'run-batch', 'serve']"]
 
 
 def test_serve_starts_its_core_before_its_flags_and_a_core_nobody_took_dies_with_the_front_end():
@@ -123,9 +128,8 @@ def test_serve_starts_its_core_before_its_flags_and_a_core_nobody_took_dies_with
         "core_spawn.start_early()\n"
         "print(core_spawn._early.pid)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    flags, taken, unclaimed = r.stdout.splitlines()[:3]
+    out = _run_python(code)
+    flags, taken, unclaimed = out.splitlines()[:3]
     assert flags == "True True False False False"
     assert taken == "['-m', 'ember.core.process'] True"
     with pytest.raises(ProcessLookupError):  # killed and reaped at exit, not left importing torch
@@ -141,9 +145,8 @@ def test_the_engine_core_imports_tokenizers_only_to_build_its_grammar_tokenizer(
         f"vocab = GGUFVocab.read(open_gguf({default_gguf_path()!r}, lazy_strings=True))\n"
         "print(vocab.build().get_vocab_size() == len(vocab.tokens), 'tokenizers' in sys.modules)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["False", "True True"]
+    out = _run_python(code)
+    assert out.splitlines() == ["False", "True True"]
 
 
 def test_lazy_strings_are_the_files_strings_decoded_on_first_read():

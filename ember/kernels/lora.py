@@ -214,25 +214,25 @@ def _expand_segments_kernel(
     slot = _next_slot(tile_slots, -1)
     while slot < NO_SLOT:  # each adapter of the tile's rows: its B read once, the other rows' xa masked to zeros
         xa_mask = (tile_slots == slot)[:, None] & (rs[None, :] < R)
-        slot = slot.to(tl.int64)
-        xa_tile = xa_ptr + rows[:, None] * stride_xat + slot * stride_xas + rs[None, :]
+        s64 = slot.to(tl.int64)
+        xa_tile = xa_ptr + rows[:, None] * stride_xat + s64 * stride_xas + rs[None, :]
         # a tile's columns are of one slice but where slices meet: there each slice's product, the others'
         # columns masked to exact zeros
         delta = _segment_slice(
-            delta, xa_tile, xa_mask, b_ptr, slot, cols, live, 0, END0, 0, 0, R, SPLITS, stride_xap, BLOCK_R,
+            delta, xa_tile, xa_mask, b_ptr, s64, cols, live, 0, END0, 0, 0, R, SPLITS, stride_xap, BLOCK_R,
             DOT_DTYPE, PRECISION,
         )  # fmt: skip
         if N_SLICES > 1:
             delta = _segment_slice(
-                delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END0, END1, B_START1, R, R, SPLITS, stride_xap,
+                delta, xa_tile, xa_mask, b_ptr, s64, cols, live, END0, END1, B_START1, R, R, SPLITS, stride_xap,
                 BLOCK_R, DOT_DTYPE, PRECISION,
             )  # fmt: skip
         if N_SLICES > 2:
             delta = _segment_slice(
-                delta, xa_tile, xa_mask, b_ptr, slot, cols, live, END1, N, B_START2, 2 * R, R, SPLITS, stride_xap,
+                delta, xa_tile, xa_mask, b_ptr, s64, cols, live, END1, N, B_START2, 2 * R, R, SPLITS, stride_xap,
                 BLOCK_R, DOT_DTYPE, PRECISION,
             )  # fmt: skip
-        slot = _next_slot(tile_slots, slot.to(tl.int32))
+        slot = _next_slot(tile_slots, slot)
     y_tile = y_ptr + rows[:, None] * stride_yt + cols[None, :]
     mask = ((tile_slots >= 0) & (tile_slots < NO_SLOT))[:, None] & live[None, :]  # the base's rows left alone
     y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)

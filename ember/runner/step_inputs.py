@@ -98,7 +98,10 @@ def prepare_step(
     `mrope_merge`: an M-RoPE model's spatial merge size; each token's 3D positions then fill
     `buffers.mrope_positions`."""
     decoding = [n == 1 or n == 1 + len(r.spec_token_ids) > 1 for r, n in zip(requests, num_new_tokens)]
-    order = sorted(range(len(requests)), key=lambda i: (not decoding[i], _lora_slot(requests[i], lora_slots)))
+    # Each request's adapter slot (-1: the base, or LoRA off). Decode rows go in slot order, so the LoRA
+    # kernels' row tiles at large batch mostly hold one adapter each (ember/kernels/lora.py).
+    adapter = [-1] * len(requests) if lora_slots is None else [_lora_slot(r, lora_slots) for r in requests]
+    order = sorted(range(len(requests)), key=lambda i: (not decoding[i], adapter[i]))
     b = buffers
     ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
     tables, seq_lens, qsl, logits_idx = b.block_tables.np, b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
@@ -147,7 +150,7 @@ def prepare_step(
             second = None if req.pooling_params is None else req.pooling_params.token_type_start
             b.token_types.np[t : t + n] = 0 if second is None else np.arange(start, end) >= second
         if b.lora_slots is not None and lora_slots is not None:
-            b.lora_slots.np[t : t + n] = _lora_slot(req, lora_slots)
+            b.lora_slots.np[t : t + n] = adapter[i]
         if b.mrope_positions is not None and mrope_merge is not None:
             b.mrope_positions.np[t : t + n] = _mrope_rows(req, pos[t : t + n], mrope_merge)
         t += n
@@ -189,12 +192,9 @@ def prepare_step(
     return PreparedStep(header, samplers, prompt_rows, inflight, spans)
 
 
-def _lora_slot(req: RequestState, lora_slots: dict[int, int] | None) -> int:
-    """The request's adapter slot (-1: the base model, or LoRA off). Decode rows go in slot order, so the
-    LoRA kernels' row tiles at large batch mostly hold one adapter each (ember/kernels/lora.py)."""
-    if req.lora_request is None or lora_slots is None:
-        return -1
-    return lora_slots[req.lora_request.lora_int_id]
+def _lora_slot(req: RequestState, lora_slots: dict[int, int]) -> int:
+    """The request's adapter slot, -1 for the base model."""
+    return -1 if req.lora_request is None else lora_slots[req.lora_request.lora_int_id]
 
 
 def _state_row(b: InputBuffers, seq: int, req: RequestState, first: int) -> None:
