@@ -2,17 +2,17 @@
 base model, batch-1 time per token with one adapter against none, and an adapter's runtime load to first use
 (issue 31's targets).
 
-Phases, in the library, each after a two-request warm-up: `base` (an engine without LoRA), `base-lora-on` (the
-base alone on an engine with `--enable-lora`: what turning LoRA on costs requests that use none) and `adapters`
-(the requests dealt round-robin to the adapters); `--rounds R` alternates the last two R times on the one engine
-and keeps each one's median, whose ratio (`adapters_vs_lora_on`) outside load moves least. The adapters are
-random PEFT directories written for the model's shapes (every target: q/k/v/o, gate/up/down; rank `--rank`,
-float32 tensors; `max_loras` =
-`--adapters`). Workloads: `stories` ("Write a story about the number i.", greedy, `--max-tokens` each, the CPU
-default) and `nano-vllm` (the design doc's 256 random-token requests at temperature 0.6, benchmarks/throughput.py's
-workload). `--latency` adds batch-1 TPOT (512-token prompt, 128 tokens; benchmarks/latency.py's measure) on the
-base engine, and on the LoRA engine without an adapter and with one; `--load` the seconds from a request naming a
-new adapter (never loaded, on disk) to its first token, beside the same request under an adapter already resident.
+Phases, in the library, each after a two-request warm-up: `base` (an engine without LoRA), `base-lora-on` (the base
+alone on an engine with `--enable-lora`: what turning LoRA on costs requests that use none) and `adapters` (the
+requests dealt round-robin to the adapters); `--rounds R` alternates the last two R times on the one engine and keeps
+each one's median, whose ratio (`adapters_vs_lora_on`) outside load moves least. The adapters are random PEFT
+directories written for the model's shapes (every target: q/k/v/o, gate/up/down; rank `--rank`, float32 tensors, held
+in the slots in `--lora-dtype`; `max_loras` = `--adapters`). Workloads: `stories` ("Write a story about the number
+i.", greedy, `--max-tokens` each, the CPU default) and `nano-vllm` (the design doc's 256 random-token requests at
+temperature 0.6, benchmarks/throughput.py's workload). `--latency` adds batch-1 TPOT (512-token prompt, 128 tokens;
+benchmarks/latency.py's measure) on the base engine, and on the LoRA engine without an adapter and with one; `--load`
+the seconds from a request naming a new adapter (never loaded, on disk) to its first token, beside the same request
+under an adapter already resident.
 
     python benchmarks/lora.py                          # CPU: 16 requests over 4 rank-16 adapters, default model
     python benchmarks/lora.py --model benchmarks/configs/llama-3.1-8b --load-format dummy --workload nano-vllm \\
@@ -112,6 +112,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="default: 16 stories, 256 nano-vllm")
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--lora-dtype", default="auto", help="the slots' dtype (auto: the model's; bfloat16 halves a CPU step's reads)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="stories' output length")
     parser.add_argument(
         "--rounds", type=int, default=1, help="LoRA-engine phases alternated this many times (medians kept)"
@@ -154,7 +157,7 @@ def main() -> None:
         latency["base_tpot_ms"] = tpot_ms(base, None)
     base.llm_engine.shutdown()
     del base
-    lora = LLM(**engine, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    lora = LLM(**engine, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, lora_dtype=args.lora_dtype)
     rounds: dict[str, list[float]] = {"base-lora-on": [], "adapters": []}
     with tempfile.TemporaryDirectory() as tmp:
         shapes = lora.llm_engine.ready.lora

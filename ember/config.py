@@ -99,6 +99,7 @@ class LoRAConfig:
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
+    lora_dtype: str = "auto"  # the slots' dtype: "auto" (the model's), or a torch dtype name (`resolve_lora_dtype`)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
@@ -302,6 +303,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    lora_dtype: str = "auto"  # the adapters' dtype in their slots: "auto" (the model's), float32, bfloat16, float16
     # vLLM's --runner: "generate", "pooling" (embeddings and scores only), or "auto" (pooling for an encoder
     # model, else generate; a generating engine serves pooling requests too). See docs/pooling.md.
     runner: str = "auto"
@@ -362,6 +364,8 @@ class EngineArgs:
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:
             _check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras)
+        if self.lora_dtype != "auto" and self.lora_dtype not in _DTYPES:
+            raise ValueError(f"lora_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.lora_dtype!r}")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora: not supported with tensor parallelism yet (tensor_parallel_size > 1)")
         if self.enable_lora and self.speculative_config is not None:
@@ -399,7 +403,8 @@ class EngineArgs:
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
+        dtype = "auto" if self.lora_dtype == "auto" else _DTYPES[self.lora_dtype]
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras, dtype)
 
     def load_config(self) -> LoadConfig:
         return LoadConfig(
@@ -526,6 +531,12 @@ class EngineArgs:
         g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
         g.add_argument(
             "--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory (default: --max-loras)"
+        )
+        g.add_argument(
+            "--lora-dtype",
+            default="auto",
+            help="the adapters' dtype on the device: auto (the model's), float32, bfloat16 or float16; on CPU "
+            "bfloat16 halves the bytes a decode step reads of them (docs/lora.md)",
         )
         g.add_argument(
             "--runner",

@@ -244,6 +244,24 @@ def test_lora_needs_enable_lora(setup):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=loras["all-r8"])
 
 
+def test_lora_dtype_is_checked():
+    """`lora_dtype` takes "auto" or a dtype name (the flag's value is checked where it is given); a dtype
+    other than the model's runs on the CPU only, a ValueError naming the field elsewhere."""
+    from ember.config import EngineArgs
+    from ember.model.lora import slot_dtype
+    from ember.ops.target import Target
+
+    with pytest.raises(ValueError, match="lora_dtype must be 'auto' or one of"):
+        EngineArgs(model="m", enable_lora=True, lora_dtype="int8")
+    assert EngineArgs(model="m", enable_lora=True, lora_dtype="bf16").lora_config().lora_dtype == "bfloat16"
+    cpu = Target(torch.device("cpu"), torch.float32, False, True)
+    assert slot_dtype("auto", cpu) == torch.float32 and slot_dtype("bfloat16", cpu) == torch.bfloat16
+    cuda = Target(torch.device("cuda"), torch.bfloat16, True, False)
+    assert slot_dtype("auto", cuda) == slot_dtype("bfloat16", cuda) == torch.bfloat16
+    with pytest.raises(ValueError, match=r"lora_dtype: adapters on cuda run in the model's dtype"):
+        slot_dtype("float32", cuda)
+
+
 def test_quantized_base_takes_adapters(setup):
     """The delta is added to the base projection's output: an int8 base with an adapter equals the int8 base
     plus what the adapter adds to a float base, so its tokens differ from the int8 base's alone."""

@@ -104,6 +104,34 @@ def test_gemv_lora_is_the_gemv_then_the_delta(kernels, kind, bf16, bias, widths,
         ops.matmul_lora(x, w, bias_t, (a, b), torch.full((rows,), 4, dtype=torch.int32))
 
 
+@pytest.mark.parametrize(("widths", "k", "rows"), [([48, 16, 16], 40, 7), ([600], 576, 33), ([1536, 1536], 576, 5)])
+def test_bfloat16_slots_give_the_float32_numbers_of_their_values(kernels, widths, k, rows, monkeypatch) -> None:
+    """bfloat16 slots (`--lora-dtype bfloat16`) widen to float32 exactly in the kernels: lora_delta and
+    gemv_lora over them equal, bit for bit, the float32 kernels over the same values (column tails, the
+    parallel loops included; K = 40 a tail of the shrink's loads); slots of two dtypes, or float16, are not
+    taken."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    gen = torch.Generator().manual_seed(rows)
+    num_slots, rank = 4, 8
+    a16 = torch.randn(num_slots, len(widths) * rank, k, generator=gen).bfloat16()
+    b16 = [torch.randn(num_slots, rank, n, generator=gen).bfloat16() for n in widths]
+    a32, b32 = a16.float(), [t.float() for t in b16]
+    x = torch.randn(rows, k, generator=gen) / k**0.5
+    slots = torch.tensor([(-1, 0, 2, 3, 2, -1, 0)[t % 7] for t in range(rows)], dtype=torch.int32)
+    y0 = torch.randn(rows, sum(widths), generator=gen)
+    got, want = y0.clone(), y0.clone()
+    ops.lora_delta(x, got, (a16, b16), slots)
+    ops.lora_delta(x, want, (a32, b32), slots)
+    assert torch.equal(got, want) and not torch.equal(got, y0)
+    if k % 32 == 0:  # the GEMV's groups
+        w = ops.native_weight(base._weight("int4", sum(widths), k, 32, True, seed=rows))
+        want = ops.matmul_lora(x, w, None, (a32, b32), slots)
+        assert torch.equal(ops.matmul_lora(x, w, None, (a16, b16), slots), want)
+    assert not ops.lora_fits(a16, b32) and not ops.lora_fits(a16.half(), [t.half() for t in b16])
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.lora_delta(x, got, (a16, b32), slots)
+
+
 def test_silu_mul_matches_the_fused_gemv_silu(kernels) -> None:
     y = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(0)) * 4
     torch.testing.assert_close(ops.silu_mul(y), torch.nn.functional.silu(y[:, :40]) * y[:, 40:], atol=1e-5, rtol=1e-5)
@@ -160,3 +188,31 @@ def _lora_generate(llm: LLM, prompts: list[str], loras: list) -> list[tuple[list
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     return [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_bfloat16_slots_end_to_end(tmp_path, monkeypatch) -> None:
+    """`lora_dtype="bfloat16"` on the CPU: adapters whose values bfloat16 holds (and a power-of-two scale)
+    give the float32 slots' tokens and logprobs exactly, through the native decode layers, the module path
+    and the LM head's and embedding's adapters; "auto" is the model's float32. The kernels are handed
+    the slots in the dtype asked for."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_checkpoint(tmp_path / "llama", "llama")
+    adapters = []
+    for i, (name, targets) in enumerate([("all", ALL), ("outer", ["embed_tokens", "lm_head", "v_proj"])]):
+        out = make_adapter(path, tmp_path / name, 8, 16, targets, False, seed=i)
+        file = out / "adapter_model.safetensors"
+        save_file({key: t.bfloat16().float() for key, t in load_file(str(file)).items()}, str(file))
+        adapters.append(LoRARequest(name, i + 1, str(out)))
+    kwargs = dict(quantization="int8", kv_cache_memory=0.02, max_model_len=256, engine_process=False)
+    names = [None, *adapters]
+    seen: set[torch.dtype] = set()
+    flag = ops._lora_bf16
+    monkeypatch.setattr(ops, "_lora_bf16", lambda a: seen.add(a.dtype) or flag(a))
+    runs = {}
+    for dtype in ("auto", "bfloat16"):
+        seen.clear()
+        llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=8, lora_dtype=dtype, **kwargs)
+        runs[dtype] = _lora_generate(llm, PROMPTS * len(names), [r for r in names for _ in PROMPTS])
+        assert seen == {torch.bfloat16 if dtype == "bfloat16" else torch.float32}
+    assert runs["bfloat16"] == runs["auto"]

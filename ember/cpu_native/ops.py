@@ -571,16 +571,25 @@ def silu_mul(y: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# One projection's LoRA slots (ember/ops/lora.py, LoRAWeights): A float32 [loras, slices * rank, K], then B
-# of each slice float32 [loras, rank, n_i], the scale folded in.
+# One projection's LoRA slots (ember/ops/lora.py, LoRAWeights): A [loras, slices * rank, K], then B of each
+# slice [loras, rank, n_i], the scale folded in; float32 or bfloat16 (`--lora-dtype`), summed in float32.
 LoRASlots = tuple[torch.Tensor, list[torch.Tensor]]
+LORA_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def lora_fits(a: torch.Tensor, b: list[torch.Tensor]) -> bool:
-    """Whether `lora_delta` (and `layer_record`) take these slots: contiguous CPU float32, 1 to 3 slices."""
-    return 1 <= len(b) <= 3 and all(
-        t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and t.shape[0] == a.shape[0] for t in (a, *b)
+    """Whether `lora_delta` (and `layer_record`) take these slots: contiguous CPU float32 or bfloat16, all
+    of one dtype, 1 to 3 slices."""
+    return (
+        1 <= len(b) <= 3
+        and a.dtype in LORA_DTYPES
+        and all(t.is_cpu and t.dtype == a.dtype and t.is_contiguous() and t.shape[0] == a.shape[0] for t in (a, *b))
     )
+
+
+def _lora_bf16(a: torch.Tensor) -> int:
+    """The kernels' flag for the slots' dtype (lora.c, lora_ref.bf16)."""
+    return int(a.dtype == torch.bfloat16)
 
 
 def lora_delta(x: torch.Tensor, y: torch.Tensor, lora: LoRASlots, slots: torch.Tensor) -> None:
@@ -616,6 +625,7 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, lora: LoRASlots, slots: torch.T
         b[0].shape[1],
         k,
         a.shape[0],
+        _lora_bf16(a),
         torch.get_num_threads(),
     )
 
@@ -665,6 +675,7 @@ def matmul_lora(
         len(b),
         b[0].shape[1],
         a.shape[0],
+        _lora_bf16(a),
     )
     return y
 
@@ -766,10 +777,11 @@ def layer_record(
 
 
 def _lora_args(lora: tuple[LoRASlots, ...] | None) -> list[int]:
-    """A layer's LoRA fields (fused.c, R_LORAS..): slots, rank, then per projection A and each slice's B."""
+    """A layer's LoRA fields (fused.c, R_LORAS..): slots, rank, bf16, then per projection A and each slice's
+    B."""
     if lora is None:
-        return [0] * 18
-    out = [lora[0][0].shape[0], lora[0][1][0].shape[1]]
+        return [0] * 19
+    out = [lora[0][0].shape[0], lora[0][1][0].shape[1], _lora_bf16(lora[0][0])]
     for a, b in lora:
         out += [a.data_ptr(), *(t.data_ptr() for t in b), *[0] * (3 - len(b))]
     return out

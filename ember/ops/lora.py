@@ -59,7 +59,7 @@ class TorchLoRA:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
         num_slots, rows = w.a.shape[0], x.shape[0]
-        xa = torch.mm(x, w.a.view(-1, w.a.shape[-1]).t()).view(rows, num_slots, -1)
+        xa = torch.mm(x, w.a.view(-1, w.a.shape[-1]).t().to(x.dtype)).view(rows, num_slots, -1)
         self._expand(xa.mul_(self._own(slots, num_slots, x.dtype)[:, :, None]), y, w)
 
     def embed(self, ids: torch.Tensor, y: torch.Tensor, w: LoRAWeights, slots: torch.Tensor) -> None:
@@ -75,15 +75,16 @@ class TorchLoRA:
 
     @staticmethod
     def _expand(xa: torch.Tensor, y: torch.Tensor, w: LoRAWeights) -> None:
-        """y += the masked shrink xa [T, slots, n_slices * rank] through every slot's B."""
+        """y += the masked shrink xa [T, slots, n_slices * rank] through every slot's B, in y's dtype (the
+        slots' may differ: `--lora-dtype`)."""
         rows, num_slots = xa.shape[:2]
-        xa = xa.view(rows, num_slots, len(w.b), w.rank)
+        xa = xa.to(y.dtype).view(rows, num_slots, len(w.b), w.rank)
         if len(w.b) == 1:  # o_proj, down_proj, the embedding, the LM head: one product
             b = w.b[0]
-            y[:, : b.shape[2]].addmm_(xa.view(rows, -1), b.view(-1, b.shape[2]))
+            y[:, : b.shape[2]].addmm_(xa.view(rows, -1), b.view(-1, b.shape[2]).to(y.dtype))
             return
         for i, (start, b) in enumerate(zip(w.offsets, w.b)):
-            y[:, start : start + b.shape[2]].addmm_(xa[:, :, i].reshape(rows, -1), b.view(-1, b.shape[2]))
+            y[:, start : start + b.shape[2]].addmm_(xa[:, :, i].reshape(rows, -1), b.view(-1, b.shape[2]).to(y.dtype))
 
 
 class NativeLoRA(TorchLoRA):

@@ -31,7 +31,7 @@ class LoRAManager:
     def __init__(self, model: CausalLM, config: LoRAConfig, slots: torch.Tensor) -> None:
         """`slots`: the step input holding each token's slot (-1: none), read by every wrapped layer."""
         slots.fill_(-1)
-        self.layers = LoRALayers(model, config.max_loras, config.max_lora_rank, slots)
+        self.layers = LoRALayers(model, config.max_loras, config.max_lora_rank, slots, config.lora_dtype)
         self.config = config
         self._checked: dict[int, tuple[str, PeftAdapter]] = {}  # id -> (path, adapter) for adapters that passed
         self._host: OrderedDict[int, Future[HostAdapter]] = OrderedDict()  # LRU: oldest first

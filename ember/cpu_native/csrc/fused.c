@@ -271,14 +271,14 @@ static int gemv_lora(gemv_args *a, int bits, int threads, const float *bias, con
 }
 
 /* gemv_lora(x, codes, scales, zeros, y, M, K, N, group, threads, half, bits, bias, slots, a, b0, b1, b2, n0, n1,
- *           n2, slices, rank, loras): y [M, N] = x @ W^T (+ bias float32 [N], 0: none) + each row's LoRA delta
+ *           n2, slices, rank, loras, lora_bf16): y [M, N] = x @ W^T (+ bias float32 [N], 0: none) + each row's LoRA delta
  *           (slots int32 [M], -1: none; a 0: no adapter) in one parallel region (gemv_lora); the weight as
  *           gemv_q{bits} takes it (bits 4, 5, 8, | BF16 for bf16 arithmetic), the slots as lora_delta takes
  *           them, n0 + n1 + n2 = N. The module path's fused projection (LoRALinear), the same numbers as
  *           decode_layers'. */
 static PyObject *gemv_lora_entry(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[24];
-    if (parse(args, nargs, 24, "gemv_lora", v, NULL, 0) < 0) return NULL;
+    int64_t v[25];
+    if (parse(args, nargs, 25, "gemv_lora", v, NULL, 0) < 0) return NULL;
     const int bits = (int)v[11];
     if ((bits & ~BF16) != 4 && (bits & ~BF16) != 5 && (bits & ~BF16) != 8) {
         PyErr_SetString(PyExc_ValueError, "gemv_lora: bits 4, 5 or 8, | 16 for bf16 arithmetic");
@@ -287,7 +287,7 @@ static PyObject *gemv_lora_entry(PyObject *self, PyObject *const *args, Py_ssize
     if (!bf16_built(bits, "gemv_lora") || !layout_fits(bits, v[6], v[8], (int)v[10], "gemv_lora")) return NULL;
     gemv_args a = {PTR(v[0]), PTR(v[1]), PTR(v[2]), PTR(v[3]), PTR(v[4]), v[5], v[6], v[7], v[8], (int)v[10], NULL};
     const lora_ref w = {PTR(v[14]), {PTR(v[15]), PTR(v[16]), PTR(v[17])}, {v[18], v[19], v[20]},
-                        {0, v[18], v[18] + v[19]}, v[21], v[22], v[6], v[23]};
+                        {0, v[18], v[18] + v[19]}, v[21], v[22], v[6], v[23], v[24] != 0};
     const int32_t *slots = PTR(v[13]);
     const int lora = v[14] != 0;
     if (lora && (w.slices < 1 || w.slices > 3 || v[18] + v[19] + v[20] != a.N)) {
@@ -312,12 +312,13 @@ static PyObject *gemv_lora_entry(PyObject *self, PyObject *const *args, Py_ssize
 enum {
     R_IN_NORM, R_POST_NORM, R_QKV, R_O = R_QKV + 6, R_GATE_UP = R_O + 6, R_DOWN = R_GATE_UP + 6,
     R_COS = R_DOWN + 6, R_SIN, R_TABLE_ROWS, R_K_CACHE, R_V_CACHE, R_CACHE_SLOTS, R_BLOCK_SIZE, R_WINDOW,
-    R_H, R_HQ, R_HK, R_D, R_I, R_Q_NORM, R_K_NORM, R_QKV_BIAS, R_LORAS, R_LORA_RANK, R_LORA_QKV,
+    R_H, R_HQ, R_HK, R_D, R_I, R_Q_NORM, R_K_NORM, R_QKV_BIAS, R_LORAS, R_LORA_RANK, R_LORA_BF16, R_LORA_QKV,
     R_LORA_O = R_LORA_QKV + 4, R_LORA_GATE_UP = R_LORA_O + 4, R_LORA_DOWN = R_LORA_GATE_UP + 4,
     R_EPS = R_LORA_DOWN + 4, R_SCALE, R_CAP, R_QK_EPS, R_FIELDS
 };
-/* LoRA (ember/ops/lora.py): R_LORAS slots (0: the layer has none) of rank R_LORA_RANK; per projection 4
- * slots: A, then B of each slice (0 past the projection's slices) */
+/* LoRA (ember/ops/lora.py): R_LORAS slots (0: the layer has none) of rank R_LORA_RANK, bfloat16 where
+ * R_LORA_BF16 is 1 (else float32); per projection 4 slots: A, then B of each slice (0 past the projection's
+ * slices) */
 
 typedef struct {
     const void *codes, *scales, *zeros;
@@ -353,7 +354,7 @@ typedef struct {
 /* The LoRA weights of projection `field` (R_LORA_*) over K inputs, its slices' widths n (0 past the last) */
 static lora_ref lora_at(const int64_t *r, int field, int64_t K, int64_t n0, int64_t n1, int64_t n2) {
     lora_ref w = {PTR(r[field]), {PTR(r[field + 1]), PTR(r[field + 2]), PTR(r[field + 3])}, {n0, n1, n2},
-                  {0, n0, n0 + n1}, n2 ? 3 : n1 ? 2 : 1, r[R_LORA_RANK], K, r[R_LORAS]};
+                  {0, n0, n0 + n1}, n2 ? 3 : n1 ? 2 : 1, r[R_LORA_RANK], K, r[R_LORAS], r[R_LORA_BF16] != 0};
     return w;
 }
 

@@ -5,39 +5,72 @@
  * Rows are taken slot by slot, so a call reads each slot's A and B once whatever its rows (a chunk of B
  * stays in L1 across them) and never reads a slot no row uses; PyTorch's one-hot form (TorchLoRA)
  * multiplied every slot for every row in ~8 ops a projection. Each row's sums run in one fixed order,
- * whatever the other rows, so a row's delta does not depend on its batch. */
+ * whatever the other rows, so a row's delta does not depend on its batch.
+ *
+ * The slots hold float32 or bfloat16 (`--lora-dtype bfloat16`: half the memory), summed in float32 either
+ * way: a bf16 value widens to float32 exactly, so a bf16 slot gives the float32 kernel's numbers for the
+ * same rounded weights. */
 
 #include "kernels.h"
 
 #define LORA_COLS 64                /* output columns a thread adds at once: four vectors of accumulators */
-#define LORA_PARALLEL_MIN (1 << 14) /* floats of weights a call reads below which it runs on one thread */
+#define LORA_PARALLEL_MIN (1 << 14) /* values of weights a call reads below which it runs on one thread */
 
 typedef struct {
-    const float *a;       /* [loras, slices * rank, K] */
-    const float *b[3];    /* per slice [loras, rank, n_i] */
+    const void *a;        /* [loras, slices * rank, K] */
+    const void *b[3];     /* per slice [loras, rank, n_i] */
     int64_t n[3], off[3]; /* per slice: width, first output column */
     int64_t slices, rank, K, loras;
+    int bf16; /* a and b hold bfloat16 (else float32) */
 } lora_ref;
 
-/* dot(a, x) over K floats, in 16 lanes then their sum */
-static inline float lora_dot(const float *a, const float *x, int64_t K) {
+/* element i of a slot tensor, widened to float32 */
+static inline float lora_value(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* the address of element i of a slot tensor */
+static inline const void *lora_at_elem(const void *p, int64_t i, int bf16) {
+    return (const char *)p + i * (bf16 ? 2 : 4);
+}
+
+#ifdef __AVX512F__
+/* elements i .. i + 16 of a slot tensor as floats, lanes past `left` zero */
+static inline __m512 lora_vec(const void *p, int64_t i, int64_t left, int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(tail_mask(left), (const float *)p + i);
+    __m256i h;
+    if (left >= 16) {
+        h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    } else {
+        uint16_t t[16] = {0};
+        memcpy(t, (const uint16_t *)p + i, sizeof(uint16_t) * (size_t)(left > 0 ? left : 0));
+        h = _mm256_loadu_si256((const __m256i *)t);
+    }
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* dot(a, x) over K values, in 16 lanes then their sum */
+static inline float lora_dot(const void *a, const float *x, int64_t K, int bf16) {
 #ifdef __AVX512F__
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < K; i += 16) {
-        const __mmask16 m = tail_mask(K - i);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, x + i), acc);
-    }
+    for (int64_t i = 0; i < K; i += 16)
+        acc = _mm512_fmadd_ps(lora_vec(a, i, K - i, bf16), _mm512_maskz_loadu_ps(tail_mask(K - i), x + i), acc);
     return _mm512_reduce_add_ps(acc);
 #else
     float s = 0.f;
-    for (int64_t i = 0; i < K; i++) s += a[i] * x[i];
+    for (int64_t i = 0; i < K; i++) s += lora_value(a, i, bf16) * x[i];
     return s;
 #endif
 }
 
 /* y[c] += sum_k xa[k] b[k * stride + c] for c < width (<= LORA_COLS) */
-static inline void lora_expand_cols(const float *xa, const float *b, int64_t stride, int64_t rank, float *y,
-                                    int64_t width) {
+static inline void lora_expand_cols(const float *xa, const void *b, int64_t stride, int64_t rank, float *y,
+                                    int64_t width, int bf16) {
 #ifdef __AVX512F__
     __m512 acc[LORA_COLS / 16];
     __mmask16 m[LORA_COLS / 16];
@@ -48,14 +81,14 @@ static inline void lora_expand_cols(const float *xa, const float *b, int64_t str
     for (int64_t k = 0; k < rank; k++) {
         const __m512 xv = _mm512_set1_ps(xa[k]);
         UNROLL for (int v = 0; v < LORA_COLS / 16; v++) acc[v] =
-            _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(m[v], b + k * stride + v * 16), acc[v]);
+            _mm512_fmadd_ps(xv, lora_vec(b, k * stride + v * 16, width - v * 16, bf16), acc[v]);
     }
     UNROLL for (int v = 0; v < LORA_COLS / 16; v++) _mm512_mask_storeu_ps(
         y + v * 16, m[v], _mm512_add_ps(_mm512_maskz_loadu_ps(m[v], y + v * 16), acc[v]));
 #else
     for (int64_t c = 0; c < width; c++) {
         float s = 0.f;
-        for (int64_t k = 0; k < rank; k++) s += xa[k] * b[k * stride + c];
+        for (int64_t k = 0; k < rank; k++) s += xa[k] * lora_value(b, k * stride + c, bf16);
         y[c] += s;
     }
 #endif
@@ -107,8 +140,8 @@ static int lora_plan_make(lora_plan *p, const lora_ref *w, const int32_t *slots,
     return 0;
 }
 
-/* The floats of adapter weights a call of this plan reads */
-static int64_t lora_plan_floats(const lora_plan *p, const lora_ref *w) {
+/* The values of adapter weights a call of this plan reads */
+static int64_t lora_plan_values(const lora_plan *p, const lora_ref *w) {
     int64_t width = 0;
     for (int64_t i = 0; i < w->slices; i++) width += w->n[i];
     return p->n_used * (w->slices * w->rank * w->K + w->rank * width);
@@ -118,10 +151,10 @@ static int64_t lora_plan_floats(const lora_plan *p, const lora_ref *w) {
  * slot */
 static void lora_shrink_unit(const lora_ref *w, const lora_plan *p, const float *x, int64_t x_stride, int64_t u) {
     const int64_t SR = w->slices * w->rank, s = p->used[u / SR], j = u % SR;
-    const float *arow = w->a + (s * SR + j) * w->K;
+    const void *arow = lora_at_elem(w->a, (s * SR + j) * w->K, w->bf16);
     for (int64_t g = p->start[s]; g < p->start[s + 1]; g++) {
         const int64_t t = p->order[g];
-        p->xa[t * SR + j] = lora_dot(arow, x + t * x_stride, w->K);
+        p->xa[t * SR + j] = lora_dot(arow, x + t * x_stride, w->K, w->bf16);
     }
 }
 
@@ -131,10 +164,10 @@ static void lora_expand_chunk(const lora_ref *w, const lora_plan *p, int64_t i, 
     const int64_t R = w->rank, SR = w->slices * R, n = w->n[i];
     for (int64_t k = 0; k < p->n_used; k++) {
         const int64_t s = p->used[k];
-        const float *b = w->b[i] + s * R * n + c0;
+        const void *b = lora_at_elem(w->b[i], s * R * n + c0, w->bf16);
         for (int64_t g = p->start[s]; g < p->start[s + 1]; g++) {
             const int64_t t = p->order[g];
-            lora_expand_cols(p->xa + t * SR + i * R, b, n, R, y + t * y_stride + w->off[i] + c0, cw);
+            lora_expand_cols(p->xa + t * SR + i * R, b, n, R, y + t * y_stride + w->off[i] + c0, cw, w->bf16);
         }
     }
 }
@@ -164,7 +197,7 @@ static int lora_delta(const lora_ref *w, const float *x, int64_t x_stride, float
     const int64_t SR = w->slices * w->rank;
     int64_t cols = 0, chunks[3] = {0, 0, 0};
     for (int64_t i = 0; i < w->slices; i++) cols += chunks[i] = (w->n[i] + LORA_COLS - 1) / LORA_COLS;
-    if (lora_plan_floats(&p, w) < LORA_PARALLEL_MIN) threads = 1;
+    if (lora_plan_values(&p, w) < LORA_PARALLEL_MIN) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
         int64_t u;
@@ -184,14 +217,14 @@ static int lora_delta(const lora_ref *w, const float *x, int64_t x_stride, float
 }
 
 /* lora_delta(x, x_stride, y, y_stride, slots, M, a, b0, b1, b2, n0, n1, n2, off0, off1, off2, slices, rank,
- *            K, loras, threads): x float32 [M, K] rows x_stride apart, y float32 [M, >= off + n] rows y_stride
- *            apart, slots int32 [M] (-1: no adapter), a float32 [loras, slices * rank, K], b_i float32
- *            [loras, rank, n_i] (unused slices 0) */
+ *            K, loras, bf16, threads): x float32 [M, K] rows x_stride apart, y float32 [M, >= off + n] rows
+ *            y_stride apart, slots int32 [M] (-1: no adapter), a [loras, slices * rank, K], b_i [loras, rank,
+ *            n_i] (unused slices 0), a and b float32, or bfloat16 where bf16 is 1 */
 static PyObject *lora_delta_entry(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t v[21];
-    if (parse(args, nargs, 21, "lora_delta", v, NULL, 0) < 0) return NULL;
+    int64_t v[22];
+    if (parse(args, nargs, 22, "lora_delta", v, NULL, 0) < 0) return NULL;
     const lora_ref w = {PTR(v[6]), {PTR(v[7]), PTR(v[8]), PTR(v[9])}, {v[10], v[11], v[12]}, {v[13], v[14], v[15]},
-                        v[16], v[17], v[18], v[19]};
+                        v[16], v[17], v[18], v[19], v[20] != 0};
     const int32_t *slots = PTR(v[4]);
     if (w.slices < 1 || w.slices > 3) {
         PyErr_SetString(PyExc_ValueError, "lora_delta: 1 to 3 slices");
@@ -200,7 +233,7 @@ static PyObject *lora_delta_entry(PyObject *self, PyObject *const *args, Py_ssiz
     if (lora_check_slots("lora_delta", slots, v[5], w.loras) < 0) return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = lora_delta(&w, PTR(v[0]), v[1], PTR(v[2]), v[3], slots, v[5], (int)v[20]);
+    status = lora_delta(&w, PTR(v[0]), v[1], PTR(v[2]), v[3], slots, v[5], (int)v[21]);
     Py_END_ALLOW_THREADS
     if (status < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
