@@ -113,7 +113,8 @@ def test_kept_form_and_memory(qtype: QType) -> None:
     codes = formats.codes(w)
     assert lo <= int(codes.min()) and int(codes.max()) <= hi
     code_bytes = rows * cols * {"int8": 8, "int5": 5, "int4": 4}[kind] // 8
-    assert w.nbytes() == code_bytes + rows * (cols // group_size) * 4 * (1 if symmetric else 2)
+    scale_bytes = 2 if w.runs else 4  # Q4_1 keeps its float16 d and m (gguf_blocks._RUNS_TYPES)
+    assert w.nbytes() == code_bytes + rows * (cols // group_size) * scale_bytes * (1 if symmetric else 2)
 
 
 # --- a model mixing the new types ---------------------------------------------------------------
