@@ -113,7 +113,22 @@ def test_kept_form_and_memory(qtype: QType) -> None:
     codes = formats.codes(w)
     assert lo <= int(codes.min()) and int(codes.max()) <= hi
     code_bytes = rows * cols * {"int8": 8, "int5": 5, "int4": 4}[kind] // 8
-    assert w.nbytes() == code_bytes + rows * (cols // group_size) * 4 * (1 if symmetric else 2)
+    scale_bytes = 2 if w.runs else 4  # Q4_1 keeps its float16 d and m (gguf_blocks._RUNS_TYPES)
+    assert w.nbytes() == code_bytes + rows * (cols // group_size) * scale_bytes * (1 if symmetric else 2)
+
+
+def test_q4_1_runs_repack_exactly() -> None:
+    """Q4_1 comes in the file's runs (float16 d and m); `packed`, which every consumer but the native
+    kernels gets, is Ember's int4 packing of the same values, and both dequantize to gguf's reference."""
+    rows, cols = _shape(QType.Q4_1)
+    raw = random_tensor(QType.Q4_1, (rows, cols), np.random.default_rng(1))
+    w = quantized(raw, QType.Q4_1, (rows, cols))
+    p = formats.packed(w)
+    assert w.runs and not p.runs and p.scales.dtype == torch.float32
+    assert torch.equal(formats.codes(p), formats.codes(w))
+    assert torch.equal(p.qweight, formats.pack_int4(formats.codes(w)))
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, QType.Q4_1).reshape(rows, cols))
+    assert torch.equal(formats.dequantize(w), reference) and torch.equal(formats.dequantize(p), reference)
 
 
 # --- a model mixing the new types ---------------------------------------------------------------

@@ -153,6 +153,7 @@ class QuantEmbedding(nn.Module):
             None if w.zeros is None else w.zeros[scale_rows],
             w.group_size,
             w.in_features,
+            runs=w.runs,
         )
         return dequantize(rows, self.dtype)
 

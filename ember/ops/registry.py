@@ -38,7 +38,7 @@ from ember.ops import (
 from ember.ops.decode_layer import NativeDecodeLayers
 from ember.ops.target import Target
 from ember.ops.unfused import Unfused
-from ember.quant.formats import Fp8Activation, QuantizedWeight, widen_int5
+from ember.quant.formats import Fp8Activation, QuantizedWeight, packed, widen_int5
 
 FORCE_TRITON = False
 FUSE_FP8_QUANT = os.environ.get("EMBER_FUSE_FP8_QUANT", "1") != "0"
@@ -135,10 +135,12 @@ def _fp8_fused(table: tuple[Impl, ...], *facts: Any) -> Impl | None:
 
 
 def kept_form(t: Target, w: QuantizedWeight) -> QuantizedWeight:
-    """`w` as a layer on `t` keeps it: int5 codes (GGUF Q5_0's blocks, as read) where the native CPU kernels
-    run them, int8 elsewhere, which the other kernels take (DequantizeLinear would take int5 too, and
-    unpack it at every call)."""
-    return w if w.kind != "int5" or linear_native.NativeLinear.can_implement(t, w) else widen_int5(w)
+    """`w` as a layer on `t` keeps it: int5 codes (GGUF Q5_0's blocks, as read) and int4 runs (GGUF Q4_1's)
+    where the native CPU kernels run them; elsewhere int8 and Ember's int4 packing, which the other kernels
+    take (DequantizeLinear would take int5 too, and unpack it at every call)."""
+    if linear_native.NativeLinear.can_implement(t, w):
+        return w
+    return packed(widen_int5(w))
 
 
 def linear_impl(t: Target, w: QuantizedWeight | torch.Tensor, dtype: torch.dtype) -> linear.LinearImpl:

@@ -111,6 +111,9 @@ class QuantizedWeight:
     block_rows: int = 1  # output rows sharing one row of scales (128 for block-scaled fp8)
     in_perm: torch.Tensor | None = None  # int64 [K]: stored column j multiplies input in_perm[j]; None: j
     factors: ScaleFactors | None = None  # GGUF K-quants' two-level scales (the same values as `scales`)
+    # int4 only: the codes in runs of 32 inputs (byte j of a run: input j low, j + 16 high nibble) with float16
+    # scales and zeros, as GGUF Q4_1 blocks store them and the native CPU kernels read them (see `packed`)
+    runs: bool = False
 
     @property
     def out_features(self) -> int:
@@ -144,6 +147,7 @@ class QuantizedWeight:
                 self.in_features,
                 self.block_rows,
                 self.in_perm,
+                runs=self.runs,
             )
         if self.in_perm is not None:
             raise ValueError(
@@ -168,6 +172,7 @@ class QuantizedWeight:
             self.group_size,
             length,
             self.block_rows,
+            runs=self.runs,
         )
 
     def tensors(self) -> list[torch.Tensor]:
@@ -188,6 +193,7 @@ class QuantizedWeight:
             self.block_rows,
             None if self.in_perm is None else self.in_perm.to(device),
             None if self.factors is None else self.factors.to(device),
+            self.runs,
         )
 
 
@@ -244,8 +250,31 @@ def widen_int5(w: QuantizedWeight) -> QuantizedWeight:
     return replace(w, kind="int8", qweight=torch.from_numpy(q).to(w.qweight.device))
 
 
+def _run_nibbles(w: QuantizedWeight) -> torch.Tensor:
+    """A `runs` weight's codes, uint8 [N, K / 32, 32] in input order."""
+    q = w.qweight.reshape(w.out_features, -1, 16)
+    return torch.cat([q & 0x0F, q >> 4], dim=-1)
+
+
+def packed(w: QuantizedWeight) -> QuantizedWeight:
+    """`w` in Ember's int4 packing with float32 scales and zeros where it is a `runs` weight, for every
+    consumer but the native CPU kernels (GPU kernels, PyTorch's CPU operators); torch ops, so on any device."""
+    if not w.runs:
+        return w
+    q = _run_nibbles(w)
+    return replace(
+        w,
+        qweight=(q[..., 0::2] | (q[..., 1::2] << 4)).reshape(w.out_features, -1),
+        scales=w.scales.float(),
+        zeros=None if w.zeros is None else w.zeros.float(),
+        runs=False,
+    )
+
+
 def codes(w: QuantizedWeight) -> torch.Tensor:
     """The integer (or fp8) codes as an [N, K] tensor, unpacked."""
+    if w.runs:
+        return _run_nibbles(w).reshape(w.out_features, w.in_features)
     if w.kind == "int5":
         return widen_int5(w).qweight
     return unpack_int4(w.qweight, w.in_features) if w.kind == "int4" else w.qweight
@@ -284,7 +313,9 @@ def dense_weight(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torc
 
 def same_format(parts: list[QuantizedWeight]) -> bool:
     """Whether the weights can be stacked into one: same codes, groups, K, symmetry and column order."""
-    key = {(p.kind, p.group_size, p.in_features, p.zeros is None, p.block_rows, p.in_perm is None) for p in parts}
+    key = {
+        (p.kind, p.group_size, p.in_features, p.zeros is None, p.block_rows, p.in_perm is None, p.runs) for p in parts
+    }
     perms = [p.in_perm for p in parts if p.in_perm is not None]
     return (
         len(key) == 1
@@ -313,6 +344,7 @@ def concat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
         first.block_rows,
         first.in_perm,
         _cat_factors(parts),
+        first.runs,
     )
 
 
