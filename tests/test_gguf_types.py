@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as QType
 from ember import LLM, SamplingParams
 from ember.bench.gguf_files import ALL_TYPES, ModelShape, random_tensor, write_model
 from ember.model import gguf_blocks
-from ember.model.gguf import load_gguf
+from ember.model.gguf import load_gguf, quantized_tensor
 from ember.model.gguf_blocks import QUANTIZED_TYPES, dequantize, quantized
 from ember.quant import formats
 from ember.quant.formats import QuantizedWeight
@@ -251,3 +251,14 @@ def test_q4_k_m_qwen2_generates_the_float_decodings_tokens(tmp_path, monkeypatch
     if native.available():
         # Q5_0 in 5 bits, Q8_0 int8, both with float16 scales; Q6_K and Q4_K with two-level scales
         assert layer_kinds == {("int5", 1), ("int8", 1), ("int8", 2), ("int4", 2)}
+
+
+def test_q4_1_experts_take_embers_packing() -> None:
+    """Stacked Q4_1 experts (the expert kernels read Ember's int4 packing, not the file's runs): each
+    expert decodes to gguf's reference."""
+    rows, cols = _shape(QType.Q4_1)
+    raw = random_tensor(QType.Q4_1, (2 * rows, cols), np.random.default_rng(2))
+    experts = quantized_tensor(raw, QType.Q4_1, (2, rows, cols))
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, QType.Q4_1).reshape(2, rows, cols))
+    for e in range(2):
+        assert torch.equal(formats.dequantize(experts.expert(e)), reference[e])

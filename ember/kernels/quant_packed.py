@@ -50,7 +50,7 @@ import triton.language as tl
 from ember.kernels.paged import dot_dtype, dot_precision, num_sms
 from ember.kernels.quant_matmul import matmul_output
 from ember.kernels.split_k import MAX_TILES, sum_splits, tile_counters
-from ember.quant.formats import QuantizedWeight, unpack_int4
+from ember.quant.formats import QuantizedWeight, packed, unpack_int4
 
 SLOT = 16  # words down K per code slot: tl.dot's minimum K, and a group size every supported form divides
 _BITS = {"int4": 4, "int8": 8}
@@ -105,7 +105,9 @@ def _tile_k(kind: str) -> int:
 
 
 def pack_weight(w: QuantizedWeight) -> PackedQuantWeight:
-    """The weight in the packed kernel's layout, made once at load (on the weight's device)."""
+    """The weight in the packed kernel's layout, made once at load (on the weight's device); a `runs` weight
+    (GGUF Q4_1 as stored) from Ember's int4 packing of it."""
+    w = packed(w)
     if not packable(w):
         raise ValueError(
             f"cannot pack a {w.kind} weight with groups of {w.group_size} (block_rows "

@@ -43,7 +43,7 @@ from ember.model.gguf_moe import UNSUFFIXED as MOE_UNSUFFIXED
 from ember.model.gguf_reader import GGUFFile, GGUFTensor
 from ember.model.gguf_tokenizer import GGUFMetadata, GGUFVocab, open_gguf
 from ember.quant.experts import QuantizedExperts
-from ember.quant.formats import QuantizedWeight, widen_int5
+from ember.quant.formats import QuantizedWeight, packed, widen_int5
 
 if TYPE_CHECKING:
     import tokenizers
@@ -299,12 +299,12 @@ def _keeps_quantized(tensor: GGUFTensor, arch: str) -> bool:
 
 def quantized_tensor(data: np.ndarray, qtype, shape: tuple[int, ...]) -> QuantizedWeight | QuantizedExperts:
     """A matrix's QuantizedWeight; stacked experts [E, N, K] as the rows of one [E * N, K] matrix, which
-    every block type stores exactly as it stores E matrices one after another (int5 widened to int8, which
-    the expert kernels take)."""
+    every block type stores exactly as it stores E matrices one after another (int5 widened to int8, Q4_1's
+    runs in Ember's int4 packing: what the expert kernels take)."""
     if len(shape) == 2:
         return quantized(data, qtype, shape)
     e, n, k = shape
-    w = widen_int5(quantized(data, qtype, (e * n, k)))
+    w = packed(widen_int5(quantized(data, qtype, (e * n, k))))
     return QuantizedExperts(
         w.kind,
         w.qweight.view(e, n, -1),
