@@ -99,7 +99,7 @@ class LoRAConfig:
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
-    lora_dtype: str = "auto"  # the slots' dtype: "auto" (the model's), or a torch dtype name (`resolve_lora_dtype`)
+    lora_dtype: str = "auto"  # the slots' dtype: "auto" (the model's) or a torch dtype name (model/lora.py slot_dtype)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
@@ -536,7 +536,7 @@ class EngineArgs:
             "--lora-dtype",
             default="auto",
             help="the adapters' dtype on the device: auto (the model's), float32, bfloat16 or float16; on CPU "
-            "bfloat16 halves the bytes a decode step reads of them (docs/lora.md)",
+            "bfloat16 holds them in half the memory (docs/lora.md)",
         )
         g.add_argument(
             "--runner",
