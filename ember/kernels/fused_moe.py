@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ember.kernels.moe_align import MoeAlignment, moe_align_block_size, route_and_align
 from ember.kernels.moe_config import FusedTiles, GemmTiles, MoeConfig, choose_moe_config
-from ember.kernels.paged import dot_dtype, dot_precision
+from ember.kernels.paged import dot_dtype, dot_precision, int4_k_tile
 from ember.kernels.quant_matmul import dequant_tile
 from ember.kernels.split_k import MAX_TILES, arrive, sum_parts, tile_counters
 from ember.quant.experts import QuantizedExperts, dequantize_experts
@@ -50,11 +50,6 @@ from ember.quant.formats import KINDS
 Experts = torch.Tensor | QuantizedExperts
 _GROUP_M = 8  # M blocks that run side by side over the same N tile, sharing it in L2 at large batch
 _SUM_BLOCK = 1024
-# The smallest K tile an int4 operand gets in a bf16/fp16 dot. Compiled for sm_90 (Triton 3.6), a 16-column
-# tile of unpacked nibbles fed to the tensor cores gave wrong products in both the grouped GEMM and the
-# one-kernel MLP: max error 0.29-0.88 against the float64 reference where 32 columns gave 0.0013 (H100,
-# 2026-12-07; fp32 and int8 operands exact at 16). Smaller tiles in a config are raised to it.
-INT4_MMA_MIN_K = 32
 
 
 @triton.jit
@@ -558,11 +553,6 @@ def _operand(w: Experts) -> _Operand:
     return _Operand(w, w, w, False, 1, False, False, 1)
 
 
-def _k_tile(block_k: int, op: _Operand, dtype: torch.dtype) -> int:
-    """The K tile op's products run with: at least INT4_MMA_MIN_K for int4 codes in a 16-bit dot."""
-    return max(block_k, INT4_MMA_MIN_K) if op.int4 and dtype in (torch.bfloat16, torch.float16) else block_k
-
-
 def weight_kind(w: Experts) -> str:
     """The config table's name for a weight's storage: dtype, or quantized kind and group size."""
     if isinstance(w, QuantizedExperts):
@@ -621,7 +611,7 @@ def grouped_gemm(
     """out[s] for every sorted slot s: silu-and-mul (or `swiglu`) of the gate and up halves of w
     (route_weights None), else route_weights[s] times the product; `bias` [E, N] joins the product."""
     op = _operand(w)
-    tiles = tiles._replace(block_k=_k_tile(tiles.block_k, op, x.dtype))
+    tiles = tiles._replace(block_k=int4_k_tile(tiles.block_k, op.int4, x.dtype))
     alpha, limit = swiglu or (0.0, 0.0)
     gated = route_weights is None
     n = out.shape[1]
@@ -749,7 +739,8 @@ def fused_mlp(
     op13, op2 = _operand(w13), _operand(w2)
     # block_i is the down product's K tile
     tiles = tiles._replace(
-        block_k=_k_tile(tiles.block_k, op13, hidden.dtype), block_i=_k_tile(tiles.block_i, op2, hidden.dtype)
+        block_k=int4_k_tile(tiles.block_k, op13.int4, hidden.dtype),
+        block_i=int4_k_tile(tiles.block_i, op2.int4, hidden.dtype),
     )
     slices, chunks = triton.cdiv(inter, tiles.block_i), triton.cdiv(h, tiles.block_h)
     if m * chunks > MAX_TILES:

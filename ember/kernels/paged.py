@@ -157,6 +157,19 @@ def kv_dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tl.dtype:
     return dot_dtype(q_dtype)
 
 
+# The smallest K tile int4 weights get in a bf16/fp16 dot. Compiled for sm_90 (Triton 3.6), a 16-column tile
+# of unpacked nibbles fed to the tensor cores gave wrong products: in the MoE grouped GEMM and one-kernel MLP
+# max error 0.29-0.88 against the float64 reference where 32 columns gave 0.0013, and in the dense
+# quant_matmul (int4 groups of 16, whose K tile followed the group) 1.52 (H100, 2026-12-07; fp32 and int8
+# operands exact at 16). Smaller tiles are raised to it.
+INT4_MMA_MIN_K = 32
+
+
+def int4_k_tile(block_k: int, int4: bool, dtype: torch.dtype) -> int:
+    """The K tile a kernel's products run with: at least INT4_MMA_MIN_K for int4 codes in a 16-bit dot."""
+    return max(block_k, INT4_MMA_MIN_K) if int4 and dtype in (torch.bfloat16, torch.float16) else block_k
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs multiply in full precision: TF32 would lose the fp32 path's parity with HF."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import dot_dtype, dot_precision, num_sms
+from ember.kernels.paged import dot_dtype, dot_precision, int4_k_tile, num_sms
 from ember.quant.formats import QuantizedWeight, dequantize
 
 _KINDS = ("int8", "int4")
@@ -245,6 +245,9 @@ def quant_matmul(
     if m == 0 or n == 0:
         return out
     cfg = config or choose_quant_matmul_config(m, n, k, w.group_size, num_sms(x.device))
+    block_k = int4_k_tile(cfg.block_k, w.kind == "int4", x.dtype)
+    if block_k != cfg.block_k:  # a tile over more than one group: per-element scales, as a non-power-of-two group
+        cfg = cfg._replace(block_k=block_k, num_stages=min(cfg.num_stages, 2))
     k_tiles = triton.cdiv(k, cfg.block_k)
     k_per_split = triton.cdiv(k_tiles, cfg.split_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
