@@ -243,7 +243,13 @@ def test_q4_k_m_qwen2_generates_the_float_decodings_tokens(tmp_path, monkeypatch
     outs = {}
     for mode in ("gguf", "none"):
         llm = LLM(
-            path, quantization=mode, dtype="float32", kv_cache_memory=0.01, max_model_len=128, engine_process=False
+            path,
+            quantization=mode,
+            device="cpu",  # the native CPU kernels' test, on a GPU machine too
+            dtype="float32",
+            kv_cache_memory=0.01,
+            max_model_len=128,
+            engine_process=False,
         )
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["gguf"] == outs["none"]
