@@ -199,13 +199,6 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static inline float bf16_value(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 #ifdef __AVX512BF16__
 /* The parameters p (a->scales or a->zeros) of groups g0 .. g0 + 16 of row n as floats (lanes past the row's G
  * groups 0), each the value param gives: the bf16 GEMVs convert a row's parameters 16 groups at a time and
@@ -310,7 +303,7 @@ static void round_bf16(const float *in, float *out, uint16_t *halves, int64_t n)
         if (halves)
             _mm256_storeu_si256((__m256i *)(halves + i), (__m256i)h);
         else
-            _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
+            _mm512_storeu_ps(out + i, bf16_widen16((__m256i)h));
     }
     for (; i < n; i++) {
         uint16_t h = bf16_round(in[i]);

@@ -40,7 +40,20 @@
 static inline __mmask16 tail_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
+
+/* 16 bf16 values (their bits) widened to float32, exactly */
+static inline __m512 bf16_widen16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 #endif
+
+/* a bf16 value (its bits) widened to float32, exactly */
+static inline float bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 static inline int64_t groups(int64_t K, int64_t group) { return (K + group - 1) / group; }
 

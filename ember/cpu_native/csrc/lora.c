@@ -26,11 +26,7 @@ typedef struct {
 
 /* element i of a slot tensor, widened to float32 */
 static inline float lora_value(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* the address of element i of a slot tensor */
@@ -50,7 +46,7 @@ static inline __m512 lora_vec(const void *p, int64_t i, int64_t left, int bf16) 
         memcpy(t, (const uint16_t *)p + i, sizeof(uint16_t) * (size_t)(left > 0 ? left : 0));
         h = _mm256_loadu_si256((const __m256i *)t);
     }
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return bf16_widen16(h);
 }
 #endif
 
