@@ -256,7 +256,8 @@ def run(args: argparse.Namespace, timer: Timer, write: Callable[[list[dict]], No
         for m in sorted(set(args.rows) & set(ROWS)):
             for case in cases:
                 for cfg in sweep(m, case.n, case.k, case.kind, sms)[1:]:
-                    time_config(case, m, cfg, force=False)
+                    if cfg.variant in args.variants:
+                        time_config(case, m, cfg, force=False)
             results = collect(cases, args.rows, rows, timed)
             write(results)
             print(f"sweep: M={m} done ({time.monotonic() - timer.start:.0f} s)", flush=True)
@@ -345,6 +346,9 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     ap.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES_8B], choices=[s[0] for s in SHAPES_8B])
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--variants", nargs="*", default=["fma", "dot"], choices=["fma", "dot"], help="what the sweep times"
+    )
     ap.add_argument(
         "--time-limit",
         type=float,

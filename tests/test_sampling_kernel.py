@@ -82,3 +82,16 @@ def test_the_seed_fixes_the_draws_and_rows_draw_apart():
     assert torch.equal(first, sample_race(logits, greedy, None, seed=99))
     assert not torch.equal(first, sample_race(logits, greedy, None, seed=100))
     assert len(set(first.tolist())) > 40  # identical rows get their own noise
+
+
+def test_head_dtype_logits_draw_as_their_float32_widening():
+    """The one-pass sampler reads a bf16 model's logits as the head wrote them (`head_logits`): the same
+    seed draws the same tokens as from their float32 copy, greedy rows and ragged blocks included."""
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(8, 3000, generator=g)).to(torch.bfloat16).to(DEV)
+    greedy = torch.tensor([True, False] * 4, device=DEV)
+    temperature = torch.full((8,), 0.7, device=DEV)
+    for seed in (1, 2, 3):
+        assert torch.equal(
+            sample_race(logits, greedy, temperature, seed), sample_race(logits.float(), greedy, temperature, seed)
+        )

@@ -546,7 +546,7 @@ class ModelRunner:
                 return pending
             # A masked step samples from the full logits: queue them, and what sampling can do before the
             # masks, now.
-            logits = self._lm.compute_logits(hidden[inputs.logits_indices], head_slots)
+            logits = self._lm.head_logits(hidden[inputs.logits_indices], head_slots)
             # one pass on the GPU after the mask (Sampler.__call__) beats scoring before it
             early = sampling.mask_can_wait and not (logits.is_cuda and sampling.one_pass)
             scores = self.sampler.score(logits, sampling) if early else None
@@ -622,7 +622,7 @@ class ModelRunner:
         given when an adapter of the step adapts the LM head)."""
         if sbatch.argmax_only:
             return SamplerOutput(self._lm.greedy_tokens(rows, lora_slots), None, None)
-        return self.sampler(self._lm.compute_logits(rows, lora_slots), sbatch)
+        return self.sampler(self._lm.head_logits(rows, lora_slots), sbatch)
 
     @torch.inference_mode()
     def _close(self, pending: PendingStep) -> None:

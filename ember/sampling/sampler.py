@@ -75,15 +75,23 @@ class SamplingBatch:
         return not self.all_greedy and not self.generators and self.mask_can_wait
 
     @property
-    def argmax_only(self) -> bool:
-        """Every row takes its largest raw logit and reports nothing else: the logits themselves are not needed."""
-        return (
-            self.all_greedy
-            and self.penalties is None
+    def transforms_logits(self) -> bool:
+        """Some row's logits change before sampling (`_processed`: allowed tokens, bad words, min_tokens,
+        logit_bias, penalties), which is done in float32, in place."""
+        return not (
+            self.penalties is None
             and self.min_tokens_mask is None
             and self.allowed_token_ids is None
             and self.bad_words_mask is None
             and self.logit_bias is None
+        )
+
+    @property
+    def argmax_only(self) -> bool:
+        """Every row takes its largest raw logit and reports nothing else: the logits themselves are not needed."""
+        return (
+            self.all_greedy
+            and not self.transforms_logits
             and self.max_num_logprobs is None
             and self.token_bitmask is None
         )
@@ -499,6 +507,7 @@ class Sampler:
         """Per row the logits the sampler would draw from, without drawing: a greedy row's argmax, a random
         row's softmax is its next token's distribution (every transform and the grammar mask applied).
         What speculative decoding verifies drafts against (ember/sampling/rejection.py)."""
+        logits = logits.float()
         raw_logprobs = _raw_logprobs(logits, batch)
         logits = apply_token_bitmask(_processed(logits, batch), batch.token_bitmask)
         if batch.all_greedy:
@@ -509,13 +518,14 @@ class Sampler:
         return Scores(torch.where(batch.greedy_mask.unsqueeze(1), logits, tempered), raw_logprobs)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: [N, V] float32; may be modified in place. On a GPU a batch that allows it is drawn in one
-        pass over the logits, its grammar mask (when set) included: `SamplingBatch.one_pass`."""
+        """logits: [N, V], the head's (`head_logits`: bf16 for a bf16 model) or float32, which may be modified
+        in place. On a GPU a batch that allows it is drawn in one pass over the logits as they are, its
+        grammar mask (when set) included: `SamplingBatch.one_pass`; every other path works in float32."""
         if logits.is_cuda and batch.one_pass:
             from ember.kernels.sampling import sample_race
 
             raw_logprobs = _raw_logprobs(logits, batch)
-            logits = _processed(logits, batch)
+            logits = _processed(logits.float() if batch.transforms_logits else logits, batch)
             seed = int(torch.randint(2**31 - 1, ()))  # the engine's seed fixes these, as torch's own draws
             sampled = sample_race(logits, batch.greedy_mask, batch.temperature, seed, batch.token_bitmask)
             return _output(sampled, raw_logprobs, batch)
@@ -525,6 +535,7 @@ class Sampler:
         """Everything before the grammar mask. When a row filters by probability (top-k, top-p, min-p),
         which must see only the allowed tokens, the mask (`batch.token_bitmask`) is applied here first;
         otherwise `pick` applies it, so this part may run while the mask is still being filled."""
+        logits = logits.float()
         raw_logprobs = _raw_logprobs(logits, batch)
         logits = _processed(logits, batch)
         if not batch.mask_can_wait:
