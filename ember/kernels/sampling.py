@@ -131,7 +131,7 @@ def sample_race(
         HAS_TEMPERATURE=temperature is not None,
         HAS_BITMASK=bitmask is not None,
         CHUNK=_CHUNK,
-        BLOCK=max(16, min(_BLOCK, triton.next_power_of_2(vocab))),
+        BLOCK=max(16, min(_BLOCK, triton.next_power_of_2(vocab))),  # quarters of at least 4 lanes
         num_warps=4,
     )
     return best_token.gather(1, best_value.argmax(dim=1, keepdim=True)).squeeze(1).long()

@@ -494,7 +494,10 @@ def _raw_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | 
 
 
 def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """vLLM v1's order: allowed tokens, bad words, min_tokens, logit_bias, then the penalties."""
+    """vLLM v1's order: allowed tokens, bad words, min_tokens, logit_bias, then the penalties, in float32
+    (the head's logits widen only when something changes them)."""
+    if batch.transforms_logits:
+        logits = logits.float()
     logits = apply_allowed_token_ids(logits, batch)
     logits = apply_bad_words(logits, batch)
     logits = apply_min_tokens(logits, batch)
@@ -525,7 +528,7 @@ class Sampler:
             from ember.kernels.sampling import sample_race
 
             raw_logprobs = _raw_logprobs(logits, batch)
-            logits = _processed(logits.float() if batch.transforms_logits else logits, batch)
+            logits = _processed(logits, batch)
             seed = int(torch.randint(2**31 - 1, ()))  # the engine's seed fixes these, as torch's own draws
             sampled = sample_race(logits, batch.greedy_mask, batch.temperature, seed, batch.token_bitmask)
             return _output(sampled, raw_logprobs, batch)
