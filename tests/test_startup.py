@@ -6,6 +6,8 @@
   (bad flags, `--help`) is killed when the front end exits;
 - `ember serve` builds only its own command's parser (no `run-batch` / `bench` modules), and neither
   process imports llguidance before the first grammar, nor the engine core `tokenizers`;
+- on an unquantized HF model, neither process imports the GGUF reader (the `gguf` package) or PyYAML,
+  the core no pre-quantized checkpoint's reader, the front end no image processor (nor numpy);
 - the engine core leaves a GGUF vocabulary's strings undecoded until read (`StringArray`), and the
   decoded strings are the file's;
 - the native int4 relayout gives the bytes the unpack-and-repack reference gives;
@@ -147,6 +149,33 @@ def test_the_engine_core_imports_tokenizers_only_to_build_its_grammar_tokenizer(
     )
     out = _run_python(code)
     assert out.splitlines() == ["False", "True True"]
+
+
+def test_an_hf_model_starts_without_the_gguf_reader_yaml_checkpoint_readers_or_image_processors(llama_dir):
+    """What each process imports to start on an unquantized HF model, its files read: each module named here
+    is deferred to the model or flag that needs it (see ember.model.files and ember.quant.checkpoints)."""
+    load = f"LoadConfig({str(llama_dir)!r}, None, 'auto', None)"
+
+    def imported(*modules: str) -> str:
+        return f"print(sorted(m for m in {modules} if m in sys.modules))\n"
+
+    core = (
+        "import sys\n"
+        "import ember.core.process, ember.core.engine_core, ember.core.loop\n"
+        "from ember.config import LoadConfig\n"
+        "from ember.model.loader import load_model_files\n"
+        f"load_model_files({load}).model_info()\n"
+        + imported("gguf", "yaml", "ember.model.gguf", "ember.quant.checkpoints.gptq")
+    )
+    front_end = (
+        "import sys\n"
+        "import ember.server.launch, ember.server.serve\n"
+        "from ember.config import LoadConfig\n"
+        "from ember.model.files import load_model_info\n"
+        f"load_model_info({load})\n" + imported("gguf", "yaml", "numpy", "ember.multimodal.preprocess")
+    )
+    assert _run_python(core).splitlines() == ["[]"]
+    assert _run_python(front_end).splitlines() == ["[]"]
 
 
 def test_lazy_strings_are_the_files_strings_decoded_on_first_read():

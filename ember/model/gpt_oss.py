@@ -22,10 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as QType
 
 from ember.errors import ModelLoadError
-from ember.model.gguf import quantized_tensor
 from ember.quant.experts import QuantizedExperts
 
 ARCHITECTURE = "GptOssForCausalLM"
@@ -103,6 +101,12 @@ def mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor, name: str = "exper
             f"{name}: MXFP4 blocks must be uint8 [E, N, G, 16] with scales uint8 [E, N, G], got "
             f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}"
         )
+    # Here, not at the top: every model's decoder imports this module, and only gpt-oss's MXFP4 checkpoints
+    # need the GGUF decoders (see ember.model.loader).
+    from gguf import GGMLQuantizationType as QType
+
+    from ember.model.gguf import quantized_tensor
+
     e, n, g, _ = blocks.shape
     packed = blocks.numpy()
     codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(e, n, g, _MXFP4_BLOCK)  # element order
