@@ -10,16 +10,21 @@ model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and 3 KV he
 - `head`: the 49152 x 576 int8 (Q8_0-like) LM head: native GEMV against the bf16 `F.linear` the
   fallback's screen runs;
 - `attention`: decode attention over 30 layers' paged float32 caches (block 16, shuffled tables):
-  native against the fallback's gather + SDPA (ember.ops.attention's `TorchAttention.decode`).
+  native against the fallback's gather + SDPA (ember.ops.attention's `TorchAttention.decode`);
+- `lora`: one decode step's LoRA deltas (`ops.lora_delta`, 120 projections: fused qkv, o, fused gate/up,
+  down) of the rows dealt round-robin over 4 rank-16 slots (78 MB of float32 adapters, from DRAM), in
+  float32 and bfloat16 slots, against PyTorch's one-hot form (`TorchLoRA`, the fallback).
 
 Minimum over `--repeats` of each. Wall times: meaningful on a quiet machine only (check `loadavg`).
 
     python benchmarks/cpu_native_kernels.py --rows 1 16 --seq-lens 256
+    python benchmarks/cpu_native_kernels.py --kernels lora --rows 1 16 --repeats 15
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -35,13 +40,16 @@ if not __package__:  # run as a script: make `benchmarks.common` importable from
 from benchmarks.common import RESULTS_DIR, machine_info, today, write_json
 from ember.cpu_native import ops
 from ember.model.linear import QuantLinear
-from ember.ops import attention
+from ember.ops import attention, lora
 from ember.quant.formats import QuantizedWeight, pack_int4
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) per layer
 HEAD = (49152, 576)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+LORA_SLOTS, LORA_RANK = 4, 16
+LORA_PROJECTIONS = [(576, [576, 192, 192]), (576, [576]), (576, [1536, 1536]), (1536, [576])]  # (K, slice widths)
+KERNELS = ("gemv", "crossover", "head", "attention", "lora")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="activation rows for the GEMV-against-expansion comparison",
     )
     p.add_argument("--seq-lens", type=int, nargs="+", default=[256], help="keys per sequence for attention")
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, help="which comparisons to run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/cpu-native-kernels-<date>.json)")
     return p.parse_args(argv)
@@ -196,6 +205,43 @@ def decode_attention(rows: list[int], seq_lens: list[int], repeats: int) -> list
     return out
 
 
+def _lora_step(fn: Callable[..., None], weights: list, offsets: list, xs: dict, ys: list, slots: torch.Tensor) -> None:
+    """One decode step's deltas: each projection's x [rows, K] through its slots into its y."""
+    for i, (w, (k, _)) in enumerate(zip(weights, LORA_PROJECTIONS * LAYERS)):
+        fn(xs[k], ys[i % len(LORA_PROJECTIONS)], w, offsets[i], slots)
+
+
+def lora_deltas(rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(4)
+    slots = [
+        (
+            (torch.randn(LORA_SLOTS, len(widths) * LORA_RANK, k, generator=gen) * 0.05),
+            [torch.randn(LORA_SLOTS, LORA_RANK, n, generator=gen) * 0.05 for n in widths],
+        )
+        for _ in range(LAYERS)
+        for k, widths in LORA_PROJECTIONS
+    ]
+    offsets = [[sum(widths[:i]) for i in range(len(widths))] for _, widths in LORA_PROJECTIONS] * LAYERS
+    forms = {
+        "native_float32_ms": (slots, lambda x, y, w, o, s: ops.lora_delta(x, y, w, s)),
+        "native_bf16_ms": (
+            [(a.bfloat16(), [t.bfloat16() for t in b]) for a, b in slots],
+            lambda x, y, w, o, s: ops.lora_delta(x, y, w, s),
+        ),
+        "pytorch_ms": (slots, lambda x, y, w, o, s: lora.TorchLoRA()(x, y, lora.LoRAWeights(w[0], w[1], o), s)),
+    }
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
+        ys = [torch.zeros(m, sum(widths)) for _, widths in LORA_PROJECTIONS]
+        dealt = torch.arange(m, dtype=torch.int32) % LORA_SLOTS
+        row: dict[str, Any] = {"rows": m}
+        for name, (weights, fn) in forms.items():
+            row[name] = best_ms(functools.partial(_lora_step, fn, weights, offsets, xs, ys, dealt), repeats)
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not ops.available():
@@ -207,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         ("crossover", lambda: crossover(args.crossover_rows, args.repeats)),
         ("head", lambda: head(args.rows, args.repeats)),
         ("attention", lambda: decode_attention(args.rows, args.seq_lens, args.repeats)),
+        ("lora", lambda: lora_deltas(args.rows, args.repeats)),
     ):
+        if name not in args.kernels:
+            continue
         results[name] = fn()
         for row in results[name]:
             print(name, row, flush=True)

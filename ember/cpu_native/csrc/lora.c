@@ -50,45 +50,79 @@ static inline __m512 lora_vec(const void *p, int64_t i, int64_t left, int bf16) 
 }
 #endif
 
-/* dot(a, x) over K values, in 16 lanes then their sum */
-static inline float lora_dot(const void *a, const float *x, int64_t K, int bf16) {
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < K; i += 16)
-        acc = _mm512_fmadd_ps(lora_vec(a, i, K - i, bf16), _mm512_maskz_loadu_ps(tail_mask(K - i), x + i), acc);
-    return _mm512_reduce_add_ps(acc);
-#else
-    float s = 0.f;
-    for (int64_t i = 0; i < K; i++) s += lora_value(a, i, bf16) * x[i];
-    return s;
+#define LORA_ROWS 4 /* rows of one slot a weight vector, once loaded, is multiplied with */
+#ifndef LORA_AHEAD
+#define LORA_AHEAD 4 /* chunks of B ahead that the expand prefetches */
 #endif
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+#ifdef __AVX512F__
+/* out[r] = dot(a, x[r]) over K values for r < NX, each in 16 lanes then their sum; one load of a serves the
+ * NX rows. A row's sums are the same whatever NX (lanes and rows are independent). */
+ALWAYS_INLINE void lora_dots(const void *a, const float *const *x, int64_t K, float *out, const int NX,
+                             const int bf16) {
+    __m512 acc[LORA_ROWS];
+    UNROLL for (int r = 0; r < NX; r++) acc[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) {
+        PREFETCH(lora_at_elem(a, i, bf16));
+        const __m512 av = bf16 ? bf16_widen16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)))
+                               : _mm512_loadu_ps((const float *)a + i);
+        UNROLL for (int r = 0; r < NX; r++) acc[r] = _mm512_fmadd_ps(av, _mm512_loadu_ps(x[r] + i), acc[r]);
+    }
+    if (i < K) {
+        const __m512 av = lora_vec(a, i, K - i, bf16);
+        UNROLL for (int r = 0; r < NX; r++) acc[r] =
+            _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(tail_mask(K - i), x[r] + i), acc[r]);
+    }
+    UNROLL for (int r = 0; r < NX; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-/* y[c] += sum_k xa[k] b[k * stride + c] for c < width (<= LORA_COLS) */
-static inline void lora_expand_cols(const float *xa, const void *b, int64_t stride, int64_t rank, float *y,
-                                    int64_t width, int bf16) {
-#ifdef __AVX512F__
-    __m512 acc[LORA_COLS / 16];
+/* y[r][c] += sum_k xa[r][k] b[k * stride + c] for c < width (<= LORA_COLS) and r < NY: one load of b serves
+ * the NY rows */
+ALWAYS_INLINE void lora_expand_rows(const float *const *xa, const void *b, int64_t stride, int64_t rank,
+                                    float *const *y, int64_t width, const int NY, const int bf16) {
+    __m512 acc[LORA_ROWS][LORA_COLS / 16];
     __mmask16 m[LORA_COLS / 16];
     UNROLL for (int v = 0; v < LORA_COLS / 16; v++) {
-        acc[v] = _mm512_setzero_ps();
         m[v] = width > v * 16 ? tail_mask(width - v * 16) : 0;
+        UNROLL for (int r = 0; r < NY; r++) acc[r][v] = _mm512_setzero_ps();
     }
     for (int64_t k = 0; k < rank; k++) {
-        const __m512 xv = _mm512_set1_ps(xa[k]);
-        UNROLL for (int v = 0; v < LORA_COLS / 16; v++) acc[v] =
-            _mm512_fmadd_ps(xv, lora_vec(b, k * stride + v * 16, width - v * 16, bf16), acc[v]);
+        __m512 bv[LORA_COLS / 16];
+        UNROLL for (int v = 0; v < LORA_COLS / 16; v++) bv[v] =
+            width >= (v + 1) * 16 ? (bf16 ? bf16_widen16(_mm256_loadu_si256(
+                                                (const __m256i *)((const uint16_t *)b + k * stride + v * 16)))
+                                          : _mm512_loadu_ps((const float *)b + k * stride + v * 16))
+                                  : lora_vec(b, k * stride + v * 16, width - v * 16, bf16);
+        UNROLL for (int r = 0; r < NY; r++) {
+            const __m512 xv = _mm512_set1_ps(xa[r][k]);
+            UNROLL for (int v = 0; v < LORA_COLS / 16; v++) acc[r][v] = _mm512_fmadd_ps(xv, bv[v], acc[r][v]);
+        }
     }
-    UNROLL for (int v = 0; v < LORA_COLS / 16; v++) _mm512_mask_storeu_ps(
-        y + v * 16, m[v], _mm512_add_ps(_mm512_maskz_loadu_ps(m[v], y + v * 16), acc[v]));
-#else
-    for (int64_t c = 0; c < width; c++) {
-        float s = 0.f;
-        for (int64_t k = 0; k < rank; k++) s += xa[k] * lora_value(b, k * stride + c, bf16);
-        y[c] += s;
-    }
-#endif
+    UNROLL for (int r = 0; r < NY; r++) UNROLL for (int v = 0; v < LORA_COLS / 16; v++)
+        _mm512_mask_storeu_ps(y[r] + v * 16, m[v], _mm512_add_ps(_mm512_maskz_loadu_ps(m[v], y[r] + v * 16), acc[r][v]));
 }
+#else
+ALWAYS_INLINE void lora_dots(const void *a, const float *const *x, int64_t K, float *out, const int NX,
+                             const int bf16) {
+    for (int r = 0; r < NX; r++) {
+        float s = 0.f;
+        for (int64_t i = 0; i < K; i++) s += lora_value(a, i, bf16) * x[r][i];
+        out[r] = s;
+    }
+}
+
+ALWAYS_INLINE void lora_expand_rows(const float *const *xa, const void *b, int64_t stride, int64_t rank,
+                                    float *const *y, int64_t width, const int NY, const int bf16) {
+    for (int r = 0; r < NY; r++)
+        for (int64_t c = 0; c < width; c++) {
+            float s = 0.f;
+            for (int64_t k = 0; k < rank; k++) s += xa[r][k] * lora_value(b, k * stride + c, bf16);
+            y[r][c] += s;
+        }
+}
+#endif
 
 /* -1 (IndexError set) unless every slot is -1 or one of the `loras` */
 static int lora_check_slots(const char *name, const int32_t *slots, int64_t M, int64_t loras) {
@@ -143,28 +177,81 @@ static int64_t lora_plan_values(const lora_plan *p, const lora_ref *w) {
     return p->n_used * (w->slices * w->rank * w->K + w->rank * width);
 }
 
+/* The shrink of one A row for a slot's rows g0 .. g1 (of `order`), LORA_ROWS at a time; BF16 a constant */
+ALWAYS_INLINE void lora_shrink_rows(const void *arow, const lora_plan *p, const float *x, int64_t x_stride, int64_t K,
+                                    int64_t SR, int64_t j, int64_t g0, int64_t g1, const int bf16) {
+    const float *xr[LORA_ROWS];
+    float out[LORA_ROWS];
+    int64_t g = g0;
+    for (; g + LORA_ROWS <= g1; g += LORA_ROWS) {
+        UNROLL for (int r = 0; r < LORA_ROWS; r++) xr[r] = x + p->order[g + r] * x_stride;
+        lora_dots(arow, xr, K, out, LORA_ROWS, bf16);
+        UNROLL for (int r = 0; r < LORA_ROWS; r++) p->xa[p->order[g + r] * SR + j] = out[r];
+    }
+    for (; g < g1; g++) {
+        xr[0] = x + p->order[g] * x_stride;
+        lora_dots(arow, xr, K, out, 1, bf16);
+        p->xa[p->order[g] * SR + j] = out[0];
+    }
+}
+
 /* The shrink's unit u of n_used * slices * rank: one per (used slot, row of its A), for every row of that
  * slot */
 static void lora_shrink_unit(const lora_ref *w, const lora_plan *p, const float *x, int64_t x_stride, int64_t u) {
     const int64_t SR = w->slices * w->rank, s = p->used[u / SR], j = u % SR;
     const void *arow = lora_at_elem(w->a, (s * SR + j) * w->K, w->bf16);
-    for (int64_t g = p->start[s]; g < p->start[s + 1]; g++) {
-        const int64_t t = p->order[g];
-        p->xa[t * SR + j] = lora_dot(arow, x + t * x_stride, w->K, w->bf16);
+    if (w->bf16)
+        lora_shrink_rows(arow, p, x, x_stride, w->K, SR, j, p->start[s], p->start[s + 1], 1);
+    else
+        lora_shrink_rows(arow, p, x, x_stride, w->K, SR, j, p->start[s], p->start[s + 1], 0);
+}
+
+/* The expand of one B chunk (its first column y's) for a slot's rows g0 .. g1 (of `order`), LORA_ROWS at a
+ * time; BF16 a constant */
+ALWAYS_INLINE void lora_expand_slot(const lora_ref *w, const lora_plan *p, int64_t i, const void *b, int64_t cw,
+                                    float *y, int64_t y_stride, int64_t g0, int64_t g1, const int bf16) {
+    const int64_t R = w->rank, SR = w->slices * R, n = w->n[i], col = w->off[i];
+    const float *xa[LORA_ROWS];
+    float *yr[LORA_ROWS];
+    int64_t g = g0;
+    for (; g + LORA_ROWS <= g1; g += LORA_ROWS) {
+        UNROLL for (int r = 0; r < LORA_ROWS; r++) {
+            xa[r] = p->xa + p->order[g + r] * SR + i * R;
+            yr[r] = y + p->order[g + r] * y_stride + col;
+        }
+        lora_expand_rows(xa, b, n, R, yr, cw, LORA_ROWS, bf16);
     }
+    for (; g < g1; g++) {
+        xa[0] = p->xa + p->order[g] * SR + i * R;
+        yr[0] = y + p->order[g] * y_stride + col;
+        lora_expand_rows(xa, b, n, R, yr, cw, 1, bf16);
+    }
+}
+
+/* Into L2, the lines of a slot's B rows LORA_AHEAD chunks on (a chunk's rows are rank streams a slot, more
+ * than the hardware prefetchers follow) */
+static inline void lora_prefetch_b(const void *b, int64_t stride, int64_t rank, int bf16) {
+#ifdef __AVX512F__
+    const int64_t elem = bf16 ? 2 : 4;
+    const char *next = (const char *)b + LORA_AHEAD * LORA_COLS * elem;
+    for (int64_t k = 0; k < rank; k++)
+        for (int64_t line = 0; line < LORA_COLS * elem; line += 64)
+            _mm_prefetch(next + k * stride * elem + line, _MM_HINT_T1);
+#endif
 }
 
 /* Slice i's columns c0 .. c0 + cw (cw <= LORA_COLS, relative to the slice) of every used slot's rows */
 static void lora_expand_chunk(const lora_ref *w, const lora_plan *p, int64_t i, int64_t c0, int64_t cw, float *y,
                               int64_t y_stride) {
-    const int64_t R = w->rank, SR = w->slices * R, n = w->n[i];
+    const int64_t R = w->rank, n = w->n[i];
     for (int64_t k = 0; k < p->n_used; k++) {
         const int64_t s = p->used[k];
         const void *b = lora_at_elem(w->b[i], s * R * n + c0, w->bf16);
-        for (int64_t g = p->start[s]; g < p->start[s + 1]; g++) {
-            const int64_t t = p->order[g];
-            lora_expand_cols(p->xa + t * SR + i * R, b, n, R, y + t * y_stride + w->off[i] + c0, cw, w->bf16);
-        }
+        lora_prefetch_b(b, n, R, w->bf16);
+        if (w->bf16)
+            lora_expand_slot(w, p, i, b, cw, y + c0, y_stride, p->start[s], p->start[s + 1], 1);
+        else
+            lora_expand_slot(w, p, i, b, cw, y + c0, y_stride, p->start[s], p->start[s + 1], 0);
     }
 }
 
