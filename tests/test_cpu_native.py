@@ -598,6 +598,23 @@ def test_q5_0_tied_embedding_shares_its_int5_codes(kernels) -> None:
     assert torch.equal(embedding(ids), dequantize(w)[ids])
 
 
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
+def test_tied_embedding_looks_rows_up_natively(kernels, qtype_name: str) -> None:
+    """A tied embedding's lookup is one native call over its head's weight (ops.dequantize_rows): the rows
+    `dequantize` gives, bit for bit, for every form the native weight takes (float16 scales, Q4_1's runs,
+    int5 runs, K-quants' two-level scales); an id past the vocabulary raises IndexError."""
+    qtype = QType[qtype_name]
+    raw = random_tensor(qtype, (40, 512), np.random.default_rng(7), scale=0.5)
+    w = quantized(raw, qtype, (40, 512))
+    embedding = QuantEmbedding(w, torch.float32, tied=True)
+    assert embedding.native_rows is not None
+    ids = torch.tensor([3, 0, 39, 3, 17])
+    assert torch.equal(embedding(ids), dequantize(w)[ids])
+    assert torch.equal(embedding(ids[:0]), dequantize(w)[ids[:0]])
+    with pytest.raises(IndexError, match="row 40 of 40"):
+        embedding(torch.tensor([1, 40]))
+
+
 @pytest.mark.parametrize("qtype_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_two_level_scales(kernels, qtype_name: str) -> None:
     """GGUF K-quants keep their scales and zeros as int8 codes times float16 super-block bases (one byte a

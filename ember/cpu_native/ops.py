@@ -317,6 +317,28 @@ def dequantize(w: NativeWeight) -> torch.Tensor:
     return out
 
 
+def dequantize_rows(w: NativeWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64 [M]) of the weight, float32 [M, K], each exactly as `dequantize` expands it in float32
+    (q * scale, then + zero): an embedding's lookup in one call. An id outside [0, N) raises IndexError."""
+    if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
+        raise ValueError(f"ids must be a contiguous int64 vector, got {ids.dtype} {tuple(ids.shape)}")
+    out = torch.empty(ids.shape[0], w.in_features, dtype=torch.float32)
+    _module().dequantize_rows(
+        w.codes.data_ptr(),
+        w.scales.data_ptr(),
+        _ptr(w.zeros),
+        out.data_ptr(),
+        ids.data_ptr(),
+        ids.shape[0],
+        w.out_features,
+        w.in_features,
+        w.group_size,
+        w.param_mode,
+        _BITS[w.kind],
+    )
+    return out
+
+
 def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_decode_attention` takes these: float32 queries and cache, sizes within its buffers."""
     return q.dtype == k_cache.dtype == torch.float32 and attention_shape_fits(

@@ -142,8 +142,13 @@ class QuantEmbedding(nn.Module):
         dense = self.head.cpu_dense_weight() if self.head is not None else None
         self.screen = ScreenedArgmax(dense) if dense is not None and dense.dtype == torch.float32 else None
         self.native_argmax = weight.qweight.device.type == "cpu" and native.available()
+        # A tied head's native weight holds the embedding's values too: the lookup is one native call
+        # (ops.dequantize_rows) instead of ~10 PyTorch ops, ~0.1 ms of a CPU decode step (2026-12-07).
+        self.native_rows = self.head.native_gemv_weight() if self.head is not None and dtype == torch.float32 else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.native_rows is not None and ids.dim() == 1 and ids.dtype == torch.int64 and ids.is_contiguous():
+            return native.dequantize_rows(self.native_rows, ids)
         w = self.weight_q
         scale_rows = ids // w.block_rows if w.block_rows > 1 else ids
         rows = QuantizedWeight(

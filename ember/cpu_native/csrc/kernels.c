@@ -56,6 +56,7 @@ static PyMethodDef methods[] = {
     {"gemv_q8_bf16", (PyCFunction)(void (*)(void))gemv_q8_bf16, METH_FASTCALL, "y = x @ W^T, int8, bf16 arithmetic"},
     {"has_bf16", has_bf16, METH_NOARGS, "whether the bf16 variants were compiled (AVX512_BF16)"},
     {"dequantize_q8_f32", (PyCFunction)(void (*)(void))dequantize_q8_f32, METH_FASTCALL, "int8 -> float32 [N, K]"},
+    {"dequantize_rows", (PyCFunction)(void (*)(void))dequantize_rows, METH_FASTCALL, "rows of int4/5/8 -> float32 [M, K]"},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))paged_decode_attention, METH_FASTCALL,
      "one-token queries against a paged KV cache"},
     {"decode_layers", (PyCFunction)(void (*)(void))decode_layers, METH_FASTCALL,
