@@ -4,8 +4,10 @@ base model, batch-1 time per token with one adapter against none, and an adapter
 
 Phases, in the library, each after a two-request warm-up: `base` (an engine without LoRA), `base-lora-on` (the base
 alone on an engine with `--enable-lora`: what turning LoRA on costs requests that use none) and `adapters` (the
-requests dealt round-robin to the adapters); `--rounds R` alternates the last two R times on the one engine and keeps
-each one's median, whose ratio (`adapters_vs_lora_on`) outside load moves least. The adapters are random PEFT
+requests dealt round-robin to the adapters); `--rounds R` alternates the phases R times and keeps each one's median:
+on the CPU all three (both engines stay in the process), on a GPU the last two on the one engine, the base engine
+having run once before it. The ratio of the adapters to the base-only rounds of the same engine
+(`adapters_vs_lora_on`) is the one outside load moves least. The adapters are random PEFT
 directories written for the model's shapes (every target: q/k/v/o, gate/up/down; rank `--rank`, float32 tensors, held
 in the slots in `--lora-dtype`; `max_loras` = `--adapters`). Workloads: `stories` ("Write a story about the number
 i.", greedy, `--max-tokens` each, the CPU default) and `nano-vllm` (the design doc's 256 random-token requests at
@@ -152,13 +154,19 @@ def main() -> None:
     base = LLM(**engine)
     requests = make_requests(args, base.llm_engine.ready.vocab_size)
     none = [None] * len(requests[0])
-    tok_s["base"] = timed(base, requests, none)
+    rounds: dict[str, list[float]] = {"base": [], "base-lora-on": [], "adapters": []}
+    # On the CPU the base engine stays and takes part in every round: its one phase moved 539-687 tok/s between
+    # runs (2026-12-07), too much for a ratio against it. A GPU holds one engine at a time (each sizes its KV
+    # cache to the free memory), so there the base runs once, first.
+    alongside = args.device == "cpu"
+    if not alongside:
+        rounds["base"].append(timed(base, requests, none))
     if args.latency:
         latency["base_tpot_ms"] = tpot_ms(base, None)
-    base.llm_engine.shutdown()
-    del base
+    if not alongside:
+        base.llm_engine.shutdown()
+        del base
     lora = LLM(**engine, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, lora_dtype=args.lora_dtype)
-    rounds: dict[str, list[float]] = {"base-lora-on": [], "adapters": []}
     with tempfile.TemporaryDirectory() as tmp:
         shapes = lora.llm_engine.ready.lora
         assert shapes is not None  # an engine with enable_lora sends them
@@ -167,9 +175,14 @@ def main() -> None:
             write_adapter(os.path.join(tmp, f"a{i}"), shapes, args.rank, seed=i)
             adapters.append(LoRARequest(f"a{i}", i + 1, os.path.join(tmp, f"a{i}")))
         dealt = [adapters[i % args.adapters] for i in range(len(none))]
-        for _ in range(args.rounds):  # alternated, so that load from outside the run hits both alike
-            rounds["base-lora-on"].append(timed(lora, requests, none))
-            rounds["adapters"].append(timed(lora, requests, dealt))
+        phases = [("base-lora-on", lora, none), ("adapters", lora, dealt)]
+        if alongside:
+            phases.insert(0, ("base", base, none))
+        for i in range(args.rounds):
+            # alternated, so that load from outside the run hits every phase alike, and in reversed order every
+            # other round: the first phase of a round measured 2-10% above the second in every round (2026-12-07)
+            for name, llm, loras in phases if i % 2 == 0 else phases[::-1]:
+                rounds[name].append(timed(llm, requests, loras))
         tok_s.update({name: statistics.median(runs) for name, runs in rounds.items()})
         profiles = {}
         if args.profile_steps:
