@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.sampling.sampler import exponential_noise
 from ember.transfer import to_device
 
 
@@ -118,8 +119,6 @@ def _draws(
     """Uniforms for the acceptance tests and Exp(1) noise for the final draw (the exponential race:
     argmax(log p - log e) picks token i with probability p_i)."""
     uniform = torch.rand(n, width, device=device)
-    noise = torch.empty(n, vocab, device=device).exponential_()
     for i, gen in generators.items():
         uniform[i] = torch.rand(width, device=device, generator=gen)
-        noise[i].exponential_(generator=gen)
-    return uniform, noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return uniform, exponential_noise(n, vocab, generators, device)
