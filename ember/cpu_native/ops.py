@@ -428,6 +428,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rows_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) through `argmax` where it takes x and the kernels run, else torch's: the same index
+    either way. For sampling's 16 random rows of the default model's 49,152 tokens on 2 cores, torch's
+    took 0.46 ms and the kernel 0.035 (2026-12-07)."""
+    return argmax(x) if argmax_fits(x) and available() else x.argmax(dim=-1)
+
+
 # ---- fused decode-layer ops (kernels.c's last section): float32, rows contiguous ----
 
 

@@ -141,7 +141,6 @@ class QuantEmbedding(nn.Module):
         self.head = QuantLinear([weight], None, dtype) if tied else None
         dense = self.head.cpu_dense_weight() if self.head is not None else None
         self.screen = ScreenedArgmax(dense) if dense is not None and dense.dtype == torch.float32 else None
-        self.native_argmax = weight.qweight.device.type == "cpu" and native.available()
         # A tied head's native weight holds the embedding's values too: the lookup is one native call
         # (ops.dequantize_rows) instead of ~10 PyTorch ops, ~0.1 ms of a CPU decode step (2026-12-07).
         self.native_rows = self.head.native_gemv_weight() if self.head is not None and dtype == torch.float32 else None
@@ -171,7 +170,7 @@ class QuantEmbedding(nn.Module):
         if self.screen is not None:
             return self.screen(hidden)
         logits = self.attend(hidden)
-        return native.argmax(logits) if self.native_argmax and native.argmax_fits(logits) else logits.argmax(dim=-1)
+        return native.rows_argmax(logits)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         head = self.head.weight_tensors() if self.head is not None else []

@@ -34,27 +34,30 @@ static inline const void *lora_at_elem(const void *p, int64_t i, int bf16) {
     return (const char *)p + i * (bf16 ? 2 : 4);
 }
 
-#ifdef __AVX512F__
-/* elements i .. i + 16 of a slot tensor as floats, lanes past `left` zero */
-static inline __m512 lora_vec(const void *p, int64_t i, int64_t left, int bf16) {
-    if (!bf16) return _mm512_maskz_loadu_ps(tail_mask(left), (const float *)p + i);
-    __m256i h;
-    if (left >= 16) {
-        h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    } else {
-        uint16_t t[16] = {0};
-        memcpy(t, (const uint16_t *)p + i, sizeof(uint16_t) * (size_t)(left > 0 ? left : 0));
-        h = _mm256_loadu_si256((const __m256i *)t);
-    }
-    return bf16_widen16(h);
-}
-#endif
-
 #define LORA_ROWS 4 /* rows of one slot a weight vector, once loaded, is multiplied with */
 #ifndef LORA_AHEAD
 #define LORA_AHEAD 4 /* chunks of B ahead that the expand prefetches */
 #endif
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+#ifdef __AVX512F__
+/* elements i .. i + 16 of a slot tensor as floats, all present */
+ALWAYS_INLINE __m512 lora_vec16(const void *p, int64_t i, const int bf16) {
+    return bf16 ? bf16_widen16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* elements i .. i + 16 of a slot tensor as floats, lanes at and past `left` zero and not read (none when
+ * left <= 0: a chunk's vectors past a slice's last column) */
+ALWAYS_INLINE __m512 lora_vec(const void *p, int64_t i, int64_t left, const int bf16) {
+    if (left >= 16) return lora_vec16(p, i, bf16);
+    if (left <= 0) return _mm512_setzero_ps();
+    if (!bf16) return _mm512_maskz_loadu_ps(tail_mask(left), (const float *)p + i);
+    uint16_t t[16] = {0};
+    memcpy(t, (const uint16_t *)p + i, sizeof(uint16_t) * (size_t)left);
+    return bf16_widen16(_mm256_loadu_si256((const __m256i *)t));
+}
+#endif
 
 #ifdef __AVX512F__
 /* out[r] = dot(a, x[r]) over K values for r < NX, each in 16 lanes then their sum; one load of a serves the
@@ -66,8 +69,7 @@ ALWAYS_INLINE void lora_dots(const void *a, const float *const *x, int64_t K, fl
     int64_t i = 0;
     for (; i + 16 <= K; i += 16) {
         PREFETCH(lora_at_elem(a, i, bf16));
-        const __m512 av = bf16 ? bf16_widen16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)))
-                               : _mm512_loadu_ps((const float *)a + i);
+        const __m512 av = lora_vec16(a, i, bf16);
         UNROLL for (int r = 0; r < NX; r++) acc[r] = _mm512_fmadd_ps(av, _mm512_loadu_ps(x[r] + i), acc[r]);
     }
     if (i < K) {
@@ -90,11 +92,7 @@ ALWAYS_INLINE void lora_expand_rows(const float *const *xa, const void *b, int64
     }
     for (int64_t k = 0; k < rank; k++) {
         __m512 bv[LORA_COLS / 16];
-        UNROLL for (int v = 0; v < LORA_COLS / 16; v++) bv[v] =
-            width >= (v + 1) * 16 ? (bf16 ? bf16_widen16(_mm256_loadu_si256(
-                                                (const __m256i *)((const uint16_t *)b + k * stride + v * 16)))
-                                          : _mm512_loadu_ps((const float *)b + k * stride + v * 16))
-                                  : lora_vec(b, k * stride + v * 16, width - v * 16, bf16);
+        UNROLL for (int v = 0; v < LORA_COLS / 16; v++) bv[v] = lora_vec(b, k * stride + v * 16, width - v * 16, bf16);
         UNROLL for (int r = 0; r < NY; r++) {
             const __m512 xv = _mm512_set1_ps(xa[r][k]);
             UNROLL for (int v = 0; v < LORA_COLS / 16; v++) acc[r][v] = _mm512_fmadd_ps(xv, bv[v], acc[r][v]);
