@@ -54,11 +54,12 @@ KINDS = ("int4", "int8")
 PEAK_GBPS = 4300.0
 STREAM_BYTES = 256 * 2**20
 FMA_MAX_ROWS = 4  # one-row programs re-read each weight tile per row: beyond a few rows the dot variant wins
+MMA_MAX_ROWS = 16  # the "mma" variant's tensor-core tile holds 16 activation rows
 
 
 def sweep(m: int, n: int, k: int, kind: str, sms: int) -> list[PackedConfig]:
-    """The default, then one-row FMA configs (M <= FMA_MAX_ROWS) and tensor-core configs, with
-    split-K aimed at 2, 4 or 8 programs per SM."""
+    """The default, then one-row FMA configs (M <= FMA_MAX_ROWS), weight-as-M tensor-core configs
+    (M <= MMA_MAX_ROWS) and activation-as-M ones, with split-K aimed at 1 to 8 programs per SM."""
     default = choose_packed_config(m, n, k, kind, sms, table_path="")
     k_tiles = -(-k // (128 if kind == "int4" else 64))
 
@@ -71,6 +72,19 @@ def sweep(m: int, n: int, k: int, kind: str, sms: int) -> list[PackedConfig]:
         configs += [
             PackedConfig("fma", 1, bn, split(1, bn, per_sm), 8 if bn == 256 else 4, 2)
             for bn, per_sm in ((64, 4), (128, 2), (128, 4), (128, 8), (256, 2), (256, 4), (256, 8))
+        ]
+    if m <= MMA_MAX_ROWS:
+        configs += [
+            PackedConfig("mma", 16, bn, split(16, bn, per_sm), warps, stages)
+            for bn, warps, per_sm, stages in (
+                (128, 4, 2, 2),
+                (128, 4, 4, 2),
+                (128, 4, 4, 3),
+                (256, 4, 1, 2),
+                (256, 4, 2, 2),
+                (256, 4, 4, 2),
+                (256, 8, 2, 2),
+            )
         ]
     block_m = min(64, max(16, 1 << (m - 1).bit_length()))
     configs += [
@@ -347,7 +361,11 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES_8B], choices=[s[0] for s in SHAPES_8B])
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument(
-        "--variants", nargs="*", default=["fma", "dot"], choices=["fma", "dot"], help="what the sweep times"
+        "--variants",
+        nargs="*",
+        default=["fma", "dot", "mma"],
+        choices=["fma", "dot", "mma"],
+        help="what the sweep times",
     )
     ap.add_argument(
         "--time-limit",

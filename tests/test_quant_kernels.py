@@ -199,7 +199,7 @@ def test_fp8_weights_are_rejected() -> None:
 
 # The packed layout and kernel (ember/kernels/quant_packed.py). Each case is (kind, group, zeros,
 # dtype, (M, N, K), config): M = 1, 3, 16 and 64, every group size the layout takes (16-multiples,
-# one that does not divide the tile, per-channel), odd N and K, split-K on and off, both variants.
+# one that does not divide the tile, per-channel), odd N and K, split-K on and off, every variant.
 PACKED_CASES = [
     ("int4", 128, True, torch.bfloat16, (1, 48, 256), PackedConfig("fma", 1, 16, 1, 4, 1)),
     ("int4", 32, True, torch.float32, (1, 33, 300), PackedConfig("fma", 1, 32, 3, 4, 1)),
@@ -211,6 +211,13 @@ PACKED_CASES = [
     ("int8", 32, False, torch.float32, (3, 17, 129), PackedConfig("fma", 1, 16, 1, 4, 1)),
     ("int8", 128, True, torch.float16, (16, 33, 200), PackedConfig("dot", 16, 32, 3, 4, 1)),
     ("int8", 64, True, torch.float32, (64, 20, 130), PackedConfig("dot", 64, 16, 1, 4, 1)),
+    ("int4", 128, True, torch.bfloat16, (1, 48, 256), PackedConfig("mma", 16, 16, 2, 4, 1)),
+    ("int4", 32, False, torch.float32, (3, 33, 300), PackedConfig("mma", 16, 32, 3, 4, 1)),
+    ("int4", PER_CHANNEL, True, torch.float16, (17, 20, 200), PackedConfig("mma", 16, 16, 1, 4, 1)),
+    ("int4", 64, True, torch.float16, (4, 130, 256), PackedConfig("mma", 16, 64, 2, 4, 2)),
+    ("int8", 64, True, torch.bfloat16, (2, 40, 256), PackedConfig("mma", 16, 64, 2, 4, 1)),
+    ("int4", 32, True, torch.bfloat16, (1, 200, 512), PackedConfig("mma", 16, 128, 2, 4, 2)),
+    ("int4", PER_CHANNEL, False, torch.bfloat16, (5, 300, 384), PackedConfig("mma", 16, 256, 3, 4, 2)),
     ("int8", 16, False, torch.float32, (1, 17, 72), None),
     ("int4", 128, True, torch.float32, (3, 40, 256), None),
 ]

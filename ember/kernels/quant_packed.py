@@ -25,9 +25,17 @@ the "fma" loop spends 5.4-5.6 instructions per int4 code (2.1 FFMA, 1.1-2 LOP3, 
 kernel's measured 0.44 TB/s; int8 codes cost about the same per code at twice the bytes, so int8
 can reach bandwidth.
 
-Two variants read the layout. "fma": one activation row per program, products on the FMA units into
+Three variants read the layout. "fma": one activation row per program, products on the FMA units into
 a [BLOCK_N, SLOT] accumulator that is reduced across K once, at the end; for one or a few rows.
 "dot": a tensor-core tl.dot per code slot (K = SLOT = 16, tl.dot's minimum) over BLOCK_M >= 16 rows.
+"mma": the same products with the operands swapped, the weight tile as the tensor cores' M side (an
+output row per MMA row) and up to 16 activation rows as their N side, so that on Hopper the decoded
+codes feed wgmma straight from registers (the "dot" variant's weight operand goes through shared memory).
+Its int4 codes become bf16 (or fp16) pairs in PTX (`_int4_pairs_asm`): two words' fields, byte-permuted
+so that inputs k and k + 1 share a 32-bit register as the MMA wants them, each OR-ed into the mantissa of
+128.0 (fp16: 1024.0), one PRMT, SHF or LOP3 a code, 128 + u exactly; the zero term takes the 128 off
+through the activations' sums. Compiled for sm_90 (Triton 3.9), gate_up's K loop at BLOCK_N = 128 runs
+414 instructions a thread per 128 codes, 3.2 a code against the "fma" loop's 5.4 (2.5 at BLOCK_N = 256).
 With split-K each program writes an fp32 partial; the last program of an output tile to finish (an
 atomic counter, reset by that program so CUDA graph replays find it zero) sums the partials in
 split order: deterministic, and no second kernel launch. Configs per (kind, N, K, M) come from the
@@ -59,6 +67,8 @@ _PACK_ROWS = 4096  # output rows packed at a time, bounding the int64 scratch to
 _MAX_SPLIT_K = 32
 _PROGRAMS_PER_SM = 4  # what the default split aims for: enough loads in flight to cover HBM latency
 _DEQUANT_BLOCK_N = 64
+FMA, DOT, MMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the variants, as the kernel's MODE
+_MODES = {"fma": FMA, "dot": DOT, "mma": MMA}
 CONFIG_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_packed_configs.json")
 
 
@@ -135,7 +145,7 @@ def pack_weight(w: QuantizedWeight) -> PackedQuantWeight:
 
 
 class PackedConfig(NamedTuple):
-    variant: str  # "fma" (block_m 1) or "dot" (block_m >= 16)
+    variant: str  # "fma" (block_m 1), "dot" or "mma" (block_m >= 16)
     block_m: int
     block_n: int
     split_k: int
@@ -189,10 +199,123 @@ def _code(words, I: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr):
     return field.to(tl.float32, bitcast=True) * (2.0**-SHIFT) - (2.0 ** (23 - SHIFT) + BIAS)
 
 
+def _int4_pairs_asm(magic: int) -> str:
+    """PTX for two int32 words (codes of inputs k and k + 1 of one output row, as the tensor cores pair them)
+    to eight 16-bit float pairs, field i of both words in pair i: each 16-bit half of a byte permutation,
+    masked to one field and OR-ed into the mantissa of `magic` (128.0 in bf16, 1024.0 in fp16), reads as
+    magic + u, exactly. One PRMT, SHF or LOP3 a code."""
+    lines = ["prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for half, base in (("lo", 0), ("hi", 4)):
+        for i in range(4):
+            src = half if i == 0 else "t"
+            if i:
+                lines.append(f"shr.u32 t, {half}, {4 * i};")
+            lines.append(f"lop3.b32 ${base + i}, {src}, 0x000F000F, {magic:#010x}, 0xEA;")
+    return "{\n.reg .b32 lo, hi, t;\n" + "\n".join(lines) + "\n}"
+
+
+# Per activation dtype: the value int4 codes carry into the "mma" variant's tensor cores, and the PTX that
+# gives it (fp32 activations take plain Triton ops, with 128)
+_INT4_PAIRS = {torch.bfloat16: (128, _int4_pairs_asm(0x43004300)), torch.float16: (1024, _int4_pairs_asm(0x64006400))}
+
+
 @triton.jit
-def _per_n(a, v, USE_DOT: tl.constexpr):
-    """a times v[n] along its output-column axis (1 for "dot" [M, N], 0 for "fma" [N, SLOT])."""
-    if USE_DOT:
+def _biased_field(words, I: tl.constexpr, OFFSET: tl.constexpr):
+    """Field I of every int4 word plus OFFSET, as fp32: what the PTX gives, where it cannot run."""
+    return ((words >> (4 * I)) & 15).to(tl.float32) + OFFSET
+
+
+@triton.jit
+def _asm_pairs(words, ASM: tl.constexpr, BF16: tl.constexpr):
+    """The PTX's eight outputs (tl.inline_asm_elementwise takes its dtypes written out, not as arguments)."""
+    if BF16:
+        codes = tl.inline_asm_elementwise(
+            ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+            [words],
+            dtype=(
+                tl.bfloat16,
+                tl.bfloat16,
+                tl.bfloat16,
+                tl.bfloat16,
+                tl.bfloat16,
+                tl.bfloat16,
+                tl.bfloat16,
+                tl.bfloat16,
+            ),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        codes = tl.inline_asm_elementwise(
+            ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+            [words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    return codes
+
+
+@triton.jit
+def _tile_codes(
+    words, BITS: tl.constexpr, BIAS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr, DOT_DTYPE: tl.constexpr
+):
+    """A tile's code slots for the "mma" variant, a tuple of [BLOCK_N, SLOT] tensors: int4 slots as OFFSET + u
+    (in DOT_DTYPE through the PTX `ASM` where given, else fp32), int8 slots as their codes."""
+    if BITS == 4:
+        if ASM != "":
+            codes = _asm_pairs(words, ASM, DOT_DTYPE == tl.bfloat16)
+        else:
+            codes = (
+                _biased_field(words, 0, OFFSET),
+                _biased_field(words, 1, OFFSET),
+                _biased_field(words, 2, OFFSET),
+                _biased_field(words, 3, OFFSET),
+                _biased_field(words, 4, OFFSET),
+                _biased_field(words, 5, OFFSET),
+                _biased_field(words, 6, OFFSET),
+                _biased_field(words, 7, OFFSET),
+            )
+    else:
+        codes = (
+            _code(words, 0, BITS, BIAS),
+            _code(words, 1, BITS, BIAS),
+            _code(words, 2, BITS, BIAS),
+            _code(words, 3, BITS, BIAS),
+        )
+    return codes
+
+
+@triton.jit
+def _row_sums(x_ptr, offs_m, m_mask, k0, K, stride_xm, WIDTH: tl.constexpr, EVEN_K: tl.constexpr):
+    """sum over x[m, k0:k0 + WIDTH] per activation row ([BLOCK_M], fp32): the "mma" variant's zero-term factor."""
+    offs_k = k0 + tl.arange(0, WIDTH)
+    ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    if EVEN_K:
+        x = tl.load(ptrs, mask=m_mask[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    return tl.sum(x.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _zero_term(x_sum, scale, z_ptrs, n_mask, HAS_ZEROS: tl.constexpr, OFFSET: tl.constexpr, MODE: tl.constexpr):
+    """x_sum times each column's zero, less OFFSET scales (the "mma" variant's codes carry OFFSET)."""
+    if HAS_ZEROS:
+        zero = tl.load(z_ptrs, mask=n_mask, other=0.0)
+        if OFFSET != 0:
+            zero -= OFFSET * scale
+    else:
+        zero = -OFFSET * scale
+    return _outer(x_sum, zero, MODE)
+
+
+@triton.jit
+def _per_n(a, v, MODE: tl.constexpr):
+    """a times v[n] along its output-column axis (1 for "dot" [M, N], 0 for "fma" [N, SLOT] and "mma" [N, M])."""
+    if MODE == DOT:
         out = a * v[None, :]
     else:
         out = a * v[:, None]
@@ -200,11 +323,13 @@ def _per_n(a, v, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _outer(x, v, USE_DOT: tl.constexpr):
-    """x (activation sums per row, [BLOCK_M, BLOCK_N], or per lane, [SLOT]) times v[n], shaped like
-    the accumulator."""
-    if USE_DOT:
+def _outer(x, v, MODE: tl.constexpr):
+    """x (activation sums per row, [BLOCK_M, BLOCK_N] for "dot", [BLOCK_M] for "mma", or per lane, [SLOT])
+    times v[n], shaped like the accumulator."""
+    if MODE == DOT:
         out = x * v[None, :]
+    elif MODE == MMA:
+        out = x[None, :] * v[:, None]
     else:
         out = v[:, None] * x[None, :]
     return out
@@ -215,6 +340,7 @@ def _slots(
     part,
     x_sum,
     words,
+    codes,
     x_ptr,
     offs_m,
     m_mask,
@@ -228,20 +354,22 @@ def _slots(
     BITS: tl.constexpr,
     BIAS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    MODE: tl.constexpr,
     EVEN_K: tl.constexpr,
     SLOT_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Add code slots FIRST.. FIRST + COUNT of tile t, unscaled, to `part` ([BLOCK_N, SLOT_K] per-lane
-    products for "fma", [BLOCK_M, BLOCK_N] for "dot"), and their activations to `x_sum` (the zero
-    term's factor, [SLOT_K] per lane or [BLOCK_M, BLOCK_N] per row; with HAS_ZEROS only)."""
+    products for "fma", [BLOCK_M, BLOCK_N] for "dot", [BLOCK_N, BLOCK_M] for "mma"), and their activations
+    to `x_sum` (the zero term's factor, [SLOT_K] per lane or per row, shaped like `part`; with HAS_ZEROS
+    only)."""
     TILE_K: tl.constexpr = 32 // BITS * SLOT_K
     for e in tl.static_range(COUNT):
         offs_k = t * TILE_K + (FIRST + e) * SLOT_K + offs_j
-        q = _code(words, FIRST + e, BITS, BIAS)
-        if USE_DOT:
+        if MODE != MMA:
+            q = _code(words, FIRST + e, BITS, BIAS)
+        if MODE == DOT:
             x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
             if EVEN_K:
                 x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
@@ -251,6 +379,13 @@ def _slots(
             if HAS_ZEROS:  # row sums, already broadcast over N, from the tensor cores rather than shuffles
                 ones = tl.full([SLOT_K, part.shape[1]], 1.0, DOT_DTYPE)
                 x_sum = tl.dot(x.to(DOT_DTYPE), ones, x_sum, input_precision=PRECISION)
+        elif MODE == MMA:  # the tensor cores' M is the weight's N; x_sum is the caller's (_row_sums)
+            x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=m_mask[None, :] & (offs_k[:, None] < K), other=0.0)
+            part = tl.dot(codes[FIRST + e].to(DOT_DTYPE), x.to(DOT_DTYPE), part, input_precision=PRECISION)
         else:
             if EVEN_K:
                 x = tl.load(x_ptr + row * stride_xm + offs_k).to(tl.float32)
@@ -289,7 +424,10 @@ def _packed_matmul_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    MODE: tl.constexpr,
+    ASM: tl.constexpr,
+    OFFSET: tl.constexpr,
+    SUMS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -309,16 +447,19 @@ def _packed_matmul_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     row = pid_m.to(tl.int64)  # the "fma" variant's one activation row
-    if USE_DOT:
+    if MODE == DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         x_total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    elif MODE == MMA:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        x_total = tl.zeros([BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, SLOT_K], tl.float32)
         x_total = tl.zeros([SLOT_K], tl.float32)
     t_start = pid_k * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
     word_ptrs = q_ptr + offs_n[:, None].to(tl.int64) * row_words + offs_j[None, :]
-    if not USE_DOT:
+    if MODE == FMA:
         # The FMA variant loads each tile's words one iteration ahead, so two loads per program are in
         # flight: its loads feed no tl.dot, so Triton's pipeliner leaves them alone. (Compiled for
         # sm_90: 128 registers against 96, 5.4 instructions per int4 code either way.) Two or three
@@ -327,17 +468,22 @@ def _packed_matmul_kernel(
         # quant-gemm-int4-m1-h200-2026-12-07.json).
         next_words = tl.load(word_ptrs + t_start * SLOT_K, mask=n_mask[:, None], other=0)
     for t in range(t_start, t_end):
-        if USE_DOT:
+        if MODE != FMA:
             words = tl.load(word_ptrs + t * SLOT_K, mask=n_mask[:, None], other=0)
         else:
             words = next_words
             # (the last iteration reloads its own tile, which is in cache, rather than masking)
             next_words = tl.load(word_ptrs + tl.minimum(t + 1, t_end - 1) * SLOT_K, mask=n_mask[:, None], other=0)
+        if MODE == MMA:
+            codes = _tile_codes(words, BITS, BIAS, ASM, OFFSET, DOT_DTYPE)
+        else:
+            codes = words
         if ONE_GROUP:
             acc, x_total = _slots(
                 acc,
                 x_total,
                 words,
+                codes,
                 x_ptr,
                 offs_m,
                 m_mask,
@@ -351,18 +497,21 @@ def _packed_matmul_kernel(
                 BITS,
                 BIAS,
                 HAS_ZEROS,
-                USE_DOT,
+                MODE,
                 EVEN_K,
                 SLOT_K,
                 DOT_DTYPE,
                 PRECISION,
             )
+            if MODE == MMA and SUMS:
+                x_total += _row_sums(x_ptr, offs_m, m_mask, t * TILE_K, K, stride_xm, TILE_K, EVEN_K)
         else:
             for b in tl.static_range(PER_WORD // SLOTS_PER_GROUP):
                 part, x_sum = _slots(
                     tl.zeros_like(acc),
                     tl.zeros_like(x_total),
                     words,
+                    codes,
                     x_ptr,
                     offs_m,
                     m_mask,
@@ -376,23 +525,30 @@ def _packed_matmul_kernel(
                     BITS,
                     BIAS,
                     HAS_ZEROS,
-                    USE_DOT,
+                    MODE,
                     EVEN_K,
                     SLOT_K,
                     DOT_DTYPE,
                     PRECISION,
                 )
+                k0 = t * TILE_K + b * SLOTS_PER_GROUP * SLOT_K
+                if MODE == MMA and SUMS:
+                    x_sum = _row_sums(x_ptr, offs_m, m_mask, k0, K, stride_xm, SLOTS_PER_GROUP * SLOT_K, EVEN_K)
                 # A block wholly in K's padding has zero activations; clamping keeps its loads in bounds.
-                group = tl.minimum((t * TILE_K + b * SLOTS_PER_GROUP * SLOT_K) // GROUP, num_groups - 1)
-                acc += _per_n(part, tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0), USE_DOT)
-                if HAS_ZEROS:
-                    acc += _outer(x_sum, tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0), USE_DOT)
+                group = tl.minimum(k0 // GROUP, num_groups - 1)
+                scale = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
+                acc += _per_n(part, scale, MODE)
+                if SUMS:
+                    acc += _zero_term(x_sum, scale, z_ptr + group * N + offs_n, n_mask, HAS_ZEROS, OFFSET, MODE)
     if ONE_GROUP:
-        acc = _per_n(acc, tl.load(s_ptr + offs_n, mask=n_mask, other=0.0), USE_DOT)
-        if HAS_ZEROS:
-            acc += _outer(x_total, tl.load(z_ptr + offs_n, mask=n_mask, other=0.0), USE_DOT)
-    if USE_DOT:
+        scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+        acc = _per_n(acc, scale, MODE)
+        if SUMS:
+            acc += _zero_term(x_total, scale, z_ptr + offs_n, n_mask, HAS_ZEROS, OFFSET, MODE)
+    if MODE == DOT:
         result = acc
+    elif MODE == MMA:
+        result = tl.trans(acc)
     else:
         result = tl.sum(acc, axis=1)[None, :]
 
@@ -429,8 +585,10 @@ def packed_matmul(
     if m == 0 or n == 0:
         return out
     cfg = config or choose_packed_config(m, n, k, w.kind, num_sms(x.device))
-    if (cfg.variant == "fma") != (cfg.block_m == 1) or cfg.variant not in ("fma", "dot"):
-        raise ValueError(f"packed_matmul: config {cfg} must be 'fma' with block_m 1 or 'dot' with block_m >= 16")
+    if (cfg.variant == "fma") != (cfg.block_m == 1) or cfg.variant not in _MODES:
+        raise ValueError(
+            f"packed_matmul: config {cfg} must be 'fma' with block_m 1 or 'dot' or 'mma' with block_m >= 16"
+        )
     num_tiles = w.qweight.shape[1] // SLOT
     grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     tiles_per_split = triton.cdiv(num_tiles, max(1, cfg.split_k))
@@ -439,6 +597,11 @@ def packed_matmul(
         tiles_per_split, split_k = num_tiles, 1
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     zeros = w.zeros if w.zeros is not None else w.scales
+    # int4 codes reach the "mma" variant's tensor cores as offset + u (_tile_codes); the zero term takes it off
+    offset, asm = 0, ""
+    if cfg.variant == "mma" and w.kind == "int4":
+        offset, asm = _INT4_PAIRS.get(x.dtype, (128, ""))
+        asm = "" if triton.knobs.runtime.interpret else asm
     _packed_matmul_kernel[(grid_m, grid_n, split_k)](
         x,
         w.qweight,
@@ -465,7 +628,10 @@ def packed_matmul(
         HAS_ZEROS=w.zeros is not None,
         HAS_BIAS=bias is not None,
         SPLIT=split_k > 1,
-        USE_DOT=cfg.variant == "dot",
+        MODE=_MODES[cfg.variant],
+        ASM=asm,
+        OFFSET=offset,
+        SUMS=w.zeros is not None or offset != 0,
         EVEN_K=k % w.tile_k == 0,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
