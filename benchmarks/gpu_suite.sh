@@ -5,6 +5,9 @@
 #   kernels      kernel tests (sliding window and soft cap too) compiled on the GPU (small shapes), then
 #                quantized GEMM at full size
 #   quantgemm    benchmarks/quant_gemm.py: fused vs dequantize+cuBLAS vs fp8 per batch size
+#   int4mma      the packed kernel's "mma" variant: its GPU kernel tests, the int4 batch-1 TPOT (8B) with the
+#                committed config table, the int4 sweep over M = 1..16 (fma / dot / mma) merged into the table,
+#                then the TPOT again with it; the retuned table comes back in $OUT
 #   smoke        benchmarks/quality.py on CUDA: every quantization mode and fp8 KV (4-layer default model)
 #   equality     HF equality tests on CUDA (float32)
 #   tput         offline throughput, Qwen3-0.6B shape, with HF continuous batching on 64 of the requests
@@ -67,6 +70,15 @@ stage_kernels() {
     tests/test_sliding_window_kernels.py ${KTESTS:+-k "$KTESTS"} 2>&1 | tail -8 | tee "$OUT/kernels-cuda-$D.log"
   EMBER_KERNEL_TEST_FULL=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 \
     | tail -3 | tee "$OUT/quant-kernels-full-cuda-$D.log"
+}
+stage_int4mma() {
+  timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_quant_kernels.py -k packed 2>&1 | tail -8 \
+    | tee "$OUT/kernels-packed-cuda-$D.log"
+  lat --quantization int4 --out "$OUT/latency-llama-3.1-8b-int4-before-cuda-$D.json"
+  timeout 240 python3 benchmarks/quant_gemm.py --rows 1 2 4 8 16 --kinds int4 --time-limit 150 \
+    --out "$OUT/quant-gemm-int4-m16-cuda-$D.json" 2>&1 | grep -v "done (" | tail -24
+  lat --quantization int4 --out "$OUT/latency-llama-3.1-8b-int4-cuda-$D.json"
+  cp ember/kernels/quant_packed_configs.json "$OUT/quant-packed-configs-cuda-$D.json"
 }
 stage_quantgemm() { timeout 280 python3 benchmarks/quant_gemm.py --out "$OUT/quant-gemm-cuda-$D.json" 2>&1 | tail -80; }
 stage_smoke() {

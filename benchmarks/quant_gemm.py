@@ -5,13 +5,14 @@ times bf16 cuBLAS, the first fused kernel (quant_matmul), dequantize + cuBLAS (f
 and from the packed one) and the packed kernel (quant_packed) over a small sweep of configs, with
 int4 (group 128, zeros: `--quantization int4`) and int8 (per channel: `--quantization int8`) weights.
 Every config's output is checked against dequantize + a float32 product before it is timed. The
-fastest correct config per (kind, shape, M) is written to the table the packed kernel reads
-(ember/kernels/quant_packed_configs.json, and a copy beside --out).
+fastest correct config per (kind, shape, M) whose sweep ran whole is merged into the table the packed
+kernel reads (ember/kernels/quant_packed_configs.json, and a copy beside --out): the table's other
+entries stay, so a run over a few rows or one kind retunes those alone.
 
 Each timed call runs the matmul over enough copies of the weight to pass 256 MB, one after another
 (the way a decode step streams its layers), so the weights come from HBM rather than the 60 MB L2;
 GB/s counts the weight bytes read against the H200's 4.3 TB/s. One failing config is recorded and
-skipped; past --time-limit the remaining sweeps are skipped and the table holds what was measured.
+skipped; past --time-limit the remaining sweeps are skipped and their rows keep the table's entries.
 
     python benchmarks/quant_gemm.py --out benchmarks/results/quant-gemm-cuda-<date>.json
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import operator
 import os
 import shutil
 import sys
@@ -269,9 +272,11 @@ def run(args: argparse.Namespace, timer: Timer, write: Callable[[list[dict]], No
     if args.sweep:
         for m in sorted(set(args.rows) & set(ROWS)):
             for case in cases:
+                skipped = timer.skipped
                 for cfg in sweep(m, case.n, case.k, case.kind, sms)[1:]:
                     if cfg.variant in args.variants:
                         time_config(case, m, cfg, force=False)
+                rows[case.name, case.kind, m]["swept"] = timer.skipped == skipped
             results = collect(cases, args.rows, rows, timed)
             write(results)
             print(f"sweep: M={m} done ({time.monotonic() - timer.start:.0f} s)", flush=True)
@@ -292,6 +297,7 @@ def collect(cases: list[Case], ms: list[int], rows: dict, timed: dict) -> list[d
                     "m": m,
                     "kind": case.kind,
                     "packed_weight_bytes": case.packed_bytes,
+                    "swept": rows[key].get("swept", False),
                     "us": {c: None if v is None else round(v, 2) for c, v in rows[key]["us"].items()},
                     "packed_best": None if best is None else {"us": round(best[0], 2), "config": best[1]._asdict()},
                     "configs_timed": [{"us": round(t, 2), "config": c._asdict()} for t, c in timed[key]],
@@ -330,8 +336,25 @@ def table_entries(results: list[dict]) -> list[dict]:
             "config": r["packed_best"]["config"],
         }
         for r in results
-        if r["packed_best"] is not None and r["m"] in ROWS
+        if r["packed_best"] is not None and r["swept"]
     ]
+
+
+def merged_table(path: str, table: dict) -> dict:
+    """`table` over the entries of the one at `path` (if any): an entry this run measured replaces the old
+    one of its (kind, N, K, M); the others stay, with the device that measured them named."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return table
+    key = operator.itemgetter("kind", "n", "k", "m")
+    new_keys = {key(e) for e in table["entries"]}
+    kept = [e for e in old.get("entries", []) if key(e) not in new_keys]
+    if not kept:
+        return table
+    devices = list(dict.fromkeys([*old.get("device", "").split("; "), table["device"]]))
+    return {**table, "device": "; ".join(d for d in devices if d), "entries": sorted(kept + table["entries"], key=key)}
 
 
 def summary(results: list[dict]) -> dict:
@@ -404,7 +427,7 @@ def main() -> None:
             },
         )
         if args.table:
-            write_json(args.table, table)
+            write_json(args.table, merged_table(args.table, table))
             beside = os.path.join(os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.table))
             if beside != os.path.abspath(args.table):
                 shutil.copyfile(args.table, beside)
