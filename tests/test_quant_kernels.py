@@ -32,6 +32,7 @@ from ember.kernels import (
     quant_matmul_ref,
 )
 from ember.kernels.quant_packed import (
+    _INT4_PAIRS,
     PackedConfig,
     choose_packed_config,
     dequantize_packed,
@@ -229,6 +230,46 @@ def _packed_id(case: tuple) -> str:
     return (
         f"{kind}-g{group or 'K'}-{'zeros' if zeros else 'sym'}-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-{variant}"
     )
+
+
+def _run_ptx(asm: str, a: int, b: int) -> list[int]:
+    """The "mma" variant's int4 PTX on two 32-bit words, instruction by instruction: prmt.b32 (default
+    mode), lop3.b32, shr.u32, as the PTX ISA defines them; returns $0..$7."""
+    regs = {"$8": a, "$9": b}
+    val = lambda x: regs[x] if x in regs else int(x, 0)  # noqa: E731
+    for line in asm.split("\n"):
+        op, _, rest = line.strip().rstrip(";").partition(" ")
+        args = [x.strip() for x in rest.split(",")]
+        if op == "prmt.b32":
+            pool = val(args[1]) | val(args[2]) << 32
+            sel = val(args[3])
+            regs[args[0]] = sum(((pool >> 8 * (sel >> 4 * i & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif op == "lop3.b32":
+            x, y, z, lut = (val(v) for v in args[1:])
+            regs[args[0]] = sum(
+                ((lut >> ((x >> i & 1) << 2 | (y >> i & 1) << 1 | (z >> i & 1))) & 1) << i for i in range(32)
+            )
+        elif op == "shr.u32":
+            regs[args[0]] = val(args[1]) >> val(args[2])
+        else:
+            assert op in ("{", ".reg", "}"), op
+    return [regs[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("dtype", sorted(_INT4_PAIRS, key=str))
+def test_int4_pairs_ptx_gives_offset_plus_code(dtype: torch.dtype) -> None:
+    """The inline PTX runs only on a GPU; its logic is checked here. Output i of two words holds field i
+    of the first word in its low half and of the second in its high half, each as the 16-bit float
+    offset + u, exactly, for every code value in every field."""
+    offset, asm = _INT4_PAIRS[dtype]
+    rng = np.random.default_rng(7)
+    words = [0, 0xFFFFFFFF, 0x76543210, 0x89ABCDEF, *map(int, rng.integers(0, 2**32, 12, dtype=np.uint64))]
+    for a, b in zip(words, words[1:] + words[:1]):
+        out = _run_ptx(asm, a, b)
+        halves = torch.tensor([[o & 0xFFFF, o >> 16] for o in out], dtype=torch.int32).to(torch.int16)
+        got = halves.view(dtype).float()
+        fields = torch.tensor([[a >> 4 * i & 15, b >> 4 * i & 15] for i in range(8)], dtype=torch.float32)
+        assert torch.equal(got, fields + offset), (hex(a), hex(b))
 
 
 @pytest.mark.skipif(FULL, reason="tiny ragged shapes: the FULL run covers serving sizes")
