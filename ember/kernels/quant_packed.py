@@ -361,9 +361,9 @@ def _slots(
     PRECISION: tl.constexpr,
 ):
     """Add code slots FIRST.. FIRST + COUNT of tile t, unscaled, to `part` ([BLOCK_N, SLOT_K] per-lane
-    products for "fma", [BLOCK_M, BLOCK_N] for "dot", [BLOCK_N, BLOCK_M] for "mma"), and their activations
-    to `x_sum` (the zero term's factor, [SLOT_K] per lane or per row, shaped like `part`; with HAS_ZEROS
-    only)."""
+    products for "fma", [BLOCK_M, BLOCK_N] for "dot", [BLOCK_N, BLOCK_M] for "mma"), and, with HAS_ZEROS,
+    their activations to `x_sum` (the zero term's factor: [SLOT_K] per lane for "fma", [BLOCK_M, BLOCK_N]
+    per row for "dot"; "mma" leaves it to its caller, which sums the rows once a group with _row_sums)."""
     TILE_K: tl.constexpr = 32 // BITS * SLOT_K
     for e in tl.static_range(COUNT):
         offs_k = t * TILE_K + (FIRST + e) * SLOT_K + offs_j
