@@ -220,12 +220,6 @@ _INT4_PAIRS = {torch.bfloat16: (128, _int4_pairs_asm(0x43004300)), torch.float16
 
 
 @triton.jit
-def _biased_field(words, I: tl.constexpr, OFFSET: tl.constexpr):
-    """Field I of every int4 word plus OFFSET, as fp32: what the PTX gives, where it cannot run."""
-    return ((words >> (4 * I)) & 15).to(tl.float32) + OFFSET
-
-
-@triton.jit
 def _asm_pairs(words, ASM: tl.constexpr, BF16: tl.constexpr):
     """The PTX's eight outputs (tl.inline_asm_elementwise takes its dtypes written out, not as arguments)."""
     if BF16:
@@ -263,20 +257,21 @@ def _tile_codes(
     words, BITS: tl.constexpr, BIAS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr, DOT_DTYPE: tl.constexpr
 ):
     """A tile's code slots for the "mma" variant, a tuple of [BLOCK_N, SLOT] tensors: int4 slots as OFFSET + u
-    (in DOT_DTYPE through the PTX `ASM` where given, else fp32), int8 slots as their codes."""
+    (in DOT_DTYPE through the PTX `ASM` where given, else fp32 through _code with the offset in its bias, the
+    same values), int8 slots as their codes."""
     if BITS == 4:
         if ASM != "":
             codes = _asm_pairs(words, ASM, DOT_DTYPE == tl.bfloat16)
         else:
             codes = (
-                _biased_field(words, 0, OFFSET),
-                _biased_field(words, 1, OFFSET),
-                _biased_field(words, 2, OFFSET),
-                _biased_field(words, 3, OFFSET),
-                _biased_field(words, 4, OFFSET),
-                _biased_field(words, 5, OFFSET),
-                _biased_field(words, 6, OFFSET),
-                _biased_field(words, 7, OFFSET),
+                _code(words, 0, BITS, BIAS - OFFSET),
+                _code(words, 1, BITS, BIAS - OFFSET),
+                _code(words, 2, BITS, BIAS - OFFSET),
+                _code(words, 3, BITS, BIAS - OFFSET),
+                _code(words, 4, BITS, BIAS - OFFSET),
+                _code(words, 5, BITS, BIAS - OFFSET),
+                _code(words, 6, BITS, BIAS - OFFSET),
+                _code(words, 7, BITS, BIAS - OFFSET),
             )
     else:
         codes = (
